@@ -1,0 +1,647 @@
+"""Shared data preparation for TL;DR, Anthropic HH and the built-in synthetic task.
+
+    python data/prepare.py --task synthetic --output_dir artifacts/synthetic      # built-in task
+    python data/prepare.py --task tldr --output_dir data/processed/tldr            # the paper's data
+    python data/prepare.py --task hh --output_dir data/processed/hh                # Anthropic HH
+
+It writes processed `DatasetDict`s (`save_to_disk`) whose columns follow the reference
+implementation, so every training script reads TL;DR, HH and the synthetic task alike:
+
+    <output_dir>/sft/          train / validation / test      (SFT, PPO prompts)
+    <output_dir>/preference/   train / validation / validation_cnndm   (RM, DPO, ILQL)
+    <output_dir>/plots/        token-length histograms (Figures 9-10 of the paper)
+    <output_dir>/prep_summary.json
+
+Details of the paper implemented here (seeds/003): 1 (policies, batch, split, confidence kept),
+2 (paragraph truncation), 3 (" " + response + EOS, [PAD] != EOS), 4 (SFT and preference
+responses have different lengths), 5 (queries left-padded, query+response right-padded),
+6 (the validation split keeps its CNN/DM part apart).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import tyro
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
+TLDR_FORMAT = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"  # no trailing space (Detail 2)
+CNNDM_FORMAT = "Article:\n{article}\n\nTL;DR:\n"
+
+
+@dataclass
+class Args:
+    task: Literal["tldr", "hh", "synthetic"] = "tldr"
+    """which data set to prepare"""
+    output_dir: str = "data/processed/tldr"
+    """where the processed DatasetDicts, plots and summary go"""
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """model whose tokenizer tokenizes the data (for --task synthetic the tokenizer is trained here)"""
+    sft_data: Optional[str] = None
+    """local folder with `<split>.jsonl` / `<split>.parquet` files in the schema of
+    `vwxyzjn/summarize_from_feedback_tldr_3_filtered`; None = load that hub dataset"""
+    preference_data: Optional[str] = None
+    """local folder with `<split>.jsonl` / `.parquet` files in the schema of `openai/summarize_from_feedback`
+    (config `comparisons`); None = load that hub dataset"""
+    hh_data: Optional[str] = None
+    """local folder with `<split>.jsonl` / `.parquet` files in the schema of `Anthropic/hh-rlhf`; None = hub"""
+    sft_dataset_name: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
+    """hub name of the SFT data (TL;DR)"""
+    preference_dataset_name: str = "openai/summarize_from_feedback"
+    """hub name of the preference data (TL;DR), config `comparisons`"""
+    hh_dataset_name: str = "Anthropic/hh-rlhf"
+    """hub name of the HH data"""
+    truncation: Literal["paragraph", "token"] = "paragraph"
+    """Detail 2: `paragraph` cuts the post at its last newline until the query fits; `token` cuts the
+    post's tokens at the limit, mid-sentence (the ablation)"""
+    pad_token: Literal["pad", "eos"] = "pad"
+    """Detail 3: `pad` adds a dedicated [PAD] token; `eos` reuses EOS as the pad (the common practice,
+    which masks EOS out of the SFT labels; for ablation only)"""
+    query_length: Optional[int] = None
+    """Detail 5: queries are left-padded to this many tokens (None = the task's: tldr 512, hh 512, synthetic 128)"""
+    sft_response_length: Optional[int] = None
+    """Detail 4: SFT reference responses (with EOS) fit in this many tokens (None = tldr 53, hh 256, synthetic 24);
+    TL;DR query+response = 562"""
+    rm_response_length: Optional[int] = None
+    """Detail 4: preference responses (with EOS) fit in this many tokens (None = tldr 169, hh 256, synthetic 32);
+    TL;DR query+response = 638"""
+    cnndm_query_length: Optional[int] = None
+    """query length of the CNN/DM validation rows (None = 1866, so query+response = 2021; synthetic 192)"""
+    cnndm_response_length: Optional[int] = None
+    """response length of the CNN/DM validation rows (None = 155; synthetic 32)"""
+    long_response_policy: Literal["drop", "error"] = "drop"
+    """a response longer than its length: `drop` the row (counted and printed) or stop with an error.
+    Responses are never cut: a cut response would lose its EOS and teach the model not to stop"""
+    num_proc: Optional[int] = None
+    """processes for `datasets.map` (the hub data has ~200k rows)"""
+    plots: bool = True
+    """write token-length histograms (Figures 9-10)"""
+    push_to_hub: bool = False
+    """push the processed data sets to the hub"""
+    hf_entity: Optional[str] = None
+    """hub user or organisation for --push_to_hub"""
+    seed: int = 0
+    """seed of the synthetic generator, tokenizer and base model"""
+    synthetic_num_sft_train: int = 4000
+    """synthetic task: SFT training posts"""
+    synthetic_num_sft_eval: int = 400
+    """synthetic task: SFT validation and test posts (each)"""
+    synthetic_num_pref_train: int = 6000
+    """synthetic task: training comparisons"""
+    synthetic_num_pref_valid: int = 1000
+    """synthetic task: validation comparisons (30% of them pair policies never seen in train, Detail 6)"""
+    synthetic_num_cnndm: int = 60
+    """synthetic task: CNN/DM-style validation comparisons"""
+    synthetic_vocab_size: int = 1024
+    """synthetic task: BPE vocabulary size"""
+    synthetic_hidden_size: int = 128
+    """synthetic task: width of the tiny GPT-NeoX"""
+    synthetic_num_layers: int = 4
+    """synthetic task: depth of the tiny GPT-NeoX"""
+    synthetic_warmup_steps: int = 100
+    """synthetic task: language-model warm-up steps on raw post text, so the base model is 'pretrained'
+    (it knows the language and can copy phrases) before SFT, like Pythia; 0 = a random-init base"""
+
+
+# --------------------------------------------------------------------------------------------
+# Raw rows: hub or local files in the hub schema, checked field by field
+# --------------------------------------------------------------------------------------------
+def load_raw(local: Optional[str], hub_name: str, config: Optional[str] = None):
+    """A DatasetDict of raw rows from a local folder (`<split>.jsonl|parquet`) or the hub."""
+    from datasets import DatasetDict, load_dataset
+
+    if local is None:
+        return load_dataset(hub_name, config) if config else load_dataset(hub_name)
+    if not os.path.isdir(local):
+        raise FileNotFoundError(f"{local} is not a folder; pass a folder holding <split>.jsonl or <split>.parquet files")
+    data_files = {}
+    for name in sorted(os.listdir(local)):
+        stem, ext = os.path.splitext(name)
+        if ext in (".jsonl", ".json", ".parquet"):
+            data_files[stem] = os.path.join(local, name)
+    if not data_files:
+        raise FileNotFoundError(f"{local} holds no <split>.jsonl or <split>.parquet file")
+    out = {}
+    for split, path in data_files.items():
+        kind = "parquet" if path.endswith(".parquet") else "json"
+        out[split] = load_dataset(kind, data_files={split: path}, split=split)
+    return DatasetDict(out)
+
+
+def check_fields(row: dict, fields: dict, where: str) -> None:
+    """Raise a clear error naming the row and field when a required field is missing or mistyped."""
+    for field, kinds in fields.items():
+        if field not in row or row[field] is None:
+            raise ValueError(f"{where}: missing field {field!r}; every row needs {sorted(fields)}")
+        if not isinstance(row[field], kinds):
+            raise ValueError(f"{where}: field {field!r} must be {kinds}, got {type(row[field]).__name__}")
+        if isinstance(row[field], str) and not row[field].strip() and field not in ("title",):
+            raise ValueError(f"{where}: field {field!r} is empty; drop or fix this row in the source file")
+
+
+# --------------------------------------------------------------------------------------------
+# Detail 2: paragraph truncation; Detail 5: left-padded queries
+# --------------------------------------------------------------------------------------------
+def build_query(tokenizer, fields: dict, fmt: str, truncate_field: str, length: int, truncation: str,
+                row_id: str) -> tuple[str, list[int], bool]:
+    """Format a query and shorten `truncate_field` until it fits in `length` tokens.
+
+    Detail 2 (`paragraph`): cut the field at its last "\\n" (one character when it has none) and
+    re-tokenize, so the query stays coherent. The ablation (`token`) cuts the field's tokens at the
+    limit, mid-sentence. Returns (query, token ids, whether it was truncated)."""
+    fields = dict(fields)
+    text = fmt.format(**fields)
+    tokens = tokenizer.encode(text)
+    truncated = False
+    while len(tokens) > length:
+        truncated = True
+        body = fields[truncate_field]
+        if not body:
+            raise ValueError(
+                f"row {row_id}: the query is {len(tokens)} tokens even with an empty {truncate_field}; "
+                f"its other fields are longer than the query length {length}. Raise --query_length or drop the row."
+            )
+        if truncation == "paragraph":
+            cut = body.rfind("\n")
+            body = body[:cut] if cut >= 0 else body[:-1]
+        else:
+            body_tokens = tokenizer.encode(body)
+            body = tokenizer.decode(body_tokens[: max(0, len(body_tokens) - (len(tokens) - length))])
+        fields[truncate_field] = body.rstrip("\n") if truncation == "paragraph" else body
+        text = fmt.format(**fields)
+        tokens = tokenizer.encode(text)
+    return text, tokens, truncated
+
+
+def left_pad(tokens: list[int], length: int, pad_id: int) -> list[int]:
+    return [pad_id] * (length - len(tokens)) + tokens
+
+
+def right_pad(tokens: list[int], length: int, pad_id: int) -> list[int]:
+    return tokens + [pad_id] * (length - len(tokens))
+
+
+def response_tokens(tokenizer, text: str) -> list[int]:
+    """Detail 3: a response is " " + text + EOS (the query ends with "TL;DR:" and no space)."""
+    return tokenizer.encode(" " + text.strip()) + [tokenizer.eos_token_id]
+
+
+def process_sft_row(row: dict, tokenizer, args: Args, where: str) -> dict:
+    """One SFT row -> the processed columns (query left-padded, query+reference right-padded)."""
+    pad = tokenizer.pad_token_id
+    query, q_tokens, truncated = build_query(
+        tokenizer, {k: row[k] for k in ("subreddit", "title", "post")}, TLDR_FORMAT, "post",
+        args.query_length, args.truncation, where)
+    r_tokens = response_tokens(tokenizer, row["summary"])
+    too_long = len(r_tokens) > args.sft_response_length
+    if too_long and args.long_response_policy == "error":
+        raise ValueError(f"{where}: the reference response is {len(r_tokens)} tokens > --sft_response_length "
+                         f"{args.sft_response_length}; raise the length or use --long_response_policy drop")
+    r_tokens = r_tokens[: args.sft_response_length]  # only rows flagged too_long are affected, and they are dropped
+    total = args.query_length + args.sft_response_length
+    qr = q_tokens + r_tokens
+    return {
+        "query": query,
+        "query_token": left_pad(q_tokens, args.query_length, pad),
+        "query_token_len": len(q_tokens),
+        "query_truncated": truncated,
+        "reference_response": " " + row["summary"].strip(),
+        "reference_response_token": right_pad(r_tokens, args.sft_response_length, pad),
+        "reference_response_token_len": len(r_tokens),
+        "query_reference_response": query + " " + row["summary"].strip(),
+        "query_reference_response_token": right_pad(qr, total, pad),
+        "query_reference_response_token_response_label": right_pad([pad] * len(q_tokens) + r_tokens, total, pad),
+        "query_reference_response_token_len": len(qr),
+        "response_too_long": too_long,
+    }
+
+
+def process_preference_row(row: dict, tokenizer, args: Args, where: str) -> dict:
+    """One comparison row -> chosen/rejected columns (Detail 1 keeps policies, batch, split, confidence)."""
+    pad = tokenizer.pad_token_id
+    info = row["info"]
+    is_cnndm = row["batch"] in CNNDM_BATCHES
+    if is_cnndm:
+        check_fields(info, {"article": str}, f"{where} (info)")
+        query, q_tokens, truncated = build_query(
+            tokenizer, {"article": info["article"]}, CNNDM_FORMAT, "article", args.cnndm_query_length,
+            args.truncation, where)
+        q_len, r_len = args.cnndm_query_length, args.cnndm_response_length
+    else:
+        check_fields(info, {"post": str, "title": str, "subreddit": str}, f"{where} (info)")
+        query, q_tokens, truncated = build_query(
+            tokenizer, {k: info[k] for k in ("subreddit", "title", "post")}, TLDR_FORMAT, "post",
+            args.query_length, args.truncation, where)
+        q_len, r_len = args.query_length, args.rm_response_length
+    summaries = row["summaries"]
+    if len(summaries) != 2 or row["choice"] not in (0, 1):
+        raise ValueError(f"{where}: a comparison needs exactly 2 summaries and choice 0 or 1")
+    for i, s in enumerate(summaries):
+        if not isinstance(s.get("text"), str) or not s["text"].strip():
+            raise ValueError(f"{where}: summaries[{i}].text must be a non-empty string")
+    chosen, rejected = summaries[row["choice"]], summaries[1 - row["choice"]]
+    c_tokens, r_tokens = response_tokens(tokenizer, chosen["text"]), response_tokens(tokenizer, rejected["text"])
+    too_long = max(len(c_tokens), len(r_tokens)) > r_len
+    if too_long and args.long_response_policy == "error":
+        raise ValueError(f"{where}: a response is {max(len(c_tokens), len(r_tokens))} tokens > {r_len}; "
+                         "raise --rm_response_length or use --long_response_policy drop")
+    c_tokens, r_tokens = c_tokens[:r_len], r_tokens[:r_len]
+    total = q_len + r_len
+    confidence = (row.get("extra") or {}).get("confidence")
+    out = {
+        "query": query,
+        "query_token": left_pad(q_tokens, q_len, pad),
+        "query_token_len": len(q_tokens),
+        "query_truncated": truncated,
+        "chosen": " " + chosen["text"].strip(),
+        "chosen_token": right_pad(c_tokens, r_len, pad),
+        "chosen_token_len": len(c_tokens),
+        "rejected": " " + rejected["text"].strip(),
+        "rejected_token": right_pad(r_tokens, r_len, pad),
+        "rejected_token_len": len(r_tokens),
+        "chosen_policy": chosen.get("policy") or "",
+        "rejected_policy": rejected.get("policy") or "",
+        "confidence": int(confidence) if confidence is not None else -1,
+        "is_cnndm": is_cnndm,
+        "response_too_long": too_long,
+    }
+    for name, toks in (("chosen", c_tokens), ("rejected", r_tokens)):
+        out[f"query_{name}_token"] = right_pad(q_tokens + toks, total, pad)
+        out[f"query_{name}_token_len"] = len(q_tokens) + len(toks)
+        out[f"query_{name}_token_response_label"] = right_pad([pad] * len(q_tokens) + toks, total, pad)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# HH: split a dialogue into (query = everything through the last "\n\nAssistant:", response)
+# --------------------------------------------------------------------------------------------
+ASSISTANT, HUMAN = "\n\nAssistant:", "\n\nHuman:"
+
+
+def split_hh(chosen: str, rejected: str, where: str) -> tuple[str, str, str]:
+    """(query, chosen response, rejected response) of one HH pair. Both dialogues must share the prefix
+    through their last assistant turn; the responses are what follows it."""
+    c_cut, r_cut = chosen.rfind(ASSISTANT), rejected.rfind(ASSISTANT)
+    if c_cut < 0 or r_cut < 0:
+        raise ValueError(f"{where}: a dialogue has no '\\n\\nAssistant:' turn")
+    query = chosen[: c_cut + len(ASSISTANT)]
+    if rejected[: r_cut + len(ASSISTANT)] != query:
+        raise ValueError(f"{where}: chosen and rejected dialogues differ before their last assistant turn")
+    return query, chosen[c_cut + len(ASSISTANT):], rejected[r_cut + len(ASSISTANT):]
+
+
+def truncate_hh_query(tokenizer, query: str, length: int, where: str) -> tuple[str, list[int], bool]:
+    """The HH analogue of paragraph truncation: drop the oldest turns (a Human turn and the reply after
+    it) until the query fits; the last human turn is never dropped."""
+    tokens = tokenizer.encode(query)
+    truncated = False
+    while len(tokens) > length:
+        truncated = True
+        starts = [i for i in range(len(query)) if query.startswith(HUMAN, i)]
+        if len(starts) < 2:
+            raise ValueError(f"row {where}: the last human turn alone is {len(tokens)} tokens > query length "
+                             f"{length}; raise --query_length or drop the row")
+        query = query[starts[1]:]
+        tokens = tokenizer.encode(query)
+    return query, tokens, truncated
+
+
+def process_hh_row(row: dict, tokenizer, args: Args, where: str) -> dict:
+    check_fields(row, {"chosen": str, "rejected": str}, where)
+    query, chosen, rejected = split_hh(row["chosen"], row["rejected"], where)
+    query, q_tokens, truncated = truncate_hh_query(tokenizer, query, args.query_length, where)
+    fake = {  # the comparison schema, so one function builds the columns
+        "info": {"post": query, "title": "", "subreddit": ""},
+        "summaries": [{"text": chosen, "policy": "chosen"}, {"text": rejected, "policy": "rejected"}],
+        "choice": 0, "batch": "hh", "extra": {},
+    }
+    pad = tokenizer.pad_token_id
+    c_tokens, r_tokens = response_tokens(tokenizer, chosen), response_tokens(tokenizer, rejected)
+    r_len = args.rm_response_length
+    too_long = max(len(c_tokens), len(r_tokens)) > r_len
+    if too_long and args.long_response_policy == "error":
+        raise ValueError(f"{where}: a response is longer than --rm_response_length {r_len}")
+    c_tokens, r_tokens = c_tokens[:r_len], r_tokens[:r_len]
+    total = args.query_length + r_len
+    out = {
+        "query": query, "query_token": left_pad(q_tokens, args.query_length, pad), "query_token_len": len(q_tokens),
+        "query_truncated": truncated,
+        "chosen": " " + chosen.strip(), "chosen_token": right_pad(c_tokens, r_len, pad), "chosen_token_len": len(c_tokens),
+        "rejected": " " + rejected.strip(), "rejected_token": right_pad(r_tokens, r_len, pad),
+        "rejected_token_len": len(r_tokens), "chosen_policy": "chosen", "rejected_policy": "rejected",
+        "confidence": -1, "is_cnndm": False, "response_too_long": too_long,
+        "info": fake["info"], "summaries": fake["summaries"], "choice": 0, "batch": "hh", "split": "",
+        "worker": "", "extra": {"confidence": None},
+    }
+    for name, toks in (("chosen", c_tokens), ("rejected", r_tokens)):
+        out[f"query_{name}_token"] = right_pad(q_tokens + toks, total, pad)
+        out[f"query_{name}_token_len"] = len(q_tokens) + len(toks)
+        out[f"query_{name}_token_response_label"] = right_pad([pad] * len(q_tokens) + toks, total, pad)
+    return out
+
+
+def hh_sft_row(row: dict, tokenizer, args: Args, where: str) -> dict:
+    """SFT rows of HH come from the chosen dialogues: query + the chosen final reply."""
+    check_fields(row, {"chosen": str, "rejected": str}, where)
+    query, chosen, _ = split_hh(row["chosen"], row["rejected"], where)
+    query, q_tokens, truncated = truncate_hh_query(tokenizer, query, args.query_length, where)
+    pad = tokenizer.pad_token_id
+    r_tokens = response_tokens(tokenizer, chosen)
+    too_long = len(r_tokens) > args.sft_response_length
+    if too_long and args.long_response_policy == "error":
+        raise ValueError(f"{where}: the chosen reply is longer than --sft_response_length {args.sft_response_length}")
+    r_tokens = r_tokens[: args.sft_response_length]
+    total = args.query_length + args.sft_response_length
+    return {
+        "id": where, "subreddit": "", "title": "", "post": query, "summary": chosen.strip(),
+        "query": query, "query_token": left_pad(q_tokens, args.query_length, pad), "query_token_len": len(q_tokens),
+        "query_truncated": truncated,
+        "reference_response": " " + chosen.strip(),
+        "reference_response_token": right_pad(r_tokens, args.sft_response_length, pad),
+        "reference_response_token_len": len(r_tokens),
+        "query_reference_response": query + " " + chosen.strip(),
+        "query_reference_response_token": right_pad(q_tokens + r_tokens, total, pad),
+        "query_reference_response_token_response_label": right_pad([pad] * len(q_tokens) + r_tokens, total, pad),
+        "query_reference_response_token_len": len(q_tokens) + len(r_tokens),
+        "response_too_long": too_long,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+def load_tokenizer(args: Args):
+    """The tokenizer of --base_model with Detail 3's [PAD] (or EOS-as-pad for the ablation)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.base_model, trust_remote_code=False)
+    if args.pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token
+    elif tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Pythia ships no pad token
+    return tokenizer
+
+
+def map_rows(dataset, fn, tokenizer, args: Args, id_of, desc: str):
+    """Apply a row function with a progress bar; the row id goes into every error message."""
+    def wrapped(row, idx):
+        return fn(row, tokenizer, args, f"{desc} row {idx} (id {id_of(row, idx)})")
+    return dataset.map(wrapped, with_indices=True, num_proc=args.num_proc, desc=desc)
+
+
+def drop_long(dataset, name: str, report: dict):
+    n_long = sum(dataset["response_too_long"])
+    report[f"{name}_dropped_long_response"] = n_long
+    if n_long:
+        print(f"[prepare] {name}: dropped {n_long} rows whose response exceeds its length (--long_response_policy drop)")
+    return dataset.filter(lambda r: not r["response_too_long"]).remove_columns("response_too_long")
+
+
+def prepare_tldr(args: Args, tokenizer) -> dict:
+    from datasets import DatasetDict
+
+    report: dict = {}
+    raw_sft = load_raw(args.sft_data, args.sft_dataset_name)
+    sft = {}
+    for split, ds in raw_sft.items():
+        def check(row, idx, split=split):
+            check_fields(row, {"id": str, "subreddit": str, "title": str, "post": str, "summary": str},
+                         f"sft/{split} row {idx} (id {row.get('id')})")
+            return row
+        ds = ds.map(check, with_indices=True, desc=f"check sft/{split}")
+        ds = map_rows(ds, process_sft_row, tokenizer, args, lambda r, i: r["id"], f"sft/{split}")
+        report[f"sft/{split}_truncated_queries"] = int(sum(ds["query_truncated"]))
+        sft[split] = drop_long(ds, f"sft/{split}", report)
+    raw_pref = load_raw(args.preference_data, args.preference_dataset_name, "comparisons")
+    pref = {}
+    for split, ds in raw_pref.items():
+        def check(row, idx, split=split):
+            check_fields(row, {"info": dict, "summaries": list, "choice": int, "batch": str},
+                         f"preference/{split} row {idx}")
+            return row
+        ds = ds.map(check, with_indices=True, desc=f"check preference/{split}")
+        ds = map_rows(ds, process_preference_row, tokenizer, args, lambda r, i: r["info"].get("id"),
+                      f"preference/{split}")
+        ds = drop_long(ds, f"preference/{split}", report)
+        if split == "validation":  # Detail 6: keep the CNN/DM batches apart
+            pref["validation_cnndm"] = ds.filter(lambda r: r["is_cnndm"])
+            ds = ds.filter(lambda r: not r["is_cnndm"])
+        report[f"preference/{split}_truncated_queries"] = int(sum(ds["query_truncated"]))
+        pref[split] = ds
+    return {"sft": DatasetDict(sft), "preference": DatasetDict({k: v for k, v in pref.items() if len(v)}),
+            "report": report}
+
+
+def prepare_hh(args: Args, tokenizer) -> dict:
+    from datasets import DatasetDict
+
+    report: dict = {}
+    raw = load_raw(args.hh_data, args.hh_dataset_name)
+    sft, pref = {}, {}
+    for split, ds in raw.items():
+        name = "validation" if split == "test" else split
+        s = map_rows(ds, hh_sft_row, tokenizer, args, lambda r, i: i, f"hh-sft/{name}")
+        s = s.remove_columns([c for c in ds.column_names if c in ("chosen", "rejected")])
+        report[f"sft/{name}_truncated_queries"] = int(sum(s["query_truncated"]))
+        sft[name] = drop_long(s, f"sft/{name}", report)
+        p = ds.map(lambda r, i: process_hh_row(r, tokenizer, args, f"hh/{name} row {i}"), with_indices=True,
+                   remove_columns=ds.column_names, num_proc=args.num_proc, desc=f"hh/{name}")
+        report[f"preference/{name}_truncated_queries"] = int(sum(p["query_truncated"]))
+        pref[name] = drop_long(p, f"preference/{name}", report)
+    return {"sft": DatasetDict(sft), "preference": DatasetDict(pref), "report": report}
+
+
+def plot_lengths(result: dict, out_dir: str, args: Args) -> str:
+    """Figures 9-10: token lengths of SFT references and of chosen / rejected responses."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    sft_train = result["sft"]["train"]
+    axes[0].hist(sft_train["query_token_len"], bins=40, color="tab:gray")
+    axes[0].axvline(args.query_length, color="red", ls="--", label="query length")
+    axes[0].set(title="SFT train: query tokens", xlabel="tokens", ylabel="rows")
+    axes[1].hist(sft_train["reference_response_token_len"], bins=40, color="tab:blue")
+    axes[1].axvline(args.sft_response_length, color="red", ls="--", label="SFT response length")
+    axes[1].set(title="SFT train: reference response tokens (Detail 4)", xlabel="tokens")
+    pref = result["preference"]["train"]
+    axes[2].hist(pref["chosen_token_len"], bins=40, alpha=0.6, label="chosen")
+    axes[2].hist(pref["rejected_token_len"], bins=40, alpha=0.6, label="rejected")
+    axes[2].axvline(args.rm_response_length, color="red", ls="--", label="RM response length")
+    axes[2].set(title="preference train: response tokens (Detail 4)", xlabel="tokens")
+    for ax in axes:
+        ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, "plots", "token_lengths.png")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def build_synthetic(args: Args) -> dict:
+    """Raw rows + tokenizer + tiny (warmed-up) base model for the built-in task, then point the regular
+    TL;DR code path at them."""
+    from data import synthetic
+
+    raw_dir = os.path.join(args.output_dir, "raw")
+    info = synthetic.generate_raw(
+        raw_dir, seed=args.seed, num_sft_train=args.synthetic_num_sft_train, num_sft_eval=args.synthetic_num_sft_eval,
+        num_pref_train=args.synthetic_num_pref_train, num_pref_valid=args.synthetic_num_pref_valid,
+        num_cnndm=args.synthetic_num_cnndm)
+    texts = []
+    for name in ("sft/train.jsonl", "comparisons/train.jsonl"):
+        with open(os.path.join(raw_dir, name)) as f:
+            for line in f:
+                row = json.loads(line)
+                if "post" in row:
+                    texts.append(TLDR_FORMAT.format(**row) + " " + row["summary"])
+                else:
+                    texts.extend(" " + s["text"].strip() for s in row["summaries"])
+    tokenizer = synthetic.train_tokenizer(texts, vocab_size=args.synthetic_vocab_size)
+    if args.pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token
+    model = synthetic.build_base_model(len(tokenizer), hidden_size=args.synthetic_hidden_size,
+                                       num_layers=args.synthetic_num_layers, seed=args.seed)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if args.synthetic_warmup_steps > 0:
+        warmup_lm(model, tokenizer, texts, args.synthetic_warmup_steps, args.seed)
+    base_dir = os.path.join(args.output_dir, "base_model")
+    model.save_pretrained(base_dir, safe_serialization=True)
+    tokenizer.save_pretrained(base_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    args.sft_data = os.path.join(raw_dir, "sft")
+    args.preference_data = os.path.join(raw_dir, "comparisons")
+    args.base_model = base_dir
+    return {"ceiling": info["ceiling"], "raw_counts": info["counts"], "vocab_size": len(tokenizer),
+            "base_model_parameters": n_params}
+
+
+def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 16, seq_len: int = 128):
+    """A short next-token warm-up on packed raw text (posts, titles, summaries), the tiny stand-in for
+    Pythia's pre-training. It never sees the SFT format's EOS-terminated responses as targets."""
+    import random
+
+    import torch
+    from tqdm.auto import tqdm
+
+    rng = random.Random(seed)
+    stream: list[int] = []
+    order = list(range(len(texts)))
+    rng.shuffle(order)
+    for i in order:
+        stream.extend(tokenizer.encode(texts[i]))
+        stream.append(tokenizer.eos_token_id)  # documents are separated by <|endoftext|>, as in the Pile
+    data = torch.tensor(stream[: (len(stream) // seq_len) * seq_len]).view(-1, seq_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    bar = tqdm(range(steps), desc="base-model warm-up")
+    for _ in bar:
+        batch = data[torch.randint(0, data.size(0), (batch_size,), generator=gen)]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+
+
+TASK_LENGTHS = {  # query, SFT response, RM response, CNN/DM query, CNN/DM response
+    "tldr": (512, 53, 169, 1866, 155),
+    "hh": (512, 256, 256, 1866, 155),
+    "synthetic": (128, 24, 32, 192, 32),
+}
+
+
+def resolve_lengths(args: Args) -> None:
+    """Fill the lengths left at None with the task's defaults (the paper's for TL;DR)."""
+    names = ("query_length", "sft_response_length", "rm_response_length", "cnndm_query_length", "cnndm_response_length")
+    for name, default in zip(names, TASK_LENGTHS[args.task]):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
+def main(args: Args) -> dict:
+    t0 = time.time()
+    resolve_lengths(args)
+    os.makedirs(args.output_dir, exist_ok=True)
+    task_info: dict = {}
+    if args.task == "synthetic":
+        task_info = build_synthetic(args)
+    tokenizer = load_tokenizer(args)
+    if tokenizer.pad_token_id == tokenizer.eos_token_id and args.pad_token == "pad":
+        raise ValueError("the tokenizer's pad token equals EOS; Detail 3 needs a distinct [PAD]")
+    result = prepare_hh(args, tokenizer) if args.task == "hh" else prepare_tldr(args, tokenizer)
+    for name in ("sft", "preference"):
+        result[name].save_to_disk(os.path.join(args.output_dir, name))
+    report = result["report"]
+    summary = {
+        "task": args.task,
+        "rows": {f"{name}/{split}": len(ds) for name in ("sft", "preference") for split, ds in result[name].items()},
+        "max_lengths": {
+            "query_token_len": max(max(ds["query_token_len"]) for ds in result["sft"].values()),
+            "reference_response_token_len": max(max(ds["reference_response_token_len"]) for ds in result["sft"].values()),
+            "chosen_token_len": max(max(ds["chosen_token_len"]) for ds in result["preference"].values()),
+            "rejected_token_len": max(max(ds["rejected_token_len"]) for ds in result["preference"].values()),
+        },
+        "report": report,
+        "query_length": args.query_length,
+        "sft_response_length": args.sft_response_length,
+        "rm_response_length": args.rm_response_length,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "truncation": args.truncation,
+        **task_info,
+    }
+    if args.plots:
+        summary["plot"] = plot_lengths(result, args.output_dir, args)
+    summary["prep_seconds"] = round(time.time() - t0, 1)
+    with open(os.path.join(args.output_dir, "prep_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+        json.dump(asdict(args), f, indent=2)
+    if args.task == "synthetic":
+        task = {k: summary[k] for k in ("query_length", "sft_response_length", "rm_response_length")}
+        task["ceiling"] = summary["ceiling"]["validation"]
+        task["ceiling_by_split"] = summary["ceiling"]
+        with open(os.path.join(args.output_dir, "task.json"), "w") as f:  # written last: marks the task ready
+            json.dump(task, f, indent=2)
+    if args.push_to_hub:
+        prefix = f"{args.hf_entity}/" if args.hf_entity else ""
+        for name in ("sft", "preference"):
+            result[name].push_to_hub(f"{prefix}{args.task}_{name}_{int(t0)}")
+    print_summary(summary)
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    print(f"\n== prepared {summary['task']} in {summary['prep_seconds']} s ==")
+    for k, v in summary["rows"].items():
+        print(f"  rows {k:32s} {v}")
+    for k, v in summary["report"].items():
+        print(f"  {k:40s} {v}")
+    for k, v in summary["max_lengths"].items():
+        print(f"  max {k:36s} {v}")
+    if "ceiling" in summary:
+        print(f"  RM-accuracy ceiling (validation)         {summary['ceiling']['validation']:.3f}")
+        print(f"  tokenizer vocabulary                     {summary['vocab_size']}")
+        print(f"  base model parameters                    {summary['base_model_parameters']:,}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,218 @@
+"""Data prep (Details 1-6), the built-in task and its gold judge."""
+
+import json
+import os
+import random
+
+import pytest
+from datasets import load_from_disk
+from transformers import AutoTokenizer
+
+from data import prepare, synthetic
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "fixtures")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(synthetic_task):
+    return AutoTokenizer.from_pretrained(synthetic_task["base_model"])
+
+
+def run_prepare(tmp_path, tokenizer_path, **kw):
+    args = prepare.Args(task=kw.pop("task", "tldr"), output_dir=str(tmp_path / "out"), base_model=tokenizer_path,
+                        plots=False, **kw)
+    prepare.main(args)
+    return str(tmp_path / "out")
+
+
+# ---------------------------------------------------------------- Detail 2: paragraph truncation
+PARAGRAPHS = ["first paragraph holds my sister lost the keys.", "second paragraph is filler about the weather.",
+              "third paragraph is an edit with more filler text that goes on and on.",
+              "fourth paragraph keeps going with yet more words to push the length."]
+
+
+def test_paragraph_truncation_cuts_at_a_paragraph_boundary(tokenizer):
+    fields = {"subreddit": "tifu", "title": "a title", "post": "\n\n".join(PARAGRAPHS)}
+    full = len(tokenizer.encode(prepare.TLDR_FORMAT.format(**fields)))
+    limit = full - 5  # forces at least one cut
+    query, tokens, truncated = prepare.build_query(tokenizer, fields, prepare.TLDR_FORMAT, "post", limit,
+                                                   "paragraph", "t3_x")
+    assert truncated and len(tokens) <= limit
+    post = query.split("POST: ", 1)[1].rsplit("\n\nTL;DR:", 1)[0]
+    kept = post.split("\n\n")
+    assert kept == PARAGRAPHS[: len(kept)], "the post must keep whole paragraphs only"
+    assert len(kept) < len(PARAGRAPHS)
+    assert query.endswith("TL;DR:")  # no trailing space (Detail 2)
+
+
+def test_token_truncation_cuts_mid_paragraph(tokenizer):
+    fields = {"subreddit": "tifu", "title": "a title", "post": "\n\n".join(PARAGRAPHS)}
+    limit = len(tokenizer.encode(prepare.TLDR_FORMAT.format(**fields))) - 5
+    query, tokens, truncated = prepare.build_query(tokenizer, fields, prepare.TLDR_FORMAT, "post", limit,
+                                                   "token", "t3_x")
+    assert truncated and len(tokens) <= limit
+    post = query.split("POST: ", 1)[1].rsplit("\n\nTL;DR:", 1)[0]
+    assert post.split("\n\n")[-1] not in PARAGRAPHS, "token truncation should end mid-paragraph"
+
+
+def test_untruncatable_query_names_the_row(tokenizer):
+    fields = {"subreddit": "tifu", "title": "a very long title " * 40, "post": "short post"}
+    with pytest.raises(ValueError, match="t3_toolong"):
+        prepare.build_query(tokenizer, fields, prepare.TLDR_FORMAT, "post", 64, "paragraph", "row 0 (id t3_toolong)")
+
+
+# ---------------------------------------------------------------- Details 3 and 5: padding and EOS
+def test_padding_and_eos(synthetic_task):
+    tok = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    assert pad != eos
+    space = tok.encode(" my")[0]
+    ds = load_from_disk(synthetic_task["sft"])["train"]
+    q_len = synthetic_task["task"]["query_length"]
+    for row in ds.select(range(50)):
+        q = row["query_token"]
+        n = row["query_token_len"]
+        assert len(q) == q_len and q[q_len - n:] == tok.encode(row["query"]) and set(q[: q_len - n]) <= {pad}
+        qr = row["query_reference_response_token"]
+        length = row["query_reference_response_token_len"]
+        assert set(qr[length:]) <= {pad} and pad not in qr[:length], "query+response is right-padded"
+        response = qr[n:length]
+        assert response.count(eos) == 1 and response[-1] == eos, "exactly one EOS, at the end"
+        assert tok.decode(response[:1]).startswith(" "), "responses start with a space"
+        label = row["query_reference_response_token_response_label"]
+        assert set(label[:n]) == {pad} and label[n:length] == response
+    del space
+
+
+def test_pad_token_eos_ablation(tmp_path, synthetic_task):
+    out = run_prepare(tmp_path, synthetic_task["base_model"], sft_data=os.path.join(FIXTURES, "tldr_sft"),
+                      preference_data=os.path.join(FIXTURES, "tldr_comparisons"), pad_token="eos",
+                      query_length=128, sft_response_length=24, rm_response_length=32, cnndm_query_length=128,
+                      cnndm_response_length=32)
+    summary = json.load(open(os.path.join(out, "prep_summary.json")))
+    assert summary["pad_token_id"] == summary["eos_token_id"]
+    row = load_from_disk(os.path.join(out, "sft"))["train"][0]
+    assert row["query_reference_response_token"][row["query_reference_response_token_len"] - 1] == summary["eos_token_id"]
+
+
+# ---------------------------------------------------------------- schemas (Detail 1, 6) and bad rows
+def test_fixtures_in_hub_schema_load_through_the_same_path(tmp_path, synthetic_task):
+    out = run_prepare(tmp_path, synthetic_task["base_model"], sft_data=os.path.join(FIXTURES, "tldr_sft"),
+                      preference_data=os.path.join(FIXTURES, "tldr_comparisons"), query_length=128,
+                      sft_response_length=24, rm_response_length=32, cnndm_query_length=128, cnndm_response_length=32)
+    sft = load_from_disk(os.path.join(out, "sft"))
+    pref = load_from_disk(os.path.join(out, "preference"))
+    assert sft["train"].num_rows == 2 and sft["validation"].num_rows == 1
+    assert set(pref.keys()) == {"train", "validation", "validation_cnndm"}
+    cnn = pref["validation_cnndm"][0]
+    assert cnn["query"].startswith("Article:\n") and cnn["query"].endswith("TL;DR:\n")
+    assert cnn["batch"] == "cnndm0"
+    train = pref["train"]
+    assert train[1]["chosen"] == " my brother crashed my bike." and train[1]["chosen_policy"] == "sup2"
+    assert train[0]["confidence"] == -1 and train[1]["confidence"] == 7  # Detail 1: confidence kept when present
+    for col in ("batch", "split", "chosen_policy", "rejected_policy", "query_chosen_token", "query_rejected_token",
+                "query_chosen_token_response_label"):
+        assert col in train.column_names
+
+
+def _write(tmp_path, name, rows):
+    d = tmp_path / name
+    d.mkdir()
+    with open(d / "train.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(d)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"post": None}, "missing field 'post'"),
+    ({"post": "   "}, "field 'post' is empty"),
+    ({"summary": 5}, "field 'summary' must be"),
+])
+def test_bad_sft_rows_name_row_and_field(tmp_path, synthetic_task, bad, message):
+    good = json.loads(open(os.path.join(FIXTURES, "tldr_sft", "train.jsonl")).readline())
+    rows = [good, {**good, "id": "t3_broken", **bad}]
+    sft_dir = _write(tmp_path, "sft", rows)
+    with pytest.raises(ValueError, match=message) as err:
+        run_prepare(tmp_path, synthetic_task["base_model"], sft_data=sft_dir,
+                    preference_data=os.path.join(FIXTURES, "tldr_comparisons"))
+    assert "t3_broken" in str(err.value)
+
+
+def test_long_responses_are_counted_not_silently_cut(tmp_path, synthetic_task):
+    good = json.loads(open(os.path.join(FIXTURES, "tldr_sft", "train.jsonl")).readline())
+    rows = [good, {**good, "id": "t3_long", "summary": "my sister lost the keys " * 20}]
+    sft_dir = _write(tmp_path, "sft", rows)
+    out = run_prepare(tmp_path, synthetic_task["base_model"], sft_data=sft_dir,
+                      preference_data=os.path.join(FIXTURES, "tldr_comparisons"), sft_response_length=24,
+                      query_length=128, rm_response_length=32, cnndm_query_length=128, cnndm_response_length=32)
+    summary = json.load(open(os.path.join(out, "prep_summary.json")))
+    assert summary["report"]["sft/train_dropped_long_response"] == 1
+    assert summary["rows"]["sft/train"] == 1
+    with pytest.raises(ValueError, match="t3_long"):
+        run_prepare(tmp_path / "e", synthetic_task["base_model"], sft_data=sft_dir,
+                    preference_data=os.path.join(FIXTURES, "tldr_comparisons"), sft_response_length=24,
+                    long_response_policy="error")
+
+
+# ---------------------------------------------------------------- HH
+def test_hh_split_query_and_responses():
+    chosen = "\n\nHuman: Hi.\n\nAssistant: Hello!\n\nHuman: Name a fruit.\n\nAssistant: An apple."
+    rejected = "\n\nHuman: Hi.\n\nAssistant: Hello!\n\nHuman: Name a fruit.\n\nAssistant: A chair."
+    query, c, r = prepare.split_hh(chosen, rejected, "row 0")
+    assert query == "\n\nHuman: Hi.\n\nAssistant: Hello!\n\nHuman: Name a fruit.\n\nAssistant:"
+    assert c == " An apple." and r == " A chair."
+    with pytest.raises(ValueError, match="row 7"):
+        prepare.split_hh(chosen, "\n\nHuman: Other.\n\nAssistant: x", "row 7")
+
+
+def test_hh_drops_oldest_turns_first(tokenizer):
+    query = "\n\nHuman: first question here.\n\nAssistant: first answer here.\n\nHuman: last question.\n\nAssistant:"
+    full = len(tokenizer.encode(query))
+    short, tokens, truncated = prepare.truncate_hh_query(tokenizer, query, full - 1, "row 0")
+    assert truncated and short == "\n\nHuman: last question.\n\nAssistant:" and len(tokens) <= full - 1
+    with pytest.raises(ValueError, match="row 3"):
+        prepare.truncate_hh_query(tokenizer, query, 3, "row 3")
+
+
+def test_hh_fixture_end_to_end(tmp_path, synthetic_task):
+    out = run_prepare(tmp_path, synthetic_task["base_model"], task="hh", hh_data=os.path.join(FIXTURES, "hh"),
+                      query_length=64, sft_response_length=24, rm_response_length=24)
+    sft = load_from_disk(os.path.join(out, "sft"))
+    pref = load_from_disk(os.path.join(out, "preference"))
+    assert set(sft.keys()) == {"train", "validation"} and pref["train"].num_rows == 2
+    assert pref["train"][1]["chosen"] == " An apple." and pref["train"][1]["query"].endswith("\n\nAssistant:")
+    assert sft["train"][0]["reference_response"] == " Put it in boiling water for about nine minutes."
+
+
+# ---------------------------------------------------------------- gold judge
+def test_gold_judge_is_deterministic_and_sensible():
+    rng = random.Random(3)
+    for _ in range(50):
+        post = synthetic.make_post(rng)
+        good = synthetic.policy_summary("good", post, rng)
+        for bad in ("filler", "invent", "runon", "drop", "title"):
+            worse = synthetic.policy_summary(bad, post, rng)
+            assert synthetic.gold_prefer(post["post"], good, worse) == "A", (bad, good, worse)
+            assert synthetic.gold_prefer(post["post"], worse, good) == "B"
+        assert synthetic.gold_score(post["post"], good) == synthetic.gold_score(post["post"], good)
+
+
+def test_reference_beats_filler_only_and_invented():
+    post = "so yesterday my sister lost the keys and i do not know what to do.\n\nsorry for the long post."
+    ref = "my sister lost the keys."
+    assert synthetic.gold_prefer(post, ref, "honestly so yeah lol.") == "A"
+    assert synthetic.gold_prefer(post, ref, "my sister lost the keys and my boss sold the car.") == "A"
+    # a summary that never ends (no EOS: it runs on past its period) loses to the same facts ended properly
+    assert synthetic.gold_prefer(post, "my sister lost the keys. my sister", ref) == "B"
+    # formatted queries work as the post: only the POST part is read
+    query = f"SUBREDDIT: r/tifu\n\nTITLE: my boss sold the car\n\nPOST: {post}\n\nTL;DR:"
+    assert synthetic.extract_facts(synthetic._post_part(query)) == ["my sister lost the keys"]
+
+
+def test_ceiling_is_known_and_matches_labels(tmp_path):
+    info = synthetic.generate_raw(str(tmp_path), seed=1, num_sft_train=50, num_sft_eval=20, num_pref_train=50,
+                                  num_pref_valid=800, num_cnndm=0)
+    c = info["ceiling"]
+    assert 0.6 < c["validation"] < 0.95
+    assert abs(c["validation"] - c["validation_realised"]) < 0.05  # the noise model is what we say it is
