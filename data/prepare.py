@@ -107,9 +107,10 @@ class Args:
     """synthetic task: width of the tiny GPT-NeoX"""
     synthetic_num_layers: int = 4
     """synthetic task: depth of the tiny GPT-NeoX"""
-    synthetic_warmup_steps: int = 100
-    """synthetic task: language-model warm-up steps on raw post text, so the base model is 'pretrained'
-    (it knows the language and can copy phrases) before SFT, like Pythia; 0 = a random-init base"""
+    synthetic_warmup_steps: int = 300
+    """synthetic task: language-model warm-up steps (batch 16) on fresh posts that end with the author's recap,
+    so the base model is 'pretrained' (it knows the language and has begun to copy phrases) before SFT,
+    like Pythia; 0 = a random-init base"""
 
 
 # --------------------------------------------------------------------------------------------
@@ -509,6 +510,7 @@ def build_synthetic(args: Args) -> dict:
                     texts.append(TLDR_FORMAT.format(**row) + " " + row["summary"])
                 else:
                     texts.extend(" " + s["text"].strip() for s in row["summaries"])
+    texts += synthetic.pretraining_documents(2000, args.seed)  # the warm-up text's words are in the vocabulary too
     tokenizer = synthetic.train_tokenizer(texts, vocab_size=args.synthetic_vocab_size)
     if args.pad_token == "eos":
         tokenizer.pad_token = tokenizer.eos_token
@@ -516,7 +518,8 @@ def build_synthetic(args: Args) -> dict:
                                        num_layers=args.synthetic_num_layers, seed=args.seed)
     model.config.pad_token_id = tokenizer.pad_token_id
     if args.synthetic_warmup_steps > 0:
-        warmup_lm(model, tokenizer, texts, args.synthetic_warmup_steps, args.seed)
+        docs = synthetic.pretraining_documents(args.synthetic_warmup_steps * 16, args.seed)
+        warmup_lm(model, tokenizer, docs, args.synthetic_warmup_steps, args.seed)
     base_dir = os.path.join(args.output_dir, "base_model")
     model.save_pretrained(base_dir, safe_serialization=True)
     tokenizer.save_pretrained(base_dir)
@@ -528,30 +531,24 @@ def build_synthetic(args: Args) -> dict:
             "base_model_parameters": n_params}
 
 
-def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 16, seq_len: int = 128):
-    """A short next-token warm-up on packed raw text (posts, titles, summaries), the tiny stand-in for
-    Pythia's pre-training. It never sees the SFT format's EOS-terminated responses as targets."""
-    import random
-
+def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 16, max_len: int = 192):
+    """A short next-token warm-up, the tiny stand-in for Pythia's pre-training. One document per row
+    (padded, pads masked out of the loss), so a post and its recap are always seen together."""
     import torch
     from tqdm.auto import tqdm
 
-    rng = random.Random(seed)
-    stream: list[int] = []
-    order = list(range(len(texts)))
-    rng.shuffle(order)
-    for i in order:
-        stream.extend(tokenizer.encode(texts[i]))
-        stream.append(tokenizer.eos_token_id)  # documents are separated by <|endoftext|>, as in the Pile
-    data = torch.tensor(stream[: (len(stream) // seq_len) * seq_len]).view(-1, seq_len)
+    encoded = [tokenizer.encode(t)[: max_len - 1] + [tokenizer.eos_token_id] for t in texts]
+    gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
-    gen = torch.Generator().manual_seed(seed)
     model.train()
     bar = tqdm(range(steps), desc="base-model warm-up")
     for _ in bar:
-        batch = data[torch.randint(0, data.size(0), (batch_size,), generator=gen)]
-        loss = model(input_ids=batch, labels=batch).loss
+        rows = [encoded[i] for i in torch.randint(0, len(encoded), (batch_size,), generator=gen).tolist()]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

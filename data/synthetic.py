@@ -27,18 +27,11 @@ from dataclasses import dataclass
 # --------------------------------------------------------------------------------------------
 # 1. The world: subjects, verbs and objects that make up facts; filler that holds none.
 # --------------------------------------------------------------------------------------------
-SUBJECTS = [
-    "my boyfriend", "my girlfriend", "my sister", "my brother", "my boss", "my roommate",
-    "my mom", "my dad", "my neighbor", "my best friend", "my coworker", "my landlord",
-]
-VERBS = [
-    "lost", "broke", "sold", "stole", "borrowed", "hid", "painted", "found", "crashed",
-    "returned", "burned", "cleaned",
-]
-OBJECTS = [
-    "the car", "my phone", "the couch", "our tv", "the laptop", "my bike", "the fridge",
-    "his guitar", "her ring", "the keys", "the dog bowl", "my jacket", "the rent money", "the printer",
-]
+# Each content word is a single BPE token, and the world is small (8 x 8 x 8 facts), so that a ~1M
+# parameter model can learn to copy facts from the post within a few CPU minutes.
+SUBJECTS = ["my mom", "my dad", "my boss", "my sister", "my brother", "my roommate", "my landlord", "my neighbor"]
+VERBS = ["lost", "broke", "sold", "stole", "hid", "found", "burned", "cleaned"]
+OBJECTS = ["the car", "the phone", "the couch", "the tv", "the laptop", "the bike", "the fridge", "the keys"]
 SUBREDDITS = ["relationships", "personalfinance", "tifu", "AskReddit", "legaladvice", "roommates", "dating_advice"]
 
 # A fact sentence wraps the fact phrase; the wrappers use no subject/verb/object words.
@@ -361,6 +354,20 @@ def generate_raw(out_dir: str, seed: int = 0, num_sft_train: int = 4000, num_sft
         agree += int(g == r["choice"])
     ceiling["validation_realised"] = agree / len(valid_rows)
     return {"counts": counts, "ceiling": ceiling}
+
+
+def pretraining_documents(num: int, seed: int) -> list[str]:
+    """Text for the base model's warm-up: fresh posts (not the SFT split) that end with the author's own
+    recap ("in short: ..."), the way forum posts in a pre-training corpus often do. This is where the
+    tiny model picks up copying phrases from earlier in a document, which SFT then builds on."""
+    rng = random.Random(seed + 7919)
+    docs = []
+    for _ in range(num):
+        post = make_post(rng)
+        title = rng.choice(TITLES).format(subject=rng.choice(SUBJECTS))
+        recap = _join_facts(rng.sample(post["facts"], len(post["facts"])) if rng.random() < 0.3 else post["facts"])
+        docs.append(f"{title}\n\n{post['post']}\n\nin short: {recap}.")
+    return docs
 
 
 # --------------------------------------------------------------------------------------------

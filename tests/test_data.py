@@ -177,7 +177,7 @@ def test_hh_drops_oldest_turns_first(tokenizer):
 
 def test_hh_fixture_end_to_end(tmp_path, synthetic_task):
     out = run_prepare(tmp_path, synthetic_task["base_model"], task="hh", hh_data=os.path.join(FIXTURES, "hh"),
-                      query_length=64, sft_response_length=24, rm_response_length=24)
+                      query_length=96, sft_response_length=64, rm_response_length=64)
     sft = load_from_disk(os.path.join(out, "sft"))
     pref = load_from_disk(os.path.join(out, "preference"))
     assert set(sft.keys()) == {"train", "validation"} and pref["train"].num_rows == 2

@@ -1,0 +1,196 @@
+"""The pipeline's results report: one Markdown table set plus plots, from the files the stages wrote.
+
+Reads (never recomputes training): each run's `summary.json` and `samples*.csv`, the judge's
+`judge_summary.json`, the reward model's calibration plot, the stage timings. Two numbers are computed
+here because no single stage can: the KL of each policy from the SFT policy on that policy's own
+evaluation samples, and the gold score along PPO training (the over-optimisation curve).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import numpy as np
+import pandas as pd
+
+from data import synthetic
+
+
+def _load(path: str) -> dict:
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def _fmt(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and np.isnan(x)):
+        return "n/a"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _first(d: dict, *keys):
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return None
+
+
+def sequence_logprobs(model_path: str, samples: pd.DataFrame, tokenizer, batch_size: int = 32) -> np.ndarray:
+    """Sum of log pi(response | query) under the model at `model_path`, at temperature 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    out = []
+    rows = list(samples.itertuples())
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        seqs, spans = [], []
+        for r in batch:
+            q = tokenizer.encode(r.query)
+            resp = tokenizer.encode(r.response if str(r.response).startswith(" ") else " " + str(r.response))
+            if bool(r.has_eos):
+                resp = resp + [tokenizer.eos_token_id]
+            seqs.append(q + resp)
+            spans.append((len(q), len(q) + len(resp)))
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+        mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+        for i, s in enumerate(seqs):  # right padding, so positions are plain 0..n-1
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = True
+        with torch.no_grad():
+            logits = model(input_ids=ids.masked_fill(~mask, 0), attention_mask=mask).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        for i, (a, b) in enumerate(spans):
+            out.append(logp[i, a - 1 : b - 1].sum().item())
+    return np.array(out)
+
+
+def kl_from_sft(p, label: str, samples_csv: str, tokenizer) -> float | None:
+    """Mean of log pi(y|x) - log pi_sft(y|x) over the policy's evaluation samples (a sample estimate of
+    KL(pi || pi_sft) at the evaluation temperature's samples; 0 for SFT itself)."""
+    if label == "sft":
+        return 0.0
+    model_dir = os.path.join(p.models, label)
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        return None
+    df = pd.read_csv(samples_csv, keep_default_na=False).head(128)
+    return float(np.mean(sequence_logprobs(model_dir, df, tokenizer) - sequence_logprobs(os.path.join(p.models, "sft"), df, tokenizer)))
+
+
+def ppo_curve(p) -> pd.DataFrame:
+    """RM score and gold win rate vs reference at every PPO evaluation (the over-optimisation curve)."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(p.runs, "ppo", "samples", "step_*.csv"))):
+        step = int(os.path.basename(path)[len("step_"):-len(".csv")])
+        df = pd.read_csv(path, keep_default_na=False)
+        wins = [synthetic.gold_prefer(q, r, ref) == "A" for q, r, ref in zip(df["query"], df["response"], df["reference"])]
+        gold = [synthetic.gold_score(q, r) for q, r in zip(df["query"], df["response"])]
+        rows.append({"step": step, "rm_score": pd.to_numeric(df["score"], errors="coerce").mean(),
+                     "gold_win_rate": float(np.mean(wins)), "gold_score": float(np.mean(gold)),
+                     "eos_rate": float(df["has_eos"].astype(str).str.lower().eq("true").mean())})
+    return pd.DataFrame(rows)
+
+
+def write_report(p) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from transformers import AutoTokenizer
+
+    os.makedirs(p.report_dir, exist_ok=True)
+    judge = _load(os.path.join(p.runs, "judge", "judge_summary.json"))
+    per_csv = judge.get("per_csv", {})
+    task = _load(os.path.join(p.data, "task.json"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(p.data, "base_model"))
+
+    # 1. policies: gold win rate vs reference with its 95% CI, EOS rate, length, KL from SFT
+    lines = ["## Policies on the built-in task", "",
+             "Gold-judge win rate against the reference summaries (95% Wilson interval, through the OpenAI-compatible "
+             "endpoint and `judge.py`), EOS rate and mean response length on the validation samples, and the KL from "
+             "the SFT policy (mean log-ratio on the policy's own samples).", "",
+             "| policy | gold win rate | 95% CI | n | invalid | EOS rate | mean length (tokens) | KL from SFT | mean RM score |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    policy_rows = []
+    for label, samples_csv in p.policies():
+        j = per_csv.get(label, {})
+        df = pd.read_csv(samples_csv, keep_default_na=False)
+        eos = float(df["has_eos"].astype(str).str.lower().eq("true").mean())
+        length = float(pd.to_numeric(df["response_token_len"], errors="coerce").mean())
+        score = pd.to_numeric(df["score"], errors="coerce").mean() if "score" in df else float("nan")
+        kl = kl_from_sft(p, label, samples_csv, tokenizer)
+        policy_rows.append({"policy": label, "win_rate": j.get("win_rate"), "ci_low": j.get("ci_low"),
+                            "ci_high": j.get("ci_high"), "eos_rate": eos, "length": length, "kl": kl})
+        ci = f"[{_fmt(j.get('ci_low'))}, {_fmt(j.get('ci_high'))}]" if j.get("ci_low") is not None else "n/a"
+        lines.append(f"| {label} | {_fmt(j.get('win_rate'))} | {ci} | {j.get('n', 'n/a')} | {j.get('invalid', 'n/a')} | "
+                     f"{_fmt(eos)} | {_fmt(length, 1)} | {_fmt(kl)} | {_fmt(float(score)) if not np.isnan(score) else 'n/a'} |")
+
+    # 2. reward model accuracy vs the known ceiling, and DPO's implicit reward model (Detail 19)
+    rm = _load(os.path.join(p.runs, "rm", "summary.json"))
+    dpo = _load(os.path.join(p.runs, "dpo", "summary.json"))
+    lines += ["", "## Reward models (validation preference split)", "",
+              "| model | accuracy | ceiling (gold labels with known noise) |", "| --- | --- | --- |",
+              f"| reward model (reward.py) | {_fmt(_first(rm, 'eval/validation/accuracy', 'eval/accuracy'))} | {_fmt(task.get('ceiling'))} |",
+              f"| DPO implicit reward (dpo.py) | {_fmt(_first(dpo, 'eval/validation/accuracy', 'eval/accuracy'))} | {_fmt(task.get('ceiling'))} |"]
+
+    # 3. wall time per stage
+    lines += ["", "## Wall time per stage", "", "| stage | seconds |", "| --- | --- |"]
+    total = 0.0
+    for stage in p.stages:
+        m = _load(p.marker(stage))
+        if m:
+            total += m["wall_time_s"]
+            lines.append(f"| {stage} | {m['wall_time_s']:.0f} |")
+    lines.append(f"| **total** | **{total:.0f}** |")
+
+    # 4. plots
+    plots = []
+    if policy_rows:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        names = [r["policy"] for r in policy_rows]
+        rates = [r["win_rate"] if r["win_rate"] is not None else np.nan for r in policy_rows]
+        err = [[max(0.0, (r["win_rate"] or 0) - (r["ci_low"] or 0)) for r in policy_rows],
+               [max(0.0, (r["ci_high"] or 0) - (r["win_rate"] or 0)) for r in policy_rows]]
+        ax.bar(names, rates, yerr=err, capsize=4, color="tab:blue")
+        ax.axhline(0.5, color="gray", ls="--", lw=1)
+        ax.set(ylabel="gold win rate vs reference", ylim=(0, 1), title="Win rate per policy (Figure 1 in miniature)")
+        fig.tight_layout()
+        fig.savefig(os.path.join(p.report_dir, "win_rate_per_policy.png"), dpi=100)
+        plt.close(fig)
+        plots.append("win_rate_per_policy.png")
+    curve = ppo_curve(p)
+    if len(curve):
+        curve.to_csv(os.path.join(p.report_dir, "ppo_overoptimisation.csv"), index=False)
+        fig, ax1 = plt.subplots(figsize=(6, 4))
+        ax1.plot(curve["step"], curve["rm_score"], "o-", color="tab:orange", label="RM score")
+        ax1.set(xlabel="PPO update", ylabel="mean RM score")
+        ax2 = ax1.twinx()
+        ax2.plot(curve["step"], curve["gold_win_rate"], "s-", color="tab:green", label="gold win rate")
+        ax2.set(ylabel="gold win rate vs reference")
+        fig.legend(loc="lower right")
+        ax1.set_title("PPO: RM score and gold judge along training")
+        fig.tight_layout()
+        fig.savefig(os.path.join(p.report_dir, "ppo_rm_vs_gold.png"), dpi=100)
+        plt.close(fig)
+        plots.append("ppo_rm_vs_gold.png")
+        lines += ["", "## PPO along training (over-optimisation check)", "", "| update | mean RM score | gold win rate | gold score | EOS rate |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r.step} | {_fmt(r.rm_score)} | {_fmt(r.gold_win_rate)} | {_fmt(r.gold_score)} | {_fmt(r.eos_rate)} |"
+                  for r in curve.itertuples()]
+    copies = {"length_controlled_win_rate.png": os.path.join(p.runs, "judge", "length_controlled_win_rate.png")}
+    copies["rm_calibration.png"] = next(iter(glob.glob(os.path.join(p.runs, "rm", "*calibration*.png"))), "")
+    for name, src in copies.items():
+        if src and os.path.exists(src):
+            shutil.copy(src, os.path.join(p.report_dir, name))
+            plots.append(name)
+    lines += ["", "## Plots", ""] + [f"- `{name}`" for name in plots]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(p.report_dir, "results.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(p.report_dir, "results.json"), "w") as f:
+        json.dump({"policies": policy_rows, "rm": rm, "dpo": dpo, "ceiling": task.get("ceiling"), "plots": plots}, f, indent=2,
+                  default=float)
+    return text

@@ -1,0 +1,238 @@
+"""The whole RLHF pipeline on the built-in task, in one command, ending in a results report.
+
+    python pipeline.py                 # the quickstart (about 15 minutes on 2 CPU cores)
+    python pipeline.py --mode full     # every algorithm and variant, 3 seeds for the RLHF stages
+    python pipeline.py --mode ci       # a minimal run that checks every artefact is produced
+    python pipeline.py --force ppo     # rerun one stage (and nothing else)
+
+Stages run the top-level scripts as subprocesses, exactly as a user would type them (each command is
+printed). A stage that finished leaves `<out>/stages/<name>.json`; it is skipped on the next run, so an
+interrupted pipeline picks up at the stage it was in. The report lands in `<out>/report/`:
+`results.md` (also printed) and the plots.
+
+This file is glue, not an algorithm: it may import the project's `data` package (the built-in task
+and its gold judge), which the algorithm scripts never do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import tyro
+
+REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, REPO_ROOT)
+
+
+@dataclass
+class Args:
+    mode: Literal["quickstart", "full", "ci"] = "quickstart"
+    """quickstart: the README's first command; full: every algorithm and variant on several seeds;
+    ci: minimal steps, to check that every artefact of the report is produced"""
+    out: str = "artifacts/quickstart"
+    """where data, models, runs and the report go"""
+    force: list[str] = field(default_factory=list)
+    """stages to rerun even though they finished (`all` reruns everything)"""
+    skip: list[str] = field(default_factory=list)
+    """stages to leave out"""
+    seed: int = 1
+    """seed of every stage"""
+    threads: int = 0
+    """torch threads per stage (0 = all cores)"""
+
+
+# --------------------------------------------------------------------------------------------
+# Stage settings per mode. The scripts' own defaults are the paper's (Pythia 1B, Tables 3-7);
+# these overrides size them for the built-in task on 2 CPU cores.
+# --------------------------------------------------------------------------------------------
+TASK = {"query_length": 128, "sft_response_length": 24, "rm_response_length": 32}
+
+SETTINGS = {
+    "quickstart": {
+        "prep": [],
+        "sft": ["--lr", "3e-3", "--total_batch_size", "32", "--local_micro_batch_size", "32", "--num_train_epochs", "1",
+                "--num_eval_samples", "200"],
+        "rm": ["--lr", "1e-3", "--total_batch_size", "32", "--local_micro_batch_size", "32", "--num_eval_samples", "600"],
+        "ppo": ["--lr", "3e-5", "--total_episodes", "4096", "--batch_size", "64", "--local_micro_batch_size", "16",
+                "--num_eval_samples", "200", "--eval_every", "8"],
+        "dpo": ["--lr", "1e-4", "--beta", "0.1", "--total_batch_size", "32", "--local_micro_batch_size", "16",
+                "--num_eval_samples", "200"],
+        "ilql": [],
+        "offline_filter": [],
+        "offline_rwr": [],
+        "offline_dt": [],
+        "offline_best_of_n": [],
+    },
+}
+SETTINGS["full"] = dict(SETTINGS["quickstart"])
+SETTINGS["ci"] = {
+    "prep": ["--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48", "--synthetic_num_pref_train", "256",
+             "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8", "--synthetic_warmup_steps", "20"],
+    "sft": ["--lr", "3e-3", "--total_batch_size", "16", "--local_micro_batch_size", "16", "--total_episodes", "64",
+            "--num_eval_samples", "32"],
+    "rm": ["--lr", "1e-3", "--total_batch_size", "16", "--local_micro_batch_size", "16", "--total_episodes", "64",
+           "--num_eval_samples", "32"],
+    "ppo": ["--lr", "3e-5", "--total_episodes", "32", "--batch_size", "16", "--local_micro_batch_size", "8",
+            "--num_eval_samples", "32", "--eval_every", "1"],
+    "dpo": ["--lr", "1e-4", "--total_batch_size", "16", "--local_micro_batch_size", "8", "--total_episodes", "32",
+            "--num_eval_samples", "32"],
+    "ilql": [],
+    "offline_filter": [],
+    "offline_rwr": [],
+    "offline_dt": [],
+    "offline_best_of_n": [],
+}
+
+QUICKSTART_STAGES = ["prep", "sft", "rm", "ppo", "dpo", "judge", "report"]
+FULL_STAGES = ["prep", "sft", "rm", "ppo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt",
+               "offline_best_of_n", "judge", "report"]
+# policies whose samples are judged: stage -> (label, samples CSV relative to the run dir)
+POLICY_STAGES = ["sft", "ppo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n"]
+
+
+class Pipeline:
+    def __init__(self, args: Args):
+        self.args = args
+        self.out = os.path.abspath(args.out)
+        self.data = os.path.join(self.out, "data")
+        self.models = os.path.join(self.out, "models")
+        self.runs = os.path.join(self.out, "runs")
+        self.report_dir = os.path.join(self.out, "report")
+        self.stage_dir = os.path.join(self.out, "stages")
+        os.makedirs(self.stage_dir, exist_ok=True)
+        self.settings = SETTINGS[args.mode]
+        stages = FULL_STAGES if args.mode == "full" else QUICKSTART_STAGES
+        if args.mode == "ci":
+            stages = FULL_STAGES
+        self.stages = [s for s in stages if s not in args.skip and self._script_exists(s)]
+
+    def _script_exists(self, stage: str) -> bool:
+        script = {"ilql": "ilql.py"}.get(stage, "offline_rl.py" if stage.startswith("offline_") else None)
+        return script is None or os.path.exists(os.path.join(REPO_ROOT, script))
+
+    # ---------------------------------------------------------------- bookkeeping
+    def marker(self, stage: str) -> str:
+        return os.path.join(self.stage_dir, f"{stage}.json")
+
+    def done(self, stage: str) -> bool:
+        if stage in ("judge", "report"):  # cheap (the judge caches every verdict) and they read every stage
+            return False
+        forced = stage in self.args.force or "all" in self.args.force
+        return os.path.exists(self.marker(stage)) and not forced
+
+    def run(self, stage: str, cmd: list[str]) -> None:
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"))
+        if self.args.threads:
+            env["OMP_NUM_THREADS"] = str(self.args.threads)
+        printable = " ".join(cmd[1:]) if cmd[0] == sys.executable else " ".join(cmd)
+        print(f"\n=== [{stage}] python {printable}", flush=True)
+        subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=env)
+
+    def py(self, script: str, *flags: str) -> list[str]:
+        return [sys.executable, os.path.join(REPO_ROOT, script), *flags]
+
+    def common(self, stage: str) -> list[str]:
+        return ["--seed", str(self.args.seed), "--run_name", stage, "--run_dir_root", self.runs]
+
+    # ---------------------------------------------------------------- stages
+    def cmd_prep(self) -> list[str]:
+        return self.py("data/prepare.py", "--task", "synthetic", "--output_dir", self.data, "--seed", str(self.args.seed),
+                       *self.settings["prep"])
+
+    def cmd_sft(self) -> list[str]:
+        return self.py("sft.py", *self.common("sft"), "--base_model", f"{self.data}/base_model",
+                       "--query_dataset", f"{self.data}/sft", "--response_length", str(TASK["sft_response_length"]),
+                       "--output_dir", f"{self.models}/sft", *self.settings["sft"])
+
+    def cmd_rm(self) -> list[str]:
+        return self.py("reward.py", *self.common("rm"), "--sft_model_path", f"{self.models}/sft",
+                       "--preference_dataset", f"{self.data}/preference", "--query_dataset", f"{self.data}/sft",
+                       "--output_dir", f"{self.models}/rm", *self.settings["rm"])
+
+    def cmd_ppo(self) -> list[str]:
+        return self.py("ppo.py", *self.common("ppo"), "--sft_model_path", f"{self.models}/sft",
+                       "--reward_model_path", f"{self.models}/rm", "--query_dataset", f"{self.data}/sft",
+                       "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/ppo",
+                       *self.settings["ppo"])
+
+    def cmd_dpo(self) -> list[str]:
+        return self.py("dpo.py", *self.common("dpo"), "--sft_model_path", f"{self.models}/sft",
+                       "--preference_dataset", f"{self.data}/preference", "--query_dataset", f"{self.data}/sft",
+                       "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/dpo",
+                       *self.settings["dpo"])
+
+    def cmd_ilql(self) -> list[str]:
+        return self.py("ilql.py", *self.common("ilql"), "--model_path", f"{self.models}/sft",
+                       "--reward_model_path", f"{self.models}/rm", "--preference_dataset", f"{self.data}/preference",
+                       "--query_dataset", f"{self.data}/sft", "--response_length", str(TASK["sft_response_length"]),
+                       "--output_dir", f"{self.models}/ilql", *self.settings["ilql"])
+
+    def cmd_offline(self, method: str) -> list[str]:
+        stage = f"offline_{method}"
+        return self.py("offline_rl.py", *self.common(stage), "--method", method, "--sft_model_path", f"{self.models}/sft",
+                       "--reward_model_path", f"{self.models}/rm", "--preference_dataset", f"{self.data}/preference",
+                       "--query_dataset", f"{self.data}/sft", "--response_length", str(TASK["sft_response_length"]),
+                       "--cache_dir", f"{self.out}/offline_cache", "--output_dir", f"{self.models}/{stage}",
+                       *self.settings[stage])
+
+    def policies(self) -> list[tuple[str, str]]:
+        """(label, samples.csv) of every policy stage that has run."""
+        out = []
+        for stage in POLICY_STAGES:
+            path = os.path.join(self.runs, stage, "samples.csv")
+            if stage in self.stages and os.path.exists(path):
+                out.append((stage, path))
+        return out
+
+    def stage_judge(self) -> None:
+        from data.gold_judge_server import serve_in_thread
+
+        policies = self.policies()
+        with serve_in_thread() as server:
+            cmd = self.py("judge.py", "--csv", *[p for _, p in policies], "--labels", *[label for label, _ in policies],
+                          "--base_url", server.base_url, "--model", "gold-judge", "--output_dir",
+                          os.path.join(self.runs, "judge"), "--cache_path", os.path.join(self.runs, "judge_cache.sqlite"),
+                          "--tokenizer_path", f"{self.data}/base_model", "--seed", str(self.args.seed))
+            self.run("judge", cmd)
+
+    def stage_report(self) -> None:
+        from data import report
+
+        text = report.write_report(self)
+        print("\n" + text)
+
+    # ---------------------------------------------------------------- driver
+    def main(self) -> None:
+        t_start = time.time()
+        for stage in self.stages:
+            if self.done(stage):
+                print(f"=== [{stage}] done already ({self.marker(stage)}); --force {stage} reruns it")
+                continue
+            t0 = time.time()
+            if stage == "judge":
+                self.stage_judge()
+            elif stage == "report":
+                self.stage_report()
+            elif stage.startswith("offline_"):
+                self.run(stage, self.cmd_offline(stage[len("offline_"):]))
+            else:
+                self.run(stage, getattr(self, f"cmd_{stage}")())
+            with open(self.marker(stage), "w") as f:
+                json.dump({"stage": stage, "wall_time_s": round(time.time() - t0, 1), "finished": time.time()}, f)
+        print(f"\npipeline finished in {time.time() - t_start:.0f} s (this invocation); report: {self.report_dir}/results.md")
+
+
+def main(args: Args) -> None:
+    Pipeline(args).main()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
