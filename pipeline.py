@@ -198,7 +198,7 @@ class Pipeline:
         policies = self.policies()
         with serve_in_thread() as server:
             cmd = self.py("judge.py", "--csv", *[p for _, p in policies], "--labels", *[label for label, _ in policies],
-                          "--base_url", server.base_url, "--model", "gold-judge", "--output_dir",
+                          "--base_url", server.base_url, "--model", server.model_name, "--output_dir",
                           os.path.join(self.runs, "judge"), "--cache_path", os.path.join(self.runs, "judge_cache.sqlite"),
                           "--tokenizer_path", f"{self.data}/base_model", "--seed", str(self.args.seed))
             self.run("judge", cmd)

@@ -18,11 +18,14 @@ the single source of truth on this side; `judge.py` carries its own readable cop
 test asserts that the copies are identical).
 
 Usage:
-    python data/gold_judge_server.py --port 0 --host 127.0.0.1     # prints the base URL
+    python data/gold_judge_server.py --port 0 --host 127.0.0.1     # prints the base URL, then the model id
     python data/gold_judge_server.py --fail_rate 0.2 --garbage_rate 0.1 --seed 3   # fault injection
 In-process (tests, the pipeline):
     with serve_in_thread(fail_rate=0.1) as server:
-        ...  # server.base_url, server.request_count, server.stats()
+        ...  # judge.py --base_url server.base_url --model server.model_name; server.request_count
+
+The model id is `gold-judge-<digest of the gold judge's code>` and no other name is answered, so
+judge.py's cache (keyed by model + prompt) never replays a verdict of an older gold judge.
 
 Only loopback addresses are accepted: this is a test fixture, not a service.
 """
@@ -30,6 +33,7 @@ Only loopback addresses are accepted: this is a test fixture, not a service.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import ipaddress
 import json
 import os
@@ -46,7 +50,22 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
+import data.synthetic  # noqa: E402
 from data.synthetic import gold_prefer, gold_score  # noqa: E402
+
+
+def _gold_judge_version() -> str:
+    """A digest of the gold judge's code (data/synthetic.py and this file). It is part of the
+    model id, so a verdict cached by `judge.py` (keyed by model + prompt) can never be replayed
+    after the gold judge changes: a new version is a new model, as a new API snapshot would be."""
+    digest = hashlib.sha256()
+    for path in (data.synthetic.__file__, os.path.abspath(__file__)):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
+GOLD_JUDGE_MODEL = f"gold-judge-{_gold_judge_version()}"
 
 # --------------------------------------------------------------------------------------------
 # 1. The prompts. Placeholders are `{name}`; every other brace is literal text of the prompt.
@@ -316,6 +335,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.count("bad_request")
             self._error(400, f"malformed chat-completions request: {type(e).__name__}", "invalid_request_error")
             return
+        if model != self.server.model_name:  # as a real API: an unknown model is a 404, not an answer
+            self.server.count("bad_request")
+            self._error(404, f"The model {model!r} does not exist; this server is {self.server.model_name!r}",
+                        "invalid_request_error")
+            return
         if fault.startswith("garbage:"):
             self.server.count("garbage")
             content = GARBAGE_REPLIES[int(fault.split(":")[1])]
@@ -344,9 +368,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 @contextlib.contextmanager
 def serve_in_thread(host: str = "127.0.0.1", port: int = 0, fail_rate: float = 0.0, garbage_rate: float = 0.0,
-                    seed: int = 0, latency_s: float = 0.0, model_name: str = "gold-judge"):
-    """Run the gold judge in a background thread; yields the server (`.base_url`,
-    `.request_count`, `.stats()`), and shuts it down on exit."""
+                    seed: int = 0, latency_s: float = 0.0, model_name: str = GOLD_JUDGE_MODEL):
+    """Run the gold judge in a background thread; yields the server (`.base_url`, `.model_name`
+    to pass as judge.py's --model, `.request_count`, `.stats()`), and shuts it down on exit."""
     server = GoldJudgeServer(host, port, fail_rate, garbage_rate, seed, latency_s, model_name)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -372,14 +396,15 @@ class ServerArgs:
     """seed of the fault-injection draws"""
     latency_s: float = 0.0
     """seconds every request waits before it is answered (to mimic a remote API's latency)"""
-    model_name: str = "gold-judge"
-    """the model id listed by GET /v1/models (any requested model name is answered)"""
+    model_name: str = GOLD_JUDGE_MODEL
+    """the only model id served (GET /v1/models lists it); the default carries a digest of the gold judge's code"""
 
 
 def main(args: ServerArgs) -> None:
     server = GoldJudgeServer(args.host, args.port, args.fail_rate, args.garbage_rate, args.seed,
                              args.latency_s, args.model_name)
     print(server.base_url, flush=True)
+    print(f"model: {server.model_name}", flush=True)
     try:
         server.serve_forever(poll_interval=0.1)
     except KeyboardInterrupt:

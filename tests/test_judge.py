@@ -1,0 +1,413 @@
+"""judge.py against the built-in gold judge, started on loopback by the tests themselves."""
+
+import importlib.util
+import inspect
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from data import gold_judge_server as gjs  # noqa: E402
+from data.synthetic import gold_prefer, make_post, policy_summary, reference_summary  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("judge", os.path.join(REPO, "judge.py"))
+judge = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(judge)
+
+POLICIES = ["good", "drop", "short", "filler", "runon", "invent", "title", "ref"]
+
+
+def make_samples(path: str, n: int, seed: int, policies=POLICIES) -> pd.DataFrame:
+    """A sample CSV in the training scripts' format, responses from the synthetic policies."""
+    rng, policy_rng = random.Random(seed), random.Random(f"{seed}-{policies}")  # same posts for any policies
+    rows = []
+    for i in range(n):
+        post = make_post(rng)
+        query = f"SUBREDDIT: r/{post['subreddit']}\n\nTITLE: {post['title']}\n\nPOST: {post['post']}\n\nTL;DR:"
+        rows.append({"query": query, "response": " " + policy_summary(policies[i % len(policies)], post, policy_rng),
+                     "reference": " " + reference_summary(post["facts"], rng), "score": "",
+                     "response_token_len": 10, "has_eos": True})
+    df = pd.DataFrame(rows)
+    df.to_csv(path, index=False)
+    return df
+
+
+def gold_wins(df: pd.DataFrame, baseline_column: str = "reference") -> list[bool]:
+    """The gold verdict, order-free: does the response beat the baseline? (Identical texts are a
+    tie that gold_prefer breaks by position, so the test checks those through gold_winners.)"""
+    return [gold_prefer(q.strip(), r.strip(), b.strip()) == "A" for q, r, b in zip(df["query"], df["response"], df[baseline_column])]
+
+
+def gold_winners(judged: pd.DataFrame) -> list[str]:
+    """The gold verdict on exactly the prompt the judge sent (summary A and B as shown)."""
+    out = []
+    for q, a, b, s in zip(judged["query"], judged["summary_a"], judged["summary_b"], judged["shuffled_index"]):
+        out.append("ours" if (gold_prefer(q.strip(), str(a), str(b)) == "A") == (s == 0) else "baseline")
+    return out
+
+
+def judge_args(tmp_path, server, **kw) -> "judge.Args":
+    base = dict(output_dir=str(tmp_path / "out"), base_url=server.base_url, model=server.model_name,
+                cache_path=str(tmp_path / "cache.sqlite"), length_unit="chars", backoff_base_s=0.001,
+                backoff_max_s=0.01, timeout_s=20.0)
+    base.update(kw)
+    return judge.Args(**base)
+
+
+@pytest.fixture(autouse=True)
+def _no_real_key(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# prompt templates, parsing, statistics
+# ----------------------------------------------------------------------------------------------
+def test_templates_identical_to_the_server_copies():
+    assert judge.PAIRWISE_JUDGE_TEMPLATE == gjs.PAIRWISE_JUDGE_TEMPLATE
+    assert judge.MULTI_ANSWER_JUDGE_TEMPLATE == gjs.MULTI_ANSWER_JUDGE_TEMPLATE
+    assert judge.MULTI_ANSWER_BLOCK_TEMPLATE == gjs.MULTI_ANSWER_BLOCK_TEMPLATE
+    for name in ["fill_template", "number_word"]:
+        assert inspect.getsource(getattr(judge, name)) == inspect.getsource(getattr(gjs, name))
+    assert judge._PLACEHOLDER_RE.pattern == gjs._PLACEHOLDER_RE.pattern
+    # the paper's wording (Appendix I), with its line continuations joined
+    assert "most important points in the given forum post, without including unimportant or irrelevant details?" in judge.PAIRWISE_JUDGE_TEMPLATE
+    assert "explaining which you prefer and why. SECOND, on a new line" in judge.PAIRWISE_JUDGE_TEMPLATE
+    prompt = judge.multi_answer_prompt("q?", ["A", "B"], ["x", "y"])
+    assert gjs.parse_multi_prompt(prompt) == ("q?", ["A", "B"], ["x", "y"])
+    assert "provided by two AI assistants" in prompt and "Assistant A and B," in prompt
+
+
+@pytest.mark.parametrize("reply,expected", [
+    ("Comparison: A is more accurate.\nPreferred: A", ("A", "A is more accurate.")),
+    ('Comparison: B covers more.\nPreferred: "B"', ("B", "B covers more.")),
+    ("Comparison: fine\n\nPreferred: B.", ("B", "fine")),
+    ("**Comparison:** x\n**Preferred:** A", ("A", "x")),
+    ("Preferred: A", ("A", "")),
+    ("Comparison: neither is great\nPreferred: B\n", ("B", "neither is great")),
+])
+def test_parser_accepts_paper_format(reply, expected):
+    assert judge.parse_verdict(reply) == expected
+
+
+@pytest.mark.parametrize("reply", [
+    "", "I prefer A", "Comparison: both fine.", "Preferred: C", "Preferred: both", "Preferred: A or B",
+    "Preferred: A\nPreferred: B", "Preferred: AB", "Comparison: x Preferred: A", "Preferred: <\"A\" or \"B\">",
+])
+def test_parser_rejects_malformed(reply):
+    assert judge.parse_verdict(reply) is None
+
+
+def test_score_parser():
+    reply = "Assistant A is good.\nScores:\nAssistant A: 8.5\n**Assistant B**: 3\nAssistant C: 10/10"
+    assert judge.parse_scores(reply, ["A", "B", "C"]) == {"A": 8.5, "B": 3.0, "C": 10.0}
+    assert judge.parse_scores(reply, ["A", "B", "C", "D"]) is None  # one missing
+    assert judge.parse_scores("Assistant A: 11\nAssistant B: 5", ["A", "B"]) is None  # out of range
+    assert judge.parse_scores("Assistant A: 0.5\nAssistant B: 5", ["A", "B"]) is None
+
+
+def test_wilson_interval_and_rank_normalisation_by_hand():
+    z = 1.959963984540054
+    p, n = 0.8, 10  # center (p + z^2/2n)/(1 + z^2/n), half z sqrt(p(1-p)/n + z^2/4n^2)/(1 + z^2/n)
+    center = (p + z * z / 20) / (1 + z * z / 10)
+    half = z * np.sqrt(0.016 + z * z / 400) / (1 + z * z / 10)
+    low, high = judge.wilson_interval(8, 10)
+    assert abs(low - (center - half)) < 1e-12 and abs(high - (center + half)) < 1e-12
+    assert abs(low - 0.4902) < 1e-3 and abs(high - 0.9433) < 1e-3
+    assert judge.wilson_interval(0, 5)[0] == pytest.approx(0.0, abs=1e-12)
+    assert all(x != x for x in judge.wilson_interval(0, 0))
+    assert judge.rank_normalised([9.0, 7.0, 7.0, 3.0]) == [4.0, 2.5, 2.5, 1.0]
+    assert judge.rank_normalised([1.0, 2.0, 3.0, 4.0, 5.0]) == [1.0, 2.0, 3.0, 4.0, 5.0]  # "6 - rank"
+
+
+def test_order_randomisation_balanced_and_reproducible():
+    texts = [(f"post {i}", f"ours {i}", f"ref {i}") for i in range(2000)]
+    orders = [judge.pair_order(1, *t) for t in texts]
+    assert orders == [judge.pair_order(1, *t) for t in texts]
+    # balanced: 2000 fair bits fall within 4.5 standard deviations (~0.1 each side) of 1000
+    assert 900 < sum(orders) < 1100
+    other_seed = [judge.pair_order(2, *t) for t in texts]
+    assert 900 < sum(a != b for a, b in zip(orders, other_seed)) < 1100  # a new seed is a new draw
+    # consecutive pairs are not correlated (not an alternating or constant pattern)
+    assert 900 < sum(a == b for a, b in zip(orders[:-1], orders[1:])) < 1100
+
+
+def test_api_key_resolution(monkeypatch):
+    assert judge.resolve_api_key("http://127.0.0.1:1/v1") == judge.LOOPBACK_PLACEHOLDER_KEY
+    assert judge.resolve_api_key("http://localhost:1/v1") == judge.LOOPBACK_PLACEHOLDER_KEY
+    with pytest.raises(SystemExit, match="OPENAI_API_KEY"):
+        judge.resolve_api_key("https://api.example.com/v1")
+    with pytest.raises(SystemExit):
+        judge.resolve_api_key(None)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+    assert judge.resolve_api_key("https://api.example.com/v1") == "sk-from-env"
+    assert judge.public_url("http://user:pw@127.0.0.1:8/v1") == "http://127.0.0.1:8/v1"
+
+
+def test_length_bins_by_hand():
+    d = pd.DataFrame({"log_length_ratio": [-1.0, -0.9, 0.0, 0.1, 1.0, 0.5],
+                      "winner": ["baseline", "ours", "ours", "ours", "ours", "invalid"]})
+    bins = judge.length_bins({"m": d}, 2)  # edges -1, 0, 1 over the valid rows
+    assert list(bins["n"]) == [2, 3]
+    assert list(bins["win_rate"]) == [0.5, 1.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# end to end through the real openai client
+# ----------------------------------------------------------------------------------------------
+def test_end_to_end_win_rates_equal_gold_verdicts(tmp_path):
+    df_a = make_samples(tmp_path / "a.csv", 60, seed=0)
+    df_b = make_samples(tmp_path / "b.csv", 30, seed=1, policies=["good", "filler", "drop"])
+    with gjs.serve_in_thread() as server:
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv"), str(tmp_path / "b.csv")],
+                                        max_parallel_requests=8))
+        assert server.request_count == 90
+    for label, df in [("a", df_a), ("b", df_b)]:
+        judged = pd.read_csv(tmp_path / "out" / f"{label}_judged.csv", keep_default_na=False)
+        expected = gold_winners(judged)
+        assert list(judged["winner"]) == expected
+        # where the two texts differ, that is the order-free gold verdict
+        differ = ~judged["identical"].astype(bool)
+        assert differ.sum() >= len(df) // 2
+        order_free = ["ours" if w else "baseline" for w in gold_wins(df)]
+        assert [w for w, k in zip(expected, differ) if k] == [w for w, k in zip(order_free, differ) if k]
+        s = summary["per_csv"][label]
+        wins = expected.count("ours")
+        assert (s["wins"], s["losses"], s["invalid"], s["n"]) == (wins, len(df) - wins, 0, len(df))
+        assert s["n_identical"] == int((~differ).sum())
+        assert s["win_rate"] == wins / len(df)
+        assert s["ci_low"] < s["win_rate"] < s["ci_high"]
+        # the paper's output columns: explanation, preference, shuffled order
+        assert judged["explanation"].str.startswith("Summary ").all()
+        assert set(judged["preferred"]) <= {"A", "B"}
+        # the judge saw ours as A exactly when shuffled_index == 0
+        ours_is_a = judged["summary_a"] == judged["response"].str.strip()
+        assert (ours_is_a == (judged["shuffled_index"] == 0))[differ].all()
+        assert 0.25 < judged["shuffled_index"].mean() < 0.75
+    on_disk = json.load(open(tmp_path / "out" / "judge_summary.json"))
+    assert on_disk["per_csv"]["a"]["win_rate"] == summary["per_csv"]["a"]["win_rate"]
+    for f in ["comparison.md", "win_rates.png", "length_controlled_win_rate.png", "length_bins.csv", "args.json"]:
+        assert (tmp_path / "out" / f).exists(), f
+    table = open(tmp_path / "out" / "comparison.md").read()
+    assert "| a |" in table and "| b |" in table
+
+
+def test_model_vs_model_with_baseline_csv(tmp_path):
+    df = make_samples(tmp_path / "ours.csv", 30, seed=4, policies=["good"])
+    base = make_samples(tmp_path / "base.csv", 30, seed=4, policies=["runon", "drop", "invent"])
+    assert list(df["query"]) == list(base["query"])
+    with gjs.serve_in_thread() as server:
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "ours.csv")], baseline_csv=str(tmp_path / "base.csv")))
+    expected = [gold_prefer(q.strip(), r.strip(), b.strip()) == "A" for q, r, b in zip(df["query"], df["response"], base["response"])]
+    assert summary["per_csv"]["ours"]["wins"] == sum(expected) == 30
+    judged = pd.read_csv(tmp_path / "out" / "ours_judged.csv", keep_default_na=False)
+    assert list(judged["baseline"]) == list(base["response"])
+    assert summary["per_csv"]["ours"]["baseline"] == str(tmp_path / "base.csv")
+
+
+def test_order_in_judged_csv_reproducible_across_runs(tmp_path):
+    make_samples(tmp_path / "a.csv", 30, seed=5)
+    with gjs.serve_in_thread() as server:
+        judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], output_dir=str(tmp_path / "r1")))
+        judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], output_dir=str(tmp_path / "r2"),
+                              cache_path=str(tmp_path / "other_cache.sqlite")))
+        judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], output_dir=str(tmp_path / "r3"), seed=2,
+                              cache_path=str(tmp_path / "third_cache.sqlite")))
+    r1, r2, r3 = (pd.read_csv(tmp_path / r / "a_judged.csv") for r in ["r1", "r2", "r3"])
+    assert list(r1["shuffled_index"]) == list(r2["shuffled_index"])
+    assert list(r1["shuffled_index"]) != list(r3["shuffled_index"])
+    differ = ~r1["identical"].astype(bool)  # identical texts are a tie that the position breaks
+    assert differ.sum() > 15
+    assert list(r1["winner"][differ]) == list(r3["winner"][differ])  # the gold judge has no position bias
+
+
+def test_fault_injection_retries_and_counts_invalid(tmp_path):
+    make_samples(tmp_path / "a.csv", 60, seed=6)
+    with gjs.serve_in_thread(fail_rate=0.3, garbage_rate=0.25, seed=11) as server:
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=10, max_parse_tries=2))
+        stats = server.stats()
+    s = summary["per_csv"]["a"]
+    judged = pd.read_csv(tmp_path / "out" / "a_judged.csv", keep_default_na=False)
+    assert len(judged) == 60 and s["n"] == 60  # nothing lost
+    assert stats["status_429"] > 0 and stats["status_500"] > 0 and stats["garbage"] > 0
+    assert summary["stats"]["retries"] == stats["status_429"] + stats["status_500"]  # every failure was retried
+    assert summary["stats"]["requests"] == stats["requests"]
+    assert summary["stats"]["reasks"] > 0
+    # with 2 asks and a 25% garbage rate some pairs stay unparseable: counted invalid, not lost
+    assert s["unparseable"] > 0 and s["api_errors"] == 0
+    assert s["invalid"] == s["unparseable"] == int((judged["winner"] == "invalid").sum())
+    assert s["wins"] + s["losses"] + s["invalid"] == 60
+    ok = judged["status"] == "ok"
+    # every valid verdict is still the gold one, and invalid pairs are neither wins nor losses
+    assert (judged.loc[ok, "winner"] == [w for w, k in zip(gold_winners(judged), ok) if k]).all()
+    assert s["win_rate"] == s["wins"] / (s["wins"] + s["losses"])
+    assert (judged.loc[~ok, "asks"] == 2).all()
+
+
+def test_hard_failures_are_invalid_never_losses(tmp_path):
+    make_samples(tmp_path / "a.csv", 12, seed=7)
+    with gjs.serve_in_thread(fail_rate=1.0, seed=1) as server:
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3))
+        assert server.request_count == 12 * 3  # bounded: exactly max_tries per pair
+    s = summary["per_csv"]["a"]
+    assert (s["wins"], s["losses"], s["invalid"], s["api_errors"], s["win_rate"]) == (0, 0, 12, 12, None)
+    with gjs.serve_in_thread(garbage_rate=1.0, seed=1) as server:
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_parse_tries=3,
+                                        cache_path=str(tmp_path / "c2.sqlite")))
+        assert server.request_count == 12 * 3  # bounded re-asks
+    s = summary["per_csv"]["a"]
+    assert (s["wins"], s["losses"], s["unparseable"], s["win_rate"]) == (0, 0, 12, None)
+
+
+def test_unknown_model_is_invalid_without_retries(tmp_path):
+    make_samples(tmp_path / "a.csv", 6, seed=14)
+    with gjs.serve_in_thread() as server:
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], model="gold-judge-stale"))
+        assert server.request_count == 6  # a 404 is final: no retries
+    s = summary["per_csv"]["a"]
+    assert (s["api_errors"], s["invalid"], s["win_rate"]) == (6, 6, None)
+    judged = pd.read_csv(tmp_path / "out" / "a_judged.csv", keep_default_na=False)
+    assert judged["error"].str.contains("NotFoundError").all()
+
+
+def test_cache_rerun_makes_no_requests_and_resumes(tmp_path):
+    df = make_samples(tmp_path / "a.csv", 50, seed=8)
+    with gjs.serve_in_thread() as server:
+        # an "interrupted" run that got through the first 20 pairs
+        judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], num_samples=20, output_dir=str(tmp_path / "r0")))
+        assert server.request_count == 20
+        first = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], output_dir=str(tmp_path / "r1")))
+        assert server.request_count == 50  # resumed: only the 30 new pairs were paid for
+        assert first["stats"]["cache_hits"] == 20
+        second = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], output_dir=str(tmp_path / "r2")))
+        assert server.request_count == 50  # rerun: zero requests
+        assert second["stats"]["requests"] == 0 and second["stats"]["cache_hits"] == 50
+    judged = pd.read_csv(tmp_path / "r2" / "a_judged.csv", keep_default_na=False)
+    assert first["per_csv"]["a"]["wins"] == second["per_csv"]["a"]["wins"] == gold_winners(judged).count("ours")
+    assert len(judged) == len(df)
+    # a different model (e.g. a changed gold judge, whose id carries a new digest) is a different cache key
+    with gjs.serve_in_thread(model_name="gold-judge-other") as server:
+        third = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], output_dir=str(tmp_path / "r3")))
+        assert server.request_count == 50 and third["stats"]["cache_hits"] == 0
+
+
+def test_cache_replays_unparseable_sequences(tmp_path):
+    make_samples(tmp_path / "a.csv", 30, seed=9)
+    with gjs.serve_in_thread(garbage_rate=0.5, seed=2) as server:
+        first = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_parse_tries=2, output_dir=str(tmp_path / "r1")))
+        n = server.request_count
+        second = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_parse_tries=2, output_dir=str(tmp_path / "r2")))
+        assert server.request_count == n
+    assert first["per_csv"]["a"] == {**second["per_csv"]["a"], "judged_csv": first["per_csv"]["a"]["judged_csv"]}
+    assert first["per_csv"]["a"]["unparseable"] > 0
+
+
+def test_api_key_never_in_outputs(tmp_path, monkeypatch, capfd):
+    secret = "sk-test-SECRET123"
+    monkeypatch.setenv("OPENAI_API_KEY", secret)
+    make_samples(tmp_path / "a.csv", 20, seed=10)
+    make_samples(tmp_path / "b.csv", 20, seed=10, policies=["drop", "good"])
+    with gjs.serve_in_thread(fail_rate=0.3, garbage_rate=0.2, seed=4) as server:
+        j = judge.Judge(judge_args(tmp_path, server), judge.ReplyCache(str(tmp_path / "probe.sqlite")))
+        assert j.client.api_key == secret  # the key from the environment is the one used
+        judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=2))
+        judge.main(judge_args(tmp_path, server, mode="multi", csv=[str(tmp_path / "a.csv"), str(tmp_path / "b.csv")],
+                              output_dir=str(tmp_path / "multi")))
+    out, err = capfd.readouterr()
+    assert secret not in out and secret not in err
+    files = [os.path.join(root, f) for root, _, fs in os.walk(tmp_path) for f in fs]
+    assert len(files) > 10
+    for path in files:
+        if os.path.basename(path) in ("a.csv", "b.csv"):
+            continue
+        with open(path, "rb") as f:
+            assert b"SECRET123" not in f.read(), path
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-answer mode (offline-RLHF seed)
+# ----------------------------------------------------------------------------------------------
+def test_multi_answer_mode(tmp_path):
+    good = make_samples(tmp_path / "good.csv", 30, seed=12, policies=["good"])
+    make_samples(tmp_path / "drop.csv", 30, seed=12, policies=["drop"])
+    runon = make_samples(tmp_path / "runon.csv", 30, seed=12, policies=["runon"])
+    with gjs.serve_in_thread() as server:
+        summary = judge.main(judge_args(tmp_path, server, mode="multi",
+                                        csv=[str(tmp_path / f"{k}.csv") for k in ["good", "drop", "runon"]]))
+        assert server.request_count == 30
+    m = summary["multi"]
+    assert summary["multi_invalid"] == 0 and m["good"]["n"] == 30
+    # mean scores are the gold scores mapped to 1-10, whatever order the answers were shown in
+    exp_good = np.mean([gjs.gold_score_1_to_10(q.strip(), r.strip()) for q, r in zip(good["query"], good["response"])])
+    exp_runon = np.mean([gjs.gold_score_1_to_10(q.strip(), r.strip()) for q, r in zip(runon["query"], runon["response"])])
+    assert m["good"]["mean_score"] == pytest.approx(exp_good) and m["runon"]["mean_score"] == pytest.approx(exp_runon)
+    assert m["good"]["mean_rank_score"] > m["drop"]["mean_rank_score"] > m["runon"]["mean_rank_score"]
+    assert sum(v["mean_rank_score"] for v in m.values()) == pytest.approx(6.0)  # 3 + 2 + 1 per query
+    table = pd.read_csv(tmp_path / "out" / "multi_scores.csv")
+    assert table["order"].nunique() > 1  # presentation order is shuffled
+
+
+# ----------------------------------------------------------------------------------------------
+# agreement mode (Detail 17) and the subprocess smoke run, on the built-in task
+# ----------------------------------------------------------------------------------------------
+def test_agreement_mode_matches_hand_computation(tmp_path, synthetic_task):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(synthetic_task["base_model"], num_labels=1)
+    rm_path = str(tmp_path / "rm")
+    rm.save_pretrained(rm_path)
+    tokenizer = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
+    tokenizer.save_pretrained(rm_path)
+    with gjs.serve_in_thread() as server:
+        summary = judge.main(judge_args(tmp_path, server, mode="agreement", reward_model_path=rm_path,
+                                        preference_dataset=synthetic_task["preference"], num_samples=16,
+                                        local_micro_batch_size=5))
+    pairs = pd.read_csv(tmp_path / "out" / "agreement_pairs.csv", keep_default_na=False)
+    ds = judge.load_split(synthetic_task["preference"], "validation").select(range(16))
+    # by hand: the gold verdict and the RM's scores, one pair at a time, unbatched
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_path, num_labels=1).eval()
+    agree, identical = 0, 0
+    for i in range(16):
+        with torch.no_grad():
+            rc = judge.get_reward(rm, torch.tensor([ds[i]["query_chosen_token"]]), tokenizer.pad_token_id, 0)[1].item()
+            rr = judge.get_reward(rm, torch.tensor([ds[i]["query_rejected_token"]]), tokenizer.pad_token_id, 0)[1].item()
+        assert pairs["reward_chosen"][i] == pytest.approx(rc, abs=1e-4)
+        if ds[i]["chosen"].strip() == ds[i]["rejected"].strip():  # no preference to agree on
+            identical += 1
+            continue
+        gold_chosen = gold_prefer(ds[i]["query"].strip(), ds[i]["chosen"].strip(), ds[i]["rejected"].strip()) == "A"
+        assert str(pairs["judge_prefers_chosen"][i]) == str(gold_chosen)
+        agree += int(gold_chosen == (rc > rr))
+    a = summary["agreement"]
+    assert a["n"] == 16 and a["invalid"] == 0 and a["n_identical"] == identical
+    assert a["n_valid"] == 16 - identical >= 8
+    assert a["agreement_rate"] == agree / (16 - identical)
+
+
+def test_smoke_subprocess(tmp_path, synthetic_task):
+    make_samples(tmp_path / "samples.csv", 16, seed=13)
+    with gjs.serve_in_thread() as server:
+        cmd = [sys.executable, os.path.join(REPO, "judge.py"), "--csv", str(tmp_path / "samples.csv"),
+               "--base_url", server.base_url, "--model", server.model_name, "--output_dir", str(tmp_path / "out"),
+               "--cache_path", str(tmp_path / "cache.sqlite"), "--tokenizer_path", synthetic_task["base_model"],
+               "--max_parallel_requests", "4"]
+        env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert server.request_count == 16
+    summary = json.load(open(tmp_path / "out" / "judge_summary.json"))
+    label = os.path.basename(str(tmp_path))  # samples.csv is labelled by its run directory
+    assert summary["per_csv"][label]["n"] == 16 and summary["per_csv"][label]["invalid"] == 0
+    judged = pd.read_csv(tmp_path / "out" / f"{label}_judged.csv")
+    assert (judged["response_len"] > 0).all()  # token lengths from the built-in tokenizer
+    assert "win rate" in proc.stdout
