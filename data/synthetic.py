@@ -262,6 +262,9 @@ def make_comparison(post: dict, post_id: str, pair: tuple[str, str], split: str,
     if rng.random() < 0.5:
         a, b = b, a
     texts = [policy_summary(a, post, rng), policy_summary(b, post, rng)]
+    while texts[0] == texts[1]:  # identical texts carry no preference (a scalar RM can only tie on them)
+        b = rng.choice(["drop", "short", "filler", "runon"])
+        texts[1] = policy_summary(b, post, rng)
     full_post = post["post"]
     gold = 0 if gold_prefer(full_post, texts[0], texts[1]) == "A" else 1
     gap = abs(gold_score(full_post, texts[0]) - gold_score(full_post, texts[1]))
@@ -346,6 +349,10 @@ def generate_raw(out_dir: str, seed: int = 0, num_sft_train: int = 4000, num_sft
     # probability 1 - flip_probability; averaged over a split that is its expected accuracy.
     ceiling["train"] = sum(p_train) / len(p_train)
     ceiling["validation"] = sum(p_valid) / len(p_valid)
+    for name, batch in (("validation_in_distribution", "batch10"), ("validation_ood", "batch11")):
+        ps = [p for p, r in zip(p_valid, valid_rows) if r["batch"] == batch]
+        if ps:
+            ceiling[name] = sum(ps) / len(ps)
     # the realised agreement of labels with gold on validation (noise drawn, so it differs a little)
     agree = 0
     for r in valid_rows:
