@@ -1,0 +1,749 @@
+"""Reward model training: the paper's section 6 and Appendix E (Details 10-18, Table 4, Table 5, Figure 5).
+
+A scalar reward model r(x, y) is trained on pairs of summaries of the same post, one preferred by a
+human rater (chosen) and one not (rejected), with the pairwise loss -log sigmoid(r(x, y_c) - r(x, y_r)).
+
+What this file shows, detail by detail:
+  * Detail 10 (Table 4): 1 epoch, AdamW (eps 1e-5, lr 3e-6), cosine schedule, batch 64.
+  * Detail 11: the model is the SFT model's transformer trunk plus a bias-free linear head whose weights
+    are drawn from N(0, std = 1 / sqrt(d_model + 1)) (`--reward_head_init library` is the ablation).
+  * Detail 12: the reward of a sequence is the head's output at its EOS token, found as the index of the
+    first [PAD] of the response minus 1 (the last token when there is no pad).
+  * Detail 13: every other position's output (a "reward logit") is meaningless; we plot a few.
+  * Detail 14: the same sequence scored with a left-padded query (as PPO does) and as one right-padded
+    row gives almost the same reward; we measure the difference.
+  * Detail 15: after training the model is shifted so that the SFT reference summaries score mean 0.
+  * Details 6 and 16: accuracy on every validation split, by annotation batch, confidence and split
+    (the analogue of Table 5).
+  * Detail 18: a calibration plot, accuracy against score difference next to the ideal 1 / (1 + e^-d).
+
+Launch: `python reward.py ...` on one process, `accelerate launch [--config_file zero2.yaml] reward.py ...`
+on several. The saved model is a plain `AutoModelForSequenceClassification` with one label: any tool can
+load it, and scores come from `get_reward` below (see the README for a four-line example).
+"""
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator, PartialState
+from accelerate.utils import GradientAccumulationPlugin, set_seed
+from datasets import load_dataset, load_from_disk
+from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+
+
+@dataclass
+class Args:
+    # ---- experiment bookkeeping ----
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (the run name starts with it)"""
+    seed: int = 1
+    """seed for the head initialisation and the data order (the same on every process)"""
+    run_name: Optional[str] = None
+    """name of the run; None -> f"{exp_name}__{seed}__{int(time.time())}" """
+    track: bool = False
+    """mirror the TensorBoard logs to Weights and Biases"""
+    wandb_project_name: str = "tldr_summarize"
+    """the W&B project name (with --track)"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team); None -> your default entity"""
+    push_to_hub: bool = False
+    """upload the trained reward model and tokenizer to the Hugging Face hub"""
+    hub_model_id: Optional[str] = None
+    """the hub repository for --push_to_hub (required with it)"""
+    output_dir: str = "models/rm"
+    """where the trained reward model and its tokenizer are saved (safetensors)"""
+    run_dir_root: str = "runs"
+    """logs, metrics, tables and plots go to {run_dir_root}/{run_name}/"""
+
+    # ---- model and data ----
+    sft_model_path: str = "models/sft"
+    """the SFT model to start from (Detail 11): a hub name or a local save_pretrained folder"""
+    preference_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
+    """the processed preference dataset (hub name, or a local folder written by data/prepare.py)"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """the processed SFT dataset whose reference summaries set the normalisation (Detail 15) and the
+    left/right padding check (Detail 14)"""
+    train_split: str = "train"
+    """the preference split to train on"""
+    eval_splits: tuple[str, ...] = ("validation", "validation_cnndm")
+    """preference splits to evaluate on; those absent from the dataset are skipped (with a message)"""
+    normalization_split: str = "train"
+    """the split of --query_dataset whose references are scored for Detail 15"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (needed by some non-Pythia models)"""
+
+    # ---- Detail 11: reward head initialisation ----
+    reward_head_init: Literal["paper", "library"] = "paper"
+    """paper: head weights ~ N(0, reward_head_init_std) as in Stiennon et al. (Detail 11);
+    library: the transformers default for a fresh head, N(0, config.initializer_range) (the ablation)"""
+    reward_head_init_std: Optional[float] = None
+    """std of the paper init; None -> 1 / sqrt(d_model + 1). Only valid with --reward_head_init paper"""
+
+    # ---- Detail 15: normalisation on the SFT references ----
+    normalize_reward: bool = True
+    """after training, shift the model so that the SFT reference summaries score mean 0 (Detail 15)"""
+    num_normalization_samples: Optional[int] = None
+    """how many references (the first N of the split) to score for Detail 15 and 14; None -> all"""
+
+    # ---- optimisation (Table 4) ----
+    num_train_epochs: int = 1
+    """passes over the preference train split (Table 4: 1)"""
+    total_episodes: Optional[int] = None
+    """number of preference pairs to train on; None -> num_train_epochs x the size of the train split"""
+    lr: float = 3e-6
+    """AdamW learning rate (Table 4)"""
+    eps: float = 1e-5
+    """AdamW epsilon (Table 4)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (0.01: torch's default, which the reference implementation keeps)"""
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """learning-rate schedule, decaying to 0 over the run (Table 4: cosine)"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warm-up before the schedule (the paper uses none)"""
+    total_batch_size: int = 64
+    """pairs per optimizer step over all processes (Table 4: 64)"""
+    local_micro_batch_size: int = 8
+    """pairs per forward pass on one process (chosen and rejected make 2x this many sequences)"""
+    disable_dropout: bool = True
+    """Detail 7: set every dropout probability to 0"""
+    bf16: Optional[bool] = None
+    """bf16 mixed precision; None -> on only when a CUDA device supports it (CPU runs in float32)"""
+
+    # ---- evaluation and logging ----
+    eval_every: int = 0
+    """evaluate every N optimizer steps during training (0 -> only after training)"""
+    num_eval_samples: Optional[int] = None
+    """evaluate on the first N pairs of each split; None -> all of them (Detail 16 warns that different
+    subsets give incomparable accuracies, so the default is the whole split)"""
+    local_eval_batch_size: int = 16
+    """pairs per forward pass during evaluation"""
+    num_calibration_bins: int = 10
+    """bins of score difference in the calibration plot (Detail 18)"""
+    num_logit_plot_samples: int = 4
+    """sequences drawn in the per-token reward-logit plot (Detail 13)"""
+    log_every: int = 1
+    """write training metrics every N optimizer steps"""
+
+    # ---- derived at run time (not flags) ----
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    """number of processes"""
+    gradient_accumulation_steps: tyro.conf.Suppress[Optional[int]] = None
+    """micro-batches per update on one process = total_batch_size / (local_micro_batch_size * world_size)"""
+    num_updates: tyro.conf.Suppress[Optional[int]] = None
+    """optimizer updates of the whole run"""
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared helpers (copied verbatim into every script that uses them; a test checks the copies)
+# ------------------------------------------------------------------------------------------------
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Reward of a (left-padded query + right-padded response) batch.
+
+    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
+    of the response (the last token when there is no pad). Returns the per-token reward
+    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
+    ).last_hidden_state  # (B, T, d)
+    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
+    return reward_logits, rewards, sequence_lengths
+
+
+# ------------------------------------------------------------------------------------------------
+# Reward-model specifics
+# ------------------------------------------------------------------------------------------------
+class RewardScorer(torch.nn.Module):
+    """The sequence-classification model with `get_reward` as its forward.
+
+    Training goes through this wrapper so that accelerate's DDP / DeepSpeed wrapper sees the whole
+    scoring computation as one forward call (gradient synchronisation and accumulation hook into it).
+    Returns what `get_reward` returns: per-token reward logits (B, T), rewards (B,), EOS indices (B,)."""
+
+    def __init__(self, rm, pad_token_id: int):
+        super().__init__()
+        self.rm = rm
+        self.pad_token_id = pad_token_id
+
+    def forward(self, query_responses: torch.Tensor, context_length: int):
+        return get_reward(self.rm, query_responses, self.pad_token_id, context_length)
+
+
+def init_reward_head(model, mode: str, std: Optional[float]) -> float:
+    """Detail 11: draw the scalar head's weights; return the std used.
+
+    `paper`: N(0, 1 / sqrt(d_model + 1)) (or the given std), as in Stiennon et al.'s reference code.
+    `library`: N(0, config.initializer_range), which is what transformers' `_init_weights` gives a
+    fresh `nn.Linear` head (0.02 for Pythia); written out here so that the ablation is explicit.
+    The GPT-NeoX sequence-classification head has no bias, which is the paper's zero bias."""
+    if mode == "paper":
+        std = 1.0 / math.sqrt(model.config.hidden_size + 1) if std is None else std
+    elif std is not None:
+        raise ValueError("--reward_head_init_std only applies to --reward_head_init paper")
+    else:
+        std = model.config.initializer_range
+    with torch.no_grad():
+        torch.nn.init.normal_(model.score.weight, mean=0.0, std=std)
+        if model.score.bias is not None:
+            torch.nn.init.zeros_(model.score.bias)
+    return std
+
+
+def final_norm_of(model) -> torch.nn.Module:
+    """The normalisation layer whose output is the head's input (GPT-NeoX: `final_layer_norm`)."""
+    backbone = getattr(model, model.base_model_prefix)
+    for name in ("final_layer_norm", "ln_f", "norm"):
+        norm = getattr(backbone, name, None)
+        if norm is not None and getattr(norm, "bias", None) is not None:
+            return norm
+    raise ValueError(
+        f"{type(backbone).__name__} has no final norm with a bias, so the Detail 15 shift cannot be folded "
+        "into its weights; run with --no-normalize_reward"
+    )
+
+
+def fold_reward_bias(model, bias: float) -> None:
+    """Detail 15: make every output of the model `bias` lower, exactly, without a new parameter.
+
+    The reference implementation keeps the bias in its own config and subtracts it in its forward.
+    We keep the library's bias-free sequence-classification format instead, so that any loader gets
+    normalised scores: the head computes r = w . LN(x) with LN(x) = gamma * xhat + beta, which is linear
+    in the final norm's bias beta. Moving beta by delta = -bias * w / ||w||^2 changes every reward logit
+    by w . delta = -bias. The value is also stored as `config.reward_normalization_bias` (already applied;
+    never subtract it again)."""
+    w = model.score.weight[0].detach().float()  # (d,)
+    norm = final_norm_of(model)
+    with torch.no_grad():
+        norm.bias.add_((-bias * w / w.dot(w)).to(norm.bias.dtype))
+
+
+def trim_trailing_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Drop the trailing columns that are [PAD] in every row. Pure speed (rows are padded to the
+    dataset's full length, often far beyond the longest row of a batch); no reward changes, because
+    each row keeps every token up to its EOS."""
+    last_real_column = int((query_responses != pad_token_id).any(dim=0).nonzero().max())
+    return query_responses[:, : last_real_column + 1]
+
+
+def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
+    """The Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), averaged over pairs."""
+    return -F.logsigmoid(chosen_rewards - rejected_rewards).mean()
+
+
+@torch.no_grad()
+def score_references(scorer, accelerator, dataset, pad_token_id: int, batch_size: int):
+    """Score the SFT references twice: as one right-padded row (how the RM is trained) and as a
+    left-padded query followed by the right-padded reference (how PPO scores). Returns both (N,) arrays
+    on every process (Details 14 and 15)."""
+    dataset = dataset.with_format("torch", columns=["query_token", "reference_response_token",
+                                                    "query_reference_response_token"])
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=batch_size, shuffle=False))
+    right, left = [], []
+    scorer.eval()
+    for batch in loader:
+        # right-padded: unpadded query + reference + EOS + pads; no pad before the response, so context 0
+        right_rows = trim_trailing_padding(batch["query_reference_response_token"], pad_token_id)
+        _, right_scores, _ = scorer(right_rows, 0)
+        # left-padded query (B, Tq) + right-padded reference (B, Tr): the layout PPO scores (Detail 14)
+        query_responses = torch.cat((batch["query_token"], batch["reference_response_token"]), dim=1)
+        query_responses = trim_trailing_padding(query_responses, pad_token_id)
+        _, left_scores, _ = scorer(query_responses, batch["query_token"].size(1))
+        right.append(accelerator.gather_for_metrics(right_scores.float()))
+        left.append(accelerator.gather_for_metrics(left_scores.float()))
+    return torch.cat(right).cpu().numpy(), torch.cat(left).cpu().numpy()
+
+
+@torch.no_grad()
+def score_preference_split(scorer, accelerator, dataset, pad_token_id: int, eos_token_id: int, batch_size: int,
+             num_logit_rows: int):
+    """Score every pair of a preference split. Returns a DataFrame with one row per pair (scores and the
+    rater metadata of Table 5), the per-token reward logits of the first `num_logit_rows` chosen
+    responses (Detail 13), and the mean / negative share of the non-EOS response logits."""
+    columns = ["query_chosen_token", "query_rejected_token", "query_token_len"]
+    indexed = dataset.add_column("row_index", list(range(len(dataset))))
+    loader = accelerator.prepare(
+        DataLoader(indexed.with_format("torch", columns=columns + ["row_index"]), batch_size=batch_size)
+    )
+    scorer.eval()
+    chosen, rejected, indices, ends_with_eos = [], [], [], []
+    logit_rows = []
+    non_eos_sum = torch.zeros((), device=accelerator.device)
+    non_eos_negative = torch.zeros((), device=accelerator.device)
+    non_eos_count = torch.zeros((), device=accelerator.device)
+    for batch in loader:
+        b = batch["query_chosen_token"].size(0)
+        # chosen and rejected in one forward pass; both are right-padded rows, so context length 0
+        query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
+        query_responses = trim_trailing_padding(query_responses, pad_token_id)  # (2B, T)
+        reward_logits, rewards, eos_index = scorer(query_responses, 0)
+        chosen.append(accelerator.gather_for_metrics(rewards[:b].float()))
+        rejected.append(accelerator.gather_for_metrics(rewards[b:].float()))
+        indices.append(accelerator.gather_for_metrics(batch["row_index"]))
+        # is the token the reward is read at really an EOS? (a response cut at the length limit has none)
+        eos_read = query_responses[torch.arange(2 * b, device=query_responses.device), eos_index] == eos_token_id
+        ends_with_eos.append(accelerator.gather_for_metrics(torch.stack((eos_read[:b], eos_read[b:]), dim=1)))
+        # Detail 13: the logits at response positions before the EOS are not rewards
+        positions = torch.arange(query_responses.size(1), device=query_responses.device).unsqueeze(0)
+        query_len = batch["query_token_len"].repeat(2).unsqueeze(1)
+        non_eos = (positions >= query_len) & (positions < eos_index.unsqueeze(1))
+        non_eos_sum += (reward_logits.float() * non_eos).sum()
+        non_eos_negative += ((reward_logits < 0) & non_eos).sum()
+        non_eos_count += non_eos.sum()
+        for i in range(b):
+            if len(logit_rows) < num_logit_rows:
+                start, end = int(query_len[i]), int(eos_index[i])
+                tokens = query_responses[i, start : end + 1].tolist()
+                logit_rows.append({
+                    "logits": reward_logits[i, start : end + 1].float().cpu().numpy(),
+                    "ends_with_eos": tokens[-1] == eos_token_id,
+                })
+    non_eos_sum, non_eos_negative, non_eos_count = (accelerator.reduce(t, "sum") for t in
+                                                    (non_eos_sum, non_eos_negative, non_eos_count))
+    index = torch.cat(indices).cpu().numpy()
+    meta = dataset.select_columns(["query", "chosen", "rejected", "batch", "split", "confidence",
+                                   "chosen_policy", "rejected_policy", "choice", "chosen_token_len",
+                                   "rejected_token_len"]).to_pandas()
+    frame = meta.iloc[index].reset_index(drop=True)
+    frame["chosen_score"] = torch.cat(chosen).cpu().numpy()
+    frame["rejected_score"] = torch.cat(rejected).cpu().numpy()
+    eos_flags = torch.cat(ends_with_eos).cpu().numpy()  # (N, 2)
+    frame["chosen_has_eos"], frame["rejected_has_eos"] = eos_flags[:, 0], eos_flags[:, 1]
+    frame["score_diff"] = frame["chosen_score"] - frame["rejected_score"]
+    frame["correct"] = frame["score_diff"] > 0
+    logit_stats = {
+        "non_eos_logit_mean": float(non_eos_sum / non_eos_count.clamp(min=1)),
+        "non_eos_logit_negative_frac": float(non_eos_negative / non_eos_count.clamp(min=1)),
+    }
+    return frame, logit_rows, logit_stats
+
+
+def accuracy_breakdown(frame: pd.DataFrame, split_name: str) -> list[dict]:
+    """Table 5 analogue for one preference split: reward statistics and accuracy overall, by batch,
+    by confidence and by split, one dict per table row. A pair is correct when r_chosen > r_rejected."""
+    scores = np.concatenate([frame["chosen_score"].to_numpy(), frame["rejected_score"].to_numpy()])
+    rows = [{"dataset_split": split_name, "group": "reward", "key": k, "value": float(v), "n": len(scores)}
+            for k, v in (("max", scores.max()), ("mean", scores.mean()), ("min", scores.min()),
+                         ("std", scores.std()))]
+    rows.append({"dataset_split": split_name, "group": "accuracy", "key": "overall",
+                 "value": float(frame["correct"].mean()), "n": len(frame)})
+    # a pair whose two summaries are the same text always ties, and a tie counts as wrong (strict >, as
+    # in the reference implementation): this share bounds the accuracy any scalar reward model can reach
+    rows.append({"dataset_split": split_name, "group": "pairs", "key": "identical_texts",
+                 "value": float((frame["chosen"] == frame["rejected"]).mean()), "n": len(frame)})
+    for group in ("batch", "confidence", "split"):
+        for key, sub in frame.groupby(group, sort=True):
+            rows.append({"dataset_split": split_name, "group": f"accuracy by {group}", "key": str(key),
+                         "value": float(sub["correct"].mean()), "n": len(sub)})
+    return rows
+
+
+def calibration_bins(frame: pd.DataFrame, num_bins: int) -> pd.DataFrame:
+    """Detail 18 (Bai et al.): the fraction of pairs in which the rater preferred A, against the score
+    difference d = r(A) - r(B). Each pair enters twice, once as (A, B) = (chosen, rejected) with label 1
+    and once swapped with label 0, so the curve does not depend on the order of the two summaries.
+    A calibrated model follows 1 / (1 + e^-d)."""
+    d = np.concatenate([frame["score_diff"].to_numpy(), -frame["score_diff"].to_numpy()])
+    label = np.concatenate([np.ones(len(frame)), np.zeros(len(frame))])
+    edge = max(float(np.quantile(np.abs(d), 0.99)), 1e-6)
+    edges = np.linspace(-edge, edge, num_bins + 1)
+    which = np.clip(np.digitize(d, edges) - 1, 0, num_bins - 1)
+    rows = []
+    for b in range(num_bins):
+        in_bin = which == b
+        if in_bin.any():
+            rows.append({"bin_center": float((edges[b] + edges[b + 1]) / 2), "mean_diff": float(d[in_bin].mean()),
+                         "accuracy": float(label[in_bin].mean()), "ideal": float(1 / (1 + np.exp(-d[in_bin].mean()))),
+                         "n": int(in_bin.sum())})
+    return pd.DataFrame(rows)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The Table 5 analogue as Markdown."""
+    lines = ["| dataset split | metric | key | value | n |", "| --- | --- | --- | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
+    return "\n".join(lines)
+
+
+def save_plots(run_dir: str, calibration: dict, logit_rows: list[dict]) -> None:
+    """Figure 5 (right) analogue and the Detail 13 per-token reward logits, as PNG files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    lim = max(float(np.abs(c["mean_diff"]).max()) for c in calibration.values())
+    x = np.linspace(-lim, lim, 200)
+    ax.plot(x, 1 / (1 + np.exp(-x)), color="black", label="perfect calibration 1/(1+e^-d)")
+    for split_name, c in calibration.items():
+        ax.plot(c["mean_diff"], c["accuracy"], marker="o", label=split_name)
+    ax.set_xlabel("score difference d = r(A) - r(B)")
+    ax.set_ylabel("fraction of pairs where raters prefer A")
+    ax.set_title("Reward model calibration (Detail 18)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "calibration.png"), dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, row in enumerate(logit_rows):
+        steps = np.arange(len(row["logits"]))
+        line = ax.plot(steps, row["logits"], marker=".", label=f"sequence {i}")[0]
+        marker = "*" if row["ends_with_eos"] else "x"
+        ax.plot(steps[-1], row["logits"][-1], marker=marker, markersize=14, color=line.get_color())
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("response token index (star: EOS, where the reward is read)")
+    ax.set_ylabel("reward logit")
+    ax.set_title("Per-token reward logits (Detail 13)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "reward_logits.png"), dpi=120)
+    plt.close(fig)
+
+
+def samples_frame(frame: pd.DataFrame, eos_text: str) -> pd.DataFrame:
+    """One row per validation response in the project's samples schema, plus the pair's metadata."""
+    out = []
+    for role, other in (("chosen", "rejected"), ("rejected", "chosen")):
+        out.append(pd.DataFrame({
+            "query": frame["query"],
+            "response": frame[role].str.replace(eos_text, "", regex=False),
+            "reference": "",  # preference rows carry no reference summary
+            "score": frame[f"{role}_score"],
+            "response_token_len": frame[f"{role}_token_len"],
+            "has_eos": frame[f"{role}_has_eos"],
+            "role": role,
+            "pair_index": frame.index,
+            "policy": frame[f"{role}_policy"],
+            "other_score": frame[f"{other}_score"],
+            "dataset_split": frame["dataset_split"],
+            "batch": frame["batch"],
+            "split": frame["split"],
+            "confidence": frame["confidence"],
+        }))
+    return pd.concat(out).sort_values(["dataset_split", "pair_index", "role"]).reset_index(drop=True)
+
+
+def run_evaluation(scorer, accelerator, eval_sets: dict, pad_token_id: int, eos_token_id: int, args: Args):
+    """Evaluate on every preference split; return flat metrics, the table rows, calibration bins, the
+    Detail 13 logit rows and the per-pair frame."""
+    metrics, rows, calibration, frames = {}, [], {}, []
+    logit_rows = []
+    for split_name, dataset in eval_sets.items():
+        frame, split_logit_rows, logit_stats = score_preference_split(
+            scorer, accelerator, dataset, pad_token_id, eos_token_id, args.local_eval_batch_size,
+            args.num_logit_plot_samples if not logit_rows else 0,
+        )
+        logit_rows.extend(split_logit_rows)
+        frame["dataset_split"] = split_name
+        frames.append(frame)
+        split_rows = accuracy_breakdown(frame, split_name)
+        rows.extend(split_rows)
+        for r in split_rows:
+            # eval/{split}/reward/mean, eval/{split}/accuracy, eval/{split}/accuracy/batch/batch10, ...
+            if r["group"] == "accuracy":
+                metrics[f"eval/{split_name}/accuracy"] = r["value"]
+            else:
+                group = r["group"].replace("accuracy by ", "accuracy/")
+                metrics[f"eval/{split_name}/{group}/{r['key']}"] = r["value"]
+        metrics[f"eval/{split_name}/loss"] = float(np.mean(np.log1p(np.exp(-frame["score_diff"].to_numpy()))))
+        calibration[split_name] = calibration_bins(frame, args.num_calibration_bins)
+        c = calibration[split_name]
+        # expected calibration error: |accuracy - ideal| weighted by the share of (symmetrised) pairs per bin
+        metrics[f"eval/{split_name}/calibration_error"] = float((c["n"] * (c["accuracy"] - c["ideal"]).abs()).sum()
+                                                                / c["n"].sum())
+        for k, v in logit_stats.items():
+            metrics[f"eval/{split_name}/{k}"] = v
+    first = next(iter(eval_sets))
+    metrics["eval/accuracy"] = metrics[f"eval/{first}/accuracy"]
+    return metrics, rows, calibration, logit_rows, pd.concat(frames).reset_index(drop=True)
+
+
+def main(args: Args):
+    start_time = time.time()
+    # ---- 1. processes, batch arithmetic and precision ----
+    # on a machine without CUDA, cpu=True is what lets `torchrun` / `accelerate launch --multi_gpu` start
+    # several CPU processes (gloo); without it accelerate silently runs every process alone
+    cpu_only = not torch.cuda.is_available()
+    args.world_size = num_processes = PartialState(cpu=cpu_only).num_processes
+    args.gradient_accumulation_steps = gradient_accumulation_steps = exact_div(
+        args.total_batch_size, args.local_micro_batch_size * num_processes,
+        "total_batch_size / (local_micro_batch_size * world_size)",
+    )
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    elif args.bf16 and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
+        raise ValueError("--bf16 needs a GPU with bf16 support; on this machine leave --bf16 unset (float32)")
+    # sync_with_dataloader=False: an update never straddles the end of an epoch with fewer pairs than
+    # total_batch_size; the accumulation counter simply runs on into the next epoch
+    accelerator = Accelerator(
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        mixed_precision="bf16" if args.bf16 else "no",
+        cpu=cpu_only,
+    )
+    if args.run_name is None:
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = args.run_name
+    run_dir = os.path.join(args.run_dir_root, run_name)
+    if args.push_to_hub and args.hub_model_id is None:
+        raise ValueError("--push_to_hub needs --hub_model_id")
+    set_seed(args.seed)  # same weights and data order on every process
+
+    # ---- tokenizer and model (Detail 11) ----
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia has no pad token
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError("[PAD] must differ from EOS, or the reward would be read before the EOS (Details 3, 12)")
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.sft_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
+    )
+    if len(tokenizer) > model.get_input_embeddings().weight.size(0):
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    head_std = init_reward_head(model, args.reward_head_init, args.reward_head_init_std)
+    if args.disable_dropout:
+        disable_dropout(model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    # ---- data ----
+    train_set = load_split(args.preference_dataset, args.train_split)
+    if os.path.isdir(args.preference_dataset):
+        available = set(load_from_disk(args.preference_dataset).keys())
+    else:
+        from datasets import get_dataset_split_names
+
+        available = set(get_dataset_split_names(args.preference_dataset))
+    eval_sets = {}
+    for split_name in args.eval_splits:
+        if split_name not in available:
+            accelerator.print(f"evaluation split {split_name!r} is not in {args.preference_dataset}; skipped")
+            continue
+        dataset = load_split(args.preference_dataset, split_name)
+        if args.num_eval_samples is not None:
+            dataset = dataset.select(range(min(args.num_eval_samples, len(dataset))))
+        eval_sets[split_name] = dataset
+    if not eval_sets:
+        raise ValueError(f"none of {args.eval_splits} is in {args.preference_dataset}")
+    # the processed data must be padded with this tokenizer's pad id (Detail 12 finds the EOS by it)
+    first = train_set[0]
+    padding = first["query_chosen_token"][first["query_chosen_token_len"]:]
+    if padding and set(padding) != {pad_id}:
+        raise ValueError(f"{args.preference_dataset} is padded with id {padding[0]}, but the tokenizer of "
+                         f"{args.sft_model_path} has pad id {pad_id}; prepare the data with this tokenizer")
+    total_episodes = args.total_episodes or args.num_train_epochs * len(train_set)
+    args.num_updates = num_updates = total_episodes // args.total_batch_size
+    if num_updates == 0:
+        raise ValueError(f"{total_episodes} episodes make no optimizer step of {args.total_batch_size} pairs")
+    train_loader = DataLoader(
+        train_set.with_format("torch", columns=["query_chosen_token", "query_rejected_token"]),
+        batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+
+    # ---- optimiser (Table 4) ----
+    scorer = RewardScorer(model, pad_id)
+    optimizer = torch.optim.AdamW(scorer.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    # stepped by hand once per optimizer step, so its length is exactly num_updates on any process count
+    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+                                 num_training_steps=num_updates)
+    scorer, optimizer, train_loader = accelerator.prepare(scorer, optimizer, train_loader)
+    unwrapped = accelerator.unwrap_model(scorer).rm  # the bare sequence-classification model
+
+    writer = None
+    if accelerator.is_main_process:
+        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump({**asdict(args), "head_init_std": head_std}, f, indent=2)
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+        writer = SummaryWriter(run_dir)
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+    metrics_file = os.path.join(run_dir, "metrics.jsonl")
+
+    def log(step: int, metrics: dict) -> None:
+        if accelerator.is_main_process:
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, step)
+            with open(metrics_file, "a") as f:
+                f.write(json.dumps({"step": step, "episode": step * args.total_batch_size, **metrics}) + "\n")
+
+    def full_evaluation(step: int, final: bool):
+        metrics, rows, calibration, logit_rows, frame = run_evaluation(scorer, accelerator, eval_sets, pad_id, eos_id, args)
+        if accelerator.is_main_process:
+            samples = samples_frame(frame, tokenizer.eos_token)
+            samples.to_csv(os.path.join(run_dir, "samples", f"step_{step:06d}.csv"), index=False)
+            if final:
+                samples.to_csv(os.path.join(run_dir, "samples.csv"), index=False)
+                table = markdown_table(rows)
+                with open(os.path.join(run_dir, "eval_table.md"), "w") as f:
+                    f.write(table + "\n")
+                pd.DataFrame(rows).to_csv(os.path.join(run_dir, "eval_table.csv"), index=False)
+                pd.concat([c.assign(dataset_split=s) for s, c in calibration.items()]).to_csv(
+                    os.path.join(run_dir, "calibration.csv"), index=False)
+                save_plots(run_dir, calibration, logit_rows)
+                print(table)
+        log(step, metrics)
+        scorer.train()
+        return metrics
+
+    # ---- training: one forward pass over chosen + rejected per micro batch ----
+    accelerator.print(f"{num_updates} optimizer steps of {args.total_batch_size} pairs "
+                      f"({args.local_micro_batch_size} per micro batch x {gradient_accumulation_steps} accumulation "
+                      f"x {num_processes} processes), head init std {head_std:.5f}")
+    scorer.train()
+    train_start = time.time()
+    step, tokens_seen = 0, 0
+    stats = {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
+    progress = tqdm(total=num_updates, disable=not accelerator.is_local_main_process, desc="reward model")
+    epoch = 0
+    while step < num_updates:
+        if hasattr(train_loader, "set_epoch"):
+            train_loader.set_epoch(epoch)  # a fresh shuffle per epoch, identical on every process
+        for batch in train_loader:
+            with accelerator.accumulate(scorer):
+                b = batch["query_chosen_token"].size(0)
+                query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
+                query_responses = trim_trailing_padding(query_responses, pad_id)  # (2B, T)
+                _, rewards, _ = scorer(query_responses, 0)  # (2B,), read at each EOS (Detail 12)
+                chosen_rewards, rejected_rewards = rewards[:b], rewards[b:]
+                loss = pairwise_loss(chosen_rewards, rejected_rewards)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            tokens_seen += int((query_responses != pad_id).sum()) * num_processes
+            stats["loss"].append(loss.detach())
+            stats["accuracy"].append((chosen_rewards > rejected_rewards).float().mean().detach())
+            stats["chosen"].append(chosen_rewards.detach().float().mean())
+            stats["rejected"].append(rejected_rewards.detach().float().mean())
+            if not accelerator.sync_gradients:
+                continue
+            lr_scheduler.step()
+            step += 1
+            # averages over every micro batch of the update and every process (STYLE 7)
+            means = {k: accelerator.gather(torch.stack(v)).float().mean().item() for k, v in stats.items()}
+            stats = {k: [] for k in stats}
+            tokens_per_s = tokens_seen / (time.time() - train_start)
+            progress.update(1)
+            progress.set_postfix(loss=f"{means['loss']:.4f}", acc=f"{means['accuracy']:.3f}", tok_s=f"{tokens_per_s:.0f}")
+            if step % args.log_every == 0 or step == num_updates:
+                log(step, {"train/loss": means["loss"], "train/accuracy": means["accuracy"],
+                           "train/chosen_rewards": means["chosen"], "train/rejected_rewards": means["rejected"],
+                           "train/reward_margin": means["chosen"] - means["rejected"],
+                           "lr": lr_scheduler.get_last_lr()[0], "epoch": step * args.total_batch_size / len(train_set),
+                           "tokens_per_s": tokens_per_s})
+            if args.eval_every > 0 and step % args.eval_every == 0 and step < num_updates:
+                full_evaluation(step, final=False)
+            if step == num_updates:
+                break
+        epoch += 1
+    progress.close()
+    train_time = time.time() - train_start
+
+    # ---- Details 14 and 15: score the SFT references, then normalise ----
+    references = load_split(args.query_dataset, args.normalization_split)
+    if args.num_normalization_samples is not None:
+        references = references.select(range(min(args.num_normalization_samples, len(references))))
+    right, left = score_references(scorer, accelerator, references, pad_id, args.local_eval_batch_size)
+    summary = {
+        "reference_reward_mean_before_normalization": float(right.mean()),
+        "reference_reward_std": float(right.std()),
+        # Detail 14: the same sequences, left-padded query vs one right-padded row
+        "left_right_pad_diff": float(np.abs(left - right).mean()),
+        "left_right_pad_diff_signed": float((left - right).mean()),
+        "reward_normalization_bias": 0.0,
+    }
+    if args.normalize_reward:
+        fold_reward_bias(unwrapped, float(right.mean()))  # the same shift on every process
+        summary["reward_normalization_bias"] = float(right.mean())
+    unwrapped.config.reward_normalization_bias = summary["reward_normalization_bias"]
+    accelerator.print(f"SFT references: mean reward {right.mean():.4f} before normalisation; "
+                      f"mean |left - right padding| {summary['left_right_pad_diff']:.2e}")
+
+    # ---- final evaluation of the saved (normalised) model ----
+    metrics = full_evaluation(num_updates, final=True)
+    summary.update(metrics)
+    summary.update({"train_time_s": train_time, "wall_time_s": time.time() - start_time,
+                    "tokens_per_s": tokens_seen / max(train_time, 1e-9), "num_updates": num_updates,
+                    "head_init_std": head_std})
+
+    # ---- save ----
+    accelerator.wait_for_everyone()
+    # the wrapper's keys are "rm.<name>"; the saved model is the bare sequence-classification model
+    state_dict = {k[len("rm."):]: v for k, v in accelerator.get_state_dict(scorer).items()}
+    if accelerator.is_main_process:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True,
+                                  save_function=accelerator.save)
+        tokenizer.save_pretrained(args.output_dir)
+        if args.push_to_hub:
+            unwrapped.push_to_hub(args.hub_model_id)
+            tokenizer.push_to_hub(args.hub_model_id)
+        writer.close()
+        if args.track:
+            import wandb
+
+            wandb.finish()
+        print(json.dumps({k: summary[k] for k in ("eval/accuracy", "left_right_pad_diff", "train_time_s")}))
+    return summary
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

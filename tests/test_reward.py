@@ -1,0 +1,264 @@
+"""Tests for reward.py: the EOS reward index (Details 12, 14), the head init (Detail 11), the
+normalisation fold (Detail 15), the loss and calibration maths, and one smoke run on the built-in task."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAD, EOS = 1, 0
+
+
+def _load_reward():
+    spec = importlib.util.spec_from_file_location("reward_script", os.path.join(ROOT, "reward.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+reward = _load_reward()
+
+
+def tiny_rm(hidden_size: int = 32, seed: int = 0):
+    """A tiny GPT-NeoX sequence-classification model (the saved RM's format) with [PAD]=1, EOS=0."""
+    from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification
+
+    config = GPTNeoXConfig(
+        vocab_size=64, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=2 * hidden_size, max_position_embeddings=64, rotary_pct=0.25, num_labels=1,
+        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS, hidden_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    model = GPTNeoXForSequenceClassification(config).eval()
+    reward.init_reward_head(model, "paper", None)
+    return model
+
+
+def head_output_at_last_token(model, tokens: list[int]) -> float:
+    """The head's output at the last token of an unpadded sequence, by a plain forward with no pads."""
+    with torch.no_grad():
+        hidden = model.gpt_neox(input_ids=torch.tensor([tokens])).last_hidden_state  # (1, T, d)
+        return float(model.score(hidden)[0, -1, 0])
+
+
+def test_reward_index_right_padded_and_unpadded():
+    model = tiny_rm()
+    rows = [
+        [5, 6, 7, 12, 13, EOS, PAD, PAD, PAD],  # EOS then pads: read at index 5
+        [8, 9, 10, 11, 14, 15, 16, 17, EOS],  # no pad: read at the last token
+        [20, 21, 22, 23, 24, 25, 26, 27, 28],  # no pad and no EOS: still the last token (Detail 12)
+    ]
+    with torch.no_grad():
+        logits, rewards, index = reward.get_reward(model, torch.tensor(rows), PAD, 0)
+    assert index.tolist() == [5, 8, 8]
+    for row, r, i in zip(rows, rewards, index):
+        unpadded = row[: int(i) + 1]
+        assert PAD not in unpadded
+        assert float(r) == pytest.approx(head_output_at_last_token(model, unpadded), abs=1e-5)
+    # the reward is one entry of the per-token logits, and the logits elsewhere differ from it
+    assert torch.equal(rewards, logits[torch.arange(3), index])
+    assert not torch.allclose(logits[0, 3], logits[0, 5])
+
+
+def test_trim_trailing_padding_keeps_rewards():
+    model = tiny_rm()
+    rows = torch.tensor([
+        [5, 6, 7, 12, 13, EOS, PAD, PAD, PAD, PAD],
+        [8, 9, 10, 11, 14, 15, EOS, PAD, PAD, PAD],
+    ])
+    trimmed = reward.trim_trailing_padding(rows, PAD)
+    assert trimmed.shape == (2, 7)  # the longer row ends exactly at the new edge
+    with torch.no_grad():
+        _, full, full_index = reward.get_reward(model, rows, PAD, 0)
+        _, short, short_index = reward.get_reward(model, trimmed, PAD, 0)
+    assert torch.equal(full_index, short_index)
+    torch.testing.assert_close(short, full, atol=1e-6, rtol=0)
+
+
+def test_reward_index_left_padded_query():
+    """Detail 14: a left-padded query + right-padded response gives the head output at the EOS of the
+    unpadded sequence (positions and mask ignore the pads)."""
+    model = tiny_rm()
+    queries = torch.tensor([[PAD, PAD, 5, 6, 7], [PAD, 8, 9, 10, 11], [30, 31, 32, 33, 34]])
+    responses = torch.tensor([[12, 13, EOS, PAD], [14, 15, 16, EOS], [40, EOS, PAD, PAD]])
+    query_responses = torch.cat((queries, responses), dim=1)
+    with torch.no_grad():
+        _, rewards, index = reward.get_reward(model, query_responses, PAD, queries.size(1))
+    assert index.tolist() == [7, 8, 6]
+    for row, r, i in zip(query_responses.tolist(), rewards, index):
+        unpadded = [t for t in row[: int(i) + 1] if t != PAD]
+        assert unpadded[-1] == EOS
+        assert float(r) == pytest.approx(head_output_at_last_token(model, unpadded), abs=1e-5)
+    # why context_length matters: searching from 0, the query's left pads look like the end of the row
+    with torch.no_grad():
+        _, _, index_from_zero = reward.get_reward(model, query_responses, PAD, 0)
+    assert index_from_zero.tolist() == [-1, -1, 6]
+
+
+@pytest.mark.parametrize("hidden_size", [256, 1024])
+def test_head_init_std(hidden_size):
+    from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification
+
+    config = GPTNeoXConfig(vocab_size=32, hidden_size=hidden_size, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=8, num_labels=1)
+    model = GPTNeoXForSequenceClassification(config)
+    torch.manual_seed(0)
+    std = reward.init_reward_head(model, "paper", None)
+    assert model.score.bias is None  # Detail 11: zero (absent) bias
+    assert std == pytest.approx(1 / math.sqrt(hidden_size + 1))
+    empirical = float(model.score.weight.detach().std())
+    assert empirical == pytest.approx(std, rel=0.15)
+    assert abs(float(model.score.weight.detach().mean())) < 3 * std / math.sqrt(hidden_size)
+    # the library default is much smaller (0.02), so the ablation really changes the head
+    library_std = reward.init_reward_head(model, "library", None)
+    assert library_std == config.initializer_range
+    assert float(model.score.weight.detach().std()) == pytest.approx(library_std, rel=0.15)
+    assert reward.init_reward_head(model, "paper", 0.5) == 0.5
+    assert float(model.score.weight.detach().std()) == pytest.approx(0.5, rel=0.15)
+    with pytest.raises(ValueError):
+        reward.init_reward_head(model, "library", 0.5)
+
+
+def test_fold_reward_bias_shifts_every_logit_exactly():
+    """Detail 15: folding the mean into the final norm's bias shifts every reward logit by -mean, so the
+    references score mean 0 through get_reward, and the ranking of any pair is unchanged."""
+    model = tiny_rm(seed=3)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(2, 64, (16, 12), generator=g)
+    rows[:, 8] = EOS
+    rows[:, 9:] = PAD
+    with torch.no_grad():
+        logits_before, before, _ = reward.get_reward(model, rows, PAD, 0)
+    mean = float(before.mean())
+    reward.fold_reward_bias(model, mean)
+    with torch.no_grad():
+        logits_after, after, _ = reward.get_reward(model, rows, PAD, 0)
+    assert abs(mean) > 1e-3  # the test would be vacuous otherwise
+    assert float(after.mean()) == pytest.approx(0.0, abs=1e-5)
+    torch.testing.assert_close(logits_after, logits_before - mean, atol=1e-5, rtol=0)
+    # the library's own forward sees the shift too (any loader gets normalised scores)
+    with torch.no_grad():
+        library_logits = model(input_ids=rows[:, :9]).logits[:, 0]
+    torch.testing.assert_close(library_logits, after, atol=1e-5, rtol=0)
+
+
+def test_pairwise_loss_matches_formula():
+    chosen = torch.tensor([1.0, -0.5, 2.0])
+    rejected = torch.tensor([0.0, 0.5, 2.5])
+    expected = np.mean([math.log(1 + math.exp(-(c - r))) for c, r in zip(chosen.tolist(), rejected.tolist())])
+    assert float(reward.pairwise_loss(chosen, rejected)) == pytest.approx(expected, rel=1e-6)
+
+
+def _calibrated_frame(n: int, seed: int = 0) -> pd.DataFrame:
+    """Pairs whose rater prefers A with probability exactly 1 / (1 + e^-(r_A - r_B))."""
+    rng = np.random.default_rng(seed)
+    r_a, r_b = rng.normal(0, 2, n), rng.normal(0, 2, n)
+    prefers_a = rng.random(n) < 1 / (1 + np.exp(-(r_a - r_b)))
+    frame = pd.DataFrame({"chosen_score": np.where(prefers_a, r_a, r_b), "rejected_score": np.where(prefers_a, r_b, r_a)})
+    frame["score_diff"] = frame["chosen_score"] - frame["rejected_score"]
+    frame["correct"] = frame["score_diff"] > 0
+    frame["batch"] = np.where(np.arange(n) % 2 == 0, "batch10", "batch11")
+    frame["confidence"] = 1 + np.arange(n) % 9
+    frame["split"] = "valid1"
+    frame["chosen"] = [f"summary {i}" for i in range(n)]
+    frame["rejected"] = [f"summary {i}" if i % 10 == 0 else f"other {i}" for i in range(n)]  # 10% identical
+    return frame
+
+
+def test_calibration_bins():
+    frame = _calibrated_frame(20000)
+    bins = reward.calibration_bins(frame, 10)
+    assert bins["n"].sum() == 2 * len(frame)  # every (symmetrised) pair lands in a bin
+    # mirrored bins: accuracy(d) = 1 - accuracy(-d)
+    np.testing.assert_allclose(bins["accuracy"].to_numpy(), 1 - bins["accuracy"].to_numpy()[::-1], atol=1e-12)
+    # a calibrated model follows the ideal curve...
+    np.testing.assert_allclose(bins["accuracy"], bins["ideal"], atol=0.05)
+    # ...and an over-confident one (scores x3) falls below it at large differences
+    over = frame.copy()
+    over[["chosen_score", "rejected_score", "score_diff"]] *= 3
+    over_bins = reward.calibration_bins(over, 40)
+    middle = over_bins[(over_bins["ideal"] > 0.6) & (over_bins["ideal"] < 0.97)]
+    assert len(middle) >= 2
+    assert (middle["accuracy"] < middle["ideal"] - 0.03).all()
+
+
+def test_accuracy_breakdown_table():
+    frame = _calibrated_frame(2000)
+    rows = reward.accuracy_breakdown(frame, "validation")
+    keyed = {(r["group"], r["key"]): r for r in rows}
+    assert keyed[("accuracy", "overall")]["value"] == pytest.approx(float(frame["correct"].mean()))
+    assert keyed[("accuracy by batch", "batch10")]["n"] == 1000
+    assert keyed[("accuracy by confidence", "9")]["value"] == pytest.approx(float(frame["correct"][8::9].mean()))
+    scores = np.concatenate([frame["chosen_score"], frame["rejected_score"]])
+    assert keyed[("reward", "max")]["value"] == pytest.approx(float(scores.max()))
+    assert keyed[("reward", "std")]["value"] == pytest.approx(float(scores.std()))
+    assert keyed[("pairs", "identical_texts")]["value"] == pytest.approx(0.1)
+    assert "| validation | accuracy | overall |" in reward.markdown_table(rows)
+
+
+def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
+    """One tiny training run (the base model stands in for the SFT model: same architecture), then the
+    saved model is loaded like ppo.py would load it and the references score mean ~0 through get_reward."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out_dir = tmp_path / "rm"
+    runs = tmp_path / "runs"
+    cmd = [
+        sys.executable, os.path.join(ROOT, "reward.py"),
+        "--sft_model_path", synthetic_task["base_model"],
+        "--preference_dataset", synthetic_task["preference"],
+        "--query_dataset", synthetic_task["sft"],
+        "--output_dir", str(out_dir), "--run_dir_root", str(runs), "--run_name", "smoke",
+        "--total_episodes", "64", "--total_batch_size", "16", "--local_micro_batch_size", "8",
+        "--lr", "1e-4", "--num_eval_samples", "48", "--num_normalization_samples", "32",
+        "--eval_every", "2",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir = runs / "smoke"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0.0 <= summary["eval/accuracy"] <= 1.0
+    assert summary["eval/validation/accuracy"] == summary["eval/accuracy"]
+    assert summary["num_updates"] == 4
+    assert summary["left_right_pad_diff"] < 1e-3  # Detail 14: almost identical
+    for name in ("eval_table.md", "eval_table.csv", "calibration.png", "reward_logits.png", "samples.csv",
+                 "metrics.jsonl", "args.json", "samples/step_000002.csv"):
+        assert (run_dir / name).exists(), name
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3, 4]
+    samples = pd.read_csv(run_dir / "samples.csv")
+    assert {"query", "response", "reference", "score", "response_token_len", "has_eos"} <= set(samples.columns)
+    assert samples["has_eos"].all()  # every preference response of the prepared data ends with EOS
+
+    # the saved RM: a plain sequence-classification model whose references score mean 0 (Detail 15)
+    model = AutoModelForSequenceClassification.from_pretrained(str(out_dir)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
+    assert model.config.pad_token_id == tokenizer.pad_token_id != tokenizer.eos_token_id
+    bias = model.config.reward_normalization_bias
+    assert bias == pytest.approx(summary["reference_reward_mean_before_normalization"])
+    assert bias != 0.0
+    references = reward.load_split(synthetic_task["sft"], "train").select(range(32))
+    rows = torch.tensor(references["query_reference_response_token"])
+    with torch.no_grad():
+        _, scores, _ = reward.get_reward(model, rows, tokenizer.pad_token_id, 0)
+    assert float(scores.mean()) == pytest.approx(0.0, abs=1e-3 + 1e-3 * abs(bias))
+
+    # the README's snippet: score one (query, response) pair with the library's own forward
+    pair = reward.load_split(synthetic_task["preference"], "validation")[0]
+    query, response = pair["query"], pair["chosen"]  # response = " " + summary (Detail 3)
+    ids = tokenizer.encode(query) + tokenizer.encode(response) + [tokenizer.eos_token_id]
+    with torch.no_grad():
+        score = model(input_ids=torch.tensor([ids])).logits[0, 0]
+    assert ids == pair["query_chosen_token"][: pair["query_chosen_token_len"]]
+    with torch.no_grad():
+        _, expected, _ = reward.get_reward(model, torch.tensor([pair["query_chosen_token"]]), tokenizer.pad_token_id, 0)
+    assert float(score) == pytest.approx(float(expected[0]), abs=1e-5)
