@@ -55,6 +55,8 @@ class Args:
 # --------------------------------------------------------------------------------------------
 TASK = {"query_length": 128, "sft_response_length": 24, "rm_response_length": 32}
 
+OFFLINE = ["--mixture_size", "2400", "--total_batch_size", "32", "--local_micro_batch_size", "16", "--lr", "1e-3",
+           "--num_eval_samples", "200", "--local_rollout_batch_size", "100"]
 SETTINGS = {
     "quickstart": {
         "prep": [],
@@ -67,10 +69,10 @@ SETTINGS = {
         "dpo": ["--lr", "1e-4", "--beta", "0.1", "--total_batch_size", "32", "--local_micro_batch_size", "16",
                 "--num_eval_samples", "200"],
         "ilql": [],
-        "offline_filter": [],
-        "offline_rwr": [],
-        "offline_dt": [],
-        "offline_best_of_n": [],
+        "offline_filter": OFFLINE,
+        "offline_rwr": OFFLINE,
+        "offline_dt": OFFLINE,
+        "offline_best_of_n": OFFLINE + ["--n", "4", "--bon_num_prompts", "800", "--bon_temperature", "0.7"],
     },
 }
 SETTINGS["full"] = dict(SETTINGS["quickstart"])

@@ -1,0 +1,999 @@
+"""Offline RLHF: label a data mixture with the reward model once, then align with a supervised-style loss.
+
+Spec: "Aligning Language Models with Offline RL from Human Feedback" (Hu et al., seed 001: eq. 4-6,
+the data mixture, the `<rm_score>` prompt, Tables 1 and 3) and OpenRLHF Appendix A.7 (rejection
+sampling) and A.8 (conditional SFT).
+
+  step 1  the alignment data set (the seed's step 3), built once and cached under --cache_dir:
+          SFT reference summaries + preference-pair responses (chosen and rejected) + new responses the
+          SFT model writes for SFT prompts (greedy, the seed's footnote 8), in proportions set by
+          --mixture_weights. Every (prompt, response) is scored by the reward model at its EOS token
+          (Detail 12) and the scores are z-normalised over the mixture (the seed's Figure 5).
+  step 2  --method
+          filter     MLE with filtering (eq. 4): the next-token loss only on samples whose normalised
+                     reward is above --filter_threshold (0).
+          rwr        reward-weighted regression (eq. 5): each sample's loss is weighted by exp(R / beta),
+                     beta = 5; weights are self-normalised over the update batch and clipped.
+          dt         Decision-Transformer alignment / conditional SFT (eq. 6): the reward, one decimal, is
+                     written as " <rm_score> a.b" between query and response; at inference the prompt
+                     carries --dt_target (5.0). The reward prompt never carries loss.
+          best_of_n  rejection sampling (OpenRLHF A.7): n samples per prompt from the current policy, keep
+                     the RM's best, fine-tune on it; --iterations > 1 repeats with the updated policy.
+                     It samples its own data, so it does not use the cached mixture.
+          For every method the loss covers response tokens (and their EOS) only, never the query.
+  step 3  samples of the validation split as CSV (judge.py reads them), RM-scored. For dt also one CSV per
+          target in --dt_eval_targets (the seed's Table 1: controllability), and the cost of each stage in
+          wall seconds (generation, labelling, training: the seed's Table 3) in summary.json.
+
+Single process:   python offline_rl.py --method dt --sft_model_path models/sft --reward_model_path models/rm
+Several:          accelerate launch [--config_file zero2.yaml] offline_rl.py ...
+"""
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional, Tuple
+
+import pandas as pd
+import pyarrow.compute as pc
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator, PartialState
+from accelerate.utils import gather_object, set_seed
+from datasets import Dataset, load_dataset, load_from_disk
+from huggingface_hub import HfApi
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class Args:
+    # ---- experiment bookkeeping ----
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (the run name starts with it)"""
+    seed: int = 1
+    """seed of the mixture draw, weights and data order (the same on every process); sampling uses seed + 100003 * rank"""
+    run_name: Optional[str] = None
+    """None -> f"{exp_name}__{seed}__{unix time}"; every file of the run goes under runs/{run_name}/"""
+    track: bool = False
+    """log to Weights and Biases (it mirrors TensorBoard)"""
+    wandb_project_name: str = "tldr_summarize"
+    """the W&B project (with --track)"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team); None = your default entity"""
+    push_to_hub: bool = False
+    """upload the aligned model and tokenizer to the Hugging Face hub"""
+    hub_model_id: Optional[str] = None
+    """hub repository for --push_to_hub; None -> f"{sft model name}__{exp_name}__{method}__{seed}" """
+    output_dir: str = "models/offline_rl"
+    """where the aligned model and tokenizer are saved (safetensors)"""
+    run_dir_root: str = "runs"
+    """folder that holds runs/{run_name}/"""
+
+    # ---- method ----
+    method: Literal["filter", "rwr", "dt", "best_of_n"] = "dt"
+    """the alignment loss of step 2 (see the module docstring); the seed finds dt best"""
+    filter_threshold: float = 0.0
+    """filter (eq. 4): train only on samples whose z-normalised reward is strictly above this (seed: t = 0)"""
+    rwr_beta: float = 5.0
+    """rwr (eq. 5): temperature beta of the weight exp(R / beta) on the z-normalised reward R (seed: 5)"""
+    rwr_max_weight: float = 10.0
+    """rwr: after self-normalising the weights to mean 1 over the update batch, clip each at this value, so
+    that one sample cannot carry more than this many samples' share of the batch gradient (our choice; the
+    seed does not say how it bounds the weights)"""
+    dt_target: float = 5.0
+    """dt: the reward written in the prompt at inference (seed: 5.0, although most normalised rewards lie in
+    [-2.5, 2.5])"""
+    dt_eval_targets: Tuple[float, ...] = (-5.0, 0.0, 5.0)
+    """dt: targets evaluated after training, one sample table each (the seed's Table 1, controllability)"""
+    n: int = 4
+    """best_of_n: responses sampled per prompt; the RM's arg-max is kept"""
+    bon_temperature: float = 0.7
+    """best_of_n: sampling temperature of the n candidates (Table 7's rollout temperature)"""
+    bon_num_prompts: int = 4096
+    """best_of_n: prompts (SFT train split) sampled per iteration; each gives one training sample"""
+    iterations: int = 1
+    """best_of_n: rounds of sample -> select -> fine-tune, each sampling from the updated policy (OpenRLHF
+    A.7); the other methods train on the fixed mixture, so they take 1"""
+
+    # ---- models and data ----
+    sft_model_path: str = "EleutherAI/pythia-1b-deduped"
+    """the SFT model: the policy to align, and the generator of the mixture's new responses; its tokenizer is used"""
+    reward_model_path: str = "EleutherAI/pythia-1b-deduped"
+    """the reward model (reward.py output: AutoModelForSequenceClassification with one label)"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (needed by some architectures)"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """the processed SFT dataset (hub name, or a local `save_to_disk` folder from data/prepare.py)"""
+    preference_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
+    """the processed preference dataset whose chosen and rejected responses join the mixture"""
+    train_split: str = "train"
+    """SFT split that gives the references, the prompts of generated responses and the best-of-n prompts"""
+    preference_split: str = "train"
+    """preference split whose responses join the mixture"""
+    eval_split: str = "validation"
+    """SFT split whose queries are sampled at evaluation"""
+    response_length: int = 53
+    """response length of the SFT data (TL;DR: 53, Detail 4): the length of every mixture response and of
+    every sampled response. Preference responses longer than this (with their EOS) are left out of the
+    mixture, because the policy is only ever asked for this many tokens"""
+
+    # ---- step 1: the alignment data set ----
+    cache_dir: str = "cache/offline_rl"
+    """the labelled mixture is saved here (one folder per set of mixture arguments) and reused by later runs
+    whose mixture arguments match, so filter, rwr and dt share one labelling pass"""
+    mixture_size: int = 100_000
+    """samples in the mixture (seed: 100k alignment samples, a third of them generated)"""
+    mixture_weights: Tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """relative shares of (SFT references, preference responses, generated responses); normalised to sum 1"""
+    mixture_temperature: float = 0.0
+    """temperature of the SFT model's new responses; 0 = greedy decoding (the seed's footnote 8 finds greedy
+    samples better)"""
+    non_eos_penalty: bool = False
+    """give generated responses without EOS the score penalty_reward_value before normalisation (Detail 23's
+    EOS trick, borrowed from PPO; off as in the seed)"""
+    penalty_reward_value: float = -1.0
+    """raw RM score of a response without EOS when --non_eos_penalty is on"""
+
+    # ---- step 2: optimisation (seed: lr 5e-6, global batch 128 for every offline method) ----
+    num_train_epochs: int = 1
+    """passes over the training samples (per iteration for best_of_n)"""
+    total_episodes: Optional[int] = None
+    """train on this many samples (per iteration for best_of_n) instead of num_train_epochs passes (small budgets)"""
+    total_batch_size: int = 128
+    """samples per optimizer update over all processes (seed: 128) = local_micro_batch_size *
+    gradient accumulation steps * number of processes"""
+    local_micro_batch_size: int = 16
+    """samples per forward/backward pass on one process (memory knob; the update size stays total_batch_size)"""
+    lr: float = 5e-6
+    """AdamW learning rate (seed: 5e-6 for all offline RLHF models)"""
+    eps: float = 1e-5
+    """AdamW epsilon (Table 3: 1e-5)"""
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """learning-rate schedule over all updates (of all iterations), no warm-up"""
+    disable_dropout: bool = True
+    """Detail 7: set every dropout probability to 0 (policy and reward model)"""
+    bf16: Optional[bool] = None
+    """bf16 mixed precision; None = on when the GPU supports bf16, off otherwise (CPU always runs float32)"""
+    local_rollout_batch_size: int = 64
+    """sequences per generate / reward-model call on one process (mixture, best-of-n, evaluation)"""
+
+    # ---- step 3: evaluation ----
+    eval_every: int = 0
+    """evaluate every this many optimizer updates (0 = only after training); tables go to samples/step_N.csv"""
+    num_eval_samples: Optional[int] = None
+    """evaluate on the first this many rows of the eval split (None = all of it)"""
+    eval_temperature: float = 0.01
+    """sampling temperature of the evaluation summaries (0.01: almost greedy, as sft.py and ppo.py); 0 = greedy"""
+    num_table_samples: int = 4
+    """rows of each sample table printed to the console and logged to TensorBoard"""
+
+    # ---- derived at run time (not flags) ----
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    """number of processes"""
+    gradient_accumulation_steps: tyro.conf.Suppress[Optional[int]] = None
+    """micro-batches per update on one process = total_batch_size / (local_micro_batch_size * world_size)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers: copied verbatim into every script that uses them (a test keeps the copies equal)
+# ---------------------------------------------------------------------------------------------
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+        output_hidden_states=True,
+    )
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Reward of a (left-padded query + right-padded response) batch.
+
+    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
+    of the response (the last token when there is no pad). Returns the per-token reward
+    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
+    ).last_hidden_state  # (B, T, d)
+    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
+    return reward_logits, rewards, sequence_lengths
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
+    """Sample continuations of LEFT-padded queries with the KV cache.
+
+    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
+    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    output = lm.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=generation_config,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline-RL pieces (names kept unique to this script)
+# ---------------------------------------------------------------------------------------------
+def offline_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
+    """Detail 23: exactly response_length new tokens. `eos_token_id=[]` turns off stopping at EOS while EOS
+    stays an ordinary token that can be chosen (`min_new_tokens` would forbid it). temperature 0 means
+    greedy decoding (the seed generates its mixture greedily); otherwise pure sampling (top_k 0, top_p 1)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if temperature == 0:
+        return GenerationConfig(max_new_tokens=response_length, do_sample=False, eos_token_id=[], pad_token_id=pad_token_id)
+    return GenerationConfig(
+        max_new_tokens=response_length,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        do_sample=True,
+        eos_token_id=[],
+        pad_token_id=pad_token_id,
+    )
+
+
+def offline_lr_schedule(optimizer, kind: str, num_updates: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """No warm-up; cosine decays to 0 as 0.5 * (1 + cos(pi * t / T)), linear as 1 - t / T, constant stays.
+    The same curves as transformers.get_scheduler, written out because importing it loads peft (~10 s per run)."""
+    curves = {
+        "cosine": lambda t: 0.5 * (1.0 + math.cos(math.pi * min(t, num_updates) / num_updates)),
+        "linear": lambda t: max(0.0, 1.0 - t / num_updates),
+        "constant": lambda t: 1.0,
+    }
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, curves[kind])
+
+
+def filter_weights(rewards: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Eq. 4 (MLE with filtering): weight 1 for a sample whose normalised reward is above the threshold, else 0."""
+    return (rewards > threshold).float()
+
+
+def rwr_weights(rewards: torch.Tensor, beta: float, max_weight: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 5 (reward-weighted regression): the raw weight exp(R / beta) of every sample of an update batch,
+    and the weight actually used.
+
+    Our choice (the seed leaves it open): the raw weights are divided by their mean over the update batch
+    (self-normalisation: the batch gradient keeps the scale of plain SFT whatever the reward offset, and the
+    loss is the same function of relative weights as eq. 5 within the batch), then clipped at max_weight so
+    that no single sample carries more than max_weight samples' share. With z-normalised rewards and beta = 5
+    the raw weights lie in about [0.5, 2] and the clip rarely binds; it matters for small beta. The exp is
+    computed after subtracting the batch maximum, which cancels in the ratio and cannot overflow."""
+    raw = torch.exp(rewards / beta)
+    shifted = torch.exp((rewards - rewards.max()) / beta)
+    normalised = shifted / shifted.mean()
+    return raw, torch.clamp(normalised, max=max_weight)
+
+
+def dt_reward_prompt(score: float) -> str:
+    """Eq. 6: the reward prompt " <rm_score> a.b" (one decimal).
+
+    The ONLY place the template lives: training and inference both build their prompt here, so the two are
+    byte-identical (a public implementation builds them in two places that differ by one space, so its model
+    is evaluated on a prompt it never saw). The leading space separates it from the query's final "TL;DR:";
+    the response that follows starts with its own space (Detail 3). Rounding can give -0.0, which is written
+    as 0.0 so that one reward has one spelling. `<rm_score>` stays plain text, not a new special token: the
+    tokenizer, vocabulary and pad id stay those of the SFT model and the reward model (their token ids must
+    agree), and no untrained embedding row is added; the model learns the marker from its few subword pieces."""
+    value = round(float(score), 1) + 0.0  # + 0.0 turns -0.0 into 0.0
+    return f" <rm_score> {value:.1f}"
+
+
+def dt_query_tokens(tokenizer, query: str, score: float) -> list:
+    """Token ids of query + reward prompt, as seen at training (score = the sample's normalised reward) and at
+    inference (score = the target). The whole string is tokenized at once, in both cases."""
+    return tokenizer.encode(query + dt_reward_prompt(score))
+
+
+def dt_queries(tokenizer, queries: list, scores: list, pad_token_id: int) -> torch.Tensor:
+    """The DT prompts of a set of rows, left-padded to the longest: (N, W). Training passes each sample's own
+    normalised reward, inference the target reward; both go through dt_query_tokens."""
+    rows = [dt_query_tokens(tokenizer, query, score) for query, score in zip(queries, scores, strict=True)]
+    width = max(len(r) for r in rows)
+    return torch.tensor([[pad_token_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
+
+
+def response_labels(query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
+    """Next-token targets of a (left-padded query [+ reward prompt], right-padded response) batch: only the
+    response tokens and their EOS, -100 everywhere else (query, DT reward prompt, pads)."""
+    labels = query_responses.clone()
+    labels[:, :context_length] = -100
+    return labels.masked_fill(query_responses == pad_token_id, -100)
+
+
+def weighted_response_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                           pad_token_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """sum over samples i and target tokens t of w_i * (-log pi(x_t | x_<t)), divided by the number of target
+    tokens in the micro-batch (so w = 1 is the SFT token mean). Eq. 4: w = 1[R > t]; eq. 5: w = RWR weight;
+    eq. 6 and best-of-n: w = 1. Returns the loss and the per-sample mean token NLL (B,), for logging."""
+    logits = forward(model, query_responses, pad_token_id).logits[:, :-1].float()  # (B, T-1, V)
+    targets = labels[:, 1:]  # (B, T-1): token t is predicted at t - 1
+    mask = targets != -100
+    nll = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")  # (B, T-1)
+    nll = nll * mask
+    loss = (nll * weights.unsqueeze(1)).sum() / mask.sum()
+    return loss, nll.sum(1) / mask.sum(1).clamp(min=1)
+
+
+def best_of_n_select(scores: torch.Tensor, responses: torch.Tensor, n: int):
+    """Rejection sampling (OpenRLHF A.7): rows are grouped as n consecutive candidates per prompt; keep the
+    candidate with the highest RM score. Returns the kept responses (P, Tr), their scores (P,) and index (P,)."""
+    grouped = scores.view(-1, n)  # (P, n)
+    best = grouped.argmax(dim=1)  # (P,)
+    rows = torch.arange(grouped.size(0), device=scores.device) * n + best
+    return responses[rows], grouped.max(dim=1).values, best
+
+
+def trim_columns(queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int):
+    """Drop leading query columns and trailing response columns that are padding in every row (saves compute;
+    positions and masks come from the pads, so the loss and the rewards do not change)."""
+    query_real = (queries != pad_token_id).any(0)
+    first = int(first_true_indices(query_real.unsqueeze(0))[0]) if bool(query_real.any()) else queries.size(1)
+    response_real = (responses != pad_token_id).any(0)
+    last = int(response_real.nonzero().max()) + 1 if bool(response_real.any()) else 1
+    return queries[:, first:], responses[:, :last]
+
+
+def local_rows(num_rows: int, accelerator) -> list:
+    """This process's contiguous share of row indices. Shares are equal in size (the last row is repeated to
+    fill them), so every process runs the same number of generate calls; gather_rows drops the repeats."""
+    per_process = math.ceil(num_rows / accelerator.num_processes)
+    indices = list(range(num_rows)) + [num_rows - 1] * (per_process * accelerator.num_processes - num_rows)
+    return indices[accelerator.process_index * per_process : (accelerator.process_index + 1) * per_process]
+
+
+def gather_rows(pairs: list, num_rows: int) -> list:
+    """Inverse of local_rows: (row index, value) pairs from every process -> the values in row order."""
+    by_row = {}
+    for row, value in gather_object(pairs):
+        by_row.setdefault(row, value)
+    if len(by_row) != num_rows:
+        raise RuntimeError(f"gathered {len(by_row)} rows, expected {num_rows}")
+    return [by_row[i] for i in range(num_rows)]
+
+
+@torch.no_grad()
+def sample_policy(accelerator, model, queries: torch.Tensor, generation_config, tokenizer, batch_size: int, desc: str):
+    """Fixed-length responses (Detail 23) to left-padded queries (N, W), truncated after the first EOS:
+    (N, response_length), the same on every process."""
+    unwrapped = accelerator.unwrap_model(model)
+    was_training = unwrapped.training
+    unwrapped.eval()
+    indices = local_rows(queries.size(0), accelerator)
+    pairs = []
+    for start in tqdm(range(0, len(indices), batch_size), desc=desc, disable=not accelerator.is_main_process):
+        rows = indices[start : start + batch_size]
+        query = queries[rows]
+        query = query[:, int(first_true_indices((query != tokenizer.pad_token_id).any(0).unsqueeze(0))[0]) :]  # drop all-pad columns
+        query = query.to(accelerator.device)
+        query_response, _ = generate(unwrapped, query, tokenizer.pad_token_id, generation_config)
+        response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, query_response[:, query.size(1) :])
+        pairs += list(zip(rows, response.cpu().tolist()))
+    unwrapped.train(was_training)
+    return torch.tensor(gather_rows(pairs, queries.size(0)), dtype=torch.long)
+
+
+@torch.no_grad()
+def score_responses(accelerator, reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+                    batch_size: int, desc: str) -> torch.Tensor:
+    """Raw RM score of every (left-padded query, right-padded response) row, read at the EOS (Detail 12): (N,)."""
+    indices = local_rows(queries.size(0), accelerator)
+    pairs = []
+    for start in tqdm(range(0, len(indices), batch_size), desc=desc, disable=not accelerator.is_main_process):
+        rows = indices[start : start + batch_size]
+        query, response = trim_columns(queries[rows], responses[rows], pad_token_id)
+        query_response = torch.cat((query, response), 1).to(accelerator.device)
+        _, score, _ = get_reward(reward_model, query_response, pad_token_id, query.size(1))
+        pairs += list(zip(rows, score.float().cpu().tolist()))
+    return torch.tensor(gather_rows(pairs, queries.size(0)), dtype=torch.float32)
+
+
+def fingerprint(path: str) -> str:
+    """What identifies a model or dataset for the cache: a local folder's file names, sizes and modification
+    times (so a retrained model at the same path invalidates the cache), or the hub name itself."""
+    if not os.path.isdir(path):
+        return path
+    entries = []
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            stat = os.stat(os.path.join(root, name))
+            entries.append(f"{os.path.relpath(os.path.join(root, name), path)}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
+
+
+def mixture_key(args: Args) -> dict:
+    """Every argument the mixture depends on; a cached mixture is reused only when all of them match."""
+    def where(path: str) -> str:  # a local folder by its absolute path, a hub name as it is
+        return os.path.abspath(path) if os.path.isdir(path) else path
+
+    return {
+        "sft_model_path": where(args.sft_model_path),
+        "sft_model_fingerprint": fingerprint(args.sft_model_path),
+        "reward_model_path": where(args.reward_model_path),
+        "reward_model_fingerprint": fingerprint(args.reward_model_path),
+        "query_dataset": where(args.query_dataset),
+        "query_dataset_fingerprint": fingerprint(args.query_dataset),
+        "preference_dataset": where(args.preference_dataset),
+        "preference_dataset_fingerprint": fingerprint(args.preference_dataset),
+        "train_split": args.train_split,
+        "preference_split": args.preference_split,
+        "response_length": args.response_length,
+        "mixture_size": args.mixture_size,
+        "mixture_weights": list(args.mixture_weights),
+        "mixture_temperature": args.mixture_temperature,
+        "non_eos_penalty": args.non_eos_penalty,
+        "penalty_reward_value": args.penalty_reward_value,
+        "seed": args.seed,
+    }
+
+
+def mixture_counts(size: int, weights: Tuple[float, float, float]) -> Tuple[int, int, int]:
+    """Samples per source (references, preference responses, generated) for relative weights; sums to size."""
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--mixture_weights must be non-negative with a positive sum, got {weights}")
+    total = sum(weights)
+    num_references = round(size * weights[0] / total)
+    num_preference = round(size * weights[1] / total)
+    return num_references, num_preference, size - num_references - num_preference
+
+
+def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> Tuple[Dataset, dict]:
+    """Step 1 (the seed's step 3): draw the three sources, generate, label with the RM, z-normalise."""
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    num_references, num_preference, num_generated = mixture_counts(args.mixture_size, args.mixture_weights)
+    draw = torch.Generator().manual_seed(args.seed)
+    sft_train = load_split(args.query_dataset, args.train_split)
+    query_length = len(sft_train[0]["query_token"])
+    queries, query_texts, responses, sources = [], [], [], []
+
+    # (a) SFT references: " " + summary + EOS, right-padded to response_length
+    if num_references > len(sft_train):
+        raise ValueError(f"{num_references} references requested but {args.train_split} has {len(sft_train)} rows")
+    picked = sft_train.select(torch.randperm(len(sft_train), generator=draw)[:num_references].tolist())
+    for row in tqdm(picked, desc="mixture: references", disable=not accelerator.is_main_process):
+        if len(row["reference_response_token"]) != args.response_length:
+            raise ValueError(
+                f"--response_length {args.response_length} but {args.query_dataset} has responses of "
+                f"{len(row['reference_response_token'])} tokens"
+            )
+        queries.append(row["query_token"])
+        query_texts.append(row["query"])
+        responses.append(row["reference_response_token"])
+        sources.append("reference")
+
+    # (b) preference-pair responses, chosen and rejected. Left out: responses longer than response_length
+    # (the policy never writes them), queries of another length (e.g. CNN/DM rows), exact duplicates (a summary
+    # appears in several comparisons of the same post).
+    preference = load_split(args.preference_dataset, args.preference_split)
+    # the query length of every row, read from the Arrow column without decoding the rows
+    query_lengths = pc.list_value_length(preference.data.column("query_token")).to_pylist()
+    candidates, seen, dropped = [], set(), {"too_long": 0, "query_length": 0, "duplicate": 0}
+    columns = preference.select_columns(["query", "chosen", "rejected", "chosen_token_len", "rejected_token_len"])
+    for i, row in enumerate(tqdm(columns, desc="mixture: preference pool", disable=not accelerator.is_main_process)):
+        for side in ("chosen", "rejected"):
+            if query_lengths[i] != query_length:
+                dropped["query_length"] += 1
+            elif row[f"{side}_token_len"] > args.response_length:
+                dropped["too_long"] += 1
+            elif (row["query"], row[side]) in seen:
+                dropped["duplicate"] += 1
+            else:
+                seen.add((row["query"], row[side]))
+                candidates.append((i, side))
+    if num_preference > len(candidates):
+        raise ValueError(
+            f"{num_preference} preference responses requested but only {len(candidates)} usable ones exist "
+            f"(left out: {dropped}); lower --mixture_size or the preference weight"
+        )
+    chosen_rows = [candidates[j] for j in torch.randperm(len(candidates), generator=draw)[:num_preference].tolist()]
+    picked = preference.select([i for i, _ in chosen_rows])
+    for (_, side), row in zip(chosen_rows, tqdm(picked, desc="mixture: preference", disable=not accelerator.is_main_process)):
+        queries.append(row["query_token"])
+        query_texts.append(row["query"])
+        responses.append(row[f"{side}_token"][: args.response_length])  # the rest was padding
+        sources.append(side)
+
+    # (c) new responses of the SFT model on SFT prompts (greedy by default)
+    if num_generated > len(sft_train):
+        raise ValueError(f"{num_generated} generated responses requested but {args.train_split} has {len(sft_train)} prompts")
+    picked = sft_train.select(torch.randperm(len(sft_train), generator=draw)[:num_generated].tolist())
+    generation_time = 0.0
+    if num_generated > 0:
+        prompts = torch.tensor(picked["query_token"], dtype=torch.long)
+        config = offline_generation_config(args.response_length, args.mixture_temperature, pad_token_id)
+        start = time.time()
+        generated = sample_policy(accelerator, policy, prompts, config, tokenizer, args.local_rollout_batch_size, "mixture: generate")
+        generation_time = time.time() - start
+        queries += prompts.tolist()
+        query_texts += picked["query"]
+        responses += generated.tolist()
+        sources += ["generated"] * num_generated
+
+    # (d) label every (prompt, response) with the RM, then z-normalise over the mixture (the seed's Figure 5)
+    query_tensor = torch.tensor(queries, dtype=torch.long)
+    response_tensor = torch.tensor(responses, dtype=torch.long)
+    start = time.time()
+    raw = score_responses(accelerator, reward_model, query_tensor, response_tensor, pad_token_id,
+                          args.local_rollout_batch_size, "mixture: label")
+    labelling_time = time.time() - start
+    has_eos = (response_tensor == eos_token_id).any(1)
+    if args.non_eos_penalty:
+        raw = torch.where(has_eos, raw, torch.full_like(raw, args.penalty_reward_value))
+    mean, std = raw.mean(), raw.std(unbiased=False)
+    if not std > 0:
+        raise ValueError("every mixture sample has the same reward; z-normalisation is undefined")
+    normalised = (raw - mean) / std
+    dataset = Dataset.from_dict(
+        {
+            "query": query_texts,
+            "query_token": queries,
+            "response_token": responses,
+            "source": sources,
+            "raw_reward": raw.tolist(),
+            "reward": normalised.tolist(),
+        }
+    )
+    stats = {
+        "mixture/size": len(dataset),
+        "mixture/num_references": num_references,
+        "mixture/num_preference": num_preference,
+        "mixture/num_generated": num_generated,
+        "mixture/preference_left_out_too_long": dropped["too_long"],
+        "mixture/preference_left_out_query_length": dropped["query_length"],
+        "mixture/preference_left_out_duplicate": dropped["duplicate"],
+        "mixture/raw_reward_mean": mean.item(),
+        "mixture/raw_reward_std": std.item(),
+        "mixture/eos_rate": has_eos.float().mean().item(),
+        "mixture/generation_s": generation_time,
+        "mixture/labelling_s": labelling_time,
+    }
+    for source in ("reference", "chosen", "rejected", "generated"):
+        selected = [r for r, s in zip(normalised.tolist(), sources) if s == source]
+        if selected:
+            stats[f"mixture/reward_mean_{source}"] = sum(selected) / len(selected)
+    return dataset, stats
+
+
+def load_or_build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> Tuple[Dataset, dict]:
+    """The cached mixture when its recorded arguments match, else a fresh one (saved by the main process)."""
+    key = mixture_key(args)
+    folder = os.path.join(args.cache_dir, "mixture_" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16])
+    meta_path = os.path.join(folder, "meta.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta["args"] == key:
+            accelerator.print(f"[mixture] reusing {folder}")
+            return load_from_disk(os.path.join(folder, "dataset")), {**meta["stats"], "mixture/cache_hit": 1}
+        accelerator.print(f"[mixture] {folder} was built with other arguments; rebuilding it")
+    dataset, stats = build_mixture(args, accelerator, policy, reward_model, tokenizer)
+    if accelerator.is_main_process:
+        os.makedirs(folder, exist_ok=True)
+        dataset.save_to_disk(os.path.join(folder, "dataset"))
+        with open(meta_path, "w") as f:  # written last: its presence marks a complete cache
+            json.dump({"args": key, "stats": stats}, f, indent=2)
+    accelerator.wait_for_everyone()
+    return dataset, {**stats, "mixture/cache_hit": 0}
+
+
+def markdown_rows(df: pd.DataFrame) -> str:
+    """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    for row in df.itertuples(index=False):
+        lines.append("| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |")
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eval_rows: dict, policy_queries: torch.Tensor,
+                    generation_config, reward_stats: Optional[Tuple[float, float]]):
+    """Sample the eval queries (policy_queries: with the DT prompt for dt), score them with the RM on the
+    ORIGINAL query (the reward prompt is an instruction to the policy, not part of the task), and build the
+    sample table in the contract's columns. reward_stats = the mixture's (mean, std), to also report the score
+    in the normalised units of the DT target."""
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    responses = sample_policy(accelerator, model, policy_queries, generation_config, tokenizer,
+                              args.local_rollout_batch_size, "evaluate")
+    queries = eval_rows["query_token"]
+    scores = score_responses(accelerator, reward_model, queries, responses, pad_token_id, args.local_rollout_batch_size, "evaluate: score")
+    has_eos = (responses == eos_token_id).any(1)
+    response_token_len = torch.clamp(first_true_indices(responses == eos_token_id) + 1, max=responses.size(1))
+    df = pd.DataFrame(
+        {
+            "query": [tokenizer.decode(q[q != pad_token_id], skip_special_tokens=True) for q in queries],
+            "response": tokenizer.batch_decode(responses, skip_special_tokens=True),
+            "reference": eval_rows["reference_response"],
+            "score": scores.tolist(),
+            "response_token_len": response_token_len.tolist(),
+            "has_eos": has_eos.tolist(),
+        }
+    )
+    metrics = {
+        "score_mean": float(scores.mean()),
+        "eos_rate": float(has_eos.float().mean()),
+        "response_token_len_mean": float(response_token_len.float().mean()),
+        "num_samples": len(df),
+    }
+    if reward_stats is not None:
+        metrics["score_normalized_mean"] = float(((scores - reward_stats[0]) / reward_stats[1]).mean())
+    return metrics, df
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    # ---- 1. processes, batch arithmetic and precision ----
+    state = PartialState()
+    args.world_size = state.num_processes
+    args.gradient_accumulation_steps = exact_div(
+        args.total_batch_size,
+        args.local_micro_batch_size * args.world_size,
+        "total_batch_size / (local_micro_batch_size * world_size)",
+    )
+    if args.iterations < 1:
+        raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
+    if args.method != "best_of_n" and args.iterations != 1:
+        raise ValueError("--iterations > 1 re-samples from the updated policy: only --method best_of_n does that")
+    if args.rwr_beta <= 0 or args.rwr_max_weight <= 0:
+        raise ValueError("--rwr_beta and --rwr_max_weight must be positive")
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    elif args.bf16 and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
+        raise ValueError("--bf16 needs a GPU with bf16 support; on this machine leave --bf16 unset (float32)")
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # DeepSpeed reads the micro batch from the dataloader, which we do not prepare (our own data order)
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
+    if args.run_name is None:
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join(args.run_dir_root, args.run_name)
+
+    # ---- 2. seeding: mixture draw, weights and data order are the same on every process; sampling differs ----
+    set_seed(args.seed)
+    local_seed = args.seed + accelerator.process_index * 100003
+
+    # ---- 3. tokenizer and models ----
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: a pad distinct from EOS
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        trust_remote_code=args.trust_remote_code,
+    )
+    for model in (policy, reward_model):
+        if model.get_input_embeddings().weight.size(0) < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+        if args.disable_dropout:
+            disable_dropout(model)
+    reward_model.requires_grad_(False).eval().to(accelerator.device)
+    policy.to(accelerator.device)
+    torch.manual_seed(local_seed)  # generation (mixture, best-of-n, evaluation) differs across processes
+
+    # ---- 4. logging ----
+    writer, metrics_file = None, None
+    if accelerator.is_main_process:
+        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=args.run_name, save_code=True)
+        writer = SummaryWriter(run_dir)
+        writer.add_text("hyperparameters", markdown_rows(pd.DataFrame(asdict(args).items(), columns=["key", "value"])))
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    def log(step: int, metrics: dict):
+        if not accelerator.is_main_process:
+            return
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        metrics_file.write(json.dumps({"step": step, "episode": step * args.total_batch_size, **metrics}) + "\n")
+        metrics_file.flush()
+
+    # ---- 5. step 1: the training samples (the cached mixture, or best-of-n's first round) ----
+    costs = {"generation_s": 0.0, "labelling_s": 0.0, "training_s": 0.0}
+    summary, reward_stats = {}, None
+    sft_train = load_split(args.query_dataset, args.train_split)
+    if args.method == "best_of_n":
+        samples_per_round = args.bon_num_prompts
+        if samples_per_round > len(sft_train):
+            raise ValueError(f"--bon_num_prompts {samples_per_round} > {len(sft_train)} prompts in {args.train_split}")
+    else:
+        mixture, mixture_stats = load_or_build_mixture(args, accelerator, policy, reward_model, tokenizer)
+        summary.update(mixture_stats)
+        log(0, mixture_stats)
+        # the cost of building the mixture is paid once and shared; it is counted for every method (Table 3)
+        costs["generation_s"] += mixture_stats["mixture/generation_s"]
+        costs["labelling_s"] += mixture_stats["mixture/labelling_s"]
+        reward_stats = (mixture_stats["mixture/raw_reward_mean"], mixture_stats["mixture/raw_reward_std"])
+        rewards = torch.tensor(mixture["reward"], dtype=torch.float32)
+        if args.method == "filter":
+            # Eq. 4. Samples at or below the threshold would only add zero-loss rows, so they are dropped here
+            # (the seed's filter run is also its cheapest, Table 3); the loss applies the same 0/1 weight anyway.
+            keep = (filter_weights(rewards, args.filter_threshold) > 0).nonzero().squeeze(1).tolist()
+            summary["filter/num_pass"] = len(keep)
+            summary["filter/pass_fraction"] = len(keep) / len(mixture)
+            sources = mixture["source"]
+            for source in ("reference", "chosen", "rejected", "generated"):
+                total = sum(s == source for s in sources)
+                if total:
+                    passed = sum(sources[i] == source for i in keep)
+                    summary[f"filter/pass_fraction_{source}"] = passed / total
+            accelerator.print(f"[filter] {len(keep)} of {len(mixture)} samples have normalised reward > {args.filter_threshold}")
+            mixture = mixture.select(keep)
+        samples_per_round = len(mixture)
+    episodes_per_round = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * samples_per_round
+    updates_per_round = episodes_per_round // args.total_batch_size
+    if updates_per_round == 0:
+        raise ValueError(f"{episodes_per_round} training samples do not fill one update of {args.total_batch_size}")
+    if samples_per_round < args.total_batch_size:
+        raise ValueError(f"{samples_per_round} training samples are fewer than one batch of {args.total_batch_size}")
+    num_updates = updates_per_round * args.iterations
+
+    # ---- 6. optimizer and schedule (over the updates of every iteration) ----
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps)
+    scheduler = offline_lr_schedule(optimizer, args.scheduler, num_updates)
+    model, optimizer = accelerator.prepare(policy, optimizer)
+
+    # ---- evaluation data: the first num_eval_samples rows of the eval split ----
+    eval_dataset = load_split(args.query_dataset, args.eval_split)
+    num_eval = len(eval_dataset) if args.num_eval_samples is None else min(args.num_eval_samples, len(eval_dataset))
+    eval_subset = eval_dataset.select(range(num_eval))
+    eval_rows = {
+        "query": eval_subset["query"],
+        "query_token": torch.tensor(eval_subset["query_token"], dtype=torch.long),
+        "reference_response": eval_subset["reference_response"],
+    }
+    eval_config = offline_generation_config(args.response_length, args.eval_temperature, pad_token_id)
+
+    def eval_queries(target: Optional[float]) -> torch.Tensor:
+        if args.method != "dt":
+            return eval_rows["query_token"]
+        # the same builder as in training, with the target reward in the prompt
+        return dt_queries(tokenizer, eval_rows["query"], [target] * len(eval_rows["query"]), pad_token_id)
+
+    def run_evaluation(step: int, final: bool) -> dict:
+        # dt: the final evaluation visits every target of --dt_eval_targets (Table 1) and --dt_target; the
+        # main table (samples.csv) is the one at --dt_target. Other methods have one prompt, no target.
+        if args.method != "dt":
+            targets = [None]
+        else:
+            targets = list(dict.fromkeys([args.dt_target, *args.dt_eval_targets])) if final else [args.dt_target]
+        out = {}
+        for target in targets:
+            raw_metrics, df = evaluate_policy(args, accelerator, model, reward_model, tokenizer, eval_rows,
+                                              eval_queries(target), eval_config, reward_stats)
+            main_table = target is None or target == args.dt_target
+            metrics = {f"eval/{k}": v for k, v in raw_metrics.items()} if main_table else {}
+            if target is not None and final:
+                metrics.update({f"eval/target_{target:+.1f}/{k}": v for k, v in raw_metrics.items()})
+            out.update(metrics)
+            if accelerator.is_main_process:
+                if main_table:
+                    df.to_csv(os.path.join(run_dir, "samples", f"step_{step:06d}.csv"), index=False)
+                    if final:
+                        df.to_csv(os.path.join(run_dir, "samples.csv"), index=False)
+                if target is not None and final:
+                    df.to_csv(os.path.join(run_dir, f"samples_target_{target:+.1f}.csv"), index=False)
+                name = "eval" if target is None else f"eval/target_{target:+.1f}"
+                table = df.head(args.num_table_samples)[["query", "response", "reference", "score"]]
+                writer.add_text(f"{name}/samples", markdown_rows(table), step)
+                for row in table.itertuples(index=False):
+                    tqdm.write(f"[{name} step {step}] query: ...{row.query[-120:]!r}\n  response: {row.response!r}  score {row.score:.3f}")
+                tqdm.write(f"[{name} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in raw_metrics.items()))
+            log(step, metrics)
+        return out
+
+    # ---- 7. step 2: training rounds (one for the mixture methods, --iterations for best_of_n) ----
+    model.train()
+    data_order = torch.Generator().manual_seed(args.seed)
+    local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    bon_prompt_order, bon_cursor = torch.randperm(len(sft_train), generator=data_order), 0
+    progress = tqdm(total=num_updates, disable=not accelerator.is_main_process, desc=f"offline_rl {args.method}")
+    update, train_tokens, last_loss = 0, 0, float("nan")
+    for iteration in range(args.iterations):
+        # (a) the samples of this round: (queries (N, W) left-padded, responses (N, Tr) right-padded, rewards (N,))
+        if args.method == "best_of_n":
+            if bon_cursor + args.bon_num_prompts > len(sft_train):  # a new pass over the prompts, reshuffled
+                bon_prompt_order, bon_cursor = torch.randperm(len(sft_train), generator=data_order), 0
+            rows = bon_prompt_order[bon_cursor : bon_cursor + args.bon_num_prompts].tolist()
+            bon_cursor += args.bon_num_prompts
+            queries = torch.tensor(sft_train.select(rows)["query_token"], dtype=torch.long)
+            candidates_q = queries.repeat_interleave(args.n, 0)  # (P * n, Tq): n consecutive copies per prompt
+            config = offline_generation_config(args.response_length, args.bon_temperature, pad_token_id)
+            start = time.time()
+            candidates = sample_policy(accelerator, model, candidates_q, config, tokenizer, args.local_rollout_batch_size,
+                                       f"best_of_n {iteration + 1}/{args.iterations}: sample")
+            costs["generation_s"] += time.time() - start
+            start = time.time()
+            scores = score_responses(accelerator, reward_model, candidates_q, candidates, pad_token_id,
+                                     args.local_rollout_batch_size, f"best_of_n {iteration + 1}/{args.iterations}: score")
+            costs["labelling_s"] += time.time() - start
+            responses, best_scores, _ = best_of_n_select(scores, candidates, args.n)
+            rewards = best_scores
+            round_metrics = {
+                "best_of_n/score_mean_all": scores.mean().item(),
+                "best_of_n/score_mean_best": best_scores.mean().item(),
+                "best_of_n/eos_rate_best": (responses == eos_token_id).any(1).float().mean().item(),
+                "best_of_n/iteration": iteration + 1,
+            }
+            summary.update({f"{k}_iter{iteration + 1}": v for k, v in round_metrics.items() if k != "best_of_n/iteration"})
+            log(update, round_metrics)
+            accelerator.print(f"[best_of_n] iteration {iteration + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
+        else:
+            rewards = torch.tensor(mixture["reward"], dtype=torch.float32)
+            responses = torch.tensor(mixture["response_token"], dtype=torch.long)
+            if args.method == "dt":
+                # eq. 6: the sample's own normalised reward goes into the prompt (the same builder as inference)
+                queries = dt_queries(tokenizer, mixture["query"], rewards.tolist(), pad_token_id)
+            else:
+                queries = torch.tensor(mixture["query_token"], dtype=torch.long)
+
+        # (b) one pass of updates: every process draws the same permutation and reads its share of each batch
+        num_samples = queries.size(0)
+        batches_per_epoch = num_samples // args.total_batch_size
+        permutation, position = torch.randperm(num_samples, generator=data_order), 0
+        for _ in range(updates_per_round):
+            if position == batches_per_epoch:  # next epoch, reshuffled; an incomplete last batch is left out
+                permutation, position = torch.randperm(num_samples, generator=data_order), 0
+            global_batch = permutation[position * args.total_batch_size : (position + 1) * args.total_batch_size]
+            position += 1
+            # weights are computed over the whole update batch (identical on every process), then sliced
+            if args.method == "filter":
+                batch_weights = filter_weights(rewards[global_batch], args.filter_threshold)
+            elif args.method == "rwr":
+                _, batch_weights = rwr_weights(rewards[global_batch], args.rwr_beta, args.rwr_max_weight)
+            else:
+                batch_weights = torch.ones(global_batch.numel())
+            local_slice = slice(accelerator.process_index * local_batch_size, (accelerator.process_index + 1) * local_batch_size)
+            local_batch, local_weights = global_batch[local_slice], batch_weights[local_slice]
+            update_start = time.time()
+            stats = torch.zeros(3, device=accelerator.device)  # loss sum, micro-batches, input tokens (non-pad)
+            for micro in range(0, local_batch_size, args.local_micro_batch_size):
+                micro_rows = local_batch[micro : micro + args.local_micro_batch_size]
+                query, response = trim_columns(queries[micro_rows], responses[micro_rows], pad_token_id)
+                query_responses = torch.cat((query, response), 1).to(accelerator.device)
+                labels = response_labels(query_responses, query.size(1), pad_token_id)
+                weights = local_weights[micro : micro + args.local_micro_batch_size].to(accelerator.device)
+                with accelerator.accumulate(model):
+                    loss, _ = weighted_response_loss(model, query_responses, labels, weights, pad_token_id)
+                    accelerator.backward(loss)
+                    optimizer.step()  # a no-op until the last micro-batch of the update
+                    optimizer.zero_grad()
+                stats += torch.stack([loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()])
+            scheduler.step()
+            costs["training_s"] += time.time() - update_start
+            loss_stats = accelerator.reduce(stats, reduction="sum")
+            update += 1
+            train_tokens += int(loss_stats[2])
+            last_loss = (loss_stats[0] / loss_stats[1]).item()  # mean over every micro-batch of the update
+            metrics = {
+                "train/loss": last_loss,
+                "train/lr": scheduler.get_last_lr()[0],
+                "train/tokens_per_s": train_tokens / costs["training_s"],
+                "train/weight_max": batch_weights.max().item(),
+                "train/reward_mean": rewards[global_batch].mean().item(),
+            }
+            progress.update(1)
+            progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+            log(update, metrics)
+            if args.eval_every > 0 and update % args.eval_every == 0 and update != num_updates:
+                run_evaluation(update, final=False)
+    progress.close()
+
+    # ---- 8. step 3: final evaluation, costs (Table 3), model ----
+    eval_start = time.time()
+    summary.update(run_evaluation(num_updates, final=True))
+    summary.update(
+        {
+            "train/loss": last_loss,
+            "train/tokens": train_tokens,
+            "train/updates": num_updates,
+            "train/samples_per_round": samples_per_round,
+            "cost/generation_s": costs["generation_s"],
+            "cost/labelling_s": costs["labelling_s"],
+            "cost/training_s": costs["training_s"],
+            "cost/total_s": costs["generation_s"] + costs["labelling_s"] + costs["training_s"],
+            "cost/evaluation_s": time.time() - eval_start,
+            "wall_time_s": time.time() - start_time,
+        }
+    )
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(args.output_dir)
+        if args.push_to_hub:
+            hub_model_id = args.hub_model_id or (
+                f"{os.path.basename(args.sft_model_path.rstrip('/'))}__{args.exp_name}__{args.method}__{args.seed}"
+            )
+            api = HfApi()
+            api.create_repo(hub_model_id, exist_ok=True)
+            api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+        writer.close()
+        metrics_file.close()
+        if args.track:
+            import wandb
+
+            wandb.finish()
+        print(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

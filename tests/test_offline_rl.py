@@ -1,0 +1,261 @@
+"""offline_rl.py: the filter / RWR / DT / best-of-n math against hand computations, the fixed-length
+generation config, and one subprocess smoke run per method on the built-in task."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("offline_rl", os.path.join(REPO_ROOT, "offline_rl.py"))
+offline_rl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(offline_rl)
+
+PAD, EOS, VOCAB = 1, 0, 32
+
+
+def tiny_lm(seed: int = 0) -> GPTNeoXForCausalLM:
+    torch.manual_seed(seed)
+    config = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32, max_position_embeddings=64, pad_token_id=PAD, eos_token_id=EOS)
+    model = GPTNeoXForCausalLM(config)
+    offline_rl.disable_dropout(model)
+    return model.eval()
+
+
+def hand_token_nll(model, query_responses: torch.Tensor, context_length: int) -> list:
+    """Per sample, the summed -log p of its response tokens (non-pad, after the context), one row at a time
+    without padding: a plain re-computation of what the batched loss should use."""
+    out = []
+    for row in query_responses:
+        query = row[:context_length][row[:context_length] != PAD]
+        response = row[context_length:][row[context_length:] != PAD]
+        ids = torch.cat((query, response)).unsqueeze(0)
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        targets = ids[0, 1:]
+        picked = logprobs[torch.arange(targets.numel()), targets][query.numel() - 1 :]
+        out.append((-picked.sum().item(), response.numel()))
+    return out
+
+
+def batch() -> tuple:
+    # two left-padded queries of width 4, right-padded responses of width 4 (EOS then pads)
+    queries = torch.tensor([[PAD, 5, 6, 7], [8, 9, 10, 11]])
+    responses = torch.tensor([[12, 13, EOS, PAD], [14, EOS, PAD, PAD]])
+    return queries, responses, torch.cat((queries, responses), 1)
+
+
+def test_response_labels_cover_response_tokens_only():
+    queries, responses, query_responses = batch()
+    labels = offline_rl.response_labels(query_responses, queries.size(1), PAD)
+    assert (labels[:, :4] == -100).all()  # the query never carries loss
+    assert labels[0, 4:].tolist() == [12, 13, EOS, -100]  # EOS is a target, pads are not
+    assert labels[1, 4:].tolist() == [14, EOS, -100, -100]
+
+
+def test_filter_loss_is_zero_below_threshold_and_matches_hand_computation():
+    model = tiny_lm()
+    queries, responses, query_responses = batch()
+    labels = offline_rl.response_labels(query_responses, queries.size(1), PAD)
+    hand = hand_token_nll(model, query_responses, queries.size(1))
+    num_tokens = sum(n for _, n in hand)
+
+    # both samples under the threshold: zero loss and zero gradient
+    weights = offline_rl.filter_weights(torch.tensor([-0.5, 0.0]), threshold=0.0)  # 0.0 is not > 0
+    assert weights.tolist() == [0.0, 0.0]
+    loss, _ = offline_rl.weighted_response_loss(model, query_responses, labels, weights, PAD)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+    # only the second sample passes: its summed NLL over the micro-batch's target tokens
+    weights = offline_rl.filter_weights(torch.tensor([-0.5, 0.3]), threshold=0.0)
+    loss, per_sample = offline_rl.weighted_response_loss(model, query_responses, labels, weights, PAD)
+    assert loss.item() == pytest.approx(hand[1][0] / num_tokens, rel=1e-5)
+    assert per_sample.tolist() == pytest.approx([hand[0][0] / hand[0][1], hand[1][0] / hand[1][1]], rel=1e-5)
+    # a higher threshold lets nothing through
+    assert offline_rl.filter_weights(torch.tensor([-0.5, 0.3]), threshold=0.5).sum().item() == 0
+
+
+def test_rwr_weights_follow_exp_r_over_beta_then_normalise_and_clip():
+    rewards = torch.tensor([-1.0, 0.0, 0.5, 2.0])
+    raw, used = offline_rl.rwr_weights(rewards, beta=5.0, max_weight=10.0)
+    assert raw.tolist() == pytest.approx([math.exp(r / 5.0) for r in rewards.tolist()], rel=1e-6)
+    # self-normalised over the batch: same ratios as exp(R / beta), mean 1 (no clip binds here)
+    assert used.mean().item() == pytest.approx(1.0, rel=1e-6)
+    assert (used / used[0]).tolist() == pytest.approx((raw / raw[0]).tolist(), rel=1e-5)
+    # a small beta makes one sample dominate: the clip bounds it, the others keep their ratios
+    raw, used = offline_rl.rwr_weights(torch.tensor([0.0, 0.0, 0.0, 3.0]), beta=0.1, max_weight=2.0)
+    assert raw[3].item() == pytest.approx(math.exp(30.0), rel=1e-5)
+    assert used[3].item() == 2.0 and used[:3].tolist() == pytest.approx([used[0].item()] * 3)
+    assert used[0].item() == pytest.approx(4 / (3 + math.exp(30.0)), rel=1e-4)
+    # huge rewards do not overflow the normalised weights
+    _, used = offline_rl.rwr_weights(torch.tensor([1000.0, 999.0]), beta=1.0, max_weight=10.0)
+    assert torch.isfinite(used).all()
+
+
+def test_rwr_loss_weights_each_sample_by_its_weight():
+    model = tiny_lm(1)
+    queries, responses, query_responses = batch()
+    labels = offline_rl.response_labels(query_responses, queries.size(1), PAD)
+    hand = hand_token_nll(model, query_responses, queries.size(1))
+    weights = torch.tensor([0.25, 1.75])
+    loss, _ = offline_rl.weighted_response_loss(model, query_responses, labels, weights, PAD)
+    expected = (0.25 * hand[0][0] + 1.75 * hand[1][0]) / (hand[0][1] + hand[1][1])
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_dt_reward_prompt_format():
+    assert offline_rl.dt_reward_prompt(1.26) == " <rm_score> 1.3"
+    assert offline_rl.dt_reward_prompt(5) == " <rm_score> 5.0"
+    assert offline_rl.dt_reward_prompt(-2.04) == " <rm_score> -2.0"
+    assert offline_rl.dt_reward_prompt(-0.04) == " <rm_score> 0.0"  # no "-0.0"
+
+
+def test_dt_prompt_identical_at_training_and_inference_and_masked_from_loss(synthetic_task):
+    tokenizer = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
+    pad = tokenizer.pad_token_id
+    query = "SUBREDDIT: r/test\n\nTITLE: a title\n\nPOST: my cat ate my homework.\n\nTL;DR:"
+    response_text = " my cat ate my homework."
+    response = tokenizer.encode(response_text) + [tokenizer.eos_token_id]
+    responses = torch.tensor([response + [pad] * 3])
+
+    # training: the sample's own reward; inference: the target. The same builder gives the same bytes.
+    train_query = offline_rl.dt_queries(tokenizer, [query], [4.96], pad)
+    infer_query = offline_rl.dt_queries(tokenizer, [query], [5.0], pad)
+    assert torch.equal(train_query, infer_query)
+    assert tokenizer.decode(infer_query[0]) == query + " <rm_score> 5.0"
+
+    # the training sequence reads query + reward prompt + response, and only the response carries loss
+    query_responses = torch.cat((offline_rl.dt_queries(tokenizer, [query], [1.26], pad), responses), 1)
+    context_length = query_responses.size(1) - responses.size(1)
+    assert tokenizer.decode(query_responses[0][query_responses[0] != pad], skip_special_tokens=True) == (
+        query + " <rm_score> 1.3" + response_text
+    )
+    labels = offline_rl.response_labels(query_responses, context_length, pad)
+    assert labels[0][labels[0] != -100].tolist() == response
+    prompt_tokens = len(tokenizer.encode(query + " <rm_score> 1.3")) - len(tokenizer.encode(query))
+    assert prompt_tokens > 0
+    assert (labels[0, context_length - prompt_tokens : context_length] == -100).all()
+
+
+def test_best_of_n_keeps_the_arg_max_per_prompt():
+    n = 4
+    scores = torch.tensor([0.1, 0.9, -0.3, 0.2, 5.0, -1.0, 4.9, 0.0, -2.0, -3.0, -1.5, -2.5])
+    responses = torch.arange(12).unsqueeze(1).repeat(1, 3)  # row r holds the value r
+    kept, best_scores, best = offline_rl.best_of_n_select(scores, responses, n)
+    assert best.tolist() == [1, 0, 2]
+    assert kept[:, 0].tolist() == [1, 4, 10]
+    assert best_scores.tolist() == pytest.approx([0.9, 5.0, -1.5])
+
+
+def test_generation_is_fixed_length_and_eos_can_appear():
+    """Detail 23: exactly L new tokens come back, greedy or sampled, even when EOS is the likeliest token."""
+    model = tiny_lm()
+    with torch.no_grad():  # make EOS the arg-max at every step
+        model.gpt_neox.final_layer_norm.weight.zero_()
+        model.gpt_neox.final_layer_norm.bias.fill_(1.0)
+        model.get_output_embeddings().weight.zero_()
+        model.get_output_embeddings().weight[EOS] = 10.0
+    queries = torch.tensor([[PAD, 5, 6, 7], [8, 9, 10, 11]])
+    for temperature in (0.0, 0.7):
+        config = offline_rl.offline_generation_config(6, temperature, PAD)
+        query_responses, logits = offline_rl.generate(model, queries, PAD, config)
+        responses = query_responses[:, 4:]
+        assert responses.shape == (2, 6) and logits.shape[1] == 6
+        assert (responses == EOS).any(1).all()
+        truncated = offline_rl.truncate_response(EOS, PAD, responses)
+        first = offline_rl.first_true_indices(responses == EOS)
+        for i in range(2):
+            assert truncated[i, first[i]] == EOS and (truncated[i, first[i] + 1 :] == PAD).all()
+
+
+def test_mixture_counts_follow_the_weights():
+    assert offline_rl.mixture_counts(100, (1.0, 1.0, 1.0)) == (33, 33, 34)
+    assert offline_rl.mixture_counts(10, (2.0, 0.0, 3.0)) == (4, 0, 6)
+    with pytest.raises(ValueError):
+        offline_rl.mixture_counts(10, (0.0, 0.0, 0.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# Smoke runs: the base model stands in for the SFT model, an untrained one-label head for the RM.
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smoke_setup(synthetic_task, tmp_path_factory):
+    root = tmp_path_factory.mktemp("offline_rl")
+    rm_path = str(root / "rm")
+    rm = AutoModelForSequenceClassification.from_pretrained(synthetic_task["base_model"], num_labels=1)
+    rm.save_pretrained(rm_path)
+    AutoTokenizer.from_pretrained(synthetic_task["base_model"]).save_pretrained(rm_path)
+    return {"root": root, "rm": rm_path, "task": synthetic_task}
+
+
+def run_method(setup: dict, method: str, *extra: str) -> tuple[dict, str]:
+    task, root = setup["task"], setup["root"]
+    run_name = f"smoke_{method}"
+    cmd = [
+        sys.executable, os.path.join(REPO_ROOT, "offline_rl.py"), "--method", method,
+        "--sft_model_path", task["base_model"], "--reward_model_path", setup["rm"],
+        "--query_dataset", task["sft"], "--preference_dataset", task["preference"],
+        "--response_length", str(task["task"]["sft_response_length"]),
+        "--cache_dir", str(root / "cache"), "--run_dir_root", str(root / "runs"), "--run_name", run_name,
+        "--output_dir", str(root / f"model_{method}"),
+        "--mixture_size", "32", "--total_batch_size", "8", "--local_micro_batch_size", "4",
+        "--num_eval_samples", "4", "--local_rollout_batch_size", "16", "--lr", "1e-4", *extra,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir = str(root / "runs" / run_name)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    samples = pd.read_csv(os.path.join(run_dir, "samples.csv"))
+    assert list(samples.columns) == ["query", "response", "reference", "score", "response_token_len", "has_eos"]
+    assert len(samples) == 4 and samples["score"].notna().all()
+    assert os.path.exists(os.path.join(root, f"model_{method}", "model.safetensors"))
+    for key in ("cost/generation_s", "cost/labelling_s", "cost/training_s", "wall_time_s"):
+        assert summary[key] > 0, key
+    return summary, run_dir
+
+
+def test_smoke_dt_then_filter_and_rwr_reuse_the_cache(smoke_setup):
+    summary, run_dir = run_method(smoke_setup, "dt", "--dt_eval_targets", "-5", "0", "5")
+    assert summary["mixture/cache_hit"] == 0 and summary["mixture/size"] == 32
+    for target in ("-5.0", "+0.0", "+5.0"):
+        assert os.path.exists(os.path.join(run_dir, f"samples_target_{target}.csv"))
+        assert f"eval/target_{target}/score_mean" in summary
+
+    summary, _ = run_method(smoke_setup, "filter")
+    assert summary["mixture/cache_hit"] == 1  # the same mixture arguments: no second labelling pass
+    assert 0 < summary["filter/num_pass"] < 32
+
+    summary, _ = run_method(smoke_setup, "rwr")
+    assert summary["mixture/cache_hit"] == 1
+    assert summary["train/updates"] == 4  # 32 samples / batch 8
+
+
+def test_smoke_best_of_n_two_iterations(smoke_setup):
+    summary, _ = run_method(smoke_setup, "best_of_n", "--n", "2", "--bon_num_prompts", "8", "--iterations", "2")
+    assert summary["train/updates"] == 2
+    for iteration in (1, 2):
+        assert summary[f"best_of_n/score_mean_best_iter{iteration}"] >= summary[f"best_of_n/score_mean_all_iter{iteration}"]
+
+
+def test_lr_schedule_curves():
+    for kind, expected in (("cosine", [1.0, 0.5, 0.0]), ("linear", [1.0, 0.5, 0.0]), ("constant", [1.0, 1.0, 1.0])):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+        scheduler = offline_rl.offline_lr_schedule(optimizer, kind, num_updates=4)
+        seen = []
+        for step in range(5):
+            if step in (0, 2, 4):
+                seen.append(scheduler.get_last_lr()[0] / 2.0)
+            optimizer.step()
+            scheduler.step()
+        assert seen == pytest.approx(expected, abs=1e-9), kind
