@@ -102,9 +102,9 @@ class Args:
     A.7); the other methods train on the fixed mixture, so they take 1"""
 
     # ---- models and data ----
-    sft_model_path: str = "EleutherAI/pythia-1b-deduped"
+    sft_model_path: str = "models/sft"
     """the SFT model: the policy to align, and the generator of the mixture's new responses; its tokenizer is used"""
-    reward_model_path: str = "EleutherAI/pythia-1b-deduped"
+    reward_model_path: str = "models/rm"
     """the reward model (reward.py output: AutoModelForSequenceClassification with one label)"""
     trust_remote_code: bool = False
     """allow model code from the hub (needed by some architectures)"""

@@ -57,6 +57,8 @@ TASK = {"query_length": 128, "sft_response_length": 24, "rm_response_length": 32
 
 OFFLINE = ["--mixture_size", "2400", "--total_batch_size", "32", "--local_micro_batch_size", "16", "--lr", "1e-3",
            "--num_eval_samples", "200", "--local_rollout_batch_size", "100"]
+OFFLINE_CI = ["--mixture_size", "48", "--total_batch_size", "16", "--local_micro_batch_size", "16", "--lr", "1e-3",
+              "--num_eval_samples", "16", "--local_rollout_batch_size", "16"]
 SETTINGS = {
     "quickstart": {
         "prep": [],
@@ -64,8 +66,8 @@ SETTINGS = {
                 "--num_eval_samples", "200"],
         "rm": ["--lr", "5e-4", "--total_batch_size", "32", "--local_micro_batch_size", "32", "--total_episodes", "3008",
                "--num_normalization_samples", "512", "--local_eval_batch_size", "64"],
-        "ppo": ["--lr", "3e-5", "--total_episodes", "4096", "--batch_size", "64", "--local_micro_batch_size", "16",
-                "--num_eval_samples", "200", "--eval_every", "8"],
+        "ppo": ["--lr", "1e-4", "--total_episodes", "1536", "--total_batch_size", "32", "--local_micro_batch_size", "16",
+                "--local_rollout_forward_batch_size", "32", "--num_eval_samples", "200", "--eval_every", "8"],
         "dpo": ["--lr", "1e-4", "--beta", "0.1", "--total_batch_size", "32", "--local_micro_batch_size", "16",
                 "--num_eval_samples", "200"],
         "ilql": [],
@@ -83,15 +85,15 @@ SETTINGS["ci"] = {
             "--num_eval_samples", "32"],
     "rm": ["--lr", "1e-3", "--total_batch_size", "16", "--local_micro_batch_size", "16", "--total_episodes", "64",
            "--num_eval_samples", "32"],
-    "ppo": ["--lr", "3e-5", "--total_episodes", "32", "--batch_size", "16", "--local_micro_batch_size", "8",
+    "ppo": ["--lr", "1e-4", "--total_episodes", "32", "--total_batch_size", "16", "--local_micro_batch_size", "8",
             "--num_eval_samples", "32", "--eval_every", "1"],
     "dpo": ["--lr", "1e-4", "--total_batch_size", "16", "--local_micro_batch_size", "8", "--total_episodes", "32",
             "--num_eval_samples", "32"],
     "ilql": [],
-    "offline_filter": [],
-    "offline_rwr": [],
-    "offline_dt": [],
-    "offline_best_of_n": [],
+    "offline_filter": OFFLINE_CI,
+    "offline_rwr": OFFLINE_CI,
+    "offline_dt": OFFLINE_CI,
+    "offline_best_of_n": OFFLINE_CI + ["--n", "2", "--bon_num_prompts", "16"],
 }
 
 QUICKSTART_STAGES = ["prep", "sft", "rm", "ppo", "dpo", "judge", "report"]

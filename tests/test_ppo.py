@@ -1,0 +1,404 @@
+"""Tests of ppo.py: the subtle math against hand computations, the Details that can be checked on
+tiny models (7, 21, 22, 23), the trlX / OpenRLHF options, and two subprocess smoke runs."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GenerationConfig,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    GPTNeoXForSequenceClassification,
+)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC = importlib.util.spec_from_file_location("ppo", os.path.join(REPO_ROOT, "ppo.py"))
+ppo = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(ppo)
+
+PAD, EOS, VOCAB = 19, 3, 20
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def tiny_config(dropout: float = 0.0) -> GPTNeoXConfig:
+    return GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=64, eos_token_id=EOS, bos_token_id=EOS, pad_token_id=PAD,
+        hidden_dropout=dropout, attention_dropout=dropout, num_labels=1,
+    )
+
+
+def make_args(**ppo_overrides):
+    args = ppo.Args()
+    for key, value in ppo_overrides.items():
+        setattr(args.ppo, key, value)
+    return args
+
+
+def fixed_config(length: int, temperature: float = 0.7) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=length, temperature=temperature, top_k=0, top_p=1.0, do_sample=True,
+                            eos_token_id=[], pad_token_id=PAD, suppress_tokens=[PAD])
+
+
+# ------------------------------------------------------------------------------------------------
+# GAE, reward placement, EOS trick
+# ------------------------------------------------------------------------------------------------
+def test_gae_matches_plain_loop_with_masks():
+    torch.manual_seed(0)
+    B, T, gamma, lam = 6, 9, 0.9, 0.8
+    rewards, values = torch.randn(B, T), torch.randn(B, T)
+    last = torch.tensor([0, 3, 8, 5, 8, 2])  # episode ends (EOS or last token)
+    mask = torch.arange(T).unsqueeze(0) <= last.unsqueeze(1)
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma, lam)
+    for i in range(B):
+        end = last[i].item()
+        expected_adv = [0.0] * T
+        running = 0.0
+        for t in range(end, -1, -1):
+            next_value = values[i, t + 1].item() if t < end else 0.0  # terminal after the EOS
+            delta = rewards[i, t].item() + gamma * next_value - values[i, t].item()
+            running = delta + gamma * lam * running
+            expected_adv[t] = running
+        torch.testing.assert_close(advantages[i], torch.tensor(expected_adv), atol=1e-5, rtol=1e-5)
+        expected_ret = [expected_adv[t] + values[i, t].item() if t <= end else 0.0 for t in range(T)]
+        torch.testing.assert_close(returns[i], torch.tensor(expected_ret), atol=1e-5, rtol=1e-5)
+
+
+def shaped_example(args, scores, responses, seed=0):
+    torch.manual_seed(seed)
+    B, T = responses.shape
+    data = {"responses": responses, "scores": scores, "logprobs": -torch.rand(B, T),
+            "ref_logprobs": -torch.rand(B, T), "values": torch.randn(B, T)}
+    out = ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, ppo.RunningMoments(), lambda x: x)
+    return data, out
+
+
+def test_reward_at_eos_and_masking():
+    args = make_args(whiten_advantages=False)
+    # row 0: EOS at index 2; row 1: no EOS (score at the last token); row 2: EOS at index 0
+    raw = torch.tensor([[5, 6, EOS, 7, 8], [5, 6, 7, 8, 9], [EOS, 4, 4, 4, 4]])
+    responses = ppo.truncate_response(EOS, PAD, raw)
+    assert responses.tolist() == [[5, 6, EOS, PAD, PAD], [5, 6, 7, 8, 9], [EOS, PAD, PAD, PAD, PAD]]
+    scores = torch.tensor([2.0, 3.0, 4.0])
+    data, out = shaped_example(args, scores, responses)
+    assert out["last_index"].tolist() == [2, 4, 0]
+    kl = data["logprobs"] - data["ref_logprobs"]
+    expected = -args.ppo.kl_coef * kl * out["mask"]
+    expected[0, 2] += 2.0
+    expected[1, 4] += -1.0  # EOS trick: no EOS -> penalty replaces the score
+    expected[2, 0] += 4.0
+    torch.testing.assert_close(out["rewards"], expected)
+    after_eos = ~out["mask"]
+    assert after_eos.sum() == 6
+    for name in ("rewards", "values", "advantages", "returns", "kl", "non_score_reward"):
+        assert (out[name][after_eos] == 0).all(), name
+    # a masked position carries no loss: changing it leaves the losses unchanged
+    loss_inputs = [torch.randn(3, 5) for _ in range(6)]
+    pg, vf, _ = ppo.ppo_losses(*loss_inputs, out["mask"], 0.2, 0.2)
+    loss_inputs[0] = loss_inputs[0] + 5.0 * after_eos
+    loss_inputs[3] = loss_inputs[3] + 5.0 * after_eos
+    pg2, vf2, _ = ppo.ppo_losses(*loss_inputs, out["mask"], 0.2, 0.2)
+    torch.testing.assert_close((pg, vf), (pg2, vf2))
+
+
+def test_eos_trick_hits_exactly_the_no_eos_responses():
+    responses = ppo.truncate_response(EOS, PAD, torch.tensor([[5, EOS, 7], [5, 6, 7], [EOS, 6, 6], [8, 8, 8]]))
+    scores = torch.tensor([0.5, 0.6, 0.7, 0.8])
+    penalised, contains_eos = ppo.apply_eos_trick(scores, responses, EOS, -1.0)
+    assert contains_eos.tolist() == [True, False, True, False]
+    assert penalised.tolist() == pytest.approx([0.5, -1.0, 0.7, -1.0])
+    args = make_args()
+    args.non_eos_penalty = False
+    _, out = shaped_example(args, scores, responses)
+    assert out["scores"].tolist() == pytest.approx(scores.tolist())  # flag off: raw scores kept
+
+
+def test_data_order_reshuffles_each_pass():
+    # Detail 21: 10 rows, global batch 4 over 2 ranks -> 2 batches per pass, the last 2 rows dropped
+    gens = [ppo.shuffled_query_batches(10, 4, seed=3, process_index=r, num_processes=2) for r in range(2)]
+    passes = []
+    for _ in range(3):
+        rows = [torch.cat([next(g) for g in gens]) for _ in range(2)]
+        passes.append(torch.cat(rows))
+    for rows in passes:
+        assert len(set(rows.tolist())) == 8  # without replacement within a pass
+    assert passes[0].tolist() != passes[1].tolist()  # reshuffled between passes
+
+
+# ------------------------------------------------------------------------------------------------
+# trlX / OpenRLHF options: each changes the computation
+# ------------------------------------------------------------------------------------------------
+def test_kl_estimators():
+    logprobs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    k1 = ppo.kl_per_token(logprobs, ref, "k1")
+    k3 = ppo.kl_per_token(logprobs, ref, "k3")
+    torch.testing.assert_close(k1, torch.tensor([[0.5, -1.0]]))
+    r = torch.exp(ref - logprobs)
+    torch.testing.assert_close(k3, r - 1 - torch.log(r))
+    assert (k3 >= 0).all()
+    responses = torch.tensor([[5, 6, EOS, PAD]])
+    outs = [shaped_example(make_args(kl_estimator=e), torch.tensor([1.0]), responses)[1] for e in ("k1", "k3")]
+    assert not torch.allclose(outs[0]["rewards"], outs[1]["rewards"])
+
+
+def test_adaptive_kl_controller():
+    controller = ppo.AdaptiveKLController(0.05, target=6.0, horizon=1000)
+    controller.update(current_kl=9.0, num_episodes=100)  # error 0.5 clipped to 0.2
+    assert controller.value == pytest.approx(0.05 * (1 + 0.2 * 100 / 1000))
+    controller.update(current_kl=5.4, num_episodes=100)  # error -0.1
+    assert controller.value == pytest.approx(0.05 * 1.02 * (1 - 0.1 * 0.1))
+
+
+def test_running_std_reward_scaling_and_clip():
+    moments = ppo.RunningMoments()
+    a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, -4.0])
+    moments.update(a)
+    moments.update(b)
+    both = torch.cat([a, b])
+    assert moments.mean == pytest.approx(both.mean().item())
+    assert moments.std == pytest.approx(both.std(unbiased=False).item(), rel=1e-6)
+    responses = torch.tensor([[5, EOS, PAD], [5, 6, EOS]])
+    scores = torch.tensor([4.0, -2.0])
+    plain = shaped_example(make_args(), scores, responses)[1]["scores"]
+    scaled = shaped_example(make_args(scale_rewards=True), scores, responses)[1]["scores"]
+    torch.testing.assert_close(scaled, scores / scores.std(unbiased=False))  # first batch: its own std
+    clipped = shaped_example(make_args(reward_clip=1.5), scores, responses)[1]["scores"]
+    assert plain.tolist() == [4.0, -2.0] and clipped.tolist() == [1.5, -1.5]
+
+
+def test_reward_whitening_changes_rewards():
+    responses = torch.tensor([[5, EOS, PAD], [5, 6, EOS]])
+    scores = torch.tensor([4.0, -2.0])
+    plain = shaped_example(make_args(), scores, responses)[1]
+    whitened = shaped_example(make_args(whiten_rewards=True), scores, responses)[1]
+    masked = whitened["rewards"][plain["mask"]]
+    assert masked.var(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+    assert not torch.allclose(plain["rewards"], whitened["rewards"])
+
+
+def test_ptx_loss_is_nll_on_labels_only():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4, VOCAB)
+    labels = torch.tensor([[PAD, PAD, 7, EOS]])
+    logp = torch.log_softmax(logits, -1)
+    expected = -(logp[0, 1, 7] + logp[0, 2, EOS]) / 2
+    torch.testing.assert_close(ppo.sft_loss(logits, labels, PAD), expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiny models: generation (Detail 23), Detail 7, Detail 22, Hydra / LoRA references
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+def tiny_rollout(accelerator, policy, critic, reward_model, ref_policy, length=6, batch=6):
+    torch.manual_seed(1)
+    queries = torch.randint(4, 18, (batch, 5))
+    queries[:3, :2] = PAD  # left padding
+    args = ppo.Args(response_length=length, local_rollout_forward_batch_size=4)
+    model = ppo.PolicyAndValue(policy, critic)
+    timers = {"generation": 0.0, "scoring": 0.0}
+    tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
+    model.eval()
+    data = ppo.rollout(args, accelerator, model, ref_policy, reward_model, queries, tok, fixed_config(length), timers)
+    return model, queries, data
+
+
+def test_generation_fixed_length_and_eos_can_appear(accelerator):
+    torch.manual_seed(0)
+    policy = GPTNeoXForCausalLM(tiny_config()).eval()
+    with torch.no_grad():
+        policy.get_output_embeddings().weight[EOS] += 4.0  # EOS very likely, also right after an EOS
+    queries = torch.tensor([[PAD, PAD, 5, 6], [7, 8, 9, 10]])
+    query_responses, logits = ppo.generate(policy, queries, PAD, fixed_config(12))
+    responses = query_responses[:, 4:]
+    assert responses.shape == (2, 12) and logits.shape == (2, 12, VOCAB)
+    assert (responses == EOS).any()
+    eos_rows = (responses == EOS).any(1)
+    first_eos = ppo.first_true_indices(responses == EOS)
+    assert (first_eos[eos_rows] < 11).any()  # generation went on after an EOS
+    assert not (responses == PAD).any()  # [PAD] is never sampled
+
+
+@pytest.mark.parametrize("dropout_off", [True, False])
+def test_detail7_first_ratio_is_one_only_without_dropout(accelerator, dropout_off):
+    torch.manual_seed(0)
+    policy = GPTNeoXForCausalLM(tiny_config(dropout=0.3))
+    critic = GPTNeoXForSequenceClassification(tiny_config(dropout=0.3))
+    reward_model = GPTNeoXForSequenceClassification(tiny_config()).eval()
+    ref = GPTNeoXForCausalLM(tiny_config()).eval()
+    if dropout_off:
+        ppo.disable_all_dropout(policy)
+        ppo.disable_all_dropout(critic)
+    model, queries, data = tiny_rollout(accelerator, policy, critic, reward_model, ref)
+    mask, _ = ppo.response_mask(data["responses"], PAD)
+    model.train()
+    torch.manual_seed(5)
+    idx = torch.randperm(queries.size(0))[:4]  # the first micro batch of the first epoch
+    new_logprobs, _, _, _ = ppo.policy_value_forward(model, data["query_responses"][idx], 5, 0.7, PAD)
+    ratio = torch.exp(new_logprobs - data["logprobs"][idx])[mask[idx]]
+    if dropout_off:
+        assert (ratio - 1).abs().max().item() < 1e-5
+    else:
+        assert (ratio - 1).abs().max().item() > 1e-2
+
+
+def test_detail22_critic_value_at_eos_equals_rm_score(accelerator, tmp_path):
+    torch.manual_seed(0)
+    GPTNeoXForSequenceClassification(tiny_config()).save_pretrained(tmp_path / "rm")
+    GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path / "sft")
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", num_labels=1).eval()
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+    with torch.no_grad():
+        policy.get_output_embeddings().weight[EOS] += 2.0
+    gaps = {}
+    for init in ("reward", "sft"):
+        torch.manual_seed(0)
+        critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / init if init == "sft" else
+                                                                    tmp_path / "rm", num_labels=1).eval()
+        _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, policy)
+        _, last_index = ppo.response_mask(data["responses"], PAD)
+        context_length = 5
+        sequences = torch.cat((data["query_responses"][:, :context_length], data["responses"]), 1)
+        full_values, _, _ = ppo.get_reward(critic, sequences, PAD, context_length)
+        value_at_eos = full_values[torch.arange(6), context_length + last_index]
+        gaps[init] = (value_at_eos - data["scores"]).abs().max().item()
+    assert gaps["reward"] < 1e-5
+    assert gaps["sft"] > 1e-3  # the ablation's fresh head does not match the RM
+
+
+def train_a_few_steps(model, data, context_length=5):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for _ in range(3):
+        new_logprobs, _, vpred, _ = ppo.policy_value_forward(model, data["query_responses"], context_length, 0.7, PAD)
+        loss = -new_logprobs.mean() + vpred.pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("mode", ["hydra", "lora"])
+def test_shared_reference_equals_frozen_sft_copy(accelerator, tmp_path, mode):
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path / "sft")
+    sft_copy = AutoModelForCausalLM.from_pretrained(tmp_path / "sft").eval()
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+    if mode == "hydra":
+        ref = ppo.build_hydra_reference(policy, num_layers_unfrozen=1)
+        layers = ppo.decoder_layers(policy)
+        assert ppo.decoder_layers(ref)[0] is layers[0] and ppo.decoder_layers(ref)[2] is not layers[2]
+        trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+        assert trainable and all("layers.0." not in n and "layers.1." not in n for n in trainable)
+    else:
+        policy = ppo.get_peft_model(policy, ppo.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+        ref = None
+    critic = GPTNeoXForSequenceClassification(tiny_config())
+    reward_model = GPTNeoXForSequenceClassification(tiny_config()).eval()
+    model, queries, data = tiny_rollout(accelerator, policy, critic, reward_model, ref)
+    train_a_few_steps(model, data)
+    model.eval()
+    with torch.no_grad():
+        qr = data["query_responses"]
+        ref_logits = ppo.reference_logits(ref, model.policy, qr, PAD)
+        sft_logits = ppo.forward(sft_copy, qr, PAD).logits
+        policy_logits = ppo.forward(model.policy, qr, PAD).logits
+    keep = qr != PAD
+    torch.testing.assert_close(ref_logits[keep], sft_logits[keep], atol=1e-5, rtol=1e-5)
+    assert (policy_logits[keep] - sft_logits[keep]).abs().max() > 1e-3  # the policy did move
+
+
+# ------------------------------------------------------------------------------------------------
+# Subprocess smoke runs on the built-in task
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_models(synthetic_task, tmp_path_factory):
+    """The base model stands in for the SFT policy; an RM is the base model with a fresh scalar head."""
+    root = tmp_path_factory.mktemp("ppo_models")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(synthetic_task["base_model"], num_labels=1)
+    rm.save_pretrained(root / "rm")
+    tokenizer.save_pretrained(root / "rm")
+    return {"sft": synthetic_task["base_model"], "rm": str(root / "rm")}
+
+
+def smoke_command(synthetic_task, tiny_models, tmp_path, extra):
+    task = json.load(open(synthetic_task["task_json"]))
+    return [
+        "--sft_model_path", tiny_models["sft"], "--reward_model_path", tiny_models["rm"],
+        "--query_dataset", synthetic_task["sft"], "--response_length", str(task["sft_response_length"]),
+        "--total_episodes", "16", "--total_batch_size", "8", "--local_micro_batch_size", "2",
+        "--local_rollout_forward_batch_size", "8", "--ppo.num_ppo_epochs", "2", "--ppo.num_mini_batches", "2",
+        "--num_eval_samples", "8", "--eval_every", "1", "--output_dir", str(tmp_path / "policy"),
+        "--run_dir_root", str(tmp_path / "runs"), "--run_name", "smoke", *extra,
+    ]
+
+
+def check_run(tmp_path):
+    run_dir = tmp_path / "runs" / "smoke"
+    summary = json.load(open(run_dir / "summary.json"))
+    for key in ("eval/score", "eval/eos_rate", "objective/kl", "episodes_per_second", "wall_time_s"):
+        assert key in summary
+    lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    train = [m for m in lines if "ppo/val/ratio" in m]
+    assert len(train) == 2
+    for key in ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+                "objective/scores", "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg", "ppo/loss/policy_avg",
+                "ppo/loss/value_avg", "ppo/val/clipfrac_avg", "ppo/val/ratio", "ppo/val/ratio_var",
+                "ppo/val/num_eos_tokens", "lr", "episode", "episodes_per_second"):
+        assert key in train[0], key
+    import pandas as pd
+
+    table = pd.read_csv(run_dir / "samples.csv")
+    assert list(table.columns) == ["query", "response", "reference", "score", "response_token_len", "has_eos"]
+    assert len(table) == 8
+    assert (run_dir / "samples" / "step_000001.csv").exists()
+    assert (tmp_path / "policy" / "model.safetensors").exists()
+    return summary, train
+
+
+def test_smoke_single_process_with_options(synthetic_task, tiny_models, tmp_path):
+    extra = ["--ppo.kl_estimator", "k3", "--ppo.adaptive_kl", "--ppo.scale_rewards", "--ppo.reward_clip", "5",
+             "--ppo.ptx_coef", "0.1"]
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "ppo.py"), *smoke_command(synthetic_task, tiny_models, tmp_path,
+                                                                               extra)]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, train = check_run(tmp_path)
+    assert train[1]["objective/kl_coef"] != train[0]["objective/kl_coef"]  # the adaptive controller moved
+    assert train[0]["ppo/loss/ptx_avg"] > 0
+
+
+def test_smoke_two_processes_frozen_actor(synthetic_task, tiny_models, tmp_path):
+    """2 processes (gloo on CPU); the actor stays frozen for both updates, so the saved policy must
+    equal the SFT policy bit for bit while the critic trains."""
+    extra = ["--ppo.freeze_actor_updates", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           os.path.join(REPO_ROOT, "ppo.py"), *smoke_command(synthetic_task, tiny_models, tmp_path, extra)]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, train = check_run(tmp_path)
+    assert train[0]["ppo/loss/value_avg"] > 0
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()
+    original = AutoModelForCausalLM.from_pretrained(tiny_models["sft"]).state_dict()
+    assert saved.keys() == original.keys()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, original[name], atol=0, rtol=0)
