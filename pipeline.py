@@ -70,7 +70,8 @@ SETTINGS = {
                 "--local_rollout_forward_batch_size", "32", "--num_eval_samples", "200", "--eval_every", "8"],
         "dpo": ["--lr", "1e-4", "--beta", "0.1", "--total_batch_size", "32", "--local_micro_batch_size", "16",
                 "--num_eval_samples", "200"],
-        "ilql": [],
+        "ilql": ["--lr", "1e-3", "--total_episodes", "6400", "--total_batch_size", "32", "--local_micro_batch_size", "32",
+                 "--num_eval_samples", "200", "--local_eval_batch_size", "50", "--ilql.alpha", "0.1"],
         "offline_filter": OFFLINE,
         "offline_rwr": OFFLINE,
         "offline_dt": OFFLINE,
@@ -89,7 +90,7 @@ SETTINGS["ci"] = {
             "--num_eval_samples", "32", "--eval_every", "1"],
     "dpo": ["--lr", "1e-4", "--total_batch_size", "16", "--local_micro_batch_size", "8", "--total_episodes", "32",
             "--num_eval_samples", "32"],
-    "ilql": [],
+    "ilql": ["--total_episodes", "48", "--total_batch_size", "8", "--local_micro_batch_size", "4", "--num_eval_samples", "6"],
     "offline_filter": OFFLINE_CI,
     "offline_rwr": OFFLINE_CI,
     "offline_dt": OFFLINE_CI,
@@ -175,7 +176,8 @@ class Pipeline:
                        *self.settings["dpo"])
 
     def cmd_ilql(self) -> list[str]:
-        return self.py("ilql.py", *self.common("ilql"), "--model_path", f"{self.models}/sft",
+        # trlX trained ILQL from the base model (see ilql.py --init_from)
+        return self.py("ilql.py", *self.common("ilql"), "--init_from", "base", "--model_path", f"{self.data}/base_model",
                        "--reward_model_path", f"{self.models}/rm", "--preference_dataset", f"{self.data}/preference",
                        "--query_dataset", f"{self.data}/sft", "--response_length", str(TASK["sft_response_length"]),
                        "--output_dir", f"{self.models}/ilql", *self.settings["ilql"])
