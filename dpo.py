@@ -1,0 +1,735 @@
+"""Direct Preference Optimization (DPO) and its variants (IPO, hinge, conservative DPO) on TL;DR.
+
+Appendix A of "The N+ Implementation Details of RLHF with PPO" (eq. 4-5), Detail 19 and Table 6;
+IPO and conservative DPO (cDPO) as listed in OpenRLHF (Appendix A.4).
+
+The policy and a frozen reference both start from the SFT model. Each preference pair (x, y_c, y_r)
+is scored by the SUM of the response tokens' log-probabilities under both models, and the loss
+pushes the policy's log-ratio of the chosen response above the rejected one. The same log-ratios
+give DPO's implicit reward model r(x, y) = beta * log(pi(y|x) / pi_ref(y|x)) (eq. 5), whose
+validation accuracy we report in the same table as reward.py (Detail 19).
+
+Single process:   python dpo.py --sft_model_path models/sft --output_dir models/dpo
+Several GPUs:     accelerate launch --config_file zero2.yaml dpo.py --sft_model_path models/sft
+"""
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Literal, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator, PartialState
+from accelerate.utils import GradientAccumulationPlugin, set_seed
+from datasets import get_dataset_split_names, load_dataset, load_from_disk
+from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+
+
+@dataclass
+class Args:
+    # experiment bookkeeping
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (the script's file stem)"""
+    seed: int = 1
+    """seed of weights and data order (every rank); sampling uses seed + process_index * 100003"""
+    run_name: Optional[str] = None
+    """run name; None -> f"{exp_name}__{seed}__{int(time.time())}"; outputs go to {run_dir_root}/{run_name}"""
+    run_dir_root: str = "runs"
+    """folder that holds the run folders (args.json, metrics.jsonl, TensorBoard, samples, summary)"""
+    track: bool = False
+    """mirror the TensorBoard logs to Weights & Biases"""
+    wandb_project_name: str = "summarize_from_feedback_details"
+    """W&B project (with --track)"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (with --track); None = your default entity"""
+    push_to_hub: bool = False
+    """upload the trained policy and tokenizer to the Hugging Face hub"""
+    hub_model_id: Optional[str] = None
+    """hub repository id for --push_to_hub; None -> the run name"""
+    output_dir: str = "models/dpo"
+    """where the trained policy and its tokenizer are saved (safetensors)"""
+
+    # models and data
+    sft_model_path: str = "models/sft"
+    """the SFT model (local folder written by sft.py, or a hub name): the policy's start AND the reference"""
+    trust_remote_code: bool = False
+    """passed to from_pretrained for models with custom code"""
+    preference_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
+    """processed preference pairs (hub name, or a local save_to_disk folder from data/prepare.py)"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """processed SFT dataset whose validation queries are sampled for the generation table"""
+    train_split: str = "train"
+    """preference split to train on"""
+    eval_splits: Optional[List[str]] = None
+    """preference splits for the implicit-reward accuracy table; None = every split whose name starts
+    with "validation" (TL;DR: validation and validation_cnndm)"""
+    sample_split: str = "validation"
+    """split of --query_dataset whose queries are sampled for samples.csv"""
+
+    # Table 6 hyperparameters
+    beta: float = 0.05
+    """Table 6: beta, the KL coefficient of the implicit RLHF objective (0.05 matches PPO)"""
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """sigmoid = DPO (eq. 4, with --label_smoothing for cDPO); ipo = IPO's squared loss; hinge = SLiC's hinge"""
+    label_smoothing: float = 0.0
+    """conservative DPO (cDPO): assumed probability that a preference label is flipped; sigmoid loss only"""
+    precompute_ref_logprobs: bool = False
+    """compute the reference's sequence log-probs once over the data before training, then drop the
+    reference model: halves the forward passes and the memory per step"""
+    num_train_epochs: int = 1
+    """Table 6: 1 epoch"""
+    total_episodes: Optional[int] = None
+    """number of preference pairs to train on; None = num_train_epochs x the train split (92,858 on TL;DR)"""
+    lr: float = 3e-6
+    """Table 6: AdamW learning rate"""
+    eps: float = 1e-5
+    """Table 6: AdamW epsilon"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    scheduler: str = "cosine"
+    """Table 6: learning-rate schedule (any name transformers.get_scheduler knows)"""
+    warmup_steps: int = 0
+    """learning-rate warm-up, in optimizer updates"""
+    total_batch_size: int = 64
+    """Table 6: pairs per optimizer update over all processes = local_micro_batch_size x gradient
+    accumulation steps x number of processes"""
+    local_micro_batch_size: int = 8
+    """pairs per forward/backward pass on one process (each pair is two sequences: chosen and rejected)"""
+    local_eval_batch_size: int = 8
+    """pairs (or queries for sampling) per forward pass during evaluation"""
+    disable_dropout: bool = True
+    """Detail 7: turn dropout off in the policy (the reference always runs with dropout off)"""
+    bf16: Optional[bool] = None
+    """bf16 mixed precision; None = on only when a CUDA device supports bf16 (CPU always runs float32)"""
+
+    # evaluation, sampling and logging
+    eval_every: int = 500
+    """run the evaluation every N optimizer updates (0 = only after training)"""
+    num_eval_samples: Optional[int] = None
+    """use only the first N rows of each evaluation split (preference and sampling); None = all"""
+    response_length: int = 53
+    """number of new tokens sampled per query (TL;DR SFT response length 53; the built-in task uses 24)"""
+    temperature: float = 0.01
+    """sampling temperature of the evaluation samples (0.01 = near-greedy, as in sft.py)"""
+    log_every: int = 10
+    """log training metrics every N optimizer updates, averaged over every micro batch since the last log"""
+    print_sample_every: int = 1
+    """print a few generated samples at every N-th evaluation (0 = never)"""
+
+    # derived at run time (not flags)
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    """number of processes"""
+    gradient_accumulation_steps: tyro.conf.Suppress[Optional[int]] = None
+    """micro batches per update on one process = total_batch_size / (local_micro_batch_size x world_size)"""
+    num_updates: tyro.conf.Suppress[Optional[int]] = None
+    """optimizer updates of the whole run"""
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared helpers (copied verbatim across scripts; a test checks that the copies stay identical)
+# ------------------------------------------------------------------------------------------------
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+        output_hidden_states=True,
+    )
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
+    """Sample continuations of LEFT-padded queries with the KV cache.
+
+    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
+    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    output = lm.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=generation_config,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+
+
+def make_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
+    """Detail 23: sample exactly response_length tokens. `eos_token_id=[]` turns off stopping at EOS
+    (None would be filled in from the model's own config, which stops at EOS), while EOS stays an
+    ordinary token that can be sampled; `min_new_tokens` is not used because it forbids EOS and so
+    changes the distribution."""
+    return GenerationConfig(
+        max_new_tokens=response_length,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        do_sample=True,
+        eos_token_id=[],
+        pad_token_id=pad_token_id,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# DPO-specific pieces
+# ------------------------------------------------------------------------------------------------
+PAIR_COLUMNS = [
+    "query_chosen_token",
+    "query_rejected_token",
+    "query_chosen_token_response_label",
+    "query_rejected_token_response_label",
+]
+
+
+def preference_eval_splits(path: str) -> List[str]:
+    """Every split of the preference dataset whose name starts with "validation" (Detail 6: the
+    TL;DR validation set has out-of-distribution policy pairs and a CNN/DM split)."""
+    names = list(load_from_disk(path).keys()) if os.path.isdir(path) else get_dataset_split_names(path)
+    splits = sorted(name for name in names if name.startswith("validation"))
+    if not splits:
+        raise ValueError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
+    return splits
+
+
+def with_row_index(dataset, columns: List[str]):
+    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
+    The index travels with every batch so that results gathered from several processes (and the
+    precomputed reference log-probs) can be matched back to their rows."""
+    dataset = dataset.add_column("row_index", list(range(len(dataset))))
+    return dataset.with_format("torch", columns=columns + ["row_index"])
+
+
+def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int):
+    """log pi(y | x) = SUM over the response tokens of log pi(y_t | x, y_<t)  -> (B,)
+
+    `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
+    and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
+    sum, not a mean: eq. 4 compares probabilities of whole sequences."""
+    logits = forward(model, query_responses, pad_token_id).logits[:, :-1]  # (B, T-1, V): predicts token t+1
+    targets = response_labels[:, 1:]  # (B, T-1)
+    mask = targets != pad_token_id
+    token_logps = torch.gather(
+        F.log_softmax(logits.float(), dim=-1), 2, torch.masked_fill(targets, ~mask, 0).unsqueeze(-1)
+    ).squeeze(-1)  # (B, T-1)
+    return (token_logps * mask).sum(1)
+
+
+def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
+    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
+    labels = torch.cat(
+        (batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]), dim=0
+    )  # (2B, T)
+    logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
+    num_pairs = batch["query_chosen_token"].size(0)
+    return logps[:num_pairs], logps[num_pairs:]
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """The frozen reference's (chosen, rejected) sequence log-probs: looked up in the precomputed
+    table (N, 2) by row index when there is one, else computed live."""
+    if ref_table is not None:
+        rows = ref_table[batch["row_index"].cpu()].to(batch["query_chosen_token"].device)  # (B, 2)
+        return rows[:, 0], rows[:, 1]
+    return concatenated_logprobs(ref_model, batch, pad_token_id)
+
+
+@torch.no_grad()
+def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int):
+    """One pass of the reference over `dataset` (made by with_row_index) -> table (N, 2) of
+    [chosen, rejected] sequence log-probs, indexed by row. Rows are split across processes and
+    gathered back by row index."""
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False))
+    table = torch.full((len(dataset), 2), float("nan"))
+    for batch in tqdm(dataloader, desc="reference log-probs", disable=not accelerator.is_local_main_process):
+        with accelerator.autocast():
+            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id)
+        rows, chosen, rejected = accelerator.gather_for_metrics((batch["row_index"], chosen, rejected))
+        table[rows.cpu()] = torch.stack((chosen, rejected), dim=1).float().cpu()
+    if torch.isnan(table).any():
+        raise RuntimeError("some rows got no reference log-prob; the gathered row indices do not cover the dataset")
+    return table
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float = 0.0,
+):
+    """Per-pair losses (B,) and the implicit rewards of chosen and rejected (B,), (B,).
+
+    With pi = policy sequence log-probs and ref = reference sequence log-probs:
+        h = (pi_c - pi_r) - (ref_c - ref_r)   # difference of the two log-ratios
+        r_c = beta * (pi_c - ref_c),  r_r = beta * (pi_r - ref_r)   # eq. 5, so beta * h = r_c - r_r
+    """
+    if label_smoothing != 0.0 and loss_type != "sigmoid":
+        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {loss_type}")
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if loss_type == "sigmoid":
+        # DPO (eq. 4) with cDPO's label smoothing eps (the label is flipped with probability eps):
+        #   L = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        # IPO (Azar et al.): regress h onto the finite target 1 / (2 beta) instead of pushing it to infinity:
+        #   L = (h - 1 / (2 * beta))^2
+        # Here h uses SUMMED log-probs as eq. 4 does; TRL's IPO averages them over response tokens.
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        # hinge (SLiC-style), a margin of 1 on the reward difference:
+        #   L = max(0, 1 - beta * h)
+        losses = torch.relu(1 - beta * h)
+    else:
+        raise ValueError(f"unknown --loss_type {loss_type!r}")
+    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
+    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+def implicit_reward_breakdown(frame: pd.DataFrame, split_name: str) -> List[dict]:
+    """Detail 19: the Table 5 analogue of reward.py, row for row, with DPO's implicit reward
+    beta * log(pi / pi_ref) as the score: reward statistics, then accuracy overall, by annotation
+    batch, by confidence and by the comparisons' own `split` column (Detail 16)."""
+    scores = np.concatenate([frame["chosen_reward"].to_numpy(), frame["rejected_reward"].to_numpy()])
+    rows = [{"dataset_split": split_name, "group": "reward", "key": k, "value": float(v), "n": len(scores)}
+            for k, v in (("max", scores.max()), ("mean", scores.mean()), ("min", scores.min()), ("std", scores.std()))]
+    rows.append({"dataset_split": split_name, "group": "accuracy", "key": "overall",
+                 "value": float(frame["correct"].mean()), "n": len(frame)})
+    for group in ("batch", "confidence", "split"):
+        for key, part in frame.groupby(group, sort=True):
+            rows.append({"dataset_split": split_name, "group": f"accuracy by {group}", "key": str(key),
+                         "value": float(part["correct"].mean()), "n": len(part)})
+    return rows
+
+
+def breakdown_markdown(rows: List[dict]) -> str:
+    """The accuracy table as Markdown, in reward.py's layout so the RM and DPO tables sit side by side."""
+    lines = ["| dataset split | metric | key | value | n |", "| --- | --- | --- | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
+    return "\n".join(lines)
+
+
+def dataframe_markdown(frame: pd.DataFrame) -> str:
+    """A small table (the samples) as Markdown for TensorBoard's text tab; pipes and newlines escaped."""
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def evaluate_preferences(accelerator, model, ref_model, ref_tables, eval_datasets, args: Args, pad_token_id: int):
+    """Implicit-reward accuracy of DPO as a reward model (Detail 19) on every evaluation split.
+    Returns flat metrics, the table rows (reward.py's layout) and the per-pair frame."""
+    model.eval()
+    metrics, frames, table_rows = {}, [], []
+    for split, (raw, dataset) in eval_datasets.items():
+        dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+        gathered = []
+        for batch in dataloader:
+            with accelerator.autocast():
+                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
+                ref_chosen, ref_rejected = reference_logprobs(ref_model, ref_tables.get(split), batch, pad_token_id)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing
+            )
+            stats = torch.stack((losses, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected), 1).float()
+            gathered.append(accelerator.gather_for_metrics((batch["row_index"], stats)))
+        rows = torch.cat([g[0] for g in gathered]).cpu().numpy()
+        stats = torch.cat([g[1] for g in gathered]).cpu().numpy()
+        frame = pd.DataFrame(stats, columns=["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"])
+        frame["row_index"] = rows
+        batches, confidences, comparison_splits = raw["batch"], raw["confidence"], raw["split"]
+        frame["batch"] = [batches[int(i)] for i in rows]
+        frame["confidence"] = [int(confidences[int(i)]) for i in rows]
+        frame["split"] = [comparison_splits[int(i)] for i in rows]
+        frame["correct"] = frame["chosen_reward"] > frame["rejected_reward"]
+        frame["dataset_split"] = split
+        frames.append(frame)
+        split_rows = implicit_reward_breakdown(frame, split)
+        table_rows.extend(split_rows)
+        for r in split_rows:
+            # the same metric names as reward.py: eval/{split}/accuracy, eval/{split}/accuracy/batch/batch10, ...
+            if r["group"] == "accuracy":
+                metrics[f"eval/{split}/accuracy"] = r["value"]
+            else:
+                group = r["group"].replace("accuracy by ", "accuracy/")
+                metrics[f"eval/{split}/{group}/{r['key']}"] = r["value"]
+        metrics[f"eval/{split}/loss"] = float(frame["loss"].mean())
+        metrics[f"eval/{split}/rewards/chosen"] = float(frame["chosen_reward"].mean())
+        metrics[f"eval/{split}/rewards/rejected"] = float(frame["rejected_reward"].mean())
+        metrics[f"eval/{split}/rewards/margins"] = float((frame["chosen_reward"] - frame["rejected_reward"]).mean())
+        metrics[f"eval/{split}/logps/chosen"] = float(frame["chosen_logp"].mean())
+        metrics[f"eval/{split}/logps/rejected"] = float(frame["rejected_logp"].mean())
+    # as in reward.py: the headline accuracy is the first split's (TL;DR "validation"); all pairs pooled too
+    metrics["eval/accuracy"] = metrics[f"eval/{next(iter(eval_datasets))}/accuracy"]
+    frame = pd.concat(frames, ignore_index=True)
+    metrics["eval/accuracy_all_splits"] = float(frame["correct"].mean())
+    model.train()
+    return metrics, table_rows, frame
+
+
+@torch.no_grad()
+def sample_responses(accelerator, model, tokenizer, raw, dataset, generation_config, args: Args):
+    """Detail 23 sampling on the SFT validation queries: fixed number of new tokens, then truncate
+    after the first EOS. Returns the samples table (contract columns) and summary metrics."""
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+    rows_all, responses_all = [], []
+    for batch in dataloader:
+        queries = batch["query_token"]  # (B, Tq), left-padded
+        with accelerator.autocast():
+            query_responses, _ = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+        responses = truncate_response(
+            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
+        )  # (B, Tr)
+        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
+        rows_all.append(rows.cpu())
+        responses_all.append(responses.cpu())
+    rows, responses = torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
+    has_eos = (responses == tokenizer.eos_token_id).any(1)
+    # tokens up to and including the first EOS (all of them when there is none)
+    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(1))
+    query_tokens, references = raw["query_token"], raw["reference_response"]
+    records = []
+    for i, row in enumerate(rows.tolist()):
+        query = query_tokens[row]
+        records.append({
+            "query": tokenizer.decode([t for t in query if t != tokenizer.pad_token_id], skip_special_tokens=True),
+            "response": tokenizer.decode(
+                [t for t in responses[i].tolist() if t != tokenizer.pad_token_id], skip_special_tokens=True
+            ),
+            "reference": references[row],
+            "score": None,  # no reward model in DPO
+            "response_token_len": int(token_len[i]),
+            "has_eos": bool(has_eos[i]),
+        })
+    table = pd.DataFrame(records, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
+    metrics = {
+        "eval/eos_rate": float(has_eos.float().mean()),
+        "eval/response_token_len_mean": float(token_len.float().mean()),
+    }
+    model.train()
+    return table, metrics
+
+
+def main(args: Args):
+    start_time = time.time()
+    if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
+        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
+    # 1. batch arithmetic (Table 6: 64 pairs per update), accelerator and run folder
+    args.world_size = PartialState().num_processes
+    args.gradient_accumulation_steps = exact_div(
+        args.total_batch_size, args.local_micro_batch_size * args.world_size,
+        "total_batch_size / (local_micro_batch_size x world_size)",
+    )
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(
+        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        mixed_precision="bf16" if args.bf16 else "no",
+    )
+    if args.run_name is None:
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join(args.run_dir_root, args.run_name)
+    writer = None
+    if accelerator.is_main_process:
+        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+        if args.track:
+            import wandb
+
+            wandb.init(
+                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                config=asdict(args), name=args.run_name, save_code=True,
+            )
+        writer = SummaryWriter(run_dir)
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+
+    def log(metrics: dict, step: int, episode: int):
+        if accelerator.is_main_process:
+            for key, value in metrics.items():
+                writer.add_scalar(key, value, step)
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, "episode": episode, **metrics}) + "\n")
+
+    # 2. seeding: the same seed on every rank for weights and data order
+    set_seed(args.seed)
+    local_seed = args.seed + accelerator.process_index * 100003
+
+    # 3. tokenizer from the SFT model; Detail 3: a [PAD] distinct from EOS
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError("the tokenizer's pad token is its EOS; Detail 3 needs a distinct [PAD] (re-run data/prepare.py)")
+    pad_token_id = tokenizer.pad_token_id
+
+    # 4. data: preference train + every validation split, and SFT validation queries for sampling
+    train_raw = load_split(args.preference_dataset, args.train_split)
+    train_dataset = with_row_index(train_raw, PAIR_COLUMNS)
+    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
+    eval_datasets = {}
+    for split in eval_split_names:
+        raw = load_split(args.preference_dataset, split)
+        if args.num_eval_samples is not None:
+            raw = raw.select(range(min(args.num_eval_samples, len(raw))))
+        eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
+    sample_raw = load_split(args.query_dataset, args.sample_split)
+    if args.num_eval_samples is not None:
+        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
+    sample_dataset = with_row_index(sample_raw, ["query_token"])
+
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * len(train_raw)
+    args.num_updates = num_updates = total_episodes // args.total_batch_size  # a last partial batch is dropped
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}")
+    if accelerator.is_main_process:
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)  # with the derived fields filled in
+
+    # 5. models: policy and frozen reference, both from the SFT model
+    # the policy keeps float32 master weights (bf16 is autocast); the frozen reference may live in bf16
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    for model in (policy, ref_model):
+        if len(tokenizer) > model.get_input_embeddings().weight.size(0):
+            model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:
+        disable_dropout(policy)
+    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
+    ref_model.eval().requires_grad_(False)
+    ref_model = ref_model.to(accelerator.device)
+    generation_config = make_generation_config(args.response_length, args.temperature, pad_token_id)
+
+    # 6. optional: reference log-probs once over the data, then the reference model is freed
+    ref_tables: Dict[str, torch.Tensor] = {}  # evaluation split -> (N, 2)
+    train_ref_table: Optional[torch.Tensor] = None  # (N_train, 2)
+    if args.precompute_ref_logprobs:
+        train_ref_table = precompute_reference_logprobs(
+            accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id
+        )
+        for split, (_, dataset) in eval_datasets.items():
+            ref_tables[split] = precompute_reference_logprobs(
+                accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id
+            )
+        del ref_model
+        ref_model = None
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    # the scheduler counts optimizer updates and is stepped by hand on each update (not prepared:
+    # accelerate's wrapper would step it once per process)
+    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    # the data order comes from its own generator so that sampling does not shift it
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    policy, optimizer, train_dataloader = accelerator.prepare(policy, optimizer, train_dataloader)
+    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+
+    def run_evaluation(update: int, episode: int, final: bool):
+        metrics, table_rows, frame = evaluate_preferences(
+            accelerator, policy, ref_model, ref_tables, eval_datasets, args, pad_token_id
+        )
+        samples, sample_metrics = sample_responses(
+            accelerator, policy, tokenizer, sample_raw, sample_dataset, generation_config, args
+        )
+        metrics.update(sample_metrics)
+        if accelerator.is_main_process:
+            samples.to_csv(os.path.join(run_dir, "samples", f"step_{update:06d}.csv"), index=False)
+            writer.add_text("eval/accuracy_table", breakdown_markdown(table_rows), update)
+            writer.add_text("eval/samples", dataframe_markdown(samples.head(8)), update)
+            if final:
+                samples.to_csv(os.path.join(run_dir, "samples.csv"), index=False)
+                pd.DataFrame(table_rows).to_csv(os.path.join(run_dir, "eval_table.csv"), index=False)
+                with open(os.path.join(run_dir, "eval_table.md"), "w") as f:
+                    f.write(breakdown_markdown(table_rows) + "\n")
+                frame.to_csv(os.path.join(run_dir, "eval_pairs.csv"), index=False)
+                print(breakdown_markdown(table_rows))
+            num_evals = update // args.eval_every if args.eval_every > 0 else 1
+            if args.print_sample_every > 0 and (final or num_evals % args.print_sample_every == 0):
+                for row in samples.head(2).itertuples():
+                    print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\nREFERENCE: {row.reference}")
+        log(metrics, update, episode)
+        return metrics
+
+    # 7. training: one optimizer update per total_batch_size pairs
+    accelerator.print(
+        f"DPO ({args.loss_type}, beta {args.beta}): {num_updates} updates of {args.total_batch_size} pairs, "
+        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
+        f"{args.local_micro_batch_size} pairs"
+    )
+    policy.train()
+    episode = 0
+    last_train_metrics: Dict[str, float] = {}
+    interval_stats: Dict[str, List[torch.Tensor]] = {}
+    interval_tokens, interval_start = 0, time.time()
+    progress = tqdm(total=num_updates, desc="dpo", disable=not accelerator.is_local_main_process)
+
+    def micro_batches():
+        """Micro batches forever, reshuffled at every pass over the data."""
+        epoch = 0
+        while True:
+            train_dataloader.set_epoch(epoch)
+            yield from train_dataloader
+            epoch += 1
+
+    micro_batch_iterator = micro_batches()
+    for update in range(1, num_updates + 1):
+        for _ in range(args.gradient_accumulation_steps):
+            batch = next(micro_batch_iterator)
+            with accelerator.accumulate(policy):
+                with accelerator.autocast():
+                    policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
+                    ref_chosen, ref_rejected = reference_logprobs(ref_model, train_ref_table, batch, pad_token_id)
+                losses, chosen_rewards, rejected_rewards = dpo_loss(
+                    policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing
+                )
+                loss = losses.mean()
+                accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+                optimizer.step()  # a no-op until the last micro batch of the update
+                optimizer.zero_grad()
+            # per-micro-batch statistics; logged as means over the whole logging interval
+            micro = {
+                "train/loss": loss.detach(),
+                "train/rewards/chosen": chosen_rewards.mean(),
+                "train/rewards/rejected": rejected_rewards.mean(),
+                "train/rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+                "train/rewards/accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+                "train/logps/chosen": policy_chosen.detach().mean(),
+                "train/logps/rejected": policy_rejected.detach().mean(),
+            }
+            for key, value in micro.items():
+                interval_stats.setdefault(key, []).append(value.float())
+            interval_tokens += int(
+                (batch["query_chosen_token"] != pad_token_id).sum() + (batch["query_rejected_token"] != pad_token_id).sum()
+            )
+        if not accelerator.sync_gradients:
+            raise RuntimeError("gradient accumulation went out of step with the update loop")
+        update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+        lr_scheduler.step()
+        episode += args.total_batch_size
+        progress.update(1)
+        if update % args.log_every == 0 or update == num_updates:
+            means = {
+                key: accelerator.reduce(torch.stack(values).mean(), reduction="mean").item()
+                for key, values in interval_stats.items()
+            }
+            tokens = accelerator.reduce(torch.tensor(interval_tokens, device=accelerator.device), reduction="sum").item()
+            means["train/tokens_per_s"] = tokens / (time.time() - interval_start)
+            means["train/lr"] = update_lr
+            means["train/epoch"] = episode / len(train_raw)
+            log(means, update, episode)
+            last_train_metrics = means
+            progress.set_postfix(
+                loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
+                tok_s=f"{means['train/tokens_per_s']:.0f}",
+            )
+            interval_stats, interval_tokens, interval_start = {}, 0, time.time()
+        if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
+            run_evaluation(update, episode, final=False)
+            interval_start = time.time()  # evaluation time is not training throughput
+    progress.close()
+
+    # 8. final evaluation, summary and saving
+    metrics = run_evaluation(update, episode, final=True)
+    unwrapped = accelerator.unwrap_model(policy)
+    if accelerator.is_main_process:
+        summary = {key: value for key, value in metrics.items()}
+        summary.update(last_train_metrics)  # the last logging interval's training means
+        summary["num_updates"] = update
+        summary["episodes"] = episode
+        summary["wall_time_s"] = time.time() - start_time
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        writer.close()
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(policy)  # every rank takes part (ZeRO-3 gathers the shards)
+    if accelerator.is_main_process:
+        # transformers v5 always writes safetensors (safe_serialization is no longer an option)
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(args.output_dir)
+        if args.push_to_hub:
+            hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
+            unwrapped.push_to_hub(hub_model_id)
+            tokenizer.push_to_hub(hub_model_id)
+    if accelerator.is_main_process and args.track:
+        import wandb
+
+        wandb.finish()
+    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run_dir}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
