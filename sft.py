@@ -1,0 +1,540 @@
+"""Supervised fine-tuning (SFT), step 1 of the RLHF pipeline (section 5 and Appendix D of the paper).
+
+Fine-tunes a causal LM on `query + " " + reference summary + EOS` with the next-token loss, then
+samples summaries of the validation queries and reports ROUGE-1/2/L against the references, the
+EOS rate (share of samples that end inside the response length) and the mean response length.
+Sample tables go to runs/{run_name}/samples/step_N.csv and runs/{run_name}/samples.csv (judge.py
+reads them), metrics to TensorBoard, runs/{run_name}/metrics.jsonl and runs/{run_name}/summary.json.
+
+Single process:         python sft.py --base_model ... --query_dataset ...
+Several GPU processes:  accelerate launch [--config_file zero2.yaml] sft.py ...
+Several CPU processes:  torchrun --nproc_per_node 2 sft.py ...   (gloo; `accelerate launch --cpu` starts only one)
+Built-in task (CPU):    see README.md for the paths and the small sizes it passes.
+"""
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator, PartialState
+from accelerate.utils import gather_object, set_seed
+from datasets import load_dataset, load_from_disk
+from huggingface_hub import HfApi
+from rouge_score import rouge_scorer
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+
+
+@dataclass
+class Args:
+    # ---- experiment bookkeeping ----
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (the run name starts with it)"""
+    seed: int = 1
+    """seed of weights and data order (the same on every process); sampling uses seed + 100003 * rank"""
+    run_name: Optional[str] = None
+    """None -> f"{exp_name}__{seed}__{unix time}"; every file of the run goes under runs/{run_name}/"""
+    track: bool = False
+    """log to Weights and Biases (it mirrors TensorBoard)"""
+    wandb_project_name: str = "tldr_summarize"
+    """the W&B project (with --track)"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team); None = your default entity"""
+    push_to_hub: bool = False
+    """upload the trained model and tokenizer to the Hugging Face hub"""
+    hub_model_id: Optional[str] = None
+    """hub repository for --push_to_hub; None -> f"{base model name}__{exp_name}__{seed}" """
+    output_dir: str = "models/sft"
+    """where the trained model and tokenizer are saved (safetensors)"""
+    run_dir_root: str = "runs"
+    """folder that holds runs/{run_name}/"""
+
+    # ---- model and data ----
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """the pretrained model to fine-tune (hub name or local folder); its tokenizer is used too"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (needed by some architectures)"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """the processed SFT dataset (hub name, or a local `save_to_disk` folder from data/prepare.py)"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "validation"
+    """split evaluated during and after training"""
+    eval_test_split: bool = False
+    """also evaluate the `test` split after training (metrics `test/...`, table samples_test.csv)"""
+    response_length: int = 53
+    """response length of the processed data (TL;DR: 53, Detail 4); checked against the dataset, and the
+    number of tokens sampled at evaluation"""
+
+    # ---- optimisation (Table 3 / Detail 9) ----
+    loss_on: Literal["response", "sequence"] = "response"
+    """tokens that carry the next-token loss. `response` (our default, the trlX HH practice): the reference
+    summary and its EOS only (labels from query_reference_response_token_response_label), since the model is
+    only ever asked for responses. `sequence`: query and response (labels from query_reference_response_token),
+    what the reference implementation did. Pads never carry loss (Detail 3)."""
+    num_train_epochs: int = 1
+    """passes over the train split (Table 3: 1)"""
+    total_episodes: Optional[int] = None
+    """train on this many (query, reference) pairs instead of num_train_epochs passes (small budgets, smoke tests)"""
+    total_batch_size: int = 128
+    """pairs per optimizer update over all processes (Table 3: 128) = local_micro_batch_size *
+    gradient accumulation steps * number of processes"""
+    local_micro_batch_size: int = 16
+    """pairs per forward/backward pass on one process (memory knob; the update size stays total_batch_size)"""
+    lr: float = 3e-6
+    """AdamW learning rate (Table 3: 3e-6, the same for SFT, RM and PPO)"""
+    eps: float = 1e-5
+    """AdamW epsilon (Table 3: 1e-5)"""
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """learning-rate schedule over the updates, no warm-up (Table 3: cosine)"""
+    disable_dropout: bool = True
+    """Detail 7: set every dropout probability to 0 (the same for SFT, RM and PPO)"""
+    bf16: Optional[bool] = None
+    """bf16 mixed precision; None = on when the GPU supports bf16, off otherwise (CPU always runs float32)"""
+
+    # ---- evaluation ----
+    eval_every: int = 0
+    """evaluate every this many optimizer updates (0 = only after training)"""
+    num_eval_samples: Optional[int] = None
+    """evaluate on the first this many rows of the split (None = all of it)"""
+    local_eval_batch_size: int = 32
+    """queries per generation / loss batch on one process during evaluation"""
+    temperature: float = 0.01
+    """sampling temperature of the evaluation summaries (0.01: almost greedy, as in the reference)"""
+    num_table_samples: int = 4
+    """rows of the sample table printed to the console and logged to TensorBoard / W&B at each evaluation"""
+
+    # ---- derived at run time (not flags) ----
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    """number of processes"""
+    gradient_accumulation_steps: tyro.conf.Suppress[Optional[int]] = None
+    """micro-batches per update on one process = total_batch_size / (local_micro_batch_size * world_size)"""
+    num_updates: tyro.conf.Suppress[Optional[int]] = None
+    """optimizer updates of the whole run"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers: copied verbatim into every script that uses them (a test keeps the copies equal)
+# ---------------------------------------------------------------------------------------------
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+        output_hidden_states=True,
+    )
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
+    """Sample continuations of LEFT-padded queries with the KV cache.
+
+    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
+    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    output = lm.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=generation_config,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+
+
+# ---------------------------------------------------------------------------------------------
+# SFT-specific pieces
+# ---------------------------------------------------------------------------------------------
+def sft_labels(label_tokens: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Next-token targets: every pad becomes -100 (ignored by the loss).
+
+    Detail 3: with a distinct [PAD] the EOS after the summary stays a target, so the model learns to
+    end; when the data was padded with EOS itself (pad_token_id == eos_token_id) this line also masks
+    the EOS out, and the model never sees a reason to stop."""
+    return torch.masked_fill(label_tokens, label_tokens == pad_token_id, -100)
+
+
+def next_token_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, pad_token_id: int):
+    """Mean next-token cross-entropy over the target tokens of a right-padded batch, and their count.
+
+    Token t is predicted from the logits at t - 1, so logits drop the last position and labels the
+    first. Right padding only appends masked positions, which neither attend into the real tokens
+    (causal attention) nor carry labels, so extra padding leaves the loss unchanged."""
+    logits = forward(model, query_responses, pad_token_id).logits  # (B, T, V)
+    shifted_logits = logits[:, :-1].float()  # (B, T-1, V)
+    shifted_labels = labels[:, 1:]  # (B, T-1)
+    num_targets = (shifted_labels != -100).sum()
+    loss = F.cross_entropy(shifted_logits.flatten(0, 1), shifted_labels.flatten(), ignore_index=-100)
+    return loss, num_targets
+
+
+def make_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
+    """Detail 23: sample exactly response_length tokens. `eos_token_id=[]` turns off stopping at EOS
+    (None would be filled in from the model's own config, which stops at EOS), while EOS stays an
+    ordinary token that can be sampled; `min_new_tokens` is not used because it forbids EOS and so
+    changes the distribution."""
+    return GenerationConfig(
+        max_new_tokens=response_length,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        do_sample=True,
+        eos_token_id=[],
+        pad_token_id=pad_token_id,
+    )
+
+
+def frame_markdown(df: pd.DataFrame) -> str:
+    """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
+
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset, generation_config, label_column: str):
+    """Validation loss, then fixed-length sampling of a summary per query, truncated after its first EOS.
+
+    Every process takes an equal contiguous share of the rows (the last len % world_size rows are left
+    out, so every process runs the same number of forward/generate calls). Returns the metrics (on every
+    process) and the sample table (complete on the main process)."""
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    num_rows = len(dataset) if args.num_eval_samples is None else min(args.num_eval_samples, len(dataset))
+    local_rows = num_rows // accelerator.num_processes
+    if local_rows == 0:
+        raise ValueError(f"{num_rows} evaluation rows cannot be shared by {accelerator.num_processes} processes")
+    start = accelerator.process_index * local_rows
+    loss_sum = torch.zeros((), device=accelerator.device)
+    num_targets = torch.zeros((), device=accelerator.device)
+    rows = []
+    for begin in range(start, start + local_rows, args.local_eval_batch_size):
+        batch = dataset[begin : min(begin + args.local_eval_batch_size, start + local_rows)]
+        query_responses = batch["query_reference_response_token"].to(accelerator.device)  # (B, Tq + Tr)
+        labels = sft_labels(batch[label_column].to(accelerator.device), pad_token_id)
+        loss, count = next_token_loss(model, query_responses, labels, pad_token_id)
+        loss_sum += loss * count
+        num_targets += count
+
+        queries = batch["query_token"].to(accelerator.device)  # (B, Tq), left-padded
+        context_length = queries.size(1)
+        query_sampled, _ = generate(unwrapped, queries, pad_token_id, generation_config)
+        responses = query_sampled[:, context_length:]  # (B, response_length)
+        postprocessed = truncate_response(eos_token_id, pad_token_id, responses)
+        has_eos = (responses == eos_token_id).any(dim=1)  # (B,)
+        # tokens up to and including the first EOS (response_length when there is none)
+        response_token_len = torch.clamp(first_true_indices(responses == eos_token_id) + 1, max=responses.size(1))
+        for i in range(queries.size(0)):
+            rows.append(
+                {
+                    "query": tokenizer.decode(queries[i][queries[i] != pad_token_id], skip_special_tokens=True),
+                    "response": tokenizer.decode(postprocessed[i], skip_special_tokens=True),
+                    "reference": batch["reference_response"][i],
+                    "score": None,
+                    "response_token_len": int(response_token_len[i]),
+                    "has_eos": bool(has_eos[i]),
+                }
+            )
+    loss_sum = accelerator.reduce(loss_sum, reduction="sum")
+    num_targets = accelerator.reduce(num_targets, reduction="sum")
+    rows = gather_object(rows)
+    model.train()
+
+    df = pd.DataFrame(rows, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    rouge = {key: 0.0 for key in ("rouge1", "rouge2", "rougeL")}
+    for response, reference in zip(df["response"], df["reference"]):
+        scores = scorer.score(reference, response)  # (target, prediction)
+        for key in rouge:
+            rouge[key] += scores[key].fmeasure / len(df)
+    metrics = {
+        "loss": (loss_sum / num_targets).item(),
+        **rouge,
+        "eos_rate": float(df["has_eos"].mean()),
+        "response_token_len_mean": float(df["response_token_len"].mean()),
+        "num_samples": len(df),
+    }
+    return metrics, df
+
+
+def main(args: Args):
+    start_time = time.time()
+    # ---- 1. processes, batch arithmetic and precision ----
+    # The process group comes first: the accumulation steps depend on the number of processes. Without
+    # CUDA the processes talk over gloo (multi-process CPU runs: `torchrun --nproc_per_node N sft.py ...`).
+    state = PartialState(cpu=not torch.cuda.is_available())
+    args.world_size = state.num_processes
+    args.gradient_accumulation_steps = exact_div(
+        args.total_batch_size,
+        args.local_micro_batch_size * args.world_size,
+        "total_batch_size / (local_micro_batch_size * world_size)",
+    )
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    elif args.bf16 and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
+        raise ValueError("--bf16 needs a GPU with bf16 support; on this machine leave --bf16 unset (float32)")
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
+    )
+    if accelerator.state.deepspeed_plugin is not None:
+        # DeepSpeed reads the micro batch from the dataloader, which we do not prepare (see step 4)
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
+    if args.run_name is None:
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join(args.run_dir_root, args.run_name)
+
+    # ---- 2. seeding: weights and data order are the same on every process, sampling differs ----
+    set_seed(args.seed)
+    local_seed = args.seed + accelerator.process_index * 100003
+
+    # ---- 3. tokenizer, data, model ----
+    tokenizer = AutoTokenizer.from_pretrained(args.base_model, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        # Detail 3: Pythia ships no pad token; a distinct [PAD] keeps EOS a training target
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    label_column = {
+        "response": "query_reference_response_token_response_label",
+        "sequence": "query_reference_response_token",
+    }[args.loss_on]
+    columns = list(dict.fromkeys(  # loss_on=sequence reads its labels from the input column itself
+        ["query_reference_response_token", label_column, "query_token", "query_reference_response_token_len"]
+    ))
+    train_dataset = load_split(args.query_dataset, args.train_split).with_format("torch", columns=columns)
+    eval_splits = [args.eval_split] + (["test"] if args.eval_test_split else [])
+    eval_datasets = {
+        split: load_split(args.query_dataset, split).with_format("torch", columns=columns + ["reference_response"])
+        for split in eval_splits
+    }
+    first = train_dataset[0]
+    data_response_length = first["query_reference_response_token"].numel() - first["query_token"].numel()
+    if data_response_length != args.response_length:
+        raise ValueError(
+            f"--response_length {args.response_length} but {args.query_dataset} has responses of {data_response_length} tokens"
+        )
+    # the processed data must be padded with this tokenizer's pad id (it decides which labels are masked)
+    padding = first["query_reference_response_token"][int(first["query_reference_response_token_len"]) :]
+    if padding.numel() > 0 and not bool((padding == pad_token_id).all()):
+        raise ValueError(
+            f"{args.query_dataset} is padded with id {int(padding[0])}, but the tokenizer of {args.base_model} "
+            f"has pad id {pad_token_id}; prepare the data with this tokenizer"
+        )
+
+    # float32 master weights (transformers v5 would otherwise keep the checkpoint's dtype, float16 for Pythia);
+    # --bf16 computes in bf16 through accelerate's autocast
+    model = AutoModelForCausalLM.from_pretrained(
+        args.base_model, trust_remote_code=args.trust_remote_code, dtype=torch.float32
+    )
+    if len(tokenizer) > model.get_input_embeddings().weight.size(0):
+        model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:
+        disable_dropout(model)
+    generation_config = make_generation_config(args.response_length, args.temperature, pad_token_id)
+
+    # ---- 4. optimizer, schedule and the data order ----
+    num_pairs = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * len(train_dataset)
+    args.num_updates = num_pairs // args.total_batch_size
+    if args.num_updates == 0:
+        raise ValueError(f"{num_pairs} training pairs do not fill one update of {args.total_batch_size}")
+    # the reference uses torch's AdamW with its default weight decay (0.01); so do we
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps)
+    # the schedule is not passed to accelerator.prepare, which would step it once per process
+    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    torch.manual_seed(local_seed)  # sampling at evaluation differs across processes
+    # Every process draws the same permutation each epoch and reads its own share of every update's
+    # batch; an epoch that does not fill a last update leaves those rows out (like drop_last).
+    data_generator = torch.Generator().manual_seed(args.seed)
+    updates_per_epoch = len(train_dataset) // args.total_batch_size
+
+    def batch_indices():
+        local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+        while True:
+            permutation = torch.randperm(len(train_dataset), generator=data_generator)
+            for update in range(updates_per_epoch):
+                global_batch = permutation[update * args.total_batch_size : (update + 1) * args.total_batch_size]
+                local_batch = global_batch[accelerator.process_index * local_batch_size :][:local_batch_size]
+                yield [local_batch[i : i + args.local_micro_batch_size].tolist() for i in range(0, local_batch_size, args.local_micro_batch_size)]
+
+    # ---- 5. logging ----
+    writer, metrics_file = None, None
+    if accelerator.is_main_process:
+        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        if args.track:
+            import wandb
+
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=asdict(args),
+                name=args.run_name,
+                save_code=True,
+            )
+        writer = SummaryWriter(run_dir)
+        writer.add_text("hyperparameters", frame_markdown(pd.DataFrame(asdict(args).items(), columns=["key", "value"])))
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    def log(step: int, metrics: dict):
+        if not accelerator.is_main_process:
+            return
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        metrics_file.write(json.dumps({"step": step, "episode": step * args.total_batch_size, **metrics}) + "\n")
+        metrics_file.flush()
+
+    def run_evaluation(step: int, final: bool) -> dict:
+        summary = {}
+        for split, dataset in eval_datasets.items():
+            prefix = "eval" if split == args.eval_split else split
+            metrics, df = evaluate_sft(args, accelerator, model, tokenizer, dataset, generation_config, label_column)
+            metrics = {f"{prefix}/{key}": value for key, value in metrics.items()}
+            summary.update(metrics)
+            if accelerator.is_main_process:
+                suffix = "" if split == args.eval_split else f"_{split}"
+                df.to_csv(os.path.join(run_dir, "samples", f"step_{step:06d}{suffix}.csv"), index=False)
+                if final:
+                    df.to_csv(os.path.join(run_dir, f"samples{suffix}.csv"), index=False)
+                table = df.head(args.num_table_samples)[["query", "response", "reference"]]
+                writer.add_text(f"{prefix}/samples", frame_markdown(table), step)
+                if args.track:
+                    import wandb
+
+                    wandb.log({f"{prefix}/samples": wandb.Table(dataframe=df.head(args.num_table_samples))}, step=step)
+                for row in table.itertuples(index=False):
+                    tqdm.write(f"[{split} step {step}] query: ...{row.query[-200:]!r}\n  response: {row.response!r}\n  reference: {row.reference!r}")
+                tqdm.write(f"[{split} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+            log(step, metrics)
+        return summary
+
+    # ---- 6. training ----
+    model.train()
+    progress = tqdm(range(1, args.num_updates + 1), disable=not accelerator.is_main_process, desc="sft")
+    batches = batch_indices()
+    train_tokens, train_time, last_loss = 0, 0.0, float("nan")
+    for update in progress:
+        update_start = time.time()
+        stats = torch.zeros(3, device=accelerator.device)  # loss sum over micro-batches, micro-batches, input tokens
+        for micro_indices in next(batches):
+            micro_batch = train_dataset[micro_indices]
+            query_responses = micro_batch["query_reference_response_token"].to(accelerator.device)  # (b, Tq + Tr)
+            labels = sft_labels(micro_batch[label_column].to(accelerator.device), pad_token_id)
+            with accelerator.accumulate(model):
+                loss, _ = next_token_loss(model, query_responses, labels, pad_token_id)
+                accelerator.backward(loss)  # divided by the accumulation steps inside
+                optimizer.step()  # a no-op until the last micro-batch of the update
+                optimizer.zero_grad()
+            stats += torch.stack(
+                [loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()]
+            )
+        lr = scheduler.get_last_lr()[0]  # the rate this update used
+        scheduler.step()
+        stats = accelerator.reduce(stats, reduction="sum")
+        train_time += time.time() - update_start
+        train_tokens += int(stats[2])
+        last_loss = (stats[0] / stats[1]).item()  # mean over every micro-batch of the update, all processes
+        tokens_per_s = train_tokens / train_time
+        progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
+        log(update, {"train/loss": last_loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s})
+        if args.eval_every > 0 and update % args.eval_every == 0 and update != args.num_updates:
+            run_evaluation(update, final=False)
+
+    # ---- 7. final evaluation, summary, model ----
+    summary = run_evaluation(args.num_updates, final=True)
+    summary.update(
+        {
+            "train/loss": last_loss,
+            "train/tokens": train_tokens,
+            "train/time_s": train_time,
+            "train/tokens_per_s": train_tokens / train_time,
+            "train/updates": args.num_updates,
+            "wall_time_s": time.time() - start_time,
+        }
+    )
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        # transformers v5 always writes safetensors
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(args.output_dir)
+        if args.push_to_hub:
+            hub_model_id = args.hub_model_id or f"{os.path.basename(args.base_model.rstrip('/'))}__{args.exp_name}__{args.seed}"
+            api = HfApi()
+            api.create_repo(hub_model_id, exist_ok=True)
+            api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+        writer.close()
+        metrics_file.close()
+        if args.track:
+            import wandb
+
+            wandb.finish()
+        print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

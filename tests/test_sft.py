@@ -1,0 +1,213 @@
+"""Tests of sft.py: the label masking (Detail 3), the loss math, fixed-length sampling (Detail 23) and a
+subprocess smoke run on the built-in task."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE_COLUMNS = ["query", "response", "reference", "score", "response_token_len", "has_eos"]
+
+PAD, EOS = 1, 2
+
+
+def load_sft():
+    spec = importlib.util.spec_from_file_location("sft", os.path.join(REPO_ROOT, "sft.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sft = load_sft()
+
+
+def tiny_model(vocab_size: int = 16, seed: int = 0) -> GPTNeoXForCausalLM:
+    torch.manual_seed(seed)
+    config = GPTNeoXConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        eos_token_id=EOS,
+        bos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    return GPTNeoXForCausalLM(config).eval()
+
+
+def test_make_labels_masks_every_pad():
+    tokens = torch.tensor([[5, 6, 7, EOS, PAD, PAD], [5, 8, 9, 10, 11, EOS]])
+    labels = sft.sft_labels(tokens, PAD)
+    assert labels.tolist() == [[5, 6, 7, EOS, -100, -100], [5, 8, 9, 10, 11, EOS]]
+    assert tokens[0, -1] == PAD  # the input is not modified in place
+
+
+def test_sft_loss_matches_hand_computation():
+    model = tiny_model()
+    # query [5, 6, 7], response [8, 9] + EOS, right-padded; the response-label row has the query as pads
+    tokens = torch.tensor([[5, 6, 7, 8, 9, EOS, PAD, PAD]])
+    response_label_tokens = torch.tensor([[PAD, PAD, PAD, 8, 9, EOS, PAD, PAD]])
+    with torch.no_grad():
+        loss, count = sft.next_token_loss(model, tokens, sft.sft_labels(response_label_tokens, PAD), PAD)
+        logits = model(input_ids=tokens[:, :6]).logits[0]  # the unpadded sequence needs no mask
+    log_probs = F.log_softmax(logits, dim=-1)
+    # targets 8, 9, EOS sit at positions 3, 4, 5 and are predicted from positions 2, 3, 4
+    expected = -(log_probs[2, 8] + log_probs[3, 9] + log_probs[4, EOS]) / 3
+    assert count.item() == 3
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+
+    with torch.no_grad():
+        sequence_loss, sequence_count = sft.next_token_loss(model, tokens, sft.sft_labels(tokens, PAD), PAD)
+    expected_sequence = -sum(log_probs[t - 1, tokens[0, t]] for t in range(1, 6)) / 5
+    assert sequence_count.item() == 5
+    torch.testing.assert_close(sequence_loss, expected_sequence, atol=1e-5, rtol=1e-5)
+
+
+def test_appending_padding_leaves_the_loss_unchanged():
+    model = tiny_model()
+    tokens = torch.tensor([[5, 6, 7, 8, 9, EOS, PAD, PAD], [5, 6, 10, 11, 12, 13, 14, EOS]])
+    more_padding = torch.cat([tokens, torch.full((2, 5), PAD)], dim=1)
+    with torch.no_grad():
+        loss, count = sft.next_token_loss(model, tokens, sft.sft_labels(tokens, PAD), PAD)
+        padded_loss, padded_count = sft.next_token_loss(model, more_padding, sft.sft_labels(more_padding, PAD), PAD)
+    assert count == padded_count == 5 + 7
+    torch.testing.assert_close(loss, padded_loss, atol=1e-6, rtol=1e-6)
+
+
+def test_eos_stays_a_target_only_with_a_distinct_pad():
+    """Detail 3 by hand: the same reference padded with [PAD] or with EOS itself."""
+    with_pad = torch.tensor([[5, 6, 7, 8, 9, EOS, PAD, PAD]])
+    with_eos_as_pad = torch.tensor([[5, 6, 7, 8, 9, EOS, EOS, EOS]])
+    assert (sft.sft_labels(with_pad, PAD) == EOS).sum() == 1
+    assert (sft.sft_labels(with_eos_as_pad, EOS) == EOS).sum() == 0
+
+
+def test_fixed_length_sampling_keeps_going_past_eos():
+    """Detail 23: exactly L new tokens come back even when EOS is sampled early, and EOS can be sampled."""
+    model = tiny_model()
+    with torch.no_grad():  # a constant final hidden state of ones: the logit of a token is its row sum
+        model.gpt_neox.final_layer_norm.weight.zero_()
+        model.gpt_neox.final_layer_norm.bias.fill_(1.0)
+        model.get_output_embeddings().weight[EOS] = 0.1  # logit 3.2: EOS has p ~ 0.6 at every step
+    length = 12
+    config = sft.make_generation_config(length, temperature=1.0, pad_token_id=PAD)
+    queries = torch.tensor([[PAD, PAD, 5, 6, 7], [4, 5, 6, 7, 8]] * 8)  # left-padded
+    torch.manual_seed(0)
+    query_responses, logits = sft.generate(model, queries, PAD, config)
+    assert query_responses.shape == (16, 5 + length)
+    assert logits.shape == (16, length, 16)
+    responses = query_responses[:, 5:]
+    assert torch.equal(query_responses[:, :5], queries)
+    # EOS was sampled somewhere before the last position, and sampling went on after it
+    eos_positions = sft.first_true_indices(responses == EOS)
+    assert (eos_positions < length - 1).any()
+    after_first_eos = torch.arange(length).unsqueeze(0) > eos_positions.unsqueeze(1)
+    # generation did not stop (it would fill [PAD]): real tokens follow the first EOS
+    assert (after_first_eos & (responses != EOS) & (responses != PAD)).any()
+    truncated = sft.truncate_response(EOS, PAD, responses)
+    row = int(torch.argmin(eos_positions))
+    assert truncated[row, eos_positions[row]] == EOS
+    assert (truncated[row, eos_positions[row] + 1 :] == PAD).all()
+
+
+def test_generation_config_does_not_inherit_eos_stopping():
+    config = sft.make_generation_config(7, temperature=0.01, pad_token_id=PAD)
+    assert config.eos_token_id == [] and config.min_new_tokens is None
+    assert config.max_new_tokens == 7 and config.do_sample and config.top_k == 0 and config.top_p == 1.0
+
+
+def test_batch_arithmetic_is_exact():
+    assert sft.exact_div(128, 16) == 8
+    with pytest.raises(ValueError, match="not divisible"):
+        sft.exact_div(128, 48)
+
+
+def task_paths(request):
+    """The session fixture of tests/conftest.py, or the full built-in task while conftest is not there."""
+    if "synthetic_task" in request.fixturenames or os.path.exists(os.path.join(REPO_ROOT, "tests", "conftest.py")):
+        return request.getfixturevalue("synthetic_task")
+    root = os.path.join(REPO_ROOT, "artifacts", "synthetic")
+    if not os.path.exists(os.path.join(root, "task.json")):
+        pytest.skip("the built-in task is not prepared (python data/prepare.py --task synthetic)")
+    return {"root": root, "base_model": os.path.join(root, "base_model"), "sft": os.path.join(root, "sft"),
+            "task_json": os.path.join(root, "task.json")}
+
+
+def test_eos_labels_on_the_prepared_data(request):
+    """Detail 3 on the built-in task: every response label row of the [PAD] data ends with an EOS target."""
+    paths = task_paths(request)
+    tokenizer = AutoTokenizer.from_pretrained(paths["base_model"])
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    rows = sft.load_split(paths["sft"], "train").with_format("torch")[:16]  # dict of (16, T) tensors
+    for column in ("query_reference_response_token", "query_reference_response_token_response_label"):
+        labels = sft.sft_labels(rows[column], tokenizer.pad_token_id)
+        assert ((labels == tokenizer.eos_token_id).sum(dim=1) == 1).all()
+    # the same rows re-padded with EOS (what `data/prepare.py --pad_token eos` writes) lose that target
+    eos_padded = rows["query_reference_response_token_response_label"].masked_fill(
+        rows["query_reference_response_token_response_label"] == tokenizer.pad_token_id, tokenizer.eos_token_id
+    )
+    assert (sft.sft_labels(eos_padded, tokenizer.eos_token_id) == tokenizer.eos_token_id).sum() == 0
+
+
+def test_smoke_run_saves_a_loadable_model(request, tmp_path):
+    paths = task_paths(request)
+    with open(paths["task_json"]) as f:
+        task = json.load(f)
+    output_dir = tmp_path / "model"
+    command = [
+        sys.executable, os.path.join(REPO_ROOT, "sft.py"),
+        "--base_model", paths["base_model"],
+        "--query_dataset", paths["sft"],
+        "--response_length", str(task["sft_response_length"]),
+        "--output_dir", str(output_dir),
+        "--run_dir_root", str(tmp_path / "runs"),
+        "--run_name", "smoke",
+        "--total_episodes", "32",
+        "--total_batch_size", "16",
+        "--local_micro_batch_size", "8",
+        "--lr", "1e-3",
+        "--eval_every", "1",
+        "--num_eval_samples", "8",
+        "--local_eval_batch_size", "4",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    run_dir = tmp_path / "runs" / "smoke"
+    assert os.path.exists(output_dir / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert model.get_input_embeddings().weight.size(0) >= len(tokenizer)
+
+    samples = pd.read_csv(run_dir / "samples.csv")
+    assert list(samples.columns) == SAMPLE_COLUMNS
+    assert len(samples) == 8
+    assert samples["score"].isna().all()
+    assert samples["response_token_len"].between(1, task["sft_response_length"]).all()
+    assert (samples["response_token_len"][~samples["has_eos"]] == task["sft_response_length"]).all()
+    # one table per evaluation: after update 1 and the final one after update 2
+    assert sorted(os.listdir(run_dir / "samples")) == ["step_000001.csv", "step_000002.csv"]
+
+    with open(run_dir / "summary.json") as f:
+        summary = json.load(f)
+    for key in ("eval/loss", "eval/rouge1", "eval/rouge2", "eval/rougeL", "eval/eos_rate",
+                "eval/response_token_len_mean", "train/tokens_per_s", "wall_time_s"):
+        assert isinstance(summary[key], (int, float)), key
+    assert 0.0 <= summary["eval/eos_rate"] <= 1.0
+    assert summary["train/updates"] == 2
+    with open(run_dir / "metrics.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    assert [row["step"] for row in logged if "train/loss" in row] == [1, 2]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir))
