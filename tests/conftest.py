@@ -19,6 +19,16 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+def load_script(name: str):
+    """Import a top-level script (e.g. "ppo") as a module, so tests can call its helpers and main()."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 SMALL_TASK_FLAGS = [
     "--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48",
     "--synthetic_num_pref_train", "256", "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8",

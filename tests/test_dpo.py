@@ -2,7 +2,7 @@
 precomputed-reference path against the live one, the accuracy table, and a subprocess smoke run
 on the built-in task."""
 
-import importlib.util
+from conftest import load_script
 import json
 import math
 import os
@@ -22,14 +22,9 @@ SAMPLE_COLUMNS = ["query", "response", "reference", "score", "response_token_len
 PAD, EOS = 1, 2
 
 
-def load_dpo():
-    spec = importlib.util.spec_from_file_location("dpo", os.path.join(REPO_ROOT, "dpo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-dpo = load_dpo()
+dpo = load_script("dpo")
 
 
 def tiny_model(seed: int = 0, vocab_size: int = 16) -> GPTNeoXForCausalLM:

@@ -2,7 +2,7 @@
 target heads (exactly alpha per sync, only on sync updates), the state/action indexing, the rewards,
 beta = 0 sampling against the LM's own `generate`, and a subprocess smoke run on the built-in task."""
 
-import importlib.util
+from conftest import load_script
 import json
 import math
 import os
@@ -21,14 +21,9 @@ SAMPLE_COLUMNS = ["query", "response", "reference", "score", "response_token_len
 PAD, EOS = 1, 2
 
 
-def load_ilql():
-    spec = importlib.util.spec_from_file_location("ilql", os.path.join(REPO_ROOT, "ilql.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-ilql = load_ilql()
+ilql = load_script("ilql")
 
 
 def tiny_lm(seed: int = 0, vocab_size: int = 40) -> GPTNeoXForCausalLM:

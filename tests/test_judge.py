@@ -1,6 +1,6 @@
 """judge.py against the built-in gold judge, started on loopback by the tests themselves."""
 
-import importlib.util
+from conftest import load_script
 import inspect
 import json
 import os
@@ -18,9 +18,7 @@ sys.path.insert(0, REPO)
 from data import gold_judge_server as gjs  # noqa: E402
 from data.synthetic import gold_prefer, make_post, policy_summary, reference_summary  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("judge", os.path.join(REPO, "judge.py"))
-judge = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(judge)
+judge = load_script("judge")
 
 POLICIES = ["good", "drop", "short", "filler", "runon", "invent", "title", "ref"]
 

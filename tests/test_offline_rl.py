@@ -1,7 +1,7 @@
 """offline_rl.py: the filter / RWR / DT / best-of-n math against hand computations, the fixed-length
 generation config, and one subprocess smoke run per method on the built-in task."""
 
-import importlib.util
+from conftest import load_script
 import json
 import math
 import os
@@ -14,9 +14,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("offline_rl", os.path.join(REPO_ROOT, "offline_rl.py"))
-offline_rl = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(offline_rl)
+offline_rl = load_script("offline_rl")
 
 PAD, EOS, VOCAB = 1, 0, 32
 

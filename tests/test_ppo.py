@@ -1,7 +1,7 @@
 """Tests of ppo.py: the subtle math against hand computations, the Details that can be checked on
 tiny models (7, 21, 22, 23), the trlX / OpenRLHF options, and two subprocess smoke runs."""
 
-import importlib.util
+from conftest import load_script
 import json
 import os
 import subprocess
@@ -20,9 +20,7 @@ from transformers import (
 )
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC = importlib.util.spec_from_file_location("ppo", os.path.join(REPO_ROOT, "ppo.py"))
-ppo = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(ppo)
+ppo = load_script("ppo")
 
 PAD, EOS, VOCAB = 19, 3, 20
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -1,7 +1,7 @@
 """Tests for reward.py: the EOS reward index (Details 12, 14), the head init (Detail 11), the
 normalisation fold (Detail 15), the loss and calibration maths, and one smoke run on the built-in task."""
 
-import importlib.util
+from conftest import load_script
 import json
 import math
 import os
@@ -17,14 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, EOS = 1, 0
 
 
-def _load_reward():
-    spec = importlib.util.spec_from_file_location("reward_script", os.path.join(ROOT, "reward.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-reward = _load_reward()
+reward = load_script("reward")
 
 
 def tiny_rm(hidden_size: int = 32, seed: int = 0):

@@ -1,7 +1,7 @@
 """Tests of sft.py: the label masking (Detail 3), the loss math, fixed-length sampling (Detail 23) and a
 subprocess smoke run on the built-in task."""
 
-import importlib.util
+from conftest import load_script
 import json
 import os
 import subprocess
@@ -19,14 +19,9 @@ SAMPLE_COLUMNS = ["query", "response", "reference", "score", "response_token_len
 PAD, EOS = 1, 2
 
 
-def load_sft():
-    spec = importlib.util.spec_from_file_location("sft", os.path.join(REPO_ROOT, "sft.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-sft = load_sft()
+sft = load_script("sft")
 
 
 def tiny_model(vocab_size: int = 16, seed: int = 0) -> GPTNeoXForCausalLM:
