@@ -1,7 +1,7 @@
 """The whole RLHF pipeline on the built-in task, in one command, ending in a results report.
 
     python pipeline.py                 # the quickstart (about 15 minutes on 2 CPU cores)
-    python pipeline.py --mode full     # every algorithm and variant, 3 seeds for the RLHF stages
+    python pipeline.py --mode full     # adds ILQL and the four offline methods (seed: --seed)
     python pipeline.py --mode ci       # a minimal run that checks every artefact is produced
     python pipeline.py --force ppo     # rerun one stage (and nothing else)
 
@@ -35,8 +35,8 @@ sys.path.insert(0, REPO_ROOT)
 @dataclass
 class Args:
     mode: Literal["quickstart", "full", "ci"] = "quickstart"
-    """quickstart: the README's first command; full: every algorithm and variant on several seeds;
-    ci: minimal steps, to check that every artefact of the report is produced"""
+    """quickstart: the README's first command (SFT, RM, PPO, DPO); full: also ILQL and the four offline
+    methods; ci: every stage with minimal steps, to check that every artefact of the report is produced"""
     out: str = "artifacts/quickstart"
     """where data, models, runs and the report go"""
     force: list[str] = field(default_factory=list)
@@ -79,7 +79,7 @@ SETTINGS = {
         "offline_best_of_n": OFFLINE + ["--n", "4", "--bon_num_prompts", "800", "--bon_temperature", "0.7"],
     },
 }
-SETTINGS["full"] = dict(SETTINGS["quickstart"])
+SETTINGS["full"] = SETTINGS["quickstart"]
 SETTINGS["ci"] = {
     "prep": ["--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48", "--synthetic_num_pref_train", "256",
              "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8", "--synthetic_warmup_steps", "20"],
