@@ -482,7 +482,7 @@ def main(args: Args):
     if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
         raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
     # 1. batch arithmetic (Table 6: 64 pairs per update), accelerator and run folder
-    args.world_size = PartialState().num_processes
+    args.world_size = PartialState(cpu=not torch.cuda.is_available()).num_processes  # cpu=True: gloo ranks on CPU
     args.gradient_accumulation_steps = exact_div(
         args.total_batch_size, args.local_micro_batch_size * args.world_size,
         "total_batch_size / (local_micro_batch_size x world_size)",

@@ -604,7 +604,7 @@ def beta_name(beta: float) -> str:
 def main(args: Args) -> dict:
     start_time = time.time()
     # 1. batch arithmetic, accelerator and run folder
-    args.world_size = PartialState().num_processes
+    args.world_size = PartialState(cpu=not torch.cuda.is_available()).num_processes  # cpu=True: gloo ranks on CPU
     args.gradient_accumulation_steps = exact_div(
         args.total_batch_size, args.local_micro_batch_size * args.world_size,
         "total_batch_size / (local_micro_batch_size x world_size)",

@@ -687,7 +687,7 @@ def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eva
 def main(args: Args) -> dict:
     start_time = time.time()
     # ---- 1. processes, batch arithmetic and precision ----
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True: gloo ranks on CPU
     args.world_size = state.num_processes
     args.gradient_accumulation_steps = exact_div(
         args.total_batch_size,
