@@ -29,6 +29,19 @@ def load_script(name: str):
     return module
 
 
+def tiny_causal_lm(seed: int = 0, vocab_size: int = 16, pad_token_id: int = 1, eos_token_id: int = 2):
+    """A 2-layer GPT-NeoX small enough for exact hand checks (eval mode, seeded weights)."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    config = GPTNeoXConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, eos_token_id=eos_token_id, bos_token_id=eos_token_id, pad_token_id=pad_token_id,
+    )
+    return GPTNeoXForCausalLM(config).eval()
+
+
 SMALL_TASK_FLAGS = [
     "--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48",
     "--synthetic_num_pref_train", "256", "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8",

@@ -2,7 +2,7 @@
 precomputed-reference path against the live one, the accuracy table, and a subprocess smoke run
 on the built-in task."""
 
-from conftest import load_script
+from conftest import load_script, tiny_causal_lm
 import json
 import math
 import os
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_COLUMNS = ["query", "response", "reference", "score", "response_token_len", "has_eos"]
@@ -27,13 +27,6 @@ PAD, EOS = 1, 2
 dpo = load_script("dpo")
 
 
-def tiny_model(seed: int = 0, vocab_size: int = 16) -> GPTNeoXForCausalLM:
-    torch.manual_seed(seed)
-    config = GPTNeoXConfig(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, eos_token_id=EOS, bos_token_id=EOS, pad_token_id=PAD,
-    )
-    return GPTNeoXForCausalLM(config).eval()
 
 
 def sigmoid(x: float) -> float:
@@ -116,7 +109,7 @@ def test_loss_gradients_push_chosen_up_and_rejected_down():
 
 
 def test_sequence_logprob_is_the_sum_over_response_tokens():
-    model = tiny_model()
+    model = tiny_causal_lm(pad_token_id=PAD, eos_token_id=EOS)
     query, response = [5, 6, 7], [8, 9, EOS]
     tokens = torch.tensor([query + response + [PAD, PAD]])
     labels = torch.tensor([[PAD] * len(query) + response + [PAD, PAD]])
@@ -151,7 +144,7 @@ def tiny_preference_dataset(num_rows: int = 10, seed: int = 0) -> Dataset:
 
 
 def test_precomputed_reference_equals_live_reference():
-    policy, reference = tiny_model(seed=0), tiny_model(seed=1)
+    policy, reference = tiny_causal_lm(seed=0, pad_token_id=PAD, eos_token_id=EOS), tiny_causal_lm(seed=1, pad_token_id=PAD, eos_token_id=EOS)
     dataset = dpo.with_row_index(tiny_preference_dataset(), dpo.PAIR_COLUMNS)
     table = dpo.precompute_reference_logprobs(Accelerator(cpu=True), reference, dataset, batch_size=3, pad_token_id=PAD)
     assert table.shape == (10, 2)
@@ -175,7 +168,7 @@ def test_precomputed_reference_equals_live_reference():
 
 
 def test_concatenated_forward_matches_separate_forwards():
-    model = tiny_model()
+    model = tiny_causal_lm(pad_token_id=PAD, eos_token_id=EOS)
     batch = dpo.with_row_index(tiny_preference_dataset(4), dpo.PAIR_COLUMNS)[:4]
     chosen, rejected = dpo.concatenated_logprobs(model, batch, PAD)
     separate = dpo.sequence_logprobs(model, batch["query_rejected_token"], batch["query_rejected_token_response_label"], PAD)

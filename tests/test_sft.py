@@ -1,7 +1,7 @@
 """Tests of sft.py: the label masking (Detail 3), the loss math, fixed-length sampling (Detail 23) and a
 subprocess smoke run on the built-in task."""
 
-from conftest import load_script
+from conftest import load_script, tiny_causal_lm
 import json
 import os
 import subprocess
@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_COLUMNS = ["query", "response", "reference", "score", "response_token_len", "has_eos"]
@@ -24,20 +24,6 @@ PAD, EOS = 1, 2
 sft = load_script("sft")
 
 
-def tiny_model(vocab_size: int = 16, seed: int = 0) -> GPTNeoXForCausalLM:
-    torch.manual_seed(seed)
-    config = GPTNeoXConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        eos_token_id=EOS,
-        bos_token_id=EOS,
-        pad_token_id=PAD,
-    )
-    return GPTNeoXForCausalLM(config).eval()
 
 
 def test_make_labels_masks_every_pad():
@@ -48,7 +34,7 @@ def test_make_labels_masks_every_pad():
 
 
 def test_sft_loss_matches_hand_computation():
-    model = tiny_model()
+    model = tiny_causal_lm(pad_token_id=PAD, eos_token_id=EOS)
     # query [5, 6, 7], response [8, 9] + EOS, right-padded; the response-label row has the query as pads
     tokens = torch.tensor([[5, 6, 7, 8, 9, EOS, PAD, PAD]])
     response_label_tokens = torch.tensor([[PAD, PAD, PAD, 8, 9, EOS, PAD, PAD]])
@@ -69,7 +55,7 @@ def test_sft_loss_matches_hand_computation():
 
 
 def test_appending_padding_leaves_the_loss_unchanged():
-    model = tiny_model()
+    model = tiny_causal_lm(pad_token_id=PAD, eos_token_id=EOS)
     tokens = torch.tensor([[5, 6, 7, 8, 9, EOS, PAD, PAD], [5, 6, 10, 11, 12, 13, 14, EOS]])
     more_padding = torch.cat([tokens, torch.full((2, 5), PAD)], dim=1)
     with torch.no_grad():
@@ -89,7 +75,7 @@ def test_eos_stays_a_target_only_with_a_distinct_pad():
 
 def test_fixed_length_sampling_keeps_going_past_eos():
     """Detail 23: exactly L new tokens come back even when EOS is sampled early, and EOS can be sampled."""
-    model = tiny_model()
+    model = tiny_causal_lm(pad_token_id=PAD, eos_token_id=EOS)
     with torch.no_grad():  # a constant final hidden state of ones: the logit of a token is its row sum
         model.gpt_neox.final_layer_norm.weight.zero_()
         model.gpt_neox.final_layer_norm.bias.fill_(1.0)
