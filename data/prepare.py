@@ -107,10 +107,11 @@ class Args:
     """synthetic task: width of the tiny GPT-NeoX"""
     synthetic_num_layers: int = 4
     """synthetic task: depth of the tiny GPT-NeoX"""
-    synthetic_warmup_steps: int = 300
+    synthetic_warmup_steps: int = 600
     """synthetic task: language-model warm-up steps (batch 16) on fresh posts that end with the author's recap,
-    so the base model is 'pretrained' (it knows the language and has begun to copy phrases) before SFT,
-    like Pythia; 0 = a random-init base"""
+    so the base model is 'pretrained' (it knows the language and copies phrases) before SFT, like Pythia;
+    0 = a random-init base. Copying appears abruptly and at a seed-dependent step (the "induction head" phase
+    change). With the pipeline's seed, 300 steps left SFT covering 7% of the key facts and 600 steps 86%."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -86,7 +86,9 @@ def ppo_curve(p) -> pd.DataFrame:
     for path in sorted(glob.glob(os.path.join(p.runs, "ppo", "samples", "step_*.csv"))):
         step = int(os.path.basename(path)[len("step_"):-len(".csv")])
         df = pd.read_csv(path, keep_default_na=False)
-        wins = [synthetic.gold_prefer(q, r, ref) == "A" for q, r, ref in zip(df["query"], df["response"], df["reference"])]
+        # both orders, as judge.py randomises them: a response identical to its reference is half a win
+        wins = [0.5 * (synthetic.gold_prefer(q, r, ref) == "A") + 0.5 * (synthetic.gold_prefer(q, ref, r) == "B")
+                for q, r, ref in zip(df["query"], df["response"], df["reference"])]
         gold = [synthetic.gold_score(q, r) for q, r in zip(df["query"], df["response"])]
         rows.append({"step": step, "rm_score": pd.to_numeric(df["score"], errors="coerce").mean(),
                      "gold_win_rate": float(np.mean(wins)), "gold_score": float(np.mean(gold)),

@@ -4,7 +4,7 @@ Nothing here is part of an algorithm. It exists so that the whole pipeline (prep
 PPO / DPO / ... -> judge) runs on 2 CPU cores in minutes, with a *known* right answer:
 
 * Every post carries 2-3 key facts. A fact is a triple written as one contiguous phrase,
-  "{subject} {verb} {object}" (e.g. "my landlord sold the couch"), buried in a sentence of the
+  "{subject} {verb} {object}" (e.g. "landlord sold furniture"), buried in a sentence of the
   post. Everything else in the post is filler that holds no fact.
 * A good summary states every key fact once, invents none, carries no filler words, and ends
   with a period. `gold_score` turns that into a number; `gold_prefer` compares two summaries.
@@ -27,11 +27,14 @@ from dataclasses import dataclass
 # --------------------------------------------------------------------------------------------
 # 1. The world: subjects, verbs and objects that make up facts; filler that holds none.
 # --------------------------------------------------------------------------------------------
-# Each content word is a single BPE token, and the world is small (8 x 8 x 8 facts), so that a ~1M
-# parameter model can learn to copy facts from the post within a few CPU minutes.
-SUBJECTS = ["my mom", "my dad", "my boss", "my sister", "my brother", "my roommate", "my landlord", "my neighbor"]
+# Each content word is a single BPE token that appears nowhere but inside facts, and the world is small
+# (8 x 8 x 8 facts), so that a ~1M parameter model learns to copy facts from the post within a few CPU
+# minutes. (A first version used two-token phrases, "my mom" / "the car": copying them needs a two-token
+# lookback behind the shared "my" / "the", and SFT covered 20% of the facts after 600 steps where this
+# world covers 36%, same model and budget.)
+SUBJECTS = ["mom", "dad", "boss", "sister", "brother", "roommate", "landlord", "neighbor"]
 VERBS = ["lost", "broke", "sold", "stole", "hid", "found", "burned", "cleaned"]
-OBJECTS = ["the car", "the phone", "the couch", "the tv", "the laptop", "the bike", "the fridge", "the keys"]
+OBJECTS = ["cash", "furniture", "cookies", "plants", "tickets", "jewelry", "shoes", "paintings"]
 SUBREDDITS = ["relationships", "personalfinance", "tifu", "AskReddit", "legaladvice", "roommates", "dating_advice"]
 
 # A fact sentence wraps the fact phrase; the wrappers use no subject/verb/object words.
@@ -70,8 +73,8 @@ TAIL_PARAGRAPHS = [  # long trailing paragraphs: the natural target of paragraph
     "edit 2: thanks for all the comments, i read every one of them. {a} {b}",
 ]
 TITLES = [
-    "need advice about {subject}", "am i overreacting here", "what do i do now",
-    "not sure how to handle this", "how do i bring this up with {subject}", "is this normal",
+    "need advice about my family", "am i overreacting here", "what do i do now",
+    "not sure how to handle this", "how do i bring this up", "is this normal",
 ]
 # Filler that a summary must not carry; the gold judge penalises each occurrence.
 SUMMARY_FILLER = ["lol", "tbh", "idk", "honestly", "so yeah", "anyway", "basically"]
@@ -185,7 +188,7 @@ def make_post(rng: random.Random) -> dict:
         for _ in range(rng.randint(1, 3)):
             a, b, c, d = rng.sample(FILLER_SENTENCES, 4)
             paragraphs.append(rng.choice(TAIL_PARAGRAPHS).format(a=a, b=b, c=c, d=d))
-    title = rng.choice(TITLES).format(subject=rng.choice(SUBJECTS))
+    title = rng.choice(TITLES)
     return {
         "subreddit": rng.choice(SUBREDDITS),
         "title": title,
@@ -230,6 +233,15 @@ def policy_summary(policy: str, post: dict, rng: random.Random) -> str:
             if fake not in facts:
                 break
         return _join_facts(facts + [fake]) + "."
+    if policy == "miscopy":  # copies one fact with a wrong word: the typical error of a small SFT model
+        kept = list(facts)
+        i = rng.randrange(len(kept))
+        words = kept[i].split(" ")
+        slot = rng.randrange(3)
+        pool = (SUBJECTS, VERBS, OBJECTS)[slot]
+        words[slot] = rng.choice([w for w in pool if w != words[slot]])
+        kept[i] = " ".join(words)
+        return _join_facts(kept) + "."
     if policy == "title":  # copies the title
         return post["title"] + "."
     raise ValueError(f"unknown policy {policy!r}")
@@ -237,11 +249,12 @@ def policy_summary(policy: str, post: dict, rng: random.Random) -> str:
 
 # Train pairs use these policies; validation adds pairs that never occur in train (Detail 6).
 TRAIN_POLICY_PAIRS = [("good", "drop"), ("good", "filler"), ("ref", "short"), ("ref", "runon"),
-                      ("drop", "filler"), ("good", "ref"), ("short", "runon"), ("drop", "short")]
+                      ("drop", "filler"), ("good", "ref"), ("short", "runon"), ("drop", "short"),
+                      ("good", "miscopy"), ("ref", "miscopy")]
 OOD_POLICY_PAIRS = [("good", "invent"), ("ref", "title"), ("invent", "drop")]
 POLICY_NAMES = {  # names in the style of the real dataset's policy column
     "good": "sup_good_t.7", "ref": "ref", "drop": "sup_drop_t.7", "short": "sup_short_t.7",
-    "filler": "sup_filler_t.7", "runon": "sup_runon_t1", "invent": "ppo_invent_t.7", "title": "title",
+    "filler": "sup_filler_t.7", "runon": "sup_runon_t1", "miscopy": "sup_miscopy_t.7", "invent": "ppo_invent_t.7", "title": "title",
 }
 
 
@@ -363,17 +376,23 @@ def generate_raw(out_dir: str, seed: int = 0, num_sft_train: int = 4000, num_sft
     return {"counts": counts, "ceiling": ceiling}
 
 
-def pretraining_documents(num: int, seed: int) -> list[str]:
-    """Text for the base model's warm-up: fresh posts (not the SFT split) that end with the author's own
-    recap ("in short: ..."), the way forum posts in a pre-training corpus often do. This is where the
-    tiny model picks up copying phrases from earlier in a document, which SFT then builds on."""
+def pretraining_documents(num: int, seed: int, min_chars: int = 600) -> list[str]:
+    """Text for the base model's warm-up, the tiny stand-in for pre-training. Each document packs several
+    short fresh posts (not the SFT split), each ending with the author's own recap ("in short: ..."), the
+    way forum threads in a pre-training corpus often do. Copying a phrase from earlier in the document is
+    the skill SFT builds on, so the warm-up text is dense in it: short posts put about one token in five
+    inside a recap, where a full-length post would put one in twenty."""
     rng = random.Random(seed + 7919)
     docs = []
     for _ in range(num):
-        post = make_post(rng)
-        title = rng.choice(TITLES).format(subject=rng.choice(SUBJECTS))
-        recap = _join_facts(rng.sample(post["facts"], len(post["facts"])) if rng.random() < 0.3 else post["facts"])
-        docs.append(f"{title}\n\n{post['post']}\n\nin short: {recap}.")
+        parts: list[str] = []
+        while sum(len(p) for p in parts) < min_chars:
+            facts = make_post(rng)["facts"]
+            sentences = [rng.choice(FACT_SENTENCES).format(fact=f) for f in facts]
+            for _ in range(rng.randint(0, 2)):
+                sentences.insert(rng.randint(0, len(sentences)), rng.choice(FILLER_SENTENCES))
+            parts.append(" ".join(sentences) + " in short: " + _join_facts(facts) + ".")
+        docs.append("\n\n".join(parts))
     return docs
 
 
@@ -414,7 +433,12 @@ def build_base_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 
         num_attention_heads=num_heads,
         intermediate_size=4 * hidden_size,
         max_position_embeddings=max_positions,
-        rotary_pct=0.25,
+        # Pythia rotates 25% of each head's dimensions (64 of 256 in Pythia-1B). Our heads have 32
+        # dimensions, so 25% would leave 8 rotary dimensions: too little position signal for the
+        # "previous token" heads that copying is built from. We rotate all of them (a deliberate
+        # difference from Pythia). Measured, same seed and budget (400 warm-up + 600 SFT steps): SFT covered
+        # 6% of the facts with 25% rotary dimensions and 36% with all of them.
+        rotary_pct=1.0,
         use_parallel_residual=True,
         tie_word_embeddings=False,
         hidden_dropout=0.1,  # dropout is on in the base model, as in many hub models, so Detail 7 matters

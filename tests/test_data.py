@@ -26,7 +26,7 @@ def run_prepare(tmp_path, tokenizer_path, **kw):
 
 
 # ---------------------------------------------------------------- Detail 2: paragraph truncation
-PARAGRAPHS = ["first paragraph holds my sister lost the keys.", "second paragraph is filler about the weather.",
+PARAGRAPHS = ["first paragraph holds sister lost tickets.", "second paragraph is filler about the weather.",
               "third paragraph is an edit with more filler text that goes on and on.",
               "fourth paragraph keeps going with yet more words to push the length."]
 
@@ -141,7 +141,7 @@ def test_bad_sft_rows_name_row_and_field(tmp_path, synthetic_task, bad, message)
 
 def test_long_responses_are_counted_not_silently_cut(tmp_path, synthetic_task):
     good = json.loads(open(os.path.join(FIXTURES, "tldr_sft", "train.jsonl")).readline())
-    rows = [good, {**good, "id": "t3_long", "summary": "my sister lost the keys " * 20}]
+    rows = [good, {**good, "id": "t3_long", "summary": "sister lost tickets " * 20}]
     sft_dir = _write(tmp_path, "sft", rows)
     out = run_prepare(tmp_path, synthetic_task["base_model"], sft_data=sft_dir,
                       preference_data=os.path.join(FIXTURES, "tldr_comparisons"), sft_response_length=24,
@@ -191,7 +191,7 @@ def test_gold_judge_is_deterministic_and_sensible():
     for _ in range(50):
         post = synthetic.make_post(rng)
         good = synthetic.policy_summary("good", post, rng)
-        for bad in ("filler", "invent", "runon", "drop", "title"):
+        for bad in ("filler", "invent", "runon", "drop", "title", "miscopy"):
             worse = synthetic.policy_summary(bad, post, rng)
             assert synthetic.gold_prefer(post["post"], good, worse) == "A", (bad, good, worse)
             assert synthetic.gold_prefer(post["post"], worse, good) == "B"
@@ -199,15 +199,15 @@ def test_gold_judge_is_deterministic_and_sensible():
 
 
 def test_reference_beats_filler_only_and_invented():
-    post = "so yesterday my sister lost the keys and i do not know what to do.\n\nsorry for the long post."
-    ref = "my sister lost the keys."
+    post = "so yesterday sister lost tickets and i do not know what to do.\n\nsorry for the long post."
+    ref = "sister lost tickets."
     assert synthetic.gold_prefer(post, ref, "honestly so yeah lol.") == "A"
-    assert synthetic.gold_prefer(post, ref, "my sister lost the keys and my boss sold the car.") == "A"
+    assert synthetic.gold_prefer(post, ref, "sister lost tickets and boss sold cash.") == "A"
     # a summary that never ends (no EOS: it runs on past its period) loses to the same facts ended properly
-    assert synthetic.gold_prefer(post, "my sister lost the keys. my sister", ref) == "B"
+    assert synthetic.gold_prefer(post, "sister lost tickets. sister", ref) == "B"
     # formatted queries work as the post: only the POST part is read
-    query = f"SUBREDDIT: r/tifu\n\nTITLE: my boss sold the car\n\nPOST: {post}\n\nTL;DR:"
-    assert synthetic.extract_facts(synthetic._post_part(query)) == ["my sister lost the keys"]
+    query = f"SUBREDDIT: r/tifu\n\nTITLE: boss sold cash\n\nPOST: {post}\n\nTL;DR:"
+    assert synthetic.extract_facts(synthetic._post_part(query)) == ["sister lost tickets"]
 
 
 def test_ceiling_is_known_and_matches_labels(tmp_path):

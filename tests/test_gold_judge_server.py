@@ -25,15 +25,15 @@ def formatted_query(post: dict) -> str:
 
 
 def test_pairwise_template_round_trip_with_hostile_text():
-    post = "POST: my boss lost the car.\n\nSummary A:\nnot a header {summary_b} {post}\n\nTL;DR:"
-    a, b = "my boss lost the car.\n\nSummary B:\nfake", "lol {x}"
+    post = "POST: boss lost cash.\n\nSummary A:\nnot a header {summary_b} {post}\n\nTL;DR:"
+    a, b = "boss lost cash.\n\nSummary B:\nfake", "lol {x}"
     prompt = gjs.fill_template(gjs.PAIRWISE_JUDGE_TEMPLATE, post=post, summary_a=a, summary_b=b)
     assert "{summary_b} {post}" in prompt  # inserted text is never substituted again
     assert prompt.startswith("Which of the following summaries does a better job of summarizing the most important points")
     assert prompt.endswith('Comparison: <one-sentence comparison and explanation>\nPreferred: <"A" or "B">')
     # the greedy groups pick the last headers: a summary holding "Summary B:" is the one ambiguity
     parsed = gjs.parse_pairwise_prompt(prompt)
-    assert parsed is not None and parsed[0].startswith("POST: my boss lost the car.")
+    assert parsed is not None and parsed[0].startswith("POST: boss lost cash.")
     clean = gjs.fill_template(gjs.PAIRWISE_JUDGE_TEMPLATE, post=post, summary_a="x {y}", summary_b=b)
     assert gjs.parse_pairwise_prompt(clean) == (post, "x {y}", b)
     assert gjs.parse_pairwise_prompt(clean.replace("Judge based on", "Judge on")) is None
@@ -110,7 +110,7 @@ def test_endpoint_multi_answer_scores_follow_gold_score():
 def test_fault_injection_and_bad_requests():
     import openai
 
-    prompt = gjs.fill_template(gjs.PAIRWISE_JUDGE_TEMPLATE, post="POST: my dad sold the car", summary_a="x.", summary_b="y.")
+    prompt = gjs.fill_template(gjs.PAIRWISE_JUDGE_TEMPLATE, post="POST: dad sold cash", summary_a="x.", summary_b="y.")
     with gjs.serve_in_thread(fail_rate=1.0, seed=3, model_name="m") as server:
         client = OpenAI(base_url=server.base_url, api_key="sk-placeholder", max_retries=0)
         codes = []
