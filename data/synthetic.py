@@ -233,15 +233,6 @@ def policy_summary(policy: str, post: dict, rng: random.Random) -> str:
             if fake not in facts:
                 break
         return _join_facts(facts + [fake]) + "."
-    if policy == "miscopy":  # copies one fact with a wrong word: the typical error of a small SFT model
-        kept = list(facts)
-        i = rng.randrange(len(kept))
-        words = kept[i].split(" ")
-        slot = rng.randrange(3)
-        pool = (SUBJECTS, VERBS, OBJECTS)[slot]
-        words[slot] = rng.choice([w for w in pool if w != words[slot]])
-        kept[i] = " ".join(words)
-        return _join_facts(kept) + "."
     if policy == "title":  # copies the title
         return post["title"] + "."
     raise ValueError(f"unknown policy {policy!r}")
@@ -249,12 +240,11 @@ def policy_summary(policy: str, post: dict, rng: random.Random) -> str:
 
 # Train pairs use these policies; validation adds pairs that never occur in train (Detail 6).
 TRAIN_POLICY_PAIRS = [("good", "drop"), ("good", "filler"), ("ref", "short"), ("ref", "runon"),
-                      ("drop", "filler"), ("good", "ref"), ("short", "runon"), ("drop", "short"),
-                      ("good", "miscopy"), ("ref", "miscopy")]
+                      ("drop", "filler"), ("good", "ref"), ("short", "runon"), ("drop", "short")]
 OOD_POLICY_PAIRS = [("good", "invent"), ("ref", "title"), ("invent", "drop")]
 POLICY_NAMES = {  # names in the style of the real dataset's policy column
     "good": "sup_good_t.7", "ref": "ref", "drop": "sup_drop_t.7", "short": "sup_short_t.7",
-    "filler": "sup_filler_t.7", "runon": "sup_runon_t1", "miscopy": "sup_miscopy_t.7", "invent": "ppo_invent_t.7", "title": "title",
+    "filler": "sup_filler_t.7", "runon": "sup_runon_t1", "invent": "ppo_invent_t.7", "title": "title",
 }
 
 
