@@ -663,7 +663,7 @@ def main(args: Args) -> dict:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError("the tokenizer's pad token is its EOS; Detail 3 needs a distinct [PAD] (re-run data/prepare.py)")
-    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_token_id = tokenizer.pad_token_id
 
     # 4. models: the LM + fresh ILQL heads; the (optional) frozen reward model
     lm = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code)

@@ -17,9 +17,7 @@ and its gold judge), which the algorithm scripts never do.
 from __future__ import annotations
 
 import json
-import math
 import os
-import shutil
 import subprocess
 import sys
 import time

@@ -352,7 +352,7 @@ def main(args: Args):
     if tokenizer.pad_token is None:
         # Detail 3: Pythia ships no pad token; a distinct [PAD] keeps EOS a training target
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_token_id = tokenizer.pad_token_id
     label_column = {
         "response": "query_reference_response_token_response_label",
         "sequence": "query_reference_response_token",

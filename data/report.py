@@ -80,15 +80,20 @@ def kl_from_sft(p, label: str, samples_csv: str, tokenizer) -> float | None:
     return float(np.mean(sequence_logprobs(model_dir, df, tokenizer) - sequence_logprobs(os.path.join(p.models, "sft"), df, tokenizer)))
 
 
+def gold_win(query: str, response: str, reference: str) -> float:
+    """1 if the gold judge prefers the response to the reference in both A/B orders, 0 if in neither.
+    judge.py randomises the order, so a response identical to its reference counts as half a win here too."""
+    return 0.5 * (synthetic.gold_prefer(query, response, reference) == "A") + \
+        0.5 * (synthetic.gold_prefer(query, reference, response) == "B")
+
+
 def ppo_curve(p) -> pd.DataFrame:
     """RM score and gold win rate vs reference at every PPO evaluation (the over-optimisation curve)."""
     rows = []
     for path in sorted(glob.glob(os.path.join(p.runs, "ppo", "samples", "step_*.csv"))):
         step = int(os.path.basename(path)[len("step_"):-len(".csv")])
         df = pd.read_csv(path, keep_default_na=False)
-        # both orders, as judge.py randomises them: a response identical to its reference is half a win
-        wins = [0.5 * (synthetic.gold_prefer(q, r, ref) == "A") + 0.5 * (synthetic.gold_prefer(q, ref, r) == "B")
-                for q, r, ref in zip(df["query"], df["response"], df["reference"])]
+        wins = [gold_win(q, r, ref) for q, r, ref in zip(df["query"], df["response"], df["reference"])]
         gold = [synthetic.gold_score(q, r) for q, r in zip(df["query"], df["response"])]
         rows.append({"step": step, "rm_score": pd.to_numeric(df["score"], errors="coerce").mean(),
                      "gold_win_rate": float(np.mean(wins)), "gold_score": float(np.mean(gold)),

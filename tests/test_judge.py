@@ -114,7 +114,7 @@ def test_score_parser():
 
 def test_wilson_interval_and_rank_normalisation_by_hand():
     z = 1.959963984540054
-    p, n = 0.8, 10  # center (p + z^2/2n)/(1 + z^2/n), half z sqrt(p(1-p)/n + z^2/4n^2)/(1 + z^2/n)
+    p = 0.8  # n = 10; center (p + z^2/2n)/(1 + z^2/n), half z sqrt(p(1-p)/n + z^2/4n^2)/(1 + z^2/n)
     center = (p + z * z / 20) / (1 + z * z / 10)
     half = z * np.sqrt(0.016 + z * z / 400) / (1 + z * z / 10)
     low, high = judge.wilson_interval(8, 10)

@@ -33,3 +33,14 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
     again = subprocess.run(cmd, check=True, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     for stage in ("prep", "sft", "rm", "ppo", "dpo"):
         assert f"[{stage}] done already" in again.stdout
+
+
+def test_gold_win_counts_a_tie_with_the_reference_as_half():
+    sys.path.insert(0, REPO_ROOT)
+    from data.report import gold_win
+
+    post = "POST: so yesterday landlord sold furniture.\n\non top of that mom hid shoes.\n\nTL;DR:"
+    ref = " landlord sold furniture."
+    assert gold_win(post, ref, ref) == 0.5  # identical: whichever side is A wins the tie-break
+    assert gold_win(post, " landlord sold furniture and mom hid shoes.", ref) == 1.0
+    assert gold_win(post, " lol.", ref) == 0.0
