@@ -14,16 +14,20 @@ Built-in task (CPU):    see README.md for the paths and the small sizes it passe
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
+import numpy as np
 import pandas as pd
+import pyarrow
+import pyarrow.compute
 import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from datasets import load_dataset, load_from_disk
 from huggingface_hub import HfApi
 from rouge_score import rouge_scorer
@@ -55,6 +59,16 @@ class Args:
     """where the trained model and tokenizer are saved (safetensors)"""
     run_dir_root: str = "runs"
     """folder that holds runs/{run_name}/"""
+    overwrite_output_dir: bool = False
+    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
+    checkpoint_every: int = 100
+    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
+    runs/{run_name}/checkpoints every this many updates (0 = never)"""
+    checkpoint_keep: int = 1
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
+    the resumed run ends with the same weights and metrics as one that was never interrupted"""
 
     # ---- model and data ----
     base_model: str = "EleutherAI/pythia-1b-deduped"
@@ -141,6 +155,28 @@ def load_split(path: str, split: str):
     return load_dataset(path, split=split)
 
 
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
+    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+            "make it with data/prepare.py, whose output has every column the scripts read"
+        )
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in columns:
+        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
+            continue
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(
+                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
+                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
+            )
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """Per row, the index of the first True; the row length when the row has no True."""
     row_len = bools.size(-1)
@@ -195,6 +231,122 @@ def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
     )
     logits = torch.stack(output.logits, 1)  # (B, Tr, V)
     return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+
+
+# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
+
+    The flags are summed over processes, so every process raises together and none is left waiting in
+    a collective. Callers check before the optimizer step that would use the quantity, so the weights
+    on hand are still the last good ones when this raises."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved; lower --lr or check the data of this update, then rerun or --resume"
+        )
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
+    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
+    root = os.path.join(run_dir, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
+
+
+def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
+    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
+    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
+    every process's RNG states; trainer_state.json adds the data position and the running counters.
+
+    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
+    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
+    root = os.path.join(run_dir, "checkpoints")
+    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+    if accelerator.is_main_process and os.path.isdir(temporary):
+        shutil.rmtree(temporary)  # left by a save that was killed
+    accelerator.wait_for_everyone()
+    accelerator.save_state(temporary)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
+            json.dump({"update": update, **trainer_state}, f, indent=2)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
+        for name in older:
+            shutil.rmtree(os.path.join(root, name))
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, run_dir: str) -> dict:
+    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
+    accelerator.load_state(path)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
+    return trainer_state
+
+
+def resolve_run_name(args) -> str:
+    """The run's name, the same on every process. With --resume and no --run_name: the newest
+    runs/{exp_name}__{seed}__* that has a checkpoint."""
+    if args.run_name is None and args.resume:
+        prefix = f"{args.exp_name}__{args.seed}__"
+        root = args.run_dir_root
+        candidates = sorted(
+            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+             and latest_checkpoint(os.path.join(root, d)) is not None),
+            key=lambda d: os.path.getmtime(os.path.join(root, d)),
+        )
+        if not candidates:
+            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+        return candidates[-1]
+    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+    return name[0]
+
+
+def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
+    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
+    (run.json). A resumed run finds its own mark and goes on."""
+    mark = os.path.join(output_dir, "run.json")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+        if owner != run_name:
+            raise ValueError(
+                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
+            )
+    accelerator.wait_for_everyone()  # every process checked before the mark changes
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(mark, "w") as f:
+            json.dump({"run_name": run_name}, f)
+
+
+def start_metrics_file(path: str, resume_update: int) -> None:
+    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
+    drops those written after it (they are written again), so the file matches an uninterrupted run."""
+    kept = []
+    if resume_update > 0 and os.path.exists(path):
+        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,9 +491,9 @@ def main(args: Args):
     if accelerator.state.deepspeed_plugin is not None:
         # DeepSpeed reads the micro batch from the dataloader, which we do not prepare (see step 4)
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
-    if args.run_name is None:
-        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
+    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # ---- 2. seeding: weights and data order are the same on every process, sampling differs ----
     set_seed(args.seed)
@@ -352,6 +504,12 @@ def main(args: Args):
     if tokenizer.pad_token is None:
         # Detail 3: Pythia ships no pad token; a distinct [PAD] keeps EOS a training target
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {args.base_model} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS is masked out of the loss and the model never learns to stop. Save the tokenizer "
+            "with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the data with it"
+        )
     pad_token_id = tokenizer.pad_token_id
     label_column = {
         "response": "query_reference_response_token_response_label",
@@ -360,12 +518,15 @@ def main(args: Args):
     columns = list(dict.fromkeys(  # loss_on=sequence reads its labels from the input column itself
         ["query_reference_response_token", label_column, "query_token", "query_reference_response_token_len"]
     ))
-    train_dataset = load_split(args.query_dataset, args.train_split).with_format("torch", columns=columns)
+    train_dataset = load_split(args.query_dataset, args.train_split)
+    check_columns(train_dataset, columns, f"{args.query_dataset} split {args.train_split!r}")
+    train_dataset = train_dataset.with_format("torch", columns=columns)
     eval_splits = [args.eval_split] + (["test"] if args.eval_test_split else [])
-    eval_datasets = {
-        split: load_split(args.query_dataset, split).with_format("torch", columns=columns + ["reference_response"])
-        for split in eval_splits
-    }
+    eval_datasets = {}
+    for split in eval_splits:
+        dataset = load_split(args.query_dataset, split)
+        check_columns(dataset, columns + ["reference_response"], f"{args.query_dataset} split {split!r}")
+        eval_datasets[split] = dataset.with_format("torch", columns=columns + ["reference_response"])
     first = train_dataset[0]
     data_response_length = first["query_reference_response_token"].numel() - first["query_token"].numel()
     if data_response_length != args.response_length:
@@ -401,6 +562,7 @@ def main(args: Args):
     # the schedule is not passed to accelerator.prepare, which would step it once per process
     scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
     model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)  # saved and restored with the model and optimizer
     torch.manual_seed(local_seed)  # sampling at evaluation differs across processes
     # Every process draws the same permutation each epoch and reads its own share of every update's
     # batch; an epoch that does not fill a last update leaves those rows out (like drop_last).
@@ -417,6 +579,18 @@ def main(args: Args):
                 yield [local_batch[i : i + args.local_micro_batch_size].tolist() for i in range(0, local_batch_size, args.local_micro_batch_size)]
 
     # ---- 5. logging ----
+    # ---- 5. resume (Detail-free bookkeeping: a killed run loses at most --checkpoint_every updates) ----
+    trainer_state = {"update": 0, "train_tokens": 0, "train_time": 0.0, "last_loss": float("nan")}
+    if args.resume:
+        trainer_state = load_checkpoint(accelerator, run_dir)  # model, optimizer, schedule, every RNG
+        if trainer_state["num_updates"] != args.num_updates:
+            raise ValueError(f"--resume: the checkpoint belongs to a run of {trainer_state['num_updates']} updates, "
+                             f"these flags make {args.num_updates}; resume with the flags of the original run")
+    elif accelerator.is_main_process and os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
+    start_update = trainer_state["update"]
+
+    # ---- 6. logging ----
     writer, metrics_file = None, None
     if accelerator.is_main_process:
         os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
@@ -433,8 +607,10 @@ def main(args: Args):
                 name=args.run_name,
                 save_code=True,
             )
-        writer = SummaryWriter(run_dir)
+        # purge_step drops TensorBoard events logged after the checkpoint by the interrupted run
+        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
         writer.add_text("hyperparameters", frame_markdown(pd.DataFrame(asdict(args).items(), columns=["key", "value"])))
+        start_metrics_file(os.path.join(run_dir, "metrics.jsonl"), start_update)
         metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
 
     def log(step: int, metrics: dict):
@@ -469,39 +645,60 @@ def main(args: Args):
             log(step, metrics)
         return summary
 
-    # ---- 6. training ----
+    # ---- 7. training ----
     model.train()
-    progress = tqdm(range(1, args.num_updates + 1), disable=not accelerator.is_main_process, desc="sft")
+    progress = tqdm(range(start_update + 1, args.num_updates + 1), initial=start_update, total=args.num_updates,
+                    disable=not accelerator.is_main_process, desc="sft")
     batches = batch_indices()
-    train_tokens, train_time, last_loss = 0, 0.0, float("nan")
-    for update in progress:
-        update_start = time.time()
-        stats = torch.zeros(3, device=accelerator.device)  # loss sum over micro-batches, micro-batches, input tokens
-        for micro_indices in next(batches):
-            micro_batch = train_dataset[micro_indices]
-            query_responses = micro_batch["query_reference_response_token"].to(accelerator.device)  # (b, Tq + Tr)
-            labels = sft_labels(micro_batch[label_column].to(accelerator.device), pad_token_id)
-            with accelerator.accumulate(model):
-                loss, _ = next_token_loss(model, query_responses, labels, pad_token_id)
-                accelerator.backward(loss)  # divided by the accumulation steps inside
-                optimizer.step()  # a no-op until the last micro-batch of the update
-                optimizer.zero_grad()
-            stats += torch.stack(
-                [loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()]
-            )
-        lr = scheduler.get_last_lr()[0]  # the rate this update used
-        scheduler.step()
-        stats = accelerator.reduce(stats, reduction="sum")
-        train_time += time.time() - update_start
-        train_tokens += int(stats[2])
-        last_loss = (stats[0] / stats[1]).item()  # mean over every micro-batch of the update, all processes
-        tokens_per_s = train_tokens / train_time
-        progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
-        log(update, {"train/loss": last_loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s})
-        if args.eval_every > 0 and update % args.eval_every == 0 and update != args.num_updates:
-            run_evaluation(update, final=False)
+    for _ in range(start_update):
+        next(batches)  # the data position: replay the permutations of the updates already done
+    train_tokens, train_time, last_loss = trainer_state["train_tokens"], trainer_state["train_time"], trainer_state["last_loss"]
 
-    # ---- 7. final evaluation, summary, model ----
+    def checkpoint(done: int) -> None:
+        save_checkpoint(accelerator, run_dir, done, {"num_updates": args.num_updates, "train_tokens": train_tokens,
+                        "train_time": train_time, "last_loss": last_loss}, args.checkpoint_keep)
+
+    update = start_update
+    try:
+        for update in progress:
+            update_start = time.time()
+            stats = torch.zeros(3, device=accelerator.device)  # loss sum over micro-batches, micro-batches, input tokens
+            for micro_indices in next(batches):
+                micro_batch = train_dataset[micro_indices]
+                query_responses = micro_batch["query_reference_response_token"].to(accelerator.device)  # (b, Tq + Tr)
+                labels = sft_labels(micro_batch[label_column].to(accelerator.device), pad_token_id)
+                with accelerator.accumulate(model):
+                    loss, _ = next_token_loss(model, query_responses, labels, pad_token_id)
+                    # non-finite guard: checked before backward, so the weights never see it
+                    check_finite(accelerator, update, **{"train/loss": loss})
+                    accelerator.backward(loss)  # divided by the accumulation steps inside
+                    optimizer.step()  # a no-op until the last micro-batch of the update
+                    optimizer.zero_grad()
+                stats += torch.stack(
+                    [loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()]
+                )
+            lr = scheduler.get_last_lr()[0]  # the rate this update used
+            scheduler.step()
+            stats = accelerator.reduce(stats, reduction="sum")
+            train_time += time.time() - update_start
+            train_tokens += int(stats[2])
+            last_loss = (stats[0] / stats[1]).item()  # mean over every micro-batch of the update, all processes
+            tokens_per_s = train_tokens / train_time
+            progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
+            log(update, {"train/loss": last_loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s})
+            if args.eval_every > 0 and update % args.eval_every == 0 and update != args.num_updates:
+                run_evaluation(update, final=False)
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != args.num_updates:
+                checkpoint(update)
+    except NonFiniteError:
+        # the guard runs before backward, so the weights on hand are still those after update - 1:
+        # keep them as the last good checkpoint (the poisoned update is never applied or saved)
+        checkpoint(update - 1)
+        accelerator.print(f"non-finite value at update {update}; last good checkpoint: {latest_checkpoint(run_dir)}")
+        raise
+    progress.close()
+
+    # ---- 8. final evaluation, summary, model ----
     summary = run_evaluation(args.num_updates, final=True)
     summary.update(
         {
