@@ -1,12 +1,17 @@
 """judge.py against the built-in gold judge, started on loopback by the tests themselves."""
 
 from conftest import load_script
+import contextlib
 import inspect
 import json
 import os
 import random
+import signal
+import sqlite3
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pandas as pd
@@ -306,6 +311,125 @@ def test_cache_replays_unparseable_sequences(tmp_path):
         assert server.request_count == n
     assert first["per_csv"]["a"] == {**second["per_csv"]["a"], "judged_csv": first["per_csv"]["a"]["judged_csv"]}
     assert first["per_csv"]["a"]["unparseable"] > 0
+
+
+def cached_reply_count(path) -> int:
+    """Rows of judge.py's sqlite reply cache, read through a separate read-only connection (so the
+    reader never checkpoints or repairs the writer's WAL); 0 before the file or its table exists."""
+    if not os.path.exists(path):
+        return 0
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as db:
+            return db.execute("SELECT COUNT(*) FROM replies").fetchone()[0]
+    except sqlite3.OperationalError:  # the table is still being created
+        return 0
+
+
+class RequestGate:
+    """Lets the first `limit` chat requests through to the gold judge and holds every later one
+    before the server counts or answers it, until release(); the held ones are then dropped
+    unanswered (the client that sent them is dead by then) and new requests pass again.
+
+    Why: a process killed at an arbitrary instant may have replies already paid for but not yet
+    written to the cache; those are lost and asked again, whatever the client does. Holding the
+    requests lets the test kill the judge while it is waiting on requests (really mid-run) with
+    every answered request already committed, so "answered requests == distinct prompts" is an
+    exact statement about judge.py and not a race. It wraps the server instance's own hook; the
+    server's code is unchanged."""
+
+    def __init__(self, server, limit: int):
+        self.limit, self.admitted, self.held = limit, 0, 0
+        self.lock, self.opened = threading.Lock(), threading.Event()
+        self._draw_fault = server.draw_fault
+        server.draw_fault = self._draw  # called by the handler before it counts or answers a request
+        server.handle_error = lambda request, client_address: None  # a dropped request is not a traceback
+
+    def _draw(self) -> str:
+        with self.lock:
+            admit = self.opened.is_set() or self.admitted < self.limit
+            self.admitted += admit
+            self.held += not admit
+        if admit:
+            return self._draw_fault()
+        self.opened.wait()
+        raise ConnectionAbortedError("held request dropped unanswered")
+
+    def release(self) -> None:
+        self.opened.set()
+
+
+def test_sigkill_mid_run_then_rerun_pays_for_nothing_twice(tmp_path):
+    """judge.py killed by SIGKILL mid-run and run again with the same arguments and cache: the
+    rerun's verdicts and win rate equal an uninterrupted run's, and no prompt was answered twice."""
+    n, limit, parallel, seed = 96, 40, 4, 3
+    csv_path = str(tmp_path / "a.csv")
+    make_samples(csv_path, n, seed=15)
+
+    # the uninterrupted run: fresh cache, same seed and arguments
+    with gjs.serve_in_thread() as server:
+        reference = judge.main(judge_args(tmp_path, server, csv=[csv_path], seed=seed, max_parallel_requests=parallel,
+                                          output_dir=str(tmp_path / "reference"), cache_path=str(tmp_path / "ref_cache.sqlite")))
+        reference_requests = server.request_count
+    ref_judged = pd.read_csv(tmp_path / "reference" / "a_judged.csv", keep_default_na=False)
+    distinct_prompts = {judge.pairwise_prompt(q.strip(), a, b)
+                        for q, a, b in zip(ref_judged["query"], ref_judged["summary_a"], ref_judged["summary_b"])}
+    assert reference_requests == reference["stats"]["requests"] == len(distinct_prompts) == n
+    assert reference["per_csv"]["a"]["invalid"] == 0 and list(ref_judged["winner"]) == gold_winners(ref_judged)
+
+    cache_path, out_dir = tmp_path / "cache.sqlite", tmp_path / "out"
+    cmd = [sys.executable, os.path.join(REPO, "judge.py"), "--csv", csv_path, "--seed", str(seed),
+           "--output_dir", str(out_dir), "--cache_path", str(cache_path), "--length_unit", "chars",
+           "--max_parallel_requests", str(parallel), "--backoff_base_s", "0.001", "--backoff_max_s", "0.01",
+           "--timeout_s", "60"]  # no client timeout (and retry) while requests are held
+    env = {**{k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}, "OMP_NUM_THREADS": "1"}
+    # latency: a full run would take n / parallel * 0.1 s = 2.4 s of judging after ~5 s of imports
+    with gjs.serve_in_thread(latency_s=0.1) as server:
+        cmd += ["--base_url", server.base_url, "--model", server.model_name]
+        gate = RequestGate(server, limit)
+        with open(tmp_path / "killed.log", "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            try:
+                # kill once `limit` verdicts are in the cache and the judge waits on `parallel` more
+                deadline = time.time() + 60
+                while not (cached_reply_count(cache_path) == limit and gate.held == parallel):
+                    assert proc.poll() is None, f"judge.py ended before the kill:\n{open(tmp_path / 'killed.log').read()[-3000:]}"
+                    assert time.time() < deadline, (f"no kill point: {cached_reply_count(cache_path)} cached, "
+                                                    f"{server.request_count} answered, {gate.held} held")
+                    time.sleep(0.05)
+                os.kill(proc.pid, signal.SIGKILL)
+                returncode = proc.wait(timeout=30)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        cached_at_kill, answered_by_killed_run, in_flight_at_kill = cached_reply_count(cache_path), server.request_count, gate.held
+        gate.release()  # the held requests are dropped unanswered; the rerun's pass straight through
+        # (a) it really was killed mid-way: before the summary, with some but not all verdicts cached
+        assert returncode == -signal.SIGKILL
+        assert 0 < cached_at_kill == answered_by_killed_run == limit < n
+        assert in_flight_at_kill == parallel  # it died waiting on requests, not idle
+        assert not (out_dir / "judge_summary.json").exists() and not (out_dir / "a_judged.csv").exists()
+
+        rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        total_answered = server.request_count
+    summary = json.load(open(out_dir / "judge_summary.json"))
+    judged = pd.read_csv(out_dir / "a_judged.csv", keep_default_na=False)
+    # (b) the same verdicts, row by row, and the same win rate as the uninterrupted run
+    pd.testing.assert_frame_equal(judged, ref_judged)
+    drop_path = lambda s: {k: v for k, v in s.items() if k != "judged_csv"}  # noqa: E731
+    assert drop_path(summary["per_csv"]["a"]) == drop_path(reference["per_csv"]["a"])
+    assert summary["per_csv"]["a"]["win_rate"] == reference["per_csv"]["a"]["win_rate"]
+    # (c) nothing asked twice: the rerun asked only what the killed run had not cached, and the
+    # server answered exactly one request per distinct prompt over both runs, as the uninterrupted run
+    assert summary["stats"]["cache_hits"] == cached_at_kill
+    assert summary["stats"]["requests"] == total_answered - answered_by_killed_run == n - cached_at_kill
+    assert total_answered == len(distinct_prompts) == reference_requests
+    assert cached_reply_count(cache_path) == n
+    print(f"killed at {cached_at_kill}/{n} cached ({in_flight_at_kill} in flight); answered: killed run "
+          f"{answered_by_killed_run} + rerun {total_answered - answered_by_killed_run} = {total_answered} "
+          f"(uninterrupted {reference_requests}); win rate {summary['per_csv']['a']['win_rate']:.4f} "
+          f"(uninterrupted {reference['per_csv']['a']['win_rate']:.4f})")
 
 
 def test_api_key_never_in_outputs(tmp_path, monkeypatch, capfd):

@@ -192,3 +192,146 @@ def test_smoke_run_saves_a_loadable_model(request, tmp_path):
         logged = [json.loads(line) for line in f]
     assert [row["step"] for row in logged if "train/loss" in row] == [1, 2]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reliability (issue #13): resume after SIGKILL, non-finite guard, bad input that fails clearly
+# ---------------------------------------------------------------------------------------------
+def sft_command(paths: dict, tmp_path, run_name: str, output_dir, *extra: str) -> list:
+    return [
+        sys.executable, os.path.join(REPO_ROOT, "sft.py"),
+        "--base_model", paths["base_model"], "--query_dataset", paths["sft"],
+        "--response_length", str(paths["task"]["sft_response_length"]),
+        "--output_dir", str(output_dir), "--run_dir_root", str(tmp_path / "runs"), "--run_name", run_name,
+        "--total_batch_size", "16", "--local_micro_batch_size", "8", "--lr", "1e-3",
+        "--num_eval_samples", "16", "--local_eval_batch_size", "8", *extra,
+    ]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+TIMING = ("per_s", "time_s")  # wall-clock columns legitimately differ between two runs
+
+
+def without_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
+
+
+def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, tmp_path):
+    """SIGKILL after the update-6 checkpoint, then --resume: weights, metrics.jsonl and summary.json equal an
+    uninterrupted run's (Adam moments, schedule, data position and RNG all restored)."""
+    import signal
+    import time as _time
+    from safetensors.torch import load_file
+
+    flags = ["--total_episodes", "320", "--checkpoint_every", "3", "--eval_every", "4"]  # 20 updates
+    full = subprocess.run(sft_command(synthetic_task, tmp_path, "full", tmp_path / "full", *flags),
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    command = sft_command(synthetic_task, tmp_path, "cut", tmp_path / "cut", *flags)
+    process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = tmp_path / "runs" / "cut" / "checkpoints" / "update_000006"
+    deadline = _time.time() + 240
+    while not checkpoint.exists() and process.poll() is None and _time.time() < deadline:
+        _time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed mid-way"
+    assert not (tmp_path / "cut" / "model.safetensors").exists()  # killed before its final save
+
+    resumed = subprocess.run(command + ["--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "cut" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    rows = {name: [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
+            for name in ("full", "cut")}
+    assert len(rows["full"]) == 20 + 5 and rows["cut"] == rows["full"]  # 20 train rows, evals at 4, 8, 12, 16, 20
+    summaries = {name: without_timing(json.load(open(tmp_path / "runs" / name / "summary.json"))) for name in ("full", "cut")}
+    assert summaries["cut"] == summaries["full"]
+    # only the newest checkpoint is kept (--checkpoint_keep 1), and no temporary folder is left behind
+    assert os.listdir(tmp_path / "runs" / "cut" / "checkpoints") == ["update_000018"]
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthetic_task, tmp_path):
+    """An absurd learning rate drives the weights to overflow: the guard names the update and the quantity,
+    the final model is not written, and the checkpoint holds the finite weights of the update before."""
+    from safetensors.torch import load_file
+
+    result = subprocess.run(
+        sft_command(synthetic_task, tmp_path, "nan", tmp_path / "model", "--total_episodes", "64", "--lr", "1e30"),
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("NonFiniteError: update 2: train/loss is not finite"), last_line
+    assert not (tmp_path / "model" / "model.safetensors").exists()
+    checkpoints = tmp_path / "runs" / "nan" / "checkpoints"
+    assert os.listdir(checkpoints) == ["update_000001"]
+    weights = load_file(str(checkpoints / "update_000001" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    state = json.load(open(checkpoints / "update_000001" / "trainer_state.json"))
+    assert state["update"] == 1 and state["num_updates"] == 4
+
+
+def failing_run(paths: dict, tmp_path, *extra: str, **overrides) -> str:
+    """Run sft.py with bad input; return the last line of stderr after checking the error is raised in sft.py
+    itself (the last traceback frame), not deep inside a library."""
+    command = sft_command(paths, tmp_path, "bad", tmp_path / "model", "--total_episodes", "32", *extra)
+    for flag, value in overrides.items():
+        command[command.index(f"--{flag}") + 1] = str(value)
+    result = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    frames = [line for line in result.stderr.splitlines() if line.strip().startswith("File ")]
+    assert frames and "sft.py" in frames[-1], result.stderr[-2000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_dataset_missing_a_column_names_it(synthetic_task, tmp_path):
+    from datasets import load_from_disk
+
+    broken = tmp_path / "sft_missing"
+    load_from_disk(synthetic_task["sft"]).remove_columns("query_token").save_to_disk(str(broken))
+    message = failing_run(synthetic_task, tmp_path, query_dataset=broken)
+    assert message.startswith("ValueError:") and "'query_token'" in message and "data/prepare.py" in message
+
+
+def test_dataset_with_a_row_of_another_length_names_the_row(synthetic_task, tmp_path):
+    from datasets import load_from_disk
+
+    broken = tmp_path / "sft_ragged"
+    data = load_from_disk(synthetic_task["sft"])
+    data["train"] = data["train"].map(lambda row, i: {"query_token": row["query_token"][:-1] if i == 5 else row["query_token"]},
+                                      with_indices=True)
+    data.save_to_disk(str(broken))
+    message = failing_run(synthetic_task, tmp_path, query_dataset=broken)
+    assert message.startswith("ValueError:") and "row 5" in message and "'query_token'" in message
+
+
+def test_tokenizer_padding_with_eos_is_refused(synthetic_task, tmp_path):
+    import shutil
+
+    model_dir = tmp_path / "eos_pad_model"
+    shutil.copytree(synthetic_task["base_model"], model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(model_dir)
+    message = failing_run(synthetic_task, tmp_path, base_model=model_dir)
+    assert message.startswith("ValueError:") and "distinct pad token" in message and "[PAD]" in message
+
+
+def test_batch_sizes_that_do_not_divide_are_refused(synthetic_task, tmp_path):
+    message = failing_run(synthetic_task, tmp_path, local_micro_batch_size=6)
+    assert message.startswith("ValueError:") and "16 is not divisible by 6" in message
+
+
+def test_output_dir_of_another_run_is_refused(synthetic_task, tmp_path):
+    output_dir = tmp_path / "model"
+    output_dir.mkdir()
+    (output_dir / "run.json").write_text(json.dumps({"run_name": "someone_else"}))
+    message = failing_run(synthetic_task, tmp_path)
+    assert message.startswith("ValueError:") and "'someone_else'" in message and "--overwrite_output_dir" in message
+    (output_dir / "run.json").unlink()
+    (output_dir / "notes.txt").write_text("not a model")  # any other content counts as another run's too
+    assert "--overwrite_output_dir" in failing_run(synthetic_task, tmp_path)
