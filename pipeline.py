@@ -7,7 +7,8 @@
 
 Stages run the top-level scripts as subprocesses, exactly as a user would type them (each command is
 printed). A stage that finished leaves `<out>/stages/<name>.json`; it is skipped on the next run, so an
-interrupted pipeline picks up at the stage it was in. The report lands in `<out>/report/`:
+interrupted pipeline picks up at the stage it was in, and a training stage that was interrupted after one
+of its checkpoints (`--checkpoint_every`) continues from it with `--resume`. The report lands in `<out>/report/`:
 `results.md` (also printed) and the plots.
 
 This file is glue, not an algorithm: it may import the project's `data` package (the built-in task
@@ -82,7 +83,7 @@ SETTINGS["ci"] = {
     "prep": ["--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48", "--synthetic_num_pref_train", "256",
              "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8", "--synthetic_warmup_steps", "20"],
     "sft": ["--lr", "3e-3", "--total_batch_size", "16", "--local_micro_batch_size", "16", "--total_episodes", "64",
-            "--num_eval_samples", "32"],
+            "--num_eval_samples", "32", "--checkpoint_every", "2"],
     "rm": ["--lr", "1e-3", "--total_batch_size", "16", "--local_micro_batch_size", "16", "--total_episodes", "64",
            "--num_eval_samples", "32"],
     "ppo": ["--lr", "1e-4", "--total_episodes", "32", "--total_batch_size", "16", "--local_micro_batch_size", "8",
@@ -141,11 +142,18 @@ class Pipeline:
         print(f"\n=== [{stage}] python {printable}", flush=True)
         subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=env)
 
+    def resumable(self, stage: str) -> bool:
+        """A training stage that was interrupted after saving a checkpoint (runs/<stage>/checkpoints/update_N)."""
+        root = os.path.join(self.runs, stage, "checkpoints")
+        forced = stage in self.args.force or "all" in self.args.force
+        return not forced and os.path.isdir(root) and any(d.startswith("update_") for d in os.listdir(root))
+
     def py(self, script: str, *flags: str) -> list[str]:
         return [sys.executable, os.path.join(REPO_ROOT, script), *flags]
 
     def common(self, stage: str) -> list[str]:
-        return ["--seed", str(self.args.seed), "--run_name", stage, "--run_dir_root", self.runs]
+        # the pipeline owns its model folders, so a rerun may replace what an earlier version left there
+        return ["--seed", str(self.args.seed), "--run_name", stage, "--run_dir_root", self.runs, "--overwrite_output_dir"]
 
     # ---------------------------------------------------------------- stages
     def cmd_prep(self) -> list[str]:
@@ -227,10 +235,12 @@ class Pipeline:
                 self.stage_judge()
             elif stage == "report":
                 self.stage_report()
-            elif stage.startswith("offline_"):
-                self.run(stage, self.cmd_offline(stage[len("offline_"):]))
             else:
-                self.run(stage, getattr(self, f"cmd_{stage}")())
+                cmd = self.cmd_offline(stage[len("offline_"):]) if stage.startswith("offline_") else getattr(self, f"cmd_{stage}")()
+                if stage != "prep" and self.resumable(stage):
+                    print(f"=== [{stage}] interrupted earlier; continuing from its latest checkpoint")
+                    cmd.append("--resume")
+                self.run(stage, cmd)
             with open(self.marker(stage), "w") as f:
                 json.dump({"stage": stage, "wall_time_s": round(time.time() - t0, 1), "finished": time.time()}, f)
         print(f"\npipeline finished in {time.time() - t_start:.0f} s (this invocation); report: {self.report_dir}/results.md")

@@ -86,6 +86,10 @@ class Args:
     response_length: int = 53
     """response length of the processed data (TL;DR: 53, Detail 4); checked against the dataset, and the
     number of tokens sampled at evaluation"""
+    pad_token: Literal["pad", "eos"] = "pad"
+    """Detail 3: `pad` pads with a distinct [PAD] (added when the tokenizer has none). `eos` pads with EOS,
+    the common practice, only for the ablation (data from data/prepare.py --pad_token eos): the EOS targets
+    are then masked out together with the padding, so the model never learns to stop"""
 
     # ---- optimisation (Table 3 / Detail 9) ----
     loss_on: Literal["response", "sequence"] = "response"
@@ -501,14 +505,17 @@ def main(args: Args):
 
     # ---- 3. tokenizer, data, model ----
     tokenizer = AutoTokenizer.from_pretrained(args.base_model, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token is None:
+    if args.pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
         # Detail 3: Pythia ships no pad token; a distinct [PAD] keeps EOS a training target
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+    if args.pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError(
             f"the tokenizer of {args.base_model} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
             "pad token, or the EOS is masked out of the loss and the model never learns to stop. Save the tokenizer "
-            "with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the data with it"
+            "with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the data with it "
+            "(--pad_token eos runs the EOS-as-pad ablation on purpose)"
         )
     pad_token_id = tokenizer.pad_token_id
     label_column = {
