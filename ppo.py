@@ -16,6 +16,9 @@ One update = one rollout of `total_batch_size` episodes followed by K PPO epochs
 
 Single process:   python ppo.py --sft_model_path models/sft --reward_model_path models/rm
 Several:          accelerate launch --config_file zero2.yaml ppo.py ...
+After a crash:    the same command with --resume: it continues from the latest checkpoint in
+                  runs/{run_name}/checkpoints (policy + critic, AdamW, KL controller, reward statistics, data
+                  position, RNG states) and ends exactly like an uninterrupted run (--checkpoint_every sets how often).
 """
 
 import contextlib
@@ -23,18 +26,21 @@ import copy
 import json
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
 import numpy as np
 import pandas as pd
+import pyarrow
+import pyarrow.compute
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from datasets import load_dataset, load_from_disk
 from peft import LoraConfig, get_peft_model
 from torch.utils.tensorboard import SummaryWriter
@@ -66,6 +72,10 @@ class PpoHParams:
     """Detail 24: whiten the per-token rewards of each rollout batch (mean kept at 0 shift)"""
     whiten_advantages: bool = True
     """Detail 25: whiten the advantages of each rollout batch"""
+    whiten_across_processes: bool = True
+    """Details 24-25: the whitening mean and variance are those of the whole rollout batch over every process,
+    so N processes whiten exactly as one process would. Off: each process whitens its own share, as the
+    reference implementation did (its statistics then depend on the number of GPUs)"""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """per-token KL estimate in the penalty: k1 = log p - log p_ref (paper); k3 = r - 1 - log r, r = p_ref / p"""
     adaptive_kl: bool = False
@@ -107,6 +117,16 @@ class Args:
     """where the final policy and its tokenizer are saved"""
     run_dir_root: str = "runs"
     """root folder of run outputs (args, metrics, TensorBoard, sample tables)"""
+    overwrite_output_dir: bool = False
+    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
+    checkpoint_every: int = 100
+    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
+    runs/{run_name}/checkpoints every this many updates (0 = never)"""
+    checkpoint_keep: int = 1
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
+    the resumed run ends with the same weights and metrics as one that was never interrupted"""
 
     # models
     sft_model_path: str = "models/sft"
@@ -177,8 +197,9 @@ class Args:
     """updates between evaluations (sample tables); 0 = only the final evaluation"""
     num_eval_samples: int = 256
     """validation queries per evaluation"""
-    save_every: int = 0
-    """updates between policy checkpoints in {output_dir}/checkpoints; 0 = only the final policy"""
+    save_policy_every: int = 0
+    """updates between policy snapshots (save_pretrained, for evaluation; not resumable) in
+    {output_dir}/checkpoints; 0 = only the final policy. Resumable checkpoints: --checkpoint_every"""
     print_sample_every: int = 10
     """updates between printed rollout samples; 0 = never"""
 
@@ -205,6 +226,28 @@ def load_split(path: str, split: str):
             raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
+
+
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
+    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+            "make it with data/prepare.py, whose output has every column the scripts read"
+        )
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in columns:
+        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
+            continue
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(
+                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
+                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
+            )
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -268,10 +311,14 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum()
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Normalise to unit variance over the masked positions (Details 24-25); optionally keep the mean."""
-    mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, sum_over_processes=None) -> torch.Tensor:
+    """Normalise to unit variance over the masked positions (Details 24-25); optionally keep the mean.
+    `sum_over_processes` (a function that sums a tensor over every process) makes the mean and variance
+    those of the global batch; None uses this process's positions only."""
+    total = sum_over_processes or (lambda x: x)
+    count = total(mask.sum().float())
+    mean = total((values * mask).sum()) / count
+    var = total((((values - mean) ** 2) * mask).sum()) / count
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
@@ -295,6 +342,122 @@ def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
     )
     logits = torch.stack(output.logits, 1)  # (B, Tr, V)
     return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+
+
+# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
+
+    The flags are summed over processes, so every process raises together and none is left waiting in
+    a collective. Callers check before the optimizer step that would use the quantity, so the weights
+    on hand are still the last good ones when this raises."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved; lower --lr or check the data of this update, then rerun or --resume"
+        )
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
+    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
+    root = os.path.join(run_dir, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
+
+
+def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
+    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
+    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
+    every process's RNG states; trainer_state.json adds the data position and the running counters.
+
+    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
+    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
+    root = os.path.join(run_dir, "checkpoints")
+    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+    if accelerator.is_main_process and os.path.isdir(temporary):
+        shutil.rmtree(temporary)  # left by a save that was killed
+    accelerator.wait_for_everyone()
+    accelerator.save_state(temporary)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
+            json.dump({"update": update, **trainer_state}, f, indent=2)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
+        for name in older:
+            shutil.rmtree(os.path.join(root, name))
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, run_dir: str) -> dict:
+    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
+    accelerator.load_state(path)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
+    return trainer_state
+
+
+def resolve_run_name(args) -> str:
+    """The run's name, the same on every process. With --resume and no --run_name: the newest
+    runs/{exp_name}__{seed}__* that has a checkpoint."""
+    if args.run_name is None and args.resume:
+        prefix = f"{args.exp_name}__{args.seed}__"
+        root = args.run_dir_root
+        candidates = sorted(
+            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+             and latest_checkpoint(os.path.join(root, d)) is not None),
+            key=lambda d: os.path.getmtime(os.path.join(root, d)),
+        )
+        if not candidates:
+            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+        return candidates[-1]
+    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+    return name[0]
+
+
+def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
+    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
+    (run.json). A resumed run finds its own mark and goes on."""
+    mark = os.path.join(output_dir, "run.json")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+        if owner != run_name:
+            raise ValueError(
+                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
+            )
+    accelerator.wait_for_everyone()  # every process checked before the mark changes
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(mark, "w") as f:
+            json.dump({"run_name": run_name}, f)
+
+
+def start_metrics_file(path: str, resume_update: int) -> None:
+    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
+    drops those written after it (they are written again), so the file matches an uninterrupted run."""
+    kept = []
+    if resume_update > 0 and os.path.exists(path):
+        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,6 +572,14 @@ class AdaptiveKLController:
         proportional_error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
         self.value *= 1.0 + proportional_error * num_episodes / self.horizon
 
+    # state_dict / load_state_dict let accelerate save the coefficient in a checkpoint
+    # (register_for_checkpointing); target and horizon come from the flags
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
 
 class RunningMoments:
     """trlX reward scaling: running mean / std of every score seen (parallel-variance merge).
@@ -431,6 +602,13 @@ class RunningMoments:
     @property
     def std(self) -> float:
         return max(self.var, 0.0) ** 0.5
+
+    # the statistics of every score seen so far go into checkpoints (register_for_checkpointing)
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
 
 
 def disable_all_dropout(model: nn.Module) -> None:
@@ -517,12 +695,14 @@ def shape_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coe
     # 6. per-token KL penalty and the score at the EOS; everything after the EOS is masked
     kl = kl_per_token(data["logprobs"], data["ref_logprobs"], args.ppo.kl_estimator) * mask
     rewards, non_score_reward = per_token_rewards(scores, kl, mask, last_index, kl_coef)
+    # whitening statistics of the global rollout batch: summing over processes = summing the gathered copies
+    sum_over_processes = (lambda x: gather(x.reshape(1)).sum()) if args.ppo.whiten_across_processes else None
     if args.ppo.whiten_rewards:  # 7. Detail 24 (optional)
-        rewards = masked_whiten(rewards, mask, shift_mean=False)
+        rewards = masked_whiten(rewards, mask, shift_mean=False, sum_over_processes=sum_over_processes)
     values = data["values"] * mask
     advantages, returns = compute_gae(rewards, values, mask, args.ppo.gamma, args.ppo.lam)  # 8.
     if args.ppo.whiten_advantages:  # 7. Detail 25
-        advantages = masked_whiten(advantages, mask)
+        advantages = masked_whiten(advantages, mask, sum_over_processes=sum_over_processes)
     return {"mask": mask, "last_index": last_index, "scores": scores, "contains_eos": contains_eos, "kl": kl,
             "non_score_reward": non_score_reward, "rewards": rewards, "values": values,
             "advantages": advantages, "returns": returns}
@@ -649,6 +829,60 @@ def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
     tokenizer.save_pretrained(path)
 
 
+def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
+    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
+    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
+    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(reward_model_path) and not any(
+        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
+    ):
+        raise ValueError(
+            f"--reward_model_path {reward_model_path} holds no tokenizer, so PPO cannot check that the reward model "
+            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
+            f"into that folder (tokenizer.save_pretrained), as reward.py does"
+        )
+    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
+    if rm_tokenizer.pad_token is None:
+        rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
+    problems = []
+    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
+    if policy_vocab != rm_vocab:
+        # name one token that differs, so the user sees what kind of mismatch it is
+        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
+        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
+        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
+    for name in ("pad_token_id", "eos_token_id"):
+        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
+            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
+    if problems:
+        raise ValueError(
+            f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
+            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
+            f"it was not trained on and score noise. Train the reward model from this SFT model "
+            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
+        )
+
+
+def rng_states() -> dict:
+    """The random states accelerate's save_state writes (Python, NumPy, torch CPU, CUDA). Taken at the
+    start of each update, so that after a non-finite rollout the last good checkpoint can be written
+    exactly as the previous update would have written it."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    """Put back the random states taken by rng_states()."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
 def main(args: Args) -> dict:
     start_time = time.time()
     bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
@@ -674,8 +908,8 @@ def main(args: Args) -> dict:
     if args.offload and args.num_layers_unfrozen >= 0:
         raise ValueError("--offload cannot move a Hydra reference: it shares its trunk with the policy")
 
-    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join(args.run_dir_root, run_name)
+    args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
+    run_dir = os.path.join(args.run_dir_root, args.run_name)
     deepspeed_plugin = accelerator.state.deepspeed_plugin
     zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
     if zero3 and args.num_layers_unfrozen >= 0:
@@ -689,6 +923,16 @@ def main(args: Args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: pad distinct from EOS
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # Detail 3/23: truncation fills after the EOS with [PAD] and the RM reads the score at the last token
+        # before the first [PAD]; with [PAD] == EOS the EOS itself would be taken for padding
+        raise ValueError(
+            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; PPO needs a "
+            "distinct pad token to find the EOS of a response (Details 3 and 23). Save the tokenizer with "
+            "tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the data "
+            "with it (an SFT model of the sft.py --pad_token eos ablation cannot be trained with PPO)"
+        )
+    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
     frozen_dtype = torch.bfloat16 if bf16 else torch.float32
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
     critic_path = args.reward_model_path if args.critic_init == "reward" else args.sft_model_path
@@ -762,6 +1006,13 @@ def main(args: Args) -> dict:
     # ---------------- data ----------------
     train_dataset = load_split(args.query_dataset, args.train_split)
     eval_dataset = load_split(args.query_dataset, args.eval_split)
+    ptx_columns = ["query_reference_response_token", "query_reference_response_token_response_label"]
+    check_columns(train_dataset, ["query_token"] + (ptx_columns if args.ppo.ptx_coef > 0 else []),
+                  f"{args.query_dataset} split {args.train_split!r}")
+    check_columns(eval_dataset, ["query_token", "reference_response"],
+                  f"{args.query_dataset} split {args.eval_split!r}")
+    # every input check has passed: only now mark --output_dir as this run's (a failed start leaves no mark)
+    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
     query_tokens = torch.tensor(train_dataset["query_token"])  # (N, query_length), left-padded
     context_length = query_tokens.size(1)
     batches = shuffled_query_batches(
@@ -791,8 +1042,58 @@ def main(args: Args) -> dict:
     generation_config = sampling_config(args.temperature)
     eval_generation_config = sampling_config(args.eval_temperature)
 
+    # ---------------- stateful PPO pieces and resume ----------------
+    kl_controller = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target_kl, args.ppo.kl_horizon)
+    reward_moments = RunningMoments()
+    # saved and restored with the models, the optimizer and the RNG states (custom_checkpoint_0/1.pkl).
+    # The learning rate needs no entry: it is a function of the update number (see the loop).
+    accelerator.register_for_checkpointing(kl_controller)
+    accelerator.register_for_checkpointing(reward_moments)
+    # trainer_state: what a checkpoint holds besides accelerate's state. The data position is the number
+    # of index batches drawn from each sampler; replaying that many draws puts the samplers (and their
+    # data-pass counters) exactly where they were. The totals and the last metrics feed the final summary.
+    trainer_state = {
+        "update": 0, "num_updates": num_updates, "total_batch_size": args.total_batch_size,
+        "query_batches_drawn": 0, "ptx_batches_drawn": 0, "wall_time_s": 0.0,
+        "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}, "metrics": {},
+    }
+    if args.resume:
+        # the policy + critic (one prepared module), AdamW, KL controller, reward statistics, every RNG
+        trainer_state = load_checkpoint(accelerator, run_dir)
+        if (trainer_state["num_updates"], trainer_state["total_batch_size"]) != (num_updates, args.total_batch_size):
+            raise ValueError(
+                f"--resume: the checkpoint belongs to a run of {trainer_state['num_updates']} updates of "
+                f"{trainer_state['total_batch_size']} episodes, these flags make {num_updates} of "
+                f"{args.total_batch_size}; resume with the flags of the original run"
+            )
+    elif accelerator.is_main_process and os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
+    start_update = trainer_state["update"]
+    start_time -= trainer_state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
+    drawn = {"query": 0, "ptx": 0}  # index batches drawn so far from each sampler
+
+    def next_query_batch() -> torch.Tensor:
+        drawn["query"] += 1
+        return next(batches)
+
+    def next_ptx_batch() -> torch.Tensor:
+        drawn["ptx"] += 1
+        return next(ptx_batches)
+
+    for _ in range(trainer_state["query_batches_drawn"]):
+        next_query_batch()  # the data position: replay the draws of the updates already done
+    for _ in range(trainer_state["ptx_batches_drawn"] if args.ppo.ptx_coef > 0 else 0):
+        next_ptx_batch()
+    totals, metrics = dict(trainer_state["totals"]), dict(trainer_state["metrics"])
+
+    def current_trainer_state() -> dict:
+        return {"num_updates": num_updates, "total_batch_size": args.total_batch_size,
+                "query_batches_drawn": drawn["query"], "ptx_batches_drawn": drawn["ptx"],
+                "wall_time_s": time.time() - start_time, "totals": dict(totals), "metrics": dict(metrics)}
+
     # ---------------- logging ----------------
     writer = None
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if accelerator.is_main_process:
         os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
@@ -801,9 +1102,10 @@ def main(args: Args) -> dict:
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-        writer = SummaryWriter(run_dir)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+                       config=asdict(args), name=args.run_name, save_code=True)
+        # purge_step drops TensorBoard events that the interrupted run logged after its checkpoint
+        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
+        start_metrics_file(metrics_path, start_update)  # the same for metrics.jsonl
 
     def log(step: int, metrics: dict) -> None:
         if accelerator.is_main_process:
@@ -825,145 +1127,184 @@ def main(args: Args) -> dict:
             table.to_csv(os.path.join(run_dir, "samples", f"{tag}.csv"), index=False)
         return metrics, table
 
-    kl_controller = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target_kl, args.ppo.kl_horizon)
-    reward_moments = RunningMoments()
     K, nmb, ga = args.ppo.num_ppo_epochs, args.ppo.num_mini_batches, gradient_accumulation_steps
-    totals = {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}
-    metrics = {}
     accelerator.print(
         f"PPO: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} processes x {local_batch_size}); "
         f"{K} epochs x {nmb} minibatches x {ga} micro batches of {args.local_micro_batch_size}"
     )
-    progress = tqdm(range(1, num_updates + 1), disable=not accelerator.is_local_main_process)
-    for update in progress:
-        update_start = time.time()
-        timers = {"generation": 0.0, "scoring": 0.0}
-        # linear decay to 0 over the run (Table 7); the actor's lr is 0 while it is frozen (OpenRLHF)
-        lr_now = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
-        actor_frozen = update <= args.ppo.freeze_actor_updates
-        optimizer.param_groups[0]["lr"] = 0.0 if actor_frozen else lr_now
-        optimizer.param_groups[1]["lr"] = lr_now
+    progress = tqdm(range(start_update + 1, num_updates + 1), initial=start_update, total=num_updates,
+                    disable=not accelerator.is_local_main_process)
+    update, optimizer_steps = start_update, 0
+    try:
+        for update in progress:
+            # Everything a checkpoint holds besides the weights and AdamW, as it stands after update - 1. If this
+            # update's rollout turns out non-finite, no optimizer step has happened yet and these are put back,
+            # so the last good checkpoint is exactly the one update - 1 would have written.
+            last_good = {"rng": rng_states(), "accelerator_step": accelerator.step, "kl": kl_controller.state_dict(),
+                         "moments": reward_moments.state_dict(), "trainer_state": current_trainer_state()}
+            optimizer_steps = 0  # optimizer steps of this update (the weights change from the first one on)
+            update_start = time.time()
+            timers = {"generation": 0.0, "scoring": 0.0}
+            # linear decay to 0 over the run (Table 7); the actor's lr is 0 while it is frozen (OpenRLHF)
+            lr_now = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
+            actor_frozen = update <= args.ppo.freeze_actor_updates
+            optimizer.param_groups[0]["lr"] = 0.0 if actor_frozen else lr_now
+            optimizer.param_groups[1]["lr"] = lr_now
 
-        # ---------------- rollout ----------------
-        model.eval()  # rollouts sample without dropout; with Detail 7 (dropout off) train() and eval() agree
-        queries = query_tokens[next(batches)].to(device)  # 1. Detail 21
-        with accelerator.autocast():
-            data = rollout(args_for_rollout, accelerator, model, ref_policy, reward_model, queries, tokenizer,
-                           generation_config, timers)
-        t_post = time.time()
-        with torch.no_grad():
-            kl_coef = kl_controller.value if args.ppo.adaptive_kl else args.ppo.kl_coef
-            shaped = shape_rewards(args, data, tokenizer.eos_token_id, tokenizer.pad_token_id, kl_coef,
-                                   reward_moments, accelerator.gather)
-            responses, logprobs, mask = data["responses"], data["logprobs"], shaped["mask"]
-            kl, scores, non_score_reward = shaped["kl"], shaped["scores"], shaped["non_score_reward"]
-            values, advantages, returns = shaped["values"], shaped["advantages"], shaped["returns"]
-            rewards, contains_eos = shaped["rewards"], shaped["contains_eos"]
-            # rollout statistics, per episode then averaged over the global batch
-            kl_sum = accelerator.gather(kl.sum(1))
-            if args.ppo.adaptive_kl:
-                kl_controller.update(kl_sum.mean().item(), args.total_batch_size)
-            entropy_sum = accelerator.gather((-logprobs * mask).sum(1))
-            non_score_sum = accelerator.gather(non_score_reward.sum(1))
-            all_scores = accelerator.gather(scores)
-            all_eos = accelerator.gather(contains_eos.float())
-        timers["scoring"] += time.time() - t_post
+            # ---------------- rollout ----------------
+            model.eval()  # rollouts sample without dropout; with Detail 7 (dropout off) train() and eval() agree
+            queries = query_tokens[next_query_batch()].to(device)  # 1. Detail 21
+            with accelerator.autocast():
+                data = rollout(args_for_rollout, accelerator, model, ref_policy, reward_model, queries, tokenizer,
+                               generation_config, timers)
+            t_post = time.time()
+            with torch.no_grad():
+                kl_coef = kl_controller.value if args.ppo.adaptive_kl else args.ppo.kl_coef
+                shaped = shape_rewards(args, data, tokenizer.eos_token_id, tokenizer.pad_token_id, kl_coef,
+                                       reward_moments, accelerator.gather)
+                responses, logprobs, mask = data["responses"], data["logprobs"], shaped["mask"]
+                kl, scores, non_score_reward = shaped["kl"], shaped["scores"], shaped["non_score_reward"]
+                values, advantages, returns = shaped["values"], shaped["advantages"], shaped["returns"]
+                rewards, contains_eos = shaped["rewards"], shaped["contains_eos"]
+                # non-finite guard on the rollout, before any optimizer step uses it. The raw RM scores are
+                # checked themselves: the EOS trick would hide a NaN score of a response without EOS.
+                check_finite(accelerator, update, **{"rollout/rm_scores": data["scores"],
+                                                     "rollout/rewards": rewards, "rollout/advantages": advantages})
+                # rollout statistics, per episode then averaged over the global batch
+                kl_sum = accelerator.gather(kl.sum(1))
+                if args.ppo.adaptive_kl:
+                    kl_controller.update(kl_sum.mean().item(), args.total_batch_size)
+                entropy_sum = accelerator.gather((-logprobs * mask).sum(1))
+                non_score_sum = accelerator.gather(non_score_reward.sum(1))
+                all_scores = accelerator.gather(scores)
+                all_eos = accelerator.gather(contains_eos.float())
+            timers["scoring"] += time.time() - t_post
 
-        # ---------------- PPO update: K epochs x minibatches x micro batches ----------------
-        t_train = time.time()
-        model.train()
-        stat_names = ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio", "ptx_loss")
-        stats = {name: torch.zeros((K, nmb, ga), device=device) for name in stat_names}
-        query_responses = data["query_responses"]
-        for epoch in range(K):
-            permutation = torch.randperm(local_batch_size, device=device)
-            for mb, mb_start in enumerate(range(0, local_batch_size, local_mini_batch_size)):
-                mb_indices = permutation[mb_start : mb_start + local_mini_batch_size]
-                for micro, micro_start in enumerate(range(0, local_mini_batch_size, args.local_micro_batch_size)):
-                    with accelerator.accumulate(model):
-                        idx = mb_indices[micro_start : micro_start + args.local_micro_batch_size]
-                        ptx_input = None
-                        if args.ppo.ptx_coef > 0:
-                            ptx_idx = next(ptx_batches)
-                            ptx_input = ptx_tokens[ptx_idx].to(device)
-                        new_logprobs, all_logprobs, vpred, ptx_logits = policy_value_forward(
-                            model, query_responses[idx], context_length, args.temperature, tokenizer.pad_token_id,
-                            ptx_input,
-                        )
-                        pg_loss, vf_loss, mb_stats = ppo_losses(
-                            new_logprobs, logprobs[idx], advantages[idx], vpred, values[idx], returns[idx],
-                            mask[idx], args.ppo.cliprange, args.ppo.cliprange_value,
-                        )
-                        # frozen actor: the policy term is multiplied by 0 (not dropped) so that DDP still
-                        # sees a gradient for every parameter; its lr is 0 as well
-                        loss = (0.0 if actor_frozen else 1.0) * pg_loss + args.ppo.vf_coef * vf_loss
-                        ptx_loss = torch.zeros((), device=device)
-                        if ptx_logits is not None:
-                            ptx_loss = sft_loss(ptx_logits, ptx_labels[ptx_idx].to(device), tokenizer.pad_token_id)
-                            loss = loss + args.ppo.ptx_coef * ptx_loss
-                        accelerator.backward(loss)
-                        optimizer.step()
-                        optimizer.zero_grad()
-                        with torch.no_grad():
-                            probs = all_logprobs.exp()
-                            token_entropy = -(probs * torch.where(probs > 0, all_logprobs, 0.0)).sum(-1)
-                            for name, value in mb_stats.items():
-                                stats[name][epoch, mb, micro] = value
-                            stats["pg_loss"][epoch, mb, micro] = pg_loss.detach()
-                            stats["vf_loss"][epoch, mb, micro] = vf_loss.detach()
-                            stats["entropy"][epoch, mb, micro] = masked_mean(token_entropy, mask[idx])
-                            stats["ptx_loss"][epoch, mb, micro] = ptx_loss.detach()
-        timers["training"] = time.time() - t_train
-        update_time = time.time() - update_start
-        for key in ("generation", "scoring", "training"):
-            totals[key] += timers[key]
-        totals["wall"] += update_time
+            # ---------------- PPO update: K epochs x minibatches x micro batches ----------------
+            t_train = time.time()
+            model.train()
+            stat_names = ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio",
+                          "ptx_loss")
+            stats = {name: torch.zeros((K, nmb, ga), device=device) for name in stat_names}
+            query_responses = data["query_responses"]
+            for epoch in range(K):
+                permutation = torch.randperm(local_batch_size, device=device)
+                for mb, mb_start in enumerate(range(0, local_batch_size, local_mini_batch_size)):
+                    mb_indices = permutation[mb_start : mb_start + local_mini_batch_size]
+                    for micro, micro_start in enumerate(range(0, local_mini_batch_size, args.local_micro_batch_size)):
+                        with accelerator.accumulate(model):
+                            idx = mb_indices[micro_start : micro_start + args.local_micro_batch_size]
+                            ptx_input = None
+                            if args.ppo.ptx_coef > 0:
+                                ptx_idx = next_ptx_batch()
+                                ptx_input = ptx_tokens[ptx_idx].to(device)
+                            new_logprobs, all_logprobs, vpred, ptx_logits = policy_value_forward(
+                                model, query_responses[idx], context_length, args.temperature, tokenizer.pad_token_id,
+                                ptx_input,
+                            )
+                            pg_loss, vf_loss, mb_stats = ppo_losses(
+                                new_logprobs, logprobs[idx], advantages[idx], vpred, values[idx], returns[idx],
+                                mask[idx], args.ppo.cliprange, args.ppo.cliprange_value,
+                            )
+                            # frozen actor: the policy term is multiplied by 0 (not dropped) so that DDP still
+                            # sees a gradient for every parameter; its lr is 0 as well
+                            loss = (0.0 if actor_frozen else 1.0) * pg_loss + args.ppo.vf_coef * vf_loss
+                            ptx_loss = torch.zeros((), device=device)
+                            if ptx_logits is not None:
+                                ptx_loss = sft_loss(ptx_logits, ptx_labels[ptx_idx].to(device), tokenizer.pad_token_id)
+                                loss = loss + args.ppo.ptx_coef * ptx_loss
+                            # non-finite guard: checked before backward, so the optimizer never applies it
+                            where = f"epoch {epoch + 1}, minibatch {mb + 1}"
+                            check_finite(accelerator, update, **{f"ppo/loss ({where})": loss})
+                            accelerator.backward(loss)
+                            optimizer.step()  # a no-op until the last micro batch of the minibatch
+                            optimizer.zero_grad()
+                            optimizer_steps += int(accelerator.sync_gradients)
+                            with torch.no_grad():
+                                probs = all_logprobs.exp()
+                                token_entropy = -(probs * torch.where(probs > 0, all_logprobs, 0.0)).sum(-1)
+                                for name, value in mb_stats.items():
+                                    stats[name][epoch, mb, micro] = value
+                                stats["pg_loss"][epoch, mb, micro] = pg_loss.detach()
+                                stats["vf_loss"][epoch, mb, micro] = vf_loss.detach()
+                                stats["entropy"][epoch, mb, micro] = masked_mean(token_entropy, mask[idx])
+                                stats["ptx_loss"][epoch, mb, micro] = ptx_loss.detach()
+            timers["training"] = time.time() - t_train
+            update_time = time.time() - update_start
+            for key in ("generation", "scoring", "training"):
+                totals[key] += timers[key]
+            totals["wall"] += update_time
 
-        # ---------------- logging: whole-update averages gathered across ranks ----------------
-        with torch.no_grad():
-            gathered = {name: accelerator.gather(value) for name, value in stats.items()}
-            num_eos_tokens = accelerator.gather((responses == tokenizer.eos_token_id).sum().unsqueeze(0)).sum()
-        episode = update * args.total_batch_size
-        metrics = {
-            "episode": episode,
-            "lr": lr_now,
-            "objective/kl": kl_sum.mean().item(),
-            "objective/kl_coef": kl_coef,
-            "objective/entropy": entropy_sum.mean().item(),
-            "objective/non_score_reward": non_score_sum.mean().item(),
-            "objective/rlhf_reward": non_score_sum.mean().item() + all_scores.mean().item(),
-            "objective/scores": all_scores.mean().item(),
-            "objective/eos_rate": all_eos.mean().item(),
-            "ppo/policy/approxkl_avg": gathered["approxkl"].mean().item(),
-            "ppo/policy/clipfrac_avg": gathered["pg_clipfrac"].mean().item(),
-            "ppo/policy/entropy_avg": gathered["entropy"].mean().item(),
-            "ppo/loss/policy_avg": gathered["pg_loss"].mean().item(),
-            "ppo/loss/value_avg": gathered["vf_loss"].mean().item(),
-            "ppo/loss/ptx_avg": gathered["ptx_loss"].mean().item(),
-            "ppo/val/clipfrac_avg": gathered["vf_clipfrac"].mean().item(),
-            "ppo/val/ratio": gathered["ratio"].mean().item(),
-            "ppo/val/ratio_var": gathered["ratio"].var(unbiased=False).item(),
-            "ppo/val/num_eos_tokens": num_eos_tokens.item(),
-            "episodes_per_second": args.total_batch_size / update_time,
-            "time/generation_share": timers["generation"] / update_time,
-            "time/scoring_share": timers["scoring"] / update_time,
-            "time/training_share": timers["training"] / update_time,
-        }
-        log(update, metrics)
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                             eps=f"{metrics['episodes_per_second']:.1f}")
-        if args.print_sample_every > 0 and update % args.print_sample_every == 0:
+            # ---------------- logging: whole-update averages gathered across ranks ----------------
+            with torch.no_grad():
+                gathered = {name: accelerator.gather(value) for name, value in stats.items()}
+                num_eos_tokens = accelerator.gather((responses == tokenizer.eos_token_id).sum().unsqueeze(0)).sum()
+            episode = update * args.total_batch_size
+            metrics = {
+                "episode": episode,
+                "lr": lr_now,
+                "objective/kl": kl_sum.mean().item(),
+                "objective/kl_coef": kl_coef,
+                "objective/entropy": entropy_sum.mean().item(),
+                "objective/non_score_reward": non_score_sum.mean().item(),
+                "objective/rlhf_reward": non_score_sum.mean().item() + all_scores.mean().item(),
+                "objective/scores": all_scores.mean().item(),
+                "objective/eos_rate": all_eos.mean().item(),
+                "ppo/policy/approxkl_avg": gathered["approxkl"].mean().item(),
+                "ppo/policy/clipfrac_avg": gathered["pg_clipfrac"].mean().item(),
+                "ppo/policy/entropy_avg": gathered["entropy"].mean().item(),
+                "ppo/loss/policy_avg": gathered["pg_loss"].mean().item(),
+                "ppo/loss/value_avg": gathered["vf_loss"].mean().item(),
+                "ppo/loss/ptx_avg": gathered["ptx_loss"].mean().item(),
+                "ppo/val/clipfrac_avg": gathered["vf_clipfrac"].mean().item(),
+                "ppo/val/ratio": gathered["ratio"].mean().item(),
+                "ppo/val/ratio_var": gathered["ratio"].var(unbiased=False).item(),
+                "ppo/val/num_eos_tokens": num_eos_tokens.item(),
+                "episodes_per_second": args.total_batch_size / update_time,
+                "time/generation_share": timers["generation"] / update_time,
+                "time/scoring_share": timers["scoring"] / update_time,
+                "time/training_share": timers["training"] / update_time,
+            }
+            log(update, metrics)
+            progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                                 eps=f"{metrics['episodes_per_second']:.1f}")
+            if args.print_sample_every > 0 and update % args.print_sample_every == 0:
+                accelerator.print(
+                    f"[update {update}] score {scores[0].item():.3f} | "
+                    + tokenizer.decode(responses[0], skip_special_tokens=True)
+                )
+            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
+                eval_metrics, _ = run_evaluation(f"step_{update:06d}")
+                log(update, {"episode": episode, **eval_metrics})
+            if args.save_policy_every > 0 and update % args.save_policy_every == 0 and update < num_updates:
+                save_policy(accelerator, model, tokenizer,
+                            os.path.join(args.output_dir, "checkpoints", f"update_{update:06d}"), args.lora_rank > 0)
+            del data, query_responses, rewards, advantages, returns, values
+            # resumable checkpoint, after this update's logging and evaluation: a resumed run starts with the
+            # next update, with the RNG states as they are now (not at the final update: the model is saved)
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < num_updates:
+                save_checkpoint(accelerator, run_dir, update, current_trainer_state(), args.checkpoint_keep)
+    except NonFiniteError:
+        if optimizer_steps == 0:
+            # no optimizer step of this update happened: the weights and AdamW are those after update - 1.
+            # Put back what the rollout already moved (RNG, KL controller, reward statistics, accumulation
+            # counter, counters) and save them as the last good checkpoint; the poisoned rollout is not in it.
+            set_rng_states(last_good["rng"])
+            accelerator.step = last_good["accelerator_step"]
+            kl_controller.load_state_dict(last_good["kl"])
+            reward_moments.load_state_dict(last_good["moments"])
+            save_checkpoint(accelerator, run_dir, update - 1, last_good["trainer_state"], args.checkpoint_keep)
+            accelerator.print(f"non-finite value at update {update} before any optimizer step of it; "
+                              f"last good checkpoint: {latest_checkpoint(run_dir)}")
+        else:
+            # some minibatch steps of this update already changed the weights: they are not saved
             accelerator.print(
-                f"[update {update}] score {scores[0].item():.3f} | "
-                + tokenizer.decode(responses[0], skip_special_tokens=True)
+                f"non-finite value at update {update} after {optimizer_steps} optimizer step(s) of it had already "
+                f"changed the weights; those weights are NOT saved. Last good checkpoint: "
+                f"{latest_checkpoint(run_dir) or 'none (no --checkpoint_every checkpoint was written before it)'}"
             )
-        if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-            eval_metrics, _ = run_evaluation(f"step_{update:06d}")
-            log(update, {"episode": episode, **eval_metrics})
-        if args.save_every > 0 and update % args.save_every == 0 and update < num_updates:
-            save_policy(accelerator, model, tokenizer,
-                        os.path.join(args.output_dir, "checkpoints", f"update_{update:06d}"), args.lora_rank > 0)
-        del data, query_responses, rewards, advantages, returns, values
+        raise
+    progress.close()
 
     # ---------------- final evaluation and outputs ----------------
     eval_metrics, table = run_evaluation(f"step_{num_updates:06d}")
@@ -985,8 +1326,8 @@ def main(args: Args) -> dict:
             json.dump(summary, f, indent=2)
         writer.close()
         if args.push_to_hub:
-            accelerator.unwrap_model(model).policy.push_to_hub(args.hub_model_id or run_name)
-            tokenizer.push_to_hub(args.hub_model_id or run_name)
+            accelerator.unwrap_model(model).policy.push_to_hub(args.hub_model_id or args.run_name)
+            tokenizer.push_to_hub(args.hub_model_id or args.run_name)
         if args.track:
             import wandb
 

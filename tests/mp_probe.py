@@ -8,6 +8,7 @@ accelerator.prepare, and the seed of the process's global torch RNG after main()
 Writes OUT_DIR/rank{R}.pt = {"weights": {name: tensor}, "initial_seed": int, "world_size": int}.
 The script runs unchanged: the probe only wraps Accelerator.prepare to keep a handle on its modules."""
 
+import importlib.util
 import os
 import sys
 
@@ -15,12 +16,13 @@ import torch
 import tyro
 from accelerate import Accelerator
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import load_script  # noqa: E402
-
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 script, out_dir = sys.argv[1], sys.argv[2]
 argv = sys.argv[4:] if len(sys.argv) > 3 and sys.argv[3] == "--" else sys.argv[3:]
-module = load_script(script)
+spec = importlib.util.spec_from_file_location(script, os.path.join(REPO_ROOT, f"{script}.py"))
+module = importlib.util.module_from_spec(spec)
+sys.modules[script] = module  # tyro reads the docstrings of nested dataclasses through the module
+spec.loader.exec_module(module)
 
 prepared = []
 original_prepare = Accelerator.prepare

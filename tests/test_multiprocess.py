@@ -31,7 +31,52 @@ def sft_flags(task: dict) -> list:
             "--num_eval_samples", "16", "--local_eval_batch_size", "8", "--eval_every", "2"]
 
 
-SCRIPTS = {"sft": sft_flags}
+def reward_flags(task: dict) -> list:
+    return ["--sft_model_path", task["base_model"], "--preference_dataset", task["preference"],
+            "--query_dataset", task["sft"], "--total_episodes", "64", "--total_batch_size", "16",
+            "--local_micro_batch_size", "8", "--lr", "1e-4", "--num_eval_samples", "32",
+            "--num_normalization_samples", "32", "--eval_every", "2", "--log_every", "1"]
+
+
+def dpo_flags(task: dict) -> list:
+    return ["--sft_model_path", task["base_model"], "--preference_dataset", task["preference"],
+            "--query_dataset", task["sft"], "--response_length", str(task["task"]["sft_response_length"]),
+            "--total_episodes", "64", "--total_batch_size", "16", "--local_micro_batch_size", "8", "--lr", "1e-4",
+            "--beta", "0.1", "--log_every", "1", "--num_eval_samples", "16", "--local_eval_batch_size", "8"]
+
+
+def ilql_flags(task: dict) -> list:
+    return ["--init_from", "base", "--model_path", task["base_model"], "--preference_dataset", task["preference"],
+            "--query_dataset", task["sft"], "--response_length", str(task["task"]["sft_response_length"]),
+            "--total_episodes", "64", "--total_batch_size", "16", "--local_micro_batch_size", "8",
+            "--ilql.steps_for_target_q_sync", "2", "--log_every", "1", "--num_eval_samples", "8",
+            "--local_eval_batch_size", "4", "--eval_betas", "1"]
+
+
+def reward_model(task: dict) -> str:
+    """A reward model for the PPO run: the base model with a seeded scalar head (made once per task)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = os.path.join(task["root"], "mp_reward_model")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        torch.manual_seed(0)
+        AutoModelForSequenceClassification.from_pretrained(task["base_model"], num_labels=1).save_pretrained(path)
+        AutoTokenizer.from_pretrained(task["base_model"]).save_pretrained(path)
+    return path
+
+
+def ppo_flags(task: dict) -> list:
+    # Rollouts are sampled with a different seed on each rank, so the 1-process run can only draw the same
+    # responses when sampling is near greedy (--temperature 0.001). One minibatch per epoch keeps the
+    # minibatches of both runs the same rows; whitening uses the statistics of the global batch.
+    return ["--sft_model_path", task["base_model"], "--reward_model_path", reward_model(task),
+            "--query_dataset", task["sft"], "--response_length", str(task["task"]["sft_response_length"]),
+            "--total_episodes", "32", "--total_batch_size", "8", "--local_micro_batch_size", "4",
+            "--local_rollout_forward_batch_size", "4", "--ppo.num_ppo_epochs", "2", "--ppo.num_mini_batches", "1",
+            "--temperature", "0.001", "--num_eval_samples", "8", "--eval_every", "2", "--lr", "1e-4"]
+
+
+SCRIPTS = {"sft": sft_flags, "reward": reward_flags, "dpo": dpo_flags, "ilql": ilql_flags, "ppo": ppo_flags}
 
 
 def run_probe(script: str, flags: list, tmp_path, name: str, processes: int, port: int):
@@ -71,7 +116,9 @@ def test_two_processes_match_one_process(script, synthetic_task, tmp_path):
     for a, b in zip(two_rows, one_rows):
         assert a.keys() == b.keys()
         for key in a:
-            if key.startswith(("train/", "objective/", "ppo/", "loss")):
-                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+            if key.startswith(("train/", "objective/", "ppo/", "loss")) and isinstance(a[key], float):
+                # a clip fraction counts values past a threshold: a 1e-8 difference can flip one token
+                tolerance = dict(abs=0.01) if "clipfrac" in key else dict(rel=1e-4, abs=1e-5)
+                assert a[key] == pytest.approx(b[key], **tolerance), (a["step"], key)
     for name, tensor in one["weights"].items():
         torch.testing.assert_close(two[0]["weights"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)

@@ -1,11 +1,14 @@
 """Tests of ppo.py: the subtle math against hand computations, the Details that can be checked on
-tiny models (7, 21, 22, 23), the trlX / OpenRLHF options, and two subprocess smoke runs."""
+tiny models (7, 21, 22, 23), the trlX / OpenRLHF options, two subprocess smoke runs, and the reliability
+features (SIGKILL + --resume, the non-finite guard, the reward-model tokenizer check)."""
 
 from conftest import load_script
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -337,16 +340,23 @@ def tiny_models(synthetic_task, tmp_path_factory):
     return {"sft": synthetic_task["base_model"], "rm": str(root / "rm")}
 
 
-def smoke_command(synthetic_task, tiny_models, tmp_path, extra):
+def ppo_flags(synthetic_task, tiny_models, root, run_name="smoke", output_dir="policy", total_episodes=16,
+              eval_every=1, reward_model_path=None, extra=()):
+    """Flags of a small PPO run on the built-in task: updates of 8 episodes, 2 epochs x 2 minibatches x 2 micro
+    batches; outputs in root/runs/{run_name} and root/{output_dir}."""
     task = json.load(open(synthetic_task["task_json"]))
     return [
-        "--sft_model_path", tiny_models["sft"], "--reward_model_path", tiny_models["rm"],
+        "--sft_model_path", tiny_models["sft"], "--reward_model_path", reward_model_path or tiny_models["rm"],
         "--query_dataset", synthetic_task["sft"], "--response_length", str(task["sft_response_length"]),
-        "--total_episodes", "16", "--total_batch_size", "8", "--local_micro_batch_size", "2",
+        "--total_episodes", str(total_episodes), "--total_batch_size", "8", "--local_micro_batch_size", "2",
         "--local_rollout_forward_batch_size", "8", "--ppo.num_ppo_epochs", "2", "--ppo.num_mini_batches", "2",
-        "--num_eval_samples", "8", "--eval_every", "1", "--output_dir", str(tmp_path / "policy"),
-        "--run_dir_root", str(tmp_path / "runs"), "--run_name", "smoke", *extra,
+        "--num_eval_samples", "8", "--eval_every", str(eval_every), "--output_dir", str(root / output_dir),
+        "--run_dir_root", str(root / "runs"), "--run_name", run_name, *extra,
     ]
+
+
+def smoke_command(synthetic_task, tiny_models, tmp_path, extra):
+    return ppo_flags(synthetic_task, tiny_models, tmp_path, extra=extra)
 
 
 def check_run(tmp_path):
@@ -400,3 +410,160 @@ def test_smoke_two_processes_frozen_actor(synthetic_task, tiny_models, tmp_path)
     assert saved.keys() == original.keys()
     for name, tensor in saved.items():
         torch.testing.assert_close(tensor, original[name], atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reliability: resumable checkpoints, non-finite guard, bad input
+# ------------------------------------------------------------------------------------------------
+TIMING_KEYS = {"episodes_per_second", "wall_time_s"}  # and every "time/..." key
+
+
+def without_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in TIMING_KEYS and not k.startswith("time/")}
+
+
+def read_metrics(run_dir) -> list:
+    return [without_timing(json.loads(line)) for line in open(run_dir / "metrics.jsonl") if line.strip()]
+
+
+def assert_same_safetensors(path_a, path_b):
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(path_a)), load_file(str(path_b))
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_models, tmp_path):
+    """5 updates, a checkpoint every 2. One run is killed (SIGKILL) during update 3, right after its update-2
+    checkpoint appeared, and resumed; it must end exactly like a run that was never interrupted: the same final
+    policy, the same update-4 checkpoint (policy + critic, AdamW, KL controller, reward statistics), the same
+    metrics and summary apart from timings, the same final samples. The adaptive KL controller, reward scaling
+    and PPO-ptx are on, so each piece of state that a resume could lose changes the numbers."""
+    extra = ["--ppo.adaptive_kl", "--ppo.scale_rewards", "--ppo.ptx_coef", "0.1", "--checkpoint_every", "2",
+             "--print_sample_every", "0"]
+
+    def command(name, *more):
+        flags = ppo_flags(synthetic_task, tiny_models, tmp_path, run_name=name, output_dir=f"policy_{name}",
+                          total_episodes=40, eval_every=3, extra=extra)
+        return [sys.executable, os.path.join(REPO_ROOT, "ppo.py"), *flags, *more]
+
+    full = subprocess.run(command("full"), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    run_dir = tmp_path / "runs" / "killed"
+    first_checkpoint = run_dir / "checkpoints" / "update_000002"
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen(command("killed"), cwd=REPO_ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while not first_checkpoint.exists():
+            assert process.poll() is None, "the run ended early: " + open(tmp_path / "killed.log").read()[-3000:]
+            assert time.time() < deadline, "no checkpoint after 300 s"
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.wait(timeout=60) == -signal.SIGKILL  # killed mid-way, not finished
+    assert not (tmp_path / "policy_killed" / "model.safetensors").exists()
+
+    resumed = subprocess.run(command("killed", "--resume"), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "update_000002" in resumed.stdout, resumed.stdout[-2000:]
+
+    full_dir = tmp_path / "runs" / "full"
+    assert_same_safetensors(tmp_path / "policy_full" / "model.safetensors",
+                            tmp_path / "policy_killed" / "model.safetensors")
+    # the update-4 checkpoint was written by the resumed part: the critic, AdamW and the small state agree too
+    full_ckpt, resumed_ckpt = full_dir / "checkpoints" / "update_000004", run_dir / "checkpoints" / "update_000004"
+    assert_same_safetensors(full_ckpt / "model.safetensors", resumed_ckpt / "model.safetensors")
+    optimizers = [torch.load(c / "optimizer.bin", weights_only=False)["state"] for c in (full_ckpt, resumed_ckpt)]
+    assert optimizers[0].keys() == optimizers[1].keys()
+    for key in optimizers[0]:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizers[0][key][name], optimizers[1][key][name])
+    for custom in ("custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl"):  # KL controller, reward statistics
+        assert torch.load(full_ckpt / custom) == torch.load(resumed_ckpt / custom)
+    states = [json.load(open(c / "trainer_state.json")) for c in (full_ckpt, resumed_ckpt)]
+    for state in states:
+        state.pop("wall_time_s"), state.pop("totals")
+        state["metrics"] = without_timing(state["metrics"])
+    assert states[0] == states[1]
+    assert states[0]["query_batches_drawn"] == 4 and states[0]["ptx_batches_drawn"] == 4 * 8
+
+    full_metrics, resumed_metrics = read_metrics(full_dir), read_metrics(run_dir)
+    assert len(full_metrics) == 5 + 1 + 1  # 5 updates, the evaluation at update 3, the final evaluation
+    assert resumed_metrics == full_metrics
+    kl_coefs = [row["objective/kl_coef"] for row in full_metrics if "objective/kl_coef" in row]
+    assert len(set(kl_coefs)) == 5  # the adaptive controller moved at every update: its state matters
+    summaries = [without_timing(json.load(open(d / "summary.json"))) for d in (full_dir, run_dir)]
+    assert summaries[0] == summaries[1]
+    assert open(full_dir / "samples.csv").read() == open(run_dir / "samples.csv").read()
+
+
+def test_nan_reward_model_stops_before_any_step(synthetic_task, tiny_models, tmp_path):
+    """A reward model whose score head holds a NaN: the rollout of update 1 is caught before any optimizer
+    step; the run fails naming the update and the quantity, writes the initial state as the last good
+    checkpoint (update 0) and saves no policy."""
+    from transformers import AutoTokenizer
+
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_models["rm"], num_labels=1)
+    with torch.no_grad():
+        rm.score.weight[0, 0] = float("nan")
+    rm.save_pretrained(tmp_path / "nan_rm")
+    AutoTokenizer.from_pretrained(tiny_models["rm"]).save_pretrained(tmp_path / "nan_rm")
+    flags = ppo_flags(synthetic_task, tiny_models, tmp_path, reward_model_path=str(tmp_path / "nan_rm"))
+    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "ppo.py"), *flags], cwd=REPO_ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "NonFiniteError: update 1: rollout/rm_scores" in output, output[-3000:]
+    assert "ppo/loss (epoch" not in output  # stopped at the rollout, before any minibatch
+    assert not (tmp_path / "policy" / "model.safetensors").exists()
+    checkpoints = sorted(os.listdir(tmp_path / "runs" / "smoke" / "checkpoints"))
+    assert checkpoints == ["update_000000"]
+    last_good = tmp_path / "runs" / "smoke" / "checkpoints" / "update_000000"
+    # the poisoned rollout is not part of the last good state: no data drawn, and the sampling RNG as it was
+    # seeded (ppo.py seeds process 0 with --seed 1), not as the rollout's sampling left it
+    assert json.load(open(last_good / "trainer_state.json"))["query_batches_drawn"] == 0
+    rng = torch.load(last_good / "random_states_0.pkl", weights_only=False)
+    assert torch.equal(rng["torch_manual_seed"], torch.Generator().manual_seed(1).get_state())
+    assert not (tmp_path / "runs" / "smoke" / "summary.json").exists()
+
+
+def test_nan_loss_after_a_step_saves_nothing(synthetic_task, tiny_models, tmp_path):
+    """--lr 1e30: the first minibatch step of update 1 blows the weights up, the loss of a later minibatch is
+    not finite. Those weights must not be saved: no checkpoint and no policy, and the message says so."""
+    flags = ppo_flags(synthetic_task, tiny_models, tmp_path, extra=["--lr", "1e30", "--checkpoint_every", "1"])
+    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "ppo.py"), *flags], cwd=REPO_ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "NonFiniteError: update 1: ppo/loss (epoch" in output, output[-3000:]
+    assert "those weights are NOT saved" in output
+    checkpoints = tmp_path / "runs" / "smoke" / "checkpoints"
+    assert not checkpoints.exists() or not [d for d in os.listdir(checkpoints) if d.startswith("update_")]
+    assert not (tmp_path / "policy" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("mismatch", ["vocabulary", "pad_id"])
+def test_reward_model_with_another_tokenizer_is_refused(synthetic_task, tiny_models, tmp_path, mismatch):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["rm"])
+    if mismatch == "vocabulary":
+        tokenizer.add_tokens(["<a_token_the_policy_lacks>"])
+    else:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(5)  # same vocabulary, another pad id
+    AutoModelForSequenceClassification.from_pretrained(tiny_models["rm"], num_labels=1).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    flags = ppo_flags(synthetic_task, tiny_models, tmp_path, reward_model_path=str(tmp_path / "rm"))
+    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "ppo.py"), *flags], cwd=REPO_ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("ValueError: the reward model"), result.stderr[-3000:]
+    assert str(tmp_path / "rm") in error and tiny_models["sft"] in error  # both paths
+    assert f"reward.py --sft_model_path {tiny_models['sft']}" in error  # the fix
+    assert ("vocabularies differ" in error) == (mismatch == "vocabulary")
+    assert ("pad_token_id" in error) == (mismatch == "pad_id")
+    assert not (tmp_path / "policy").exists()  # refused before the output folder is claimed
