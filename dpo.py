@@ -11,21 +11,31 @@ validation accuracy we report in the same table as reward.py (Detail 19).
 
 Single process:   python dpo.py --sft_model_path models/sft --output_dir models/dpo
 Several GPUs:     accelerate launch --config_file zero2.yaml dpo.py --sft_model_path models/sft
+After a crash:    the same command with --resume (and --run_name of the run, if it is not the newest)
+
+Interrupted runs: every --checkpoint_every updates the policy, AdamW, the schedule, the data position, the open
+logging interval and the RNG states go to runs/{run_name}/checkpoints (the frozen reference is the SFT model and
+is loaded again; precomputed reference log-probs are read back from the run folder). A resumed run ends with
+the same weights and metrics as one that was never stopped. A NaN or inf loss or log-prob stops the run before
+it reaches the weights, keeping the last good checkpoint.
 """
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Literal, Optional
 
 import numpy as np
 import pandas as pd
+import pyarrow
+import pyarrow.compute
 import torch
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator, PartialState
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate import Accelerator, PartialState, skip_first_batches
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
 from datasets import get_dataset_split_names, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
@@ -56,6 +66,16 @@ class Args:
     """hub repository id for --push_to_hub; None -> the run name"""
     output_dir: str = "models/dpo"
     """where the trained policy and its tokenizer are saved (safetensors)"""
+    overwrite_output_dir: bool = False
+    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
+    checkpoint_every: int = 100
+    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
+    runs/{run_name}/checkpoints every this many updates (0 = never)"""
+    checkpoint_keep: int = 1
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
+    the resumed run ends with the same weights and metrics as one that was never interrupted"""
 
     # models and data
     sft_model_path: str = "models/sft"
@@ -154,6 +174,28 @@ def load_split(path: str, split: str):
     return load_dataset(path, split=split)
 
 
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
+    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+            "make it with data/prepare.py, whose output has every column the scripts read"
+        )
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in columns:
+        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
+            continue
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(
+                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
+                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
+            )
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """Per row, the index of the first True; the row length when the row has no True."""
     row_len = bools.size(-1)
@@ -224,6 +266,142 @@ def make_generation_config(response_length: int, temperature: float, pad_token_i
         eos_token_id=[],
         pad_token_id=pad_token_id,
     )
+
+
+# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
+
+    The flags are summed over processes, so every process raises together and none is left waiting in
+    a collective. Callers check before the optimizer step that would use the quantity, so the weights
+    on hand are still the last good ones when this raises."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved; lower --lr or check the data of this update, then rerun or --resume"
+        )
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
+    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
+    root = os.path.join(run_dir, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
+
+
+def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
+    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
+    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
+    every process's RNG states; trainer_state.json adds the data position and the running counters.
+
+    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
+    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
+    root = os.path.join(run_dir, "checkpoints")
+    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+    if accelerator.is_main_process and os.path.isdir(temporary):
+        shutil.rmtree(temporary)  # left by a save that was killed
+    accelerator.wait_for_everyone()
+    accelerator.save_state(temporary)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
+            json.dump({"update": update, **trainer_state}, f, indent=2)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
+        for name in older:
+            shutil.rmtree(os.path.join(root, name))
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, run_dir: str) -> dict:
+    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
+    accelerator.load_state(path)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
+    return trainer_state
+
+
+def resolve_run_name(args) -> str:
+    """The run's name, the same on every process. With --resume and no --run_name: the newest
+    runs/{exp_name}__{seed}__* that has a checkpoint."""
+    if args.run_name is None and args.resume:
+        prefix = f"{args.exp_name}__{args.seed}__"
+        root = args.run_dir_root
+        candidates = sorted(
+            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+             and latest_checkpoint(os.path.join(root, d)) is not None),
+            key=lambda d: os.path.getmtime(os.path.join(root, d)),
+        )
+        if not candidates:
+            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+        return candidates[-1]
+    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+    return name[0]
+
+
+def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
+    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
+    (run.json). A resumed run finds its own mark and goes on."""
+    mark = os.path.join(output_dir, "run.json")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+        if owner != run_name:
+            raise ValueError(
+                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
+            )
+    accelerator.wait_for_everyone()  # every process checked before the mark changes
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(mark, "w") as f:
+            json.dump({"run_name": run_name}, f)
+
+
+def start_metrics_file(path: str, resume_update: int) -> None:
+    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
+    drops those written after it (they are written again), so the file matches an uninterrupted run."""
+    kept = []
+    if resume_update > 0 and os.path.exists(path):
+        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def resumable_micro_batches(loader, skip: int):
+    """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
+    the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
+
+    The loader must come from an Accelerator made with DataLoaderConfiguration(use_seedable_sampler=True,
+    data_seed=seed): its shuffle of epoch e is then drawn from a generator seeded with seed + e, so it
+    depends on e alone and not on how many epochs this process has iterated before. A resumed run can
+    therefore set epoch e directly and drop the micro batches of it already trained on; skip_first_batches
+    drops them from the index lists (no row is read). Every process skips its own share the same way."""
+    per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
+    if per_epoch == 0:
+        raise ValueError("the train split is smaller than one micro batch per process; "
+                         "lower --local_micro_batch_size or use more data")
+    epoch, skip = divmod(skip, per_epoch)
+    while True:
+        loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
+        yield from (skip_first_batches(loader, skip) if skip else loader)
+        epoch, skip = epoch + 1, 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -477,6 +655,12 @@ def sample_responses(accelerator, model, tokenizer, raw, dataset, generation_con
     return table, metrics
 
 
+TRAIN_STATS = [  # per micro batch, logged as means over the logging interval
+    "train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",
+    "train/logps/chosen", "train/logps/rejected",
+]
+
+
 def main(args: Args):
     start_time = time.time()
     if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
@@ -494,30 +678,15 @@ def main(args: Args):
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
         ),
+        # the shuffle of epoch e depends on (seed, e) alone, so a resumed run finds its place in the data
+        # (see resumable_micro_batches)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         mixed_precision="bf16" if args.bf16 else "no",
     )
-    if args.run_name is None:
-        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
-    writer = None
-    if accelerator.is_main_process:
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        if args.track:
-            import wandb
-
-            wandb.init(
-                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                config=asdict(args), name=args.run_name, save_code=True,
-            )
-        writer = SummaryWriter(run_dir)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-
-    def log(metrics: dict, step: int, episode: int):
-        if accelerator.is_main_process:
-            for key, value in metrics.items():
-                writer.add_scalar(key, value, step)
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "episode": episode, **metrics}) + "\n")
+    # a resumed run finds its own mark in --output_dir; any other run's model there is an error
+    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # 2. seeding: the same seed on every rank for weights and data order
     set_seed(args.seed)
@@ -528,20 +697,29 @@ def main(args: Args):
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError("the tokenizer's pad token is its EOS; Detail 3 needs a distinct [PAD] (re-run data/prepare.py)")
+        raise ValueError(
+            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a "
+            "distinct pad token, or the EOS of every response is masked out of its log-prob. Save the SFT tokenizer "
+            "with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the "
+            "data with it (data/prepare.py)"
+        )
     pad_token_id = tokenizer.pad_token_id
 
-    # 4. data: preference train + every validation split, and SFT validation queries for sampling
+    # 4. data: preference train + every validation split, and SFT validation queries for sampling; every split
+    # is checked for the columns read from it before any work
     train_raw = load_split(args.preference_dataset, args.train_split)
+    check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
     train_dataset = with_row_index(train_raw, PAIR_COLUMNS)
     eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
     eval_datasets = {}
     for split in eval_split_names:
         raw = load_split(args.preference_dataset, split)
+        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
         if args.num_eval_samples is not None:
             raw = raw.select(range(min(args.num_eval_samples, len(raw))))
         eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
     sample_raw = load_split(args.query_dataset, args.sample_split)
+    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
     if args.num_eval_samples is not None:
         sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
     sample_dataset = with_row_index(sample_raw, ["query_token"])
@@ -550,9 +728,6 @@ def main(args: Args):
     args.num_updates = num_updates = total_episodes // args.total_batch_size  # a last partial batch is dropped
     if num_updates < 1:
         raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}")
-    if accelerator.is_main_process:
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)  # with the derived fields filled in
 
     # 5. models: policy and frozen reference, both from the SFT model
     # the policy keeps float32 master weights (bf16 is autocast); the frozen reference may live in bf16
@@ -572,17 +747,34 @@ def main(args: Args):
     ref_model = ref_model.to(accelerator.device)
     generation_config = make_generation_config(args.response_length, args.temperature, pad_token_id)
 
-    # 6. optional: reference log-probs once over the data, then the reference model is freed
+    # 6. optional: reference log-probs once over the data, then the reference model is freed.
+    # The tables are kept in the run folder: a resumed run reads the very numbers the interrupted run trained
+    # with (and skips the pass over the data) instead of trusting a second pass to repeat them bit for bit
     ref_tables: Dict[str, torch.Tensor] = {}  # evaluation split -> (N, 2)
     train_ref_table: Optional[torch.Tensor] = None  # (N_train, 2)
+    ref_cache = os.path.join(run_dir, "reference_logprobs.pt")
     if args.precompute_ref_logprobs:
-        train_ref_table = precompute_reference_logprobs(
-            accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id
-        )
-        for split, (_, dataset) in eval_datasets.items():
-            ref_tables[split] = precompute_reference_logprobs(
-                accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id
+        sizes = {"train": len(train_raw), "eval": {split: len(raw) for split, (raw, _) in eval_datasets.items()}}
+        if args.resume and os.path.exists(ref_cache):
+            cached = torch.load(ref_cache)
+            found = {"train": len(cached["train"]), "eval": {split: len(t) for split, t in cached["eval"].items()}}
+            if found != sizes:
+                raise ValueError(f"--resume: {ref_cache} holds reference log-probs of {found} rows, these flags read "
+                                 f"{sizes}; resume with the data flags of the original run")
+            train_ref_table, ref_tables = cached["train"], cached["eval"]
+            accelerator.print(f"reference log-probs of the interrupted run read from {ref_cache}")
+        else:
+            train_ref_table = precompute_reference_logprobs(
+                accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id
             )
+            for split, (_, dataset) in eval_datasets.items():
+                ref_tables[split] = precompute_reference_logprobs(
+                    accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id
+                )
+            if accelerator.is_main_process:  # written whole, then renamed: never half a file under the name
+                os.makedirs(run_dir, exist_ok=True)
+                torch.save({"train": train_ref_table, "eval": ref_tables}, ref_cache + ".tmp")
+                os.replace(ref_cache + ".tmp", ref_cache)
         del ref_model
         ref_model = None
 
@@ -590,13 +782,61 @@ def main(args: Args):
     # the scheduler counts optimizer updates and is stepped by hand on each update (not prepared:
     # accelerate's wrapper would step it once per process)
     lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-    # the data order comes from its own generator so that sampling does not shift it
+    # the data order comes from its own generator (reseeded with seed + epoch by the seedable sampler), so
+    # neither sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG
     train_dataloader = DataLoader(
         train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
         generator=torch.Generator().manual_seed(args.seed),
     )
     policy, optimizer, train_dataloader = accelerator.prepare(policy, optimizer, train_dataloader)
+    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
     torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+
+    # 7. resume: a killed run loses at most --checkpoint_every updates. The checkpoint holds the policy, AdamW's
+    # moments, the schedule and every process's RNG states (the sampling at evaluation continues as it would
+    # have); trainer_state.json adds the update reached and the open logging interval. The frozen reference is
+    # not saved: it is the SFT model, loaded again (or its log-probs read back, see step 6)
+    trainer_state = {"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0, "last_train_metrics": {}}
+    if args.resume:
+        trainer_state = load_checkpoint(accelerator, run_dir)
+        if trainer_state["num_updates"] != num_updates:
+            raise ValueError(f"--resume: the checkpoint belongs to a run of {trainer_state['num_updates']} updates, "
+                             f"these flags make {num_updates}; resume with the flags of the original run")
+        # accelerate counts micro batches to decide when to step; restart the count at the update boundary
+        # of the checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
+        accelerator.step = trainer_state["update"] * args.gradient_accumulation_steps
+    elif accelerator.is_main_process:
+        if os.path.isdir(os.path.join(run_dir, "checkpoints")):
+            shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
+        if not args.precompute_ref_logprobs and os.path.exists(ref_cache):
+            os.remove(ref_cache)  # an older run's tables; this run computes the reference live
+    start_update = trainer_state["update"]
+
+    # 8. logging: TensorBoard, metrics.jsonl and the evaluation tables in runs/{run_name}
+    writer = None
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if accelerator.is_main_process:
+        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)  # with the derived fields filled in
+        if args.track:
+            import wandb
+
+            wandb.init(
+                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                config=asdict(args), name=args.run_name, save_code=True,
+            )
+        # purge_step drops the TensorBoard events that the interrupted run logged after its checkpoint
+        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        start_metrics_file(metrics_path, start_update)  # likewise for metrics.jsonl
+
+    def log(metrics: dict, step: int, episode: int):
+        if accelerator.is_main_process:
+            for key, value in metrics.items():
+                writer.add_scalar(key, value, step)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": step, "episode": episode, **metrics}) + "\n")
 
     def run_evaluation(update: int, episode: int, final: bool):
         metrics, table_rows, frame = evaluate_preferences(
@@ -624,91 +864,104 @@ def main(args: Args):
         log(metrics, update, episode)
         return metrics
 
-    # 7. training: one optimizer update per total_batch_size pairs
+    # 9. training: one optimizer update per total_batch_size pairs
     accelerator.print(
         f"DPO ({args.loss_type}, beta {args.beta}): {num_updates} updates of {args.total_batch_size} pairs, "
         f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
         f"{args.local_micro_batch_size} pairs"
     )
     policy.train()
-    episode = 0
-    last_train_metrics: Dict[str, float] = {}
-    interval_stats: Dict[str, List[torch.Tensor]] = {}
-    interval_tokens, interval_start = 0, time.time()
-    progress = tqdm(total=num_updates, desc="dpo", disable=not accelerator.is_local_main_process)
+    # the open logging interval: one row of TRAIN_STATS per update (already averaged over micro batches and
+    # processes, so every process holds the same rows and a checkpoint can carry them), and its token count
+    interval: List[List[float]] = trainer_state["interval"]
+    interval_tokens = trainer_state["interval_tokens"]
+    interval_start = time.time() - trainer_state["interval_time"]
+    last_train_metrics: Dict[str, float] = trainer_state["last_train_metrics"]
+    progress = tqdm(total=num_updates, initial=start_update, desc="dpo", disable=not accelerator.is_local_main_process)
+    # the data position: every update reads gradient_accumulation_steps micro batches on each process
+    micro_batch_iterator = resumable_micro_batches(train_dataloader, start_update * args.gradient_accumulation_steps)
 
-    def micro_batches():
-        """Micro batches forever, reshuffled at every pass over the data."""
-        epoch = 0
-        while True:
-            train_dataloader.set_epoch(epoch)
-            yield from train_dataloader
-            epoch += 1
+    def checkpoint(done: int) -> None:
+        save_checkpoint(accelerator, run_dir, done, {
+            "num_updates": num_updates, "interval": interval, "interval_tokens": interval_tokens,
+            "interval_time": time.time() - interval_start, "last_train_metrics": last_train_metrics,
+        }, args.checkpoint_keep)
 
-    micro_batch_iterator = micro_batches()
-    for update in range(1, num_updates + 1):
-        for _ in range(args.gradient_accumulation_steps):
-            batch = next(micro_batch_iterator)
-            with accelerator.accumulate(policy):
-                with accelerator.autocast():
-                    policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
-                    ref_chosen, ref_rejected = reference_logprobs(ref_model, train_ref_table, batch, pad_token_id)
-                losses, chosen_rewards, rejected_rewards = dpo_loss(
-                    policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing
+    update = start_update
+    try:
+        for update in range(start_update + 1, num_updates + 1):
+            micro_stats, tokens = [], 0
+            for _ in range(args.gradient_accumulation_steps):
+                batch = next(micro_batch_iterator)
+                with accelerator.accumulate(policy):
+                    with accelerator.autocast():
+                        policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
+                        ref_chosen, ref_rejected = reference_logprobs(ref_model, train_ref_table, batch, pad_token_id)
+                    losses, chosen_rewards, rejected_rewards = dpo_loss(
+                        policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
+                        args.label_smoothing,
+                    )
+                    loss = losses.mean()
+                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
+                    check_finite(accelerator, update, **{
+                        "train/loss": loss, "train/logps/chosen": policy_chosen, "train/logps/rejected": policy_rejected,
+                        "train/ref_logps/chosen": ref_chosen, "train/ref_logps/rejected": ref_rejected,
+                    })
+                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+                    optimizer.step()  # a no-op until the last micro batch of the update
+                    optimizer.zero_grad()
+                micro_stats.append(torch.stack([  # in the order of TRAIN_STATS
+                    loss.detach(), chosen_rewards.mean(), rejected_rewards.mean(),
+                    (chosen_rewards - rejected_rewards).mean(), (chosen_rewards > rejected_rewards).float().mean(),
+                    policy_chosen.detach().mean(), policy_rejected.detach().mean(),
+                ]).float())
+                tokens += int(
+                    (batch["query_chosen_token"] != pad_token_id).sum() + (batch["query_rejected_token"] != pad_token_id).sum()
                 )
-                loss = losses.mean()
-                accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
-                optimizer.step()  # a no-op until the last micro batch of the update
-                optimizer.zero_grad()
-            # per-micro-batch statistics; logged as means over the whole logging interval
-            micro = {
-                "train/loss": loss.detach(),
-                "train/rewards/chosen": chosen_rewards.mean(),
-                "train/rewards/rejected": rejected_rewards.mean(),
-                "train/rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-                "train/rewards/accuracy": (chosen_rewards > rejected_rewards).float().mean(),
-                "train/logps/chosen": policy_chosen.detach().mean(),
-                "train/logps/rejected": policy_rejected.detach().mean(),
-            }
-            for key, value in micro.items():
-                interval_stats.setdefault(key, []).append(value.float())
-            interval_tokens += int(
-                (batch["query_chosen_token"] != pad_token_id).sum() + (batch["query_rejected_token"] != pad_token_id).sum()
-            )
-        if not accelerator.sync_gradients:
-            raise RuntimeError("gradient accumulation went out of step with the update loop")
-        update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
-        lr_scheduler.step()
-        episode += args.total_batch_size
-        progress.update(1)
-        if update % args.log_every == 0 or update == num_updates:
-            means = {
-                key: accelerator.reduce(torch.stack(values).mean(), reduction="mean").item()
-                for key, values in interval_stats.items()
-            }
-            tokens = accelerator.reduce(torch.tensor(interval_tokens, device=accelerator.device), reduction="sum").item()
-            means["train/tokens_per_s"] = tokens / (time.time() - interval_start)
-            means["train/lr"] = update_lr
-            means["train/epoch"] = episode / len(train_raw)
-            log(means, update, episode)
-            last_train_metrics = means
-            progress.set_postfix(
-                loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
-                tok_s=f"{means['train/tokens_per_s']:.0f}",
-            )
-            interval_stats, interval_tokens, interval_start = {}, 0, time.time()
-        if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-            run_evaluation(update, episode, final=False)
-            interval_start = time.time()  # evaluation time is not training throughput
+            if not accelerator.sync_gradients:
+                raise RuntimeError("gradient accumulation went out of step with the update loop")
+            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+            lr_scheduler.step()
+            # this update's means over its micro batches and every process (each process has as many micro batches)
+            interval.append(accelerator.reduce(torch.stack(micro_stats).mean(0), reduction="mean").tolist())
+            interval_tokens += int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum"))
+            episode = update * args.total_batch_size
+            progress.update(1)
+            if update % args.log_every == 0 or update == num_updates:
+                means = dict(zip(TRAIN_STATS, np.mean(interval, axis=0).tolist()))
+                means["train/tokens_per_s"] = interval_tokens / (time.time() - interval_start)
+                means["train/lr"] = update_lr
+                means["train/epoch"] = episode / len(train_raw)
+                log(means, update, episode)
+                last_train_metrics = means
+                progress.set_postfix(
+                    loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
+                    tok_s=f"{means['train/tokens_per_s']:.0f}",
+                )
+                interval, interval_tokens, interval_start = [], 0, time.time()
+            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
+                run_evaluation(update, episode, final=False)
+                interval_start = time.time()  # evaluation time is not training throughput
+            # after the update's logging and evaluation, so a resumed run repeats neither
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < num_updates:
+                checkpoint(update)
+    except NonFiniteError:
+        # the guard runs before backward and before the update's optimizer step, so the weights on hand are
+        # still those after update - 1: keep them as the last good checkpoint (never the poisoned ones)
+        progress.close()  # so that the error is the last line of the output
+        checkpoint(update - 1)
+        accelerator.print(f"non-finite value in update {update}; last good checkpoint: {latest_checkpoint(run_dir)}")
+        raise
     progress.close()
 
-    # 8. final evaluation, summary and saving
-    metrics = run_evaluation(update, episode, final=True)
+    # 10. final evaluation, summary and saving
+    episode = num_updates * args.total_batch_size
+    metrics = run_evaluation(num_updates, episode, final=True)
     unwrapped = accelerator.unwrap_model(policy)
     if accelerator.is_main_process:
         summary = {key: value for key, value in metrics.items()}
         summary.update(last_train_metrics)  # the last logging interval's training means
-        summary["num_updates"] = update
+        summary["num_updates"] = num_updates
         summary["episodes"] = episode
         summary["wall_time_s"] = time.time() - start_time
         with open(os.path.join(run_dir, "summary.json"), "w") as f:

@@ -24,25 +24,34 @@ L_AWAC term is itself supervised fine-tuning on every response of the dataset, s
 data's behaviour policy during ILQL anyway; the paper also finds its ILQL models keep the base model's
 benchmark scores (little "alignment tax", Appendix B). `--init_from sft` is offered for comparison.
 
+Checkpoints: every --checkpoint_every updates, runs/{run_name}/checkpoints/update_N holds the LM with all its heads
+(V, Q and the Polyak-averaged target Q), optimizer, schedule, RNG states, the data position and the running counters
+(target syncs, the open logging interval); `--resume --run_name NAME` continues from the newest one and ends with the
+weights and metrics of an uninterrupted run. A NaN/inf loss term stops the run and keeps the last good checkpoint.
+
 Single process:   python ilql.py --init_from base --model_path EleutherAI/pythia-1b-deduped --output_dir models/ilql
 Several GPUs:     accelerate launch --config_file zero2.yaml ilql.py --seed 1
 """
 
 import json
 import os
+import shutil
 import time
 from copy import deepcopy
 from dataclasses import asdict, dataclass, field
 from functools import reduce
 from typing import Dict, List, Literal, Optional, Sequence, Tuple
 
+import numpy as np
 import pandas as pd
+import pyarrow
+import pyarrow.compute
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
 from datasets import concatenate_datasets, load_dataset, load_from_disk
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
@@ -97,6 +106,16 @@ class Args:
     """hub repository id for --push_to_hub; None -> the run name"""
     output_dir: str = "models/ilql"
     """where the LM (safetensors), its tokenizer and ilql_heads.safetensors are saved"""
+    overwrite_output_dir: bool = False
+    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
+    checkpoint_every: int = 100
+    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
+    runs/{run_name}/checkpoints every this many updates (0 = never)"""
+    checkpoint_keep: int = 1
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
+    the resumed run ends with the same weights and metrics as one that was never interrupted"""
 
     # models and data
     init_from: Literal["base", "sft"] = "base"
@@ -204,6 +223,28 @@ def load_split(path: str, split: str):
     return load_dataset(path, split=split)
 
 
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
+    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+            "make it with data/prepare.py, whose output has every column the scripts read"
+        )
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in columns:
+        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
+            continue
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(
+                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
+                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
+            )
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """Per row, the index of the first True; the row length when the row has no True."""
     row_len = bools.size(-1)
@@ -245,10 +286,131 @@ def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Ten
     return torch.masked_fill(responses, positions > eos_index, pad_token_id)
 
 
+# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
+
+    The flags are summed over processes, so every process raises together and none is left waiting in
+    a collective. Callers check before the optimizer step that would use the quantity, so the weights
+    on hand are still the last good ones when this raises."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved; lower --lr or check the data of this update, then rerun or --resume"
+        )
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
+    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
+    root = os.path.join(run_dir, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
+
+
+def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
+    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
+    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
+    every process's RNG states; trainer_state.json adds the data position and the running counters.
+
+    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
+    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
+    root = os.path.join(run_dir, "checkpoints")
+    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+    if accelerator.is_main_process and os.path.isdir(temporary):
+        shutil.rmtree(temporary)  # left by a save that was killed
+    accelerator.wait_for_everyone()
+    accelerator.save_state(temporary)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
+            json.dump({"update": update, **trainer_state}, f, indent=2)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
+        for name in older:
+            shutil.rmtree(os.path.join(root, name))
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, run_dir: str) -> dict:
+    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
+    accelerator.load_state(path)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
+    return trainer_state
+
+
+def resolve_run_name(args) -> str:
+    """The run's name, the same on every process. With --resume and no --run_name: the newest
+    runs/{exp_name}__{seed}__* that has a checkpoint."""
+    if args.run_name is None and args.resume:
+        prefix = f"{args.exp_name}__{args.seed}__"
+        root = args.run_dir_root
+        candidates = sorted(
+            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+             and latest_checkpoint(os.path.join(root, d)) is not None),
+            key=lambda d: os.path.getmtime(os.path.join(root, d)),
+        )
+        if not candidates:
+            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+        return candidates[-1]
+    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+    return name[0]
+
+
+def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
+    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
+    (run.json). A resumed run finds its own mark and goes on."""
+    mark = os.path.join(output_dir, "run.json")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+        if owner != run_name:
+            raise ValueError(
+                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
+            )
+    accelerator.wait_for_everyone()  # every process checked before the mark changes
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(mark, "w") as f:
+            json.dump({"run_name": run_name}, f)
+
+
+def start_metrics_file(path: str, resume_update: int) -> None:
+    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
+    drops those written after it (they are written again), so the file matches an uninterrupted run."""
+    kept = []
+    if resume_update > 0 and os.path.exists(path):
+        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
 # ------------------------------------------------------------------------------------------------
 # ILQL data: one trajectory per (query, response), the reward on the last response token
 # ------------------------------------------------------------------------------------------------
 TRAJECTORY_COLUMNS = ["query_response", "response_label", "query_token_len"]
+# the columns of a preference split that `flatten_pairs` reads (checked by check_columns before it runs)
+PAIR_COLUMNS = [
+    "query_chosen_token", "query_chosen_token_response_label",
+    "query_rejected_token", "query_rejected_token_response_label", "query_token_len",
+]
 
 
 def flatten_pairs(raw):
@@ -363,6 +525,28 @@ class ILQLHeads(nn.Module):
             else:
                 self.target_fp32[i].lerp_(online.float(), alpha)
                 target.copy_(self.target_fp32[i])
+
+
+class TargetCopies:
+    """The float32 copies of low-precision target heads (ILQLHeads.target_fp32) as an object that accelerate's
+    save_state / load_state can carry (register_for_checkpointing needs state_dict and load_state_dict).
+
+    The target heads themselves are parameters of the prepared model and travel with it; the float32 copies are
+    plain tensors that no module owns, and under bf16 they hold the precise Polyak average. Without them a
+    resumed bf16 run would restart the average from the rounded targets and drift from the uninterrupted run.
+    In float32 (CPU, or DDP without DeepSpeed) there are no copies and the state is just None."""
+
+    def __init__(self, heads: ILQLHeads):
+        self.heads = heads
+
+    def state_dict(self) -> dict:
+        copies = self.heads.target_fp32
+        return {"target_fp32": None if copies is None else [c.detach().cpu() for c in copies]}
+
+    def load_state_dict(self, state: dict) -> None:
+        copies = state["target_fp32"]
+        targets = list(self.heads.target_q_heads.parameters())
+        self.heads.target_fp32 = None if copies is None else [c.to(t.device) for c, t in zip(copies, targets)]
 
 
 class ILQLModel(nn.Module):
@@ -622,34 +806,18 @@ def main(args: Args) -> dict:
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
         ),
+        # the shuffled order of pass e over the data is a function of (seed, e) alone, so a resumed run can
+        # rebuild the pass it was in and skip the micro batches already used (see `micro_batches`)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         mixed_precision="bf16" if args.bf16 else "no",
     )
     deepspeed_plugin = accelerator.state.deepspeed_plugin
     if deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3:
         # the Polyak update works on whole local parameters; ZeRO-3 holds only shards (use zero2.yaml)
         raise ValueError("ilql.py supports DDP and ZeRO-2, not ZeRO-3")
-    if args.run_name is None:
-        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
-    writer = None
-    if accelerator.is_main_process:
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        if args.track:
-            import wandb
-
-            wandb.init(
-                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                config=asdict(args), name=args.run_name, save_code=True,
-            )
-        writer = SummaryWriter(run_dir)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-
-    def log(metrics: dict, step: int, episode: int):
-        if accelerator.is_main_process:
-            for key, value in metrics.items():
-                writer.add_scalar(key, value, step)
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "episode": episode, **metrics}) + "\n")
+    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # 2. seeding: the same seed on every rank for weights (the heads) and data order
     set_seed(args.seed)
@@ -662,7 +830,12 @@ def main(args: Args) -> dict:
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError("the tokenizer's pad token is its EOS; Detail 3 needs a distinct [PAD] (re-run data/prepare.py)")
+        raise ValueError(
+            f"the tokenizer of {args.model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS action is masked out of every ILQL term and the policy never learns to stop. Save the "
+            "tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare "
+            "the data with it"
+        )
     pad_token_id = tokenizer.pad_token_id
 
     # 4. models: the LM + fresh ILQL heads; the (optional) frozen reward model
@@ -674,6 +847,21 @@ def main(args: Args) -> dict:
         disable_dropout(model)
     reward_model = None
     if args.reward_model_path is not None:
+        # the RM reads the policy's token ids as they are, so both must come from one tokenizer
+        try:
+            rm_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path, trust_remote_code=args.trust_remote_code)
+        except OSError:
+            rm_tokenizer = None  # a model folder without tokenizer files: nothing to compare
+        if rm_tokenizer is not None:
+            if rm_tokenizer.pad_token is None:
+                rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+            if (rm_tokenizer.get_vocab() != tokenizer.get_vocab()
+                    or (rm_tokenizer.pad_token_id, rm_tokenizer.eos_token_id) != (pad_token_id, tokenizer.eos_token_id)):
+                raise ValueError(
+                    f"the reward model {args.reward_model_path} has another tokenizer than {args.model_path} (vocabulary, "
+                    "pad or EOS id differ), so it would score the wrong tokens; train the RM (reward.py) from a model "
+                    "with the same tokenizer"
+                )
         reward_model = AutoModelForSequenceClassification.from_pretrained(
             args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
             trust_remote_code=args.trust_remote_code,
@@ -686,6 +874,7 @@ def main(args: Args) -> dict:
 
     # 5. data: trajectories (query, chosen, +1) and (query, rejected, -1), or RM-scored; z-normalised
     train_raw = load_split(args.preference_dataset, args.train_split)
+    check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
     trajectories = flatten_pairs(train_raw)
     if args.reward_source == "labels":
         raw_rewards = label_rewards(len(train_raw))
@@ -703,6 +892,7 @@ def main(args: Args) -> dict:
     trajectories = trajectories.add_column("reward", rewards.tolist())
     train_dataset = trajectories.with_format("torch", columns=TRAJECTORY_COLUMNS + ["reward"])
     sample_raw = load_split(args.query_dataset, args.sample_split)
+    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
     if args.num_eval_samples is not None:
         sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
     sample_dataset = sample_raw.add_column("row_index", list(range(len(sample_raw))))
@@ -712,10 +902,6 @@ def main(args: Args) -> dict:
     args.num_updates = num_updates = total_episodes // args.total_batch_size  # a last partial batch is dropped
     if num_updates < 1:
         raise ValueError(f"{total_episodes} trajectories give no full batch of {args.total_batch_size}")
-    if accelerator.is_main_process:
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)  # with the derived fields filled in
-    log(data_metrics, 0, 0)
 
     # the target heads are not optimised: only parameters that require gradients go to AdamW
     optimizer = torch.optim.AdamW(
@@ -728,7 +914,62 @@ def main(args: Args) -> dict:
         generator=torch.Generator().manual_seed(args.seed),
     )
     model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+    heads = accelerator.unwrap_model(model).heads
+    # saved and restored with the model (LM, V, Q and target-Q heads) and the optimizer: the schedule, and the
+    # float32 Polyak copies of low-precision targets
+    accelerator.register_for_checkpointing(lr_scheduler)
+    accelerator.register_for_checkpointing(TargetCopies(heads))
     torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+
+    # 6. resume: a killed run loses at most --checkpoint_every updates
+    trainer_state = {
+        "update": 0, "episode": 0, "num_target_syncs": 0, "train_time": 0.0, "last_train_metrics": {},
+        "interval_stats": {}, "interval_tokens": 0,
+    }
+    # flags that fix the data order, the schedule and the target syncs: a resumed run must share them
+    run_shape = {"num_updates": num_updates, "total_batch_size": args.total_batch_size, "world_size": args.world_size,
+                 "steps_for_target_q_sync": args.ilql.steps_for_target_q_sync}
+    if args.resume:
+        trainer_state = load_checkpoint(accelerator, run_dir)  # LM, all heads, optimizer, schedule, every RNG
+        changed = {k: (trainer_state[k], v) for k, v in run_shape.items() if trainer_state[k] != v}
+        if changed:
+            raise ValueError(
+                "--resume: the checkpoint belongs to a run with other " + ", ".join(
+                    f"{k} ({old} there, {new} here)" for k, (old, new) in changed.items()
+                ) + "; resume with the flags of the original run"
+            )
+    elif accelerator.is_main_process and os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
+    start_update = trainer_state["update"]
+
+    # 7. logging
+    writer = None
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if accelerator.is_main_process:
+        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)  # with the derived fields filled in
+        if args.track:
+            import wandb
+
+            wandb.init(
+                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                config=asdict(args), name=args.run_name, save_code=True,
+            )
+        # purge_step drops TensorBoard events logged after the checkpoint by the interrupted run
+        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        start_metrics_file(metrics_path, start_update)
+
+    def log(metrics: dict, step: int, episode: int):
+        if accelerator.is_main_process:
+            for key, value in metrics.items():
+                writer.add_scalar(key, value, step)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": step, "episode": episode, **metrics}) + "\n")
+
+    if start_update == 0:
+        log(data_metrics, 0, 0)  # a resumed run kept this line of metrics.jsonl
 
     def run_evaluation(update: int, episode: int, betas: List[float], final: bool) -> dict:
         """Sample the evaluation queries at each beta; the table of --beta becomes samples/step_N.csv
@@ -755,84 +996,122 @@ def main(args: Args) -> dict:
         log(metrics, update, episode)
         return metrics
 
-    # 6. training: one optimizer update per total_batch_size trajectories; target sync on updates
+    # 8. training: one optimizer update per total_batch_size trajectories; target sync on updates
     accelerator.print(
         f"ILQL ({args.reward_source} rewards, from {args.init_from}): {num_updates} updates of "
         f"{args.total_batch_size} trajectories, {accelerator.num_processes} process(es) x "
         f"{args.gradient_accumulation_steps} accumulation x {args.local_micro_batch_size}"
     )
     model.train()
-    heads = accelerator.unwrap_model(model).heads
-    episode, num_target_syncs = 0, 0
-    last_train_metrics: Dict[str, float] = {}
-    interval_stats: Dict[str, List[torch.Tensor]] = {}
-    interval_tokens, interval_start = 0, time.time()
-    train_time = 0.0  # optimisation only (no evaluation, no RM labelling): compare with ppo.py's training
-    progress = tqdm(total=num_updates, desc="ilql", disable=not accelerator.is_local_main_process)
+    # running counters; a resumed run takes them from the checkpoint, so its logs and summary match
+    episode, num_target_syncs = trainer_state["episode"], trainer_state["num_target_syncs"]
+    last_train_metrics: Dict[str, float] = trainer_state["last_train_metrics"]
+    # the logging interval that was open at the checkpoint: per update, each statistic averaged over every micro
+    # batch of every process, and the tokens of all processes. Already reduced, they are the same on every process,
+    # so the main process's copy in the checkpoint is every process's (and JSON keeps the floats exactly)
+    interval_stats: Dict[str, List[float]] = trainer_state["interval_stats"]
+    interval_tokens, interval_start = trainer_state["interval_tokens"], time.time()
+    train_time = trainer_state["train_time"]  # optimisation only (no evaluation, no RM labelling): compare with ppo.py's training
+    progress = tqdm(total=num_updates, initial=start_update, desc="ilql", disable=not accelerator.is_local_main_process)
 
-    def micro_batches():
-        """Micro batches forever, reshuffled at every pass over the data."""
-        epoch = 0
+    def micro_batches(consumed: int):
+        """Micro batches forever, reshuffled at every pass over the data, starting after the `consumed` micro
+        batches this process has already trained on. The data position: pass e's order depends on (seed, e)
+        only (the seedable sampler), so a resumed run re-creates its pass and skips what was used, without
+        loading the skipped rows."""
+        epoch, skip = divmod(consumed, len(train_dataloader))
         while True:
             train_dataloader.set_epoch(epoch)
-            yield from train_dataloader
-            epoch += 1
+            yield from (accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader)
+            epoch, skip = epoch + 1, 0
 
-    micro_batch_iterator = micro_batches()
-    for update in range(1, num_updates + 1):
-        update_start = time.time()
-        for _ in range(args.gradient_accumulation_steps):
-            batch = next(micro_batch_iterator)
-            labels = batch["response_label"]  # (B, T): the response tokens, [PAD] elsewhere
-            positions, mask = action_positions(
-                batch["query_token_len"], (labels != pad_token_id).sum(1), labels.size(1)
-            )  # (B, Tr) states s_t and real-action mask
-            actions = labels.gather(1, positions + 1).masked_fill(~mask, pad_token_id)  # (B, Tr): a_t
-            step_rewards = terminal_rewards(batch["reward"].float(), mask)  # (B, Tr)
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    lm_logits, qs, target_qs, values = model(batch["query_response"], pad_token_id, positions)
-                loss, stats = ilql_loss(lm_logits, qs, target_qs, values, actions, step_rewards, mask, args.ilql)
-                accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
-                optimizer.step()  # a no-op until the last micro batch of the update
-                optimizer.zero_grad()
-            for key, value in stats.items():
-                interval_stats.setdefault(f"train/{key}", []).append(value.float())
-            interval_tokens += int((batch["query_response"] != pad_token_id).sum())
-        if not accelerator.sync_gradients:
-            raise RuntimeError("gradient accumulation went out of step with the update loop")
-        # Polyak-average the target Q heads every steps_for_target_q_sync OPTIMIZER updates
-        if should_sync_target(update, args.ilql.steps_for_target_q_sync):
-            heads.sync_target_q_heads(args.ilql.alpha)
-            num_target_syncs += 1
-        update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
-        lr_scheduler.step()
-        episode += args.total_batch_size
-        train_time += time.time() - update_start
-        progress.update(1)
-        if update % args.log_every == 0 or update == num_updates:
-            means = {
-                key: accelerator.reduce(torch.stack(values).mean(), reduction="mean").item()
-                for key, values in interval_stats.items()
-            }
-            tokens = accelerator.reduce(torch.tensor(interval_tokens, device=accelerator.device), reduction="sum").item()
-            means["train/tokens_per_s"] = tokens / (time.time() - interval_start)
-            means["train/lr"] = update_lr
-            means["train/epoch"] = episode / len(trajectories)
-            means["train/num_target_syncs"] = num_target_syncs
-            log(means, update, episode)
-            last_train_metrics = means
-            progress.set_postfix(
-                loss=f"{means['train/loss']:.4f}", awac=f"{means['train/loss_awac']:.3f}",
-                tok_s=f"{means['train/tokens_per_s']:.0f}",
-            )
-            interval_stats, interval_tokens, interval_start = {}, 0, time.time()
-        if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-            run_evaluation(update, episode, [args.beta], final=False)
-            interval_start = time.time()  # evaluation time is not training throughput
+    def state_after_update() -> dict:
+        """Everything a resumed run needs besides what accelerate saves (models, optimizer, schedule, RNG); the
+        data position is the update number itself (update x gradient_accumulation_steps micro batches)."""
+        return {
+            **run_shape, "episode": episode, "num_target_syncs": num_target_syncs, "train_time": train_time,
+            "last_train_metrics": last_train_metrics, "interval_tokens": interval_tokens,
+            "interval_stats": {key: list(values) for key, values in interval_stats.items()},
+        }
+
+    micro_batch_iterator = micro_batches(start_update * args.gradient_accumulation_steps)
+    last_good = state_after_update()  # the counters after the last completed update
+    update = start_update
+    try:
+        for update in range(start_update + 1, num_updates + 1):
+            update_start = time.time()
+            update_stats: Dict[str, List[torch.Tensor]] = {}  # this process's micro batch statistics
+            update_tokens = 0
+            for _ in range(args.gradient_accumulation_steps):
+                batch = next(micro_batch_iterator)
+                labels = batch["response_label"]  # (B, T): the response tokens, [PAD] elsewhere
+                positions, mask = action_positions(
+                    batch["query_token_len"], (labels != pad_token_id).sum(1), labels.size(1)
+                )  # (B, Tr) states s_t and real-action mask
+                actions = labels.gather(1, positions + 1).masked_fill(~mask, pad_token_id)  # (B, Tr): a_t
+                step_rewards = terminal_rewards(batch["reward"].float(), mask)  # (B, Tr)
+                with accelerator.accumulate(model):
+                    with accelerator.autocast():
+                        lm_logits, qs, target_qs, values = model(batch["query_response"], pad_token_id, positions)
+                    loss, stats = ilql_loss(lm_logits, qs, target_qs, values, actions, step_rewards, mask, args.ilql)
+                    # non-finite guard: the total loss and every term, before backward, so no weight sees them
+                    check_finite(accelerator, update, **{
+                        f"train/{key}": stats[key] for key in ("loss", "loss_q", "loss_v", "loss_cql", "loss_awac")
+                    })
+                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+                    optimizer.step()  # a no-op until the last micro batch of the update
+                    optimizer.zero_grad()
+                for key, value in stats.items():
+                    update_stats.setdefault(f"train/{key}", []).append(value.float())
+                update_tokens += int((batch["query_response"] != pad_token_id).sum())
+            if not accelerator.sync_gradients:
+                raise RuntimeError("gradient accumulation went out of step with the update loop")
+            # Polyak-average the target Q heads every steps_for_target_q_sync OPTIMIZER updates. The decision reads
+            # the global update number only, so a resumed run syncs on exactly the updates the uninterrupted one does
+            if should_sync_target(update, args.ilql.steps_for_target_q_sync):
+                heads.sync_target_q_heads(args.ilql.alpha)
+                num_target_syncs += 1
+            # the update's statistics over every process (every process has the same number of micro batches, so
+            # the mean of these per-update means over an interval is the mean over all its micro batches)
+            keys = list(update_stats)
+            update_means = accelerator.reduce(torch.stack([torch.stack(update_stats[k]).mean() for k in keys]), reduction="mean")
+            for key, value in zip(keys, update_means.tolist()):
+                interval_stats.setdefault(key, []).append(value)
+            interval_tokens += int(accelerator.reduce(torch.tensor(update_tokens, device=accelerator.device), reduction="sum"))
+            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+            lr_scheduler.step()
+            episode += args.total_batch_size
+            train_time += time.time() - update_start
+            progress.update(1)
+            if update % args.log_every == 0 or update == num_updates:
+                means = {key: sum(values) / len(values) for key, values in interval_stats.items()}
+                means["train/tokens_per_s"] = interval_tokens / (time.time() - interval_start)
+                means["train/lr"] = update_lr
+                means["train/epoch"] = episode / len(trajectories)
+                means["train/num_target_syncs"] = num_target_syncs
+                log(means, update, episode)
+                last_train_metrics = means
+                progress.set_postfix(
+                    loss=f"{means['train/loss']:.4f}", awac=f"{means['train/loss_awac']:.3f}",
+                    tok_s=f"{means['train/tokens_per_s']:.0f}",
+                )
+                interval_stats, interval_tokens, interval_start = {}, 0, time.time()
+            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
+                run_evaluation(update, episode, [args.beta], final=False)
+                interval_start = time.time()  # evaluation time is not training throughput
+            last_good = state_after_update()
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
+                save_checkpoint(accelerator, run_dir, update, last_good, args.checkpoint_keep)
+    except NonFiniteError:
+        # the guard runs before backward and no optimizer step of this update has happened, so the weights (and
+        # the target heads, synced only after an update) are still those after update - 1: keep them as the last
+        # good checkpoint, with the counters of that update; the poisoned update is never applied or saved
+        save_checkpoint(accelerator, run_dir, update - 1, last_good, args.checkpoint_keep)
+        accelerator.print(f"non-finite value at update {update}; last good checkpoint: {latest_checkpoint(run_dir)}")
+        raise
     progress.close()
 
-    # 7. final evaluation: the beta sweep (and --beta for samples.csv), summary, saving
+    # 9. final evaluation: the beta sweep (and --beta for samples.csv), summary, saving
     final_betas = list(dict.fromkeys(list(args.eval_betas) + [args.beta]))
     metrics = run_evaluation(update, episode, final_betas, final=True)
     summary = dict(metrics)

@@ -25,6 +25,12 @@ sampling) and A.8 (conditional SFT).
           target in --dt_eval_targets (the seed's Table 1: controllability), and the cost of each stage in
           wall seconds (generation, labelling, training: the seed's Table 3) in summary.json.
 
+Checkpoints: every --checkpoint_every updates of step 2, runs/{run_name}/checkpoints/update_N holds the policy,
+optimizer, schedule, RNG states and the data position (the shuffle generator, the current permutation and, for
+best_of_n, the current round's selected samples); `--resume --run_name NAME` continues from the newest one and ends
+with the weights and metrics of an uninterrupted run. A NaN/inf loss, RWR weight or RM score stops the run and
+keeps the last good checkpoint.
+
 Single process:   python offline_rl.py --method dt --sft_model_path models/sft --reward_model_path models/rm
 Several:          accelerate launch [--config_file zero2.yaml] offline_rl.py ...
 """
@@ -33,17 +39,20 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional, Tuple
 
+import numpy as np
 import pandas as pd
-import pyarrow.compute as pc
+import pyarrow
+import pyarrow.compute
 import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from datasets import Dataset, load_dataset, load_from_disk
 from huggingface_hub import HfApi
 from torch.utils.tensorboard import SummaryWriter
@@ -74,6 +83,16 @@ class Args:
     """where the aligned model and tokenizer are saved (safetensors)"""
     run_dir_root: str = "runs"
     """folder that holds runs/{run_name}/"""
+    overwrite_output_dir: bool = False
+    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
+    checkpoint_every: int = 100
+    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
+    runs/{run_name}/checkpoints every this many updates (0 = never)"""
+    checkpoint_keep: int = 1
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
+    the resumed run ends with the same weights and metrics as one that was never interrupted"""
 
     # ---- method ----
     method: Literal["filter", "rwr", "dt", "best_of_n"] = "dt"
@@ -201,6 +220,28 @@ def load_split(path: str, split: str):
     return load_dataset(path, split=split)
 
 
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
+    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+            "make it with data/prepare.py, whose output has every column the scripts read"
+        )
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in columns:
+        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
+            continue
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(
+                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
+                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
+            )
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """Per row, the index of the first True; the row length when the row has no True."""
     row_len = bools.size(-1)
@@ -274,6 +315,122 @@ def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
     )
     logits = torch.stack(output.logits, 1)  # (B, Tr, V)
     return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+
+
+# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
+
+    The flags are summed over processes, so every process raises together and none is left waiting in
+    a collective. Callers check before the optimizer step that would use the quantity, so the weights
+    on hand are still the last good ones when this raises."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved; lower --lr or check the data of this update, then rerun or --resume"
+        )
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
+    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
+    root = os.path.join(run_dir, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
+
+
+def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
+    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
+    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
+    every process's RNG states; trainer_state.json adds the data position and the running counters.
+
+    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
+    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
+    root = os.path.join(run_dir, "checkpoints")
+    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+    if accelerator.is_main_process and os.path.isdir(temporary):
+        shutil.rmtree(temporary)  # left by a save that was killed
+    accelerator.wait_for_everyone()
+    accelerator.save_state(temporary)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
+            json.dump({"update": update, **trainer_state}, f, indent=2)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
+        for name in older:
+            shutil.rmtree(os.path.join(root, name))
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, run_dir: str) -> dict:
+    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
+    accelerator.load_state(path)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
+    return trainer_state
+
+
+def resolve_run_name(args) -> str:
+    """The run's name, the same on every process. With --resume and no --run_name: the newest
+    runs/{exp_name}__{seed}__* that has a checkpoint."""
+    if args.run_name is None and args.resume:
+        prefix = f"{args.exp_name}__{args.seed}__"
+        root = args.run_dir_root
+        candidates = sorted(
+            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+             and latest_checkpoint(os.path.join(root, d)) is not None),
+            key=lambda d: os.path.getmtime(os.path.join(root, d)),
+        )
+        if not candidates:
+            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+        return candidates[-1]
+    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+    return name[0]
+
+
+def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
+    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
+    (run.json). A resumed run finds its own mark and goes on."""
+    mark = os.path.join(output_dir, "run.json")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+        if owner != run_name:
+            raise ValueError(
+                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
+            )
+    accelerator.wait_for_everyone()  # every process checked before the mark changes
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(mark, "w") as f:
+            json.dump({"run_name": run_name}, f)
+
+
+def start_metrics_file(path: str, resume_update: int) -> None:
+    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
+    drops those written after it (they are written again), so the file matches an uninterrupted run."""
+    kept = []
+    if resume_update > 0 and os.path.exists(path):
+        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,6 +659,13 @@ def mixture_counts(size: int, weights: Tuple[float, float, float]) -> Tuple[int,
     return num_references, num_preference, size - num_references - num_preference
 
 
+# the columns each split is read for (check_columns runs on every split before it is used)
+TRAIN_COLUMNS = {"mixture": ["query_token", "query", "reference_response_token"], "best_of_n": ["query_token"]}
+PREFERENCE_COLUMNS = ["query", "query_token", "chosen", "rejected", "chosen_token", "rejected_token",
+                      "chosen_token_len", "rejected_token_len"]
+EVAL_COLUMNS = ["query", "query_token", "reference_response"]
+
+
 def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> Tuple[Dataset, dict]:
     """Step 1 (the seed's step 3): draw the three sources, generate, label with the RM, z-normalise."""
     pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -530,8 +694,14 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
     # (the policy never writes them), queries of another length (e.g. CNN/DM rows), exact duplicates (a summary
     # appears in several comparisons of the same post).
     preference = load_split(args.preference_dataset, args.preference_split)
+    where = f"{args.preference_dataset} split {args.preference_split!r}"
+    # query_token may mix query lengths (rows of another length are left out just below): its presence is checked,
+    # not its length; the response columns must be padded to one length
+    check_columns(preference, [c for c in PREFERENCE_COLUMNS if c != "query_token"], where)
+    if "query_token" not in preference.column_names:
+        check_columns(preference, ["query_token"], where)  # raises the missing-column error
     # the query length of every row, read from the Arrow column without decoding the rows
-    query_lengths = pc.list_value_length(preference.data.column("query_token")).to_pylist()
+    query_lengths = pyarrow.compute.list_value_length(preference.data.column("query_token")).to_pylist()
     candidates, seen, dropped = [], set(), {"too_long": 0, "query_length": 0, "duplicate": 0}
     columns = preference.select_columns(["query", "chosen", "rejected", "chosen_token_len", "rejected_token_len"])
     for i, row in enumerate(tqdm(columns, desc="mixture: preference pool", disable=not accelerator.is_main_process)):
@@ -581,6 +751,8 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
     raw = score_responses(accelerator, reward_model, query_tensor, response_tensor, pad_token_id,
                           args.local_rollout_batch_size, "mixture: label")
     labelling_time = time.time() - start
+    # a NaN/inf RM score would poison the normalisation of every reward: stop here, before anything is cached
+    check_finite(accelerator, 0, **{"mixture/raw_reward": raw})
     has_eos = (response_tensor == eos_token_id).any(1)
     if args.non_eos_penalty:
         raw = torch.where(has_eos, raw, torch.full_like(raw, args.penalty_reward_value))
@@ -639,6 +811,67 @@ def load_or_build_mixture(args: Args, accelerator, policy, reward_model, tokeniz
             json.dump({"args": key, "stats": stats}, f, indent=2)
     accelerator.wait_for_everyone()
     return dataset, {**stats, "mixture/cache_hit": 0}
+
+
+class OfflineDataOrder:
+    """The data position of step 2, in a form accelerate's save_state / load_state carry
+    (register_for_checkpointing needs state_dict and load_state_dict).
+
+    One generator draws every shuffle of the run, the same on every process: best-of-n's prompt order (a new
+    one each time the prompts run out) and each round's permutation of its samples (a new one each pass).
+    `permutation` and `position` say which update batches of the current pass are used. For best-of-n the
+    round's samples themselves are kept too: they were sampled from the policy of that moment, so after a
+    resume they could not be drawn again; the mixture methods rebuild theirs from the cached mixture.
+
+    state_dict returns the state as of the last `commit()` (called after every completed update), so a
+    checkpoint written while an update is under way (the non-finite guard) holds the position after the last
+    good update, not the batch of the update that failed."""
+
+    def __init__(self, seed: int, num_prompts: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.prompt_order, self.prompt_cursor = torch.randperm(num_prompts, generator=self.generator), 0
+        self.permutation, self.position = None, 0
+        self.round_samples = None  # best-of-n: (queries, responses, rewards) of the current round
+        self.commit()
+
+    def next_prompts(self, count: int) -> list:
+        """Best-of-n: the next `count` prompt rows; a new pass over the prompts is reshuffled."""
+        if self.prompt_cursor + count > self.prompt_order.numel():
+            self.prompt_order, self.prompt_cursor = torch.randperm(self.prompt_order.numel(), generator=self.generator), 0
+        rows = self.prompt_order[self.prompt_cursor : self.prompt_cursor + count].tolist()
+        self.prompt_cursor += count
+        return rows
+
+    def new_round(self, round_samples=None) -> None:
+        """A new set of training samples: its first permutation is drawn at its first batch."""
+        self.permutation, self.position, self.round_samples = None, 0, round_samples
+
+    def next_batch(self, num_samples: int, batch_size: int) -> torch.Tensor:
+        """Row indices of the next update batch (every process gets the same). A pass that cannot fill another
+        batch ends (its last incomplete batch is left out) and the next pass is reshuffled."""
+        if self.permutation is None or self.position == num_samples // batch_size:
+            self.permutation, self.position = torch.randperm(num_samples, generator=self.generator), 0
+        batch = self.permutation[self.position * batch_size : (self.position + 1) * batch_size]
+        self.position += 1
+        return batch
+
+    def commit(self) -> None:
+        """Mark the current position as the one a checkpoint records (tensors are never changed in place)."""
+        self.saved = {
+            "generator": self.generator.get_state(), "prompt_order": self.prompt_order,
+            "prompt_cursor": self.prompt_cursor, "permutation": self.permutation, "position": self.position,
+            "round_samples": self.round_samples,
+        }
+
+    def state_dict(self) -> dict:
+        return dict(self.saved)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.prompt_order, self.prompt_cursor = state["prompt_order"], state["prompt_cursor"]
+        self.permutation, self.position = state["permutation"], state["position"]
+        self.round_samples = state["round_samples"]
+        self.commit()
 
 
 def markdown_rows(df: pd.DataFrame) -> str:
@@ -712,9 +945,9 @@ def main(args: Args) -> dict:
     if accelerator.state.deepspeed_plugin is not None:
         # DeepSpeed reads the micro batch from the dataloader, which we do not prepare (our own data order)
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
-    if args.run_name is None:
-        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
+    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # ---- 2. seeding: mixture draw, weights and data order are the same on every process; sampling differs ----
     set_seed(args.seed)
@@ -724,7 +957,29 @@ def main(args: Args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: a pad distinct from EOS
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a "
+            "distinct pad token, or the EOS is masked out of the loss and the model never learns to stop. Save the "
+            "tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and "
+            "prepare the data with it"
+        )
     pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    # the RM reads the policy's token ids as they are, so both must come from one tokenizer
+    try:
+        rm_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path, trust_remote_code=args.trust_remote_code)
+    except OSError:
+        rm_tokenizer = None  # a model folder without tokenizer files: nothing to compare
+    if rm_tokenizer is not None:
+        if rm_tokenizer.pad_token is None:
+            rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+        if (rm_tokenizer.get_vocab() != tokenizer.get_vocab()
+                or (rm_tokenizer.pad_token_id, rm_tokenizer.eos_token_id) != (pad_token_id, eos_token_id)):
+            raise ValueError(
+                f"the reward model {args.reward_model_path} has another tokenizer than {args.sft_model_path} (vocabulary, "
+                "pad or EOS id differ), so it would score the wrong tokens; train the RM (reward.py) from a model with "
+                "the same tokenizer"
+            )
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
     reward_model = AutoModelForSequenceClassification.from_pretrained(
         args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
@@ -739,33 +994,16 @@ def main(args: Args) -> dict:
     policy.to(accelerator.device)
     torch.manual_seed(local_seed)  # generation (mixture, best-of-n, evaluation) differs across processes
 
-    # ---- 4. logging ----
-    writer, metrics_file = None, None
-    if accelerator.is_main_process:
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=args.run_name, save_code=True)
-        writer = SummaryWriter(run_dir)
-        writer.add_text("hyperparameters", markdown_rows(pd.DataFrame(asdict(args).items(), columns=["key", "value"])))
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-
-    def log(step: int, metrics: dict):
-        if not accelerator.is_main_process:
-            return
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
-        metrics_file.write(json.dumps({"step": step, "episode": step * args.total_batch_size, **metrics}) + "\n")
-        metrics_file.flush()
+    # ---- 4. data: every split is checked for the columns it is read for before it is used ----
+    sft_train = load_split(args.query_dataset, args.train_split)
+    check_columns(sft_train, TRAIN_COLUMNS["best_of_n" if args.method == "best_of_n" else "mixture"],
+                  f"{args.query_dataset} split {args.train_split!r}")
+    eval_dataset = load_split(args.query_dataset, args.eval_split)
+    check_columns(eval_dataset, EVAL_COLUMNS, f"{args.query_dataset} split {args.eval_split!r}")
 
     # ---- 5. step 1: the training samples (the cached mixture, or best-of-n's first round) ----
     costs = {"generation_s": 0.0, "labelling_s": 0.0, "training_s": 0.0}
-    summary, reward_stats = {}, None
-    sft_train = load_split(args.query_dataset, args.train_split)
+    summary, reward_stats, mixture_stats = {}, None, {}
     if args.method == "best_of_n":
         samples_per_round = args.bon_num_prompts
         if samples_per_round > len(sft_train):
@@ -773,7 +1011,6 @@ def main(args: Args) -> dict:
     else:
         mixture, mixture_stats = load_or_build_mixture(args, accelerator, policy, reward_model, tokenizer)
         summary.update(mixture_stats)
-        log(0, mixture_stats)
         # the cost of building the mixture is paid once and shared; it is counted for every method (Table 3)
         costs["generation_s"] += mixture_stats["mixture/generation_s"]
         costs["labelling_s"] += mixture_stats["mixture/labelling_s"]
@@ -802,13 +1039,63 @@ def main(args: Args) -> dict:
         raise ValueError(f"{samples_per_round} training samples are fewer than one batch of {args.total_batch_size}")
     num_updates = updates_per_round * args.iterations
 
-    # ---- 6. optimizer and schedule (over the updates of every iteration) ----
+    # ---- 6. optimizer, schedule (over the updates of every iteration) and the data order ----
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps)
     scheduler = offline_lr_schedule(optimizer, args.scheduler, num_updates)
     model, optimizer = accelerator.prepare(policy, optimizer)
+    # every shuffle of step 2 comes from one generator seeded like the rest of the run (the same on every process)
+    data_order = OfflineDataOrder(args.seed, len(sft_train))
+    # saved and restored with the model and optimizer: the schedule and the data position
+    accelerator.register_for_checkpointing(scheduler)
+    accelerator.register_for_checkpointing(data_order)
+
+    # ---- 7. resume: a killed run loses at most --checkpoint_every updates ----
+    # flags that fix the number of updates and the data order: a resumed run must share them
+    run_shape = {"num_updates": num_updates, "method": args.method, "iterations": args.iterations,
+                 "total_batch_size": args.total_batch_size, "world_size": args.world_size}
+    trainer_state = {"update": 0, "train_tokens": 0, "last_loss": float("nan"), "costs": costs, "round_summary": {}}
+    if args.resume:
+        trainer_state = load_checkpoint(accelerator, run_dir)  # policy, optimizer, schedule, data order, every RNG
+        changed = {k: (trainer_state[k], v) for k, v in run_shape.items() if trainer_state[k] != v}
+        if changed:
+            raise ValueError(
+                "--resume: the checkpoint belongs to a run with other " + ", ".join(
+                    f"{k} ({old} there, {new} here)" for k, (old, new) in changed.items()
+                ) + "; resume with the flags of the original run"
+            )
+    elif accelerator.is_main_process and os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
+    start_update = trainer_state["update"]
+
+    # ---- 8. logging ----
+    writer, metrics_file = None, None
+    if accelerator.is_main_process:
+        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=args.run_name, save_code=True)
+        # purge_step drops TensorBoard events logged after the checkpoint by the interrupted run
+        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
+        writer.add_text("hyperparameters", markdown_rows(pd.DataFrame(asdict(args).items(), columns=["key", "value"])))
+        start_metrics_file(os.path.join(run_dir, "metrics.jsonl"), start_update)
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    def log(step: int, metrics: dict):
+        if not accelerator.is_main_process:
+            return
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        metrics_file.write(json.dumps({"step": step, "episode": step * args.total_batch_size, **metrics}) + "\n")
+        metrics_file.flush()
+
+    if mixture_stats and start_update == 0:
+        log(0, mixture_stats)  # a resumed run kept this line of metrics.jsonl
 
     # ---- evaluation data: the first num_eval_samples rows of the eval split ----
-    eval_dataset = load_split(args.query_dataset, args.eval_split)
     num_eval = len(eval_dataset) if args.num_eval_samples is None else min(args.num_eval_samples, len(eval_dataset))
     eval_subset = eval_dataset.select(range(num_eval))
     eval_rows = {
@@ -856,105 +1143,135 @@ def main(args: Args) -> dict:
             log(step, metrics)
         return out
 
-    # ---- 7. step 2: training rounds (one for the mixture methods, --iterations for best_of_n) ----
+    # ---- 9. step 2: training rounds (one for the mixture methods, --iterations for best_of_n) ----
     model.train()
-    data_order = torch.Generator().manual_seed(args.seed)
     local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
-    bon_prompt_order, bon_cursor = torch.randperm(len(sft_train), generator=data_order), 0
-    progress = tqdm(total=num_updates, disable=not accelerator.is_main_process, desc=f"offline_rl {args.method}")
-    update, train_tokens, last_loss = 0, 0, float("nan")
-    for iteration in range(args.iterations):
-        # (a) the samples of this round: (queries (N, W) left-padded, responses (N, Tr) right-padded, rewards (N,))
-        if args.method == "best_of_n":
-            if bon_cursor + args.bon_num_prompts > len(sft_train):  # a new pass over the prompts, reshuffled
-                bon_prompt_order, bon_cursor = torch.randperm(len(sft_train), generator=data_order), 0
-            rows = bon_prompt_order[bon_cursor : bon_cursor + args.bon_num_prompts].tolist()
-            bon_cursor += args.bon_num_prompts
-            queries = torch.tensor(sft_train.select(rows)["query_token"], dtype=torch.long)
-            candidates_q = queries.repeat_interleave(args.n, 0)  # (P * n, Tq): n consecutive copies per prompt
-            config = offline_generation_config(args.response_length, args.bon_temperature, pad_token_id)
-            start = time.time()
-            candidates = sample_policy(accelerator, model, candidates_q, config, tokenizer, args.local_rollout_batch_size,
-                                       f"best_of_n {iteration + 1}/{args.iterations}: sample")
-            costs["generation_s"] += time.time() - start
-            start = time.time()
-            scores = score_responses(accelerator, reward_model, candidates_q, candidates, pad_token_id,
-                                     args.local_rollout_batch_size, f"best_of_n {iteration + 1}/{args.iterations}: score")
-            costs["labelling_s"] += time.time() - start
-            responses, best_scores, _ = best_of_n_select(scores, candidates, args.n)
-            rewards = best_scores
-            round_metrics = {
-                "best_of_n/score_mean_all": scores.mean().item(),
-                "best_of_n/score_mean_best": best_scores.mean().item(),
-                "best_of_n/eos_rate_best": (responses == eos_token_id).any(1).float().mean().item(),
-                "best_of_n/iteration": iteration + 1,
-            }
-            summary.update({f"{k}_iter{iteration + 1}": v for k, v in round_metrics.items() if k != "best_of_n/iteration"})
-            log(update, round_metrics)
-            accelerator.print(f"[best_of_n] iteration {iteration + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
-        else:
-            rewards = torch.tensor(mixture["reward"], dtype=torch.float32)
-            responses = torch.tensor(mixture["response_token"], dtype=torch.long)
-            if args.method == "dt":
-                # eq. 6: the sample's own normalised reward goes into the prompt (the same builder as inference)
-                queries = dt_queries(tokenizer, mixture["query"], rewards.tolist(), pad_token_id)
-            else:
-                queries = torch.tensor(mixture["query_token"], dtype=torch.long)
+    progress = tqdm(total=num_updates, initial=start_update, disable=not accelerator.is_main_process,
+                    desc=f"offline_rl {args.method}")
+    # running counters; a resumed run takes them from the checkpoint, so its logs and summary match
+    update, train_tokens, last_loss = start_update, trainer_state["train_tokens"], trainer_state["last_loss"]
+    costs = trainer_state["costs"]  # a resumed run goes on counting from the interrupted run's costs
+    round_summary = trainer_state["round_summary"]  # best-of-n's per-iteration metrics of the rounds done so far
 
-        # (b) one pass of updates: every process draws the same permutation and reads its share of each batch
-        num_samples = queries.size(0)
-        batches_per_epoch = num_samples // args.total_batch_size
-        permutation, position = torch.randperm(num_samples, generator=data_order), 0
-        for _ in range(updates_per_round):
-            if position == batches_per_epoch:  # next epoch, reshuffled; an incomplete last batch is left out
-                permutation, position = torch.randperm(num_samples, generator=data_order), 0
-            global_batch = permutation[position * args.total_batch_size : (position + 1) * args.total_batch_size]
-            position += 1
-            # weights are computed over the whole update batch (identical on every process), then sliced
-            if args.method == "filter":
-                batch_weights = filter_weights(rewards[global_batch], args.filter_threshold)
-            elif args.method == "rwr":
-                _, batch_weights = rwr_weights(rewards[global_batch], args.rwr_beta, args.rwr_max_weight)
+    def checkpoint_state() -> dict:
+        """What a resumed run needs besides accelerate's state (models, optimizer, schedule, data order, RNG)."""
+        return {**run_shape, "train_tokens": train_tokens, "last_loss": last_loss, "costs": dict(costs),
+                "round_summary": dict(round_summary)}
+
+    last_good = checkpoint_state()  # the counters after the last completed update
+    # a run resumed in the middle of a round goes on with that round's samples and permutation (data_order)
+    first_iteration, resume_in_round = divmod(start_update, updates_per_round)
+    try:
+        for iteration in range(first_iteration, args.iterations):
+            resumed_round = iteration == first_iteration and resume_in_round > 0
+            # (a) the samples of this round: (queries (N, W) left-padded, responses (N, Tr) right-padded, rewards (N,))
+            if args.method == "best_of_n" and resumed_round:
+                queries, responses, rewards = data_order.round_samples  # sampled before the interruption
+            elif args.method == "best_of_n":
+                rows = data_order.next_prompts(args.bon_num_prompts)
+                queries = torch.tensor(sft_train.select(rows)["query_token"], dtype=torch.long)
+                candidates_q = queries.repeat_interleave(args.n, 0)  # (P * n, Tq): n consecutive copies per prompt
+                config = offline_generation_config(args.response_length, args.bon_temperature, pad_token_id)
+                start = time.time()
+                candidates = sample_policy(accelerator, model, candidates_q, config, tokenizer, args.local_rollout_batch_size,
+                                           f"best_of_n {iteration + 1}/{args.iterations}: sample")
+                costs["generation_s"] += time.time() - start
+                start = time.time()
+                scores = score_responses(accelerator, reward_model, candidates_q, candidates, pad_token_id,
+                                         args.local_rollout_batch_size, f"best_of_n {iteration + 1}/{args.iterations}: score")
+                costs["labelling_s"] += time.time() - start
+                # a NaN/inf RM score would decide which sample is kept: stop before training on this round
+                check_finite(accelerator, update + 1, **{"best_of_n/scores": scores})
+                responses, best_scores, _ = best_of_n_select(scores, candidates, args.n)
+                rewards = best_scores
+                data_order.new_round((queries, responses, rewards))
+                round_metrics = {
+                    "best_of_n/score_mean_all": scores.mean().item(),
+                    "best_of_n/score_mean_best": best_scores.mean().item(),
+                    "best_of_n/eos_rate_best": (responses == eos_token_id).any(1).float().mean().item(),
+                    "best_of_n/iteration": iteration + 1,
+                }
+                round_summary.update({f"{k}_iter{iteration + 1}": v for k, v in round_metrics.items() if k != "best_of_n/iteration"})
+                # logged at the round's first update: a step after any checkpoint taken before the round, so a
+                # resumed run neither keeps a stale copy of this line nor writes it twice
+                log(update + 1, round_metrics)
+                accelerator.print(f"[best_of_n] iteration {iteration + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
             else:
-                batch_weights = torch.ones(global_batch.numel())
-            local_slice = slice(accelerator.process_index * local_batch_size, (accelerator.process_index + 1) * local_batch_size)
-            local_batch, local_weights = global_batch[local_slice], batch_weights[local_slice]
-            update_start = time.time()
-            stats = torch.zeros(3, device=accelerator.device)  # loss sum, micro-batches, input tokens (non-pad)
-            for micro in range(0, local_batch_size, args.local_micro_batch_size):
-                micro_rows = local_batch[micro : micro + args.local_micro_batch_size]
-                query, response = trim_columns(queries[micro_rows], responses[micro_rows], pad_token_id)
-                query_responses = torch.cat((query, response), 1).to(accelerator.device)
-                labels = response_labels(query_responses, query.size(1), pad_token_id)
-                weights = local_weights[micro : micro + args.local_micro_batch_size].to(accelerator.device)
-                with accelerator.accumulate(model):
-                    loss, _ = weighted_response_loss(model, query_responses, labels, weights, pad_token_id)
-                    accelerator.backward(loss)
-                    optimizer.step()  # a no-op until the last micro-batch of the update
-                    optimizer.zero_grad()
-                stats += torch.stack([loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()])
-            scheduler.step()
-            costs["training_s"] += time.time() - update_start
-            loss_stats = accelerator.reduce(stats, reduction="sum")
-            update += 1
-            train_tokens += int(loss_stats[2])
-            last_loss = (loss_stats[0] / loss_stats[1]).item()  # mean over every micro-batch of the update
-            metrics = {
-                "train/loss": last_loss,
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/tokens_per_s": train_tokens / costs["training_s"],
-                "train/weight_max": batch_weights.max().item(),
-                "train/reward_mean": rewards[global_batch].mean().item(),
-            }
-            progress.update(1)
-            progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
-            log(update, metrics)
-            if args.eval_every > 0 and update % args.eval_every == 0 and update != num_updates:
-                run_evaluation(update, final=False)
+                rewards = torch.tensor(mixture["reward"], dtype=torch.float32)
+                responses = torch.tensor(mixture["response_token"], dtype=torch.long)
+                if args.method == "dt":
+                    # eq. 6: the sample's own normalised reward goes into the prompt (the same builder as inference)
+                    queries = dt_queries(tokenizer, mixture["query"], rewards.tolist(), pad_token_id)
+                else:
+                    queries = torch.tensor(mixture["query_token"], dtype=torch.long)
+                if not resumed_round:
+                    data_order.new_round()
+
+            # (b) the updates of this round: every process draws the same permutation (a new one each pass over the
+            # samples) and reads its share of each batch
+            for _ in range(resume_in_round if resumed_round else 0, updates_per_round):
+                global_batch = data_order.next_batch(queries.size(0), args.total_batch_size)
+                # weights are computed over the whole update batch (identical on every process), then sliced
+                if args.method == "filter":
+                    batch_weights = filter_weights(rewards[global_batch], args.filter_threshold)
+                elif args.method == "rwr":
+                    _, batch_weights = rwr_weights(rewards[global_batch], args.rwr_beta, args.rwr_max_weight)
+                    # non-finite guard: a NaN/inf weight would scale this update's gradient
+                    check_finite(accelerator, update + 1, **{"train/rwr_weights": batch_weights})
+                else:
+                    batch_weights = torch.ones(global_batch.numel())
+                local_slice = slice(accelerator.process_index * local_batch_size, (accelerator.process_index + 1) * local_batch_size)
+                local_batch, local_weights = global_batch[local_slice], batch_weights[local_slice]
+                update_start = time.time()
+                stats = torch.zeros(3, device=accelerator.device)  # loss sum, micro-batches, input tokens (non-pad)
+                for micro in range(0, local_batch_size, args.local_micro_batch_size):
+                    micro_rows = local_batch[micro : micro + args.local_micro_batch_size]
+                    query, response = trim_columns(queries[micro_rows], responses[micro_rows], pad_token_id)
+                    query_responses = torch.cat((query, response), 1).to(accelerator.device)
+                    labels = response_labels(query_responses, query.size(1), pad_token_id)
+                    weights = local_weights[micro : micro + args.local_micro_batch_size].to(accelerator.device)
+                    with accelerator.accumulate(model):
+                        loss, _ = weighted_response_loss(model, query_responses, labels, weights, pad_token_id)
+                        # non-finite guard: checked before backward, so the weights never see it
+                        check_finite(accelerator, update + 1, **{"train/loss": loss})
+                        accelerator.backward(loss)
+                        optimizer.step()  # a no-op until the last micro-batch of the update
+                        optimizer.zero_grad()
+                    stats += torch.stack([loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()])
+                scheduler.step()
+                costs["training_s"] += time.time() - update_start
+                loss_stats = accelerator.reduce(stats, reduction="sum")
+                update += 1
+                train_tokens += int(loss_stats[2])
+                last_loss = (loss_stats[0] / loss_stats[1]).item()  # mean over every micro-batch of the update
+                metrics = {
+                    "train/loss": last_loss,
+                    "train/lr": scheduler.get_last_lr()[0],
+                    "train/tokens_per_s": train_tokens / costs["training_s"],
+                    "train/weight_max": batch_weights.max().item(),
+                    "train/reward_mean": rewards[global_batch].mean().item(),
+                }
+                progress.update(1)
+                progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+                log(update, metrics)
+                if args.eval_every > 0 and update % args.eval_every == 0 and update != num_updates:
+                    run_evaluation(update, final=False)
+                data_order.commit()
+                last_good = checkpoint_state()
+                if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
+                    save_checkpoint(accelerator, run_dir, update, last_good, args.checkpoint_keep)
+    except NonFiniteError:
+        # every guard runs before the backward / optimizer step that would use the value, so the weights on hand
+        # are those after `update` (the last completed update); data_order and the counters are saved as of that
+        # update too (commit), so the poisoned update is never applied or saved
+        save_checkpoint(accelerator, run_dir, update, last_good, args.checkpoint_keep)
+        accelerator.print(f"non-finite value at update {update + 1}; last good checkpoint: {latest_checkpoint(run_dir)}")
+        raise
     progress.close()
 
-    # ---- 8. step 3: final evaluation, costs (Table 3), model ----
+    # ---- 10. step 3: final evaluation, costs (Table 3), model ----
     eval_start = time.time()
+    summary.update(round_summary)
     summary.update(run_evaluation(num_updates, final=True))
     summary.update(
         {

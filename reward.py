@@ -20,22 +20,31 @@ What this file shows, detail by detail:
 Launch: `python reward.py ...` on one process, `accelerate launch [--config_file zero2.yaml] reward.py ...`
 on several. The saved model is a plain `AutoModelForSequenceClassification` with one label: any tool can
 load it, and scores come from `get_reward` below (see the README for a four-line example).
+
+Interrupted runs: every --checkpoint_every updates the scorer (trunk + head), AdamW, the schedule, the data
+position and the RNG states go to runs/{run_name}/checkpoints; `--resume` continues from the latest one and ends
+with the same weights and metrics as a run that was never stopped (the Detail 14/15 steps and the final
+evaluation run after training as usual). A NaN or inf loss or reward stops the run before it reaches the
+weights, keeping the last good checkpoint.
 """
 
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
 import numpy as np
 import pandas as pd
+import pyarrow
+import pyarrow.compute
 import torch
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator, PartialState
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate import Accelerator, PartialState, skip_first_batches
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
 from datasets import load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
@@ -66,6 +75,16 @@ class Args:
     """where the trained reward model and its tokenizer are saved (safetensors)"""
     run_dir_root: str = "runs"
     """logs, metrics, tables and plots go to {run_dir_root}/{run_name}/"""
+    overwrite_output_dir: bool = False
+    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
+    checkpoint_every: int = 100
+    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
+    runs/{run_name}/checkpoints every this many updates (0 = never)"""
+    checkpoint_keep: int = 1
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
+    the resumed run ends with the same weights and metrics as one that was never interrupted"""
 
     # ---- model and data ----
     sft_model_path: str = "models/sft"
@@ -166,6 +185,28 @@ def load_split(path: str, split: str):
     return load_dataset(path, split=split)
 
 
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
+    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+            "make it with data/prepare.py, whose output has every column the scripts read"
+        )
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in columns:
+        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
+            continue
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(
+                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
+                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
+            )
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """Per row, the index of the first True; the row length when the row has no True."""
     row_len = bools.size(-1)
@@ -198,6 +239,142 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
     sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
     return reward_logits, rewards, sequence_lengths
+
+
+# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
+
+    The flags are summed over processes, so every process raises together and none is left waiting in
+    a collective. Callers check before the optimizer step that would use the quantity, so the weights
+    on hand are still the last good ones when this raises."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved; lower --lr or check the data of this update, then rerun or --resume"
+        )
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
+    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
+    root = os.path.join(run_dir, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
+
+
+def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
+    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
+    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
+    every process's RNG states; trainer_state.json adds the data position and the running counters.
+
+    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
+    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
+    root = os.path.join(run_dir, "checkpoints")
+    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+    if accelerator.is_main_process and os.path.isdir(temporary):
+        shutil.rmtree(temporary)  # left by a save that was killed
+    accelerator.wait_for_everyone()
+    accelerator.save_state(temporary)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
+            json.dump({"update": update, **trainer_state}, f, indent=2)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
+        for name in older:
+            shutil.rmtree(os.path.join(root, name))
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, run_dir: str) -> dict:
+    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
+    accelerator.load_state(path)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
+    return trainer_state
+
+
+def resolve_run_name(args) -> str:
+    """The run's name, the same on every process. With --resume and no --run_name: the newest
+    runs/{exp_name}__{seed}__* that has a checkpoint."""
+    if args.run_name is None and args.resume:
+        prefix = f"{args.exp_name}__{args.seed}__"
+        root = args.run_dir_root
+        candidates = sorted(
+            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+             and latest_checkpoint(os.path.join(root, d)) is not None),
+            key=lambda d: os.path.getmtime(os.path.join(root, d)),
+        )
+        if not candidates:
+            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+        return candidates[-1]
+    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+    return name[0]
+
+
+def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
+    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
+    (run.json). A resumed run finds its own mark and goes on."""
+    mark = os.path.join(output_dir, "run.json")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+        if owner != run_name:
+            raise ValueError(
+                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
+            )
+    accelerator.wait_for_everyone()  # every process checked before the mark changes
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(mark, "w") as f:
+            json.dump({"run_name": run_name}, f)
+
+
+def start_metrics_file(path: str, resume_update: int) -> None:
+    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
+    drops those written after it (they are written again), so the file matches an uninterrupted run."""
+    kept = []
+    if resume_update > 0 and os.path.exists(path):
+        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def resumable_micro_batches(loader, skip: int):
+    """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
+    the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
+
+    The loader must come from an Accelerator made with DataLoaderConfiguration(use_seedable_sampler=True,
+    data_seed=seed): its shuffle of epoch e is then drawn from a generator seeded with seed + e, so it
+    depends on e alone and not on how many epochs this process has iterated before. A resumed run can
+    therefore set epoch e directly and drop the micro batches of it already trained on; skip_first_batches
+    drops them from the index lists (no row is read). Every process skips its own share the same way."""
+    per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
+    if per_epoch == 0:
+        raise ValueError("the train split is smaller than one micro batch per process; "
+                         "lower --local_micro_batch_size or use more data")
+    epoch, skip = divmod(skip, per_epoch)
+    while True:
+        loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
+        yield from (skip_first_batches(loader, skip) if skip else loader)
+        epoch, skip = epoch + 1, 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -525,21 +702,24 @@ def main(args: Args):
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     elif args.bf16 and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
         raise ValueError("--bf16 needs a GPU with bf16 support; on this machine leave --bf16 unset (float32)")
+    if args.push_to_hub and args.hub_model_id is None:
+        raise ValueError("--push_to_hub needs --hub_model_id")
     # sync_with_dataloader=False: an update never straddles the end of an epoch with fewer pairs than
-    # total_batch_size; the accumulation counter simply runs on into the next epoch
+    # total_batch_size; the accumulation counter simply runs on into the next epoch.
+    # use_seedable_sampler: the shuffle of epoch e depends on (seed, e) only, which is what lets a resumed
+    # run find its place in the data (see resumable_micro_batches)
     accelerator = Accelerator(
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=gradient_accumulation_steps, sync_with_dataloader=False
         ),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         mixed_precision="bf16" if args.bf16 else "no",
         cpu=cpu_only,
     )
-    if args.run_name is None:
-        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_name = args.run_name
+    args.run_name = run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, run_name)
-    if args.push_to_hub and args.hub_model_id is None:
-        raise ValueError("--push_to_hub needs --hub_model_id")
+    # a resumed run finds its own mark in --output_dir; any other run's model there is an error
+    claim_output_dir(accelerator, args.output_dir, run_name, args.overwrite_output_dir or args.resume)
     set_seed(args.seed)  # same weights and data order on every process
 
     # ---- tokenizer and model (Detail 11) ----
@@ -547,7 +727,12 @@ def main(args: Args):
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia has no pad token
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError("[PAD] must differ from EOS, or the reward would be read before the EOS (Details 3, 12)")
+        raise ValueError(
+            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; the reward is read "
+            "at the EOS found as the first [PAD] of the response minus one (Details 3, 12), so [PAD] must differ from "
+            "EOS. Save the SFT tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a "
+            "pad token) and prepare the data with it"
+        )
     model = AutoModelForSequenceClassification.from_pretrained(
         args.sft_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
     )
@@ -559,8 +744,10 @@ def main(args: Args):
         disable_dropout(model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
 
-    # ---- data ----
+    # ---- data: every split is checked for the columns read from it before any training ----
     train_set = load_split(args.preference_dataset, args.train_split)
+    check_columns(train_set, ["query_chosen_token", "query_rejected_token", "query_chosen_token_len"],
+                  f"{args.preference_dataset} split {args.train_split!r}")
     if os.path.isdir(args.preference_dataset):
         available = set(load_from_disk(args.preference_dataset).keys())
     else:
@@ -568,16 +755,26 @@ def main(args: Args):
 
         available = set(get_dataset_split_names(args.preference_dataset))
     eval_sets = {}
+    eval_columns = ["query_chosen_token", "query_rejected_token", "query_token_len", "query", "chosen", "rejected",
+                    "batch", "split", "confidence", "chosen_policy", "rejected_policy", "choice", "chosen_token_len",
+                    "rejected_token_len"]  # what score_preference_split reads
     for split_name in args.eval_splits:
         if split_name not in available:
             accelerator.print(f"evaluation split {split_name!r} is not in {args.preference_dataset}; skipped")
             continue
         dataset = load_split(args.preference_dataset, split_name)
+        check_columns(dataset, eval_columns, f"{args.preference_dataset} split {split_name!r}")
         if args.num_eval_samples is not None:
             dataset = dataset.select(range(min(args.num_eval_samples, len(dataset))))
         eval_sets[split_name] = dataset
     if not eval_sets:
         raise ValueError(f"none of {args.eval_splits} is in {args.preference_dataset}")
+    # the SFT references of Details 14 and 15, scored after training; checked now so a bad split fails early
+    references = load_split(args.query_dataset, args.normalization_split)
+    check_columns(references, ["query_token", "reference_response_token", "query_reference_response_token"],
+                  f"{args.query_dataset} split {args.normalization_split!r}")
+    if args.num_normalization_samples is not None:
+        references = references.select(range(min(args.num_normalization_samples, len(references))))
     # the processed data must be padded with this tokenizer's pad id (Detail 12 finds the EOS by it)
     first = train_set[0]
     padding = first["query_chosen_token"][first["query_chosen_token_len"]:]
@@ -588,6 +785,8 @@ def main(args: Args):
     args.num_updates = num_updates = total_episodes // args.total_batch_size
     if num_updates == 0:
         raise ValueError(f"{total_episodes} episodes make no optimizer step of {args.total_batch_size} pairs")
+    # the shuffle has its own generator (reseeded with seed + epoch by the seedable sampler), so iterating
+    # the data never draws from the global torch RNG
     train_loader = DataLoader(
         train_set.with_format("torch", columns=["query_chosen_token", "query_rejected_token"]),
         batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
@@ -601,9 +800,28 @@ def main(args: Args):
     lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps,
                                  num_training_steps=num_updates)
     scorer, optimizer, train_loader = accelerator.prepare(scorer, optimizer, train_loader)
+    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the scorer and optimizer
     unwrapped = accelerator.unwrap_model(scorer).rm  # the bare sequence-classification model
 
+    # ---- resume: a killed run loses at most --checkpoint_every updates ----
+    # the checkpoint holds the scorer (trunk + head), AdamW's moments, the schedule and every process's RNG
+    # states; trainer_state.json adds the update reached and the running counters of the summary
+    trainer_state = {"update": 0, "tokens_seen": 0, "train_time": 0.0}
+    if args.resume:
+        trainer_state = load_checkpoint(accelerator, run_dir)
+        if trainer_state["num_updates"] != num_updates:
+            raise ValueError(f"--resume: the checkpoint belongs to a run of {trainer_state['num_updates']} updates, "
+                             f"these flags make {num_updates}; resume with the flags of the original run")
+        # accelerate counts micro batches to decide when to step; restart the count at the update boundary
+        # of the checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
+        accelerator.step = trainer_state["update"] * gradient_accumulation_steps
+    elif accelerator.is_main_process and os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
+    start_update = trainer_state["update"]
+
+    # ---- logging ----
     writer = None
+    metrics_file = os.path.join(run_dir, "metrics.jsonl")
     if accelerator.is_main_process:
         os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
@@ -613,9 +831,10 @@ def main(args: Args):
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                        config=asdict(args), name=run_name, save_code=True)
-        writer = SummaryWriter(run_dir)
+        # purge_step drops the TensorBoard events that the interrupted run logged after its checkpoint
+        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-    metrics_file = os.path.join(run_dir, "metrics.jsonl")
+        start_metrics_file(metrics_file, start_update)  # likewise for metrics.jsonl
 
     def log(step: int, metrics: dict) -> None:
         if accelerator.is_main_process:
@@ -648,38 +867,50 @@ def main(args: Args):
                       f"({args.local_micro_batch_size} per micro batch x {gradient_accumulation_steps} accumulation "
                       f"x {num_processes} processes), head init std {head_std:.5f}")
     scorer.train()
+    # the running counters continue from the checkpoint, so the summary covers the whole run
+    tokens_seen, train_time_before = trainer_state["tokens_seen"], trainer_state["train_time"]
     train_start = time.time()
-    step, tokens_seen = 0, 0
-    stats = {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
-    progress = tqdm(total=num_updates, disable=not accelerator.is_local_main_process, desc="reward model")
-    epoch = 0
-    while step < num_updates:
-        if hasattr(train_loader, "set_epoch"):
-            train_loader.set_epoch(epoch)  # a fresh shuffle per epoch, identical on every process
-        for batch in train_loader:
-            with accelerator.accumulate(scorer):
-                b = batch["query_chosen_token"].size(0)
-                query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
-                query_responses = trim_trailing_padding(query_responses, pad_id)  # (2B, T)
-                _, rewards, _ = scorer(query_responses, 0)  # (2B,), read at each EOS (Detail 12)
-                chosen_rewards, rejected_rewards = rewards[:b], rewards[b:]
-                loss = pairwise_loss(chosen_rewards, rejected_rewards)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            tokens_seen += int((query_responses != pad_id).sum()) * num_processes
-            stats["loss"].append(loss.detach())
-            stats["accuracy"].append((chosen_rewards > rejected_rewards).float().mean().detach())
-            stats["chosen"].append(chosen_rewards.detach().float().mean())
-            stats["rejected"].append(rejected_rewards.detach().float().mean())
+    # the data position: every update reads gradient_accumulation_steps micro batches on each process
+    batches = resumable_micro_batches(train_loader, start_update * gradient_accumulation_steps)
+    progress = tqdm(total=num_updates, initial=start_update, disable=not accelerator.is_local_main_process,
+                    desc="reward model")
+
+    def checkpoint(done: int) -> None:
+        save_checkpoint(accelerator, run_dir, done, {"num_updates": num_updates, "tokens_seen": tokens_seen,
+                        "train_time": train_time_before + time.time() - train_start}, args.checkpoint_keep)
+
+    step = start_update  # optimizer updates done
+    try:
+        while step < num_updates:
+            update = step + 1
+            stats = {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
+            for _ in range(gradient_accumulation_steps):
+                batch = next(batches)
+                with accelerator.accumulate(scorer):
+                    b = batch["query_chosen_token"].size(0)
+                    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
+                    query_responses = trim_trailing_padding(query_responses, pad_id)  # (2B, T)
+                    _, rewards, _ = scorer(query_responses, 0)  # (2B,), read at each EOS (Detail 12)
+                    chosen_rewards, rejected_rewards = rewards[:b], rewards[b:]
+                    loss = pairwise_loss(chosen_rewards, rejected_rewards)
+                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
+                    check_finite(accelerator, update, **{"train/loss": loss, "train/chosen_rewards": chosen_rewards,
+                                                         "train/rejected_rewards": rejected_rewards})
+                    accelerator.backward(loss)
+                    optimizer.step()  # a no-op until the last micro batch of the update
+                    optimizer.zero_grad()
+                tokens_seen += int((query_responses != pad_id).sum()) * num_processes
+                stats["loss"].append(loss.detach())
+                stats["accuracy"].append((chosen_rewards > rejected_rewards).float().mean().detach())
+                stats["chosen"].append(chosen_rewards.detach().float().mean())
+                stats["rejected"].append(rejected_rewards.detach().float().mean())
             if not accelerator.sync_gradients:
-                continue
+                raise RuntimeError("gradient accumulation went out of step with the update loop")
             lr_scheduler.step()
-            step += 1
+            step = update
             # averages over every micro batch of the update and every process (STYLE 7)
             means = {k: accelerator.gather(torch.stack(v)).float().mean().item() for k, v in stats.items()}
-            stats = {k: [] for k in stats}
-            tokens_per_s = tokens_seen / (time.time() - train_start)
+            tokens_per_s = tokens_seen / (train_time_before + time.time() - train_start)
             progress.update(1)
             progress.set_postfix(loss=f"{means['loss']:.4f}", acc=f"{means['accuracy']:.3f}", tok_s=f"{tokens_per_s:.0f}")
             if step % args.log_every == 0 or step == num_updates:
@@ -690,16 +921,20 @@ def main(args: Args):
                            "tokens_per_s": tokens_per_s})
             if args.eval_every > 0 and step % args.eval_every == 0 and step < num_updates:
                 full_evaluation(step, final=False)
-            if step == num_updates:
-                break
-        epoch += 1
+            # after the update's logging and evaluation, so a resumed run repeats neither
+            if args.checkpoint_every > 0 and step % args.checkpoint_every == 0 and step < num_updates:
+                checkpoint(step)
+    except NonFiniteError:
+        # the guard runs before backward and before the update's optimizer step, so the weights on hand
+        # are still those after update `step`: keep them as the last good checkpoint (never the poisoned ones)
+        progress.close()  # so that the error is the last line of the output
+        checkpoint(step)
+        accelerator.print(f"non-finite value in update {step + 1}; last good checkpoint: {latest_checkpoint(run_dir)}")
+        raise
     progress.close()
-    train_time = time.time() - train_start
+    train_time = train_time_before + time.time() - train_start
 
     # ---- Details 14 and 15: score the SFT references, then normalise ----
-    references = load_split(args.query_dataset, args.normalization_split)
-    if args.num_normalization_samples is not None:
-        references = references.select(range(min(args.num_normalization_samples, len(references))))
     right, left = score_references(scorer, accelerator, references, pad_id, args.local_eval_batch_size)
     summary = {
         "reference_reward_mean_before_normalization": float(right.mean()),

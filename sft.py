@@ -497,7 +497,6 @@ def main(args: Args):
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
     args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
-    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # ---- 2. seeding: weights and data order are the same on every process, sampling differs ----
     set_seed(args.seed)
@@ -547,6 +546,9 @@ def main(args: Args):
             f"{args.query_dataset} is padded with id {int(padding[0])}, but the tokenizer of {args.base_model} "
             f"has pad id {pad_token_id}; prepare the data with this tokenizer"
         )
+
+    # claimed only now, so a run refused for bad input leaves no mark that would block the next attempt
+    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # float32 master weights (transformers v5 would otherwise keep the checkpoint's dtype, float16 for Pythia);
     # --bf16 computes in bf16 through accelerate's autocast

@@ -201,3 +201,42 @@ def write_report(p) -> str:
         json.dump({"policies": policy_rows, "rm": rm, "dpo": dpo, "ceiling": task.get("ceiling"), "plots": plots}, f, indent=2,
                   default=float)
     return text
+
+
+# --------------------------------------------------------------------------------------------
+# Readers shared with ablate.py (the detail ablations): one run's metrics and one sample table.
+# --------------------------------------------------------------------------------------------
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl file, in order (an absent file gives no rows)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def samples_stats(samples_csv: str) -> dict:
+    """EOS rate, mean response length (tokens, up to and including the EOS), gold win rate against the
+    reference (a tie counts half, see gold_win) and mean gold score of one sample table (samples.csv of
+    sft.py or ppo.py: query, response, reference, response_token_len, has_eos)."""
+    df = pd.read_csv(samples_csv, keep_default_na=False)
+    queries, responses, references = df["query"].astype(str), df["response"].astype(str), df["reference"].astype(str)
+    return {
+        "eos_rate": float(df["has_eos"].astype(str).str.lower().eq("true").mean()),
+        "length": float(pd.to_numeric(df["response_token_len"], errors="coerce").mean()),
+        "gold_win_rate": float(np.mean([gold_win(q, r, ref) for q, r, ref in zip(queries, responses, references)])),
+        "gold_score": float(np.mean([synthetic.gold_score(q, r) for q, r in zip(queries, responses)])),
+        "num_samples": int(len(df)),
+    }
+
+
+def mid_sentence_share(queries: list[str]) -> float:
+    """Share of formatted queries (`... POST: {post}\\n\\nTL;DR:`) whose post does not end a sentence
+    (".", "!" or "?"): the queries that truncation cut mid-sentence (Detail 2). Every post of the
+    built-in task ends with a full stop, so an untruncated query never counts."""
+    if not queries:
+        return float("nan")
+    cut = 0
+    for query in queries:
+        post = query.split("POST:", 1)[-1].rsplit("TL;DR:", 1)[0].strip()
+        cut += not post.endswith((".", "!", "?"))
+    return cut / len(queries)

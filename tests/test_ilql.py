@@ -1,13 +1,16 @@
 """Tests of ilql.py: every loss term against a hand computation on a tiny batch, the Polyak sync of the
 target heads (exactly alpha per sync, only on sync updates), the state/action indexing, the rewards,
-beta = 0 sampling against the LM's own `generate`, and a subprocess smoke run on the built-in task."""
+beta = 0 sampling against the LM's own `generate`, a subprocess smoke run on the built-in task, and the
+reliability checks (SIGKILL + --resume gives the uninterrupted result, the non-finite guard)."""
 
 from conftest import load_script
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -385,3 +388,100 @@ def test_smoke_run_on_the_builtin_task(synthetic_task, tmp_path):
     assert not torch.equal(heads["q_heads.0.2.weight"], heads["target_q_heads.0.2.weight"])
     args = json.loads((run_dir / "args.json").read_text())
     assert args["model_path"] == synthetic_task["base_model"] and args["ilql"]["tau"] == 0.7
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints: SIGKILL mid-run, --resume, and the same result as a run that was never interrupted
+# ------------------------------------------------------------------------------------------------
+TIMING_SUFFIXES = ("tokens_per_s", "time_s")  # wall-clock columns: the only ones a resume may change
+
+
+def small_preference_task(synthetic_task, root) -> str:
+    """16 preference pairs = 32 trajectories = 4 updates of 8 per pass, so a short run crosses passes (epochs)."""
+    from datasets import DatasetDict, load_from_disk
+
+    full = load_from_disk(synthetic_task["preference"])
+    path = str(root / "preference16")
+    DatasetDict({"train": full["train"].select(range(16))}).save_to_disk(path)
+    return path
+
+
+def resumable_ilql_command(synthetic_task, preference, root, run_name, *extra):
+    return [
+        sys.executable, os.path.join(REPO_ROOT, "ilql.py"),
+        "--init_from", "base", "--model_path", synthetic_task["base_model"],
+        "--preference_dataset", preference, "--query_dataset", synthetic_task["sft"],
+        "--output_dir", str(root / f"model_{run_name}"), "--run_dir_root", str(root / "runs"), "--run_name", run_name,
+        # 12 updates over 3 passes; logging (3), target syncs (3) and evaluations (3) do not line up with the
+        # checkpoint (5), so the resumed run must restore a half-filled logging interval and the mid-pass data position
+        "--total_episodes", "96", "--total_batch_size", "8", "--local_micro_batch_size", "4",
+        "--ilql.steps_for_target_q_sync", "3", "--log_every", "3", "--eval_every", "3", "--checkpoint_every", "5",
+        "--num_eval_samples", "6", "--local_eval_batch_size", "3", "--eval_betas", "0", "4", "--beta", "1",
+        "--response_length", str(synthetic_task["task"]["sft_response_length"]), *extra,
+    ]
+
+
+def drop_timing(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.endswith(TIMING_SUFFIXES)}
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tmp_path):
+    preference = small_preference_task(synthetic_task, tmp_path)
+    runs = tmp_path / "runs"
+
+    # the interrupted run: killed as soon as its update-5 checkpoint exists (7 updates and 4 evaluations remain)
+    killed = subprocess.Popen(resumable_ilql_command(synthetic_task, preference, tmp_path, "killed"), cwd=REPO_ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = runs / "killed" / "checkpoints" / "update_000005"
+    deadline = time.time() + 300
+    while not checkpoint.is_dir() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(killed.pid, signal.SIGKILL)
+    assert killed.wait() == -signal.SIGKILL  # really killed mid-way, not finished
+    assert checkpoint.is_dir() and not (runs / "killed" / "summary.json").exists()
+    # the checkpoint holds the LM and every head, the target-Q heads included, and the sync counter
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    assert any(k.startswith("lm.") for k in saved)
+    assert {"heads.v_head.0.weight", "heads.q_heads.1.2.weight", "heads.target_q_heads.1.2.weight"} <= set(saved)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["update"] == 5 and state["num_target_syncs"] == 1 and state["steps_for_target_q_sync"] == 3
+    assert len(state["interval_stats"]["train/loss"]) == 2  # updates 4 and 5 of the logging interval 4-6
+
+    resumed = subprocess.run(resumable_ilql_command(synthetic_task, preference, tmp_path, "killed", "--resume"),
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "update_000005" in resumed.stdout
+    full = subprocess.run(resumable_ilql_command(synthetic_task, preference, tmp_path, "full"),
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    # the same final weights, bit for bit: the LM, and the V, Q and target-Q heads
+    for name in ("model.safetensors", "ilql_heads.safetensors"):
+        a, b = load_file(str(tmp_path / "model_full" / name)), load_file(str(tmp_path / "model_killed" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    # the same metrics, line by line (each logged once: the lines the killed run wrote after update 5 are gone)
+    lines = {run: [drop_timing(json.loads(line)) for line in (runs / run / "metrics.jsonl").read_text().splitlines()]
+             for run in ("full", "killed")}
+    assert lines["killed"] == lines["full"]
+    assert [line["step"] for line in lines["full"] if "train/loss" in line] == [3, 6, 9, 12]
+    summaries = {run: drop_timing(json.loads((runs / run / "summary.json").read_text())) for run in ("full", "killed")}
+    assert summaries["killed"] == summaries["full"]
+    assert summaries["full"]["num_target_syncs"] == 4 and summaries["full"]["num_updates"] == 12
+    for name in ("samples.csv", "samples_beta4.csv"):
+        assert pd.read_csv(runs / "killed" / name).equals(pd.read_csv(runs / "full" / name))
+
+
+def test_non_finite_loss_stops_with_the_last_good_checkpoint_and_no_model(synthetic_task, tmp_path):
+    preference = small_preference_task(synthetic_task, tmp_path)
+    # lr 1e30: update 1 is finite, its step throws the weights to inf, so update 2's loss is not finite
+    result = subprocess.run(resumable_ilql_command(synthetic_task, preference, tmp_path, "poisoned", "--lr", "1e30",
+                                                   "--eval_every", "0"),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "NonFiniteError: update 2: train/loss" in result.stderr
+    checkpoints = tmp_path / "runs" / "poisoned" / "checkpoints"
+    assert sorted(os.listdir(checkpoints)) == ["update_000001"]  # the last good update, nothing after it
+    saved = load_file(str(checkpoints / "update_000001" / "model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in saved.values())
+    assert not (tmp_path / "model_poisoned" / "model.safetensors").exists()
+    assert not (tmp_path / "model_poisoned" / "ilql_heads.safetensors").exists()

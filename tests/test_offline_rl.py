@@ -1,16 +1,20 @@
 """offline_rl.py: the filter / RWR / DT / best-of-n math against hand computations, the fixed-length
-generation config, and one subprocess smoke run per method on the built-in task."""
+generation config, one subprocess smoke run per method on the built-in task, and the reliability checks
+(SIGKILL + --resume gives the uninterrupted result, the non-finite guard, a missing column)."""
 
 from conftest import load_script
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,3 +261,101 @@ def test_lr_schedule_curves():
             optimizer.step()
             scheduler.step()
         assert seen == pytest.approx(expected, abs=1e-9), kind
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints and bad input
+# ------------------------------------------------------------------------------------------------
+def resumable_command(setup: dict, root, run_name: str, *extra: str) -> list:
+    """rwr on a 32-sample mixture: 3 passes of 4 updates (12 updates), evaluations at 4 and 8, checkpoints every 3."""
+    task = setup["task"]
+    return [
+        sys.executable, os.path.join(REPO_ROOT, "offline_rl.py"), "--method", "rwr",
+        "--sft_model_path", task["base_model"], "--reward_model_path", setup["rm"],
+        "--query_dataset", task["sft"], "--preference_dataset", task["preference"],
+        "--response_length", str(task["task"]["sft_response_length"]),
+        "--cache_dir", str(root / "cache"), "--run_dir_root", str(root / "runs"), "--run_name", run_name,
+        "--output_dir", str(root / f"model_{run_name}"),
+        "--mixture_size", "32", "--total_batch_size", "8", "--local_micro_batch_size", "4", "--num_train_epochs", "3",
+        "--num_eval_samples", "4", "--local_rollout_batch_size", "16", "--lr", "1e-4",
+        "--eval_every", "4", "--checkpoint_every", "3", *extra,
+    ]
+
+
+def comparable(record: dict) -> dict:
+    """A metrics line or summary without what may differ between two correct runs: wall-clock seconds and
+    speeds (keys ending in _s), and whether this process found the mixture in the cache."""
+    return {k: v for k, v in record.items() if not k.endswith("_s") and k != "mixture/cache_hit"}
+
+
+def test_rwr_sigkill_then_resume_matches_an_uninterrupted_run(smoke_setup, tmp_path):
+    runs = tmp_path / "runs"
+    # the uninterrupted run (it also builds the cached mixture the other two reuse)
+    full = subprocess.run(resumable_command(smoke_setup, tmp_path, "full"), cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-4000:]
+
+    # the interrupted run: killed as soon as its update-3 checkpoint exists (mid-pass: the next update reads the
+    # 4th batch of the saved permutation; 9 updates and 3 evaluations remain)
+    killed = subprocess.Popen(resumable_command(smoke_setup, tmp_path, "killed"), cwd=REPO_ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = runs / "killed" / "checkpoints" / "update_000003"
+    deadline = time.time() + 300
+    while not checkpoint.is_dir() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(killed.pid, signal.SIGKILL)
+    assert killed.wait() == -signal.SIGKILL  # really killed mid-way, not finished
+    assert checkpoint.is_dir() and not (runs / "killed" / "summary.json").exists()
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["update"] == 3 and state["method"] == "rwr" and state["num_updates"] == 12
+
+    resumed = subprocess.run(resumable_command(smoke_setup, tmp_path, "killed", "--resume"), cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "update_000003" in resumed.stdout
+
+    # the same final weights, bit for bit
+    a = load_file(str(tmp_path / "model_full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "model_killed" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the same metrics, line by line (the lines the killed run wrote after update 3 are replaced, not repeated)
+    lines = {run: [comparable(json.loads(line)) for line in (runs / run / "metrics.jsonl").read_text().splitlines()]
+             for run in ("full", "killed")}
+    assert lines["killed"] == lines["full"]
+    assert [line["step"] for line in lines["full"] if "train/loss" in line] == list(range(1, 13))
+    summaries = {run: comparable(json.loads((runs / run / "summary.json").read_text())) for run in ("full", "killed")}
+    assert summaries["killed"] == summaries["full"]
+    assert pd.read_csv(runs / "killed" / "samples.csv").equals(pd.read_csv(runs / "full" / "samples.csv"))
+
+
+def test_non_finite_loss_stops_with_the_last_good_checkpoint(smoke_setup, tmp_path):
+    # lr 1e30: update 1 is finite, its step throws the weights to inf, so update 2's loss is not finite
+    result = subprocess.run(resumable_command(smoke_setup, tmp_path, "poisoned", "--lr", "1e30"), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "NonFiniteError: update 2: train/loss is not finite" in result.stderr
+    checkpoints = tmp_path / "runs" / "poisoned" / "checkpoints"
+    assert sorted(os.listdir(checkpoints)) == ["update_000001"]
+    assert json.loads((checkpoints / "update_000001" / "trainer_state.json").read_text())["update"] == 1
+    assert all(torch.isfinite(v).all() for v in load_file(str(checkpoints / "update_000001" / "model.safetensors")).values())
+    assert not (tmp_path / "model_poisoned" / "model.safetensors").exists()
+
+
+def test_a_missing_column_is_one_clear_error(smoke_setup, tmp_path):
+    from datasets import load_from_disk
+
+    # a preference split without chosen_token_len, which the mixture reads to leave out too-long responses
+    column = "chosen_token_len"
+    splits = load_from_disk(smoke_setup["task"]["preference"])
+    splits["train"] = splits["train"].remove_columns(column)
+    broken = str(tmp_path / f"preference_without_{column}")
+    splits.save_to_disk(broken)
+    cmd = resumable_command(smoke_setup, tmp_path, "broken")
+    cmd[cmd.index("--preference_dataset") + 1] = broken
+    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    # the error of check_columns: the split, the missing column and the fix, not a KeyError deep in a library
+    assert last_line.startswith(f"ValueError: {broken} split 'train' lacks the column(s) [{column!r}]"), last_line
+    assert "data/prepare.py" in last_line
+    assert not (tmp_path / "runs" / "broken" / "checkpoints").exists()

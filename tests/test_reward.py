@@ -255,3 +255,153 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
     with torch.no_grad():
         _, expected, _ = reward.get_reward(model, torch.tensor([pair["query_chosen_token"]]), tokenizer.pad_token_id, 0)
     assert float(score) == pytest.approx(float(expected[0]), abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reliability (issue #13): data position, resume after SIGKILL, non-finite guard, output-folder ownership
+# ------------------------------------------------------------------------------------------------
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+TIMING = ("per_s", "time_s")  # wall-clock columns and keys legitimately differ between two runs
+
+
+def without_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
+
+
+@pytest.fixture(scope="module")
+def short_preference(synthetic_task, tmp_path_factory) -> str:
+    """The built-in preference data with a 40-pair train split, so that a run of a few updates of 16 pairs
+    crosses epoch boundaries (5 micro batches of 8 per epoch) and even has an update spanning two epochs."""
+    from datasets import load_from_disk
+
+    data = load_from_disk(synthetic_task["preference"])
+    data["train"] = data["train"].select(range(40))
+    path = str(tmp_path_factory.mktemp("short_preference") / "preference")
+    data.save_to_disk(path)
+    return path
+
+
+def rm_command(task: dict, preference: str, tmp_path, run_name: str, output_dir, *extra: str) -> list:
+    return [
+        sys.executable, os.path.join(ROOT, "reward.py"),
+        "--sft_model_path", task["base_model"], "--preference_dataset", preference, "--query_dataset", task["sft"],
+        "--output_dir", str(output_dir), "--run_dir_root", str(tmp_path / "runs"), "--run_name", run_name,
+        "--total_batch_size", "16", "--local_micro_batch_size", "8", "--lr", "1e-4",
+        "--num_eval_samples", "16", "--num_normalization_samples", "16", "--local_eval_batch_size", "16", *extra,
+    ]
+
+
+def prepared_loader(num_rows: int, batch_size: int, seed: int):
+    """A train DataLoader prepared exactly as reward.py prepares it (seedable sampler, its own generator)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
+                                                                                  data_seed=seed))
+    loader = torch.utils.data.DataLoader([{"row": i} for i in range(num_rows)], batch_size=batch_size, shuffle=True,
+                                         drop_last=True, generator=torch.Generator().manual_seed(seed))
+    return accelerator.prepare(loader)
+
+
+def test_resumed_data_position_gives_the_uninterrupted_batches():
+    """The data position after resume: skipping k micro batches, wherever k falls (inside the first epoch, on an
+    epoch boundary, inside a later epoch), yields exactly the batches an uninterrupted run reads after its k-th."""
+    it = reward.resumable_micro_batches(prepared_loader(37, 4, seed=5), 0)  # 9 micro batches per epoch
+    uninterrupted = [next(it)["row"].tolist() for _ in range(30)]
+    epochs = [sorted(sum(uninterrupted[e * 9 : (e + 1) * 9], [])) for e in range(3)]
+    assert all(len(set(rows)) == 36 for rows in epochs)  # each epoch is a permutation (one row dropped)
+    assert uninterrupted[:9] != uninterrupted[9:18]  # and the shuffle differs from epoch to epoch
+    for k in (1, 4, 8, 9, 10, 17, 22):
+        torch.manual_seed(1000 + k)  # the global RNG of a resumed process is elsewhere: it must not matter
+        it = reward.resumable_micro_batches(prepared_loader(37, 4, seed=5), k)
+        assert [next(it)["row"].tolist() for _ in range(30 - k)] == uninterrupted[k:], k
+    other_seed = reward.resumable_micro_batches(prepared_loader(37, 4, seed=6), 0)
+    assert next(other_seed)["row"].tolist() != uninterrupted[0]
+
+
+def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, short_preference, tmp_path):
+    """SIGKILL after the update-2 checkpoint (inside the first epoch), then --resume: the model (trunk, head and
+    Detail 15 shift), metrics.jsonl, summary.json and the evaluation table equal an uninterrupted run's."""
+    import signal
+    import time
+    from safetensors.torch import load_file
+
+    # 3 epochs of 40 pairs = 7 updates of 16 (update 3 spans epochs 1 and 2); evaluation at 3 and 6
+    flags = ["--num_train_epochs", "3", "--checkpoint_every", "2", "--eval_every", "3"]
+    full = subprocess.run(rm_command(synthetic_task, short_preference, tmp_path, "full", tmp_path / "full", *flags),
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    command = rm_command(synthetic_task, short_preference, tmp_path, "cut", tmp_path / "cut", *flags)
+    process = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = tmp_path / "runs" / "cut" / "checkpoints" / "update_000002"
+    deadline = time.time() + 240
+    while not checkpoint.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed mid-way"
+    assert not (tmp_path / "cut" / "model.safetensors").exists()  # killed before its final save
+
+    resumed = subprocess.run(command + ["--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "cut" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    runs = tmp_path / "runs"
+    rows = {name: [without_timing(json.loads(line)) for line in open(runs / name / "metrics.jsonl")]
+            for name in ("full", "cut")}
+    assert [r["step"] for r in rows["full"]] == [1, 2, 3, 3, 4, 5, 6, 6, 7, 7]  # train rows and evaluations
+    assert rows["cut"] == rows["full"]
+    summaries = {name: without_timing(json.load(open(runs / name / "summary.json"))) for name in ("full", "cut")}
+    assert summaries["cut"] == summaries["full"]
+    assert summaries["full"]["reward_normalization_bias"] != 0.0  # the post-training steps ran after the resume
+    assert (runs / "cut" / "eval_table.csv").read_text() == (runs / "full" / "eval_table.csv").read_text()
+    # only the newest checkpoint is kept (--checkpoint_keep 1), and no temporary folder is left behind
+    assert os.listdir(runs / "cut" / "checkpoints") == ["update_000006"]
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthetic_task, short_preference, tmp_path):
+    """An absurd learning rate overflows the weights: the guard names the update and the quantities, the final
+    model is not written, and the checkpoint holds the finite weights after the update before."""
+    from safetensors.torch import load_file
+
+    result = subprocess.run(
+        rm_command(synthetic_task, short_preference, tmp_path, "nan", tmp_path / "model", "--total_episodes", "64",
+                   "--lr", "1e30"),
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("NonFiniteError: update 2: train/loss"), last_line
+    assert not (tmp_path / "model" / "model.safetensors").exists()
+    checkpoints = tmp_path / "runs" / "nan" / "checkpoints"
+    assert os.listdir(checkpoints) == ["update_000001"]
+    weights = load_file(str(checkpoints / "update_000001" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert json.load(open(checkpoints / "update_000001" / "trainer_state.json"))["update"] == 1
+
+
+def test_output_dir_of_another_run_is_refused(synthetic_task, short_preference, tmp_path):
+    """An --output_dir holding another run's model fails at once with the fix; --overwrite_output_dir takes it."""
+    output_dir = tmp_path / "rm"
+    output_dir.mkdir()
+    (output_dir / "run.json").write_text(json.dumps({"run_name": "someone_else"}))
+    (output_dir / "model.safetensors").write_bytes(b"another run's weights")
+    command = rm_command(synthetic_task, short_preference, tmp_path, "mine", output_dir, "--total_episodes", "16")
+    refused = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0
+    message = refused.stderr.strip().splitlines()[-1]
+    assert message.startswith("ValueError: --output_dir") and "'someone_else'" in message, message
+    assert "--overwrite_output_dir" in message
+    assert (output_dir / "model.safetensors").read_bytes() == b"another run's weights"  # untouched
+    assert not (tmp_path / "runs" / "mine" / "metrics.jsonl").exists()  # refused before any training
+
+    accepted = subprocess.run(command + ["--overwrite_output_dir"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=300)
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert json.loads((output_dir / "run.json").read_text()) == {"run_name": "mine"}
+    from transformers import AutoModelForSequenceClassification
+
+    assert AutoModelForSequenceClassification.from_pretrained(str(output_dir)).config.num_labels == 1
