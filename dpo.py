@@ -685,8 +685,6 @@ def main(args: Args):
     )
     args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
-    # a resumed run finds its own mark in --output_dir; any other run's model there is an error
-    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # 2. seeding: the same seed on every rank for weights and data order
     set_seed(args.seed)
@@ -728,6 +726,10 @@ def main(args: Args):
     args.num_updates = num_updates = total_episodes // args.total_batch_size  # a last partial batch is dropped
     if num_updates < 1:
         raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}")
+
+    # claimed only after the input checks, so a run refused for bad input leaves no mark that would block
+    # the next attempt; a resumed run finds its own mark, any other run's model there is an error
+    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # 5. models: policy and frozen reference, both from the SFT model
     # the policy keeps float32 master weights (bf16 is autocast); the frozen reference may live in bf16

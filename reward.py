@@ -718,11 +718,9 @@ def main(args: Args):
     )
     args.run_name = run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, run_name)
-    # a resumed run finds its own mark in --output_dir; any other run's model there is an error
-    claim_output_dir(accelerator, args.output_dir, run_name, args.overwrite_output_dir or args.resume)
     set_seed(args.seed)  # same weights and data order on every process
 
-    # ---- tokenizer and model (Detail 11) ----
+    # ---- tokenizer ----
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia has no pad token
@@ -733,15 +731,6 @@ def main(args: Args):
             "EOS. Save the SFT tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a "
             "pad token) and prepare the data with it"
         )
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.sft_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
-    )
-    if len(tokenizer) > model.get_input_embeddings().weight.size(0):
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    head_std = init_reward_head(model, args.reward_head_init, args.reward_head_init_std)
-    if args.disable_dropout:
-        disable_dropout(model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
 
     # ---- data: every split is checked for the columns read from it before any training ----
@@ -785,6 +774,21 @@ def main(args: Args):
     args.num_updates = num_updates = total_episodes // args.total_batch_size
     if num_updates == 0:
         raise ValueError(f"{total_episodes} episodes make no optimizer step of {args.total_batch_size} pairs")
+    # claimed only after the input checks, so a run refused for bad input leaves no mark that would block
+    # the next attempt; a resumed run finds its own mark, any other run's model there is an error
+    claim_output_dir(accelerator, args.output_dir, run_name, args.overwrite_output_dir or args.resume)
+
+    # ---- model: the SFT trunk plus a fresh scalar head (Detail 11) ----
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.sft_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
+    )
+    if len(tokenizer) > model.get_input_embeddings().weight.size(0):
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    head_std = init_reward_head(model, args.reward_head_init, args.reward_head_init_std)
+    if args.disable_dropout:
+        disable_dropout(model)
+
     # the shuffle has its own generator (reseeded with seed + epoch by the seedable sampler), so iterating
     # the data never draws from the global torch RNG
     train_loader = DataLoader(

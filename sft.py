@@ -592,6 +592,8 @@ def main(args: Args):
     trainer_state = {"update": 0, "train_tokens": 0, "train_time": 0.0, "last_loss": float("nan")}
     if args.resume:
         trainer_state = load_checkpoint(accelerator, run_dir)  # model, optimizer, schedule, every RNG
+        # the accumulation counter restarts at an update boundary (a guard checkpoint may be saved mid-update)
+        accelerator.step = trainer_state["update"] * args.gradient_accumulation_steps
         if trainer_state["num_updates"] != args.num_updates:
             raise ValueError(f"--resume: the checkpoint belongs to a run of {trainer_state['num_updates']} updates, "
                              f"these flags make {args.num_updates}; resume with the flags of the original run")
