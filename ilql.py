@@ -402,6 +402,41 @@ def start_metrics_file(path: str, resume_update: int) -> None:
         f.writelines(kept)
 
 
+def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
+    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
+    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
+    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(reward_model_path) and not any(
+        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
+    ):
+        raise ValueError(
+            f"--reward_model_path {reward_model_path} holds no tokenizer, so PPO cannot check that the reward model "
+            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
+            f"into that folder (tokenizer.save_pretrained), as reward.py does"
+        )
+    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
+    if rm_tokenizer.pad_token is None:
+        rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
+    problems = []
+    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
+    if policy_vocab != rm_vocab:
+        # name one token that differs, so the user sees what kind of mismatch it is
+        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
+        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
+        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
+    for name in ("pad_token_id", "eos_token_id"):
+        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
+            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
+    if problems:
+        raise ValueError(
+            f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
+            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
+            f"it was not trained on and score noise. Train the reward model from this SFT model "
+            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
+        )
+
+
 # ------------------------------------------------------------------------------------------------
 # ILQL data: one trajectory per (query, response), the reward on the last response token
 # ------------------------------------------------------------------------------------------------
@@ -817,7 +852,6 @@ def main(args: Args) -> dict:
         raise ValueError("ilql.py supports DDP and ZeRO-2, not ZeRO-3")
     args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
-    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # 2. seeding: the same seed on every rank for weights (the heads) and data order
     set_seed(args.seed)
@@ -847,21 +881,8 @@ def main(args: Args) -> dict:
         disable_dropout(model)
     reward_model = None
     if args.reward_model_path is not None:
-        # the RM reads the policy's token ids as they are, so both must come from one tokenizer
-        try:
-            rm_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path, trust_remote_code=args.trust_remote_code)
-        except OSError:
-            rm_tokenizer = None  # a model folder without tokenizer files: nothing to compare
-        if rm_tokenizer is not None:
-            if rm_tokenizer.pad_token is None:
-                rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-            if (rm_tokenizer.get_vocab() != tokenizer.get_vocab()
-                    or (rm_tokenizer.pad_token_id, rm_tokenizer.eos_token_id) != (pad_token_id, tokenizer.eos_token_id)):
-                raise ValueError(
-                    f"the reward model {args.reward_model_path} has another tokenizer than {args.model_path} (vocabulary, "
-                    "pad or EOS id differ), so it would score the wrong tokens; train the RM (reward.py) from a model "
-                    "with the same tokenizer"
-                )
+        # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
+        check_reward_tokenizer(tokenizer, args.model_path, args.reward_model_path, args.trust_remote_code)
         reward_model = AutoModelForSequenceClassification.from_pretrained(
             args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
             trust_remote_code=args.trust_remote_code,
@@ -875,6 +896,10 @@ def main(args: Args) -> dict:
     # 5. data: trajectories (query, chosen, +1) and (query, rejected, -1), or RM-scored; z-normalised
     train_raw = load_split(args.preference_dataset, args.train_split)
     check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
+    sample_raw = load_split(args.query_dataset, args.sample_split)
+    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
+    # claimed only now, so a run refused for bad input leaves no mark that would block the next attempt
+    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
     trajectories = flatten_pairs(train_raw)
     if args.reward_source == "labels":
         raw_rewards = label_rewards(len(train_raw))
@@ -891,8 +916,6 @@ def main(args: Args) -> dict:
     }
     trajectories = trajectories.add_column("reward", rewards.tolist())
     train_dataset = trajectories.with_format("torch", columns=TRAJECTORY_COLUMNS + ["reward"])
-    sample_raw = load_split(args.query_dataset, args.sample_split)
-    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
     if args.num_eval_samples is not None:
         sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
     sample_dataset = sample_raw.add_column("row_index", list(range(len(sample_raw))))

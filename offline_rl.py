@@ -433,6 +433,41 @@ def start_metrics_file(path: str, resume_update: int) -> None:
         f.writelines(kept)
 
 
+def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
+    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
+    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
+    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(reward_model_path) and not any(
+        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
+    ):
+        raise ValueError(
+            f"--reward_model_path {reward_model_path} holds no tokenizer, so PPO cannot check that the reward model "
+            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
+            f"into that folder (tokenizer.save_pretrained), as reward.py does"
+        )
+    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
+    if rm_tokenizer.pad_token is None:
+        rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
+    problems = []
+    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
+    if policy_vocab != rm_vocab:
+        # name one token that differs, so the user sees what kind of mismatch it is
+        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
+        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
+        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
+    for name in ("pad_token_id", "eos_token_id"):
+        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
+            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
+    if problems:
+        raise ValueError(
+            f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
+            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
+            f"it was not trained on and score noise. Train the reward model from this SFT model "
+            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Offline-RL pieces (names kept unique to this script)
 # ---------------------------------------------------------------------------------------------
@@ -666,6 +701,15 @@ PREFERENCE_COLUMNS = ["query", "query_token", "chosen", "rejected", "chosen_toke
 EVAL_COLUMNS = ["query", "query_token", "reference_response"]
 
 
+def check_preference_columns(preference, args: Args) -> None:
+    """check_columns for the preference split the mixture reads. query_token may mix query lengths (build_mixture
+    leaves rows of another length out), so only its presence is checked; the response columns must have one length."""
+    where = f"{args.preference_dataset} split {args.preference_split!r}"
+    check_columns(preference, [c for c in PREFERENCE_COLUMNS if c != "query_token"], where)
+    if "query_token" not in preference.column_names:
+        check_columns(preference, ["query_token"], where)  # raises the missing-column error
+
+
 def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> Tuple[Dataset, dict]:
     """Step 1 (the seed's step 3): draw the three sources, generate, label with the RM, z-normalise."""
     pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -693,13 +737,7 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
     # (b) preference-pair responses, chosen and rejected. Left out: responses longer than response_length
     # (the policy never writes them), queries of another length (e.g. CNN/DM rows), exact duplicates (a summary
     # appears in several comparisons of the same post).
-    preference = load_split(args.preference_dataset, args.preference_split)
-    where = f"{args.preference_dataset} split {args.preference_split!r}"
-    # query_token may mix query lengths (rows of another length are left out just below): its presence is checked,
-    # not its length; the response columns must be padded to one length
-    check_columns(preference, [c for c in PREFERENCE_COLUMNS if c != "query_token"], where)
-    if "query_token" not in preference.column_names:
-        check_columns(preference, ["query_token"], where)  # raises the missing-column error
+    preference = load_split(args.preference_dataset, args.preference_split)  # its columns were checked in main
     # the query length of every row, read from the Arrow column without decoding the rows
     query_lengths = pyarrow.compute.list_value_length(preference.data.column("query_token")).to_pylist()
     candidates, seen, dropped = [], set(), {"too_long": 0, "query_length": 0, "duplicate": 0}
@@ -947,7 +985,6 @@ def main(args: Args) -> dict:
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
     args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
-    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # ---- 2. seeding: mixture draw, weights and data order are the same on every process; sampling differs ----
     set_seed(args.seed)
@@ -965,21 +1002,8 @@ def main(args: Args) -> dict:
             "prepare the data with it"
         )
     pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    # the RM reads the policy's token ids as they are, so both must come from one tokenizer
-    try:
-        rm_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path, trust_remote_code=args.trust_remote_code)
-    except OSError:
-        rm_tokenizer = None  # a model folder without tokenizer files: nothing to compare
-    if rm_tokenizer is not None:
-        if rm_tokenizer.pad_token is None:
-            rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-        if (rm_tokenizer.get_vocab() != tokenizer.get_vocab()
-                or (rm_tokenizer.pad_token_id, rm_tokenizer.eos_token_id) != (pad_token_id, eos_token_id)):
-            raise ValueError(
-                f"the reward model {args.reward_model_path} has another tokenizer than {args.sft_model_path} (vocabulary, "
-                "pad or EOS id differ), so it would score the wrong tokens; train the RM (reward.py) from a model with "
-                "the same tokenizer"
-            )
+    # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
+    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
     reward_model = AutoModelForSequenceClassification.from_pretrained(
         args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
@@ -1000,6 +1024,10 @@ def main(args: Args) -> dict:
                   f"{args.query_dataset} split {args.train_split!r}")
     eval_dataset = load_split(args.query_dataset, args.eval_split)
     check_columns(eval_dataset, EVAL_COLUMNS, f"{args.query_dataset} split {args.eval_split!r}")
+    if args.method != "best_of_n":  # the mixture reads the preference responses (when it is not cached yet)
+        check_preference_columns(load_split(args.preference_dataset, args.preference_split), args)
+    # claimed only now, so a run refused for bad input leaves no mark that would block the next attempt
+    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
     # ---- 5. step 1: the training samples (the cached mixture, or best-of-n's first round) ----
     costs = {"generation_s": 0.0, "labelling_s": 0.0, "training_s": 0.0}

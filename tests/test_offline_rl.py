@@ -358,4 +358,5 @@ def test_a_missing_column_is_one_clear_error(smoke_setup, tmp_path):
     # the error of check_columns: the split, the missing column and the fix, not a KeyError deep in a library
     assert last_line.startswith(f"ValueError: {broken} split 'train' lacks the column(s) [{column!r}]"), last_line
     assert "data/prepare.py" in last_line
-    assert not (tmp_path / "runs" / "broken" / "checkpoints").exists()
+    # refused before anything was written: the output folder is not claimed, so a fixed rerun is not blocked
+    assert not (tmp_path / "model_broken").exists() and not (tmp_path / "runs" / "broken" / "checkpoints").exists()
