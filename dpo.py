@@ -285,7 +285,8 @@ def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
     if bad:
         raise NonFiniteError(
             f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
-            "the final model is not saved; lower --lr or check the data of this update, then rerun or --resume"
+            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)"
         )
 
 

@@ -303,7 +303,8 @@ def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
     if bad:
         raise NonFiniteError(
             f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
-            "the final model is not saved; lower --lr or check the data of this update, then rerun or --resume"
+            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)"
         )
 
 
@@ -411,7 +412,7 @@ def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: st
         os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
     ):
         raise ValueError(
-            f"--reward_model_path {reward_model_path} holds no tokenizer, so PPO cannot check that the reward model "
+            f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
             f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
             f"into that folder (tokenizer.save_pretrained), as reward.py does"
         )

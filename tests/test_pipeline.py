@@ -34,6 +34,14 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
     for stage in ("prep", "sft", "rm", "ppo", "dpo"):
         assert f"[{stage}] done already" in again.stdout
 
+    # a training stage interrupted after a checkpoint continues from it (ci mode checkpoints SFT every 2 updates)
+    (out / "stages" / "sft.json").unlink()
+    weights = (out / "models" / "sft" / "model.safetensors").read_bytes()
+    resumed = subprocess.run(cmd, check=True, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert "[sft] interrupted earlier; continuing from its latest checkpoint" in resumed.stdout
+    assert "--resume" in resumed.stdout and "resumed from" in resumed.stdout + resumed.stderr
+    assert (out / "models" / "sft" / "model.safetensors").read_bytes() == weights  # the same model again
+
 
 def test_gold_win_counts_a_tie_with_the_reference_as_half():
     sys.path.insert(0, REPO_ROOT)
