@@ -1,9 +1,16 @@
-"""Shared fixtures. `synthetic_task` prepares a small built-in task once per test session."""
+"""Shared fixtures and helpers. `synthetic_task` prepares a small built-in task once per test session;
+`short_preference` cuts its preference data to 40 training pairs. `ENV` is the environment of the training
+subprocesses, `without_timing` drops the wall-clock keys of a metrics row before two runs are compared, and
+`kill_after_checkpoint` interrupts a run with SIGKILL right after a checkpoint (the resume tests), `run_ok` runs
+one to its end, and the `assert_*` helpers compare saved weights and check the checkpoint left by a non-finite stop."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -18,6 +25,77 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# The environment of every training subprocess a test starts: one thread each, whatever the caller exported.
+# A test that needs more (e.g. ACCELERATE_USE_CPU for torchrun on a CPU) extends it: {**ENV, "NAME": "value"}.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def is_timing(key: str) -> bool:
+    """Whether a metrics/summary key measures wall-clock time, so it legitimately differs between two correct
+    runs: seconds (`wall_time_s`, `train/time_s`, `cost/training_s`, ...), speeds (`train/tokens_per_s`,
+    `episodes_per_second`) and ppo.py's shares of the update time (`time/generation_share`, ...)."""
+    return key.startswith("time/") or key.endswith(("_s", "_per_second"))
+
+
+def without_timing(row: dict) -> dict:
+    """A metrics row (or summary) without its wall-clock keys: what two runs with the same seed must share."""
+    return {k: v for k, v in row.items() if not is_timing(k)}
+
+
+def run_ok(command: list, cwd, env=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a training script to its end; fail with the tail of its stderr unless it exits with code 0."""
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def kill_after_checkpoint(command: list, checkpoint, cwd, env=None, timeout: float = 300) -> None:
+    """Start a training run and SIGKILL it as soon as its `checkpoint` folder exists (checkpoints are renamed
+    into place, so an existing folder is complete). Fails, showing the run's output, unless the run was still
+    going when the checkpoint appeared: a run that crashed, finished before the kill, or wrote no checkpoint
+    within `timeout` seconds cannot test a resume."""
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while not os.path.isdir(checkpoint) and process.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)  # does nothing if the run has already ended
+        returncode = process.wait(timeout=60)
+        log.seek(0)
+        output = log.read()[-3000:]
+    assert returncode == -signal.SIGKILL, (
+        f"the run ended (exit code {returncode}) before it could be killed mid-way:\n{output}")
+    assert os.path.isdir(checkpoint), f"no {checkpoint} after {timeout} s:\n{output}"
+
+
+def assert_same_safetensors(path_a, path_b) -> None:
+    """Two saved weight files hold the same tensor names and bit-identical tensors (a resumed run against the
+    run that was never interrupted)."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(path_a)), load_file(str(path_b))
+    assert a.keys() == b.keys(), f"{path_a} and {path_b} hold different tensors"
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"{len(different)} tensors of {path_b} differ from {path_a}, e.g. {different[:3]}"
+
+
+def assert_last_good_checkpoint(checkpoints, update: int) -> dict:
+    """After a non-finite stop, the `checkpoints` folder holds one checkpoint, the one of the last good `update`,
+    with finite weights only (the poisoned weights are never saved). Returns its trainer_state.json."""
+    import torch
+    from safetensors.torch import load_file
+
+    name = f"update_{update:06d}"
+    assert sorted(os.listdir(checkpoints)) == [name]
+    weights = load_file(os.path.join(checkpoints, name, "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values()), f"{name} holds non-finite weights"
+    with open(os.path.join(checkpoints, name, "trainer_state.json")) as f:
+        state = json.load(f)
+    assert state["update"] == update
+    return state
+
 
 def load_script(name: str):
     """Import a top-level script (e.g. "ppo") as a module, so tests can call its helpers and main()."""
@@ -68,6 +146,19 @@ def prepare_small_task(out_dir: str, *extra: str) -> dict:
 def synthetic_task(tmp_path_factory) -> dict:
     """Paths of a small prepared built-in task: base_model, sft, preference, task_json."""
     return prepare_small_task(str(tmp_path_factory.mktemp("synthetic_task")))
+
+
+@pytest.fixture(scope="session")
+def short_preference(synthetic_task, tmp_path_factory) -> str:
+    """The built-in preference data with a 40-pair train split, so that a run of a few updates of 16 pairs
+    crosses epoch boundaries (5 micro batches of 8 per epoch) and even has an update spanning two epochs."""
+    from datasets import load_from_disk
+
+    data = load_from_disk(synthetic_task["preference"])
+    data["train"] = data["train"].select(range(40))
+    path = str(tmp_path_factory.mktemp("short_preference") / "preference")
+    data.save_to_disk(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 precomputed-reference path against the live one, the accuracy table, and a subprocess smoke run
 on the built-in task."""
 
-from conftest import load_script, tiny_causal_lm
+from conftest import (ENV, assert_last_good_checkpoint, assert_same_safetensors, kill_after_checkpoint, load_script,
+                      run_ok, tiny_causal_lm, without_timing)
 import json
 import math
 import os
@@ -214,8 +215,7 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
         "--lr", "1e-4", "--beta", "0.1", "--precompute_ref_logprobs",
         "--eval_every", "1", "--log_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 
     run_dir = runs / "smoke"
@@ -252,26 +252,6 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Reliability (issue #13): resume after SIGKILL with the reference log-probs read back, non-finite guard
 # ------------------------------------------------------------------------------------------------
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-TIMING = ("per_s", "time_s")  # wall-clock columns and keys legitimately differ between two runs
-
-
-def without_timing(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
-
-
-@pytest.fixture(scope="module")
-def short_preference(synthetic_task, tmp_path_factory) -> str:
-    """The built-in preference data with a 40-pair train split: updates of 16 pairs cross epoch boundaries."""
-    from datasets import load_from_disk
-
-    data = load_from_disk(synthetic_task["preference"])
-    data["train"] = data["train"].select(range(40))
-    path = str(tmp_path_factory.mktemp("short_preference") / "preference")
-    data.save_to_disk(path)
-    return path
-
-
 def dpo_command(task: dict, preference: str, tmp_path, output_dir, *extra: str) -> list:
     return [
         sys.executable, os.path.join(REPO_ROOT, "dpo.py"),
@@ -287,40 +267,25 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, shor
     """SIGKILL after the update-3 checkpoint (first epoch, inside a logging interval), then --resume (the run
     found by its name prefix): the policy, metrics.jsonl, summary.json and the sampled responses equal an
     uninterrupted run's. The precomputed reference log-probs are read back, not recomputed."""
-    import signal
-    import time
-    from safetensors.torch import load_file
-
     # 3 epochs of 40 pairs = 7 updates of 16 (update 3 spans epochs 1 and 2); logs at 2, 4, 6, 7; evaluation at 3, 6
     flags = ["--num_train_epochs", "3", "--checkpoint_every", "3", "--eval_every", "3", "--log_every", "2",
              "--precompute_ref_logprobs", "--temperature", "1.0"]  # temperature 1: the samples depend on the RNG
-    full = subprocess.run(dpo_command(synthetic_task, short_preference, tmp_path, tmp_path / "full", "--run_name", "full",
-                                      *flags), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert full.returncode == 0, full.stderr[-3000:]
+    run_ok(dpo_command(synthetic_task, short_preference, tmp_path, tmp_path / "full", "--run_name", "full", *flags),
+           cwd=REPO_ROOT, env=ENV)
 
     command = dpo_command(synthetic_task, short_preference, tmp_path, tmp_path / "cut", *flags)
-    process = subprocess.Popen(command + ["--run_name", "dpo__1__cut"], cwd=REPO_ROOT, env=ENV,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     runs = tmp_path / "runs"
-    checkpoint = runs / "dpo__1__cut" / "checkpoints" / "update_000003"
-    deadline = time.time() + 240
-    while not checkpoint.exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed mid-way"
+    kill_after_checkpoint(command + ["--run_name", "dpo__1__cut"],
+                          runs / "dpo__1__cut" / "checkpoints" / "update_000003", cwd=REPO_ROOT, env=ENV, timeout=240)
     assert not (tmp_path / "cut" / "model.safetensors").exists()  # killed before its final save
 
     # no --run_name: --resume picks the newest runs/dpo__1__* that has a checkpoint
-    resumed = subprocess.run(command + ["--resume"], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True,
-                             timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = run_ok(command + ["--resume"], cwd=REPO_ROOT, env=ENV)
     output = resumed.stdout + resumed.stderr
     assert "dpo__1__cut/checkpoints/update_000003 (update 3)" in output
     assert "reference log-probs of the interrupted run read from" in output
 
-    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "cut" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    assert_same_safetensors(tmp_path / "full" / "model.safetensors", tmp_path / "cut" / "model.safetensors")
     rows = {name: [without_timing(json.loads(line)) for line in open(runs / name / "metrics.jsonl")]
             for name in ("full", "dpo__1__cut")}
     assert [r["step"] for r in rows["full"]] == [2, 3, 4, 6, 6, 7, 7]  # training logs and evaluations
@@ -339,8 +304,6 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, shor
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthetic_task, short_preference, tmp_path):
     """An absurd learning rate overflows the policy: the guard names the update and the quantities before
     backward, no final model is written, and the checkpoint holds the finite policy after the update before."""
-    from safetensors.torch import load_file
-
     result = subprocess.run(
         dpo_command(synthetic_task, short_preference, tmp_path, tmp_path / "model", "--run_name", "nan",
                     "--total_episodes", "48", "--lr", "1e30", "--eval_every", "0"),
@@ -351,8 +314,4 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthe
     assert last_line.startswith("NonFiniteError: update 2: train/loss, train/logps/chosen"), last_line
     assert "train/ref_logps" not in last_line  # the frozen reference stays finite
     assert not (tmp_path / "model" / "model.safetensors").exists()
-    checkpoints = tmp_path / "runs" / "nan" / "checkpoints"
-    assert os.listdir(checkpoints) == ["update_000001"]
-    weights = load_file(str(checkpoints / "update_000001" / "model.safetensors"))
-    assert all(torch.isfinite(w).all() for w in weights.values())
-    assert json.load(open(checkpoints / "update_000001" / "trainer_state.json"))["update"] == 1
+    assert_last_good_checkpoint(tmp_path / "runs" / "nan" / "checkpoints", 1)

@@ -3,14 +3,13 @@ target heads (exactly alpha per sync, only on sync updates), the state/action in
 beta = 0 sampling against the LM's own `generate`, a subprocess smoke run on the built-in task, and the
 reliability checks (SIGKILL + --resume gives the uninterrupted result, the non-finite guard)."""
 
-from conftest import load_script
+from conftest import (assert_last_good_checkpoint, assert_same_safetensors, kill_after_checkpoint, load_script,
+                      run_ok, without_timing)
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pandas as pd
 import pytest
@@ -393,9 +392,6 @@ def test_smoke_run_on_the_builtin_task(synthetic_task, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # checkpoints: SIGKILL mid-run, --resume, and the same result as a run that was never interrupted
 # ------------------------------------------------------------------------------------------------
-TIMING_SUFFIXES = ("tokens_per_s", "time_s")  # wall-clock columns: the only ones a resume may change
-
-
 def small_preference_task(synthetic_task, root) -> str:
     """16 preference pairs = 32 trajectories = 4 updates of 8 per pass, so a short run crosses passes (epochs)."""
     from datasets import DatasetDict, load_from_disk
@@ -421,23 +417,14 @@ def resumable_ilql_command(synthetic_task, preference, root, run_name, *extra):
     ]
 
 
-def drop_timing(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.endswith(TIMING_SUFFIXES)}
-
-
 def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tmp_path):
     preference = small_preference_task(synthetic_task, tmp_path)
     runs = tmp_path / "runs"
 
     # the interrupted run: killed as soon as its update-5 checkpoint exists (7 updates and 4 evaluations remain)
-    killed = subprocess.Popen(resumable_ilql_command(synthetic_task, preference, tmp_path, "killed"), cwd=REPO_ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoint = runs / "killed" / "checkpoints" / "update_000005"
-    deadline = time.time() + 300
-    while not checkpoint.is_dir() and killed.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.kill(killed.pid, signal.SIGKILL)
-    assert killed.wait() == -signal.SIGKILL  # really killed mid-way, not finished
+    kill_after_checkpoint(resumable_ilql_command(synthetic_task, preference, tmp_path, "killed"), checkpoint,
+                          cwd=REPO_ROOT)  # really killed mid-way, not finished
     assert checkpoint.is_dir() and not (runs / "killed" / "summary.json").exists()
     # the checkpoint holds the LM and every head, the target-Q heads included, and the sync counter
     saved = load_file(str(checkpoint / "model.safetensors"))
@@ -447,24 +434,20 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tmp_pa
     assert state["update"] == 5 and state["num_target_syncs"] == 1 and state["steps_for_target_q_sync"] == 3
     assert len(state["interval_stats"]["train/loss"]) == 2  # updates 4 and 5 of the logging interval 4-6
 
-    resumed = subprocess.run(resumable_ilql_command(synthetic_task, preference, tmp_path, "killed", "--resume"),
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = run_ok(resumable_ilql_command(synthetic_task, preference, tmp_path, "killed", "--resume"), cwd=REPO_ROOT)
     assert "resumed from" in resumed.stdout and "update_000005" in resumed.stdout
-    full = subprocess.run(resumable_ilql_command(synthetic_task, preference, tmp_path, "full"),
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert full.returncode == 0, full.stderr[-3000:]
+    run_ok(resumable_ilql_command(synthetic_task, preference, tmp_path, "full"), cwd=REPO_ROOT)
 
     # the same final weights, bit for bit: the LM, and the V, Q and target-Q heads
     for name in ("model.safetensors", "ilql_heads.safetensors"):
-        a, b = load_file(str(tmp_path / "model_full" / name)), load_file(str(tmp_path / "model_killed" / name))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        assert_same_safetensors(tmp_path / "model_full" / name, tmp_path / "model_killed" / name)
     # the same metrics, line by line (each logged once: the lines the killed run wrote after update 5 are gone)
-    lines = {run: [drop_timing(json.loads(line)) for line in (runs / run / "metrics.jsonl").read_text().splitlines()]
+    lines = {run: [without_timing(json.loads(line)) for line in (runs / run / "metrics.jsonl").read_text().splitlines()]
              for run in ("full", "killed")}
     assert lines["killed"] == lines["full"]
     assert [line["step"] for line in lines["full"] if "train/loss" in line] == [3, 6, 9, 12]
-    summaries = {run: drop_timing(json.loads((runs / run / "summary.json").read_text())) for run in ("full", "killed")}
+    summaries = {run: without_timing(json.loads((runs / run / "summary.json").read_text()))
+                 for run in ("full", "killed")}
     assert summaries["killed"] == summaries["full"]
     assert summaries["full"]["num_target_syncs"] == 4 and summaries["full"]["num_updates"] == 12
     for name in ("samples.csv", "samples_beta4.csv"):
@@ -479,9 +462,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint_and_no_model(synthe
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "NonFiniteError: update 2: train/loss" in result.stderr
-    checkpoints = tmp_path / "runs" / "poisoned" / "checkpoints"
-    assert sorted(os.listdir(checkpoints)) == ["update_000001"]  # the last good update, nothing after it
-    saved = load_file(str(checkpoints / "update_000001" / "model.safetensors"))
-    assert all(torch.isfinite(v).all() for v in saved.values())
+    # the last good update, nothing after it
+    assert_last_good_checkpoint(tmp_path / "runs" / "poisoned" / "checkpoints", 1)
     assert not (tmp_path / "model_poisoned" / "model.safetensors").exists()
     assert not (tmp_path / "model_poisoned" / "ilql_heads.safetensors").exists()

@@ -7,12 +7,11 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT, tiny_causal_lm
+from conftest import ENV, REPO_ROOT, tiny_causal_lm
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 import measure_memory  # noqa: E402
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
 def test_parameter_formula_matches_real_models():

@@ -17,11 +17,11 @@ import sys
 
 import pytest
 import torch
+from conftest import ENV, without_timing
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(REPO_ROOT, "tests", "mp_probe.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-TIMING = ("per_s", "time_s", "per_second")  # wall-clock columns legitimately differ between runs
+ENV = {**ENV, "ACCELERATE_USE_CPU": "true"}  # torchrun's processes talk over gloo on the CPU
 
 
 def sft_flags(task: dict) -> list:
@@ -76,11 +76,22 @@ def ppo_flags(task: dict) -> list:
             "--temperature", "0.001", "--num_eval_samples", "8", "--eval_every", "2", "--lr", "1e-4"]
 
 
-SCRIPTS = {"sft": sft_flags, "reward": reward_flags, "dpo": dpo_flags, "ilql": ilql_flags, "ppo": ppo_flags}
+def offline_rl_flags(task: dict) -> list:
+    # each run builds its own RM-labelled mixture ({run} is the run's folder), greedy as the seed paper did
+    return ["--method", "rwr", "--sft_model_path", task["base_model"], "--reward_model_path", reward_model(task),
+            "--query_dataset", task["sft"], "--preference_dataset", task["preference"],
+            "--response_length", str(task["task"]["sft_response_length"]), "--cache_dir", "{run}/cache",
+            "--mixture_size", "32", "--total_batch_size", "8", "--local_micro_batch_size", "4",
+            "--num_eval_samples", "4", "--local_rollout_batch_size", "8", "--lr", "1e-4"]
+
+
+SCRIPTS = {"sft": sft_flags, "reward": reward_flags, "dpo": dpo_flags, "ilql": ilql_flags, "ppo": ppo_flags,
+           "offline_rl": offline_rl_flags}
 
 
 def run_probe(script: str, flags: list, tmp_path, name: str, processes: int, port: int):
     out = tmp_path / name
+    flags = [flag.replace("{run}", str(out)) for flag in flags]
     common = ["--output_dir", str(tmp_path / f"model_{name}"), "--run_dir_root", str(tmp_path / "runs"),
               "--run_name", name, "--checkpoint_every", "0"]
     if processes == 1:
@@ -91,8 +102,7 @@ def run_probe(script: str, flags: list, tmp_path, name: str, processes: int, por
     result = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(processes)]
-    rows = [json.loads(line) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
-    rows = [{k: v for k, v in row.items() if not any(t in k for t in TIMING)} for row in rows]
+    rows = [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
     return ranks, rows
 
 

@@ -2,19 +2,17 @@
 generation config, one subprocess smoke run per method on the built-in task, and the reliability checks
 (SIGKILL + --resume gives the uninterrupted result, the non-finite guard, a missing column)."""
 
-from conftest import load_script
+from conftest import (ENV, assert_last_good_checkpoint, assert_same_safetensors, kill_after_checkpoint, load_script,
+                      run_ok, without_timing)
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pandas as pd
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -212,8 +210,7 @@ def run_method(setup: dict, method: str, *extra: str) -> tuple[dict, str]:
         "--mixture_size", "32", "--total_batch_size", "8", "--local_micro_batch_size", "4",
         "--num_eval_samples", "4", "--local_rollout_batch_size", "16", "--lr", "1e-4", *extra,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = str(root / "runs" / run_name)
     with open(os.path.join(run_dir, "summary.json")) as f:
@@ -284,40 +281,30 @@ def resumable_command(setup: dict, root, run_name: str, *extra: str) -> list:
 
 def comparable(record: dict) -> dict:
     """A metrics line or summary without what may differ between two correct runs: wall-clock seconds and
-    speeds (keys ending in _s), and whether this process found the mixture in the cache."""
-    return {k: v for k, v in record.items() if not k.endswith("_s") and k != "mixture/cache_hit"}
+    speeds (conftest's without_timing), and whether this process found the mixture in the cache."""
+    return {k: v for k, v in without_timing(record).items() if k != "mixture/cache_hit"}
 
 
 def test_rwr_sigkill_then_resume_matches_an_uninterrupted_run(smoke_setup, tmp_path):
     runs = tmp_path / "runs"
     # the uninterrupted run (it also builds the cached mixture the other two reuse)
-    full = subprocess.run(resumable_command(smoke_setup, tmp_path, "full"), cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert full.returncode == 0, full.stderr[-4000:]
+    run_ok(resumable_command(smoke_setup, tmp_path, "full"), cwd=REPO_ROOT, timeout=600)
 
     # the interrupted run: killed as soon as its update-3 checkpoint exists (mid-pass: the next update reads the
     # 4th batch of the saved permutation; 9 updates and 3 evaluations remain)
-    killed = subprocess.Popen(resumable_command(smoke_setup, tmp_path, "killed"), cwd=REPO_ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoint = runs / "killed" / "checkpoints" / "update_000003"
-    deadline = time.time() + 300
-    while not checkpoint.is_dir() and killed.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.kill(killed.pid, signal.SIGKILL)
-    assert killed.wait() == -signal.SIGKILL  # really killed mid-way, not finished
+    kill_after_checkpoint(resumable_command(smoke_setup, tmp_path, "killed"), checkpoint,
+                          cwd=REPO_ROOT)  # really killed mid-way, not finished
     assert checkpoint.is_dir() and not (runs / "killed" / "summary.json").exists()
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["update"] == 3 and state["method"] == "rwr" and state["num_updates"] == 12
 
-    resumed = subprocess.run(resumable_command(smoke_setup, tmp_path, "killed", "--resume"), cwd=REPO_ROOT,
-                             capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    resumed = run_ok(resumable_command(smoke_setup, tmp_path, "killed", "--resume"), cwd=REPO_ROOT, timeout=600)
     assert "update_000003" in resumed.stdout
 
     # the same final weights, bit for bit
-    a = load_file(str(tmp_path / "model_full" / "model.safetensors"))
-    b = load_file(str(tmp_path / "model_killed" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_safetensors(tmp_path / "model_full" / "model.safetensors",
+                            tmp_path / "model_killed" / "model.safetensors")
     # the same metrics, line by line (the lines the killed run wrote after update 3 are replaced, not repeated)
     lines = {run: [comparable(json.loads(line)) for line in (runs / run / "metrics.jsonl").read_text().splitlines()]
              for run in ("full", "killed")}
@@ -334,10 +321,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(smoke_setup, tmp_pa
                             capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
     assert "NonFiniteError: update 2: train/loss is not finite" in result.stderr
-    checkpoints = tmp_path / "runs" / "poisoned" / "checkpoints"
-    assert sorted(os.listdir(checkpoints)) == ["update_000001"]
-    assert json.loads((checkpoints / "update_000001" / "trainer_state.json").read_text())["update"] == 1
-    assert all(torch.isfinite(v).all() for v in load_file(str(checkpoints / "update_000001" / "model.safetensors")).values())
+    assert_last_good_checkpoint(tmp_path / "runs" / "poisoned" / "checkpoints", 1)
     assert not (tmp_path / "model_poisoned" / "model.safetensors").exists()
 
 

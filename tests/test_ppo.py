@@ -2,13 +2,11 @@
 tiny models (7, 21, 22, 23), the trlX / OpenRLHF options, two subprocess smoke runs, and the reliability
 features (SIGKILL + --resume, the non-finite guard, the reward-model tokenizer check)."""
 
-from conftest import load_script
+from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok, without_timing
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +24,6 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ppo = load_script("ppo")
 
 PAD, EOS, VOCAB = 19, 3, 20
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def tiny_config(dropout: float = 0.0) -> GPTNeoXConfig:
@@ -415,24 +412,8 @@ def test_smoke_two_processes_frozen_actor(synthetic_task, tiny_models, tmp_path)
 # ------------------------------------------------------------------------------------------------
 # Reliability: resumable checkpoints, non-finite guard, bad input
 # ------------------------------------------------------------------------------------------------
-TIMING_KEYS = {"episodes_per_second", "wall_time_s"}  # and every "time/..." key
-
-
-def without_timing(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k not in TIMING_KEYS and not k.startswith("time/")}
-
-
 def read_metrics(run_dir) -> list:
     return [without_timing(json.loads(line)) for line in open(run_dir / "metrics.jsonl") if line.strip()]
-
-
-def assert_same_safetensors(path_a, path_b):
-    from safetensors.torch import load_file
-
-    a, b = load_file(str(path_a)), load_file(str(path_b))
-    assert a.keys() == b.keys()
-    different = [name for name in a if not torch.equal(a[name], b[name])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
 def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_models, tmp_path):
@@ -449,25 +430,13 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_m
                           total_episodes=40, eval_every=3, extra=extra)
         return [sys.executable, os.path.join(REPO_ROOT, "ppo.py"), *flags, *more]
 
-    full = subprocess.run(command("full"), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert full.returncode == 0, full.stderr[-3000:]
+    run_ok(command("full"), cwd=REPO_ROOT, env=ENV)
 
     run_dir = tmp_path / "runs" / "killed"
-    first_checkpoint = run_dir / "checkpoints" / "update_000002"
-    with open(tmp_path / "killed.log", "w") as log:
-        process = subprocess.Popen(command("killed"), cwd=REPO_ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while not first_checkpoint.exists():
-            assert process.poll() is None, "the run ended early: " + open(tmp_path / "killed.log").read()[-3000:]
-            assert time.time() < deadline, "no checkpoint after 300 s"
-            time.sleep(0.05)
-        os.kill(process.pid, signal.SIGKILL)
-        assert process.wait(timeout=60) == -signal.SIGKILL  # killed mid-way, not finished
+    kill_after_checkpoint(command("killed"), run_dir / "checkpoints" / "update_000002", cwd=REPO_ROOT, env=ENV)
     assert not (tmp_path / "policy_killed" / "model.safetensors").exists()
 
-    resumed = subprocess.run(command("killed", "--resume"), cwd=REPO_ROOT, env=ENV, capture_output=True, text=True,
-                             timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = run_ok(command("killed", "--resume"), cwd=REPO_ROOT, env=ENV)
     assert "resumed from" in resumed.stdout and "update_000002" in resumed.stdout, resumed.stdout[-2000:]
 
     full_dir = tmp_path / "runs" / "full"

@@ -1,7 +1,8 @@
 """Tests for reward.py: the EOS reward index (Details 12, 14), the head init (Detail 11), the
 normalisation fold (Detail 15), the loss and calibration maths, and one smoke run on the built-in task."""
 
-from conftest import load_script
+from conftest import (ENV, assert_last_good_checkpoint, assert_same_safetensors, kill_after_checkpoint, load_script,
+                      run_ok, without_timing)
 import json
 import math
 import os
@@ -214,8 +215,7 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
         "--lr", "1e-4", "--num_eval_samples", "48", "--num_normalization_samples", "32",
         "--eval_every", "2",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = runs / "smoke"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -260,27 +260,6 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Reliability (issue #13): data position, resume after SIGKILL, non-finite guard, output-folder ownership
 # ------------------------------------------------------------------------------------------------
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-TIMING = ("per_s", "time_s")  # wall-clock columns and keys legitimately differ between two runs
-
-
-def without_timing(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
-
-
-@pytest.fixture(scope="module")
-def short_preference(synthetic_task, tmp_path_factory) -> str:
-    """The built-in preference data with a 40-pair train split, so that a run of a few updates of 16 pairs
-    crosses epoch boundaries (5 micro batches of 8 per epoch) and even has an update spanning two epochs."""
-    from datasets import load_from_disk
-
-    data = load_from_disk(synthetic_task["preference"])
-    data["train"] = data["train"].select(range(40))
-    path = str(tmp_path_factory.mktemp("short_preference") / "preference")
-    data.save_to_disk(path)
-    return path
-
-
 def rm_command(task: dict, preference: str, tmp_path, run_name: str, output_dir, *extra: str) -> list:
     return [
         sys.executable, os.path.join(ROOT, "reward.py"),
@@ -322,33 +301,19 @@ def test_resumed_data_position_gives_the_uninterrupted_batches():
 def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, short_preference, tmp_path):
     """SIGKILL after the update-2 checkpoint (inside the first epoch), then --resume: the model (trunk, head and
     Detail 15 shift), metrics.jsonl, summary.json and the evaluation table equal an uninterrupted run's."""
-    import signal
-    import time
-    from safetensors.torch import load_file
-
     # 3 epochs of 40 pairs = 7 updates of 16 (update 3 spans epochs 1 and 2); evaluation at 3 and 6
     flags = ["--num_train_epochs", "3", "--checkpoint_every", "2", "--eval_every", "3"]
-    full = subprocess.run(rm_command(synthetic_task, short_preference, tmp_path, "full", tmp_path / "full", *flags),
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert full.returncode == 0, full.stderr[-3000:]
+    run_ok(rm_command(synthetic_task, short_preference, tmp_path, "full", tmp_path / "full", *flags), cwd=ROOT, env=ENV)
 
     command = rm_command(synthetic_task, short_preference, tmp_path, "cut", tmp_path / "cut", *flags)
-    process = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    checkpoint = tmp_path / "runs" / "cut" / "checkpoints" / "update_000002"
-    deadline = time.time() + 240
-    while not checkpoint.exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed mid-way"
+    kill_after_checkpoint(command, tmp_path / "runs" / "cut" / "checkpoints" / "update_000002", cwd=ROOT, env=ENV,
+                          timeout=240)
     assert not (tmp_path / "cut" / "model.safetensors").exists()  # killed before its final save
 
-    resumed = subprocess.run(command + ["--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = run_ok(command + ["--resume"], cwd=ROOT, env=ENV)
     assert "resumed from" in resumed.stdout + resumed.stderr
 
-    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "cut" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    assert_same_safetensors(tmp_path / "full" / "model.safetensors", tmp_path / "cut" / "model.safetensors")
     runs = tmp_path / "runs"
     rows = {name: [without_timing(json.loads(line)) for line in open(runs / name / "metrics.jsonl")]
             for name in ("full", "cut")}
@@ -365,8 +330,6 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, shor
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthetic_task, short_preference, tmp_path):
     """An absurd learning rate overflows the weights: the guard names the update and the quantities, the final
     model is not written, and the checkpoint holds the finite weights after the update before."""
-    from safetensors.torch import load_file
-
     result = subprocess.run(
         rm_command(synthetic_task, short_preference, tmp_path, "nan", tmp_path / "model", "--total_episodes", "64",
                    "--lr", "1e30"),
@@ -376,11 +339,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthe
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("NonFiniteError: update 2: train/loss"), last_line
     assert not (tmp_path / "model" / "model.safetensors").exists()
-    checkpoints = tmp_path / "runs" / "nan" / "checkpoints"
-    assert os.listdir(checkpoints) == ["update_000001"]
-    weights = load_file(str(checkpoints / "update_000001" / "model.safetensors"))
-    assert all(torch.isfinite(w).all() for w in weights.values())
-    assert json.load(open(checkpoints / "update_000001" / "trainer_state.json"))["update"] == 1
+    assert_last_good_checkpoint(tmp_path / "runs" / "nan" / "checkpoints", 1)
 
 
 def test_output_dir_of_another_run_is_refused(synthetic_task, short_preference, tmp_path):

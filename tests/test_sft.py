@@ -1,7 +1,8 @@
 """Tests of sft.py: the label masking (Detail 3), the loss math, fixed-length sampling (Detail 23) and a
 subprocess smoke run on the built-in task."""
 
-from conftest import load_script, tiny_causal_lm
+from conftest import (ENV, assert_last_good_checkpoint, assert_same_safetensors, kill_after_checkpoint, load_script,
+                      run_ok, tiny_causal_lm, without_timing)
 import json
 import os
 import subprocess
@@ -161,8 +162,7 @@ def test_smoke_run_saves_a_loadable_model(request, tmp_path):
         "--num_eval_samples", "8",
         "--local_eval_batch_size", "4",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
 
     run_dir = tmp_path / "runs" / "smoke"
@@ -208,43 +208,21 @@ def sft_command(paths: dict, tmp_path, run_name: str, output_dir, *extra: str) -
     ]
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-TIMING = ("per_s", "time_s")  # wall-clock columns legitimately differ between two runs
-
-
-def without_timing(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
-
-
 def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, tmp_path):
     """SIGKILL after the update-6 checkpoint, then --resume: weights, metrics.jsonl and summary.json equal an
     uninterrupted run's (Adam moments, schedule, data position and RNG all restored)."""
-    import signal
-    import time as _time
-    from safetensors.torch import load_file
-
     flags = ["--total_episodes", "320", "--checkpoint_every", "3", "--eval_every", "4"]  # 20 updates
-    full = subprocess.run(sft_command(synthetic_task, tmp_path, "full", tmp_path / "full", *flags),
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert full.returncode == 0, full.stderr[-3000:]
+    run_ok(sft_command(synthetic_task, tmp_path, "full", tmp_path / "full", *flags), cwd=tmp_path, env=ENV)
 
     command = sft_command(synthetic_task, tmp_path, "cut", tmp_path / "cut", *flags)
-    process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    checkpoint = tmp_path / "runs" / "cut" / "checkpoints" / "update_000006"
-    deadline = _time.time() + 240
-    while not checkpoint.exists() and process.poll() is None and _time.time() < deadline:
-        _time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed mid-way"
+    kill_after_checkpoint(command, tmp_path / "runs" / "cut" / "checkpoints" / "update_000006", cwd=tmp_path, env=ENV,
+                          timeout=240)
     assert not (tmp_path / "cut" / "model.safetensors").exists()  # killed before its final save
 
-    resumed = subprocess.run(command + ["--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = run_ok(command + ["--resume"], cwd=tmp_path, env=ENV)
     assert "resumed from" in resumed.stdout + resumed.stderr
 
-    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "cut" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    assert_same_safetensors(tmp_path / "full" / "model.safetensors", tmp_path / "cut" / "model.safetensors")
     rows = {name: [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
             for name in ("full", "cut")}
     assert len(rows["full"]) == 20 + 5 and rows["cut"] == rows["full"]  # 20 train rows, evals at 4, 8, 12, 16, 20
@@ -257,8 +235,6 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, tmp_
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthetic_task, tmp_path):
     """An absurd learning rate drives the weights to overflow: the guard names the update and the quantity,
     the final model is not written, and the checkpoint holds the finite weights of the update before."""
-    from safetensors.torch import load_file
-
     result = subprocess.run(
         sft_command(synthetic_task, tmp_path, "nan", tmp_path / "model", "--total_episodes", "64", "--lr", "1e30"),
         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300,
@@ -267,12 +243,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthe
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("NonFiniteError: update 2: train/loss is not finite"), last_line
     assert not (tmp_path / "model" / "model.safetensors").exists()
-    checkpoints = tmp_path / "runs" / "nan" / "checkpoints"
-    assert os.listdir(checkpoints) == ["update_000001"]
-    weights = load_file(str(checkpoints / "update_000001" / "model.safetensors"))
-    assert all(torch.isfinite(w).all() for w in weights.values())
-    state = json.load(open(checkpoints / "update_000001" / "trainer_state.json"))
-    assert state["update"] == 1 and state["num_updates"] == 4
+    assert assert_last_good_checkpoint(tmp_path / "runs" / "nan" / "checkpoints", 1)["num_updates"] == 4
 
 
 def failing_run(paths: dict, tmp_path, *extra: str, **overrides) -> str:

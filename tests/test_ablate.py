@@ -1,0 +1,101 @@
+"""Issue 11: the detail ablations. A CI-sized run of two rows on one seed must produce the table, the CSV
+and one plot per row with numbers in every cell; the data prepared from the upstream's raw rows must be
+the upstream's data itself when no flag is toggled (so only the toggle differs); and the verdict rule
+must call an effect only when it stands out from the seed-to-seed spread."""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import ablate  # noqa: E402
+
+
+def test_ablate_ci_rows_2_and_7_write_table_csv_and_plots(tmp_path):
+    up, out = tmp_path / "upstream", tmp_path / "ablations"
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "ablate.py"), "--mode", "ci", "--rows", "2", "7", "--seeds", "1",
+           "--upstream", str(up), "--out", str(out)]
+    first = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    assert "running the pipeline's prep, SFT and RM stages" in first.stdout  # the missing upstream was made
+    # a progress line per run: prep, 2 SFT, 2 probes, 2 PPO
+    assert first.stdout.count("--- [") == 7, first.stdout[-3000:]
+
+    text = (out / "ablations.md").read_text()
+    for needle in ("Run time", "Machine", "CPU cores", "torch", "| detail | toggle | metric |"):
+        assert needle in text, needle
+    with open(out / "ablations.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["detail"], r["metric"]) for r in rows] == [
+        ("2", "SFT train queries cut mid-sentence (share)"), ("2", "SFT ROUGE-1"), ("2", "SFT gold score"),
+        ("7", "PPO ratio, first minibatch (mean)"), ("7", "PPO ratio, first minibatch (variance over episodes)"),
+        ("7", "PPO KL (last quarter of updates)")]
+    for r in rows:
+        assert r["n_baseline"] == "1" and r["n_toggled"] == "1", r
+        for col in ("baseline_mean", "baseline_std", "toggled_mean", "toggled_std", "difference"):
+            assert math.isfinite(float(r[col])), (r["metric"], col, r[col])
+        assert r["verdict"] and r["verdict"] != "missing runs"
+        assert f"| {r['detail']} | {r['toggle']} | {r['metric']} |" in text
+    by_metric = {r["metric"]: r for r in rows}
+    # Detail 2: paragraph truncation never leaves a post mid-sentence; token truncation does
+    cut = by_metric["SFT train queries cut mid-sentence (share)"]
+    assert float(cut["baseline_mean"]) == 0.0 and float(cut["toggled_mean"]) > 0.05
+    assert cut["verdict"] == "yes"
+    # Detail 7: without dropout the first minibatch's ratio is 1 and does not vary; with dropout it does
+    ratio, var = by_metric["PPO ratio, first minibatch (mean)"], by_metric["PPO ratio, first minibatch (variance over episodes)"]
+    assert abs(float(ratio["baseline_mean"]) - 1.0) < 1e-5 and float(var["baseline_mean"]) < 1e-10
+    assert float(var["toggled_mean"]) > 1e-6 and var["verdict"] == "yes"
+    for detail in (2, 7):
+        plot = out / f"detail_{detail:02d}.png"
+        assert plot.stat().st_size > 5000 and plot.name in text
+
+    # restartable: a second invocation runs nothing and writes the same table
+    again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "7 runs, 7 done already" in again.stdout and "--- [" not in again.stdout
+
+
+def test_reused_base_model_prep_reproduces_the_upstream_data(synthetic_task, tmp_path):
+    """The toggled data of Details 2 and 3 is prepared from the upstream's raw rows and base-model tokenizer;
+    with no toggle that path must give the upstream's own processed data, column for column."""
+    from datasets import load_from_disk
+
+    up = tmp_path / "upstream"
+    up.mkdir()
+    os.symlink(synthetic_task["root"], up / "data")
+    ab = ablate.Ablation(ablate.Args(mode="ci", upstream=str(up), out=str(tmp_path / "out")))
+    run = ab.prep_run("same", [])
+    assert "--task" in run.cmd and "tldr" in run.cmd and "?" not in run.cmd
+    subprocess.run(run.cmd, check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+    assert os.path.exists(run.done_file)
+    for name, splits in (("sft", ("train", "validation")), ("preference", ("train", "validation", "validation_cnndm"))):
+        mine, theirs = load_from_disk(str(tmp_path / "out" / "data" / "same" / name)), load_from_disk(os.path.join(synthetic_task["root"], name))
+        for split in splits:
+            assert mine[split].column_names == theirs[split].column_names
+            assert mine[split].to_dict() == theirs[split].to_dict(), (name, split)
+
+
+@pytest.mark.parametrize(
+    "expect, baseline, toggled, verdict",
+    [
+        ("up", [1.0, 1.1, 0.9], [2.0, 2.1, 1.9], "yes"),
+        ("down", [1.0, 1.1, 0.9], [2.0, 2.1, 1.9], "no: opposite"),
+        ("up", [1.0, 2.0, 0.0], [1.2, 2.2, 0.2], "no: no clear effect"),  # +0.2 inside the seed spread
+        ("same", [1.0, 2.0, 0.0], [1.2, 2.2, 0.2], "yes"),
+        ("same", [1.0, 1.0, 1.0], [1.5, 1.5, 1.5], "no: higher"),  # deterministic values: any change counts
+        ("away_from_1", [1.0, 1.0, 1.0], [0.9, 1.05, 0.95], "yes"),
+        (None, [0.0, 0.1, 0.2], [1.0, 1.1, 1.2], "effect: higher (no prediction)"),
+    ],
+)
+def test_verdict_needs_an_effect_beyond_twice_its_standard_error(tmp_path, expect, baseline, toggled, verdict):
+    ab = ablate.Ablation(ablate.Args(mode="ci", upstream=str(tmp_path / "up"), out=str(tmp_path / "out")))
+    metric = ablate.Metric("m", lambda *a: 0.0, expect, "")
+    assert ab.verdict(metric, np.array(baseline), np.array(toggled), 0) == verdict
