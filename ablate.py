@@ -525,24 +525,39 @@ class Ablation:
                     line[f"{side}_mean"] = float(arr.mean()) if len(arr) else float("nan")
                     line[f"{side}_std"] = float(arr.std(ddof=1)) if len(arr) > 1 else (0.0 if len(arr) else float("nan"))
                 line["difference"] = line["toggled_mean"] - line["baseline_mean"]
-                line["verdict"] = self.verdict(metric, b, t, r)
+                common = sorted(set(values["baseline"]) & set(values["toggled"]))  # seeds of both arms: paired
+                diffs = np.array([values["toggled"][s] - values["baseline"][s] for s in common])
+                line["difference_std"] = float(diffs.std(ddof=1)) if len(diffs) > 1 else 0.0
+                line["verdict"] = self.verdict(metric, values["baseline"], values["toggled"])
                 lines.append(line)
         return lines
 
-    def verdict(self, metric: Metric, b, t, detail: int) -> str:
-        """Did the toggle move the metric the way the paper says? A difference counts as an effect when it
-        exceeds twice its standard error across seeds (with one seed, or values that do not vary across
-        seeds, any nonzero difference counts)."""
+    def verdict(self, metric: Metric, baseline: dict, toggled: dict) -> str:
+        """Did the toggle move the metric the way the paper says? `baseline` and `toggled` map seed -> value.
+        A difference counts as an effect when it exceeds twice its standard error across seeds (paired by
+        seed when both arms ran the same seeds, as they do here: a seed fixes the first rollout, the data order
+        and the initial weights of both arms), or when the baseline is a deterministic quantity (the same value
+        at every seed, e.g. a first PPO ratio of exactly 1) and every seed's toggled value lies on the same side
+        of it. Differences below 1e-6 (relative) are rounding and never count."""
         import numpy as np
 
-        if len(b) == 0 or len(t) == 0:
+        if not baseline or not toggled:
             return "missing runs"
+        seeds = sorted(baseline)
+        paired = seeds == sorted(toggled) and len(seeds) > 1
+        b = np.array([baseline[s] for s in seeds])
+        t = np.array([toggled[s] for s in (seeds if paired else sorted(toggled))])
         if metric.expect == "away_from_1":
             b, t = np.abs(b - 1.0), np.abs(t - 1.0)
         diff = t.mean() - b.mean()
-        se = np.sqrt((b.var(ddof=1) / len(b) if len(b) > 1 else 0.0) + (t.var(ddof=1) / len(t) if len(t) > 1 else 0.0))
-        tol = 1e-9 * max(1.0, abs(b.mean()))
-        effect = abs(diff) > max(2 * se, tol)
+        if paired:
+            se = (t - b).std(ddof=1) / np.sqrt(len(b))
+        else:
+            se = np.sqrt((b.var(ddof=1) / len(b) if len(b) > 1 else 0.0) + (t.var(ddof=1) / len(t) if len(t) > 1 else 0.0))
+        tol = 1e-6 * max(1.0, abs(b.mean()))
+        constant_baseline = bool(np.all(np.abs(b - b[0]) <= tol))
+        one_side = bool(np.all(t - b[0] > tol) or np.all(t - b[0] < -tol))
+        effect = abs(diff) > tol and (abs(diff) > 2 * se or (constant_baseline and one_side))
         direction = ("up" if diff > 0 else "down") if effect else "none"
         expect = metric.expect
         if expect == "shift":  # Detail 15: the toggled score should move by the RM's normalisation bias
@@ -619,14 +634,17 @@ class Ablation:
             "- **Expected** paraphrases what the paper says the detail is for; where it gives no measurement the "
             "column says so, and *(expected)* marks an expectation that follows from the mechanism rather than a "
             "number in the paper. **Reproduced here**: *yes* when the toggle moves the metric that way, where a "
-            "difference counts when it exceeds twice its standard error across seeds; *no: no clear effect* when "
-            "it does not; *(no prediction)* reports the direction of a measured effect the paper does not predict.",
+            "difference counts when it exceeds twice its standard error across seeds (paired by seed: both arms of "
+            "a seed share its data order, initial weights and first rollout), or when the baseline is the "
+            "same at every seed (a deterministic quantity, such as a first ratio of exactly 1) and every seed's "
+            "toggled value lies on the same side of it; *no: no clear effect* when it does not; *(no prediction)* "
+            "reports the direction of a measured effect the paper does not predict.",
             f"- Detail 15: the baseline RM's normalisation bias is {bias:+.3f}, so the unnormalised RM scores every "
             "response that much higher." if bias is not None else "- Detail 15: the upstream RM's bias is unknown.",
             "- Detail 7: the ratio comes from a one-update probe run (one epoch, one minibatch, micro-batches of one "
             "episode): its mean ratio is the first minibatch's, its variance is over the episodes' mean ratios.",
             "",
-            "| detail | toggle | metric | baseline (mean ± std) | toggled (mean ± std) | difference | expected | reproduced here |",
+            "| detail | toggle | metric | baseline (mean ± std) | toggled (mean ± std) | difference (paired by seed, mean ± std) | expected | reproduced here |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for ln in lines_data:
@@ -637,13 +655,14 @@ class Ablation:
 
             text.append(f"| {ln['detail']} | {ln['toggle']} | {ln['metric']} | {fmt(ln['baseline_mean'], ln['baseline_std'], ln['n_baseline'])} "
                         f"(n={ln['n_baseline']}) | {fmt(ln['toggled_mean'], ln['toggled_std'], ln['n_toggled'])} (n={ln['n_toggled']}) | "
-                        f"{ln['difference']:+.{d}f} | {ln['paper']} | {ln['verdict']} |")
+                        f"{ln['difference']:+.{d}f} ± {ln['difference_std']:.{d}f} | {ln['paper']} | {ln['verdict']} |")
         plots = self.plot(lines_data)
-        text += ["", "Plots (every seed's value, baseline vs toggled): " + ", ".join(f"`{p}`" for p in plots), ""]
+        text += ["", "Plots (every seed's value, baseline vs toggled, a line joining the two runs of a seed): " + ", ".join(f"`{p}`" for p in plots), ""]
         out = "\n".join(text)
         with open(os.path.join(self.out, "ablations.md"), "w") as f:
             f.write(out)
         columns = ["detail", "toggle", "metric", "baseline_mean", "baseline_std", "toggled_mean", "toggled_std", "difference",
+                   "difference_std",
                    "n_baseline", "n_toggled", "baseline_values", "toggled_values", "expect", "paper", "verdict"]
         with open(os.path.join(self.out, "ablations.csv"), "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
@@ -652,7 +671,8 @@ class Ablation:
         return out
 
     def plot(self, lines_data: list[dict]) -> list[str]:
-        """One PNG per detail: a panel per metric, each seed's value for the baseline and the toggle."""
+        """One PNG per detail: a panel per metric, each seed's value for the baseline and the toggle (a thin
+        line joins the two values of a seed; a thick bar marks each arm's mean)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -663,6 +683,7 @@ class Ablation:
             mine = [ln for ln in lines_data if ln["detail"] == r]
             fig, axes = plt.subplots(1, len(mine), figsize=(3.6 * len(mine), 3.6), squeeze=False)
             for ax, ln in zip(axes[0], mine):
+                points = {}  # side -> {seed: (x, y)}
                 for x, side, color in ((0, "baseline", "tab:blue"), (1, "toggled", "tab:orange")):
                     pairs = [p.split("=") for p in ln[f"{side}_values"].split(";") if p]
                     ys = [float(v) for _, v in pairs]
@@ -672,6 +693,11 @@ class Ablation:
                         ax.annotate(seed, (xi, yi), textcoords="offset points", xytext=(4, 2), fontsize=7)
                     if ys:
                         ax.hlines(sum(ys) / len(ys), x - 0.2, x + 0.2, color=color, lw=2)
+                    points[side] = {seed: (xi, yi) for xi, yi, (seed, _) in zip(xs, ys, pairs)}
+                for seed, (x0, y0) in points["baseline"].items():  # the same seed in both arms: a thin line
+                    if seed in points["toggled"]:
+                        x1, y1 = points["toggled"][seed]
+                        ax.plot([x0, x1], [y0, y1], color="gray", lw=0.6, alpha=0.6, zorder=1)
                 ax.set_xticks([0, 1], ["baseline", "toggled"])
                 ax.set_xlim(-0.5, 1.5)
                 ax.set_title(ln["metric"], fontsize=8)

@@ -1,7 +1,7 @@
 """Issue 11: the detail ablations. A CI-sized run of two rows on one seed must produce the table, the CSV
 and one plot per row with numbers in every cell; the data prepared from the upstream's raw rows must be
 the upstream's data itself when no flag is toggled (so only the toggle differs); and the verdict rule
-must call an effect only when it stands out from the seed-to-seed spread."""
+must call an effect only when it stands out from the seed-to-seed spread (or from a deterministic baseline)."""
 
 import csv
 import math
@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,14 +87,22 @@ def test_reused_base_model_prep_reproduces_the_upstream_data(synthetic_task, tmp
     [
         ("up", [1.0, 1.1, 0.9], [2.0, 2.1, 1.9], "yes"),
         ("down", [1.0, 1.1, 0.9], [2.0, 2.1, 1.9], "no: opposite"),
-        ("up", [1.0, 2.0, 0.0], [1.2, 2.2, 0.2], "no: no clear effect"),  # +0.2 inside the seed spread
-        ("same", [1.0, 2.0, 0.0], [1.2, 2.2, 0.2], "yes"),
+        ("up", [1.0, 2.0, 0.0], [0.9, 2.5, 0.2], "no: no clear effect"),  # +0.2 inside the seed-to-seed spread
+        ("same", [1.0, 2.0, 0.0], [0.9, 2.5, 0.2], "yes"),
+        # paired by seed: every seed moves +0.2 although the seeds differ by 1 among themselves
+        ("up", [1.0, 2.0, 0.0], [1.2, 2.21, 0.19], "yes"),
         ("same", [1.0, 1.0, 1.0], [1.5, 1.5, 1.5], "no: higher"),  # deterministic values: any change counts
         ("away_from_1", [1.0, 1.0, 1.0], [0.9, 1.05, 0.95], "yes"),
+        # a deterministic baseline (exactly 0 at every seed) and every toggled seed above it: an effect even
+        # though the toggled values spread more than their mean (Detail 7's ratio variance)
+        ("up", [0.0, 0.0, 0.0], [0.036, 0.0056, 0.0041], "yes"),
+        ("up", [0.0, 0.0, 0.0], [0.036, -0.0056, 0.0041], "no: no clear effect"),  # not all on one side
+        ("same", [0.5, 0.5, 0.5], [0.5 + 1e-8, 0.5, 0.5 - 1e-8], "yes"),  # rounding is no effect
         (None, [0.0, 0.1, 0.2], [1.0, 1.1, 1.2], "effect: higher (no prediction)"),
     ],
 )
 def test_verdict_needs_an_effect_beyond_twice_its_standard_error(tmp_path, expect, baseline, toggled, verdict):
     ab = ablate.Ablation(ablate.Args(mode="ci", upstream=str(tmp_path / "up"), out=str(tmp_path / "out")))
     metric = ablate.Metric("m", lambda *a: 0.0, expect, "")
-    assert ab.verdict(metric, np.array(baseline), np.array(toggled), 0) == verdict
+    seeds = range(1, len(baseline) + 1)
+    assert ab.verdict(metric, dict(zip(seeds, baseline)), dict(zip(seeds, toggled))) == verdict
