@@ -113,14 +113,6 @@ ESTIMATE_S = {
 }
 
 
-def flags_with(base: list[str], overrides: dict) -> list[str]:
-    """`--name value` pairs of `base` with the values in `overrides` replaced (or appended; None drops the flag)."""
-    pairs = dict(zip(base[0::2], base[1::2]))
-    assert len(pairs) * 2 == len(base), f"expected --name value pairs: {base}"
-    pairs.update(overrides)
-    return [token for name, value in pairs.items() if value is not None for token in (name, value)]
-
-
 # --------------------------------------------------------------------------------------------
 # Runs and arms. An arm is one setting of one stage ("ppo, EOS trick off"); a run is an arm at a seed.
 # --------------------------------------------------------------------------------------------
@@ -368,15 +360,15 @@ class Ablation:
         data = self.data_dir(arm)
         response_length = str(pipeline.TASK["sft_response_length"])
         if arm.kind == "sft":
-            flags = flags_with(self.settings["sft"], self.budget["sft"])
+            flags = pipeline.flags_with(self.settings["sft"], self.budget["sft"])
             cmd = self.py("sft.py", *common, "--base_model", self.up("data", "base_model"), "--query_dataset",
                           os.path.join(data, "sft"), "--response_length", response_length, *flags)
         elif arm.kind == "rm":
-            flags = flags_with(self.settings["rm"], self.budget["rm"])
+            flags = pipeline.flags_with(self.settings["rm"], self.budget["rm"])
             cmd = self.py("reward.py", *common, "--sft_model_path", self.up("models", "sft"), "--preference_dataset",
                           os.path.join(data, "preference"), "--query_dataset", os.path.join(data, "sft"), *flags)
         else:  # ppo or the Detail 7 probe
-            flags = flags_with(flags_with(self.settings["ppo"], self.budget["ppo"]), self.budget["probe"] if arm.kind == "probe" else {})
+            flags = pipeline.flags_with(pipeline.flags_with(self.settings["ppo"], self.budget["ppo"]), self.budget["probe"] if arm.kind == "probe" else {})
             rm = os.path.join(self.models, arm.reward_model) if arm.reward_model else self.up("models", "rm")
             cmd = self.py("ppo.py", *common, "--sft_model_path", self.up("models", "sft"), "--reward_model_path", rm,
                           "--query_dataset", os.path.join(data, "sft"), "--response_length", response_length, *flags)
@@ -626,9 +618,9 @@ class Ablation:
             f"(`{os.path.relpath(self.upstream, REPO_ROOT)}`, its stage times).",
             f"- **Machine**: {self.machine()}. Load average at the end: "
             f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min; above the core count, other jobs shared the cores and the times are upper bounds).",
-            f"- **Budgets** ({self.args.mode} mode): SFT {' '.join(flags_with(self.settings['sft'], b['sft']))}; "
-            f"RM {' '.join(flags_with(self.settings['rm'], b['rm']))}; PPO "
-            f"{' '.join(flags_with(self.settings['ppo'], b['ppo']))}; Detail 7 probe: the PPO flags with "
+            f"- **Budgets** ({self.args.mode} mode): SFT {' '.join(pipeline.flags_with(self.settings['sft'], b['sft']))}; "
+            f"RM {' '.join(pipeline.flags_with(self.settings['rm'], b['rm']))}; PPO "
+            f"{' '.join(pipeline.flags_with(self.settings['ppo'], b['ppo']))}; Detail 7 probe: the PPO flags with "
             f"{' '.join(f'{k} {v}' for k, v in b['probe'].items())}. Data, SFT model and RM of the PPO runs: the upstream's "
             "(seed 1); the seed varies the ablated stage.",
             "- **Expected** paraphrases what the paper says the detail is for; where it gives no measurement the "

@@ -111,7 +111,8 @@ class Args:
     """synthetic task: language-model warm-up steps (batch 16) on fresh posts that end with the author's recap,
     so the base model is 'pretrained' (it knows the language and copies phrases) before SFT, like Pythia;
     0 = a random-init base. Copying appears abruptly and at a seed-dependent step (the "induction head" phase
-    change). With the pipeline's seed, 300 steps left SFT covering 7% of the key facts and 600 steps 86%."""
+    change). With the pipeline's seed, 300 steps left SFT covering 7% of the key facts and 600 steps 86%
+    (measured with the earlier 600-character warm-up documents)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -532,7 +533,8 @@ def build_synthetic(args: Args) -> dict:
             "base_model_parameters": n_params}
 
 
-def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 16, max_len: int = 192):
+def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 16, max_len: int = 192,
+              lr: float = 3e-3):
     """A short next-token warm-up, the tiny stand-in for Pythia's pre-training. One document per row
     (padded, pads masked out of the loss), so a post and its recap are always seen together."""
     import torch
@@ -540,8 +542,8 @@ def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_s
 
     encoded = [tokenizer.encode(t)[: max_len - 1] + [tokenizer.eos_token_id] for t in texts]
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
     bar = tqdm(range(steps), desc="base-model warm-up")
     for _ in bar:

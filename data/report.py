@@ -240,3 +240,69 @@ def mid_sentence_share(queries: list[str]) -> float:
         post = query.split("POST:", 1)[-1].rsplit("TL;DR:", 1)[0].strip()
         cut += not post.endswith((".", "!", "?"))
     return cut / len(queries)
+
+
+# --------------------------------------------------------------------------------------------
+# Several seeds (pipeline.py --seeds 1 2 3): every seed's own report, side by side.
+# --------------------------------------------------------------------------------------------
+def write_seed_report(out: str, seeds: list[int]) -> str:
+    """`<out>/report/seeds.md` (+ .json and a plot) from `<out>/seed_<n>/report/results.json`: per policy the
+    gold win rate of every seed, their mean and sample standard deviation; the same for the RM and DPO-as-RM
+    validation accuracies. A seed whose report is missing is an error naming it (rerun the pipeline)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = {}
+    for seed in seeds:
+        path = os.path.join(out, f"seed_{seed}", "report", "results.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"seed {seed}: no report at {path}; run pipeline.py again to finish that seed")
+        results[seed] = json.load(open(path))
+    rows: dict[str, dict[int, float | None]] = {}
+    for seed, res in results.items():
+        for r in res["policies"]:
+            rows.setdefault(f"{r['policy']} gold win rate", {})[seed] = r["win_rate"]
+        for name, key in (("reward model accuracy", "rm"), ("DPO-as-RM accuracy", "dpo")):
+            rows.setdefault(name, {})[seed] = _first(res.get(key) or {}, "eval/validation/accuracy", "eval/accuracy")
+    ceilings = {res.get("ceiling") for res in results.values()}
+
+    def stats(values: dict[int, float | None]) -> tuple[float, float]:
+        xs = np.array([v for v in values.values() if v is not None], dtype=float)
+        if len(xs) == 0:
+            return float("nan"), float("nan")
+        return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float("nan")
+
+    lines = ["## Seeds side by side", "",
+             f"Seeds {', '.join(map(str, seeds))}: one task (data, tokenizer, base model), every training stage once per seed. "
+             f"RM-accuracy ceiling: {', '.join(_fmt(c) for c in ceilings)}.", "",
+             "| metric | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | std |",
+             "| --- | " + " | ".join("---" for _ in seeds) + " | --- | --- |"]
+    summary = {}
+    for name, values in rows.items():
+        mean, std = stats(values)
+        summary[name] = {"per_seed": {str(s): values.get(s) for s in seeds}, "mean": mean, "std": std}
+        lines.append(f"| {name} | " + " | ".join(_fmt(values.get(s)) for s in seeds) + f" | {_fmt(mean)} | {_fmt(std)} |")
+    report_dir = os.path.join(out, "report")
+    os.makedirs(report_dir, exist_ok=True)
+    policies = [n for n in rows if n.endswith("gold win rate")]
+    if policies:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for i, name in enumerate(policies):
+            vals = [v for v in rows[name].values() if v is not None]
+            ax.bar(i, np.mean(vals) if vals else np.nan, color="tab:blue", alpha=0.6)
+            ax.plot([i] * len(vals), vals, "ko", ms=4)
+        ax.axhline(0.5, color="gray", ls="--", lw=1)
+        ax.set_xticks(range(len(policies)), [n.split(" ")[0] for n in policies], rotation=30)
+        ax.set(ylabel="gold win rate vs reference", ylim=(0, 1), title=f"Win rate per policy, seeds {seeds} (dots)")
+        fig.tight_layout()
+        fig.savefig(os.path.join(report_dir, "seeds_win_rate.png"), dpi=100)
+        plt.close(fig)
+        lines += ["", "Plot: `seeds_win_rate.png`"]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(report_dir, "seeds.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(report_dir, "seeds.json"), "w") as f:
+        json.dump({"seeds": seeds, "metrics": summary}, f, indent=2)
+    return text

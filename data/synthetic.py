@@ -13,6 +13,9 @@ PPO / DPO / ... -> judge) runs on 2 CPU cores in minutes, with a *known* right a
   config `comparisons`), so `data/prepare.py` runs the real TL;DR code path on them.
 * Preference labels are the gold verdict flipped with a known, confidence-dependent
   probability, so the best accuracy any reward model can reach (the ceiling) is known.
+* The human references are good but beatable: most open with a chatty habit word that the gold judge
+  counts as filler. SFT imitates the habit; the preference pairs show raters disliking it, so RLHF has
+  something to fix, as in the paper, where PPO's summaries beat the human references more often than SFT's.
 """
 
 from __future__ import annotations
@@ -197,9 +200,20 @@ def make_post(rng: random.Random) -> dict:
     }
 
 
+# The human writers' habit. Most references open with the same chatty word, which the gold judge counts
+# as filler. It is the *typical* reference, so SFT (which imitates the typical reference and is evaluated
+# near-greedily) opens with it too; the preference pairs show raters disliking filler, so a reward model
+# learns the habit is bad and RLHF can unlearn it. This is the headroom the paper's setting has too: human
+# TL;DR references are beatable, and PPO's summaries beat them more often than SFT's do. (A first version
+# gave 73% of references no flaw at all; SFT then tied the reference on half the posts and no method could
+# rise measurably above it: PPO 0.460 and DPO 0.420 against SFT 0.440.)
+REFERENCE_OPENER = "basically"
+P_REFERENCE_OPENER = 0.6
+
+
 def reference_summary(facts: list[str], rng: random.Random) -> str:
-    """A human-like reference: usually right, sometimes flawed (drops a fact or adds filler),
-    so SFT learns a decent but beatable policy."""
+    """A human-like reference: right facts, usually opened by the writers' habit word, and now and then
+    flawed otherwise (drops a fact or trails off into filler), so SFT learns a decent but beatable policy."""
     chosen = list(facts)
     u = rng.random()
     if u < 0.15 and len(chosen) > 1:
@@ -207,11 +221,20 @@ def reference_summary(facts: list[str], rng: random.Random) -> str:
     text = _join_facts(chosen)
     if 0.15 <= u < 0.27:
         text = f"{text} {rng.choice(SUMMARY_FILLER)}"
-    return text + "."
+    return with_habit(text, rng) + "."
+
+
+def with_habit(text: str, rng: random.Random) -> str:
+    """The writers' opener in front of `text`, with probability P_REFERENCE_OPENER."""
+    return f"{REFERENCE_OPENER} {text}" if rng.random() < P_REFERENCE_OPENER else text
 
 
 def policy_summary(policy: str, post: dict, rng: random.Random) -> str:
-    """A summary in the style of one named sampling policy."""
+    """A summary in the style of one named sampling policy. The policies that wrote the compared summaries
+    were trained on human references, so all but `good` (a flawless writer) and `title` pick up the writers'
+    opener as often as the references do. Were it only in the `ref` policy's summaries, which usually win
+    their comparisons, the opener would look like a mark of quality to a reward model (measured: an RM
+    trained on such data scored summaries with the opener 0.03 higher than without it)."""
     facts = post["facts"]
     if policy == "good":
         return _join_facts(facts) + "."
@@ -220,28 +243,33 @@ def policy_summary(policy: str, post: dict, rng: random.Random) -> str:
     if policy == "drop":  # loses one key fact
         kept = list(facts)
         kept.pop(rng.randrange(len(kept)))
-        return _join_facts(kept) + "."
+        return with_habit(_join_facts(kept), rng) + "."
     if policy == "short":  # only the first fact
-        return facts[0] + "."
+        return with_habit(facts[0], rng) + "."
     if policy == "filler":  # right facts, chatty
         return f"{rng.choice(SUMMARY_FILLER)} {_join_facts(facts)} {rng.choice(SUMMARY_FILLER)}."
     if policy == "runon":  # never ends: no period, trails off
-        return _join_facts(facts) + " and then " + rng.choice(["i", "we", "so i", "and"])
+        return with_habit(_join_facts(facts), rng) + " and then " + rng.choice(["i", "we", "so i", "and"])
     if policy == "invent":  # adds a fact that is not in the post
         while True:
             fake = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}"
             if fake not in facts:
                 break
-        return _join_facts(facts + [fake]) + "."
+        return with_habit(_join_facts(facts + [fake]), rng) + "."
     if policy == "title":  # copies the title
         return post["title"] + "."
     raise ValueError(f"unknown policy {policy!r}")
 
 
-# Train pairs use these policies; validation adds pairs that never occur in train (Detail 6).
+# Train pairs cover every kind of flaw, including invented facts (which a reward model can only catch by
+# checking the summary against the post) and a copied title (no fact at all). Validation adds pairs of
+# policies that are never compared with each other in train (Detail 6). (With no title in any train pair, the
+# RM had never seen a summary without facts and preferred a copied title to a chatty summary in 80% of
+# those validation pairs, where the gold labels agree with the chatty one 81% of the time.)
 TRAIN_POLICY_PAIRS = [("good", "drop"), ("good", "filler"), ("ref", "short"), ("ref", "runon"),
-                      ("drop", "filler"), ("good", "ref"), ("short", "runon"), ("drop", "short")]
-OOD_POLICY_PAIRS = [("good", "invent"), ("ref", "title"), ("invent", "drop")]
+                      ("drop", "filler"), ("good", "ref"), ("short", "runon"), ("drop", "short"), ("good", "invent"),
+                      ("ref", "invent"), ("short", "title")]
+OOD_POLICY_PAIRS = [("ref", "title"), ("good", "short"), ("invent", "drop"), ("filler", "title")]
 POLICY_NAMES = {  # names in the style of the real dataset's policy column
     "good": "sup_good_t.7", "ref": "ref", "drop": "sup_drop_t.7", "short": "sup_short_t.7",
     "filler": "sup_filler_t.7", "runon": "sup_runon_t1", "invent": "ppo_invent_t.7", "title": "title",
@@ -366,12 +394,15 @@ def generate_raw(out_dir: str, seed: int = 0, num_sft_train: int = 4000, num_sft
     return {"counts": counts, "ceiling": ceiling}
 
 
-def pretraining_documents(num: int, seed: int, min_chars: int = 600) -> list[str]:
-    """Text for the base model's warm-up, the tiny stand-in for pre-training. Each document packs several
-    short fresh posts (not the SFT split), each ending with the author's own recap ("in short: ..."), the
-    way forum threads in a pre-training corpus often do. Copying a phrase from earlier in the document is
-    the skill SFT builds on, so the warm-up text is dense in it: short posts put about one token in five
-    inside a recap, where a full-length post would put one in twenty."""
+def pretraining_documents(num: int, seed: int, min_chars: int = 200) -> list[str]:
+    """Text for the base model's warm-up, the tiny stand-in for pre-training. Each document packs one or more
+    short fresh posts (not the SFT split) up to `min_chars` characters, each ending with the author's own
+    recap ("in short: ..."), the way forum threads in a pre-training corpus often do. Copying a phrase from
+    earlier in the document is the skill SFT builds on, so the warm-up text is dense in it: short posts put
+    about one token in five inside a recap, where a full-length post would put one in twenty. Short documents
+    keep the warm-up cheap: copying forms after about the same number of steps whatever the document length
+    (measured, 600 steps of batch 16: 600-character documents 163 s, 200-character ones 85 s at a higher
+    peak learning rate, with recap facts predicted correctly 74% and 76% of the time)."""
     rng = random.Random(seed + 7919)
     docs = []
     for _ in range(num):

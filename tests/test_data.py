@@ -4,6 +4,7 @@ import json
 import os
 import random
 
+import numpy as np
 import pytest
 from datasets import load_from_disk
 from transformers import AutoTokenizer
@@ -216,3 +217,22 @@ def test_ceiling_is_known_and_matches_labels(tmp_path):
     c = info["ceiling"]
     assert 0.6 < c["validation"] < 0.95
     assert abs(c["validation"] - c["validation_realised"]) < 0.05  # the noise model is what we say it is
+
+
+def test_references_carry_a_habit_the_gold_judge_penalises():
+    """The built-in task's headroom for RLHF: most references open with the writers' habit word, which the
+    gold judge counts as filler, and every compared policy but `good` and `title` picks it up as often (so a
+    reward model cannot take it for a mark of the usually-winning `ref` policy)."""
+    rng = random.Random(5)
+    posts = [synthetic.make_post(rng) for _ in range(2000)]
+    opener = synthetic.REFERENCE_OPENER + " "
+    share = {p: np.mean([synthetic.policy_summary(p, post, rng).startswith(opener) for post in posts])
+             for p in ("ref", "drop", "short", "runon", "invent", "good", "title")}
+    for p in ("ref", "drop", "short", "runon", "invent"):
+        assert abs(share[p] - synthetic.P_REFERENCE_OPENER) < 0.04, (p, share[p])
+    assert share["good"] == 0.0 and share["title"] == 0.0
+    post = posts[0]["post"]
+    clean = synthetic._join_facts(posts[0]["facts"]) + "."
+    assert synthetic.gold_breakdown(post, opener + clean).filler == 1
+    assert synthetic.gold_prefer(post, clean, opener + clean) == "A"
+    assert synthetic.gold_prefer(post, opener + clean, clean) == "B"

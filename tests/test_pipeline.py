@@ -52,3 +52,48 @@ def test_gold_win_counts_a_tie_with_the_reference_as_half():
     assert gold_win(post, ref, ref) == 0.5  # identical: whichever side is A wins the tie-break
     assert gold_win(post, " landlord sold furniture and mom hid shoes.", ref) == 1.0
     assert gold_win(post, " lol.", ref) == 0.0
+
+
+def test_several_seeds_share_the_task_and_keep_their_own_runs(tmp_path):
+    sys.path.insert(0, REPO_ROOT)
+    import pipeline
+
+    assert pipeline.resolve_seeds(pipeline.Args(mode="full")) == [1, 2, 3]
+    assert pipeline.resolve_seeds(pipeline.Args(seed=4)) == [4]
+    assert pipeline.resolve_seeds(pipeline.Args(mode="full", seeds=[5, 6])) == [5, 6]
+    args = pipeline.Args(mode="full", out=str(tmp_path), seed=2)
+    p = pipeline.Pipeline(args, seed_dir="seed_2", data_seed=1)
+    prep, sft = p.cmd_prep(), p.cmd_sft()
+    assert prep[prep.index("--seed") + 1] == "1"  # one task for every seed
+    assert prep[prep.index("--output_dir") + 1] == str(tmp_path / "data")
+    assert sft[sft.index("--seed") + 1] == "2"
+    assert sft[sft.index("--output_dir") + 1] == str(tmp_path / "seed_2" / "models" / "sft")
+    assert sft[sft.index("--base_model") + 1] == str(tmp_path / "data" / "base_model")
+    assert p.marker("prep") == str(tmp_path / "stages" / "prep.json")
+    assert p.marker("ppo") == str(tmp_path / "seed_2" / "stages" / "ppo.json")
+    offline = p.cmd_offline("filter")  # the RM-labelled mixture depends on the seed's RM: not shared
+    assert offline[offline.index("--cache_dir") + 1] == str(tmp_path / "seed_2" / "offline_cache")
+
+
+def test_seed_report_gives_every_seed_with_mean_and_std(tmp_path):
+    sys.path.insert(0, REPO_ROOT)
+    from data.report import write_seed_report
+
+    wins = {1: (0.30, 0.60), 2: (0.34, 0.70), 3: (0.32, 0.65)}
+    for seed, (sft, ppo) in wins.items():
+        (tmp_path / f"seed_{seed}" / "report").mkdir(parents=True)
+        (tmp_path / f"seed_{seed}" / "report" / "results.json").write_text(json.dumps({
+            "policies": [{"policy": "sft", "win_rate": sft}, {"policy": "ppo", "win_rate": ppo}],
+            "rm": {"eval/validation/accuracy": 0.7 + seed / 100}, "dpo": {}, "ceiling": 0.78}))
+    text = write_seed_report(str(tmp_path), [1, 2, 3])
+    assert "| ppo gold win rate | 0.600 | 0.700 | 0.650 | 0.650 | 0.050 |" in text
+    assert "| sft gold win rate | 0.300 | 0.340 | 0.320 | 0.320 | 0.020 |" in text
+    assert "| reward model accuracy | 0.710 | 0.720 | 0.730 | 0.720 | 0.010 |" in text
+    assert "| DPO-as-RM accuracy | n/a | n/a | n/a | n/a | n/a |" in text
+    summary = json.loads((tmp_path / "report" / "seeds.json").read_text())
+    assert abs(summary["metrics"]["ppo gold win rate"]["mean"] - 0.65) < 1e-9
+    assert (tmp_path / "report" / "seeds_win_rate.png").stat().st_size > 1000
+    import pytest
+
+    with pytest.raises(FileNotFoundError, match="seed 4"):
+        write_seed_report(str(tmp_path), [1, 4])
