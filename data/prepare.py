@@ -111,8 +111,7 @@ class Args:
     """synthetic task: language-model warm-up steps (batch 16) on fresh posts that end with the author's recap,
     so the base model is 'pretrained' (it knows the language and copies phrases) before SFT, like Pythia;
     0 = a random-init base. Copying appears abruptly and at a seed-dependent step (the "induction head" phase
-    change). With the pipeline's seed, 300 steps left SFT covering 7% of the key facts and 600 steps 86%
-    (measured with the earlier 600-character warm-up documents)."""
+    change). With the pipeline's seed, 300 steps left SFT covering 7% of the key facts and 600 steps 86%."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,7 +533,7 @@ def build_synthetic(args: Args) -> dict:
 
 
 def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 16, max_len: int = 192,
-              lr: float = 3e-3):
+              lr: float = 2e-3):
     """A short next-token warm-up, the tiny stand-in for Pythia's pre-training. One document per row
     (padded, pads masked out of the loss), so a post and its recap are always seen together."""
     import torch

@@ -394,15 +394,18 @@ def generate_raw(out_dir: str, seed: int = 0, num_sft_train: int = 4000, num_sft
     return {"counts": counts, "ceiling": ceiling}
 
 
-def pretraining_documents(num: int, seed: int, min_chars: int = 200) -> list[str]:
-    """Text for the base model's warm-up, the tiny stand-in for pre-training. Each document packs one or more
+def pretraining_documents(num: int, seed: int, min_chars: int = 600) -> list[str]:
+    """Text for the base model's warm-up, the tiny stand-in for pre-training. Each document packs several
     short fresh posts (not the SFT split) up to `min_chars` characters, each ending with the author's own
     recap ("in short: ..."), the way forum threads in a pre-training corpus often do. Copying a phrase from
     earlier in the document is the skill SFT builds on, so the warm-up text is dense in it: short posts put
-    about one token in five inside a recap, where a full-length post would put one in twenty. Short documents
-    keep the warm-up cheap: copying forms after about the same number of steps whatever the document length
-    (measured, 600 steps of batch 16: 600-character documents 163 s, 200-character ones 85 s at a higher
-    peak learning rate, with recap facts predicted correctly 74% and 76% of the time)."""
+    about one token in five inside a recap, where a full-length post would put one in twenty.
+
+    Shorter documents make the warm-up cheaper but the base model worse for this task. Measured, pipeline
+    seed, 600 steps of batch 16: 200-character documents (peak lr 3e-3) took 85 s instead of 163 s, and
+    predicted recap facts as well (76% vs 74%), but SFT from that model covered 78% of the key facts instead
+    of 88% with 0.57 invented facts per summary instead of 0.31, its RM reached 0.697 instead of 0.722, and
+    PPO against that RM over-optimised (gold win rate 0.45 at update 16, 0.29 at update 48)."""
     rng = random.Random(seed + 7919)
     docs = []
     for _ in range(num):
