@@ -138,10 +138,26 @@ def write_report(p) -> str:
     # 2. reward model accuracy vs the known ceiling, and DPO's implicit reward model (Detail 19)
     rm = _load(os.path.join(p.runs, "rm", "summary.json"))
     dpo = _load(os.path.join(p.runs, "dpo", "summary.json"))
+    by_split = task.get("ceiling_by_split", {})
     lines += ["", "## Reward models (validation preference split)", "",
-              "| model | accuracy | ceiling (gold labels with known noise) |", "| --- | --- | --- |",
-              f"| reward model (reward.py) | {_fmt(_first(rm, 'eval/validation/accuracy', 'eval/accuracy'))} | {_fmt(task.get('ceiling'))} |",
-              f"| DPO implicit reward (dpo.py) | {_fmt(_first(dpo, 'eval/validation/accuracy', 'eval/accuracy'))} | {_fmt(task.get('ceiling'))} |"]
+              "Accuracy against the raters' labels; the ceiling is the accuracy of the gold judge itself on those noisy "
+              "labels (expected value from the known noise). batch10: policy pairs also compared in training; batch11: "
+              "pairs never compared in training (Detail 6).", "",
+              "| model | accuracy | batch10 | batch11 | ceiling (overall / batch10 / batch11) |", "| --- | --- | --- | --- | --- |"]
+    for name, summary in (("reward model (reward.py)", rm), ("DPO implicit reward (dpo.py)", dpo)):
+        lines.append(f"| {name} | {_fmt(_first(summary, 'eval/validation/accuracy', 'eval/accuracy'))} | "
+                     f"{_fmt(summary.get('eval/validation/accuracy/batch/batch10'))} | "
+                     f"{_fmt(summary.get('eval/validation/accuracy/batch/batch11'))} | {_fmt(task.get('ceiling'))} / "
+                     f"{_fmt(by_split.get('validation_in_distribution'))} / {_fmt(by_split.get('validation_ood'))} |")
+    # by rater confidence (Table 5's view): the ceiling at confidence c is 1 - the label-flip probability at c
+    confidences = sorted({int(k.rsplit("/", 1)[1]) for k in rm if k.startswith("eval/validation/accuracy/confidence/")})
+    if confidences:
+        lines += ["", "| rater confidence | " + " | ".join(map(str, confidences)) + " |",
+                  "| --- | " + " | ".join("---" for _ in confidences) + " |"]
+        for name, summary in (("reward model", rm), ("DPO implicit reward", dpo)):
+            lines.append(f"| {name} | " + " | ".join(_fmt(summary.get(f"eval/validation/accuracy/confidence/{c}"))
+                                                    for c in confidences) + " |")
+        lines.append("| ceiling | " + " | ".join(_fmt(1.0 - synthetic.flip_probability(c)) for c in confidences) + " |")
 
     # 3. wall time per stage
     lines += ["", "## Wall time per stage", "", "| stage | seconds |", "| --- | --- |"]

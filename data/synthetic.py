@@ -379,18 +379,22 @@ def generate_raw(out_dir: str, seed: int = 0, num_sft_train: int = 4000, num_sft
     # The ceiling: a reward model that knows the gold judge perfectly agrees with a label with
     # probability 1 - flip_probability; averaged over a split that is its expected accuracy.
     ceiling["train"] = sum(p_train) / len(p_train)
-    ceiling["validation"] = sum(p_valid) / len(p_valid)
+    # "validation" is the TL;DR part that reward.py's `validation` split holds; CNN/DM rows are its own split
+    in_tldr = [p for p, r in zip(p_valid, valid_rows) if r["split"] == "valid1"]
+    ceiling["validation"] = sum(in_tldr) / max(1, len(in_tldr))
+    if num_cnndm:
+        ceiling["validation_cnndm"] = sum(p_valid[-num_cnndm:]) / num_cnndm
     for name, batch in (("validation_in_distribution", "batch10"), ("validation_ood", "batch11")):
         ps = [p for p, r in zip(p_valid, valid_rows) if r["batch"] == batch]
         if ps:
             ceiling[name] = sum(ps) / len(ps)
     # the realised agreement of labels with gold on validation (noise drawn, so it differs a little)
     agree = 0
-    for r in valid_rows:
-        post_text = r["info"]["post"] or r["info"]["article"]
-        g = 0 if gold_prefer(post_text, r["summaries"][0]["text"], r["summaries"][1]["text"]) == "A" else 1
+    tldr_rows = [r for r in valid_rows if r["split"] == "valid1"]
+    for r in tldr_rows:
+        g = 0 if gold_prefer(r["info"]["post"], r["summaries"][0]["text"], r["summaries"][1]["text"]) == "A" else 1
         agree += int(g == r["choice"])
-    ceiling["validation_realised"] = agree / len(valid_rows)
+    ceiling["validation_realised"] = agree / max(1, len(tldr_rows))
     return {"counts": counts, "ceiling": ceiling}
 
 

@@ -26,7 +26,7 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
     for plot in ("win_rate_per_policy.png", "ppo_rm_vs_gold.png", "length_controlled_win_rate.png", "rm_calibration.png"):
         assert (report / plot).stat().st_size > 1000, plot
         assert plot in text
-    for heading in ("gold win rate", "Reward models", "Wall time per stage", "PPO along training"):
+    for heading in ("gold win rate", "Reward models", "rater confidence", "Wall time per stage", "PPO along training"):
         assert heading in text
 
     # restartable: nothing but the judge and the report runs again
