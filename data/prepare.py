@@ -532,8 +532,7 @@ def build_synthetic(args: Args) -> dict:
             "base_model_parameters": n_params}
 
 
-def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 16, max_len: int = 192,
-              lr: float = 2e-3):
+def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_size: int = 16, max_len: int = 192):
     """A short next-token warm-up, the tiny stand-in for Pythia's pre-training. One document per row
     (padded, pads masked out of the loss), so a post and its recap are always seen together."""
     import torch
@@ -541,8 +540,8 @@ def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_s
 
     encoded = [tokenizer.encode(t)[: max_len - 1] + [tokenizer.eos_token_id] for t in texts]
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
     model.train()
     bar = tqdm(range(steps), desc="base-model warm-up")
     for _ in bar:
