@@ -73,6 +73,9 @@ def kl_from_sft(p, label: str, samples_csv: str, tokenizer) -> float | None:
     KL(pi || pi_sft) at the evaluation temperature's samples; 0 for SFT itself)."""
     if label == "sft":
         return 0.0
+    if label.startswith("ilql"):
+        # the ILQL policy is the LM head shifted by beta x the Q heads' advantage; the LM head alone is not it
+        return None
     model_dir = os.path.join(p.models, label)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         return None

@@ -18,6 +18,10 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
     results = json.loads((report / "results.json").read_text())
     policies = {r["policy"] for r in results["policies"]}
     assert {"sft", "ppo", "dpo"} <= policies
+    # ILQL is judged once per swept beta (ilql.py --eval_betas default 0 1 4), never as one unnamed policy,
+    # and gets no KL: its policy is the LM head shifted by the Q heads, which the LM alone does not give
+    assert {"ilql_beta0", "ilql_beta1", "ilql_beta4"} <= policies and "ilql" not in policies
+    assert all(r["kl"] is None for r in results["policies"] if r["policy"].startswith("ilql"))
     for row in results["policies"]:
         assert row["win_rate"] is not None and 0.0 <= row["win_rate"] <= 1.0, row
         assert row["ci_low"] <= row["win_rate"] <= row["ci_high"]
