@@ -94,7 +94,8 @@ SETTINGS = {
         # 0.02-0.08, far below SFT's 0.28), with a fast target (alpha 1: the terminal reward must travel back one
         # token per sync), a light CQL term (0.1 inflates every Q along the response, see ilql.py's cql_scale) and
         # the near-greedy sampling every other policy is evaluated with; 19200 trajectories = 1.6 passes over the
-        # 6000 pairs (6400 left the Q heads too weak for the beta shift to matter)
+        # 6000 pairs (6400 left the Q heads too weak for the beta shift to matter). The beta gain is seed-dependent
+        # (README, "ILQL"): it held on 1 of 3 ILQL training seeds
         "ilql": ["--init_from", "sft", "--lr", "1e-3", "--total_episodes", "19200", "--total_batch_size", "32",
                  "--local_micro_batch_size", "32", "--num_eval_samples", "200", "--local_eval_batch_size", "50",
                  "--ilql.alpha", "1.0", "--ilql.cql_scale", "0.01", "--temperature", "0.01"],
