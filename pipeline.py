@@ -247,9 +247,9 @@ class Pipeline:
             if stage not in self.stages:
                 continue
             if stage == "ilql":
-                swept = glob.glob(os.path.join(self.runs, stage, "samples_beta*.csv"))
-                for path in sorted(swept, key=lambda x: float(os.path.basename(x)[len("samples_beta"):-len(".csv")])):
-                    out.append((f"ilql_beta{os.path.basename(path)[len('samples_beta'):-len('.csv')]}", path))
+                swept = {os.path.basename(path)[len("samples_beta"):-len(".csv")]: path
+                         for path in glob.glob(os.path.join(self.runs, stage, "samples_beta*.csv"))}
+                out += [(f"ilql_beta{beta}", swept[beta]) for beta in sorted(swept, key=float)]
                 if swept:
                     continue
             path = os.path.join(self.runs, stage, "samples.csv")
