@@ -259,10 +259,15 @@ def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic."""
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
 
 
 def forward(model, query_responses: torch.Tensor, pad_token_id: int):
@@ -612,17 +617,6 @@ class RunningMoments:
         self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
 
 
-def disable_all_dropout(model: nn.Module) -> None:
-    """Detail 7 in full: the shared `disable_dropout` zeroes nn.Dropout modules, but several attention
-    implementations (GPT-NeoX, Llama, ...) apply dropout functionally from a float attribute, which
-    it misses; zero those attributes as well."""
-    disable_dropout(model)
-    for module in model.modules():
-        for name in ("attention_dropout", "attn_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The stack of transformer blocks of a causal LM (GPT-NeoX `layers`, GPT-2 `h`, ...)."""
     backbone = getattr(model, model.base_model_prefix)
@@ -949,7 +943,7 @@ def main(args: Args) -> dict:
             model.resize_token_embeddings(len(tokenizer))
     if args.disable_dropout:  # Detail 7
         for model in (policy, critic, reward_model):
-            disable_all_dropout(model)
+            disable_dropout(model)
     reward_model.requires_grad_(False).eval()
     if args.lora_rank > 0:
         policy = get_peft_model(
@@ -965,7 +959,7 @@ def main(args: Args) -> dict:
         )
         if ref_policy.get_input_embeddings().weight.size(0) < len(tokenizer):
             ref_policy.resize_token_embeddings(len(tokenizer))
-        disable_all_dropout(ref_policy)  # the reference never trains: its logprobs must be deterministic
+        disable_dropout(ref_policy)  # the reference never trains: its logprobs must be deterministic
         ref_policy.requires_grad_(False).eval()
 
     model = PolicyAndValue(policy, critic)

@@ -76,6 +76,11 @@ def kl_from_sft(p, label: str, samples_csv: str, tokenizer) -> float | None:
     if label.startswith("ilql"):
         # the ILQL policy is the LM head shifted by beta x the Q heads' advantage; the LM head alone is not it
         return None
+    if label == "offline_dt":
+        # the Decision Transformer writes after a return-conditioned prompt (`<rm_score> ...`), not after the
+        # plain query the SFT model reads: log-probabilities of the two on the plain query do not compare
+        # (measured: scoring them that way gave a negative "KL")
+        return None
     model_dir = os.path.join(p.models, label)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         return None
@@ -146,9 +151,12 @@ def write_report(p) -> str:
               "Accuracy against the raters' labels; the ceiling is the accuracy of the gold judge itself on those noisy "
               "labels (expected value from the known noise). batch10: policy pairs also compared in training; batch11: "
               "pairs never compared in training (Detail 6).", "",
-              "| model | accuracy | batch10 | batch11 | ceiling (overall / batch10 / batch11) |", "| --- | --- | --- | --- | --- |"]
+              "| model | accuracy | 95% CI | batch10 | batch11 | ceiling (overall / batch10 / batch11) |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for name, summary in (("reward model (reward.py)", rm), ("DPO implicit reward (dpo.py)", dpo)):
-        lines.append(f"| {name} | {_fmt(_first(summary, 'eval/validation/accuracy', 'eval/accuracy'))} | "
+        low, high = summary.get("eval/validation/accuracy_ci_low"), summary.get("eval/validation/accuracy_ci_high")
+        ci = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else "n/a"
+        lines.append(f"| {name} | {_fmt(_first(summary, 'eval/validation/accuracy', 'eval/accuracy'))} | {ci} | "
                      f"{_fmt(summary.get('eval/validation/accuracy/batch/batch10'))} | "
                      f"{_fmt(summary.get('eval/validation/accuracy/batch/batch11'))} | {_fmt(task.get('ceiling'))} / "
                      f"{_fmt(by_split.get('validation_in_distribution'))} / {_fmt(by_split.get('validation_ood'))} |")

@@ -22,6 +22,10 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
     # and gets no KL: its policy is the LM head shifted by the Q heads, which the LM alone does not give
     assert {"ilql_beta0", "ilql_beta1", "ilql_beta4"} <= policies and "ilql" not in policies
     assert all(r["kl"] is None for r in results["policies"] if r["policy"].startswith("ilql"))
+    # nor does the Decision Transformer, whose samples follow a return-conditioned prompt; the others get one
+    kl = {r["policy"]: r["kl"] for r in results["policies"]}
+    assert kl["offline_dt"] is None and kl["sft"] == 0.0
+    assert all(kl[p] is not None for p in ("ppo", "dpo", "offline_filter", "offline_rwr", "offline_best_of_n"))
     for row in results["policies"]:
         assert row["win_rate"] is not None and 0.0 <= row["win_rate"] <= 1.0, row
         assert row["ci_low"] <= row["win_rate"] <= row["ci_high"]

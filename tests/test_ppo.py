@@ -238,8 +238,8 @@ def test_detail7_first_ratio_is_one_only_without_dropout(accelerator, dropout_of
     reward_model = GPTNeoXForSequenceClassification(tiny_config()).eval()
     ref = GPTNeoXForCausalLM(tiny_config()).eval()
     if dropout_off:
-        ppo.disable_all_dropout(policy)
-        ppo.disable_all_dropout(critic)
+        ppo.disable_dropout(policy)
+        ppo.disable_dropout(critic)
     model, queries, data = tiny_rollout(accelerator, policy, critic, reward_model, ref)
     mask, _ = ppo.response_mask(data["responses"], PAD)
     model.train()

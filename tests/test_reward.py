@@ -196,6 +196,15 @@ def test_accuracy_breakdown_table():
     assert keyed[("reward", "std")]["value"] == pytest.approx(float(scores.std()))
     assert keyed[("pairs", "identical_texts")]["value"] == pytest.approx(0.1)
     assert "| validation | accuracy | overall |" in reward.markdown_table(rows)
+    # the 95% Wilson interval of each accuracy: it holds the value, and at n = 2000 its half-width is
+    # close to the normal approximation 1.96 * sqrt(p (1 - p) / n)
+    overall = keyed[("accuracy", "overall")]
+    p, n = overall["value"], overall["n"]
+    assert overall["ci_low"] < p < overall["ci_high"]
+    half = 1.96 * np.sqrt(p * (1 - p) / n)
+    assert (overall["ci_high"] - overall["ci_low"]) / 2 == pytest.approx(half, rel=0.02)
+    small = keyed[("accuracy by confidence", "9")]
+    assert small["ci_high"] - small["ci_low"] > overall["ci_high"] - overall["ci_low"]  # fewer pairs, wider
 
 
 def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):

@@ -27,6 +27,23 @@ sft = load_script("sft")
 
 
 
+@pytest.mark.parametrize("kind", ["hidden_dropout", "attention_dropout"])
+def test_detail7_disable_dropout_makes_training_forwards_deterministic(kind):
+    """GPT-NeoX applies attention dropout from a float attribute, not an nn.Dropout module: both kinds must be
+    switched off, or two training-mode forwards of the same batch differ."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=64, **{kind: 0.5})
+    config._attn_implementation = "eager"
+    model = GPTNeoXForCausalLM(config).train()
+    tokens = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    assert not torch.allclose(model(tokens).logits, model(tokens).logits)  # dropout is live before
+    sft.disable_dropout(model)
+    assert torch.equal(model(tokens).logits, model(tokens).logits)
+
+
 def test_make_labels_masks_every_pad():
     tokens = torch.tensor([[5, 6, 7, EOS, PAD, PAD], [5, 8, 9, 10, 11, EOS]])
     labels = sft.sft_labels(tokens, PAD)
