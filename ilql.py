@@ -157,8 +157,9 @@ class Args:
     built-in task (pipeline settings, training seeds 1 / 2 / 3): the first-token advantage of the habit word
     "basically" minus that of the LM's likeliest other token, over 200 validation posts, was -0.05 / +0.04 /
     +0.16 with labels (on two seeds the shift favours the habit the raters dislike) and -0.25 / -0.17 / -0.06
-    with RM scores; the correlation of the label with min target-Q at mid-response, over 300 train pairs, was
-    0.16 / 0.03 / 0.04 with labels and 0.24 / 0.27 / 0.15 with RM scores. The beta = 4 gain over beta = 0 held
+    with the scores of a one-epoch RM (-0.55 / -0.15 on seeds 2 / 3 with the pipeline's current two-epoch RM);
+    the correlation of the label with min target-Q at mid-response, over 300 train pairs, was 0.16 / 0.03 / 0.04
+    with labels and 0.24 / 0.27 / 0.15 with the one-epoch RM's scores. The beta = 4 gain over beta = 0 held
     on 1 of 3 seeds with labels and on 3 of 3 with RM scores. The pipeline uses rm (trlX: labels)."""
 
     # optimisation
