@@ -36,6 +36,7 @@ Single process:   python ilql.py --init_from base --model_path EleutherAI/pythia
 Several GPUs:     accelerate launch --config_file zero2.yaml ilql.py --seed 1
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -189,7 +190,8 @@ class Args:
     disable_dropout: bool = True
     """Detail 7: turn dropout off (the target heads and the TD targets then see deterministic features)"""
     bf16: Optional[bool] = None
-    """bf16 mixed precision; None = on only when a CUDA device supports bf16 (CPU always runs float32)"""
+    """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
+    runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
 
     # evaluation, sampling and logging
     eval_every: int = 500
@@ -228,6 +230,53 @@ DEFAULT_MODEL_PATHS = {"base": "EleutherAI/pythia-1b-deduped", "sft": "models/sf
 # ------------------------------------------------------------------------------------------------
 # Shared helpers (copied verbatim across scripts; a test checks that the copies stay identical)
 # ------------------------------------------------------------------------------------------------
+def start_processes() -> PartialState:
+    """Join the run's process group before anything reads the process count. accelerate picks a
+    communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
+    runs (`torchrun`) become gloo ranks on the CPU (cpu=True); a DeepSpeed launch
+    (`DS_ACCELERATOR=cpu accelerate launch --config_file zero2.yaml ...`) keeps DeepSpeed over gloo."""
+    if torch.cuda.is_available():
+        return PartialState()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return PartialState(backend="gloo")
+    return PartialState(cpu=True)
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8), state what the script itself does, where
+    accelerate would fill DeepSpeed's "auto" values with something else: the micro batch per process (not
+    every script hands accelerate a dataloader to read it from) and no gradient clipping (the paper clips
+    no gradients; accelerate's "auto" clips at 1.0)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+        plugin.deepspeed_config["gradient_clipping"] = 0.0
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 (zero3.yaml)
+    from_pretrained has already partitioned its weights across processes, so it runs inside a DeepSpeed
+    inference engine that gathers each layer's weights for its forward; `offload` keeps them in CPU memory
+    between uses (ZeRO-3 parameter offload: the paper's 6.9B setting, Detail 8). Elsewhere it moves to the
+    device (and a script that offloads by hand moves it on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
+
+
 def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
@@ -265,6 +314,85 @@ def check_columns(dataset, columns: list, where: str) -> None:
             raise ValueError(
                 f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
                 "every row must be padded to the same length (prepare the data again with data/prepare.py)"
+            )
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
+    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
+    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
+    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
+    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
+    padding made of this [PAD] and the responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        keys = ("vocab_size", "pad_token_id", "eos_token_id")
+        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
+        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
+            differ.append("same size, other tokens")
+        if differ:
+            raise ValueError(
+                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
+                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
+            )
+        return
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
+    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
+    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    for column in columns:
+        kind = table.schema.field(column).type
+        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
+        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
+            continue
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= vocab_size:
+            raise ValueError(
+                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
+                f"tokens, so the data was tokenized by another tokenizer. {fix}"
+            )
+    head = table.slice(0, rows).to_pylist()
+    for column in [c for c in columns if c + "_len" in dataset.column_names]:
+        ends = []  # the last token of each response (the query column has none)
+        for i, row in enumerate(head):
+            ids, n = row[column], row[column + "_len"]
+            if n > len(ids):
+                continue  # a response cut to the column's width has no padding and no EOS to check
+            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
+            wrong = [token for token in padding if token != pad]
+            if wrong:
+                raise ValueError(
+                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
+                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
+                )
+            if column != "query_token" and n > 0:
+                ends.append(ids[n - 1])
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(
+                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
+                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
+                f"another tokenizer. {fix}"
             )
 
 
@@ -548,6 +676,18 @@ def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torc
 # ------------------------------------------------------------------------------------------------
 # The model: the causal LM (behaviour policy) + V, Q and target-Q heads on its final hidden state
 # ------------------------------------------------------------------------------------------------
+def whole_parameters(params: list):
+    """A context in which `params` (None entries skipped) are whole tensors that may be changed in place. Under
+    ZeRO-3 (zero3.yaml) each process holds only a slice of each weight: the slices are gathered on entry and
+    rank 0's values are sliced back out on exit (every rank computes the same change). Elsewhere it does nothing."""
+    params = [p for p in params if p is not None]
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
 def make_head(hidden_size: int, out_size: int) -> nn.Sequential:
     """trlX's `make_head`: a 2-layer MLP of width 2 x hidden."""
     return nn.Sequential(nn.Linear(hidden_size, 2 * hidden_size), nn.ReLU(), nn.Linear(2 * hidden_size, out_size))
@@ -581,14 +721,15 @@ class ILQLHeads(nn.Module):
         of a value: a step of alpha = 0.001 of the gap would round away and the targets would never move.
         Low-precision targets therefore accumulate the average in float32 copies and get the rounded result."""
         targets, onlines = list(self.target_q_heads.parameters()), list(self.q_heads.parameters())
-        if self.target_fp32 is None and any(p.dtype != torch.float32 for p in targets):
-            self.target_fp32 = [p.detach().float().clone() for p in targets]
-        for i, (target, online) in enumerate(zip(targets, onlines)):
-            if self.target_fp32 is None:
-                target.lerp_(online, alpha)
-            else:
-                self.target_fp32[i].lerp_(online.float(), alpha)
-                target.copy_(self.target_fp32[i])
+        with whole_parameters(targets + onlines):  # ZeRO-3 (zero3.yaml) holds slices: average the whole tensors
+            if self.target_fp32 is None and any(p.dtype != torch.float32 for p in targets):
+                self.target_fp32 = [p.detach().float().clone() for p in targets]
+            for i, (target, online) in enumerate(zip(targets, onlines)):
+                if self.target_fp32 is None:
+                    target.lerp_(online, alpha)
+                else:
+                    self.target_fp32[i].lerp_(online.float(), alpha)
+                    target.copy_(self.target_fp32[i])
 
 
 class TargetCopies:
@@ -620,7 +761,7 @@ class ILQLModel(nn.Module):
         super().__init__()
         self.lm = lm
         hidden_size = lm.config.hidden_size
-        vocab_size = lm.get_output_embeddings().weight.size(0)  # every action the LM head can emit
+        vocab_size = lm.config.vocab_size  # every action the LM head can emit (not the weight's shape: ZeRO-3 slices it)
         self.heads = ILQLHeads(hidden_size, vocab_size, two_qs)
 
     def backbone(self, **kwargs):
@@ -852,7 +993,7 @@ def beta_name(beta: float) -> str:
 def main(args: Args) -> dict:
     start_time = time.time()
     # 1. batch arithmetic, accelerator and run folder
-    args.world_size = PartialState(cpu=not torch.cuda.is_available()).num_processes  # cpu=True: gloo ranks on CPU
+    args.world_size = start_processes().num_processes
     args.gradient_accumulation_steps = exact_div(
         args.total_batch_size, args.local_micro_batch_size * args.world_size,
         "total_batch_size / (local_micro_batch_size x world_size)",
@@ -875,10 +1016,7 @@ def main(args: Args) -> dict:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         mixed_precision="bf16" if args.bf16 else "no",
     )
-    deepspeed_plugin = accelerator.state.deepspeed_plugin
-    if deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3:
-        # the Polyak update works on whole local parameters; ZeRO-3 holds only shards (use zero2.yaml)
-        raise ValueError("ilql.py supports DDP and ZeRO-2, not ZeRO-3")
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
 
@@ -903,7 +1041,8 @@ def main(args: Args) -> dict:
 
     # 4. models: the LM + fresh ILQL heads; the (optional) frozen reward model
     lm = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
-    if len(tokenizer) > lm.get_input_embeddings().weight.size(0):
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > lm.config.vocab_size:
         lm.resize_token_embeddings(len(tokenizer))
     model = ILQLModel(lm, args.ilql.two_qs)
     if args.disable_dropout:
@@ -916,17 +1055,18 @@ def main(args: Args) -> dict:
             args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
             trust_remote_code=args.trust_remote_code,
         )
-        if len(tokenizer) > reward_model.get_input_embeddings().weight.size(0):
+        if len(tokenizer) > reward_model.config.vocab_size:
             reward_model.resize_token_embeddings(len(tokenizer))
         disable_dropout(reward_model)  # frozen and deterministic whatever --disable_dropout says
-        reward_model.eval().requires_grad_(False)
-        reward_model = reward_model.to(accelerator.device)
+        reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
 
     # 5. data: trajectories (query, chosen, +1) and (query, rejected, -1), or RM-scored; z-normalised
     train_raw = load_split(args.preference_dataset, args.train_split)
     check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
+    check_data_tokenizer(train_raw, tokenizer, args.model_path, f"{args.preference_dataset} split {args.train_split!r}")
     sample_raw = load_split(args.query_dataset, args.sample_split)
     check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
+    check_data_tokenizer(sample_raw, tokenizer, args.model_path, f"{args.query_dataset} split {args.sample_split!r}")
     # claimed only now, so a run refused for bad input leaves no mark that would block the next attempt
     claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
     trajectories = flatten_pairs(train_raw)

@@ -22,8 +22,11 @@ official async `openai` client under a semaphore; 429 / 5xx / timeouts are retri
 exponential backoff and jitter (asyncio.sleep, a bounded number of tries); a reply without a
 parseable verdict is asked again a bounded number of times and then counted as *invalid*
 (never as a loss, never replaced by a coin flip); every reply is cached on disk (sqlite), keyed
-by model and prompt, so a rerun or an interrupted run never pays twice. The API key is read from
-`OPENAI_API_KEY` only and is never printed, logged or saved.
+by model and prompt, so a rerun or an interrupted run does not pay again for a reply it received
+(one race remains, see `ReplyCache`). A judge that cannot be used at all (the endpoint unreachable,
+the key refused, not one request answered) stops the run with one error naming the URL and the
+cause, instead of marking every row invalid. The API key is read from `OPENAI_API_KEY` only and is
+never printed, logged or saved.
 
 Usage:
     export OPENAI_API_KEY=...   # not needed for a loopback --base_url
@@ -56,6 +59,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
 import pandas as pd  # noqa: E402
+import pyarrow  # noqa: E402
+import pyarrow.compute  # noqa: E402
 import torch  # noqa: E402
 import tyro  # noqa: E402
 from datasets import load_dataset, load_from_disk  # noqa: E402
@@ -146,6 +151,85 @@ def load_split(path: str, split: str):
             raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
+    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
+    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
+    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
+    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
+    padding made of this [PAD] and the responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        keys = ("vocab_size", "pad_token_id", "eos_token_id")
+        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
+        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
+            differ.append("same size, other tokens")
+        if differ:
+            raise ValueError(
+                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
+                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
+            )
+        return
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
+    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
+    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    for column in columns:
+        kind = table.schema.field(column).type
+        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
+        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
+            continue
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= vocab_size:
+            raise ValueError(
+                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
+                f"tokens, so the data was tokenized by another tokenizer. {fix}"
+            )
+    head = table.slice(0, rows).to_pylist()
+    for column in [c for c in columns if c + "_len" in dataset.column_names]:
+        ends = []  # the last token of each response (the query column has none)
+        for i, row in enumerate(head):
+            ids, n = row[column], row[column + "_len"]
+            if n > len(ids):
+                continue  # a response cut to the column's width has no padding and no EOS to check
+            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
+            wrong = [token for token in padding if token != pad]
+            if wrong:
+                raise ValueError(
+                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
+                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
+                )
+            if column != "query_token" and n > 0:
+                ends.append(ids[n - 1])
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(
+                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
+                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
+                f"another tokenizer. {fix}"
+            )
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -356,7 +440,12 @@ class ReplyCache:
     """Every reply the judge paid for, in sqlite. The key is a hash of the model, system prompt,
     prompt, temperature and the ask index (0 for the first ask; 1, 2 ... for re-asks after an
     unparseable reply), so a rerun replays the same sequence of replies without any request.
-    Only replies are cached; a request that failed (429/5xx after all tries) is asked again."""
+    Only replies are cached; a request that failed (429/5xx after all tries) is asked again.
+
+    One race no client can close: a process killed after the server has answered a request but
+    before the reply is committed here (the reply in flight on the wire, or between its arrival
+    and `put`) has paid for that request without keeping the reply, and the rerun asks it again.
+    At most the requests in flight at the kill (--max_parallel_requests) are paid for twice."""
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -386,6 +475,12 @@ class JudgeAPIError(Exception):
     """A request that failed for good (non-retryable status, or retryable ones past --max_tries)."""
 
 
+class JudgeUnavailableError(RuntimeError):
+    """The judge cannot be used at all: its endpoint cannot be reached or keeps failing before it has
+    answered a single request, it refuses the API key, or every request of the run failed. Asking the
+    remaining rows would only mark each one invalid (after its own --max_tries), so the run stops."""
+
+
 @dataclass
 class Outcome:
     status: str  # "ok", "unparseable" or "api_error"
@@ -408,10 +503,16 @@ class Judge:
         self.semaphore = asyncio.Semaphore(args.max_parallel_requests)
         self.jitter = random.Random(args.seed)
         self.stats = {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0}
+        self.answered = 0  # requests the server answered in this run (cache hits not counted)
 
     def redact(self, text: str) -> str:
         """Belt and braces: no error text we keep may contain the key."""
         return text.replace(self._api_key, "[REDACTED]") if self._api_key else text
+
+    def unavailable(self, what: str, cause: str, fix: str) -> JudgeUnavailableError:
+        """The error that stops the run: the URL (without credentials), what went wrong, the cause and the fix."""
+        url = public_url(self.args.base_url or str(self.client.base_url))
+        return JudgeUnavailableError(self.redact(f"the judge at {url} {what} ({cause}); {fix}"))
 
     def backoff_s(self, attempt: int) -> float:
         """Exponential backoff with jitter: half the doubled delay fixed, half uniform."""
@@ -427,15 +528,32 @@ class Judge:
                 self.stats["requests"] += 1
                 try:
                     response = await self.client.chat.completions.create(model=self.args.model, messages=messages, **extra)
+                    self.answered += 1
                     return response.choices[0].message.content or ""
+                except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
+                    # 401 / 403: a refused key is refused for every row, so the run stops here
+                    fix = "check the key in OPENAI_API_KEY (it is read from the environment only)"
+                    raise self.unavailable("refused the API key", f"{type(e).__name__}: {e}", fix) from None
                 except self.RETRYABLE as e:
-                    last_error = f"{type(e).__name__}: {e}"
-                except openai.APIStatusError as e:  # 400, 401, 404 ...: asking again will not help
-                    raise JudgeAPIError(self.redact(f"{type(e).__name__}: {e}")) from None
+                    last_error, unreachable = f"{type(e).__name__}: {e}", isinstance(e, openai.APIConnectionError)
+                except openai.APIStatusError as e:  # 400, 404 ...: asking again will not help
+                    error = f"{type(e).__name__}: {e}"
+                    if isinstance(e, openai.NotFoundError) and not self.answered:  # an unknown model or path
+                        fix = (f"check that it serves the model {self.args.model!r} (--model) and that --base_url is "
+                               "its /v1 root")
+                        raise self.unavailable("failed before answering any request", error, fix) from None
+                    raise JudgeAPIError(self.redact(error)) from None  # this prompt only (e.g. too long)
                 if attempt + 1 < self.args.max_tries:
                     self.stats["retries"] += 1
                     await asyncio.sleep(self.backoff_s(attempt))  # never a blocking sleep in async code
-            raise JudgeAPIError(self.redact(f"gave up after {self.args.max_tries} tries; last error {last_error}"))
+            error = f"gave up after {self.args.max_tries} tries; last error {last_error}"
+            if not self.answered:  # unreachable, or failing since the start: no row would be judged
+                if unreachable:
+                    fix = "check that the server is running and that --base_url points at it"
+                    raise self.unavailable("cannot be reached", error, fix)
+                fix = "try again later, or raise --max_tries"
+                raise self.unavailable("failed before answering any request", error, fix)
+            raise JudgeAPIError(self.redact(error))
 
     async def ask(self, prompt: str, parse_fn: Callable[[str], object]) -> Outcome:
         """Ask until parse_fn accepts the reply, at most --max_parse_tries times."""
@@ -473,9 +591,15 @@ class Judge:
                 i, outcome = await next_done
                 outcomes[i] = outcome
                 on_done(i, outcome)
+            failed = [o for o in outcomes if o.status == "api_error"]
+            if failed and len(failed) == len(outcomes):  # e.g. every prompt refused with a 400
+                cause = f"all {len(failed)} failed; the first: {failed[0].error}"
+                fix = "check --model, --temperature and the prompts it refuses"
+                raise self.unavailable("refused every request", cause, fix)
         finally:
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # collect the cancelled ones (no "never retrieved")
             await self.client.close()
         return outcomes
 
@@ -513,10 +637,16 @@ def csv_labels(paths: list[str], labels: Optional[list[str]]) -> list[str]:
 
 
 def read_samples(path: str, columns: list[str], num_samples: int) -> pd.DataFrame:
-    df = pd.read_csv(path, keep_default_na=False)  # an empty response stays "", not NaN
+    try:
+        df = pd.read_csv(path, keep_default_na=False)  # an empty response stays "", not NaN
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"{path} is empty (no header, no rows); a sample CSV has the columns {columns} and one row "
+                         "per sample, as the training scripts write it") from None
     missing = [c for c in columns if c not in df.columns]
     if missing:
         raise ValueError(f"{path} lacks column(s) {missing}; it has {list(df.columns)}")
+    if len(df) == 0:
+        raise ValueError(f"{path} has a header but no rows: nothing to judge; pass a CSV that holds samples")
     if num_samples >= 0:
         df = df.iloc[:num_samples]
     return df.reset_index(drop=True)
@@ -646,8 +776,10 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         bar.set_postfix(invalid=tally["invalid"], win_rate=f"{tally['wins'] / decided:.3f}" if decided else "n/a", refresh=False)
         bar.update(1)
 
-    outcomes, stats = run_jobs(args, [(p, parse_verdict) for _, _, p in jobs], on_done, cache)
-    bar.close()
+    try:
+        outcomes, stats = run_jobs(args, [(p, parse_verdict) for _, _, p in jobs], on_done, cache)
+    finally:
+        bar.close()  # before any error, so the error is the last line printed
 
     by_label: dict[str, list[Outcome]] = {label: [] for label in labels}
     for (label, _, _), outcome in zip(jobs, outcomes):
@@ -721,6 +853,8 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
 def reward_preferences(args: Args, dataset) -> tuple[np.ndarray, np.ndarray]:
     """Reward-model scores of the chosen and rejected responses of every pair."""
     tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path, trust_remote_code=args.trust_remote_code)
+    where = f"{args.preference_dataset} split {args.preference_split!r}"
+    check_data_tokenizer(dataset, tokenizer, args.reward_model_path, where)  # before any request is paid for
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForSequenceClassification.from_pretrained(
         args.reward_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
@@ -750,8 +884,10 @@ def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     df["shuffled_index"] = [pair_order(args.seed, p, x, y) for p, x, y in zip(post, c, r)]  # 0: chosen is A
     prompts = [pairwise_prompt(p, x, y) if s == 0 else pairwise_prompt(p, y, x) for p, x, y, s in zip(post, c, r, df["shuffled_index"])]
     bar = tqdm(total=len(prompts), desc="judging pairs", dynamic_ncols=True)
-    outcomes, stats = run_jobs(args, [(p, parse_verdict) for p in prompts], lambda i, o: bar.update(1), cache)
-    bar.close()
+    try:
+        outcomes, stats = run_jobs(args, [(p, parse_verdict) for p in prompts], lambda i, o: bar.update(1), cache)
+    finally:
+        bar.close()  # before any error, so the error is the last line printed
 
     df["reward_chosen"], df["reward_rejected"] = r_chosen, r_rejected
     df["rm_prefers_chosen"] = r_chosen > r_rejected
@@ -814,8 +950,10 @@ def run_multi(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         prompt = multi_answer_prompt(question, names, [answers[k] for k in order])
         jobs.append((prompt, lambda reply: parse_scores(reply, names)))
     bar = tqdm(total=len(jobs), desc="scoring", dynamic_ncols=True)
-    outcomes, stats = run_jobs(args, jobs, lambda i, o: bar.update(1), cache)
-    bar.close()
+    try:
+        outcomes, stats = run_jobs(args, jobs, lambda i, o: bar.update(1), cache)
+    finally:
+        bar.close()  # before any error, so the error is the last line printed
 
     rows = []
     for i, (outcome, order) in enumerate(zip(outcomes, orders)):

@@ -178,7 +178,8 @@ class Args:
     disable_dropout: bool = True
     """Detail 7: set every dropout probability to 0 (policy and reward model)"""
     bf16: Optional[bool] = None
-    """bf16 mixed precision; None = on when the GPU supports bf16, off otherwise (CPU always runs float32)"""
+    """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
+    runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
     local_rollout_batch_size: int = 64
     """sequences per generate / reward-model call on one process (mixture, best-of-n, evaluation)"""
 
@@ -202,6 +203,53 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 # Shared helpers: copied verbatim into every script that uses them (a test keeps the copies equal)
 # ---------------------------------------------------------------------------------------------
+def start_processes() -> PartialState:
+    """Join the run's process group before anything reads the process count. accelerate picks a
+    communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
+    runs (`torchrun`) become gloo ranks on the CPU (cpu=True); a DeepSpeed launch
+    (`DS_ACCELERATOR=cpu accelerate launch --config_file zero2.yaml ...`) keeps DeepSpeed over gloo."""
+    if torch.cuda.is_available():
+        return PartialState()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return PartialState(backend="gloo")
+    return PartialState(cpu=True)
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8), state what the script itself does, where
+    accelerate would fill DeepSpeed's "auto" values with something else: the micro batch per process (not
+    every script hands accelerate a dataloader to read it from) and no gradient clipping (the paper clips
+    no gradients; accelerate's "auto" clips at 1.0)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+        plugin.deepspeed_config["gradient_clipping"] = 0.0
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 (zero3.yaml)
+    from_pretrained has already partitioned its weights across processes, so it runs inside a DeepSpeed
+    inference engine that gathers each layer's weights for its forward; `offload` keeps them in CPU memory
+    between uses (ZeRO-3 parameter offload: the paper's 6.9B setting, Detail 8). Elsewhere it moves to the
+    device (and a script that offloads by hand moves it on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
+
+
 def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
@@ -239,6 +287,85 @@ def check_columns(dataset, columns: list, where: str) -> None:
             raise ValueError(
                 f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
                 "every row must be padded to the same length (prepare the data again with data/prepare.py)"
+            )
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
+    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
+    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
+    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
+    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
+    padding made of this [PAD] and the responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        keys = ("vocab_size", "pad_token_id", "eos_token_id")
+        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
+        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
+            differ.append("same size, other tokens")
+        if differ:
+            raise ValueError(
+                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
+                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
+            )
+        return
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
+    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
+    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    for column in columns:
+        kind = table.schema.field(column).type
+        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
+        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
+            continue
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= vocab_size:
+            raise ValueError(
+                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
+                f"tokens, so the data was tokenized by another tokenizer. {fix}"
+            )
+    head = table.slice(0, rows).to_pylist()
+    for column in [c for c in columns if c + "_len" in dataset.column_names]:
+        ends = []  # the last token of each response (the query column has none)
+        for i, row in enumerate(head):
+            ids, n = row[column], row[column + "_len"]
+            if n > len(ids):
+                continue  # a response cut to the column's width has no padding and no EOS to check
+            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
+            wrong = [token for token in padding if token != pad]
+            if wrong:
+                raise ValueError(
+                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
+                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
+                )
+            if column != "query_token" and n > 0:
+                ends.append(ids[n - 1])
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(
+                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
+                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
+                f"another tokenizer. {fix}"
             )
 
 
@@ -964,7 +1091,7 @@ def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eva
 def main(args: Args) -> dict:
     start_time = time.time()
     # ---- 1. processes, batch arithmetic and precision ----
-    state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True: gloo ranks on CPU
+    state = start_processes()  # first: the accumulation steps depend on the number of processes
     args.world_size = state.num_processes
     args.gradient_accumulation_steps = exact_div(
         args.total_batch_size,
@@ -981,14 +1108,10 @@ def main(args: Args) -> dict:
         raise ValueError(f"--n must be >= 1, got {args.n}")
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    elif args.bf16 and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
-        raise ValueError("--bf16 needs a GPU with bf16 support; on this machine leave --bf16 unset (float32)")
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
     )
-    if accelerator.state.deepspeed_plugin is not None:
-        # DeepSpeed reads the micro batch from the dataloader, which we do not prepare (our own data order)
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
 
@@ -1016,12 +1139,16 @@ def main(args: Args) -> dict:
         trust_remote_code=args.trust_remote_code,
     )
     for model in (policy, reward_model):
-        if model.get_input_embeddings().weight.size(0) < len(tokenizer):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if model.config.vocab_size < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
         if args.disable_dropout:
             disable_dropout(model)
-    reward_model.requires_grad_(False).eval().to(accelerator.device)
-    policy.to(accelerator.device)
+    reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
+    # the policy samples the mixture before it trains: it goes through accelerator.prepare first, because under
+    # ZeRO-3 its weights are already partitioned and only a DeepSpeed engine gathers them for a forward
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps)
+    model, optimizer = accelerator.prepare(policy, optimizer)
     torch.manual_seed(local_seed)  # generation (mixture, best-of-n, evaluation) differs across processes
 
     # ---- 4. data: every split is checked for the columns it is read for before it is used ----
@@ -1030,8 +1157,13 @@ def main(args: Args) -> dict:
                   f"{args.query_dataset} split {args.train_split!r}")
     eval_dataset = load_split(args.query_dataset, args.eval_split)
     check_columns(eval_dataset, EVAL_COLUMNS, f"{args.query_dataset} split {args.eval_split!r}")
+    for split, dataset in ((args.train_split, sft_train), (args.eval_split, eval_dataset)):
+        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
     if args.method != "best_of_n":  # the mixture reads the preference responses (when it is not cached yet)
-        check_preference_columns(load_split(args.preference_dataset, args.preference_split), args)
+        preference = load_split(args.preference_dataset, args.preference_split)
+        check_preference_columns(preference, args)
+        check_data_tokenizer(preference, tokenizer, args.sft_model_path,
+                             f"{args.preference_dataset} split {args.preference_split!r}")
     # claimed only now, so a run refused for bad input leaves no mark that would block the next attempt
     claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
 
@@ -1043,7 +1175,7 @@ def main(args: Args) -> dict:
         if samples_per_round > len(sft_train):
             raise ValueError(f"--bon_num_prompts {samples_per_round} > {len(sft_train)} prompts in {args.train_split}")
     else:
-        mixture, mixture_stats = load_or_build_mixture(args, accelerator, policy, reward_model, tokenizer)
+        mixture, mixture_stats = load_or_build_mixture(args, accelerator, model, reward_model, tokenizer)
         summary.update(mixture_stats)
         # the cost of building the mixture is paid once and shared; it is counted for every method (Table 3)
         costs["generation_s"] += mixture_stats["mixture/generation_s"]
@@ -1074,9 +1206,7 @@ def main(args: Args) -> dict:
     num_updates = updates_per_round * args.iterations
 
     # ---- 6. optimizer, schedule (over the updates of every iteration) and the data order ----
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps)
     scheduler = offline_lr_schedule(optimizer, args.scheduler, num_updates)
-    model, optimizer = accelerator.prepare(policy, optimizer)
     # every shuffle of step 2 comes from one generator seeded like the rest of the run (the same on every process)
     data_order = OfflineDataOrder(args.seed, len(sft_train))
     # saved and restored with the model and optimizer: the schedule and the data position

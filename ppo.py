@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from datasets import load_dataset, load_from_disk
 from peft import LoraConfig, get_peft_model
@@ -91,7 +91,9 @@ class PpoHParams:
     ptx_coef: float = 0.0
     """PPO-ptx (InstructGPT, OpenRLHF): add ptx_coef x the SFT loss on reference summaries; 0 = off"""
     freeze_actor_updates: int = 0
-    """OpenRLHF: for the first N updates only the critic learns (policy loss and actor lr are 0)"""
+    """OpenRLHF: for the first N updates only the critic learns; the actor takes no optimizer step, so its AdamW
+    state is untouched when it starts learning (under DeepSpeed: actor lr 0 and policy loss 0, its AdamW state
+    counting the frozen steps)"""
 
 
 @dataclass
@@ -180,7 +182,8 @@ class Args:
     disable_dropout: bool = True
     """Detail 7: no dropout in policy, reference, critic and RM, so that the first PPO ratio is exactly 1"""
     bf16: Optional[bool] = None
-    """bf16 mixed precision; None = on when CUDA supports it, CPU always float32"""
+    """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
+    runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
 
     # memory and speed (trlX / OpenRLHF)
     num_layers_unfrozen: int = -1
@@ -210,6 +213,53 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 # Shared helpers (copied verbatim in every script that uses them; a test checks they are identical)
 # ---------------------------------------------------------------------------------------------
+def start_processes() -> PartialState:
+    """Join the run's process group before anything reads the process count. accelerate picks a
+    communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
+    runs (`torchrun`) become gloo ranks on the CPU (cpu=True); a DeepSpeed launch
+    (`DS_ACCELERATOR=cpu accelerate launch --config_file zero2.yaml ...`) keeps DeepSpeed over gloo."""
+    if torch.cuda.is_available():
+        return PartialState()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return PartialState(backend="gloo")
+    return PartialState(cpu=True)
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8), state what the script itself does, where
+    accelerate would fill DeepSpeed's "auto" values with something else: the micro batch per process (not
+    every script hands accelerate a dataloader to read it from) and no gradient clipping (the paper clips
+    no gradients; accelerate's "auto" clips at 1.0)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+        plugin.deepspeed_config["gradient_clipping"] = 0.0
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 (zero3.yaml)
+    from_pretrained has already partitioned its weights across processes, so it runs inside a DeepSpeed
+    inference engine that gathers each layer's weights for its forward; `offload` keeps them in CPU memory
+    between uses (ZeRO-3 parameter offload: the paper's 6.9B setting, Detail 8). Elsewhere it moves to the
+    device (and a script that offloads by hand moves it on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
+
+
 def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
@@ -247,6 +297,85 @@ def check_columns(dataset, columns: list, where: str) -> None:
             raise ValueError(
                 f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
                 "every row must be padded to the same length (prepare the data again with data/prepare.py)"
+            )
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
+    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
+    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
+    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
+    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
+    padding made of this [PAD] and the responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        keys = ("vocab_size", "pad_token_id", "eos_token_id")
+        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
+        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
+            differ.append("same size, other tokens")
+        if differ:
+            raise ValueError(
+                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
+                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
+            )
+        return
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
+    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
+    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    for column in columns:
+        kind = table.schema.field(column).type
+        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
+        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
+            continue
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= vocab_size:
+            raise ValueError(
+                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
+                f"tokens, so the data was tokenized by another tokenizer. {fix}"
+            )
+    head = table.slice(0, rows).to_pylist()
+    for column in [c for c in columns if c + "_len" in dataset.column_names]:
+        ends = []  # the last token of each response (the query column has none)
+        for i, row in enumerate(head):
+            ids, n = row[column], row[column + "_len"]
+            if n > len(ids):
+                continue  # a response cut to the column's width has no padding and no EOS to check
+            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
+            wrong = [token for token in padding if token != pad]
+            if wrong:
+                raise ValueError(
+                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
+                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
+                )
+            if column != "query_token" and n > 0:
+                ends.append(ids[n - 1])
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(
+                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
+                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
+                f"another tokenizer. {fix}"
             )
 
 
@@ -526,6 +655,13 @@ def per_token_rewards(scores, kl, mask, last_index, kl_coef):
     token (the EOS, or the last token when there is none); zero after the EOS."""
     non_score_reward = -kl_coef * kl * mask
     rewards = non_score_reward.clone()
+    # Detail 22 / Figure 11: the score is the reward of the EOS action, the episode's last; the state after it
+    # is terminal (compute_gae masks its value to 0), so the critic's reading at the EOS itself is never used.
+    # The reference's final ppo.py puts the score one position later (EOS+1, the first [PAD]; the EOS when it
+    # is the last token) and keeps and trains V(EOS+1), the critic's reading at the EOS. We follow Figure 11:
+    # [PAD] is not an action, and nothing comes after the last one. At initialisation V(EOS+1) is the score
+    # (the critic is the RM), so both give the same advantages; later, with gamma 1, they differ at the EOS
+    # by (1 - lam) * (V(EOS+1) - score).
     rewards[torch.arange(rewards.size(0), device=rewards.device), last_index] += scores
     return rewards, non_score_reward
 
@@ -566,6 +702,16 @@ def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, return
             "ratio": masked_mean(ratio, mask),
         }
     return pg_loss, vf_loss, stats
+
+
+def skip_frozen_actor_step(actor_params) -> None:
+    """OpenRLHF (--ppo.freeze_actor_updates): a frozen actor takes no optimizer step at all. Called after
+    backward and before optimizer.step(): the actor's gradients become None, and AdamW skips a parameter
+    without a gradient (no step count, no moment update, no weight decay). Its AdamW state therefore stays
+    as it was, and its first step after the freeze is the step of a run that never froze. The actor still
+    takes part in backward, so DDP sees a gradient for every parameter."""
+    for param in actor_params:
+        param.grad = None
 
 
 class AdaptiveKLController:
@@ -881,7 +1027,7 @@ def set_rng_states(states: dict) -> None:
 def main(args: Args) -> dict:
     start_time = time.time()
     bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    # the Accelerator comes first: it alone reads ACCELERATE_USE_CPU, which multi-process CPU runs need
+    start_processes()  # first: the batch arithmetic below depends on the number of processes
     accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
     # ---------------- batch arithmetic (fails loudly) ----------------
     num_processes = accelerator.num_processes
@@ -895,6 +1041,7 @@ def main(args: Args) -> dict:
             f"{args.local_micro_batch_size} micro batch) = {gradient_accumulation_steps}"
         )
     accelerator.gradient_accumulation_steps = gradient_accumulation_steps
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     num_updates = args.total_episodes // args.total_batch_size
     if num_updates < 1:
         raise ValueError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
@@ -939,7 +1086,8 @@ def main(args: Args) -> dict:
         args.reward_model_path, num_labels=1, dtype=frozen_dtype, trust_remote_code=args.trust_remote_code
     )
     for model in (policy, critic, reward_model):
-        if model.get_input_embeddings().weight.size(0) < len(tokenizer):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if model.config.vocab_size < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     if args.disable_dropout:  # Detail 7
         for model in (policy, critic, reward_model):
@@ -957,7 +1105,7 @@ def main(args: Args) -> dict:
         ref_policy = AutoModelForCausalLM.from_pretrained(
             args.sft_model_path, dtype=frozen_dtype, trust_remote_code=args.trust_remote_code
         )
-        if ref_policy.get_input_embeddings().weight.size(0) < len(tokenizer):
+        if ref_policy.config.vocab_size < len(tokenizer):
             ref_policy.resize_token_embeddings(len(tokenizer))
         disable_dropout(ref_policy)  # the reference never trains: its logprobs must be deterministic
         ref_policy.requires_grad_(False).eval()
@@ -965,34 +1113,21 @@ def main(args: Args) -> dict:
     model = PolicyAndValue(policy, critic)
     actor_params = [p for p in policy.parameters() if p.requires_grad]
     critic_params = [p for p in critic.parameters() if p.requires_grad]
-    # two groups so that the actor can be frozen (lr 0) while the critic warms up (OpenRLHF)
+    # two groups so that the actor can be frozen while the critic warms up (OpenRLHF, --ppo.freeze_actor_updates)
     optimizer = torch.optim.AdamW(
         [{"params": actor_params}, {"params": critic_params}], lr=args.lr, eps=args.eps, weight_decay=args.weight_decay
     )
     model, optimizer = accelerator.prepare(model, optimizer)
     device = accelerator.device
 
-    # the frozen models need no optimizer state: plain placement, CPU offload, or a ZeRO-3 inference engine
-    frozen_models = [reward_model] + ([ref_policy] if ref_policy is not None else [])
-    if zero3:
-        import deepspeed
-
-        ds_config = {
-            "train_micro_batch_size_per_gpu": args.local_micro_batch_size,
-            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if args.offload else "none"}},
-            "bf16": {"enabled": bf16},
-        }
-        engines = [deepspeed.initialize(model=m, config=ds_config)[0] for m in frozen_models]
-        for engine in engines:
-            engine.eval()
-        reward_model = engines[0].module
-        if len(engines) > 1:
-            ref_policy = engines[1].module
-        offload_by_hand = False  # DeepSpeed moves the parameters itself
-    else:
-        offload_by_hand = args.offload and device.type != "cpu"
-        for m in frozen_models:
-            m.to("cpu" if offload_by_hand else device)
+    # the frozen models need no optimizer state: placed on the device, kept on the CPU between uses (--offload),
+    # or under ZeRO-3 partitioned in a DeepSpeed inference engine that offloads them itself (Detail 8)
+    reward_model = prepare_frozen_model(accelerator, reward_model, offload=args.offload)
+    if args.num_layers_unfrozen >= 0:
+        ref_policy.to(device)  # Hydra: the reference shares the policy's frozen trunk
+    elif ref_policy is not None:
+        ref_policy = prepare_frozen_model(accelerator, ref_policy, offload=args.offload)
+    offload_by_hand = args.offload and not zero3 and device.type != "cpu"  # rollout() moves them around each use
     args_for_rollout = copy.copy(args)
     args_for_rollout.offload = offload_by_hand
     if args.offload and not zero3 and device.type == "cpu":
@@ -1006,6 +1141,8 @@ def main(args: Args) -> dict:
                   f"{args.query_dataset} split {args.train_split!r}")
     check_columns(eval_dataset, ["query_token", "reference_response"],
                   f"{args.query_dataset} split {args.eval_split!r}")
+    for split, dataset in ((args.train_split, train_dataset), (args.eval_split, eval_dataset)):
+        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
     # every input check has passed: only now mark --output_dir as this run's (a failed start leaves no mark)
     claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
     query_tokens = torch.tensor(train_dataset["query_token"])  # (N, query_length), left-padded
@@ -1140,7 +1277,8 @@ def main(args: Args) -> dict:
             optimizer_steps = 0  # optimizer steps of this update (the weights change from the first one on)
             update_start = time.time()
             timers = {"generation": 0.0, "scoring": 0.0}
-            # linear decay to 0 over the run (Table 7); the actor's lr is 0 while it is frozen (OpenRLHF)
+            # linear decay to 0 over the run (Table 7). A frozen actor (OpenRLHF) takes no step: see
+            # skip_frozen_actor_step; its lr of 0 is what keeps its weights under DeepSpeed
             lr_now = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
             actor_frozen = update <= args.ppo.freeze_actor_updates
             optimizer.param_groups[0]["lr"] = 0.0 if actor_frozen else lr_now
@@ -1202,7 +1340,7 @@ def main(args: Args) -> dict:
                                 mask[idx], args.ppo.cliprange, args.ppo.cliprange_value,
                             )
                             # frozen actor: the policy term is multiplied by 0 (not dropped) so that DDP still
-                            # sees a gradient for every parameter; its lr is 0 as well
+                            # sees a gradient for every parameter; the actor's gradients are dropped before the step
                             loss = (0.0 if actor_frozen else 1.0) * pg_loss + args.ppo.vf_coef * vf_loss
                             ptx_loss = torch.zeros((), device=device)
                             if ptx_logits is not None:
@@ -1212,6 +1350,11 @@ def main(args: Args) -> dict:
                             where = f"epoch {epoch + 1}, minibatch {mb + 1}"
                             check_finite(accelerator, update, **{f"ppo/loss ({where})": loss})
                             accelerator.backward(loss)
+                            # a frozen actor takes no step. Under DeepSpeed the engine steps inside
+                            # accelerator.backward, on its own copies of the weights: there the actor's lr of 0 and
+                            # zero policy gradient keep its weights, while its AdamW state counts the frozen steps
+                            if actor_frozen and deepspeed_plugin is None:
+                                skip_frozen_actor_step(actor_params)
                             optimizer.step()  # a no-op until the last micro batch of the minibatch
                             optimizer.zero_grad()
                             optimizer_steps += int(accelerator.sync_gradients)

@@ -115,7 +115,8 @@ class Args:
     disable_dropout: bool = True
     """Detail 7: set every dropout probability to 0 (the same for SFT, RM and PPO)"""
     bf16: Optional[bool] = None
-    """bf16 mixed precision; None = on when the GPU supports bf16, off otherwise (CPU always runs float32)"""
+    """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
+    runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
 
     # ---- evaluation ----
     eval_every: int = 0
@@ -141,6 +142,53 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 # Shared helpers: copied verbatim into every script that uses them (a test keeps the copies equal)
 # ---------------------------------------------------------------------------------------------
+def start_processes() -> PartialState:
+    """Join the run's process group before anything reads the process count. accelerate picks a
+    communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
+    runs (`torchrun`) become gloo ranks on the CPU (cpu=True); a DeepSpeed launch
+    (`DS_ACCELERATOR=cpu accelerate launch --config_file zero2.yaml ...`) keeps DeepSpeed over gloo."""
+    if torch.cuda.is_available():
+        return PartialState()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return PartialState(backend="gloo")
+    return PartialState(cpu=True)
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8), state what the script itself does, where
+    accelerate would fill DeepSpeed's "auto" values with something else: the micro batch per process (not
+    every script hands accelerate a dataloader to read it from) and no gradient clipping (the paper clips
+    no gradients; accelerate's "auto" clips at 1.0)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+        plugin.deepspeed_config["gradient_clipping"] = 0.0
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 (zero3.yaml)
+    from_pretrained has already partitioned its weights across processes, so it runs inside a DeepSpeed
+    inference engine that gathers each layer's weights for its forward; `offload` keeps them in CPU memory
+    between uses (ZeRO-3 parameter offload: the paper's 6.9B setting, Detail 8). Elsewhere it moves to the
+    device (and a script that offloads by hand moves it on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
+
+
 def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
@@ -178,6 +226,85 @@ def check_columns(dataset, columns: list, where: str) -> None:
             raise ValueError(
                 f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
                 "every row must be padded to the same length (prepare the data again with data/prepare.py)"
+            )
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
+    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
+    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
+    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
+    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
+    padding made of this [PAD] and the responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        keys = ("vocab_size", "pad_token_id", "eos_token_id")
+        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
+        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
+            differ.append("same size, other tokens")
+        if differ:
+            raise ValueError(
+                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
+                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
+            )
+        return
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
+    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
+    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    for column in columns:
+        kind = table.schema.field(column).type
+        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
+        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
+            continue
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= vocab_size:
+            raise ValueError(
+                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
+                f"tokens, so the data was tokenized by another tokenizer. {fix}"
+            )
+    head = table.slice(0, rows).to_pylist()
+    for column in [c for c in columns if c + "_len" in dataset.column_names]:
+        ends = []  # the last token of each response (the query column has none)
+        for i, row in enumerate(head):
+            ids, n = row[column], row[column + "_len"]
+            if n > len(ids):
+                continue  # a response cut to the column's width has no padding and no EOS to check
+            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
+            wrong = [token for token in padding if token != pad]
+            if wrong:
+                raise ValueError(
+                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
+                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
+                )
+            if column != "query_token" and n > 0:
+                ends.append(ids[n - 1])
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(
+                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
+                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
+                f"another tokenizer. {fix}"
             )
 
 
@@ -482,9 +609,8 @@ def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset
 def main(args: Args):
     start_time = time.time()
     # ---- 1. processes, batch arithmetic and precision ----
-    # The process group comes first: the accumulation steps depend on the number of processes. Without
-    # CUDA the processes talk over gloo (multi-process CPU runs: `torchrun --nproc_per_node N sft.py ...`).
-    state = PartialState(cpu=not torch.cuda.is_available())
+    # The process group comes first: the accumulation steps depend on the number of processes.
+    state = start_processes()
     args.world_size = state.num_processes
     args.gradient_accumulation_steps = exact_div(
         args.total_batch_size,
@@ -493,14 +619,10 @@ def main(args: Args):
     )
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    elif args.bf16 and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
-        raise ValueError("--bf16 needs a GPU with bf16 support; on this machine leave --bf16 unset (float32)")
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
     )
-    if accelerator.state.deepspeed_plugin is not None:
-        # DeepSpeed reads the micro batch from the dataloader, which we do not prepare (see step 4)
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     args.run_name = resolve_run_name(args)
     run_dir = os.path.join(args.run_dir_root, args.run_name)
 
@@ -532,25 +654,21 @@ def main(args: Args):
     ))
     train_dataset = load_split(args.query_dataset, args.train_split)
     check_columns(train_dataset, columns, f"{args.query_dataset} split {args.train_split!r}")
+    # the data must come from this tokenizer (its pad id also decides which labels are masked)
+    check_data_tokenizer(train_dataset, tokenizer, args.base_model, f"{args.query_dataset} split {args.train_split!r}")
     train_dataset = train_dataset.with_format("torch", columns=columns)
     eval_splits = [args.eval_split] + (["test"] if args.eval_test_split else [])
     eval_datasets = {}
     for split in eval_splits:
         dataset = load_split(args.query_dataset, split)
         check_columns(dataset, columns + ["reference_response"], f"{args.query_dataset} split {split!r}")
+        check_data_tokenizer(dataset, tokenizer, args.base_model, f"{args.query_dataset} split {split!r}")
         eval_datasets[split] = dataset.with_format("torch", columns=columns + ["reference_response"])
     first = train_dataset[0]
     data_response_length = first["query_reference_response_token"].numel() - first["query_token"].numel()
     if data_response_length != args.response_length:
         raise ValueError(
             f"--response_length {args.response_length} but {args.query_dataset} has responses of {data_response_length} tokens"
-        )
-    # the processed data must be padded with this tokenizer's pad id (it decides which labels are masked)
-    padding = first["query_reference_response_token"][int(first["query_reference_response_token_len"]) :]
-    if padding.numel() > 0 and not bool((padding == pad_token_id).all()):
-        raise ValueError(
-            f"{args.query_dataset} is padded with id {int(padding[0])}, but the tokenizer of {args.base_model} "
-            f"has pad id {pad_token_id}; prepare the data with this tokenizer"
         )
 
     # claimed only now, so a run refused for bad input leaves no mark that would block the next attempt
@@ -561,7 +679,8 @@ def main(args: Args):
     model = AutoModelForCausalLM.from_pretrained(
         args.base_model, trust_remote_code=args.trust_remote_code, dtype=torch.float32
     )
-    if len(tokenizer) > model.get_input_embeddings().weight.size(0):
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > model.config.vocab_size:
         model.resize_token_embeddings(len(tokenizer))
     if args.disable_dropout:
         disable_dropout(model)

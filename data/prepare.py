@@ -70,10 +70,12 @@ class Args:
     """Detail 5: queries are left-padded to this many tokens (None = the task's: tldr 512, hh 512, synthetic 128)"""
     sft_response_length: Optional[int] = None
     """Detail 4: SFT reference responses (with EOS) fit in this many tokens (None = tldr 53, hh 256, synthetic 24);
-    TL;DR query+response = 562"""
+    TL;DR query+response columns are 512 + 53 = 565 wide (the paper's (B, 562) is the longest such row in the real
+    data; the extra columns are [PAD], which no loss reads)"""
     rm_response_length: Optional[int] = None
     """Detail 4: preference responses (with EOS) fit in this many tokens (None = tldr 169, hh 256, synthetic 32);
-    TL;DR query+response = 638"""
+    TL;DR query+response columns are 512 + 169 = 681 wide (the paper's (B, 638) is the longest such row in the real
+    data; the extra columns are [PAD])"""
     cnndm_query_length: Optional[int] = None
     """query length of the CNN/DM validation rows (None = 1866, so query+response = 2021; synthetic 192)"""
     cnndm_response_length: Optional[int] = None
@@ -81,6 +83,9 @@ class Args:
     long_response_policy: Literal["drop", "error"] = "drop"
     """a response longer than its length: `drop` the row (counted and printed) or stop with an error.
     Responses are never cut: a cut response would lose its EOS and teach the model not to stop"""
+    hh_mismatch_policy: Literal["drop", "error"] = "drop"
+    """an HH pair whose chosen and rejected dialogues differ before the last assistant turn (so they share no
+    query): `drop` the row (counted, the first rows named in the summary and the log) or stop with an error"""
     num_proc: Optional[int] = None
     """processes for `datasets.map` (the hub data has ~200k rows)"""
     plots: bool = True
@@ -160,9 +165,11 @@ def build_query(tokenizer, fields: dict, fmt: str, truncate_field: str, length: 
                 row_id: str) -> tuple[str, list[int], bool]:
     """Format a query and shorten `truncate_field` until it fits in `length` tokens.
 
-    Detail 2 (`paragraph`): cut the field at its last "\\n" (one character when it has none) and
-    re-tokenize, so the query stays coherent. The ablation (`token`) cuts the field's tokens at the
-    limit, mid-sentence. Returns (query, token ids, whether it was truncated)."""
+    Detail 2 (`paragraph`): cut the field at its last "\\n" and re-tokenize, so the query stays
+    coherent; the cut field keeps no trailing "\\r" or "\\n" (CRLF posts included). A field with no
+    newline left loses characters from its end until it fits (`longest_fitting_prefix`). The ablation
+    (`token`) cuts the field's tokens at the limit, mid-sentence. Returns (query, token ids, whether
+    it was truncated)."""
     fields = dict(fields)
     text = fmt.format(**fields)
     tokens = tokenizer.encode(text)
@@ -177,14 +184,37 @@ def build_query(tokenizer, fields: dict, fmt: str, truncate_field: str, length: 
             )
         if truncation == "paragraph":
             cut = body.rfind("\n")
-            body = body[:cut] if cut >= 0 else body[:-1]
+            if cut >= 0:
+                body = body[:cut].rstrip("\r\n")
+            else:
+                body = longest_fitting_prefix(tokenizer, fields, fmt, truncate_field, length)
         else:
             body_tokens = tokenizer.encode(body)
             body = tokenizer.decode(body_tokens[: max(0, len(body_tokens) - (len(tokens) - length))])
-        fields[truncate_field] = body.rstrip("\n") if truncation == "paragraph" else body
+        fields[truncate_field] = body
         text = fmt.format(**fields)
         tokens = tokenizer.encode(text)
     return text, tokens, truncated
+
+
+def longest_fitting_prefix(tokenizer, fields: dict, fmt: str, field: str, length: int) -> str:
+    """The longest proper prefix of `fields[field]` whose query fits in `length` tokens ("" when none does): the
+    cut that removing the field's last character until the query fits would give, without one tokenization per
+    removed character. Token counts are not monotone in the prefix (half a word can take more tokens than the
+    whole word), so a binary search could stop short of that cut. Instead, a query k tokens too long is shortened
+    next by characters worth at least k UTF-8 bytes: the excess shrinks by a constant factor per try, and a post
+    of thousands of characters takes a few dozen tokenizations. This skips no prefix that fits as long as removing
+    a character of b bytes drops at most b tokens from the query (tests/test_data.py compares the two cuts)."""
+    body = fields[field]
+    cut = len(body) - 1  # the whole field is known not to fit
+    while cut > 0:
+        excess = len(tokenizer.encode(fmt.format(**{**fields, field: body[:cut]}))) - length
+        if excess <= 0:
+            return body[:cut]
+        while excess > 0 and cut > 0:
+            cut -= 1
+            excess -= len(body[cut].encode("utf-8"))
+    return ""
 
 
 def left_pad(tokens: list[int], length: int, pad_id: int) -> list[int]:
@@ -292,16 +322,24 @@ def process_preference_row(row: dict, tokenizer, args: Args, where: str) -> dict
 ASSISTANT, HUMAN = "\n\nAssistant:", "\n\nHuman:"
 
 
+def hh_pair_problem(chosen: str, rejected: str) -> Optional[str]:
+    """Why an HH pair cannot be split into one query and two responses, or None when it can."""
+    c_cut, r_cut = chosen.rfind(ASSISTANT), rejected.rfind(ASSISTANT)
+    if c_cut < 0 or r_cut < 0:
+        return "a dialogue has no '\\n\\nAssistant:' turn"
+    if chosen[: c_cut + len(ASSISTANT)] != rejected[: r_cut + len(ASSISTANT)]:
+        return "chosen and rejected dialogues differ before their last assistant turn"
+    return None
+
+
 def split_hh(chosen: str, rejected: str, where: str) -> tuple[str, str, str]:
     """(query, chosen response, rejected response) of one HH pair. Both dialogues must share the prefix
     through their last assistant turn; the responses are what follows it."""
+    problem = hh_pair_problem(chosen, rejected)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
     c_cut, r_cut = chosen.rfind(ASSISTANT), rejected.rfind(ASSISTANT)
-    if c_cut < 0 or r_cut < 0:
-        raise ValueError(f"{where}: a dialogue has no '\\n\\nAssistant:' turn")
-    query = chosen[: c_cut + len(ASSISTANT)]
-    if rejected[: r_cut + len(ASSISTANT)] != query:
-        raise ValueError(f"{where}: chosen and rejected dialogues differ before their last assistant turn")
-    return query, chosen[c_cut + len(ASSISTANT):], rejected[r_cut + len(ASSISTANT):]
+    return chosen[: c_cut + len(ASSISTANT)], chosen[c_cut + len(ASSISTANT):], rejected[r_cut + len(ASSISTANT):]
 
 
 def truncate_hh_query(tokenizer, query: str, length: int, where: str) -> tuple[str, list[int], bool]:
@@ -446,6 +484,34 @@ def prepare_tldr(args: Args, tokenizer) -> dict:
             "report": report}
 
 
+def drop_mismatched_hh(ds, name: str, args: Args, report: dict):
+    """The Anthropic HH data holds pairs whose two dialogues differ before the last assistant turn (or lack
+    one), so they share no query. `--hh_mismatch_policy drop` leaves them out, counts them and names the first
+    few rows (by their row in the raw split) in the report and the log; `error` stops at the first one. Returns
+    the kept rows and, for each kept row, its row in the raw split (so later errors name the raw row)."""
+    def problem(row, idx):
+        check_fields(row, {"chosen": str, "rejected": str}, f"hh/{name} row {idx}")
+        return {"problem": hh_pair_problem(row["chosen"], row["rejected"]) or ""}
+
+    problems = ds.map(problem, with_indices=True, remove_columns=ds.column_names, num_proc=args.num_proc,
+                      desc=f"check hh/{name}")["problem"]
+    bad = [i for i, p in enumerate(problems) if p]
+    report[f"hh/{name}_dropped_mismatched_pairs"] = len(bad)
+    if not bad:
+        return ds, range(len(ds))
+    if args.hh_mismatch_policy == "error":
+        raise ValueError(f"hh/{name} row {bad[0]}: {problems[bad[0]]} (rows of hh/{name} that share no query: "
+                         f"{len(bad)} of {len(ds)}); fix or remove them in the source, or leave them out with "
+                         "--hh_mismatch_policy drop")
+    report[f"hh/{name}_mismatched_pair_rows"] = bad[:5]
+    shown = ", ".join(f"row {i} ({problems[i]})" for i in bad[:3])
+    print(f"[prepare] hh/{name}: dropped {len(bad)} of {len(ds)} pairs that share no query, e.g. {shown} "
+          "(--hh_mismatch_policy drop)")
+    bad_rows = set(bad)
+    keep = [i for i in range(len(ds)) if i not in bad_rows]
+    return ds.select(keep), keep
+
+
 def prepare_hh(args: Args, tokenizer) -> dict:
     from datasets import DatasetDict
 
@@ -454,11 +520,12 @@ def prepare_hh(args: Args, tokenizer) -> dict:
     sft, pref = {}, {}
     for split, ds in raw.items():
         name = "validation" if split == "test" else split
-        s = map_rows(ds, hh_sft_row, tokenizer, args, lambda r, i: i, f"hh-sft/{name}")
+        ds, raw_row = drop_mismatched_hh(ds, name, args, report)
+        s = map_rows(ds, hh_sft_row, tokenizer, args, lambda r, i: raw_row[i], f"hh-sft/{name}")
         s = s.remove_columns([c for c in ds.column_names if c in ("chosen", "rejected")])
         report[f"sft/{name}_truncated_queries"] = int(sum(s["query_truncated"]))
         sft[name] = drop_long(s, f"sft/{name}", report)
-        p = ds.map(lambda r, i: process_hh_row(r, tokenizer, args, f"hh/{name} row {i}"), with_indices=True,
+        p = ds.map(lambda r, i: process_hh_row(r, tokenizer, args, f"hh/{name} row {raw_row[i]}"), with_indices=True,
                    remove_columns=ds.column_names, num_proc=args.num_proc, desc=f"hh/{name}")
         report[f"preference/{name}_truncated_queries"] = int(sum(p["query_truncated"]))
         pref[name] = drop_long(p, f"preference/{name}", report)
@@ -588,7 +655,15 @@ def main(args: Args) -> dict:
     if tokenizer.pad_token_id == tokenizer.eos_token_id and args.pad_token == "pad":
         raise ValueError("the tokenizer's pad token equals EOS; Detail 3 needs a distinct [PAD]")
     result = prepare_hh(args, tokenizer) if args.task == "hh" else prepare_tldr(args, tokenizer)
+    # every split carries the identity of the tokenizer that wrote its token ids, so that each training script
+    # can refuse data made with another tokenizer than its model's (check_data_tokenizer)
+    from sft import tokenizer_fingerprint  # the scripts' own definition (a copy of it lives in each of them)
+
+    fingerprint = {"name_or_path": args.base_model, **tokenizer_fingerprint(tokenizer)}
+    record = json.dumps({"prepared_by": "data/prepare.py", "task": args.task, "tokenizer": fingerprint})
     for name in ("sft", "preference"):
+        for dataset in result[name].values():
+            dataset.info.description = record
         result[name].save_to_disk(os.path.join(args.output_dir, name))
     report = result["report"]
     summary = {
@@ -606,6 +681,7 @@ def main(args: Args) -> dict:
         "rm_response_length": args.rm_response_length,
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
+        "tokenizer": fingerprint,
         "truncation": args.truncation,
         **task_info,
     }

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 
+import psutil
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,8 +52,8 @@ def run_ok(command: list, cwd, env=None, timeout: float = 300) -> subprocess.Com
 
 
 def kill_after_checkpoint(command: list, checkpoint, cwd, env=None, timeout: float = 300) -> None:
-    """Start a training run and SIGKILL it as soon as its `checkpoint` folder exists (checkpoints are renamed
-    into place, so an existing folder is complete). Fails, showing the run's output, unless the run was still
+    """Start a training run and SIGKILL it, with every process it started, as soon as its `checkpoint` folder
+    exists (checkpoints are renamed into place, so an existing folder is complete). Fails, showing the run's output, unless the run was still
     going when the checkpoint appeared: a run that crashed, finished before the kill, or wrote no checkpoint
     within `timeout` seconds cannot test a resume."""
     with tempfile.TemporaryFile("w+") as log:
@@ -60,6 +61,17 @@ def kill_after_checkpoint(command: list, checkpoint, cwd, env=None, timeout: flo
         deadline = time.time() + timeout
         while not os.path.isdir(checkpoint) and process.poll() is None and time.time() < deadline:
             time.sleep(0.05)
+        # the run and every process it started: a launcher's workers (accelerate launch, torchrun) run in sessions
+        # of their own and would otherwise go on training
+        try:
+            processes = psutil.Process(process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            processes = []
+        for child in processes:
+            try:
+                child.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
         process.send_signal(signal.SIGKILL)  # does nothing if the run has already ended
         returncode = process.wait(timeout=60)
         log.seek(0)

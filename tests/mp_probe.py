@@ -4,8 +4,11 @@ accelerator.prepare, and the seed of the process's global torch RNG after main()
 
     python tests/mp_probe.py sft OUT_DIR -- --base_model ... (the script's own flags)
     ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 tests/mp_probe.py sft OUT_DIR -- ...
+    DS_ACCELERATOR=cpu accelerate launch --config_file zero3.yaml --num_processes 2 --mixed_precision no \
+        tests/mp_probe.py sft OUT_DIR -- ...
 
-Writes OUT_DIR/rank{R}.pt = {"weights": {name: tensor}, "initial_seed": int, "world_size": int}.
+Writes OUT_DIR/rank{R}.pt = {"weights": {name: tensor}, "initial_seed": int, "world_size": int, "engines": [class
+name of each prepared module], "zero_stage": DeepSpeed's ZeRO stage or None}. Under ZeRO-3 only rank 0 holds weights.
 The script runs unchanged: the probe only wraps Accelerator.prepare to keep a handle on its modules."""
 
 import importlib.util
@@ -39,11 +42,16 @@ def recording_prepare(self, *objects, **kwargs):
 Accelerator.prepare = recording_prepare
 module.main(tyro.cli(module.Args, args=argv))
 
-weights = {}
+weights, engines = {}, []
 for i, (accelerator, obj) in enumerate(prepared):
-    for name, tensor in accelerator.unwrap_model(obj).state_dict().items():
+    engines.append(type(obj).__name__)  # DeepSpeedEngine under DeepSpeed, DistributedDataParallel under torchrun
+    # get_state_dict gathers ZeRO-3's partitions (every rank takes part; only rank 0 receives them)
+    state_dict = accelerator.get_state_dict(obj)
+    for name, tensor in (state_dict or {}).items():
         weights[f"{i}.{name}"] = tensor.detach().cpu().clone()
+plugin = prepared[0][0].state.deepspeed_plugin if prepared else None
 rank = int(os.environ.get("RANK", "0"))
 os.makedirs(out_dir, exist_ok=True)
-torch.save({"weights": weights, "initial_seed": torch.initial_seed(), "world_size": int(os.environ.get("WORLD_SIZE", "1"))},
+torch.save({"weights": weights, "initial_seed": torch.initial_seed(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "engines": engines, "zero_stage": plugin.zero_stage if plugin is not None else None},
            os.path.join(out_dir, f"rank{rank}.pt"))

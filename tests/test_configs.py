@@ -1,5 +1,6 @@
 """The DeepSpeed configs the README points to parse with accelerate's own loader and say what we claim.
-(No GPU here: the bf16 / ZeRO paths themselves only run where one is lent.)"""
+The ZeRO-2 / ZeRO-3 runs themselves (2 CPU processes, these files with only the hardware lines overridden on the
+command line, and bf16 once per script) are in tests/test_multiprocess.py."""
 
 import os
 

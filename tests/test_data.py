@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -54,6 +55,61 @@ def test_token_truncation_cuts_mid_paragraph(tokenizer):
     assert truncated and len(tokens) <= limit
     post = query.split("POST: ", 1)[1].rsplit("\n\nTL;DR:", 1)[0]
     assert post.split("\n\n")[-1] not in PARAGRAPHS, "token truncation should end mid-paragraph"
+
+
+def test_crlf_post_cut_at_a_paragraph_keeps_no_carriage_return(tokenizer):
+    fields = {"subreddit": "tifu", "title": "a title", "post": "\r\n\r\n".join(PARAGRAPHS) + "\r\n"}
+    full = len(tokenizer.encode(prepare.TLDR_FORMAT.format(**fields)))
+    for limit in (full - 1, full - 5, full - 25):
+        query, tokens, truncated = prepare.build_query(tokenizer, fields, prepare.TLDR_FORMAT, "post", limit,
+                                                       "paragraph", "t3_crlf")
+        assert truncated and len(tokens) <= limit
+        post = query.split("POST: ", 1)[1][: -len("\n\nTL;DR:")]
+        kept = post.split("\r\n\r\n")
+        assert kept == PARAGRAPHS[: len(kept)] and query.endswith(kept[-1] + "\n\nTL;DR:"), repr(query[-40:])
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its encode calls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def encode(self, text):
+        self.calls += 1
+        return self.tokenizer.encode(text)
+
+
+def one_character_at_a_time(tokenizer, fields: dict, length: int) -> str:
+    """The reference cut of a post with no newline: drop its last character until the query fits."""
+    post = fields["post"]
+    while len(tokenizer.encode(prepare.TLDR_FORMAT.format(**{**fields, "post": post}))) > length:
+        post = post[:-1]
+    return prepare.TLDR_FORMAT.format(**{**fields, "post": post})
+
+
+def test_post_without_newline_is_cut_as_one_character_at_a_time_in_few_tokenizations(tokenizer):
+    """Equal to removing one character at a time (token counts are not monotone in the cut, e.g. half a word can
+    take more tokens than the whole word), at a few dozen tokenizations for a post of thousands of characters."""
+    rng = random.Random(7)
+    posts = [" ".join(synthetic.make_post(rng)["post"].split()) for _ in range(16)]  # newlines, runs of spaces gone
+    long_post = " ".join(posts)
+    cases = [(post, None) for post in posts[:4] + ["naïve café, 日本語のテキスト 😀 and more text " * 12, "x" * 900]]
+    cases += [(long_post, 3), (long_post, 400)]  # cut by a few tokens, and to 40 tokens: the case that was slow
+    assert len(long_post) > 4000
+    for post, excess in cases:
+        fields = {"subreddit": "tifu", "title": "a title", "post": post}
+        full = len(tokenizer.encode(prepare.TLDR_FORMAT.format(**fields)))
+        limits = [full - excess] if excess else sorted({full - 1, full - 3, full // 2, 40, 24})
+        for limit in limits:
+            if not 20 <= limit < full:
+                continue
+            counting = CountingTokenizer(tokenizer)
+            query, tokens, truncated = prepare.build_query(counting, fields, prepare.TLDR_FORMAT, "post", limit,
+                                                           "paragraph", "t3_long")
+            assert truncated and query == one_character_at_a_time(tokenizer, fields, limit) and len(tokens) <= limit
+            # the one-at-a-time cut tokenizes once per removed character: up to ~4000 times here
+            assert counting.calls <= 60, (len(post), full - limit, counting.calls)
 
 
 def test_untruncatable_query_names_the_row(tokenizer):
@@ -174,6 +230,35 @@ def test_hh_drops_oldest_turns_first(tokenizer):
     assert truncated and short == "\n\nHuman: last question.\n\nAssistant:" and len(tokens) <= full - 1
     with pytest.raises(ValueError, match="row 3"):
         prepare.truncate_hh_query(tokenizer, query, 3, "row 3")
+
+
+def hh_rows_with_a_mismatched_pair() -> list:
+    rows = [json.loads(line) for line in open(os.path.join(FIXTURES, "hh", "train.jsonl"))]
+    broken = {"chosen": rows[1]["chosen"], "rejected": rows[1]["rejected"].replace("Hi there.", "Hello there.")}
+    return [rows[0], rows[1], broken, rows[0]]  # row 2: the dialogues differ in the first human turn
+
+
+def test_hh_pairs_that_share_no_query_are_dropped_and_named(tmp_path, synthetic_task, capsys):
+    hh = _write(tmp_path, "hh", hh_rows_with_a_mismatched_pair())
+    out = run_prepare(tmp_path, synthetic_task["base_model"], task="hh", hh_data=hh, query_length=96,
+                      sft_response_length=64, rm_response_length=64)
+    summary = json.load(open(os.path.join(out, "prep_summary.json")))
+    assert summary["report"]["hh/train_dropped_mismatched_pairs"] == 1
+    assert summary["report"]["hh/train_mismatched_pair_rows"] == [2]
+    assert summary["rows"]["preference/train"] == summary["rows"]["sft/train"] == 3
+    log = capsys.readouterr().out
+    assert ("[prepare] hh/train: dropped 1 of 4 pairs that share no query, e.g. row 2 (chosen and rejected dialogues "
+            "differ before their last assistant turn) (--hh_mismatch_policy drop)") in log
+    assert "hh/train_mismatched_pair_rows" in log  # the printed summary names the rows too
+    pref = load_from_disk(os.path.join(out, "preference"))["train"]
+    assert [r["chosen"] for r in pref] == [" Put it in boiling water for about nine minutes.", " An apple.",
+                                           " Put it in boiling water for about nine minutes."]
+    with pytest.raises(ValueError, match=re.escape(
+            "hh/train row 2: chosen and rejected dialogues differ before their last assistant turn (rows of hh/train "
+            "that share no query: 1 of 4); fix or remove them in the source, or leave them out with "
+            "--hh_mismatch_policy drop")):
+        run_prepare(tmp_path / "strict", synthetic_task["base_model"], task="hh", hh_data=hh, query_length=96,
+                    sft_response_length=64, rm_response_length=64, hh_mismatch_policy="error")
 
 
 def test_hh_fixture_end_to_end(tmp_path, synthetic_task):

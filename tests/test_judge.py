@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import random
+import re
 import signal
 import sqlite3
 import subprocess
@@ -255,13 +256,24 @@ def test_fault_injection_retries_and_counts_invalid(tmp_path):
     assert (judged.loc[~ok, "asks"] == 2).all()
 
 
+def answer_then_fail(server, answered: int) -> None:
+    """The server answers its first `answered` requests and fails every later one with a 500."""
+    draw = server.draw_fault
+    server.draw_fault = lambda: "ok" if draw() == "ok" and server.request_count <= answered else "500"
+
+
 def test_hard_failures_are_invalid_never_losses(tmp_path):
     make_samples(tmp_path / "a.csv", 12, seed=7)
-    with gjs.serve_in_thread(fail_rate=1.0, seed=1) as server:
-        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3))
-        assert server.request_count == 12 * 3  # bounded: exactly max_tries per pair
+    with gjs.serve_in_thread() as server:
+        answer_then_fail(server, 4)  # one request at a time: rows 0-3 judged, then the judge breaks down
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3,
+                                        max_parallel_requests=1))
+        assert server.request_count == 4 + 8 * 3  # bounded: exactly max_tries per failing pair
     s = summary["per_csv"]["a"]
-    assert (s["wins"], s["losses"], s["invalid"], s["api_errors"], s["win_rate"]) == (0, 0, 12, 12, None)
+    assert (s["wins"] + s["losses"], s["invalid"], s["api_errors"]) == (4, 8, 8)
+    judged = pd.read_csv(tmp_path / "out" / "a_judged.csv", keep_default_na=False)
+    assert list(judged["status"]) == ["ok"] * 4 + ["api_error"] * 8
+    assert judged["error"][4:].str.contains("gave up after 3 tries; last error InternalServerError").all()
     with gjs.serve_in_thread(garbage_rate=1.0, seed=1) as server:
         summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_parse_tries=3,
                                         cache_path=str(tmp_path / "c2.sqlite")))
@@ -270,15 +282,104 @@ def test_hard_failures_are_invalid_never_losses(tmp_path):
     assert (s["wins"], s["losses"], s["unparseable"], s["win_rate"]) == (0, 0, 12, None)
 
 
-def test_unknown_model_is_invalid_without_retries(tmp_path):
+# ----------------------------------------------------------------------------------------------
+# a judge that cannot be used at all, and sample files with nothing to judge: one error, no table
+# ----------------------------------------------------------------------------------------------
+def closed_port() -> int:
+    """A loopback port nobody listens on (connection refused)."""
+    import socket
+
+    with contextlib.closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_endpoint_is_one_error_and_a_failed_exit(tmp_path):
+    make_samples(tmp_path / "a.csv", 40, seed=16)
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    cmd = [sys.executable, os.path.join(REPO, "judge.py"), "--csv", str(tmp_path / "a.csv"), "--base_url", url,
+           "--output_dir", str(tmp_path / "out"), "--cache_path", str(tmp_path / "cache.sqlite"), "--length_unit", "chars",
+           "--max_tries", "2", "--backoff_base_s", "0.001", "--backoff_max_s", "0.01"]
+    env = {**{k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"JudgeUnavailableError: the judge at {url} cannot be reached (gave up after 2 tries; last error "
+        "APIConnectionError: Connection error.); check that the server is running and that --base_url points at it")
+    assert not (tmp_path / "out" / "judge_summary.json").exists() and not (tmp_path / "out" / "a_judged.csv").exists()
+
+
+def test_failing_endpoint_stops_after_one_pair_of_tries(tmp_path):
+    make_samples(tmp_path / "a.csv", 40, seed=17)
+    with gjs.serve_in_thread(fail_rate=1.0, seed=1) as server:
+        server.handle_error = lambda request, client_address: None  # replies to a client that has gone: no traceback
+        with pytest.raises(judge.JudgeUnavailableError, match=r"failed before answering any request \(gave up after 3 tries") as err:
+            judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3, max_parallel_requests=2))
+        # not 40 pairs x 3 tries: it stopped once the first pair had used its tries. Bound: the two pairs in flight,
+        # 3 tries each, plus the first try of a pair that took a freed slot before the run was stopped
+        assert server.request_count <= 2 * 3 + 2
+    assert server.base_url in str(err.value) and re.search("last error (RateLimitError|InternalServerError)", str(err.value))
+    assert str(err.value).endswith("try again later, or raise --max_tries")
+    assert not (tmp_path / "out" / "judge_summary.json").exists()
+
+
+def test_unknown_model_is_one_error_without_retries(tmp_path):
     make_samples(tmp_path / "a.csv", 6, seed=14)
     with gjs.serve_in_thread() as server:
-        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], model="gold-judge-stale"))
-        assert server.request_count == 6  # a 404 is final: no retries
-    s = summary["per_csv"]["a"]
-    assert (s["api_errors"], s["invalid"], s["win_rate"]) == (6, 6, None)
-    judged = pd.read_csv(tmp_path / "out" / "a_judged.csv", keep_default_na=False)
-    assert judged["error"].str.contains("NotFoundError").all()
+        with pytest.raises(judge.JudgeUnavailableError, match="NotFoundError") as err:
+            judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], model="gold-judge-stale"))
+        assert server.request_count <= 6  # a 404 is final: no retries
+    assert "'gold-judge-stale' (--model)" in str(err.value) and server.base_url in str(err.value)
+
+
+def test_refused_key_or_every_prompt_refused_is_one_error(tmp_path, monkeypatch):
+    secret = "sk-test-REFUSED456"
+    monkeypatch.setenv("OPENAI_API_KEY", secret)
+    make_samples(tmp_path / "a.csv", 40, seed=18)
+    status = {"code": 401}
+
+    def refuse(handler):  # the server's POST handler, replaced: every request gets `status`
+        handler.rfile.read(int(handler.headers.get("Content-Length", "0")))
+        handler.server.draw_fault()  # counts the request
+        handler._error(status["code"], f"refused; the key was {handler.headers.get('Authorization')}", "invalid_request_error")
+
+    monkeypatch.setattr(gjs._Handler, "do_POST", refuse)
+    with gjs.serve_in_thread() as server:
+        server.handle_error = lambda request, client_address: None  # replies to a client that has gone: no traceback
+        with pytest.raises(judge.JudgeUnavailableError, match="refused the API key") as err:
+            judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3, max_parallel_requests=4))
+        # at once, not 40 refusals: no retries; the 4 requests in flight, and at most one more per slot they freed
+        assert server.request_count <= 2 * 4
+        message = str(err.value)
+        assert "AuthenticationError" in message and server.base_url in message and "OPENAI_API_KEY" in message
+        assert secret not in message and "[REDACTED]" in message
+        status["code"] = 400  # every prompt refused: each pair is invalid, and together they are one error
+        with pytest.raises(judge.JudgeUnavailableError, match="refused every request \\(all 40 failed; the first: BadRequestError"):
+            judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3))
+
+
+def offline_args(tmp_path, csv: list, **kw) -> "judge.Args":
+    """Arguments for runs that must fail on their input, before any request (no server is started)."""
+    return judge.Args(csv=csv, output_dir=str(tmp_path / "out"), base_url="http://127.0.0.1:9/v1",
+                      cache_path=str(tmp_path / "c.sqlite"), length_unit="chars", **kw)
+
+
+def test_empty_sample_csv_is_one_error_naming_it(tmp_path):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="^" + re.escape(f"{empty} is empty (no header, no rows)")):
+        judge.main(offline_args(tmp_path, [str(empty)]))
+    make_samples(tmp_path / "a.csv", 4, seed=19)
+    with pytest.raises(ValueError, match="^" + re.escape(f"{empty} is empty")):  # a baseline must hold samples too
+        judge.main(offline_args(tmp_path, [str(tmp_path / "a.csv")], baseline_csv=str(empty)))
+
+
+def test_sample_csv_with_a_header_and_no_rows_is_nothing_to_judge(tmp_path):
+    header_only = tmp_path / "header_only.csv"
+    header_only.write_text("query,response,reference\n")
+    with pytest.raises(ValueError, match="^" + re.escape(f"{header_only} has a header but no rows: nothing to judge")):
+        judge.main(offline_args(tmp_path, [str(header_only)]))
+    assert not (tmp_path / "out" / "judge_summary.json").exists()
 
 
 def test_cache_rerun_makes_no_requests_and_resumes(tmp_path):

@@ -1,27 +1,41 @@
-"""Multi-process correctness (issue #12) on the CPU: 2 processes over gloo (`torchrun`), for every training
-script. tests/mp_probe.py runs the script's main() unchanged and saves each rank's final weights and RNG seed.
+"""Multi-process correctness on the CPU, for every training script: 2 processes over gloo, launched three ways:
+- `torchrun` (plain data parallel);
+- DeepSpeed ZeRO-2 and ZeRO-3 (Detail 8), with the command the README gives, the shipped zero2.yaml / zero3.yaml
+  and only their hardware lines overridden on the command line (2 processes, no mixed precision), on DeepSpeed's
+  CPU accelerator: `DS_ACCELERATOR=cpu accelerate launch --config_file zero3.yaml --num_processes 2
+  --mixed_precision no ppo.py ...`. PPO's ZeRO-3 run adds --offload (ZeRO-3 parameter offload of the frozen
+  reference and reward model, the paper's 6.9B setting).
+tests/mp_probe.py runs the script's main() unchanged and saves each rank's final weights and RNG seed.
 
-For each script one 2-process run and one 1-process run with the same global batch prove:
+For each script and launcher, one 2-process run and one 1-process run with the same global batch prove:
 - the weights are identical on both ranks after the updates (gradients are all-reduced, nothing diverges);
 - the sampling seeds differ per rank (each rank draws its own samples);
 - the 1-process and 2-process runs make the same number of updates, log the same training metrics and end
   with the same weights, within float tolerance. Because the 1-process run accumulates the two micro-batches
   that the two ranks take, this also proves that each rank reads a different shard (two ranks reading the
   same rows would train on half the data) and that logged metrics are gathered from every rank (rank 0's
-  alone would differ from the 1-process mean)."""
+  alone would differ from the 1-process mean).
+Under DeepSpeed, in addition: every prepared module is a DeepSpeedEngine of the requested ZeRO stage, and the model
+the script saved (under ZeRO-3 gathered from the partitions) loads with from_pretrained on one process and equals
+the 1-process save. Separate tests run every script once in bf16 under ZeRO-2 (the GPU recipe's dtype path:
+a bf16 engine beside bf16 frozen models), and SIGKILL + --resume a ZeRO-2 PPO run.
+The DeepSpeed tests are marked `slow`: `-m "not slow"` skips them locally; CI runs them."""
 
+import glob
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ENV, without_timing
+from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, without_timing
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(REPO_ROOT, "tests", "mp_probe.py")
-ENV = {**ENV, "ACCELERATE_USE_CPU": "true"}  # torchrun's processes talk over gloo on the CPU
+TORCHRUN_ENV = {**ENV, "ACCELERATE_USE_CPU": "true"}  # torchrun's processes talk over gloo on the CPU
+DEEPSPEED_ENV = {**ENV, "DS_ACCELERATOR": "cpu"}  # DeepSpeed's CPU accelerator (its ops need no GPU)
 
 
 def sft_flags(task: dict) -> list:
@@ -87,49 +101,184 @@ def offline_rl_flags(task: dict) -> list:
 
 SCRIPTS = {"sft": sft_flags, "reward": reward_flags, "dpo": dpo_flags, "ilql": ilql_flags, "ppo": ppo_flags,
            "offline_rl": offline_rl_flags}
+LAUNCHERS = ["torchrun", "zero2", "zero3"]
 
 
-def run_probe(script: str, flags: list, tmp_path, name: str, processes: int, port: int):
+def launcher_command(launcher: str, processes: int, port: int, bf16: bool = False) -> list:
+    """The command that starts tests/mp_probe.py: plain python (1 process), torchrun, or the README's
+    `accelerate launch --config_file zeroN.yaml` with only the hardware lines overridden."""
+    if processes == 1:
+        return [sys.executable, PROBE]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                "--master_port", str(port), PROBE]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(REPO_ROOT, f"{launcher}.yaml"),
+            "--num_processes", str(processes), "--mixed_precision", "bf16" if bf16 else "no",
+            "--main_process_port", str(port), PROBE]
+
+
+def run_probe(script: str, flags: list, tmp_path, name: str, processes: int, port: int, launcher: str = "torchrun",
+              bf16: bool = False, extra: tuple = ()):
+    """Run `script` under `launcher`; returns each rank's probe record, the metrics rows and the output folder."""
     out = tmp_path / name
     flags = [flag.replace("{run}", str(out)) for flag in flags]
-    common = ["--output_dir", str(tmp_path / f"model_{name}"), "--run_dir_root", str(tmp_path / "runs"),
-              "--run_name", name, "--checkpoint_every", "0"]
-    if processes == 1:
-        command = [sys.executable, PROBE, script, str(out), "--", *flags, *common]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                   "--master_port", str(port), PROBE, script, str(out), "--", *flags, *common]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    output_dir = tmp_path / f"model_{name}"
+    common = ["--output_dir", str(output_dir), "--run_dir_root", str(tmp_path / "runs"), "--run_name", name,
+              "--checkpoint_every", "0", *extra]
+    command = [*launcher_command(launcher, processes, port, bf16), script, str(out), "--", *flags, *common]
+    env = TORCHRUN_ENV if launcher == "torchrun" or processes == 1 else DEEPSPEED_ENV
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(processes)]
     rows = [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
-    return ranks, rows
+    return ranks, rows, output_dir
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_two_processes_match_one_process(script, synthetic_task, tmp_path):
-    flags = SCRIPTS[script](synthetic_task)
-    port = 29600 + sorted(SCRIPTS).index(script)
-    two, two_rows = run_probe(script, flags, tmp_path, "two", 2, port)
-    (one,), one_rows = run_probe(script, flags, tmp_path, "one", 1, port)
+def one_process_run(script: str, task: dict):
+    """The 1-process run every launcher is compared with, made once per script and test worker."""
+    root = pathlib.Path(task["root"]) / "one_process" / script
+    if not (root / "one" / "rank0.pt").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        return run_probe(script, SCRIPTS[script](task), root, "one", 1, 0)
+    return ([torch.load(root / "one" / "rank0.pt")],
+            [without_timing(json.loads(line)) for line in open(root / "runs" / "one" / "metrics.jsonl")],
+            root / "model_one")
 
-    # both ranks end with bit-identical weights
-    assert two[0]["world_size"] == 2 and two[0]["weights"].keys() == two[1]["weights"].keys()
-    for name, tensor in two[0]["weights"].items():
-        assert torch.equal(tensor, two[1]["weights"][name]), f"{name} differs between rank 0 and rank 1"
-    # each rank samples with its own seed (reward.py samples nothing: it keeps the common seed)
-    if script != "reward":
-        assert two[0]["initial_seed"] != two[1]["initial_seed"]
 
-    # the same updates, the same logged metrics and the same final weights as one process
+def with_flag(flags: list, name: str, value: str) -> list:
+    """`flags` with the value of `name` replaced."""
+    i = flags.index(name)
+    return flags[: i + 1] + [value] + flags[i + 2 :]
+
+
+def saved_weights(output_dir) -> dict:
+    """Every tensor the script saved (model.safetensors, plus ilql_heads.safetensors for ILQL), by file and name."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(output_dir, "*.safetensors")))
+    assert files, f"no safetensors in {output_dir}"
+    return {f"{os.path.basename(f)}:{name}": t for f in files for name, t in load_file(f).items()}
+
+
+def loads_with_from_pretrained(script: str, output_dir) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification if script == "reward" else AutoModelForCausalLM
+    return cls.from_pretrained(output_dir)
+
+
+def assert_same_run(script, two, two_rows, one, one_rows, what: str):
+    """The same updates, the same logged training metrics and the same final weights as the 1-process run."""
     steps = lambda rows: [row["step"] for row in rows]  # noqa: E731
-    assert steps(two_rows) == steps(one_rows) and len(two_rows) > 0
+    assert steps(two_rows) == steps(one_rows) and len(two_rows) > 0, what
     for a, b in zip(two_rows, one_rows):
-        assert a.keys() == b.keys()
+        assert a.keys() == b.keys(), what
         for key in a:
             if key.startswith(("train/", "objective/", "ppo/", "loss")) and isinstance(a[key], float):
                 # a clip fraction counts values past a threshold: a 1e-8 difference can flip one token
                 tolerance = dict(abs=0.01) if "clipfrac" in key else dict(rel=1e-4, abs=1e-5)
-                assert a[key] == pytest.approx(b[key], **tolerance), (a["step"], key)
+                assert a[key] == pytest.approx(b[key], **tolerance), (what, a["step"], key)
+    assert two[0]["weights"].keys() == one["weights"].keys(), what
     for name, tensor in one["weights"].items():
-        torch.testing.assert_close(two[0]["weights"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(two[0]["weights"][name], tensor, rtol=1e-4, atol=1e-5, msg=f"{what}: {name}")
+
+
+def port_of(script: str, launcher: str, offset: int = 0) -> int:
+    return 29600 + 10 * sorted(SCRIPTS).index(script) + LAUNCHERS.index(launcher) + offset
+
+
+# the tests of one script share its 1-process run when they run in one pytest-xdist worker (--dist loadgroup)
+BY_SCRIPT = [pytest.param(script, marks=pytest.mark.xdist_group(script)) for script in sorted(SCRIPTS)]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("zero2", marks=pytest.mark.slow),
+                                      pytest.param("zero3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("script", BY_SCRIPT)
+def test_two_processes_match_one_process(script, launcher, synthetic_task, tmp_path):
+    flags = SCRIPTS[script](synthetic_task)
+    # ZeRO-3 parameter offload of PPO's frozen reference and reward model (--offload), the paper's 6.9B recipe
+    extra = ("--offload",) if script == "ppo" and launcher == "zero3" else ()
+    two, two_rows, two_dir = run_probe(script, flags, tmp_path, "two", 2, port_of(script, launcher), launcher,
+                                       extra=extra)
+    (one,), one_rows, one_dir = one_process_run(script, synthetic_task)
+    what = f"{script} under {launcher}"
+
+    assert two[0]["world_size"] == 2
+    if launcher == "torchrun":
+        assert two[0]["zero_stage"] is None and "DeepSpeedEngine" not in two[0]["engines"]
+    else:  # every prepared module runs in a DeepSpeed engine of the requested stage
+        assert two[0]["engines"] and set(two[0]["engines"]) == {"DeepSpeedEngine"}, two[0]["engines"]
+        assert two[0]["zero_stage"] == int(launcher[-1])
+    if launcher == "zero3":  # the weights are partitioned: get_state_dict gathers them on rank 0 only
+        assert two[1]["weights"] == {}
+    else:  # both ranks end with bit-identical weights
+        assert two[0]["weights"].keys() == two[1]["weights"].keys()
+        for name, tensor in two[0]["weights"].items():
+            assert torch.equal(tensor, two[1]["weights"][name]), f"{what}: {name} differs between rank 0 and rank 1"
+    # each rank samples with its own seed (reward.py samples nothing: it keeps the common seed)
+    if script != "reward":
+        assert two[0]["initial_seed"] != two[1]["initial_seed"]
+
+    assert_same_run(script, two, two_rows, one, one_rows, what)
+    if launcher != "torchrun":
+        # what the script saved (under ZeRO-3: gathered from the partitions, not empty shards) is the full model
+        saved, expected = saved_weights(two_dir), saved_weights(one_dir)
+        assert saved.keys() == expected.keys(), what
+        for name, tensor in expected.items():
+            assert saved[name].shape == tensor.shape and saved[name].numel() > 0, f"{what}: {name} {saved[name].shape}"
+            torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{what}: saved {name}")
+        loaded = loads_with_from_pretrained(script, two_dir).state_dict()
+        reference = loads_with_from_pretrained(script, one_dir).state_dict()
+        for name, tensor in reference.items():
+            torch.testing.assert_close(loaded[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{what}: loaded {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", BY_SCRIPT)
+def test_bf16_under_zero2(script, synthetic_task, tmp_path):
+    """The GPU recipe's precision on the CPU: --bf16 under ZeRO-2, where DeepSpeed casts the trained model to bf16
+    (float32 master weights in the optimizer) and the frozen models load in bf16. A dtype mismatch between them
+    would fail here. The run must finish with finite bf16 weights that stay within bf16 rounding of the float32
+    1-process run (a few updates at these learning rates move weights by far more than that tolerance allows
+    only if something is wrong), and finite training metrics."""
+    two, rows, _ = run_probe(script, SCRIPTS[script](synthetic_task), tmp_path, "bf16", 2,
+                             port_of(script, "zero2", offset=5), "zero2", bf16=True, extra=("--bf16", "True"))
+    (one,), _, _ = one_process_run(script, synthetic_task)
+    assert set(two[0]["engines"]) == {"DeepSpeedEngine"}
+    weights = two[0]["weights"]
+    assert weights.keys() == one["weights"].keys()
+    for name, tensor in weights.items():
+        assert tensor.dtype == torch.bfloat16, f"{name} is {tensor.dtype}: the engine did not run in bf16"
+        assert torch.isfinite(tensor.float()).all(), name
+        torch.testing.assert_close(tensor.float(), one["weights"][name].float(), rtol=0.02, atol=0.05, msg=name)
+    assert rows
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith(("train/", "objective/", "ppo/", "loss")) and isinstance(value, float):
+                assert value == value and abs(value) != float("inf"), (row["step"], key, value)
+
+
+@pytest.mark.slow
+def test_zero2_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tmp_path):
+    """A ZeRO-2 PPO run killed (SIGKILL) right after its update-2 checkpoint and resumed with --resume ends where
+    the uninterrupted ZeRO-2 run ends: the same saved policy, bit for bit. The checkpoint holds DeepSpeed's own
+    engine and optimizer state (written through accelerate's save_state)."""
+    flags = with_flag(ppo_flags(synthetic_task), "--total_episodes", "40")  # 5 updates of 8
+
+    def command(name, *more):
+        return [*launcher_command("zero2", 2, port_of("ppo", "zero2", offset=7)), "ppo", str(tmp_path / name), "--",
+                *flags, "--output_dir", str(tmp_path / f"model_{name}"), "--run_dir_root", str(tmp_path / "runs"),
+                "--run_name", name, "--checkpoint_every", "2", *more]
+
+    subprocess.run(command("full"), cwd=REPO_ROOT, env=DEEPSPEED_ENV, capture_output=True, check=True, timeout=600)
+    kill_after_checkpoint(command("killed"), tmp_path / "runs" / "killed" / "checkpoints" / "update_000002",
+                          cwd=REPO_ROOT, env=DEEPSPEED_ENV, timeout=300)
+    assert not (tmp_path / "model_killed" / "model.safetensors").exists()
+    resumed = subprocess.run(command("killed", "--resume"), cwd=REPO_ROOT, env=DEEPSPEED_ENV, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout and "update_000002" in resumed.stdout, resumed.stdout[-2000:]
+    assert_same_safetensors(tmp_path / "model_full" / "model.safetensors", tmp_path / "model_killed" / "model.safetensors")
+    full = [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / "full" / "metrics.jsonl")]
+    killed = [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / "killed" / "metrics.jsonl")]
+    assert [row["step"] for row in killed] == [row["step"] for row in full] and full[-1] == killed[-1]

@@ -253,7 +253,13 @@ def test_detail7_first_ratio_is_one_only_without_dropout(accelerator, dropout_of
         assert (ratio - 1).abs().max().item() > 1e-2
 
 
-def test_detail22_critic_value_at_eos_equals_rm_score(accelerator, tmp_path):
+def test_detail22_values_and_eos_advantage_ppo_uses_at_init(accelerator, tmp_path):
+    """Detail 22 at initialisation: the critic is the RM, so the value PPO gives each response token (the
+    critic's reading at the token before it: the state the action is taken in) is the RM's per-token reading
+    there. The EOS action's value is the RM's reading at the token before the EOS, not the score: the reading
+    at the EOS (the state after the last action, Figure 11) is terminal and masked. With gamma = lambda = 1 and
+    no KL at initialisation, the advantage of every kept action, the EOS action's included, is score - V(state);
+    the returns are the score. The fresh head of --critic_init sft matches none of it."""
     torch.manual_seed(0)
     GPTNeoXForSequenceClassification(tiny_config()).save_pretrained(tmp_path / "rm")
     GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path / "sft")
@@ -261,20 +267,42 @@ def test_detail22_critic_value_at_eos_equals_rm_score(accelerator, tmp_path):
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
     with torch.no_grad():
         policy.get_output_embeddings().weight[EOS] += 2.0
+    args = make_args(gamma=1.0, lam=1.0, whiten_advantages=False)
+    context_length, rows = 5, torch.arange(6)
     gaps = {}
     for init in ("reward", "sft"):
         torch.manual_seed(0)
         critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / init if init == "sft" else
                                                                     tmp_path / "rm", num_labels=1).eval()
+        # the reference is the policy itself: KL 0, as at initialisation
         _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, policy)
-        _, last_index = ppo.response_mask(data["responses"], PAD)
-        context_length = 5
+        out = ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, ppo.RunningMoments(), lambda x: x)
+        mask, last, scores = out["mask"], out["last_index"], out["scores"]
+        assert (out["kl"] == 0).all()
+        # the RM's per-token readings (B, Tq + T) of query + truncated response; [i, j] reads tokens 0..j
         sequences = torch.cat((data["query_responses"][:, :context_length], data["responses"]), 1)
-        full_values, _, _ = ppo.get_reward(critic, sequences, PAD, context_length)
-        value_at_eos = full_values[torch.arange(6), context_length + last_index]
-        gaps[init] = (value_at_eos - data["scores"]).abs().max().item()
+        rm_readings, rm_scores, _ = ppo.get_reward(reward_model, sequences, PAD, context_length)
+        state_readings = rm_readings[:, context_length - 1 : -1]  # (B, T) the RM at the token before each action
+        gaps[init] = (out["values"] - state_readings)[mask].abs().max().item()
+        if init == "sft":
+            continue
+        contains_eos = out["contains_eos"]
+        assert contains_eos.sum() >= 2 and (last[contains_eos] < 5).all()  # EOS actions with [PAD] after them
+        torch.testing.assert_close(out["values"], state_readings * mask, atol=1e-5, rtol=0)
+        # the EOS action's value is the reading at the token before the EOS; the reading at the EOS (the score)
+        # sits at value index last + 1, which PPO masks
+        eos_value = out["values"][rows, last]
+        torch.testing.assert_close(eos_value, rm_readings[rows, context_length + last - 1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(rm_scores[contains_eos], data["scores"][contains_eos], atol=1e-5, rtol=0)
+        assert (eos_value - scores)[contains_eos].abs().min() > 1e-3
+        assert (out["values"][rows[contains_eos], last[contains_eos] + 1] == 0).all()
+        # gamma = lambda = 1, no KL: A_t = score - V_t on every kept token; the EOS action: score - V(before EOS)
+        torch.testing.assert_close(out["advantages"], (scores.unsqueeze(1) - out["values"]) * mask, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out["advantages"][rows, last], scores - rm_readings[rows, context_length + last - 1],
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(out["returns"], scores.unsqueeze(1) * mask, atol=1e-5, rtol=0)
     assert gaps["reward"] < 1e-5
-    assert gaps["sft"] > 1e-3  # the ablation's fresh head does not match the RM
+    assert gaps["sft"] > 1e-3  # the ablation's fresh head does not read like the RM
 
 
 def train_a_few_steps(model, data, context_length=5):
@@ -316,6 +344,69 @@ def test_shared_reference_equals_frozen_sft_copy(accelerator, tmp_path, mode):
     keep = qr != PAD
     torch.testing.assert_close(ref_logits[keep], sft_logits[keep], atol=1e-5, rtol=1e-5)
     assert (policy_logits[keep] - sft_logits[keep]).abs().max() > 1e-3  # the policy did move
+
+
+def test_frozen_actor_takes_no_adamw_step(accelerator):
+    """--ppo.freeze_actor_updates (OpenRLHF), done as the PPO loop does it (actor lr 0, policy loss x 0, then
+    skip_frozen_actor_step before each step): the frozen updates leave the actor's weights and AdamW state
+    exactly as they were, and the actor's steps after the freeze equal those of a run that never froze (critic
+    aside: it trained meanwhile, but the policy loss does not depend on it), so their size ratio is 1."""
+    torch.manual_seed(0)
+    policy, critic = GPTNeoXForCausalLM(tiny_config()), GPTNeoXForSequenceClassification(tiny_config())
+    initial = {name: {key: tensor.clone() for key, tensor in module.state_dict().items()}
+               for name, module in (("policy", policy), ("critic", critic))}
+    reward_model = GPTNeoXForSequenceClassification(tiny_config()).eval()
+    ref = GPTNeoXForCausalLM(tiny_config()).eval()
+    _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, ref)
+    out = ppo.shape_rewards(make_args(), data, EOS, PAD, 0.05, ppo.RunningMoments(), lambda x: x)
+    steps_per_update = 2
+
+    def train(frozen_updates: int, unfrozen_updates: int):
+        """Fresh copies of the initial models; returns the actor's weights after each unfrozen step and AdamW."""
+        policy.load_state_dict(initial["policy"])
+        critic.load_state_dict(initial["critic"])
+        model = ppo.PolicyAndValue(policy, critic).train()
+        actor = [p for p in policy.parameters() if p.requires_grad]
+        critic_params = [p for p in critic.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW([{"params": actor}, {"params": critic_params}], lr=1e-3, eps=1e-5,
+                                      weight_decay=0.01)  # the two groups of main()
+        after_steps = []
+        for update in range(1, frozen_updates + unfrozen_updates + 1):
+            frozen = update <= frozen_updates
+            optimizer.param_groups[0]["lr"] = 0.0 if frozen else 1e-3
+            for _ in range(steps_per_update):
+                new_logprobs, _, vpred, _ = ppo.policy_value_forward(model, data["query_responses"], 5, 0.7, PAD)
+                pg_loss, vf_loss, _ = ppo.ppo_losses(new_logprobs, data["logprobs"], out["advantages"], vpred,
+                                                     out["values"], out["returns"], out["mask"], 0.2, 0.2)
+                ((0.0 if frozen else 1.0) * pg_loss + 0.1 * vf_loss).backward()
+                if frozen:
+                    ppo.skip_frozen_actor_step(actor)
+                optimizer.step()
+                optimizer.zero_grad()
+                if not frozen:
+                    after_steps.append([p.detach().clone() for p in actor])
+            if frozen and update == frozen_updates:
+                # AdamW's state of the actor equals its initial state (none), its weights are untouched,
+                # while the critic has taken every step
+                assert all(len(optimizer.state.get(p, {})) == 0 for p in actor)
+                for name, tensor in policy.state_dict().items():
+                    assert torch.equal(tensor, initial["policy"][name]), name
+                assert all(optimizer.state[p]["step"] == frozen_updates * steps_per_update for p in critic_params)
+        return after_steps, [optimizer.state[p] for p in actor]
+
+    never_frozen, never_frozen_state = train(0, 2)
+    after_freeze, after_freeze_state = train(3, 2)
+    initial_actor = [initial["policy"][name] for name, p in policy.named_parameters() if p.requires_grad]
+    previous = {"never": initial_actor, "after": initial_actor}
+    for step, (weights_never, weights_after) in enumerate(zip(never_frozen, after_freeze)):
+        size_never = torch.cat([(w - b).flatten() for w, b in zip(weights_never, previous["never"])]).norm()
+        size_after = torch.cat([(w - b).flatten() for w, b in zip(weights_after, previous["after"])]).norm()
+        assert size_never > 0 and (size_after / size_never).item() == 1.0, f"unfrozen step {step + 1}"
+        assert all(torch.equal(a, b) for a, b in zip(weights_after, weights_never)), f"unfrozen step {step + 1}"
+        previous = {"never": weights_never, "after": weights_after}
+    for state_after, state_never in zip(after_freeze_state, never_frozen_state):
+        assert state_after.keys() == state_never.keys()
+        assert all(torch.equal(state_after[key], state_never[key]) for key in state_after)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,8 +484,8 @@ def test_smoke_single_process_with_options(synthetic_task, tiny_models, tmp_path
 
 def test_smoke_two_processes_frozen_actor(synthetic_task, tiny_models, tmp_path):
     """2 processes (gloo on CPU); the actor stays frozen for both updates, so the saved policy must
-    equal the SFT policy bit for bit while the critic trains."""
-    extra = ["--ppo.freeze_actor_updates", "2"]
+    equal the SFT policy bit for bit while the critic trains, and the actor takes no AdamW step (DDP included)."""
+    extra = ["--ppo.freeze_actor_updates", "2", "--checkpoint_every", "1"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
            os.path.join(REPO_ROOT, "ppo.py"), *smoke_command(synthetic_task, tiny_models, tmp_path, extra)]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
@@ -407,6 +498,13 @@ def test_smoke_two_processes_frozen_actor(synthetic_task, tiny_models, tmp_path)
     assert saved.keys() == original.keys()
     for name, tensor in saved.items():
         torch.testing.assert_close(tensor, original[name], atol=0, rtol=0)
+    # the update-1 checkpoint's AdamW: no state for the actor's group (its initial state), while the critic's
+    # group has taken the update's 4 steps (2 epochs x 2 minibatches)
+    optimizer_state = torch.load(tmp_path / "runs" / "smoke" / "checkpoints" / "update_000001" / "optimizer.bin",
+                                 weights_only=True)
+    actor_ids, critic_ids = (group["params"] for group in optimizer_state["param_groups"])
+    assert actor_ids and not any(i in optimizer_state["state"] for i in actor_ids)
+    assert all(optimizer_state["state"][i]["step"] == 4 for i in critic_ids)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from conftest import (ENV, assert_last_good_checkpoint, assert_same_safetensors,
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -373,3 +374,111 @@ def test_output_dir_of_another_run_is_refused(synthetic_task, short_preference, 
     from transformers import AutoModelForSequenceClassification
 
     assert AutoModelForSequenceClassification.from_pretrained(str(output_dir)).config.num_labels == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: data tokenized by another tokenizer than the model's (issue #23)
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def foreign_task(synthetic_task, tmp_path_factory) -> dict:
+    """The built-in task's raw rows prepared with another tokenizer: a 512-token BPE trained on the same text. Every
+    id it writes is also a valid id of the base model's larger vocabulary, so training on it raises no error."""
+    from data import prepare, synthetic
+
+    root = tmp_path_factory.mktemp("foreign_task")
+    raw = os.path.join(synthetic_task["root"], "raw")
+    texts = []
+    for name in ("sft/train.jsonl", "comparisons/train.jsonl"):
+        with open(os.path.join(raw, name)) as f:
+            for line in f:
+                row = json.loads(line)
+                texts += [row["summary"]] if "summary" in row else [s["text"] for s in row["summaries"]]
+                texts += [row["post"]] if "post" in row else [row["info"]["post"]]
+    tokenizer_dir = str(root / "tokenizer")
+    synthetic.train_tokenizer(texts, vocab_size=512).save_pretrained(tokenizer_dir)
+    prepare.main(prepare.Args(task="tldr", output_dir=str(root / "data"), base_model=tokenizer_dir, plots=False,
+                              sft_data=os.path.join(raw, "sft"), preference_data=os.path.join(raw, "comparisons"),
+                              query_length=256, sft_response_length=48, rm_response_length=64, cnndm_query_length=256,
+                              cnndm_response_length=64))
+    return {"tokenizer": tokenizer_dir, "sft": str(root / "data" / "sft"), "preference": str(root / "data" / "preference")}
+
+
+def test_data_of_another_tokenizer_is_refused_before_the_output_folder(synthetic_task, foreign_task, tmp_path):
+    """reward.py on preference data of a smaller tokenizer: one error naming the data, both tokenizers and the fix,
+    before the output folder is claimed (instead of a model trained on ids that mean other tokens)."""
+    from transformers import AutoTokenizer
+
+    base = synthetic_task["base_model"]
+    assert len(AutoTokenizer.from_pretrained(foreign_task["tokenizer"])) == 512 < len(AutoTokenizer.from_pretrained(base))
+    command = rm_command(synthetic_task, foreign_task["preference"], tmp_path, "foreign", tmp_path / "rm",
+                         "--total_episodes", "16")
+    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    message = result.stderr.strip().splitlines()[-1]
+    assert message == (
+        f"ValueError: {foreign_task['preference']} split 'train' was tokenized by the tokenizer of "
+        f"{foreign_task['tokenizer']}, not by the one of {base}: vocab_size 512 vs "
+        f"{len(AutoTokenizer.from_pretrained(base))} (data vs model); its token ids would be read as other tokens. "
+        f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {base} "
+        "(with the task's other flags)"), message
+    assert not (tmp_path / "rm").exists() and not (tmp_path / "runs" / "foreign" / "metrics.jsonl").exists()
+
+
+def test_the_fingerprint_in_the_data_is_compared_with_the_model_tokenizer(synthetic_task):
+    """The record data/prepare.py writes: equal for the model it was made with, and any difference is named."""
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    base = synthetic_task["base_model"]
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    for name in ("sft", "preference"):
+        for split, data in load_from_disk(synthetic_task[name]).items():
+            record = json.loads(data.info.description)["tokenizer"]
+            assert record == {"name_or_path": base, **reward.tokenizer_fingerprint(tokenizer)}
+            reward.check_data_tokenizer(data, tokenizer, base, f"{name}/{split}")  # its own tokenizer: no error
+    data = load_from_disk(synthetic_task["preference"])["train"]
+    for change, expected in [({"pad_token_id": 0}, "pad_token_id 0 vs 1 (data vs model)"),
+                             ({"vocab_sha256": "0" * 64}, "same size, other tokens (data vs model)")]:
+        data.info.description = json.dumps({"tokenizer": {**record, **change}})
+        with pytest.raises(ValueError, match="^" + re.escape(f"pref was tokenized by the tokenizer of {base}, not by "
+                                                             f"the one of {base}: {expected}")):
+            reward.check_data_tokenizer(data, tokenizer, base, "pref")
+
+
+def test_data_without_a_fingerprint_is_checked_by_its_ids(synthetic_task):
+    """Data with no record (a hub dataset): every id below the vocabulary size, [PAD] in the padding, EOS at the end
+    of the responses. Prepared data passes; each kind of foreign id is named with its column (and row)."""
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    base = synthetic_task["base_model"]
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    vocab_size = len(tokenizer)
+    for name in ("sft", "preference"):
+        for split, data in load_from_disk(synthetic_task[name]).items():
+            data.info.description = ""
+            reward.check_data_tokenizer(data, tokenizer, base, f"{name}/{split}")  # no false alarm
+    data = load_from_disk(synthetic_task["preference"])["train"].select(range(16))
+    data.info.description = ""
+
+    def edit(column, fn):
+        out = data.map(lambda row, i: {column: fn(row, i)}, with_indices=True)
+        out.info.description = ""
+        return out
+
+    past_the_vocabulary = edit("query_chosen_token", lambda r, i: [vocab_size + 100] + r["query_chosen_token"][1:]
+                               if i == 2 else r["query_chosen_token"])
+    with pytest.raises(ValueError, match=re.escape(f"pref: 'query_chosen_token' holds the token id {vocab_size + 100}, "
+                                                   f"but the tokenizer of {base} has {vocab_size} tokens")):
+        reward.check_data_tokenizer(past_the_vocabulary, tokenizer, base, "pref")
+    row = next(i for i in range(16) if data[i]["query_chosen_token_len"] < len(data[i]["query_chosen_token"]))
+    other_pad = edit("query_chosen_token", lambda r, i: r["query_chosen_token"][: r["query_chosen_token_len"]]
+                     + [5] * (len(r["query_chosen_token"]) - r["query_chosen_token_len"]) if i == row else r["query_chosen_token"])
+    with pytest.raises(ValueError, match=re.escape(f"pref row {row}: 'query_chosen_token' is padded with the id 5, but "
+                                                   f"the tokenizer of {base} pads with {tokenizer.pad_token_id}")):
+        reward.check_data_tokenizer(other_pad, tokenizer, base, "pref")
+    other_eos = edit("chosen_token", lambda r, i: r["chosen_token"][: r["chosen_token_len"] - 1] + [7]
+                     + r["chosen_token"][r["chosen_token_len"]:])
+    with pytest.raises(ValueError, match=re.escape(f"pref: no response in the first 16 rows of 'chosen_token' ends with "
+                                                   f"the EOS id {tokenizer.eos_token_id} of the tokenizer of {base}")):
+        reward.check_data_tokenizer(other_eos, tokenizer, base, "pref")

@@ -35,6 +35,17 @@ def test_shared_helpers_are_identical_across_scripts():
     assert not drifted, "helper copies differ between scripts (make them identical):\n" + "\n".join(drifted)
 
 
+def test_every_training_script_checks_the_tokenizer_of_its_data_before_claiming_its_output():
+    """Each script that trains on processed data refuses data of another tokenizer (check_data_tokenizer) before
+    it claims --output_dir, so a refused run leaves nothing behind."""
+    for script in ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py"]:
+        source = open(os.path.join(REPO_ROOT, script)).read()
+        main = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        text = ast.get_source_segment(source, main)
+        assert "check_data_tokenizer(" in text, f"{script} does not check the tokenizer of its data"
+        assert text.index("check_data_tokenizer(") < text.index("claim_output_dir("), script
+
+
 def test_scripts_do_not_import_each_other():
     modules = {s[:-3] for s in SCRIPTS}
     for script in SCRIPTS:
