@@ -233,6 +233,29 @@ def test_two_processes_match_one_process(script, launcher, synthetic_task, tmp_p
             torch.testing.assert_close(loaded[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{what}: loaded {name}")
 
 
+OFFLINE_METHODS = {"filter": [], "dt": ["--dt_eval_targets", "0"],
+                   # each rank samples with its own seed: near-greedy candidates are the same rows as one process's
+                   "best_of_n": ["--n", "2", "--bon_num_prompts", "8", "--iterations", "2", "--bon_temperature", "0.001"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(OFFLINE_METHODS))
+def test_other_offline_methods_under_zero3_match_one_process(method, synthetic_task, tmp_path):
+    """offline_rl.py's other methods (the test above runs RWR): MLE with filtering and the Decision Transformer
+    train on the same RM-labelled mixture with other weights or prompts; best-of-n samples and labels in rounds
+    from the policy being trained. Each under ZeRO-3 computes what its 1-process run computes."""
+    flags = with_flag(offline_rl_flags(synthetic_task), "--method", method) + OFFLINE_METHODS[method]
+    two, two_rows, two_dir = run_probe("offline_rl", flags, tmp_path, "two", 2,
+                                       port_of("offline_rl", "zero3", offset=5 + sorted(OFFLINE_METHODS).index(method)),
+                                       "zero3")
+    (one,), one_rows, one_dir = run_probe("offline_rl", flags, tmp_path, "one", 1, 0)
+    assert set(two[0]["engines"]) == {"DeepSpeedEngine"} and two[0]["zero_stage"] == 3
+    assert_same_run("offline_rl", two, two_rows, one, one_rows, f"offline_rl --method {method} under zero3")
+    saved, expected = saved_weights(two_dir), saved_weights(one_dir)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{method}: saved {name}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", BY_SCRIPT)
 def test_bf16_under_zero2(script, synthetic_task, tmp_path):
