@@ -55,3 +55,8 @@ os.makedirs(out_dir, exist_ok=True)
 torch.save({"weights": weights, "initial_seed": torch.initial_seed(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             "engines": engines, "zero_stage": plugin.zero_stage if plugin is not None else None},
            os.path.join(out_dir, f"rank{rank}.pt"))
+# leave the process group together: a rank that exits while the group's threads still run can abort at
+# teardown ("terminate called without an active exception") after all its work is done
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
