@@ -1,7 +1,7 @@
 """Detail ablations on the built-in task: each implementation detail toggled on its own, several seeds,
 with its measured effect next to what the paper says it does (issue #11).
 
-    python ablate.py                      # every row, seeds 1 2 3 (about 70 minutes on 2 CPU cores)
+    python ablate.py                      # every row, seeds 1 2 3 (a few hours on 2 CPU cores; see --dry_run)
     python ablate.py --rows 7 23          # only Details 7 and 23
     python ablate.py --mode ci --seeds 1  # tiny sizes: checks that every artefact is produced
     python ablate.py --dry_run            # print the plan and the time estimate, run nothing
@@ -31,8 +31,9 @@ Two measurements are indirect, and say so in the table:
     built the base model, so only the toggled flag differs (tests/test_ablate.py checks that the
     default flags reproduce the upstream data exactly).
 
-This file is glue, not an algorithm: it imports pipeline.py (the stage settings) and the `data`
-package (the gold judge), which the algorithm scripts never do.
+This file is glue, not an algorithm: it imports pipeline.py (the stage settings), report.py (the readers
+of runs and samples) and the `data` package (the gold judge), which the algorithm scripts never do. A
+measured table, with its run time: docs/results.md.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ ALL_ROWS = [2, 3, 7, 11, 15, 22, 23, 24, 25]
 @dataclass
 class Args:
     mode: Literal["default", "ci"] = "default"
-    """default: the budgets below, sized so that every row on 3 seeds fits in about 70 minutes on 2 CPU cores;
-    ci: minimal steps (upstream from `pipeline.py --mode ci`), to check that every artefact is produced"""
+    """default: the budgets below (BUDGET), sized for every row on 3 seeds on 2 CPU cores (`--dry_run` prints the
+    time estimate); ci: minimal steps (upstream from `pipeline.py --mode ci`), to check that every artefact is produced"""
     rows: list[int] = field(default_factory=lambda: list(ALL_ROWS))
     """which details to ablate (numbers of the paper's details)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
@@ -79,15 +80,16 @@ class Args:
 
 
 # --------------------------------------------------------------------------------------------
-# Budgets. The built-in task's sizes come from pipeline.py's SETTINGS; the ablation runs override
-# a few of them so that 9 rows x 3 seeds x 2 settings fit in about an hour on 2 CPU cores.
+# Budgets. The built-in task's sizes come from pipeline.py's SETTINGS; the ablation runs cut a few of
+# them, since every row runs its stage twice (baseline and toggled) on every seed.
 # --------------------------------------------------------------------------------------------
 BUDGET = {
     "default": {
         # SFT (rows 2 and 3): 1.5 passes over the 4000 training posts (375 updates of batch 16) instead of the
         # quickstart's 5. Enough for the EOS behaviour (row 3) and for the copying of facts to have begun.
         "sft": {"--num_train_epochs": None, "--total_episodes": "6000", "--num_eval_samples": "200"},
-        # RM (row 11, and the unnormalised RM of row 15): the quickstart's own settings (3008 pairs)
+        # RM (row 11, and the unnormalised RM of row 15): the quickstart's own settings (pipeline.py's SETTINGS:
+        # two epochs over the 6000 training pairs)
         "rm": {},
         # PPO (rows 7, 15, 22-25): 640 episodes = 20 updates of 32 (the quickstart runs 48), one evaluation
         # on 200 validation queries at the end
@@ -168,13 +170,13 @@ def summary_of(ab: "Ablation", key: str) -> dict:
 
 def series(ab: "Ablation", key: str, name: str) -> list[float]:
     """The values of one logged quantity along a run (metrics.jsonl lines that carry it, in update order)."""
-    from data.report import read_jsonl
+    from report import read_jsonl
 
     return [r[name] for r in read_jsonl(os.path.join(ab.runs, key, "metrics.jsonl")) if name in r]
 
 
 def samples(ab: "Ablation", key: str) -> dict:
-    from data.report import samples_stats
+    from report import samples_stats
 
     if key not in ab._samples_cache:
         ab._samples_cache[key] = samples_stats(os.path.join(ab.runs, key, "samples.csv"))
@@ -192,7 +194,7 @@ def last_quarter(values: list[float]) -> list[float]:
 def mid_sentence(ab: "Ablation", arm: Arm) -> float:
     from datasets import load_from_disk
 
-    from data.report import mid_sentence_share
+    from report import mid_sentence_share
 
     folder = ab.data_dir(arm)
     if folder not in ab._samples_cache:

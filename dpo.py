@@ -1,25 +1,30 @@
-"""Direct Preference Optimization (DPO) and its variants (IPO, hinge, conservative DPO) on TL;DR.
+"""Direct Preference Optimization (DPO) on TL;DR, with IPO, hinge and conservative DPO (cDPO) as options:
+Appendix A of "The N+ Implementation Details of RLHF with PPO" (eq. 4-5), Detail 19 and Table 6; IPO and cDPO as
+listed in OpenRLHF (Appendix A.4).
 
-Appendix A of "The N+ Implementation Details of RLHF with PPO" (eq. 4-5), Detail 19 and Table 6;
-IPO and conservative DPO (cDPO) as listed in OpenRLHF (Appendix A.4).
+The policy and a frozen reference both start from the SFT model. One update = `total_batch_size` preference pairs
+(x, y_c, y_r) (Table 6: 64), in micro batches with gradient accumulation:
 
-The policy and a frozen reference both start from the SFT model. Each preference pair (x, y_c, y_r)
-is scored by the SUM of the response tokens' log-probabilities under both models, and the loss
-pushes the policy's log-ratio of the chosen response above the rejected one. The same log-ratios
-give DPO's implicit reward model r(x, y) = beta * log(pi(y|x) / pi_ref(y|x)) (eq. 5), whose
-validation accuracy we report in the same table as reward.py (Detail 19).
+  1. chosen and rejected sequences of a micro batch go through the policy in one forward pass
+  2. log pi(y|x) = the SUM of the response tokens' log-probs (eq. 4 compares whole sequences)
+  3. the same under the frozen reference: computed live, or read from tables computed once before training
+     (--precompute_ref_logprobs)
+  4. h = (log pi(y_c|x) - log pi(y_r|x)) - (log ref(y_c|x) - log ref(y_r|x)), the difference of the log-ratios
+  5. loss per pair: DPO -log sigmoid(beta * h) (cDPO: with label smoothing), IPO (h - 1 / (2 beta))^2 or
+     hinge max(0, 1 - beta * h); the mean over the pairs
+  6. AdamW step, cosine learning-rate schedule (Table 6)
+Evaluation: the log-ratios give DPO's implicit reward model r(x, y) = beta * log(pi(y|x) / pi_ref(y|x)) (eq. 5),
+whose accuracy on the validation pairs goes in the same table as reward.py's (Detail 19); samples of the policy
+go to samples.csv.
 
 Single process:   python dpo.py --sft_model_path models/sft --output_dir models/dpo
 Several GPUs:     accelerate launch --config_file zero2.yaml dpo.py --sft_model_path models/sft
-After a crash:    the same command with --resume (and --run_name of the run, if it is not the newest)
-
-Interrupted runs: every --checkpoint_every updates the policy, AdamW, the schedule, the data position, the open
-logging interval and the RNG states go to runs/{run_name}/checkpoints (the frozen reference is the SFT model and
-is loaded again; precomputed reference log-probs are read back from the run folder). A resumed run ends with
-the same weights and metrics as one that was never stopped. A NaN or inf loss or log-prob stops the run before
-it reaches the weights, keeping the last good checkpoint.
+After a crash:    the same command with --resume (and --run_name of the run, if it is not the newest): it continues
+                  from the latest checkpoint in runs/{run_name}/checkpoints (policy, AdamW, schedule, data position,
+                  open logging interval, RNG states; precomputed reference log-probs are read back from the run
+                  folder) and ends exactly like an uninterrupted run (--checkpoint_every sets how often). A NaN or inf
+                  loss or log-prob stops the run before it reaches the weights, keeping the last good checkpoint.
 """
-
 import json
 import os
 import shutil
@@ -56,7 +61,7 @@ class Args:
     """folder that holds the run folders (args.json, metrics.jsonl, TensorBoard, samples, summary)"""
     track: bool = False
     """mirror the TensorBoard logs to Weights & Biases"""
-    wandb_project_name: str = "summarize_from_feedback_details"
+    wandb_project_name: str = "tldr_summarize"
     """W&B project (with --track)"""
     wandb_entity: Optional[str] = None
     """W&B entity (with --track); None = your default entity"""
@@ -96,14 +101,15 @@ class Args:
 
     # Table 6 hyperparameters
     beta: float = 0.05
-    """Table 6: beta, the KL coefficient of the implicit RLHF objective (0.05 matches PPO)"""
+    """Table 6: beta, the KL coefficient of the implicit RLHF objective (the same 0.05 as PPO's --ppo.kl_coef);
+    larger keeps the policy closer to the reference"""
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     """sigmoid = DPO (eq. 4, with --label_smoothing for cDPO); ipo = IPO's squared loss; hinge = SLiC's hinge"""
     label_smoothing: float = 0.0
     """conservative DPO (cDPO): assumed probability that a preference label is flipped; sigmoid loss only"""
     precompute_ref_logprobs: bool = False
-    """compute the reference's sequence log-probs once over the data before training, then drop the
-    reference model: halves the forward passes and the memory per step"""
+    """compute the reference's sequence log-probs once over the data before training (kept in the run folder),
+    then free the reference model: a training step runs one forward pass (the policy's) instead of two"""
     num_train_epochs: int = 1
     """Table 6: 1 epoch"""
     total_episodes: Optional[int] = None
@@ -154,9 +160,827 @@ class Args:
     """optimizer updates of the whole run"""
 
 
-# ------------------------------------------------------------------------------------------------
-# Shared helpers (copied verbatim across scripts; a test checks that the copies stay identical)
-# ------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# DPO pieces (module-level so that tests can check each one against a hand computation)
+# ---------------------------------------------------------------------------------------------
+
+
+PAIR_COLUMNS = [  # the processed preference schema: query + response, and the response as labels
+    "query_chosen_token",
+    "query_rejected_token",
+    "query_chosen_token_response_label",
+    "query_rejected_token_response_label",
+]
+
+
+def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int):
+    """log pi(y | x) = SUM over the response tokens of log pi(y_t | x, y_<t)  -> (B,)
+
+    `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
+    and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
+    sum, not a mean: eq. 4 compares probabilities of whole sequences."""
+    logits = forward(model, query_responses, pad_token_id).logits[:, :-1]  # (B, T-1, V): predicts token t+1
+    targets = response_labels[:, 1:]  # (B, T-1)
+    mask = targets != pad_token_id
+    token_logps = torch.gather(
+        F.log_softmax(logits.float(), dim=-1), 2, torch.masked_fill(targets, ~mask, 0).unsqueeze(-1)
+    ).squeeze(-1)  # (B, T-1)
+    return (token_logps * mask).sum(1)
+
+
+def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
+    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
+    labels = torch.cat(
+        (batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]), dim=0
+    )  # (2B, T)
+    logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
+    num_pairs = batch["query_chosen_token"].size(0)
+    return logps[:num_pairs], logps[num_pairs:]
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float = 0.0,
+):
+    """Per-pair losses (B,) and the implicit rewards of chosen and rejected (B,), (B,).
+
+    With pi = policy sequence log-probs and ref = reference sequence log-probs:
+        h = (pi_c - pi_r) - (ref_c - ref_r)   # difference of the two log-ratios
+        r_c = beta * (pi_c - ref_c),  r_r = beta * (pi_r - ref_r)   # eq. 5, so beta * h = r_c - r_r
+    """
+    if label_smoothing != 0.0 and loss_type != "sigmoid":
+        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {loss_type}")
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if loss_type == "sigmoid":
+        # DPO (eq. 4) with cDPO's label smoothing eps (the label is flipped with probability eps):
+        #   L = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        # IPO (Azar et al.): regress h onto the finite target 1 / (2 beta) instead of pushing it to infinity:
+        #   L = (h - 1 / (2 * beta))^2
+        # Here h uses SUMMED log-probs as eq. 4 does; TRL's IPO averages them over response tokens.
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        # hinge (SLiC-style), a margin of 1 on the reward difference:
+        #   L = max(0, 1 - beta * h)
+        losses = torch.relu(1 - beta * h)
+    else:
+        raise ValueError(f"unknown --loss_type {loss_type!r}")
+    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
+    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """The frozen reference's (chosen, rejected) sequence log-probs: looked up in the precomputed
+    table (N, 2) by row index when there is one, else computed live."""
+    if ref_table is not None:
+        rows = ref_table[batch["row_index"].cpu()].to(batch["query_chosen_token"].device)  # (B, 2)
+        return rows[:, 0], rows[:, 1]
+    return concatenated_logprobs(ref_model, batch, pad_token_id)
+
+
+@torch.no_grad()
+def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int):
+    """One pass of the reference over `dataset` (made by with_row_index) -> table (N, 2) of
+    [chosen, rejected] sequence log-probs, indexed by row. Rows are split across processes and
+    gathered back by row index."""
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False))
+    table = torch.full((len(dataset), 2), float("nan"))
+    for batch in tqdm(dataloader, desc="reference log-probs", disable=not accelerator.is_local_main_process):
+        with accelerator.autocast():
+            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id)
+        rows, chosen, rejected = accelerator.gather_for_metrics((batch["row_index"], chosen, rejected))
+        table[rows.cpu()] = torch.stack((chosen, rejected), dim=1).float().cpu()
+    if torch.isnan(table).any():
+        raise RuntimeError("some rows got no reference log-prob; the gathered row indices do not cover the dataset")
+    return table
+
+
+def with_row_index(dataset, columns: List[str]):
+    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
+    The index travels with every batch so that results gathered from several processes (and the
+    precomputed reference log-probs) can be matched back to their rows."""
+    dataset = dataset.add_column("row_index", list(range(len(dataset))))
+    return dataset.with_format("torch", columns=columns + ["row_index"])
+
+
+def load_policy_and_reference(args, accelerator, tokenizer):
+    """The two models of DPO, both the SFT model: the policy, with float32 master weights (bf16 is autocast), and
+    the frozen reference, which may live in bf16 and never drops out (it must give the same log-probs every time).
+    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (prepare_frozen_model)."""
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    for model in (policy, ref_model):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if len(tokenizer) > model.config.vocab_size:
+            model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(policy)
+    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
+    return policy, prepare_frozen_model(accelerator, ref_model)
+
+
+@torch.no_grad()
+def evaluate_preferences(accelerator, model, ref_model, ref_tables, eval_datasets, args: Args, pad_token_id: int):
+    """Detail 19: DPO as a reward model. For every pair of every evaluation split: its loss, the implicit rewards
+    beta * log(pi / pi_ref) of chosen and rejected (the pair is ranked right when chosen's is higher) and the policy's
+    sequence log-probs, gathered from every process. Returns {split: per-pair frame, rows matched by row_index}."""
+    model.eval()
+    frames = {}
+    for split, (_, dataset) in eval_datasets.items():
+        dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+        gathered = []
+        for batch in dataloader:
+            with accelerator.autocast():
+                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
+                ref_chosen, ref_rejected = reference_logprobs(ref_model, ref_tables.get(split), batch, pad_token_id)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing
+            )
+            stats = torch.stack((losses, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected), 1).float()
+            gathered.append(accelerator.gather_for_metrics((batch["row_index"], stats)))
+        stats = torch.cat([g[1] for g in gathered]).cpu().numpy()
+        frame = pd.DataFrame(stats, columns=["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"])
+        frame["row_index"] = torch.cat([g[0] for g in gathered]).cpu().numpy()
+        frames[split] = frame
+    model.train()
+    return frames
+
+
+@torch.no_grad()
+def sample_responses(accelerator, model, tokenizer, dataset, generation_config, args: Args):
+    """Detail 23 sampling on the SFT validation queries: exactly response_length new tokens, then truncate
+    after the first EOS. Returns the row index (N,) of each query and its truncated response (N, Tr)."""
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+    rows_all, responses_all = [], []
+    for batch in dataloader:
+        queries = batch["query_token"]  # (B, Tq), left-padded
+        with accelerator.autocast():
+            query_responses, _ = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+        responses = truncate_response(
+            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
+        )  # (B, Tr)
+        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
+        rows_all.append(rows.cpu())
+        responses_all.append(responses.cpu())
+    model.train()
+    return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
+
+
+TRAIN_STATS = [  # per micro batch, logged as means over the logging interval
+    "train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",
+    "train/logps/chosen", "train/logps/rejected",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+        output_hidden_states=True,
+    )
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
+    """Sample continuations of LEFT-padded queries with the KV cache.
+
+    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
+    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    output = lm.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=generation_config,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+
+
+def make_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
+    """Detail 23: sample exactly response_length tokens. `eos_token_id=[]` turns off stopping at EOS
+    (None would be filled in from the model's own config, which stops at EOS), while EOS stays an
+    ordinary token that can be sampled; `min_new_tokens` is not used because it forbids EOS and so
+    changes the distribution."""
+    return GenerationConfig(
+        max_new_tokens=response_length,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        do_sample=True,
+        eos_token_id=[],
+        pad_token_id=pad_token_id,
+    )
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    check_dpo_flags(args)
+    # ---------------- batch arithmetic (Table 6: 64 pairs per update), processes, run folder ----------------
+    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
+    args.gradient_accumulation_steps = exact_div(
+        args.total_batch_size, args.local_micro_batch_size * args.world_size,
+        "total_batch_size / (local_micro_batch_size x world_size)",
+    )
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = make_dpo_accelerator(args)  # gradient accumulation, a resumable data order, bf16 autocast
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+
+    # ---------------- tokenizer and data ----------------
+    tokenizer = load_dpo_tokenizer(args)  # Detail 3: [PAD] distinct from EOS
+    pad_token_id = tokenizer.pad_token_id
+    train_dataset, eval_datasets, sample_raw, sample_dataset = load_dpo_data(args, tokenizer)
+    total_episodes = (args.total_episodes if args.total_episodes is not None
+                      else args.num_train_epochs * len(train_dataset))  # None: --num_train_epochs over the train split
+    args.num_updates = num_updates = total_episodes // args.total_batch_size  # a last partial batch is dropped
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}")
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+
+    # ---------------- models: the policy and the frozen reference, both the SFT model ----------------
+    policy, ref_model = load_policy_and_reference(args, accelerator, tokenizer)
+    generation_config = make_generation_config(args.response_length, args.temperature, pad_token_id)
+    # --precompute_ref_logprobs: the reference's log-probs of every pair, computed once; then the reference is freed
+    train_ref_table, ref_tables = reference_logprob_tables(args, accelerator, run, ref_model, train_dataset,
+                                                           eval_datasets, pad_token_id)
+    if args.precompute_ref_logprobs:
+        ref_model = None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
+    # accelerate's wrapper would step it once per process)
+    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    # the data order comes from its own generator (reseeded with seed + epoch by the seedable sampler), so
+    # neither sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    policy, optimizer, train_dataloader = accelerator.prepare(policy, optimizer, train_dataloader)
+    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
+    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+
+    # ---------------- resume and logs ----------------
+    # the trainer state: the update reached and the open logging interval. The frozen reference is not saved: it is
+    # the SFT model, loaded again (or its log-probs read back from the run folder)
+    state = run.start({"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0,
+                       "last_train_metrics": {}}, num_updates=num_updates)
+    start_update = state["update"]
+    # accelerate counts micro batches to decide when to step: restart the count at the update boundary of the
+    # checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
+    accelerator.step = start_update * args.gradient_accumulation_steps
+    interval = DpoLoggingInterval(state)  # training metrics since the last log, carried by checkpoints
+    # the data position: every update reads gradient_accumulation_steps micro batches on each process
+    micro_batches = resumable_micro_batches(train_dataloader, start_update * args.gradient_accumulation_steps)
+
+    def run_evaluation(update: int, final: bool = False) -> dict:
+        """Detail 19: DPO's implicit reward model on the preference splits; samples of the policy."""
+        pairs = evaluate_preferences(accelerator, policy, ref_model, ref_tables, eval_datasets, args, pad_token_id)
+        sampled = sample_responses(accelerator, policy, tokenizer, sample_dataset, generation_config, args)
+        metrics = write_dpo_evaluation(run, args, update, final, pairs, eval_datasets, sampled, sample_raw, tokenizer)
+        run.log(update, {"episode": update * args.total_batch_size, **metrics})
+        return metrics
+
+    # ---------------- training: one optimizer update per total_batch_size pairs ----------------
+    accelerator.print(
+        f"DPO ({args.loss_type}, beta {args.beta}): {num_updates} updates of {args.total_batch_size} pairs, "
+        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
+        f"{args.local_micro_batch_size} pairs"
+    )
+    policy.train()
+    progress = tqdm(total=num_updates, initial=start_update, desc="dpo", disable=not accelerator.is_local_main_process)
+    update = start_update
+    try:
+        for update in range(start_update + 1, num_updates + 1):
+            micro_stats, tokens = [], 0
+            for _ in range(args.gradient_accumulation_steps):
+                batch = next(micro_batches)
+                with accelerator.accumulate(policy):
+                    with accelerator.autocast():  # steps 1-3: sequence log-probs (B,) of chosen and rejected
+                        policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
+                        ref_chosen, ref_rejected = reference_logprobs(ref_model, train_ref_table, batch, pad_token_id)
+                    losses, chosen_rewards, rejected_rewards = dpo_loss(  # steps 4-5
+                        policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
+                        args.label_smoothing,
+                    )
+                    loss = losses.mean()
+                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
+                    run.guard(update, **{
+                        "train/loss": loss, "train/logps/chosen": policy_chosen, "train/logps/rejected": policy_rejected,
+                        "train/ref_logps/chosen": ref_chosen, "train/ref_logps/rejected": ref_rejected,
+                    })
+                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+                    optimizer.step()  # step 6; a no-op until the last micro batch of the update
+                    optimizer.zero_grad()
+                micro_stats.append(torch.stack([  # in the order of TRAIN_STATS
+                    loss.detach(), chosen_rewards.mean(), rejected_rewards.mean(),
+                    (chosen_rewards - rejected_rewards).mean(), (chosen_rewards > rejected_rewards).float().mean(),
+                    policy_chosen.detach().mean(), policy_rejected.detach().mean(),
+                ]).float())
+                tokens += int(
+                    (batch["query_chosen_token"] != pad_token_id).sum() + (batch["query_rejected_token"] != pad_token_id).sum()
+                )
+            if not accelerator.sync_gradients:
+                raise RuntimeError("gradient accumulation went out of step with the update loop")
+            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+            lr_scheduler.step()
+
+            # ---------------- logging: means over updates, micro batches and processes ----------------
+            interval.add(accelerator.reduce(torch.stack(micro_stats).mean(0), reduction="mean").tolist(),
+                         int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")))
+            episode = update * args.total_batch_size
+            progress.update(1)
+            if update % args.log_every == 0 or update == num_updates:
+                means = interval.close(update_lr, episode / len(train_dataset))
+                run.log(update, {"episode": episode, **means})
+                progress.set_postfix(loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
+                                     tok_s=f"{means['train/tokens_per_s']:.0f}")
+            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
+                run_evaluation(update)
+                interval.restart_clock()  # evaluation time is not training throughput
+            # after the update's logging and evaluation, so a resumed run repeats neither
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < num_updates:
+                run.checkpoint(update, interval.state())
+    except NonFiniteError:
+        # the guard runs before backward and before the update's optimizer step, so the weights on hand are
+        # still those after update - 1: keep them as the last good checkpoint (never the poisoned ones)
+        progress.close()  # so that the error is the last line of the output
+        run.checkpoint(update - 1, interval.state())
+        accelerator.print(f"non-finite value in update {update}; last good checkpoint: {run.latest_checkpoint()}")
+        raise
+    progress.close()
+
+    # ---------------- final evaluation and outputs ----------------
+    metrics = run_evaluation(num_updates, final=True)
+    summary = {**metrics, **interval.last_means,  # the last logging interval's training means
+               "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
+               "wall_time_s": time.time() - start_time}
+    save_dpo_policy(accelerator, policy, tokenizer, args)
+    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
+    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    return summary
+
+
+# =============================================================================================
+# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
+# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
+# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
+# =============================================================================================
+
+
+def check_dpo_flags(args) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
+        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
+
+
+def make_dpo_accelerator(args) -> Accelerator:
+    """The run's Accelerator: gradient accumulation over args.gradient_accumulation_steps micro batches, a data
+    order that a resumed run can find its place in, and bf16 autocast with --bf16."""
+    return Accelerator(
+        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        # the shuffle of epoch e depends on (seed, e) alone, so a resumed run finds its place in the data
+        # (see resumable_micro_batches)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        mixed_precision="bf16" if args.bf16 else "no",
+    )
+
+
+def load_dpo_tokenizer(args):
+    """The SFT model's tokenizer with a [PAD] distinct from EOS (Detail 3)."""
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a "
+            "distinct pad token, or the EOS of every response is masked out of its log-prob. Save the SFT tokenizer "
+            "with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the "
+            "data with it (data/prepare.py)"
+        )
+    return tokenizer
+
+
+def load_dpo_data(args, tokenizer):
+    """The preference pairs to train on, every evaluation split of them and the SFT validation queries sampled for
+    the sample table. Every split is checked for the columns read from it and for the tokenizer that made it before
+    any work. Returns the train split (tensors with row_index), {split: (raw rows, tensors)} for evaluation, and the
+    sample queries (raw rows, tensors); --num_eval_samples shortens the evaluation splits."""
+    train_raw = load_split(args.preference_dataset, args.train_split)
+    check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
+    check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {args.train_split!r}")
+    train_dataset = with_row_index(train_raw, PAIR_COLUMNS)
+    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
+    eval_datasets = {}
+    for split in eval_split_names:
+        raw = load_split(args.preference_dataset, split)
+        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
+        check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
+        if args.num_eval_samples is not None:
+            raw = raw.select(range(min(args.num_eval_samples, len(raw))))
+        eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
+    sample_raw = load_split(args.query_dataset, args.sample_split)
+    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
+    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.sample_split!r}")
+    if args.num_eval_samples is not None:
+        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
+    return train_dataset, eval_datasets, sample_raw, with_row_index(sample_raw, ["query_token"])
+
+
+def preference_eval_splits(path: str) -> List[str]:
+    """Every split of the preference dataset whose name starts with "validation" (Detail 6: the
+    TL;DR validation set has out-of-distribution policy pairs and a CNN/DM split)."""
+    names = list(load_from_disk(path).keys()) if os.path.isdir(path) else get_dataset_split_names(path)
+    splits = sorted(name for name in names if name.startswith("validation"))
+    if not splits:
+        raise ValueError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
+    return splits
+
+
+def reference_logprob_tables(args, accelerator, run, ref_model, train_dataset, eval_datasets, pad_token_id: int):
+    """--precompute_ref_logprobs: the reference's sequence log-probs of every train and evaluation pair
+    (precompute_reference_logprobs), as a train table (N_train, 2) and {evaluation split: table (N, 2)}. The tables
+    are kept in the run folder: a resumed run reads the very numbers the interrupted run trained with (and skips
+    the pass over the data) instead of trusting a second pass to repeat them bit for bit. Without the flag the
+    reference runs live: (None, {}), and a fresh run deletes an older run's tables."""
+    ref_cache = os.path.join(run.dir, "reference_logprobs.pt")
+    if not args.precompute_ref_logprobs:
+        if not args.resume and accelerator.is_main_process and os.path.exists(ref_cache):
+            os.remove(ref_cache)  # an older run's tables; this run computes the reference live
+        return None, {}
+    sizes = {"train": len(train_dataset), "eval": {split: len(raw) for split, (raw, _) in eval_datasets.items()}}
+    if args.resume and os.path.exists(ref_cache):
+        cached = torch.load(ref_cache)
+        found = {"train": len(cached["train"]), "eval": {split: len(t) for split, t in cached["eval"].items()}}
+        if found != sizes:
+            raise ValueError(f"--resume: {ref_cache} holds reference log-probs of {found} rows, these flags read "
+                             f"{sizes}; resume with the data flags of the original run")
+        accelerator.print(f"reference log-probs of the interrupted run read from {ref_cache}")
+        return cached["train"], cached["eval"]
+    train_ref_table = precompute_reference_logprobs(
+        accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id
+    )
+    ref_tables = {}
+    for split, (_, dataset) in eval_datasets.items():
+        ref_tables[split] = precompute_reference_logprobs(
+            accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id
+        )
+    if accelerator.is_main_process:  # written whole, then renamed: never half a file under the name
+        os.makedirs(run.dir, exist_ok=True)
+        torch.save({"train": train_ref_table, "eval": ref_tables}, ref_cache + ".tmp")
+        os.replace(ref_cache + ".tmp", ref_cache)
+    return train_ref_table, ref_tables
+
+
+class DpoLoggingInterval:
+    """The training metrics since the last log: one row of TRAIN_STATS per update (already averaged over micro
+    batches and processes, so every process holds the same rows and a checkpoint can carry them), the tokens
+    trained on and the time taken. Built from the trainer state (an empty interval, or a checkpoint's)."""
+
+    def __init__(self, state: dict):
+        self.rows, self.tokens = state["interval"], state["interval_tokens"]
+        self.start = time.time() - state["interval_time"]
+        self.last_means = state["last_train_metrics"]  # the last logged means, for the summary
+
+    def add(self, row: List[float], tokens: int) -> None:
+        self.rows.append(row)
+        self.tokens += tokens
+
+    def close(self, lr: float, epoch: float) -> Dict[str, float]:
+        """The interval's means (and throughput, learning rate, epoch); a new interval starts."""
+        means = dict(zip(TRAIN_STATS, np.mean(self.rows, axis=0).tolist()))
+        means["train/tokens_per_s"] = self.tokens / (time.time() - self.start)
+        means["train/lr"] = lr
+        means["train/epoch"] = epoch
+        self.last_means = means
+        self.rows, self.tokens, self.start = [], 0, time.time()
+        return means
+
+    def restart_clock(self) -> None:
+        self.start = time.time()
+
+    def state(self) -> dict:
+        return {"interval": self.rows, "interval_tokens": self.tokens, "interval_time": time.time() - self.start,
+                "last_train_metrics": self.last_means}
+
+
+def resumable_micro_batches(loader, skip: int):
+    """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
+    the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
+
+    The loader must come from an Accelerator made with DataLoaderConfiguration(use_seedable_sampler=True,
+    data_seed=seed): its shuffle of epoch e is then drawn from a generator seeded with seed + e, so it
+    depends on e alone and not on how many epochs this process has iterated before. A resumed run can
+    therefore set epoch e directly and drop the micro batches of it already trained on; skip_first_batches
+    drops them from the index lists (no row is read). Every process skips its own share the same way."""
+    per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
+    if per_epoch == 0:
+        raise ValueError("the train split is smaller than one micro batch per process; "
+                         "lower --local_micro_batch_size or use more data")
+    epoch, skip = divmod(skip, per_epoch)
+    while True:
+        loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
+        yield from (skip_first_batches(loader, skip) if skip else loader)
+        epoch, skip = epoch + 1, 0
+
+
+def write_dpo_evaluation(run, args, update: int, final: bool, pairs: Dict[str, pd.DataFrame], eval_datasets,
+                         sampled, sample_raw, tokenizer) -> Dict[str, float]:
+    """An evaluation's metrics and outputs: samples/step_N.csv and the TensorBoard text tabs; after training also
+    samples.csv, the accuracy table (eval_table.csv, eval_table.md, printed) and every scored pair (eval_pairs.csv)."""
+    metrics, table_rows, frame = preference_report(pairs, eval_datasets)
+    samples, sample_metrics = sample_table(tokenizer, sample_raw, *sampled)
+    metrics.update(sample_metrics)
+    run.save_table(samples, f"samples/step_{update:06d}.csv")
+    run.log_text("eval/accuracy_table", breakdown_markdown(table_rows), update)
+    run.log_text("eval/samples", dataframe_markdown(samples.head(8)), update)
+    if not run.main:
+        return metrics
+    if final:
+        run.save_table(samples, "samples.csv")
+        run.save_table(pd.DataFrame(table_rows), "eval_table.csv")
+        with open(os.path.join(run.dir, "eval_table.md"), "w") as f:
+            f.write(breakdown_markdown(table_rows) + "\n")
+        run.save_table(frame, "eval_pairs.csv")
+        print(breakdown_markdown(table_rows))
+    num_evals = update // args.eval_every if args.eval_every > 0 else 1
+    if args.print_sample_every > 0 and (final or num_evals % args.print_sample_every == 0):
+        for row in samples.head(2).itertuples():
+            print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\nREFERENCE: {row.reference}")
+    return metrics
+
+
+def preference_report(pairs: Dict[str, pd.DataFrame], eval_datasets):
+    """The per-pair frames of evaluate_preferences with each pair's annotation batch, confidence and comparison
+    split, as flat metrics (reward.py's names), the rows of the accuracy table and one frame of every pair."""
+    metrics, frames, table_rows = {}, [], []
+    for split, frame in pairs.items():
+        raw, rows = eval_datasets[split][0], frame["row_index"]
+        batches, confidences, comparison_splits = raw["batch"], raw["confidence"], raw["split"]
+        frame["batch"] = [batches[int(i)] for i in rows]
+        frame["confidence"] = [int(confidences[int(i)]) for i in rows]
+        frame["split"] = [comparison_splits[int(i)] for i in rows]
+        frame["correct"] = frame["chosen_reward"] > frame["rejected_reward"]
+        frame["dataset_split"] = split
+        frames.append(frame)
+        split_rows = implicit_reward_breakdown(frame, split)
+        table_rows.extend(split_rows)
+        for r in split_rows:
+            # the same metric names as reward.py: eval/{split}/accuracy, eval/{split}/accuracy/batch/batch10, ...
+            if r["group"] == "accuracy":
+                metrics[f"eval/{split}/accuracy"] = r["value"]
+            else:
+                group = r["group"].replace("accuracy by ", "accuracy/")
+                metrics[f"eval/{split}/{group}/{r['key']}"] = r["value"]
+        metrics[f"eval/{split}/loss"] = float(frame["loss"].mean())
+        metrics[f"eval/{split}/rewards/chosen"] = float(frame["chosen_reward"].mean())
+        metrics[f"eval/{split}/rewards/rejected"] = float(frame["rejected_reward"].mean())
+        metrics[f"eval/{split}/rewards/margins"] = float((frame["chosen_reward"] - frame["rejected_reward"]).mean())
+        metrics[f"eval/{split}/logps/chosen"] = float(frame["chosen_logp"].mean())
+        metrics[f"eval/{split}/logps/rejected"] = float(frame["rejected_logp"].mean())
+    # as in reward.py: the headline accuracy is the first split's (TL;DR "validation"); all pairs pooled too
+    metrics["eval/accuracy"] = metrics[f"eval/{next(iter(pairs))}/accuracy"]
+    frame = pd.concat(frames, ignore_index=True)
+    metrics["eval/accuracy_all_splits"] = float(frame["correct"].mean())
+    return metrics, table_rows, frame
+
+
+def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
+    """The samples table (the columns every policy script writes) of sample_responses' rows (N,) and truncated
+    responses (N, Tr), and its metrics: the EOS rate and the mean response length."""
+    has_eos = (responses == tokenizer.eos_token_id).any(1)
+    # tokens up to and including the first EOS (all of them when there is none)
+    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(1))
+    query_tokens, references = raw["query_token"], raw["reference_response"]
+    records = []
+    for i, row in enumerate(rows.tolist()):
+        query = query_tokens[row]
+        records.append({
+            "query": tokenizer.decode([t for t in query if t != tokenizer.pad_token_id], skip_special_tokens=True),
+            "response": tokenizer.decode(
+                [t for t in responses[i].tolist() if t != tokenizer.pad_token_id], skip_special_tokens=True
+            ),
+            "reference": references[row],
+            "score": None,  # no reward model in DPO
+            "response_token_len": int(token_len[i]),
+            "has_eos": bool(has_eos[i]),
+        })
+    table = pd.DataFrame(records, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
+    metrics = {
+        "eval/eos_rate": float(has_eos.float().mean()),
+        "eval/response_token_len_mean": float(token_len.float().mean()),
+    }
+    return table, metrics
+
+
+def implicit_reward_breakdown(frame: pd.DataFrame, split_name: str) -> List[dict]:
+    """Detail 19: the Table 5 analogue of reward.py, row for row, with DPO's implicit reward
+    beta * log(pi / pi_ref) as the score: reward statistics, then accuracy overall, by annotation
+    batch, by confidence and by the comparisons' own `split` column (Detail 16)."""
+    scores = np.concatenate([frame["chosen_reward"].to_numpy(), frame["rejected_reward"].to_numpy()])
+    rows = [{"dataset_split": split_name, "group": "reward", "key": k, "value": float(v), "n": len(scores)}
+            for k, v in (("max", scores.max()), ("mean", scores.mean()), ("min", scores.min()), ("std", scores.std()))]
+    rows.append({"dataset_split": split_name, "group": "accuracy", "key": "overall",
+                 "value": float(frame["correct"].mean()), "n": len(frame)})
+    for group in ("batch", "confidence", "split"):
+        for key, part in frame.groupby(group, sort=True):
+            rows.append({"dataset_split": split_name, "group": f"accuracy by {group}", "key": str(key),
+                         "value": float(part["correct"].mean()), "n": len(part)})
+    return rows
+
+
+def breakdown_markdown(rows: List[dict]) -> str:
+    """The accuracy table as Markdown, in reward.py's layout so the RM and DPO tables sit side by side."""
+    lines = ["| dataset split | metric | key | value | n |", "| --- | --- | --- | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
+    return "\n".join(lines)
+
+
+def dataframe_markdown(frame: pd.DataFrame) -> str:
+    """A small table (the samples) as Markdown for TensorBoard's text tab; pipes and newlines escaped."""
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def save_dpo_policy(accelerator, policy, tokenizer, args) -> None:
+    """save_pretrained (safetensors) of the policy and its tokenizer in --output_dir; --push_to_hub uploads both."""
+    unwrapped = accelerator.unwrap_model(policy)
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(policy)  # every rank takes part (ZeRO-3 gathers the shards)
+    if accelerator.is_main_process:
+        # transformers v5 always writes safetensors (safe_serialization is no longer an option)
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(args.output_dir)
+        if args.push_to_hub:
+            hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
+            unwrapped.push_to_hub(hub_model_id)
+            tokenizer.push_to_hub(hub_model_id)
+
+
+# ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+class Run:
+    """Everything a training run keeps on disk besides the model, behind one small interface:
+
+        run = Run(args, accelerator)          # the run's name and its folder {run_dir_root}/{run_name}
+        run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
+        state = run.start(state, **shape)     # --resume: restore the latest checkpoint; then open the logs
+        run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
+        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
+        run.save_table(frame, "samples.csv")  # a CSV in the run folder
+        run.checkpoint(update, state)         # atomic, resumable checkpoint
+        run.finish(summary)                   # summary.json, close the logs
+
+    `state` is the script's own trainer state (data position, running counters); accelerate's save_state
+    holds the rest (prepared models, optimizers, registered objects, RNG states). `shape` names what a
+    checkpoint must share with the flags of a resumed run (e.g. num_updates)."""
+
+    def __init__(self, args, accelerator):
+        self.args, self.accelerator = args, accelerator
+        args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
+        self.dir = os.path.join(args.run_dir_root, args.run_name)
+        self.main = accelerator.is_main_process
+        self.shape, self.writer = {}, None
+
+    def claim_output_dir(self) -> None:
+        claim_output_dir(self.accelerator, self.args.output_dir, self.args.run_name,
+                         self.args.overwrite_output_dir or self.args.resume)
+
+    def start(self, state: dict, **shape) -> dict:
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`."""
+        self.shape = shape
+        if self.args.resume:
+            state = load_checkpoint(self.accelerator, self.dir)
+            found = {key: state.get(key) for key in shape}
+            if found != shape:
+                raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
+                                 "resume with the flags of the original run")
+        elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
+            shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
+        if self.main:
+            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+            config = asdict(self.args)  # with the derived fields filled in
+            with open(os.path.join(self.dir, "args.json"), "w") as f:
+                json.dump(config, f, indent=2)
+            if self.args.track:
+                import wandb
+
+                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                           config=config, name=self.args.run_name, save_code=True)
+            # a resumed run drops what the interrupted run logged after its checkpoint (TensorBoard's purge_step,
+            # start_metrics_file), so its logs match an uninterrupted run's
+            resumed_at = state.get("update", 0) if self.args.resume else 0
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.args.resume else None)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+                f"|{key}|{value}|" for key, value in config.items()))
+            start_metrics_file(os.path.join(self.dir, "metrics.jsonl"), resumed_at)
+        return state
+
+    def guard(self, update: int, **quantities: torch.Tensor) -> None:
+        check_finite(self.accelerator, update, **quantities)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.main:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        if self.main:
+            self.writer.add_text(tag, text, step)
+
+    def save_table(self, frame, name: str) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.dir, name), index=False)
+
+    def checkpoint(self, update: int, state: dict) -> str:
+        return save_checkpoint(self.accelerator, self.dir, update, {**self.shape, **state, "update": update}, self.args.checkpoint_keep)
+
+    def latest_checkpoint(self) -> Optional[str]:
+        return latest_checkpoint(self.dir)
+
+    def finish(self, summary: dict) -> None:
+        if self.main:
+            with open(os.path.join(self.dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+            self.writer.close()
+            if self.args.track:
+                import wandb
+
+                wandb.finish()
+
+
 def start_processes() -> PartialState:
     """Join the run's process group before anything reads the process count. accelerate picks a
     communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
@@ -323,84 +1147,6 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
             )
 
 
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Per row, the index of the first True; the row length when the row has no True."""
-    row_len = bools.size(-1)
-    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
-    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
-    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
-    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
-    functionally from a float attribute of the attention module; those are zeroed too."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "attn_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
-    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
-    left-padded query gets the same positions as an unpadded one (Detail 14)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        return_dict=True,
-        output_hidden_states=True,
-    )
-
-
-def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
-    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
-    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
-    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
-    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
-
-
-def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
-    """Sample continuations of LEFT-padded queries with the KV cache.
-
-    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
-    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
-    context_length = queries.size(1)
-    attention_mask = queries != pad_token_id
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    output = lm.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=generation_config,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
-
-
-def make_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
-    """Detail 23: sample exactly response_length tokens. `eos_token_id=[]` turns off stopping at EOS
-    (None would be filled in from the model's own config, which stops at EOS), while EOS stays an
-    ordinary token that can be sampled; `min_new_tokens` is not used because it forbids EOS and so
-    changes the distribution."""
-    return GenerationConfig(
-        max_new_tokens=response_length,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        do_sample=True,
-        eos_token_id=[],
-        pad_token_id=pad_token_id,
-    )
-
-
-# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
 class NonFiniteError(RuntimeError):
     """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
 
@@ -515,612 +1261,6 @@ def start_metrics_file(path: str, resume_update: int) -> None:
         kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
     with open(path, "w") as f:
         f.writelines(kept)
-
-
-def resumable_micro_batches(loader, skip: int):
-    """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
-    the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
-
-    The loader must come from an Accelerator made with DataLoaderConfiguration(use_seedable_sampler=True,
-    data_seed=seed): its shuffle of epoch e is then drawn from a generator seeded with seed + e, so it
-    depends on e alone and not on how many epochs this process has iterated before. A resumed run can
-    therefore set epoch e directly and drop the micro batches of it already trained on; skip_first_batches
-    drops them from the index lists (no row is read). Every process skips its own share the same way."""
-    per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
-    if per_epoch == 0:
-        raise ValueError("the train split is smaller than one micro batch per process; "
-                         "lower --local_micro_batch_size or use more data")
-    epoch, skip = divmod(skip, per_epoch)
-    while True:
-        loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
-        yield from (skip_first_batches(loader, skip) if skip else loader)
-        epoch, skip = epoch + 1, 0
-
-
-# ------------------------------------------------------------------------------------------------
-# DPO-specific pieces
-# ------------------------------------------------------------------------------------------------
-PAIR_COLUMNS = [
-    "query_chosen_token",
-    "query_rejected_token",
-    "query_chosen_token_response_label",
-    "query_rejected_token_response_label",
-]
-
-
-def preference_eval_splits(path: str) -> List[str]:
-    """Every split of the preference dataset whose name starts with "validation" (Detail 6: the
-    TL;DR validation set has out-of-distribution policy pairs and a CNN/DM split)."""
-    names = list(load_from_disk(path).keys()) if os.path.isdir(path) else get_dataset_split_names(path)
-    splits = sorted(name for name in names if name.startswith("validation"))
-    if not splits:
-        raise ValueError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
-    return splits
-
-
-def with_row_index(dataset, columns: List[str]):
-    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
-    The index travels with every batch so that results gathered from several processes (and the
-    precomputed reference log-probs) can be matched back to their rows."""
-    dataset = dataset.add_column("row_index", list(range(len(dataset))))
-    return dataset.with_format("torch", columns=columns + ["row_index"])
-
-
-def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int):
-    """log pi(y | x) = SUM over the response tokens of log pi(y_t | x, y_<t)  -> (B,)
-
-    `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
-    and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
-    sum, not a mean: eq. 4 compares probabilities of whole sequences."""
-    logits = forward(model, query_responses, pad_token_id).logits[:, :-1]  # (B, T-1, V): predicts token t+1
-    targets = response_labels[:, 1:]  # (B, T-1)
-    mask = targets != pad_token_id
-    token_logps = torch.gather(
-        F.log_softmax(logits.float(), dim=-1), 2, torch.masked_fill(targets, ~mask, 0).unsqueeze(-1)
-    ).squeeze(-1)  # (B, T-1)
-    return (token_logps * mask).sum(1)
-
-
-def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
-    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
-    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
-    labels = torch.cat(
-        (batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]), dim=0
-    )  # (2B, T)
-    logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
-    num_pairs = batch["query_chosen_token"].size(0)
-    return logps[:num_pairs], logps[num_pairs:]
-
-
-@torch.no_grad()
-def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int):
-    """The frozen reference's (chosen, rejected) sequence log-probs: looked up in the precomputed
-    table (N, 2) by row index when there is one, else computed live."""
-    if ref_table is not None:
-        rows = ref_table[batch["row_index"].cpu()].to(batch["query_chosen_token"].device)  # (B, 2)
-        return rows[:, 0], rows[:, 1]
-    return concatenated_logprobs(ref_model, batch, pad_token_id)
-
-
-@torch.no_grad()
-def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int):
-    """One pass of the reference over `dataset` (made by with_row_index) -> table (N, 2) of
-    [chosen, rejected] sequence log-probs, indexed by row. Rows are split across processes and
-    gathered back by row index."""
-    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False))
-    table = torch.full((len(dataset), 2), float("nan"))
-    for batch in tqdm(dataloader, desc="reference log-probs", disable=not accelerator.is_local_main_process):
-        with accelerator.autocast():
-            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id)
-        rows, chosen, rejected = accelerator.gather_for_metrics((batch["row_index"], chosen, rejected))
-        table[rows.cpu()] = torch.stack((chosen, rejected), dim=1).float().cpu()
-    if torch.isnan(table).any():
-        raise RuntimeError("some rows got no reference log-prob; the gathered row indices do not cover the dataset")
-    return table
-
-
-def dpo_loss(
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-    ref_chosen: torch.Tensor,
-    ref_rejected: torch.Tensor,
-    beta: float,
-    loss_type: str,
-    label_smoothing: float = 0.0,
-):
-    """Per-pair losses (B,) and the implicit rewards of chosen and rejected (B,), (B,).
-
-    With pi = policy sequence log-probs and ref = reference sequence log-probs:
-        h = (pi_c - pi_r) - (ref_c - ref_r)   # difference of the two log-ratios
-        r_c = beta * (pi_c - ref_c),  r_r = beta * (pi_r - ref_r)   # eq. 5, so beta * h = r_c - r_r
-    """
-    if label_smoothing != 0.0 and loss_type != "sigmoid":
-        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {loss_type}")
-    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
-    if loss_type == "sigmoid":
-        # DPO (eq. 4) with cDPO's label smoothing eps (the label is flipped with probability eps):
-        #   L = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    elif loss_type == "ipo":
-        # IPO (Azar et al.): regress h onto the finite target 1 / (2 beta) instead of pushing it to infinity:
-        #   L = (h - 1 / (2 * beta))^2
-        # Here h uses SUMMED log-probs as eq. 4 does; TRL's IPO averages them over response tokens.
-        losses = (h - 1 / (2 * beta)) ** 2
-    elif loss_type == "hinge":
-        # hinge (SLiC-style), a margin of 1 on the reward difference:
-        #   L = max(0, 1 - beta * h)
-        losses = torch.relu(1 - beta * h)
-    else:
-        raise ValueError(f"unknown --loss_type {loss_type!r}")
-    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
-    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
-    return losses, chosen_rewards, rejected_rewards
-
-
-def implicit_reward_breakdown(frame: pd.DataFrame, split_name: str) -> List[dict]:
-    """Detail 19: the Table 5 analogue of reward.py, row for row, with DPO's implicit reward
-    beta * log(pi / pi_ref) as the score: reward statistics, then accuracy overall, by annotation
-    batch, by confidence and by the comparisons' own `split` column (Detail 16)."""
-    scores = np.concatenate([frame["chosen_reward"].to_numpy(), frame["rejected_reward"].to_numpy()])
-    rows = [{"dataset_split": split_name, "group": "reward", "key": k, "value": float(v), "n": len(scores)}
-            for k, v in (("max", scores.max()), ("mean", scores.mean()), ("min", scores.min()), ("std", scores.std()))]
-    rows.append({"dataset_split": split_name, "group": "accuracy", "key": "overall",
-                 "value": float(frame["correct"].mean()), "n": len(frame)})
-    for group in ("batch", "confidence", "split"):
-        for key, part in frame.groupby(group, sort=True):
-            rows.append({"dataset_split": split_name, "group": f"accuracy by {group}", "key": str(key),
-                         "value": float(part["correct"].mean()), "n": len(part)})
-    return rows
-
-
-def breakdown_markdown(rows: List[dict]) -> str:
-    """The accuracy table as Markdown, in reward.py's layout so the RM and DPO tables sit side by side."""
-    lines = ["| dataset split | metric | key | value | n |", "| --- | --- | --- | ---: | ---: |"]
-    for r in rows:
-        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
-    return "\n".join(lines)
-
-
-def dataframe_markdown(frame: pd.DataFrame) -> str:
-    """A small table (the samples) as Markdown for TensorBoard's text tab; pipes and newlines escaped."""
-    def cell(value) -> str:
-        return str(value).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join(lines)
-
-
-@torch.no_grad()
-def evaluate_preferences(accelerator, model, ref_model, ref_tables, eval_datasets, args: Args, pad_token_id: int):
-    """Implicit-reward accuracy of DPO as a reward model (Detail 19) on every evaluation split.
-    Returns flat metrics, the table rows (reward.py's layout) and the per-pair frame."""
-    model.eval()
-    metrics, frames, table_rows = {}, [], []
-    for split, (raw, dataset) in eval_datasets.items():
-        dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
-        gathered = []
-        for batch in dataloader:
-            with accelerator.autocast():
-                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
-                ref_chosen, ref_rejected = reference_logprobs(ref_model, ref_tables.get(split), batch, pad_token_id)
-            losses, chosen_rewards, rejected_rewards = dpo_loss(
-                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing
-            )
-            stats = torch.stack((losses, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected), 1).float()
-            gathered.append(accelerator.gather_for_metrics((batch["row_index"], stats)))
-        rows = torch.cat([g[0] for g in gathered]).cpu().numpy()
-        stats = torch.cat([g[1] for g in gathered]).cpu().numpy()
-        frame = pd.DataFrame(stats, columns=["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"])
-        frame["row_index"] = rows
-        batches, confidences, comparison_splits = raw["batch"], raw["confidence"], raw["split"]
-        frame["batch"] = [batches[int(i)] for i in rows]
-        frame["confidence"] = [int(confidences[int(i)]) for i in rows]
-        frame["split"] = [comparison_splits[int(i)] for i in rows]
-        frame["correct"] = frame["chosen_reward"] > frame["rejected_reward"]
-        frame["dataset_split"] = split
-        frames.append(frame)
-        split_rows = implicit_reward_breakdown(frame, split)
-        table_rows.extend(split_rows)
-        for r in split_rows:
-            # the same metric names as reward.py: eval/{split}/accuracy, eval/{split}/accuracy/batch/batch10, ...
-            if r["group"] == "accuracy":
-                metrics[f"eval/{split}/accuracy"] = r["value"]
-            else:
-                group = r["group"].replace("accuracy by ", "accuracy/")
-                metrics[f"eval/{split}/{group}/{r['key']}"] = r["value"]
-        metrics[f"eval/{split}/loss"] = float(frame["loss"].mean())
-        metrics[f"eval/{split}/rewards/chosen"] = float(frame["chosen_reward"].mean())
-        metrics[f"eval/{split}/rewards/rejected"] = float(frame["rejected_reward"].mean())
-        metrics[f"eval/{split}/rewards/margins"] = float((frame["chosen_reward"] - frame["rejected_reward"]).mean())
-        metrics[f"eval/{split}/logps/chosen"] = float(frame["chosen_logp"].mean())
-        metrics[f"eval/{split}/logps/rejected"] = float(frame["rejected_logp"].mean())
-    # as in reward.py: the headline accuracy is the first split's (TL;DR "validation"); all pairs pooled too
-    metrics["eval/accuracy"] = metrics[f"eval/{next(iter(eval_datasets))}/accuracy"]
-    frame = pd.concat(frames, ignore_index=True)
-    metrics["eval/accuracy_all_splits"] = float(frame["correct"].mean())
-    model.train()
-    return metrics, table_rows, frame
-
-
-@torch.no_grad()
-def sample_responses(accelerator, model, tokenizer, raw, dataset, generation_config, args: Args):
-    """Detail 23 sampling on the SFT validation queries: fixed number of new tokens, then truncate
-    after the first EOS. Returns the samples table (contract columns) and summary metrics."""
-    model.eval()
-    unwrapped = accelerator.unwrap_model(model)
-    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
-    rows_all, responses_all = [], []
-    for batch in dataloader:
-        queries = batch["query_token"]  # (B, Tq), left-padded
-        with accelerator.autocast():
-            query_responses, _ = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
-        responses = truncate_response(
-            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
-        )  # (B, Tr)
-        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
-        rows_all.append(rows.cpu())
-        responses_all.append(responses.cpu())
-    rows, responses = torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
-    has_eos = (responses == tokenizer.eos_token_id).any(1)
-    # tokens up to and including the first EOS (all of them when there is none)
-    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(1))
-    query_tokens, references = raw["query_token"], raw["reference_response"]
-    records = []
-    for i, row in enumerate(rows.tolist()):
-        query = query_tokens[row]
-        records.append({
-            "query": tokenizer.decode([t for t in query if t != tokenizer.pad_token_id], skip_special_tokens=True),
-            "response": tokenizer.decode(
-                [t for t in responses[i].tolist() if t != tokenizer.pad_token_id], skip_special_tokens=True
-            ),
-            "reference": references[row],
-            "score": None,  # no reward model in DPO
-            "response_token_len": int(token_len[i]),
-            "has_eos": bool(has_eos[i]),
-        })
-    table = pd.DataFrame(records, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
-    metrics = {
-        "eval/eos_rate": float(has_eos.float().mean()),
-        "eval/response_token_len_mean": float(token_len.float().mean()),
-    }
-    model.train()
-    return table, metrics
-
-
-TRAIN_STATS = [  # per micro batch, logged as means over the logging interval
-    "train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",
-    "train/logps/chosen", "train/logps/rejected",
-]
-
-
-def main(args: Args):
-    start_time = time.time()
-    if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
-        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
-    # 1. batch arithmetic (Table 6: 64 pairs per update), accelerator and run folder
-    args.world_size = start_processes().num_processes
-    args.gradient_accumulation_steps = exact_div(
-        args.total_batch_size, args.local_micro_batch_size * args.world_size,
-        "total_batch_size / (local_micro_batch_size x world_size)",
-    )
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(
-        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        # the shuffle of epoch e depends on (seed, e) alone, so a resumed run finds its place in the data
-        # (see resumable_micro_batches)
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        mixed_precision="bf16" if args.bf16 else "no",
-    )
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    args.run_name = resolve_run_name(args)
-    run_dir = os.path.join(args.run_dir_root, args.run_name)
-
-    # 2. seeding: the same seed on every rank for weights and data order
-    set_seed(args.seed)
-    local_seed = args.seed + accelerator.process_index * 100003
-
-    # 3. tokenizer from the SFT model; Detail 3: a [PAD] distinct from EOS
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a "
-            "distinct pad token, or the EOS of every response is masked out of its log-prob. Save the SFT tokenizer "
-            "with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the "
-            "data with it (data/prepare.py)"
-        )
-    pad_token_id = tokenizer.pad_token_id
-
-    # 4. data: preference train + every validation split, and SFT validation queries for sampling; every split
-    # is checked for the columns read from it before any work
-    train_raw = load_split(args.preference_dataset, args.train_split)
-    check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
-    check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {args.train_split!r}")
-    train_dataset = with_row_index(train_raw, PAIR_COLUMNS)
-    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
-    eval_datasets = {}
-    for split in eval_split_names:
-        raw = load_split(args.preference_dataset, split)
-        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
-        check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
-        if args.num_eval_samples is not None:
-            raw = raw.select(range(min(args.num_eval_samples, len(raw))))
-        eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
-    sample_raw = load_split(args.query_dataset, args.sample_split)
-    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
-    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.sample_split!r}")
-    if args.num_eval_samples is not None:
-        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
-    sample_dataset = with_row_index(sample_raw, ["query_token"])
-
-    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * len(train_raw)
-    args.num_updates = num_updates = total_episodes // args.total_batch_size  # a last partial batch is dropped
-    if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}")
-
-    # claimed only after the input checks, so a run refused for bad input leaves no mark that would block
-    # the next attempt; a resumed run finds its own mark, any other run's model there is an error
-    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
-
-    # 5. models: policy and frozen reference, both from the SFT model
-    # the policy keeps float32 master weights (bf16 is autocast); the frozen reference may live in bf16
-    policy = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
-    )
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
-    )
-    for model in (policy, ref_model):
-        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-        if len(tokenizer) > model.config.vocab_size:
-            model.resize_token_embeddings(len(tokenizer))
-    if args.disable_dropout:
-        disable_dropout(policy)
-    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
-    ref_model = prepare_frozen_model(accelerator, ref_model)  # Detail 8: under ZeRO-3, an inference engine
-    generation_config = make_generation_config(args.response_length, args.temperature, pad_token_id)
-
-    # 6. optional: reference log-probs once over the data, then the reference model is freed.
-    # The tables are kept in the run folder: a resumed run reads the very numbers the interrupted run trained
-    # with (and skips the pass over the data) instead of trusting a second pass to repeat them bit for bit
-    ref_tables: Dict[str, torch.Tensor] = {}  # evaluation split -> (N, 2)
-    train_ref_table: Optional[torch.Tensor] = None  # (N_train, 2)
-    ref_cache = os.path.join(run_dir, "reference_logprobs.pt")
-    if args.precompute_ref_logprobs:
-        sizes = {"train": len(train_raw), "eval": {split: len(raw) for split, (raw, _) in eval_datasets.items()}}
-        if args.resume and os.path.exists(ref_cache):
-            cached = torch.load(ref_cache)
-            found = {"train": len(cached["train"]), "eval": {split: len(t) for split, t in cached["eval"].items()}}
-            if found != sizes:
-                raise ValueError(f"--resume: {ref_cache} holds reference log-probs of {found} rows, these flags read "
-                                 f"{sizes}; resume with the data flags of the original run")
-            train_ref_table, ref_tables = cached["train"], cached["eval"]
-            accelerator.print(f"reference log-probs of the interrupted run read from {ref_cache}")
-        else:
-            train_ref_table = precompute_reference_logprobs(
-                accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id
-            )
-            for split, (_, dataset) in eval_datasets.items():
-                ref_tables[split] = precompute_reference_logprobs(
-                    accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id
-                )
-            if accelerator.is_main_process:  # written whole, then renamed: never half a file under the name
-                os.makedirs(run_dir, exist_ok=True)
-                torch.save({"train": train_ref_table, "eval": ref_tables}, ref_cache + ".tmp")
-                os.replace(ref_cache + ".tmp", ref_cache)
-        del ref_model
-        ref_model = None
-
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    # the scheduler counts optimizer updates and is stepped by hand on each update (not prepared:
-    # accelerate's wrapper would step it once per process)
-    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-    # the data order comes from its own generator (reseeded with seed + epoch by the seedable sampler), so
-    # neither sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG
-    train_dataloader = DataLoader(
-        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
-    policy, optimizer, train_dataloader = accelerator.prepare(policy, optimizer, train_dataloader)
-    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
-    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
-
-    # 7. resume: a killed run loses at most --checkpoint_every updates. The checkpoint holds the policy, AdamW's
-    # moments, the schedule and every process's RNG states (the sampling at evaluation continues as it would
-    # have); trainer_state.json adds the update reached and the open logging interval. The frozen reference is
-    # not saved: it is the SFT model, loaded again (or its log-probs read back, see step 6)
-    trainer_state = {"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0, "last_train_metrics": {}}
-    if args.resume:
-        trainer_state = load_checkpoint(accelerator, run_dir)
-        if trainer_state["num_updates"] != num_updates:
-            raise ValueError(f"--resume: the checkpoint belongs to a run of {trainer_state['num_updates']} updates, "
-                             f"these flags make {num_updates}; resume with the flags of the original run")
-        # accelerate counts micro batches to decide when to step; restart the count at the update boundary
-        # of the checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
-        accelerator.step = trainer_state["update"] * args.gradient_accumulation_steps
-    elif accelerator.is_main_process:
-        if os.path.isdir(os.path.join(run_dir, "checkpoints")):
-            shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
-        if not args.precompute_ref_logprobs and os.path.exists(ref_cache):
-            os.remove(ref_cache)  # an older run's tables; this run computes the reference live
-    start_update = trainer_state["update"]
-
-    # 8. logging: TensorBoard, metrics.jsonl and the evaluation tables in runs/{run_name}
-    writer = None
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if accelerator.is_main_process:
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)  # with the derived fields filled in
-        if args.track:
-            import wandb
-
-            wandb.init(
-                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                config=asdict(args), name=args.run_name, save_code=True,
-            )
-        # purge_step drops the TensorBoard events that the interrupted run logged after its checkpoint
-        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-        start_metrics_file(metrics_path, start_update)  # likewise for metrics.jsonl
-
-    def log(metrics: dict, step: int, episode: int):
-        if accelerator.is_main_process:
-            for key, value in metrics.items():
-                writer.add_scalar(key, value, step)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": step, "episode": episode, **metrics}) + "\n")
-
-    def run_evaluation(update: int, episode: int, final: bool):
-        metrics, table_rows, frame = evaluate_preferences(
-            accelerator, policy, ref_model, ref_tables, eval_datasets, args, pad_token_id
-        )
-        samples, sample_metrics = sample_responses(
-            accelerator, policy, tokenizer, sample_raw, sample_dataset, generation_config, args
-        )
-        metrics.update(sample_metrics)
-        if accelerator.is_main_process:
-            samples.to_csv(os.path.join(run_dir, "samples", f"step_{update:06d}.csv"), index=False)
-            writer.add_text("eval/accuracy_table", breakdown_markdown(table_rows), update)
-            writer.add_text("eval/samples", dataframe_markdown(samples.head(8)), update)
-            if final:
-                samples.to_csv(os.path.join(run_dir, "samples.csv"), index=False)
-                pd.DataFrame(table_rows).to_csv(os.path.join(run_dir, "eval_table.csv"), index=False)
-                with open(os.path.join(run_dir, "eval_table.md"), "w") as f:
-                    f.write(breakdown_markdown(table_rows) + "\n")
-                frame.to_csv(os.path.join(run_dir, "eval_pairs.csv"), index=False)
-                print(breakdown_markdown(table_rows))
-            num_evals = update // args.eval_every if args.eval_every > 0 else 1
-            if args.print_sample_every > 0 and (final or num_evals % args.print_sample_every == 0):
-                for row in samples.head(2).itertuples():
-                    print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\nREFERENCE: {row.reference}")
-        log(metrics, update, episode)
-        return metrics
-
-    # 9. training: one optimizer update per total_batch_size pairs
-    accelerator.print(
-        f"DPO ({args.loss_type}, beta {args.beta}): {num_updates} updates of {args.total_batch_size} pairs, "
-        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
-        f"{args.local_micro_batch_size} pairs"
-    )
-    policy.train()
-    # the open logging interval: one row of TRAIN_STATS per update (already averaged over micro batches and
-    # processes, so every process holds the same rows and a checkpoint can carry them), and its token count
-    interval: List[List[float]] = trainer_state["interval"]
-    interval_tokens = trainer_state["interval_tokens"]
-    interval_start = time.time() - trainer_state["interval_time"]
-    last_train_metrics: Dict[str, float] = trainer_state["last_train_metrics"]
-    progress = tqdm(total=num_updates, initial=start_update, desc="dpo", disable=not accelerator.is_local_main_process)
-    # the data position: every update reads gradient_accumulation_steps micro batches on each process
-    micro_batch_iterator = resumable_micro_batches(train_dataloader, start_update * args.gradient_accumulation_steps)
-
-    def checkpoint(done: int) -> None:
-        save_checkpoint(accelerator, run_dir, done, {
-            "num_updates": num_updates, "interval": interval, "interval_tokens": interval_tokens,
-            "interval_time": time.time() - interval_start, "last_train_metrics": last_train_metrics,
-        }, args.checkpoint_keep)
-
-    update = start_update
-    try:
-        for update in range(start_update + 1, num_updates + 1):
-            micro_stats, tokens = [], 0
-            for _ in range(args.gradient_accumulation_steps):
-                batch = next(micro_batch_iterator)
-                with accelerator.accumulate(policy):
-                    with accelerator.autocast():
-                        policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
-                        ref_chosen, ref_rejected = reference_logprobs(ref_model, train_ref_table, batch, pad_token_id)
-                    losses, chosen_rewards, rejected_rewards = dpo_loss(
-                        policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
-                        args.label_smoothing,
-                    )
-                    loss = losses.mean()
-                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
-                    check_finite(accelerator, update, **{
-                        "train/loss": loss, "train/logps/chosen": policy_chosen, "train/logps/rejected": policy_rejected,
-                        "train/ref_logps/chosen": ref_chosen, "train/ref_logps/rejected": ref_rejected,
-                    })
-                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
-                    optimizer.step()  # a no-op until the last micro batch of the update
-                    optimizer.zero_grad()
-                micro_stats.append(torch.stack([  # in the order of TRAIN_STATS
-                    loss.detach(), chosen_rewards.mean(), rejected_rewards.mean(),
-                    (chosen_rewards - rejected_rewards).mean(), (chosen_rewards > rejected_rewards).float().mean(),
-                    policy_chosen.detach().mean(), policy_rejected.detach().mean(),
-                ]).float())
-                tokens += int(
-                    (batch["query_chosen_token"] != pad_token_id).sum() + (batch["query_rejected_token"] != pad_token_id).sum()
-                )
-            if not accelerator.sync_gradients:
-                raise RuntimeError("gradient accumulation went out of step with the update loop")
-            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
-            lr_scheduler.step()
-            # this update's means over its micro batches and every process (each process has as many micro batches)
-            interval.append(accelerator.reduce(torch.stack(micro_stats).mean(0), reduction="mean").tolist())
-            interval_tokens += int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum"))
-            episode = update * args.total_batch_size
-            progress.update(1)
-            if update % args.log_every == 0 or update == num_updates:
-                means = dict(zip(TRAIN_STATS, np.mean(interval, axis=0).tolist()))
-                means["train/tokens_per_s"] = interval_tokens / (time.time() - interval_start)
-                means["train/lr"] = update_lr
-                means["train/epoch"] = episode / len(train_raw)
-                log(means, update, episode)
-                last_train_metrics = means
-                progress.set_postfix(
-                    loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
-                    tok_s=f"{means['train/tokens_per_s']:.0f}",
-                )
-                interval, interval_tokens, interval_start = [], 0, time.time()
-            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-                run_evaluation(update, episode, final=False)
-                interval_start = time.time()  # evaluation time is not training throughput
-            # after the update's logging and evaluation, so a resumed run repeats neither
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < num_updates:
-                checkpoint(update)
-    except NonFiniteError:
-        # the guard runs before backward and before the update's optimizer step, so the weights on hand are
-        # still those after update - 1: keep them as the last good checkpoint (never the poisoned ones)
-        progress.close()  # so that the error is the last line of the output
-        checkpoint(update - 1)
-        accelerator.print(f"non-finite value in update {update}; last good checkpoint: {latest_checkpoint(run_dir)}")
-        raise
-    progress.close()
-
-    # 10. final evaluation, summary and saving
-    episode = num_updates * args.total_batch_size
-    metrics = run_evaluation(num_updates, episode, final=True)
-    unwrapped = accelerator.unwrap_model(policy)
-    if accelerator.is_main_process:
-        summary = {key: value for key, value in metrics.items()}
-        summary.update(last_train_metrics)  # the last logging interval's training means
-        summary["num_updates"] = num_updates
-        summary["episodes"] = episode
-        summary["wall_time_s"] = time.time() - start_time
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        writer.close()
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(policy)  # every rank takes part (ZeRO-3 gathers the shards)
-    if accelerator.is_main_process:
-        # transformers v5 always writes safetensors (safe_serialization is no longer an option)
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(args.output_dir)
-        if args.push_to_hub:
-            hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
-            unwrapped.push_to_hub(hub_model_id)
-            tokenizer.push_to_hub(hub_model_id)
-    if accelerator.is_main_process and args.track:
-        import wandb
-
-        wandb.finish()
-    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run_dir}")
 
 
 if __name__ == "__main__":

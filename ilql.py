@@ -1,31 +1,36 @@
 """Implicit Language Q-Learning (ILQL), the offline RLHF alternative of trlX, on TL;DR preference pairs.
 
 trlX ("A Framework for Large Scale RLHF", Havrilla et al., Sec. 4.1 and 4.2) trains ILQL (Snell et al.)
-OFFLINE: no sampling during training and no reward model in the loop. Every preference pair
-(x, y_chosen, y_rejected) gives two trajectories, (x, y_chosen) with reward +1 and (x, y_rejected)
-with reward -1; the reward sits on the last response token (the EOS). The paper reports that these
-+-1 labels beat labelling the same responses with the learned RM ("RM rewards are denser, but the
-inequality r_chosen > r_rejected is sometimes not respected"); `--reward_source rm` is that variant. On the
-built-in task it is the other way round, and the pipeline uses the RM's scores (why: `--reward_source`).
+OFFLINE: no sampling during training and no reward model in the loop. The paper reports that +-1 preference
+labels beat labelling the same responses with the learned RM ("RM rewards are denser, but the inequality
+r_chosen > r_rejected is sometimes not respected"); `--reward_source rm` is that variant.
 
 The model is the causal LM plus small heads on its final hidden state h(s_t):
     pi_beta(a | s) = softmax(lm_head(h))            the LM head: the behaviour policy of the data
     Q_1, Q_2 (s, .) : h -> R^|vocab|                two Q heads, one value per next token (action)
     Q'_1, Q'_2 (s, .)                               target copies of the Q heads, frozen, Polyak-averaged
     V(s)            : h -> R                        the value head
-and is trained with
-    L = L_Q + L_V + cql_scale * L_CQL + awac_scale * L_AWAC     (formulas at `ilql_loss`).
-At inference the LM's log-probabilities are shifted by the advantage of each candidate token,
-    log pi(a | s) = log pi_beta(a | s) + beta * (min_i Q'_i(s, a) - V(s)) + const,
-then top-k and temperature sampling; beta = 0 is the behaviour policy itself.
+
+  data     1. every preference pair (x, y_chosen, y_rejected) gives two trajectories, (x, y_chosen), (x, y_rejected)
+           2. their rewards: +1 and -1 (trlX), or the RM's score of each (--reward_source rm); z-normalised
+              over the dataset
+           3. the reward sits on the last response token (the EOS); every other action gets 0
+  update   4. one forward reads the LM logits, Q_i, Q'_i and V at the state before each response token
+           5. L = L_Q + L_V + cql_scale * L_CQL + awac_scale * L_AWAC (formulas at `ilql_loss`); one AdamW
+              step per total_batch_size trajectories
+           6. every steps_for_target_q_sync optimizer steps: Polyak-average the target Q heads towards the online ones
+  sampling 7. the LM's log-probabilities shifted by the advantage of each candidate token,
+                  log pi(a | s) = log pi_beta(a | s) + beta * (min_i Q'_i(s, a) - V(s)) + const,
+              then top-k and temperature sampling; beta = 0 is the behaviour policy itself. The final
+              evaluation samples at every beta of --eval_betas.
 
 Initialisation (--init_from): trlX trained ILQL on top of the BASE (pretrained) model, "Notably, we do
 not initialize from the SFT checkpoint as we saw minimal benefit in the offline regime" (Sec. 4.1). The
 L_AWAC term is itself supervised fine-tuning on every response of the dataset, so the LM head learns the
 data's behaviour policy during ILQL anyway; the paper also finds its ILQL models keep the base model's
-benchmark scores (little "alignment tax", Appendix B). The default here is trlX's, base. The built-in task's
-pipeline starts from SFT instead (a deliberate difference): its base model is a 1M-parameter toy that a few
-hundred ILQL updates cannot teach to summarise (gold win rate 0.02-0.08 from base against 0.28 for SFT).
+benchmark scores (little "alignment tax", Appendix B). The default here is trlX's, base; start from SFT when
+the base model cannot learn to summarise from the offline data in the run's budget (the built-in task's
+1M-parameter base model cannot).
 
 Checkpoints: every --checkpoint_every updates, runs/{run_name}/checkpoints/update_N holds the LM with all its heads
 (V, Q and the Polyak-averaged target Q), optimizer, schedule, RNG states, the data position and the running counters
@@ -54,7 +59,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator, PartialState, skip_first_batches
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
 from datasets import concatenate_datasets, load_dataset, load_from_disk
 from safetensors.torch import save_file
@@ -69,32 +74,29 @@ class IlqlHParams:
     """ILQL knobs; defaults are trlX's `default_ilql_config` (trlx/data/default_configs.py)."""
 
     tau: float = 0.7
-    """expectile of the V loss: V regresses towards the tau-expectile of min target-Q (0.5 = the mean)"""
+    """expectile of the V loss: V regresses towards the tau-expectile of min target-Q (trlX: 0.7; 0.5 = the mean,
+    higher = a more optimistic V)"""
     gamma: float = 0.99
-    """discount of the TD target r + gamma * V(next state)"""
+    """discount of the TD target r + gamma * V(next state) (trlX: 0.99)"""
     cql_scale: float = 0.1
-    """weight of the CQL term (cross-entropy of the Q values over the vocabulary, taken action = label).
-    Besides pushing down the Q of unseen tokens, the term pulls UP the Q of the token the data took: where it
-    balances the TD loss, Q(s, a_data) sits about cql_scale / 2 * (1 - softmax(Q)(a_data)) above its TD target
-    per head. V copies that surplus and the TD targets carry it back, so it adds up along the response: a longer
-    continuation looks better than ending. Measured on the built-in task (from SFT, z-normalised +-1 rewards,
-    Polyak alpha 1): with 0.1 the mean V was 1.01 where the mean reward is 0, the advantage FAVOURED the habit
-    word the raters dislike (+0.25 at the first token) and beta 4 cut the EOS rate to 0.94 and the gold win rate
-    to 0.025; with 0.01 the mean V was 0.04 and the advantage's sign was right. The pipeline uses 0.01."""
+    """weight of the CQL term, the cross-entropy of the Q values over the vocabulary with the data's token as the
+    label (trlX: 0.1). It pushes down the Q of tokens the data never took; it also lifts the Q of the taken token:
+    where it balances the TD loss, Q(s, a_data) sits about cql_scale / 2 * (1 - softmax(Q)(a_data)) above its TD
+    target per head. V copies that surplus and the TD targets carry it back, so it adds up along the response and
+    a longer continuation looks better than ending. Lower it when the mean V drifts above the mean reward"""
     awac_scale: float = 1.0
-    """weight of the advantage-weighted LM loss on the LM head (the behaviour policy)"""
+    """weight of the advantage-weighted LM loss on the LM head, the behaviour policy (trlX: 1)"""
     awac_beta: float = 0.0
     """temperature of the AWAC weight exp(awac_beta * (min target-Q - V)); trlX's method `beta` is 0, which
     makes every weight 1 and L_AWAC plain next-token cross-entropy on the dataset's responses"""
     alpha: float = 0.001
-    """Polyak rate: on each sync, target <- alpha * online + (1 - alpha) * target. The reward is terminal, so
-    it reaches the first response token only through one TD step per token, and each step waits for the
-    targets: with trlX's 0.001 every 5 updates that takes thousands of updates per token. A few hundred
-    updates (the built-in task) need a fast target; the pipeline copies the heads outright (alpha 1)."""
+    """Polyak rate (trlX: 0.001): on each sync, target <- alpha * online + (1 - alpha) * target. The terminal reward
+    moves back one token per TD step, and each step waits for the targets: a run of a few hundred updates needs a
+    fast target (1 = copy the online heads)"""
     steps_for_target_q_sync: int = 5
-    """sync the target Q heads every N OPTIMIZER updates (a trlX regression synced once per pass over the data)"""
+    """sync the target Q heads every N optimizer updates, independent of epochs (trlX: 5)"""
     two_qs: bool = True
-    """two Q heads (and two targets); the minimum of the two targets is used (clipped double-Q)"""
+    """two Q heads (and two targets); the minimum of the two targets is used (clipped double-Q, trlX: on)"""
 
 
 @dataclass
@@ -110,7 +112,7 @@ class Args:
     """folder that holds the run folders (args.json, metrics.jsonl, TensorBoard, samples, summary)"""
     track: bool = False
     """mirror the TensorBoard logs to Weights & Biases"""
-    wandb_project_name: str = "summarize_from_feedback_details"
+    wandb_project_name: str = "tldr_summarize"
     """W&B project (with --track)"""
     wandb_entity: Optional[str] = None
     """W&B entity (with --track); None = your default entity"""
@@ -133,8 +135,8 @@ class Args:
 
     # models and data
     init_from: Literal["base", "sft"] = "base"
-    """what the starting model is: base = the pretrained model (what trlX did, Sec. 4.1), sft = the model
-    written by sft.py; it picks the default of --model_path"""
+    """the starting model: base = the pretrained model (trlX, Sec. 4.1), sft = the model written by sft.py; it picks
+    the default of --model_path. sft when the base model is too weak to learn the task from the offline data"""
     model_path: Optional[str] = None
     """the starting model (hub name or local folder), of the kind --init_from says; None =
     EleutherAI/pythia-1b-deduped for --init_from base, models/sft for --init_from sft"""
@@ -151,17 +153,10 @@ class Args:
     sample_split: str = "validation"
     """split of --query_dataset whose queries are sampled for samples.csv"""
     reward_source: Literal["labels", "rm"] = "labels"
-    """labels = trlX: +1 for the chosen and -1 for the rejected response; rm = the score of --reward_model_path.
-    A label says which of TWO summaries won, so the same summary gets +1 next to a worse one and -1 next to a
-    better one: as a function of one trajectory it is mostly noise, the Q heads fit it weakly at the EOS and
-    little of it reaches the first tokens. An RM score is a function of the trajectory itself. Measured on the
-    built-in task (pipeline settings, training seeds 1 / 2 / 3): the first-token advantage of the habit word
-    "basically" minus that of the LM's likeliest other token, over 200 validation posts, was -0.05 / +0.04 /
-    +0.16 with labels (on two seeds the shift favours the habit the raters dislike) and -0.25 / -0.17 / -0.06
-    with the scores of a one-epoch RM (-0.55 / -0.15 on seeds 2 / 3 with the pipeline's current two-epoch RM);
-    the correlation of the label with min target-Q at mid-response, over 300 train pairs, was 0.16 / 0.03 / 0.04
-    with labels and 0.24 / 0.27 / 0.15 with the one-epoch RM's scores. The beta = 4 gain over beta = 0 held
-    on 1 of 3 seeds with labels and on 3 of 3 with RM scores. The pipeline uses rm (trlX: labels)."""
+    """the reward of each trajectory: labels = +1 for the chosen and -1 for the rejected response (trlX, Sec. 4.1);
+    rm = the score of --reward_model_path. A label depends on the other summary of its pair (the same summary
+    gets +1 next to a worse one and -1 next to a better one), an RM score on the trajectory alone: use rm when the
+    Q heads fit the labels too weakly for the advantage to reach the first response tokens"""
 
     # optimisation
     ilql: IlqlHParams = field(default_factory=IlqlHParams)
@@ -227,9 +222,992 @@ class Args:
 DEFAULT_MODEL_PATHS = {"base": "EleutherAI/pythia-1b-deduped", "sft": "models/sft"}
 
 
-# ------------------------------------------------------------------------------------------------
-# Shared helpers (copied verbatim across scripts; a test checks that the copies stay identical)
-# ------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# ILQL data: one trajectory per (query, response), the reward on the last response token
+# ---------------------------------------------------------------------------------------------
+
+
+TRAJECTORY_COLUMNS = ["query_response", "response_label", "query_token_len"]
+# the columns of a preference split that `flatten_pairs` reads (checked by check_columns before it runs)
+PAIR_COLUMNS = [
+    "query_chosen_token", "query_chosen_token_response_label",
+    "query_rejected_token", "query_rejected_token_response_label", "query_token_len",
+]
+
+
+def flatten_pairs(raw):
+    """Preference pairs (N rows) -> trajectories (2N rows): rows 0..N-1 are (query, chosen), rows
+    N..2N-1 are (query, rejected). `query_response` is the unpadded query + response + EOS, right-padded;
+    `response_label` is the same with every query token replaced by [PAD]."""
+    views = []
+    for side in ("chosen", "rejected"):
+        view = raw.select_columns([f"query_{side}_token", f"query_{side}_token_response_label", "query_token_len"])
+        views.append(view.rename_columns({
+            f"query_{side}_token": "query_response", f"query_{side}_token_response_label": "response_label",
+        }))
+    return concatenate_datasets(views)
+
+
+def label_rewards(num_pairs: int) -> torch.Tensor:
+    """trlX's labelling of preference pairs (Sec. 4.1, 4.2): +1 for chosen, -1 for rejected, in the row
+    order of `flatten_pairs` -> (2N,)."""
+    return torch.cat((torch.ones(num_pairs), -torch.ones(num_pairs)))
+
+
+def normalize_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    """z-normalise the sequence rewards over the whole dataset, as trlX's ILQL `make_experience`:
+    (r - mean) / (std + eps). With balanced +-1 labels this leaves them (almost exactly) at +-1."""
+    rewards = rewards.double()
+    return ((rewards - rewards.mean()) / (rewards.std() + torch.finfo(rewards.dtype).eps)).float()
+
+
+@torch.no_grad()
+def rm_rewards(accelerator: Accelerator, reward_model, trajectories, batch_size: int, pad_token_id: int):
+    """--reward_source rm: the RM score of every trajectory (read at its EOS, Detail 12) -> (2N,).
+    Rows are split across processes and gathered back by row index, so every rank gets the same table."""
+    dataset = trajectories.add_column("row_index", list(range(len(trajectories))))
+    dataset = dataset.with_format("torch", columns=["query_response", "row_index"])
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False))
+    table = torch.full((len(dataset),), float("nan"))
+    for batch in tqdm(dataloader, desc="RM labelling", disable=not accelerator.is_local_main_process):
+        with accelerator.autocast():
+            # context_length 0: the query is unpadded, so the first [PAD] of the row follows the EOS
+            _, scores, _ = get_reward(reward_model, batch["query_response"], pad_token_id, 0)
+        rows, scores = accelerator.gather_for_metrics((batch["row_index"], scores.float()))
+        table[rows.cpu()] = scores.cpu()
+    if torch.isnan(table).any():
+        raise RuntimeError("some trajectories got no RM score; the gathered row indices do not cover the dataset")
+    return table
+
+
+def action_positions(query_token_len: torch.Tensor, response_token_len: torch.Tensor, seq_len: int):
+    """States and actions of a right-padded batch of (B, seq_len) trajectories.
+
+    A row's response (its tokens up to and including the EOS) starts at index query_token_len, so the
+    state s_t that chooses response token t is the hidden state at query_token_len - 1 + t (trlX's
+    `actions_ixs`) and the action a_t is the token at query_token_len + t. Returns the state positions
+    (B, Tr) with Tr = the longest response of the batch, and the mask (B, Tr) of real actions; the
+    positions past a row's response are clamped into the sequence and masked out."""
+    offsets = torch.arange(int(response_token_len.max()), device=query_token_len.device).unsqueeze(0)  # (1, Tr)
+    mask = offsets < response_token_len.unsqueeze(1)  # (B, Tr)
+    positions = (query_token_len.long().unsqueeze(1) - 1 + offsets).clamp(max=seq_len - 2)  # (B, Tr)
+    return positions, mask
+
+
+def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-action rewards (B, Tr): 0 everywhere except the sequence reward on the last kept action (the
+    EOS), as trlX's `rewards[-1] = return`."""
+    last = mask.long().sum(1) - 1  # (B,)
+    rewards = torch.zeros(mask.shape, dtype=sequence_rewards.dtype, device=mask.device)
+    rewards[torch.arange(mask.size(0), device=mask.device), last] = sequence_rewards
+    return rewards
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: the causal LM (behaviour policy) + V, Q and target-Q heads on its final hidden state
+# ---------------------------------------------------------------------------------------------
+
+
+def make_head(hidden_size: int, out_size: int) -> nn.Sequential:
+    """trlX's `make_head`: a 2-layer MLP of width 2 x hidden."""
+    return nn.Sequential(nn.Linear(hidden_size, 2 * hidden_size), nn.ReLU(), nn.Linear(2 * hidden_size, out_size))
+
+
+class ILQLHeads(nn.Module):
+    """V(s) -> scalar; Q_i(s, .) and target Q'_i(s, .) -> one value per vocabulary token (action)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, two_qs: bool):
+        super().__init__()
+        self.v_head = make_head(hidden_size, 1)
+        self.q_heads = nn.ModuleList(make_head(hidden_size, vocab_size) for _ in range(2 if two_qs else 1))
+        # the targets start as exact copies of the online heads and never get gradients
+        self.target_q_heads = nn.ModuleList(deepcopy(head) for head in self.q_heads)
+        self.target_q_heads.requires_grad_(False)
+        self.target_fp32: Optional[List[torch.Tensor]] = None  # float32 copies of low-precision targets
+
+    def forward(self, hidden: torch.Tensor):
+        """hidden (..., d) -> Q_i (..., V) per head, Q'_i (..., V) per head, V (...)."""
+        qs = tuple(head(hidden) for head in self.q_heads)
+        # no gradient ever flows through the targets: detaching here keeps their (..., V) graphs out of memory
+        target_qs = tuple(head(hidden.detach()) for head in self.target_q_heads)
+        return qs, target_qs, self.v_head(hidden).squeeze(-1)
+
+    @torch.no_grad()
+    def sync_target_q_heads(self, alpha: float) -> None:
+        """Polyak averaging: theta' <- alpha * theta + (1 - alpha) * theta', i.e. each target parameter
+        moves by exactly alpha of its distance to the online parameter.
+
+        DeepSpeed's bf16 engine (zero2.yaml) casts the whole model to bf16, which resolves only about 1/256
+        of a value: a step of alpha = 0.001 of the gap would round away and the targets would never move.
+        Low-precision targets therefore accumulate the average in float32 copies and get the rounded result."""
+        targets, onlines = list(self.target_q_heads.parameters()), list(self.q_heads.parameters())
+        with whole_parameters(targets + onlines):  # ZeRO-3 (zero3.yaml) holds slices: average the whole tensors
+            if self.target_fp32 is None and any(p.dtype != torch.float32 for p in targets):
+                self.target_fp32 = [p.detach().float().clone() for p in targets]
+            for i, (target, online) in enumerate(zip(targets, onlines)):
+                if self.target_fp32 is None:
+                    target.lerp_(online, alpha)
+                else:
+                    self.target_fp32[i].lerp_(online.float(), alpha)
+                    target.copy_(self.target_fp32[i])
+
+
+class ILQLModel(nn.Module):
+    """The causal LM plus ILQL heads, both reading the backbone's final hidden state."""
+
+    def __init__(self, lm: nn.Module, two_qs: bool):
+        super().__init__()
+        self.lm = lm
+        hidden_size = lm.config.hidden_size
+        vocab_size = lm.config.vocab_size  # every action the LM head can emit (not the weight's shape: ZeRO-3 slices it)
+        self.heads = ILQLHeads(hidden_size, vocab_size, two_qs)
+
+    def backbone(self, **kwargs):
+        """The transformer without its LM head (its last hidden state is what the LM head reads, after the
+        final layer norm; as in trlX, which reads `hidden_states[-1]`)."""
+        return getattr(self.lm, self.lm.base_model_prefix)(return_dict=True, **kwargs)
+
+    def forward(self, query_responses: torch.Tensor, pad_token_id: int, positions: torch.Tensor):
+        """Forward a right-padded batch (B, T) and read every output at the states `positions` (B, Tr)
+        only, so the vocabulary-sized outputs are (B, Tr, V) rather than (B, T, V).
+        Returns LM logits (B, Tr, V), Q_i and Q'_i (B, Tr, V) per head, V (B, Tr)."""
+        attention_mask = query_responses != pad_token_id
+        position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+        input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state  # (B, T, d)
+        hidden = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))  # (B, Tr, d)
+        lm_logits = self.lm.get_output_embeddings()(hidden)  # (B, Tr, V)
+        qs, target_qs, values = self.heads(hidden)
+        return lm_logits, qs, target_qs, values
+
+
+def load_ilql_models(args, accelerator, tokenizer):
+    """The two models of ILQL: the LM with fresh V, Q and target-Q heads (the only model that trains), and the
+    frozen reward model when --reward_model_path is given (it labels the data with --reward_source rm and scores
+    the evaluation samples; None otherwise)."""
+    lm = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > lm.config.vocab_size:
+        lm.resize_token_embeddings(len(tokenizer))
+    model = ILQLModel(lm, args.ilql.two_qs)
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(model)
+    reward_model = None
+    if args.reward_model_path is not None:
+        # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
+        check_reward_tokenizer(tokenizer, args.model_path, args.reward_model_path, args.trust_remote_code)
+        reward_model = AutoModelForSequenceClassification.from_pretrained(
+            args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+            trust_remote_code=args.trust_remote_code,
+        )
+        if len(tokenizer) > reward_model.config.vocab_size:
+            reward_model.resize_token_embeddings(len(tokenizer))
+        disable_dropout(reward_model)  # frozen and deterministic whatever --disable_dropout says
+        reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
+    return model, reward_model
+
+
+# ---------------------------------------------------------------------------------------------
+# The ILQL loss
+# ---------------------------------------------------------------------------------------------
+
+
+def ilql_loss(
+    lm_logits: torch.Tensor,
+    qs: Sequence[torch.Tensor],
+    target_qs: Sequence[torch.Tensor],
+    values: torch.Tensor,
+    actions: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    hp: IlqlHParams,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The ILQL loss of trlX's `ILQLConfig.loss` over the actions of a batch.
+
+    lm_logits (B, T, V), each q / target q (B, T, V), values (B, T) = V(s_t); actions (B, T) = a_t;
+    rewards (B, T) = r_t (the sequence reward on the last action); mask (B, T) = m_t, 1 on real
+    actions (up to and including the EOS). Every term is a sum over actions divided by
+    n = max(1, sum_t m_t), the number of actions in the batch.
+    """
+    mask = mask.float()
+    n = mask.sum().clamp(min=1.0)
+    index = actions.unsqueeze(-1)  # (B, T, 1)
+    q_taken = [q.float().gather(-1, index).squeeze(-1) for q in qs]  # Q_i(s_t, a_t), (B, T) each
+    # min_i Q'_i(s_t, a_t): clipped double-Q over the frozen targets
+    target_q = reduce(torch.minimum, [q.float().gather(-1, index).squeeze(-1) for q in target_qs]).detach()
+    values = values.float()
+
+    # 1. Q loss (TD): the next state's value counts only while the episode goes on; after the EOS
+    #    action the state is terminal (trlX: Vnext = V[1:] * dones[1:]):
+    #       y_t = r_t + gamma * m_{t+1} * V(s_{t+1})      (no gradient through y_t)
+    #       L_Q = sum_i sum_t m_t (Q_i(s_t, a_t) - y_t)^2 / n
+    next_mask = torch.cat((mask[:, 1:], torch.zeros_like(mask[:, :1])), dim=1)
+    next_values = torch.cat((values[:, 1:], torch.zeros_like(values[:, :1])), dim=1) * next_mask
+    td_target = rewards.float() + hp.gamma * next_values.detach()
+    loss_q = sum(((q - td_target) ** 2 * mask).sum() / n for q in q_taken)
+
+    # 2. V loss: expectile regression of V towards the target Q (tau > 0.5 leans to the upper expectile):
+    #       u_t = min_i Q'_i(s_t, a_t) - V(s_t)
+    #       L_V = sum_t m_t |tau - 1(u_t < 0)| u_t^2 / n
+    u = target_q - values
+    expectile_weight = torch.where(u >= 0, torch.full_like(u, hp.tau), torch.full_like(u, 1 - hp.tau))
+    loss_v = (expectile_weight * u**2 * mask).sum() / n
+
+    # 3. CQL: the Q values over the vocabulary as logits, the dataset's action as the label
+    #       L_CQL = sum_i sum_t m_t [ -log softmax(Q_i(s_t, .))[a_t] ] / n
+    #             = sum_i sum_t m_t [ logsumexp_a Q_i(s_t, a) - Q_i(s_t, a_t) ] / n
+    #    (pushes down the Q of actions the data never took, so the sampler is not drawn to them)
+    batch, length = actions.shape
+    flat_actions = actions.reshape(-1)
+    loss_cql = sum(
+        (F.cross_entropy(q.float().reshape(batch * length, -1), flat_actions, reduction="none").view(batch, length)
+         * mask).sum() / n
+        for q in qs
+    )
+
+    # 4. AWAC: advantage-weighted next-token cross-entropy of the LM head (the behaviour policy):
+    #       w_t = exp(awac_beta * (min_i Q'_i(s_t, a_t) - V(s_t)))        (no gradient through w_t)
+    #       L_AWAC = sum_t m_t w_t [ -log softmax(lm_logits(s_t))[a_t] ] / n
+    #    trlX's configs set awac_beta (its method `beta`) to 0, so w_t = 1 and L_AWAC is plain
+    #    behaviour cloning of every response in the data, chosen and rejected alike.
+    nll = F.cross_entropy(lm_logits.float().reshape(batch * length, -1), flat_actions, reduction="none")
+    nll = nll.view(batch, length)
+    awac_weight = torch.exp(hp.awac_beta * u).detach()
+    loss_awac = (nll * awac_weight * mask).sum() / n
+
+    # 5. L = L_Q + L_V + cql_scale * L_CQL + awac_scale * L_AWAC
+    loss = loss_q + loss_v + hp.cql_scale * loss_cql + hp.awac_scale * loss_awac
+
+    def masked(x: torch.Tensor) -> torch.Tensor:
+        return (x.detach() * mask).sum() / n
+
+    stats = {
+        "loss": loss.detach(), "loss_q": loss_q.detach(), "loss_v": loss_v.detach(),
+        "loss_cql": loss_cql.detach(), "loss_awac": loss_awac.detach(),
+        "values": masked(values), "qvalues": masked(q_taken[0]), "target_qvalues": masked(target_q),
+        "advantages": masked(u), "awac_weight": masked(awac_weight),
+    }
+    return loss, stats
+
+
+def should_sync_target(update: int, steps_for_target_q_sync: int) -> bool:
+    """True after optimizer update number `update` (1-based) when the target Q heads are synced: every
+    steps_for_target_q_sync optimizer updates, independent of epochs."""
+    return update % steps_for_target_q_sync == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantage-shifted sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def advantage_shifted_scores(
+    lm_logits: torch.Tensor, target_qs: Sequence[torch.Tensor], value: torch.Tensor,
+    beta: float, top_k: int, pad_token_id: int,
+) -> torch.Tensor:
+    """Unnormalised log-probabilities of the ILQL policy for one step: lm_logits (B, V), each target q
+    (B, V), value (B,) ->
+        s(a) = log_softmax(lm_logits)(a) + beta * (min_i Q'_i(s, a) - V(s)),
+    [PAD] removed (it is no action in our data; ppo.py suppresses it too, trlX does not), and every
+    score below the top_k-th set to -inf (trlX's `topk_mask`; top_k 0 = keep all)."""
+    advantage = reduce(torch.minimum, [q.float() for q in target_qs]) - value.float().unsqueeze(-1)  # (B, V)
+    scores = F.log_softmax(lm_logits.float(), dim=-1) + beta * advantage
+    scores[:, pad_token_id] = float("-inf")
+    if 0 < top_k < scores.size(-1):
+        kth_best = torch.topk(scores, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+    return scores
+
+
+@torch.no_grad()
+def ilql_generate(
+    model: ILQLModel, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
+    beta: float, temperature: float, top_k: int,
+) -> torch.Tensor:
+    """Sample response_length tokens after LEFT-padded queries (B, Tq) with the KV cache, each from
+    softmax(advantage_shifted_scores / temperature) -> query_responses (B, Tq + response_length).
+
+    Detail 23: EOS is an ordinary token and never stops a row early (fixed-length sampling, the caller
+    truncates after the first EOS). The loop only ends early once EVERY row holds an EOS, filling the
+    rest with [PAD]: what is kept after truncation is the same as with the full length.
+    A manual loop rather than `generate`: the logits need the heads' Q and V at every step."""
+    batch = queries.size(0)
+    attention_mask = queries != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()  # left pads do not count
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    responses = torch.full((batch, response_length), pad_token_id, dtype=queries.dtype, device=queries.device)
+    cache = None
+    for t in range(response_length):
+        output = model.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True,
+        )
+        cache = output.past_key_values
+        hidden = output.last_hidden_state[:, -1]  # (B, d): the state that chooses token t
+        lm_logits = model.lm.get_output_embeddings()(hidden)  # (B, V)
+        _, target_qs, value = model.heads(hidden)
+        scores = advantage_shifted_scores(lm_logits, target_qs, value, beta, top_k, pad_token_id)
+        tokens = torch.multinomial(F.softmax(scores / temperature, dim=-1), num_samples=1)  # (B, 1)
+        responses[:, t] = tokens[:, 0]
+        if (responses[:, : t + 1] == eos_token_id).any(1).all():
+            break
+        input_ids = tokens
+        attention_mask = torch.cat((attention_mask, torch.ones_like(tokens, dtype=torch.bool)), dim=1)
+        position_ids = position_ids[:, -1:] + 1
+    return torch.cat((queries, responses), dim=1)
+
+
+@torch.no_grad()
+def ilql_sample_table(accelerator, model, reward_model, tokenizer, raw, dataset, beta: float, args: Args):
+    """Sample the evaluation queries with the ILQL policy at `beta`, truncate after the first EOS, score
+    with the RM when there is one. Returns the samples table (contract columns) and summary metrics."""
+    unwrapped = accelerator.unwrap_model(model)
+    was_training = unwrapped.training
+    unwrapped.eval()
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+    rows_all, responses_all, scores_all = [], [], []
+    for batch in dataloader:
+        queries = batch["query_token"]  # (B, Tq), left-padded
+        context_length = queries.size(1)
+        with accelerator.autocast():
+            query_responses = ilql_generate(
+                unwrapped, queries, pad_id, eos_id, args.response_length, beta, args.temperature, args.top_k
+            )
+        responses = truncate_response(eos_id, pad_id, query_responses[:, context_length:])  # (B, Tr)
+        if reward_model is not None:
+            with accelerator.autocast():
+                _, scores, _ = get_reward(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
+            scores = scores.float()
+        else:
+            scores = torch.full((queries.size(0),), float("nan"), device=queries.device)
+        rows, responses, scores = accelerator.gather_for_metrics((batch["row_index"], responses, scores))
+        rows_all.append(rows.cpu())
+        responses_all.append(responses.cpu())
+        scores_all.append(scores.cpu())
+    rows, responses, scores = torch.cat(rows_all), torch.cat(responses_all), torch.cat(scores_all)
+    has_eos = (responses == eos_id).any(1)
+    # tokens up to and including the first EOS (all of them when there is none)
+    token_len = torch.where(has_eos, first_true_indices(responses == eos_id) + 1, responses.size(1))
+    query_tokens, references = raw["query_token"], raw["reference_response"]
+    records = []
+    for i, row in enumerate(rows.tolist()):
+        records.append({
+            "query": tokenizer.decode([t for t in query_tokens[row] if t != pad_id], skip_special_tokens=True),
+            "response": tokenizer.decode(
+                [t for t in responses[i].tolist() if t != pad_id], skip_special_tokens=True
+            ).strip(),
+            "reference": references[row].strip(),
+            "score": float(scores[i]) if reward_model is not None else None,
+            "response_token_len": int(token_len[i]),
+            "has_eos": bool(has_eos[i]),
+        })
+    table = pd.DataFrame(records, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
+    metrics = {"eos_rate": float(has_eos.float().mean()), "response_token_len_mean": float(token_len.float().mean())}
+    if reward_model is not None:
+        metrics["score"] = float(scores.mean())
+    if was_training:
+        unwrapped.train()
+    return table, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Reward of a (left-padded query + right-padded response) batch.
+
+    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
+    of the response (the last token when there is no pad). Returns the per-token reward
+    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
+    ).last_hidden_state  # (B, T, d)
+    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
+    return reward_logits, rewards, sequence_lengths
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    # ---------------- batch arithmetic (fails loudly), accelerator, run folder ----------------
+    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
+    args.gradient_accumulation_steps = exact_div(
+        args.total_batch_size, args.local_micro_batch_size * args.world_size,
+        "total_batch_size / (local_micro_batch_size x world_size)",
+    )
+    check_ilql_flags(args)
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(
+        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        # the shuffled order of pass e over the data is a function of (seed, e) alone, so a resumed run can
+        # rebuild the pass it was in and skip the micro batches already used (see resumable_micro_batches)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        mixed_precision="bf16" if args.bf16 else "no",
+    )
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights (the fresh heads) and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+
+    # ---------------- tokenizer and models ----------------
+    if args.model_path is None:
+        args.model_path = DEFAULT_MODEL_PATHS[args.init_from]  # --init_from picks the starting model
+    tokenizer = load_ilql_tokenizer(args)  # Detail 3: [PAD] distinct from EOS
+    pad_token_id = tokenizer.pad_token_id
+    model, reward_model = load_ilql_models(args, accelerator, tokenizer)
+
+    # ---------------- data: steps 1-2 ----------------
+    train_raw, sample_raw = load_data(args, tokenizer)
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+    trajectories = flatten_pairs(train_raw)  # 1. the (query, chosen) rows, then the (query, rejected) rows
+    if args.reward_source == "labels":  # 2. trlX: +1 / -1
+        raw_rewards = label_rewards(len(train_raw))
+    else:  # 2. the RM's score of each trajectory
+        raw_rewards = rm_rewards(accelerator, reward_model, trajectories, args.local_eval_batch_size, pad_token_id)
+    rewards = normalize_rewards(raw_rewards)
+    data_metrics = reward_statistics(raw_rewards, rewards, len(train_raw))
+    trajectories = trajectories.add_column("reward", rewards.tolist())
+    train_dataset = trajectories.with_format("torch", columns=TRAJECTORY_COLUMNS + ["reward"])
+    sample_raw, sample_dataset = evaluation_queries(args, sample_raw)
+    args.num_updates = num_updates = count_updates(args, len(trajectories))
+
+    # ---------------- optimizer, schedule, data order ----------------
+    # the target heads are not optimised: only parameters that require gradients go to AdamW
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps, weight_decay=args.weight_decay
+    )
+    # counts optimizer updates, stepped by hand once per update (accelerate's wrapper would step per process)
+    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+    heads = accelerator.unwrap_model(model).heads
+    # saved and restored with the model (LM, V, Q and target-Q heads) and the optimizer: the schedule, and the
+    # float32 Polyak copies of low-precision targets
+    accelerator.register_for_checkpointing(lr_scheduler)
+    accelerator.register_for_checkpointing(TargetCopies(heads))
+    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+
+    # ---------------- resume: a killed run loses at most --checkpoint_every updates ----------------
+    # the trainer state: running counters and the open logging interval. The flags that fix the data order, the
+    # schedule and the target syncs (the shape) must be those of the checkpoint's run
+    state = run.start({"update": 0, "episode": 0, "num_target_syncs": 0, "train_time": 0.0, "last_train_metrics": {},
+                       "interval_stats": {}, "interval_tokens": 0},
+                      num_updates=num_updates, total_batch_size=args.total_batch_size, world_size=args.world_size,
+                      steps_for_target_q_sync=args.ilql.steps_for_target_q_sync)
+    start_update = state["update"]
+    if start_update == 0:
+        run.log(0, {"episode": 0, **data_metrics})  # a resumed run kept this line of metrics.jsonl
+    # running counters; a resumed run takes them from the checkpoint, so its logs and summary match
+    episode, num_target_syncs = state["episode"], state["num_target_syncs"]
+    last_train_metrics: Dict[str, float] = state["last_train_metrics"]
+    # the logging interval that was open at the checkpoint: per update, each statistic averaged over every micro
+    # batch of every process, and the tokens of all processes. Already reduced, they are the same on every process,
+    # so the main process's copy in the checkpoint is every process's (and JSON keeps the floats exactly)
+    interval_stats: Dict[str, List[float]] = state["interval_stats"]
+    interval_tokens, interval_start = state["interval_tokens"], time.time()
+    train_time = state["train_time"]  # optimisation only (no evaluation, no RM labelling): compare with ppo.py's training
+
+    def trainer_state() -> dict:
+        """Everything a resumed run needs besides what accelerate saves (models, optimizer, schedule, RNG); the
+        data position is the update number itself (update x gradient_accumulation_steps micro batches)."""
+        return {"episode": episode, "num_target_syncs": num_target_syncs, "train_time": train_time,
+                "last_train_metrics": last_train_metrics, "interval_tokens": interval_tokens,
+                "interval_stats": {key: list(values) for key, values in interval_stats.items()}}
+
+    def run_evaluation(update: int, betas: List[float], final: bool = False) -> dict:
+        return evaluate_and_save(run, accelerator, model, reward_model, tokenizer, sample_raw, sample_dataset, args,
+                                 update, episode, betas, final)
+
+    # ---------------- training: one optimizer update per total_batch_size trajectories ----------------
+    accelerator.print(
+        f"ILQL ({args.reward_source} rewards, from {args.init_from}): {num_updates} updates of "
+        f"{args.total_batch_size} trajectories, {accelerator.num_processes} process(es) x "
+        f"{args.gradient_accumulation_steps} accumulation x {args.local_micro_batch_size}"
+    )
+    model.train()
+    progress = tqdm(total=num_updates, initial=start_update, desc="ilql", disable=not accelerator.is_local_main_process)
+    micro_batches = resumable_micro_batches(train_dataloader, start_update * args.gradient_accumulation_steps)
+    last_good = trainer_state()  # the counters after the last completed update
+    update = start_update
+    try:
+        for update in range(start_update + 1, num_updates + 1):
+            update_start = time.time()
+            update_stats: Dict[str, List[torch.Tensor]] = {}  # this process's micro batch statistics
+            update_tokens = 0
+            for _ in range(args.gradient_accumulation_steps):
+                batch = next(micro_batches)
+                # 3. the states, actions and per-action rewards of each trajectory
+                labels = batch["response_label"]  # (B, T): the response tokens, [PAD] elsewhere
+                positions, mask = action_positions(
+                    batch["query_token_len"], (labels != pad_token_id).sum(1), labels.size(1)
+                )  # (B, Tr) states s_t and real-action mask
+                actions = labels.gather(1, positions + 1).masked_fill(~mask, pad_token_id)  # (B, Tr): a_t
+                step_rewards = terminal_rewards(batch["reward"].float(), mask)  # (B, Tr)
+                with accelerator.accumulate(model):
+                    with accelerator.autocast():  # 4. every output read at the action states only
+                        lm_logits, qs, target_qs, values = model(batch["query_response"], pad_token_id, positions)
+                    # 5. the ILQL loss
+                    loss, stats = ilql_loss(lm_logits, qs, target_qs, values, actions, step_rewards, mask, args.ilql)
+                    # non-finite guard: the total loss and every term, before backward, so no weight sees them
+                    run.guard(update, **{
+                        f"train/{key}": stats[key] for key in ("loss", "loss_q", "loss_v", "loss_cql", "loss_awac")
+                    })
+                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+                    optimizer.step()  # a no-op until the last micro batch of the update
+                    optimizer.zero_grad()
+                for key, value in stats.items():
+                    update_stats.setdefault(f"train/{key}", []).append(value.float())
+                update_tokens += int((batch["query_response"] != pad_token_id).sum())
+            if not accelerator.sync_gradients:
+                raise RuntimeError("gradient accumulation went out of step with the update loop")
+            # 6. Polyak-average the target Q heads every steps_for_target_q_sync OPTIMIZER updates. The decision reads
+            # the global update number only, so a resumed run syncs on exactly the updates the uninterrupted one does
+            if should_sync_target(update, args.ilql.steps_for_target_q_sync):
+                heads.sync_target_q_heads(args.ilql.alpha)
+                num_target_syncs += 1
+            interval_tokens += add_update_means(accelerator, update_stats, update_tokens, interval_stats)
+            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+            lr_scheduler.step()
+            episode += args.total_batch_size
+            train_time += time.time() - update_start
+            progress.update(1)
+
+            # ---------------- logging: averages over the interval since the last log ----------------
+            if update % args.log_every == 0 or update == num_updates:
+                last_train_metrics = interval_means(interval_stats, interval_tokens, interval_start, update_lr,
+                                                    episode / len(trajectories), num_target_syncs)
+                run.log(update, {"episode": episode, **last_train_metrics})
+                progress.set_postfix(
+                    loss=f"{last_train_metrics['train/loss']:.4f}", awac=f"{last_train_metrics['train/loss_awac']:.3f}",
+                    tok_s=f"{last_train_metrics['train/tokens_per_s']:.0f}",
+                )
+                interval_stats, interval_tokens, interval_start = {}, 0, time.time()
+            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
+                run_evaluation(update, [args.beta])
+                interval_start = time.time()  # evaluation time is not training throughput
+            last_good = trainer_state()
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
+                run.checkpoint(update, last_good)
+    except NonFiniteError:
+        keep_last_good_update(run, accelerator, update, last_good)
+        raise
+    progress.close()
+
+    # ---------------- final evaluation (7. the beta sweep) and outputs ----------------
+    final_betas = list(dict.fromkeys(list(args.eval_betas) + [args.beta]))
+    metrics = run_evaluation(update, final_betas, final=True)
+    summary = {
+        **metrics,
+        **last_train_metrics,  # the last logging interval's training means
+        **data_metrics,
+        "num_updates": update,
+        "episodes": episode,
+        "num_target_syncs": num_target_syncs,
+        "train_time_s": train_time,
+        "wall_time_s": time.time() - start_time,
+    }
+    accelerator.wait_for_everyone()
+    save_model(accelerator, model, tokenizer, args)
+    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
+    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    return summary
+
+
+# =============================================================================================
+# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
+# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
+# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
+# =============================================================================================
+
+
+def check_ilql_flags(args) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature must be positive, got {args.temperature}")
+    if args.ilql.steps_for_target_q_sync < 1:
+        raise ValueError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
+    if args.reward_source == "rm" and args.reward_model_path is None:
+        raise ValueError("--reward_source rm needs --reward_model_path")
+
+
+def load_ilql_tokenizer(args):
+    """The starting model's tokenizer with a [PAD] distinct from EOS (Detail 3)."""
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {args.model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS action is masked out of every ILQL term and the policy never learns to stop. Save the "
+            "tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare "
+            "the data with it"
+        )
+    return tokenizer
+
+
+def load_data(args, tokenizer):
+    """The preference split to train on and the query split to sample, checked for the columns this run reads and
+    for the tokenizer that made them."""
+    train_raw = load_split(args.preference_dataset, args.train_split)
+    check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
+    check_data_tokenizer(train_raw, tokenizer, args.model_path, f"{args.preference_dataset} split {args.train_split!r}")
+    sample_raw = load_split(args.query_dataset, args.sample_split)
+    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
+    check_data_tokenizer(sample_raw, tokenizer, args.model_path, f"{args.query_dataset} split {args.sample_split!r}")
+    return train_raw, sample_raw
+
+
+def reward_statistics(raw_rewards: torch.Tensor, rewards: torch.Tensor, num_pairs: int) -> dict:
+    """The data/ metrics of the trajectory rewards (raw, and z-normalised by side of the pair)."""
+    return {
+        "data/raw_reward_mean": float(raw_rewards.mean()), "data/raw_reward_std": float(raw_rewards.std()),
+        "data/reward_chosen_mean": float(rewards[:num_pairs].mean()),
+        "data/reward_rejected_mean": float(rewards[num_pairs:].mean()),
+        # how often the rewards respect the human label r_chosen > r_rejected (1 for +-1 labels; trlX's
+        # explanation of why the labels beat RM scores)
+        "data/pair_order_agreement": float((rewards[:num_pairs] > rewards[num_pairs:]).float().mean()),
+    }
+
+
+def evaluation_queries(args, sample_raw):
+    """The first --num_eval_samples rows of the query split, and the same rows with their row index as a torch
+    dataset (ilql_sample_table gathers its rows back in that order)."""
+    if args.num_eval_samples is not None:
+        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
+    sample_dataset = sample_raw.add_column("row_index", list(range(len(sample_raw))))
+    return sample_raw, sample_dataset.with_format("torch", columns=["query_token", "row_index"])
+
+
+def count_updates(args, num_trajectories: int) -> int:
+    """Optimizer updates of the run: --total_episodes (default: num_train_epochs passes) in full batches."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_trajectories
+    num_updates = total_episodes // args.total_batch_size  # a last partial batch is dropped
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} trajectories give no full batch of {args.total_batch_size}")
+    return num_updates
+
+
+def resumable_micro_batches(loader, skip: int):
+    """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
+    the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
+
+    The loader must come from an Accelerator made with DataLoaderConfiguration(use_seedable_sampler=True,
+    data_seed=seed): its shuffle of epoch e is then drawn from a generator seeded with seed + e, so it
+    depends on e alone and not on how many epochs this process has iterated before. A resumed run can
+    therefore set epoch e directly and drop the micro batches of it already trained on; skip_first_batches
+    drops them from the index lists (no row is read). Every process skips its own share the same way."""
+    per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
+    if per_epoch == 0:
+        raise ValueError("the train split is smaller than one micro batch per process; "
+                         "lower --local_micro_batch_size or use more data")
+    epoch, skip = divmod(skip, per_epoch)
+    while True:
+        loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
+        yield from (skip_first_batches(loader, skip) if skip else loader)
+        epoch, skip = epoch + 1, 0
+
+
+def add_update_means(accelerator, update_stats: dict, update_tokens: int, interval_stats: dict) -> int:
+    """Append the update's statistics over every process to the logging interval; returns the update's tokens on all
+    processes. Every process has the same number of micro batches, so the mean of these per-update means over an
+    interval is the mean over all its micro batches."""
+    keys = list(update_stats)
+    update_means = accelerator.reduce(torch.stack([torch.stack(update_stats[k]).mean() for k in keys]), reduction="mean")
+    for key, value in zip(keys, update_means.tolist()):
+        interval_stats.setdefault(key, []).append(value)
+    return int(accelerator.reduce(torch.tensor(update_tokens, device=accelerator.device), reduction="sum"))
+
+
+def interval_means(interval_stats: dict, interval_tokens: int, interval_start: float, lr: float, epoch: float,
+                   num_target_syncs: int) -> dict:
+    """The training metrics of a logging interval: each statistic's mean over the interval, and throughput,
+    learning rate, epoch and target syncs at its end."""
+    means = {key: sum(values) / len(values) for key, values in interval_stats.items()}
+    means["train/tokens_per_s"] = interval_tokens / (time.time() - interval_start)
+    means["train/lr"] = lr
+    means["train/epoch"] = epoch
+    means["train/num_target_syncs"] = num_target_syncs
+    return means
+
+
+def evaluate_and_save(run, accelerator, model, reward_model, tokenizer, sample_raw, sample_dataset, args,
+                      update: int, episode: int, betas: List[float], final: bool) -> dict:
+    """Sample the evaluation queries at each beta (ilql_sample_table) and log the metrics; the table of --beta
+    becomes samples/step_N.csv (and samples.csv at the end), each swept beta samples_beta{b}.csv."""
+    metrics, tables = {}, {}
+    for beta in betas:
+        table, beta_metrics = ilql_sample_table(accelerator, model, reward_model, tokenizer, sample_raw, sample_dataset,
+                                                beta, args)
+        tables[beta] = table
+        metrics.update({f"eval/beta_{beta_name(beta)}/{k}": v for k, v in beta_metrics.items()})
+        if beta == args.beta:
+            metrics.update({f"eval/{k}": v for k, v in beta_metrics.items()})
+    default_table = tables[args.beta]
+    run.save_table(default_table, f"samples/step_{update:06d}.csv")
+    if final:
+        run.save_table(default_table, "samples.csv")
+        for beta in args.eval_betas:
+            run.save_table(tables[beta], f"samples_beta{beta_name(beta)}.csv")
+    num_evals = update // args.eval_every if args.eval_every > 0 else 1
+    printing = args.print_sample_every > 0 and (final or num_evals % args.print_sample_every == 0)
+    if accelerator.is_main_process and printing:
+        for row in default_table.head(2).itertuples():
+            print(f"--- update {update}, beta {args.beta}\nQUERY: {row.query[-200:]}\n"
+                  f"RESPONSE: {row.response}\nREFERENCE: {row.reference}")
+    run.log(update, {"episode": episode, **metrics})
+    return metrics
+
+
+def beta_name(beta: float) -> str:
+    """0.0 -> "0", 4.0 -> "4", 0.5 -> "0.5": the suffix of samples_beta{b}.csv and of the metric names."""
+    return f"{beta:g}"
+
+
+def keep_last_good_update(run, accelerator, update: int, last_good: dict) -> None:
+    """After the non-finite guard fired in `update`: keep the last good state as a checkpoint. The guard runs before
+    backward and no optimizer step of this update has happened, so the weights (and the target heads, synced only
+    after an update) are still those after update - 1: they are saved with the counters of that update, and the
+    poisoned update is never applied or saved."""
+    run.checkpoint(update - 1, last_good)
+    accelerator.print(f"non-finite value at update {update}; last good checkpoint: {run.latest_checkpoint()}")
+
+
+def whole_parameters(params: list):
+    """A context in which `params` (None entries skipped) are whole tensors that may be changed in place. Under
+    ZeRO-3 (zero3.yaml) each process holds only a slice of each weight: the slices are gathered on entry and
+    rank 0's values are sliced back out on exit (every rank computes the same change). Elsewhere it does nothing."""
+    params = [p for p in params if p is not None]
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+class TargetCopies:
+    """The float32 copies of low-precision target heads (ILQLHeads.target_fp32) as an object that accelerate's
+    save_state / load_state can carry (register_for_checkpointing needs state_dict and load_state_dict).
+
+    The target heads themselves are parameters of the prepared model and travel with it; the float32 copies are
+    plain tensors that no module owns, and under bf16 they hold the precise Polyak average. Without them a
+    resumed bf16 run would restart the average from the rounded targets and drift from the uninterrupted run.
+    In float32 (CPU, or DDP without DeepSpeed) there are no copies and the state is just None."""
+
+    def __init__(self, heads: ILQLHeads):
+        self.heads = heads
+
+    def state_dict(self) -> dict:
+        copies = self.heads.target_fp32
+        return {"target_fp32": None if copies is None else [c.detach().cpu() for c in copies]}
+
+    def load_state_dict(self, state: dict) -> None:
+        copies = state["target_fp32"]
+        targets = list(self.heads.target_q_heads.parameters())
+        self.heads.target_fp32 = None if copies is None else [c.to(t.device) for c, t in zip(copies, targets)]
+
+
+def save_model(accelerator, model, tokenizer, args) -> None:
+    """The LM (safetensors) and its tokenizer in --output_dir, the V, Q and target-Q heads next to it in
+    ilql_heads.safetensors with the sampling settings in ilql_heads.json; --push_to_hub uploads them."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    if not accelerator.is_main_process:
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    lm_state = {k[len("lm."):]: v for k, v in state_dict.items() if k.startswith("lm.")}
+    heads_state = {k[len("heads."):]: v.contiguous() for k, v in state_dict.items() if k.startswith("heads.")}
+    # transformers v5 always writes safetensors; the heads go next to the LM in their own file
+    unwrapped.lm.save_pretrained(args.output_dir, state_dict=lm_state)
+    tokenizer.save_pretrained(args.output_dir)
+    heads_path = os.path.join(args.output_dir, "ilql_heads.safetensors")
+    save_file(heads_state, heads_path)
+    with open(os.path.join(args.output_dir, "ilql_heads.json"), "w") as f:
+        json.dump({"hidden_size": unwrapped.lm.config.hidden_size, "two_qs": args.ilql.two_qs,
+                   "beta": args.beta, "top_k": args.top_k, "temperature": args.temperature}, f, indent=2)
+    if args.push_to_hub:
+        from huggingface_hub import HfApi
+
+        hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
+        unwrapped.lm.push_to_hub(hub_model_id)
+        tokenizer.push_to_hub(hub_model_id)
+        HfApi().upload_file(path_or_fileobj=heads_path, path_in_repo="ilql_heads.safetensors", repo_id=hub_model_id)
+
+
+def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
+    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
+    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
+    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(reward_model_path) and not any(
+        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
+    ):
+        raise ValueError(
+            f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
+            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
+            f"into that folder (tokenizer.save_pretrained), as reward.py does"
+        )
+    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
+    if rm_tokenizer.pad_token is None:
+        rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
+    problems = []
+    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
+    if policy_vocab != rm_vocab:
+        # name one token that differs, so the user sees what kind of mismatch it is
+        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
+        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
+        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
+    for name in ("pad_token_id", "eos_token_id"):
+        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
+            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
+    if problems:
+        raise ValueError(
+            f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
+            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
+            f"it was not trained on and score noise. Train the reward model from this SFT model "
+            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
+        )
+
+
+# ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+class Run:
+    """Everything a training run keeps on disk besides the model, behind one small interface:
+
+        run = Run(args, accelerator)          # the run's name and its folder {run_dir_root}/{run_name}
+        run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
+        state = run.start(state, **shape)     # --resume: restore the latest checkpoint; then open the logs
+        run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
+        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
+        run.save_table(frame, "samples.csv")  # a CSV in the run folder
+        run.checkpoint(update, state)         # atomic, resumable checkpoint
+        run.finish(summary)                   # summary.json, close the logs
+
+    `state` is the script's own trainer state (data position, running counters); accelerate's save_state
+    holds the rest (prepared models, optimizers, registered objects, RNG states). `shape` names what a
+    checkpoint must share with the flags of a resumed run (e.g. num_updates)."""
+
+    def __init__(self, args, accelerator):
+        self.args, self.accelerator = args, accelerator
+        args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
+        self.dir = os.path.join(args.run_dir_root, args.run_name)
+        self.main = accelerator.is_main_process
+        self.shape, self.writer = {}, None
+
+    def claim_output_dir(self) -> None:
+        claim_output_dir(self.accelerator, self.args.output_dir, self.args.run_name,
+                         self.args.overwrite_output_dir or self.args.resume)
+
+    def start(self, state: dict, **shape) -> dict:
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`."""
+        self.shape = shape
+        if self.args.resume:
+            state = load_checkpoint(self.accelerator, self.dir)
+            found = {key: state.get(key) for key in shape}
+            if found != shape:
+                raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
+                                 "resume with the flags of the original run")
+        elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
+            shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
+        if self.main:
+            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+            config = asdict(self.args)  # with the derived fields filled in
+            with open(os.path.join(self.dir, "args.json"), "w") as f:
+                json.dump(config, f, indent=2)
+            if self.args.track:
+                import wandb
+
+                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                           config=config, name=self.args.run_name, save_code=True)
+            # a resumed run drops what the interrupted run logged after its checkpoint (TensorBoard's purge_step,
+            # start_metrics_file), so its logs match an uninterrupted run's
+            resumed_at = state.get("update", 0) if self.args.resume else 0
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.args.resume else None)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+                f"|{key}|{value}|" for key, value in config.items()))
+            start_metrics_file(os.path.join(self.dir, "metrics.jsonl"), resumed_at)
+        return state
+
+    def guard(self, update: int, **quantities: torch.Tensor) -> None:
+        check_finite(self.accelerator, update, **quantities)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.main:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        if self.main:
+            self.writer.add_text(tag, text, step)
+
+    def save_table(self, frame, name: str) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.dir, name), index=False)
+
+    def checkpoint(self, update: int, state: dict) -> str:
+        return save_checkpoint(self.accelerator, self.dir, update, {**self.shape, **state, "update": update}, self.args.checkpoint_keep)
+
+    def latest_checkpoint(self) -> Optional[str]:
+        return latest_checkpoint(self.dir)
+
+    def finish(self, summary: dict) -> None:
+        if self.main:
+            with open(os.path.join(self.dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+            self.writer.close()
+            if self.args.track:
+                import wandb
+
+                wandb.finish()
+
+
 def start_processes() -> PartialState:
     """Join the run's process group before anything reads the process count. accelerate picks a
     communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
@@ -396,53 +1374,6 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
             )
 
 
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Per row, the index of the first True; the row length when the row has no True."""
-    row_len = bools.size(-1)
-    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
-    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
-    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
-    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
-    functionally from a float attribute of the attention module; those are zeroed too."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "attn_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
-    """Reward of a (left-padded query + right-padded response) batch.
-
-    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
-    of the response (the last token when there is no pad). Returns the per-token reward
-    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
-    ).last_hidden_state  # (B, T, d)
-    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
-    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
-    return reward_logits, rewards, sequence_lengths
-
-
-def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
-    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
-    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
-    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
-    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
-
-
-# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
 class NonFiniteError(RuntimeError):
     """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
 
@@ -557,794 +1488,6 @@ def start_metrics_file(path: str, resume_update: int) -> None:
         kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
     with open(path, "w") as f:
         f.writelines(kept)
-
-
-def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
-    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
-    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
-    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if os.path.isdir(reward_model_path) and not any(
-        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
-    ):
-        raise ValueError(
-            f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
-            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
-            f"into that folder (tokenizer.save_pretrained), as reward.py does"
-        )
-    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
-    if rm_tokenizer.pad_token is None:
-        rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
-    problems = []
-    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
-    if policy_vocab != rm_vocab:
-        # name one token that differs, so the user sees what kind of mismatch it is
-        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
-        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
-        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
-    for name in ("pad_token_id", "eos_token_id"):
-        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
-            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
-    if problems:
-        raise ValueError(
-            f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
-            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
-            f"it was not trained on and score noise. Train the reward model from this SFT model "
-            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
-        )
-
-
-# ------------------------------------------------------------------------------------------------
-# ILQL data: one trajectory per (query, response), the reward on the last response token
-# ------------------------------------------------------------------------------------------------
-TRAJECTORY_COLUMNS = ["query_response", "response_label", "query_token_len"]
-# the columns of a preference split that `flatten_pairs` reads (checked by check_columns before it runs)
-PAIR_COLUMNS = [
-    "query_chosen_token", "query_chosen_token_response_label",
-    "query_rejected_token", "query_rejected_token_response_label", "query_token_len",
-]
-
-
-def flatten_pairs(raw):
-    """Preference pairs (N rows) -> trajectories (2N rows): rows 0..N-1 are (query, chosen), rows
-    N..2N-1 are (query, rejected). `query_response` is the unpadded query + response + EOS, right-padded;
-    `response_label` is the same with every query token replaced by [PAD]."""
-    views = []
-    for side in ("chosen", "rejected"):
-        view = raw.select_columns([f"query_{side}_token", f"query_{side}_token_response_label", "query_token_len"])
-        views.append(view.rename_columns({
-            f"query_{side}_token": "query_response", f"query_{side}_token_response_label": "response_label",
-        }))
-    return concatenate_datasets(views)
-
-
-def label_rewards(num_pairs: int) -> torch.Tensor:
-    """trlX's labelling of preference pairs (Sec. 4.1, 4.2): +1 for chosen, -1 for rejected, in the row
-    order of `flatten_pairs` -> (2N,)."""
-    return torch.cat((torch.ones(num_pairs), -torch.ones(num_pairs)))
-
-
-def normalize_rewards(rewards: torch.Tensor) -> torch.Tensor:
-    """z-normalise the sequence rewards over the whole dataset, as trlX's ILQL `make_experience`:
-    (r - mean) / (std + eps). With balanced +-1 labels this leaves them (almost exactly) at +-1."""
-    rewards = rewards.double()
-    return ((rewards - rewards.mean()) / (rewards.std() + torch.finfo(rewards.dtype).eps)).float()
-
-
-@torch.no_grad()
-def rm_rewards(accelerator: Accelerator, reward_model, trajectories, batch_size: int, pad_token_id: int):
-    """--reward_source rm: the RM score of every trajectory (read at its EOS, Detail 12) -> (2N,).
-    Rows are split across processes and gathered back by row index, so every rank gets the same table."""
-    dataset = trajectories.add_column("row_index", list(range(len(trajectories))))
-    dataset = dataset.with_format("torch", columns=["query_response", "row_index"])
-    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False))
-    table = torch.full((len(dataset),), float("nan"))
-    for batch in tqdm(dataloader, desc="RM labelling", disable=not accelerator.is_local_main_process):
-        with accelerator.autocast():
-            # context_length 0: the query is unpadded, so the first [PAD] of the row follows the EOS
-            _, scores, _ = get_reward(reward_model, batch["query_response"], pad_token_id, 0)
-        rows, scores = accelerator.gather_for_metrics((batch["row_index"], scores.float()))
-        table[rows.cpu()] = scores.cpu()
-    if torch.isnan(table).any():
-        raise RuntimeError("some trajectories got no RM score; the gathered row indices do not cover the dataset")
-    return table
-
-
-def action_positions(query_token_len: torch.Tensor, response_token_len: torch.Tensor, seq_len: int):
-    """States and actions of a right-padded batch of (B, seq_len) trajectories.
-
-    A row's response (its tokens up to and including the EOS) starts at index query_token_len, so the
-    state s_t that chooses response token t is the hidden state at query_token_len - 1 + t (trlX's
-    `actions_ixs`) and the action a_t is the token at query_token_len + t. Returns the state positions
-    (B, Tr) with Tr = the longest response of the batch, and the mask (B, Tr) of real actions; the
-    positions past a row's response are clamped into the sequence and masked out."""
-    offsets = torch.arange(int(response_token_len.max()), device=query_token_len.device).unsqueeze(0)  # (1, Tr)
-    mask = offsets < response_token_len.unsqueeze(1)  # (B, Tr)
-    positions = (query_token_len.long().unsqueeze(1) - 1 + offsets).clamp(max=seq_len - 2)  # (B, Tr)
-    return positions, mask
-
-
-def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-action rewards (B, Tr): 0 everywhere except the sequence reward on the last kept action (the
-    EOS), as trlX's `rewards[-1] = return`."""
-    last = mask.long().sum(1) - 1  # (B,)
-    rewards = torch.zeros(mask.shape, dtype=sequence_rewards.dtype, device=mask.device)
-    rewards[torch.arange(mask.size(0), device=mask.device), last] = sequence_rewards
-    return rewards
-
-
-# ------------------------------------------------------------------------------------------------
-# The model: the causal LM (behaviour policy) + V, Q and target-Q heads on its final hidden state
-# ------------------------------------------------------------------------------------------------
-def whole_parameters(params: list):
-    """A context in which `params` (None entries skipped) are whole tensors that may be changed in place. Under
-    ZeRO-3 (zero3.yaml) each process holds only a slice of each weight: the slices are gathered on entry and
-    rank 0's values are sliced back out on exit (every rank computes the same change). Elsewhere it does nothing."""
-    params = [p for p in params if p is not None]
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-
-
-def make_head(hidden_size: int, out_size: int) -> nn.Sequential:
-    """trlX's `make_head`: a 2-layer MLP of width 2 x hidden."""
-    return nn.Sequential(nn.Linear(hidden_size, 2 * hidden_size), nn.ReLU(), nn.Linear(2 * hidden_size, out_size))
-
-
-class ILQLHeads(nn.Module):
-    """V(s) -> scalar; Q_i(s, .) and target Q'_i(s, .) -> one value per vocabulary token (action)."""
-
-    def __init__(self, hidden_size: int, vocab_size: int, two_qs: bool):
-        super().__init__()
-        self.v_head = make_head(hidden_size, 1)
-        self.q_heads = nn.ModuleList(make_head(hidden_size, vocab_size) for _ in range(2 if two_qs else 1))
-        # the targets start as exact copies of the online heads and never get gradients
-        self.target_q_heads = nn.ModuleList(deepcopy(head) for head in self.q_heads)
-        self.target_q_heads.requires_grad_(False)
-        self.target_fp32: Optional[List[torch.Tensor]] = None  # float32 copies of low-precision targets
-
-    def forward(self, hidden: torch.Tensor):
-        """hidden (..., d) -> Q_i (..., V) per head, Q'_i (..., V) per head, V (...)."""
-        qs = tuple(head(hidden) for head in self.q_heads)
-        # no gradient ever flows through the targets: detaching here keeps their (..., V) graphs out of memory
-        target_qs = tuple(head(hidden.detach()) for head in self.target_q_heads)
-        return qs, target_qs, self.v_head(hidden).squeeze(-1)
-
-    @torch.no_grad()
-    def sync_target_q_heads(self, alpha: float) -> None:
-        """Polyak averaging: theta' <- alpha * theta + (1 - alpha) * theta', i.e. each target parameter
-        moves by exactly alpha of its distance to the online parameter.
-
-        DeepSpeed's bf16 engine (zero2.yaml) casts the whole model to bf16, which resolves only about 1/256
-        of a value: a step of alpha = 0.001 of the gap would round away and the targets would never move.
-        Low-precision targets therefore accumulate the average in float32 copies and get the rounded result."""
-        targets, onlines = list(self.target_q_heads.parameters()), list(self.q_heads.parameters())
-        with whole_parameters(targets + onlines):  # ZeRO-3 (zero3.yaml) holds slices: average the whole tensors
-            if self.target_fp32 is None and any(p.dtype != torch.float32 for p in targets):
-                self.target_fp32 = [p.detach().float().clone() for p in targets]
-            for i, (target, online) in enumerate(zip(targets, onlines)):
-                if self.target_fp32 is None:
-                    target.lerp_(online, alpha)
-                else:
-                    self.target_fp32[i].lerp_(online.float(), alpha)
-                    target.copy_(self.target_fp32[i])
-
-
-class TargetCopies:
-    """The float32 copies of low-precision target heads (ILQLHeads.target_fp32) as an object that accelerate's
-    save_state / load_state can carry (register_for_checkpointing needs state_dict and load_state_dict).
-
-    The target heads themselves are parameters of the prepared model and travel with it; the float32 copies are
-    plain tensors that no module owns, and under bf16 they hold the precise Polyak average. Without them a
-    resumed bf16 run would restart the average from the rounded targets and drift from the uninterrupted run.
-    In float32 (CPU, or DDP without DeepSpeed) there are no copies and the state is just None."""
-
-    def __init__(self, heads: ILQLHeads):
-        self.heads = heads
-
-    def state_dict(self) -> dict:
-        copies = self.heads.target_fp32
-        return {"target_fp32": None if copies is None else [c.detach().cpu() for c in copies]}
-
-    def load_state_dict(self, state: dict) -> None:
-        copies = state["target_fp32"]
-        targets = list(self.heads.target_q_heads.parameters())
-        self.heads.target_fp32 = None if copies is None else [c.to(t.device) for c, t in zip(copies, targets)]
-
-
-class ILQLModel(nn.Module):
-    """The causal LM plus ILQL heads, both reading the backbone's final hidden state."""
-
-    def __init__(self, lm: nn.Module, two_qs: bool):
-        super().__init__()
-        self.lm = lm
-        hidden_size = lm.config.hidden_size
-        vocab_size = lm.config.vocab_size  # every action the LM head can emit (not the weight's shape: ZeRO-3 slices it)
-        self.heads = ILQLHeads(hidden_size, vocab_size, two_qs)
-
-    def backbone(self, **kwargs):
-        """The transformer without its LM head (its last hidden state is what the LM head reads, after the
-        final layer norm; as in trlX, which reads `hidden_states[-1]`)."""
-        return getattr(self.lm, self.lm.base_model_prefix)(return_dict=True, **kwargs)
-
-    def forward(self, query_responses: torch.Tensor, pad_token_id: int, positions: torch.Tensor):
-        """Forward a right-padded batch (B, T) and read every output at the states `positions` (B, Tr)
-        only, so the vocabulary-sized outputs are (B, Tr, V) rather than (B, T, V).
-        Returns LM logits (B, Tr, V), Q_i and Q'_i (B, Tr, V) per head, V (B, Tr)."""
-        attention_mask = query_responses != pad_token_id
-        position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-        input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-        hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-        ).last_hidden_state  # (B, T, d)
-        hidden = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))  # (B, Tr, d)
-        lm_logits = self.lm.get_output_embeddings()(hidden)  # (B, Tr, V)
-        qs, target_qs, values = self.heads(hidden)
-        return lm_logits, qs, target_qs, values
-
-
-# ------------------------------------------------------------------------------------------------
-# The ILQL loss
-# ------------------------------------------------------------------------------------------------
-def ilql_loss(
-    lm_logits: torch.Tensor,
-    qs: Sequence[torch.Tensor],
-    target_qs: Sequence[torch.Tensor],
-    values: torch.Tensor,
-    actions: torch.Tensor,
-    rewards: torch.Tensor,
-    mask: torch.Tensor,
-    hp: IlqlHParams,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """The ILQL loss of trlX's `ILQLConfig.loss` over the actions of a batch.
-
-    lm_logits (B, T, V), each q / target q (B, T, V), values (B, T) = V(s_t); actions (B, T) = a_t;
-    rewards (B, T) = r_t (the sequence reward on the last action); mask (B, T) = m_t, 1 on real
-    actions (up to and including the EOS). Every term is a sum over actions divided by
-    n = max(1, sum_t m_t), the number of actions in the batch.
-    """
-    mask = mask.float()
-    n = mask.sum().clamp(min=1.0)
-    index = actions.unsqueeze(-1)  # (B, T, 1)
-    q_taken = [q.float().gather(-1, index).squeeze(-1) for q in qs]  # Q_i(s_t, a_t), (B, T) each
-    # min_i Q'_i(s_t, a_t): clipped double-Q over the frozen targets
-    target_q = reduce(torch.minimum, [q.float().gather(-1, index).squeeze(-1) for q in target_qs]).detach()
-    values = values.float()
-
-    # 1. Q loss (TD): the next state's value counts only while the episode goes on; after the EOS
-    #    action the state is terminal (trlX: Vnext = V[1:] * dones[1:]):
-    #       y_t = r_t + gamma * m_{t+1} * V(s_{t+1})      (no gradient through y_t)
-    #       L_Q = sum_i sum_t m_t (Q_i(s_t, a_t) - y_t)^2 / n
-    next_mask = torch.cat((mask[:, 1:], torch.zeros_like(mask[:, :1])), dim=1)
-    next_values = torch.cat((values[:, 1:], torch.zeros_like(values[:, :1])), dim=1) * next_mask
-    td_target = rewards.float() + hp.gamma * next_values.detach()
-    loss_q = sum(((q - td_target) ** 2 * mask).sum() / n for q in q_taken)
-
-    # 2. V loss: expectile regression of V towards the target Q (tau > 0.5 leans to the upper expectile):
-    #       u_t = min_i Q'_i(s_t, a_t) - V(s_t)
-    #       L_V = sum_t m_t |tau - 1(u_t < 0)| u_t^2 / n
-    u = target_q - values
-    expectile_weight = torch.where(u >= 0, torch.full_like(u, hp.tau), torch.full_like(u, 1 - hp.tau))
-    loss_v = (expectile_weight * u**2 * mask).sum() / n
-
-    # 3. CQL: the Q values over the vocabulary as logits, the dataset's action as the label
-    #       L_CQL = sum_i sum_t m_t [ -log softmax(Q_i(s_t, .))[a_t] ] / n
-    #             = sum_i sum_t m_t [ logsumexp_a Q_i(s_t, a) - Q_i(s_t, a_t) ] / n
-    #    (pushes down the Q of actions the data never took, so the sampler is not drawn to them)
-    batch, length = actions.shape
-    flat_actions = actions.reshape(-1)
-    loss_cql = sum(
-        (F.cross_entropy(q.float().reshape(batch * length, -1), flat_actions, reduction="none").view(batch, length)
-         * mask).sum() / n
-        for q in qs
-    )
-
-    # 4. AWAC: advantage-weighted next-token cross-entropy of the LM head (the behaviour policy):
-    #       w_t = exp(awac_beta * (min_i Q'_i(s_t, a_t) - V(s_t)))        (no gradient through w_t)
-    #       L_AWAC = sum_t m_t w_t [ -log softmax(lm_logits(s_t))[a_t] ] / n
-    #    trlX's configs set awac_beta (its method `beta`) to 0, so w_t = 1 and L_AWAC is plain
-    #    behaviour cloning of every response in the data, chosen and rejected alike.
-    nll = F.cross_entropy(lm_logits.float().reshape(batch * length, -1), flat_actions, reduction="none")
-    nll = nll.view(batch, length)
-    awac_weight = torch.exp(hp.awac_beta * u).detach()
-    loss_awac = (nll * awac_weight * mask).sum() / n
-
-    # 5. L = L_Q + L_V + cql_scale * L_CQL + awac_scale * L_AWAC
-    loss = loss_q + loss_v + hp.cql_scale * loss_cql + hp.awac_scale * loss_awac
-
-    def masked(x: torch.Tensor) -> torch.Tensor:
-        return (x.detach() * mask).sum() / n
-
-    stats = {
-        "loss": loss.detach(), "loss_q": loss_q.detach(), "loss_v": loss_v.detach(),
-        "loss_cql": loss_cql.detach(), "loss_awac": loss_awac.detach(),
-        "values": masked(values), "qvalues": masked(q_taken[0]), "target_qvalues": masked(target_q),
-        "advantages": masked(u), "awac_weight": masked(awac_weight),
-    }
-    return loss, stats
-
-
-def should_sync_target(update: int, steps_for_target_q_sync: int) -> bool:
-    """True after optimizer update number `update` (1-based) when the target Q heads are synced: every
-    steps_for_target_q_sync optimizer updates, independent of epochs."""
-    return update % steps_for_target_q_sync == 0
-
-
-# ------------------------------------------------------------------------------------------------
-# Advantage-shifted sampling
-# ------------------------------------------------------------------------------------------------
-def advantage_shifted_scores(
-    lm_logits: torch.Tensor, target_qs: Sequence[torch.Tensor], value: torch.Tensor,
-    beta: float, top_k: int, pad_token_id: int,
-) -> torch.Tensor:
-    """Unnormalised log-probabilities of the ILQL policy for one step: lm_logits (B, V), each target q
-    (B, V), value (B,) ->
-        s(a) = log_softmax(lm_logits)(a) + beta * (min_i Q'_i(s, a) - V(s)),
-    [PAD] removed (it is no action in our data; ppo.py suppresses it too, trlX does not), and every
-    score below the top_k-th set to -inf (trlX's `topk_mask`; top_k 0 = keep all)."""
-    advantage = reduce(torch.minimum, [q.float() for q in target_qs]) - value.float().unsqueeze(-1)  # (B, V)
-    scores = F.log_softmax(lm_logits.float(), dim=-1) + beta * advantage
-    scores[:, pad_token_id] = float("-inf")
-    if 0 < top_k < scores.size(-1):
-        kth_best = torch.topk(scores, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        scores = scores.masked_fill(scores < kth_best, float("-inf"))
-    return scores
-
-
-@torch.no_grad()
-def ilql_generate(
-    model: ILQLModel, queries: torch.Tensor, pad_token_id: int, eos_token_id: int, response_length: int,
-    beta: float, temperature: float, top_k: int,
-) -> torch.Tensor:
-    """Sample response_length tokens after LEFT-padded queries (B, Tq) with the KV cache, each from
-    softmax(advantage_shifted_scores / temperature) -> query_responses (B, Tq + response_length).
-
-    Detail 23: EOS is an ordinary token and never stops a row early (fixed-length sampling, the caller
-    truncates after the first EOS). The loop only ends early once EVERY row holds an EOS, filling the
-    rest with [PAD]: what is kept after truncation is the same as with the full length.
-    A manual loop rather than `generate`: the logits need the heads' Q and V at every step."""
-    batch = queries.size(0)
-    attention_mask = queries != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()  # left pads do not count
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    responses = torch.full((batch, response_length), pad_token_id, dtype=queries.dtype, device=queries.device)
-    cache = None
-    for t in range(response_length):
-        output = model.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=True,
-        )
-        cache = output.past_key_values
-        hidden = output.last_hidden_state[:, -1]  # (B, d): the state that chooses token t
-        lm_logits = model.lm.get_output_embeddings()(hidden)  # (B, V)
-        _, target_qs, value = model.heads(hidden)
-        scores = advantage_shifted_scores(lm_logits, target_qs, value, beta, top_k, pad_token_id)
-        tokens = torch.multinomial(F.softmax(scores / temperature, dim=-1), num_samples=1)  # (B, 1)
-        responses[:, t] = tokens[:, 0]
-        if (responses[:, : t + 1] == eos_token_id).any(1).all():
-            break
-        input_ids = tokens
-        attention_mask = torch.cat((attention_mask, torch.ones_like(tokens, dtype=torch.bool)), dim=1)
-        position_ids = position_ids[:, -1:] + 1
-    return torch.cat((queries, responses), dim=1)
-
-
-@torch.no_grad()
-def sample_table(accelerator, model, reward_model, tokenizer, raw, dataset, beta: float, args: Args):
-    """Sample the evaluation queries with the ILQL policy at `beta`, truncate after the first EOS, score
-    with the RM when there is one. Returns the samples table (contract columns) and summary metrics."""
-    unwrapped = accelerator.unwrap_model(model)
-    was_training = unwrapped.training
-    unwrapped.eval()
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
-    rows_all, responses_all, scores_all = [], [], []
-    for batch in dataloader:
-        queries = batch["query_token"]  # (B, Tq), left-padded
-        context_length = queries.size(1)
-        with accelerator.autocast():
-            query_responses = ilql_generate(
-                unwrapped, queries, pad_id, eos_id, args.response_length, beta, args.temperature, args.top_k
-            )
-        responses = truncate_response(eos_id, pad_id, query_responses[:, context_length:])  # (B, Tr)
-        if reward_model is not None:
-            with accelerator.autocast():
-                _, scores, _ = get_reward(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
-            scores = scores.float()
-        else:
-            scores = torch.full((queries.size(0),), float("nan"), device=queries.device)
-        rows, responses, scores = accelerator.gather_for_metrics((batch["row_index"], responses, scores))
-        rows_all.append(rows.cpu())
-        responses_all.append(responses.cpu())
-        scores_all.append(scores.cpu())
-    rows, responses, scores = torch.cat(rows_all), torch.cat(responses_all), torch.cat(scores_all)
-    has_eos = (responses == eos_id).any(1)
-    # tokens up to and including the first EOS (all of them when there is none)
-    token_len = torch.where(has_eos, first_true_indices(responses == eos_id) + 1, responses.size(1))
-    query_tokens, references = raw["query_token"], raw["reference_response"]
-    records = []
-    for i, row in enumerate(rows.tolist()):
-        records.append({
-            "query": tokenizer.decode([t for t in query_tokens[row] if t != pad_id], skip_special_tokens=True),
-            "response": tokenizer.decode(
-                [t for t in responses[i].tolist() if t != pad_id], skip_special_tokens=True
-            ).strip(),
-            "reference": references[row].strip(),
-            "score": float(scores[i]) if reward_model is not None else None,
-            "response_token_len": int(token_len[i]),
-            "has_eos": bool(has_eos[i]),
-        })
-    table = pd.DataFrame(records, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
-    metrics = {"eos_rate": float(has_eos.float().mean()), "response_token_len": float(token_len.float().mean())}
-    if reward_model is not None:
-        metrics["score"] = float(scores.mean())
-    if was_training:
-        unwrapped.train()
-    return table, metrics
-
-
-def beta_name(beta: float) -> str:
-    """0.0 -> "0", 4.0 -> "4", 0.5 -> "0.5": the suffix of samples_beta{b}.csv and of the metric names."""
-    return f"{beta:g}"
-
-
-def main(args: Args) -> dict:
-    start_time = time.time()
-    # 1. batch arithmetic, accelerator and run folder
-    args.world_size = start_processes().num_processes
-    args.gradient_accumulation_steps = exact_div(
-        args.total_batch_size, args.local_micro_batch_size * args.world_size,
-        "total_batch_size / (local_micro_batch_size x world_size)",
-    )
-    if args.temperature <= 0:
-        raise ValueError(f"--temperature must be positive, got {args.temperature}")
-    if args.ilql.steps_for_target_q_sync < 1:
-        raise ValueError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
-    if args.reward_source == "rm" and args.reward_model_path is None:
-        raise ValueError("--reward_source rm needs --reward_model_path")
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(
-        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        # the shuffled order of pass e over the data is a function of (seed, e) alone, so a resumed run can
-        # rebuild the pass it was in and skip the micro batches already used (see `micro_batches`)
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        mixed_precision="bf16" if args.bf16 else "no",
-    )
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    args.run_name = resolve_run_name(args)
-    run_dir = os.path.join(args.run_dir_root, args.run_name)
-
-    # 2. seeding: the same seed on every rank for weights (the heads) and data order
-    set_seed(args.seed)
-    local_seed = args.seed + accelerator.process_index * 100003
-
-    # 3. tokenizer from the starting model; Detail 3: a [PAD] distinct from EOS
-    if args.model_path is None:
-        args.model_path = DEFAULT_MODEL_PATHS[args.init_from]
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"the tokenizer of {args.model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
-            "pad token, or the EOS action is masked out of every ILQL term and the policy never learns to stop. Save the "
-            "tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare "
-            "the data with it"
-        )
-    pad_token_id = tokenizer.pad_token_id
-
-    # 4. models: the LM + fresh ILQL heads; the (optional) frozen reward model
-    lm = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
-    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-    if len(tokenizer) > lm.config.vocab_size:
-        lm.resize_token_embeddings(len(tokenizer))
-    model = ILQLModel(lm, args.ilql.two_qs)
-    if args.disable_dropout:
-        disable_dropout(model)
-    reward_model = None
-    if args.reward_model_path is not None:
-        # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
-        check_reward_tokenizer(tokenizer, args.model_path, args.reward_model_path, args.trust_remote_code)
-        reward_model = AutoModelForSequenceClassification.from_pretrained(
-            args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-            trust_remote_code=args.trust_remote_code,
-        )
-        if len(tokenizer) > reward_model.config.vocab_size:
-            reward_model.resize_token_embeddings(len(tokenizer))
-        disable_dropout(reward_model)  # frozen and deterministic whatever --disable_dropout says
-        reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
-
-    # 5. data: trajectories (query, chosen, +1) and (query, rejected, -1), or RM-scored; z-normalised
-    train_raw = load_split(args.preference_dataset, args.train_split)
-    check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
-    check_data_tokenizer(train_raw, tokenizer, args.model_path, f"{args.preference_dataset} split {args.train_split!r}")
-    sample_raw = load_split(args.query_dataset, args.sample_split)
-    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
-    check_data_tokenizer(sample_raw, tokenizer, args.model_path, f"{args.query_dataset} split {args.sample_split!r}")
-    # claimed only now, so a run refused for bad input leaves no mark that would block the next attempt
-    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
-    trajectories = flatten_pairs(train_raw)
-    if args.reward_source == "labels":
-        raw_rewards = label_rewards(len(train_raw))
-    else:
-        raw_rewards = rm_rewards(accelerator, reward_model, trajectories, args.local_eval_batch_size, pad_token_id)
-    rewards = normalize_rewards(raw_rewards)
-    data_metrics = {
-        "data/raw_reward_mean": float(raw_rewards.mean()), "data/raw_reward_std": float(raw_rewards.std()),
-        "data/reward_chosen_mean": float(rewards[: len(train_raw)].mean()),
-        "data/reward_rejected_mean": float(rewards[len(train_raw):].mean()),
-        # how often the rewards respect the human label r_chosen > r_rejected (1 for +-1 labels; trlX's
-        # explanation of why the labels beat RM scores)
-        "data/pair_order_agreement": float((rewards[: len(train_raw)] > rewards[len(train_raw):]).float().mean()),
-    }
-    trajectories = trajectories.add_column("reward", rewards.tolist())
-    train_dataset = trajectories.with_format("torch", columns=TRAJECTORY_COLUMNS + ["reward"])
-    if args.num_eval_samples is not None:
-        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
-    sample_dataset = sample_raw.add_column("row_index", list(range(len(sample_raw))))
-    sample_dataset = sample_dataset.with_format("torch", columns=["query_token", "row_index"])
-
-    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * len(trajectories)
-    args.num_updates = num_updates = total_episodes // args.total_batch_size  # a last partial batch is dropped
-    if num_updates < 1:
-        raise ValueError(f"{total_episodes} trajectories give no full batch of {args.total_batch_size}")
-
-    # the target heads are not optimised: only parameters that require gradients go to AdamW
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps, weight_decay=args.weight_decay
-    )
-    # counts optimizer updates, stepped by hand once per update (accelerate's wrapper would step per process)
-    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-    train_dataloader = DataLoader(
-        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
-    model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
-    heads = accelerator.unwrap_model(model).heads
-    # saved and restored with the model (LM, V, Q and target-Q heads) and the optimizer: the schedule, and the
-    # float32 Polyak copies of low-precision targets
-    accelerator.register_for_checkpointing(lr_scheduler)
-    accelerator.register_for_checkpointing(TargetCopies(heads))
-    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
-
-    # 6. resume: a killed run loses at most --checkpoint_every updates
-    trainer_state = {
-        "update": 0, "episode": 0, "num_target_syncs": 0, "train_time": 0.0, "last_train_metrics": {},
-        "interval_stats": {}, "interval_tokens": 0,
-    }
-    # flags that fix the data order, the schedule and the target syncs: a resumed run must share them
-    run_shape = {"num_updates": num_updates, "total_batch_size": args.total_batch_size, "world_size": args.world_size,
-                 "steps_for_target_q_sync": args.ilql.steps_for_target_q_sync}
-    if args.resume:
-        trainer_state = load_checkpoint(accelerator, run_dir)  # LM, all heads, optimizer, schedule, every RNG
-        changed = {k: (trainer_state[k], v) for k, v in run_shape.items() if trainer_state[k] != v}
-        if changed:
-            raise ValueError(
-                "--resume: the checkpoint belongs to a run with other " + ", ".join(
-                    f"{k} ({old} there, {new} here)" for k, (old, new) in changed.items()
-                ) + "; resume with the flags of the original run"
-            )
-    elif accelerator.is_main_process and os.path.isdir(os.path.join(run_dir, "checkpoints")):
-        shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
-    start_update = trainer_state["update"]
-
-    # 7. logging
-    writer = None
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if accelerator.is_main_process:
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)  # with the derived fields filled in
-        if args.track:
-            import wandb
-
-            wandb.init(
-                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                config=asdict(args), name=args.run_name, save_code=True,
-            )
-        # purge_step drops TensorBoard events logged after the checkpoint by the interrupted run
-        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-        start_metrics_file(metrics_path, start_update)
-
-    def log(metrics: dict, step: int, episode: int):
-        if accelerator.is_main_process:
-            for key, value in metrics.items():
-                writer.add_scalar(key, value, step)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": step, "episode": episode, **metrics}) + "\n")
-
-    if start_update == 0:
-        log(data_metrics, 0, 0)  # a resumed run kept this line of metrics.jsonl
-
-    def run_evaluation(update: int, episode: int, betas: List[float], final: bool) -> dict:
-        """Sample the evaluation queries at each beta; the table of --beta becomes samples/step_N.csv
-        (and samples.csv at the end), each swept beta samples_beta{b}.csv."""
-        metrics, tables = {}, {}
-        for beta in betas:
-            table, beta_metrics = sample_table(accelerator, model, reward_model, tokenizer, sample_raw, sample_dataset, beta, args)
-            tables[beta] = table
-            metrics.update({f"eval/beta_{beta_name(beta)}/{k}": v for k, v in beta_metrics.items()})
-            if beta == args.beta:
-                metrics.update({f"eval/{k}": v for k, v in beta_metrics.items()})
-        if accelerator.is_main_process:
-            default_table = tables[args.beta]
-            default_table.to_csv(os.path.join(run_dir, "samples", f"step_{update:06d}.csv"), index=False)
-            if final:
-                default_table.to_csv(os.path.join(run_dir, "samples.csv"), index=False)
-                for beta in args.eval_betas:
-                    tables[beta].to_csv(os.path.join(run_dir, f"samples_beta{beta_name(beta)}.csv"), index=False)
-            num_evals = update // args.eval_every if args.eval_every > 0 else 1
-            if args.print_sample_every > 0 and (final or num_evals % args.print_sample_every == 0):
-                for row in default_table.head(2).itertuples():
-                    print(f"--- update {update}, beta {args.beta}\nQUERY: {row.query[-200:]}\n"
-                          f"RESPONSE: {row.response}\nREFERENCE: {row.reference}")
-        log(metrics, update, episode)
-        return metrics
-
-    # 8. training: one optimizer update per total_batch_size trajectories; target sync on updates
-    accelerator.print(
-        f"ILQL ({args.reward_source} rewards, from {args.init_from}): {num_updates} updates of "
-        f"{args.total_batch_size} trajectories, {accelerator.num_processes} process(es) x "
-        f"{args.gradient_accumulation_steps} accumulation x {args.local_micro_batch_size}"
-    )
-    model.train()
-    # running counters; a resumed run takes them from the checkpoint, so its logs and summary match
-    episode, num_target_syncs = trainer_state["episode"], trainer_state["num_target_syncs"]
-    last_train_metrics: Dict[str, float] = trainer_state["last_train_metrics"]
-    # the logging interval that was open at the checkpoint: per update, each statistic averaged over every micro
-    # batch of every process, and the tokens of all processes. Already reduced, they are the same on every process,
-    # so the main process's copy in the checkpoint is every process's (and JSON keeps the floats exactly)
-    interval_stats: Dict[str, List[float]] = trainer_state["interval_stats"]
-    interval_tokens, interval_start = trainer_state["interval_tokens"], time.time()
-    train_time = trainer_state["train_time"]  # optimisation only (no evaluation, no RM labelling): compare with ppo.py's training
-    progress = tqdm(total=num_updates, initial=start_update, desc="ilql", disable=not accelerator.is_local_main_process)
-
-    def micro_batches(consumed: int):
-        """Micro batches forever, reshuffled at every pass over the data, starting after the `consumed` micro
-        batches this process has already trained on. The data position: pass e's order depends on (seed, e)
-        only (the seedable sampler), so a resumed run re-creates its pass and skips what was used, without
-        loading the skipped rows."""
-        epoch, skip = divmod(consumed, len(train_dataloader))
-        while True:
-            train_dataloader.set_epoch(epoch)
-            yield from (accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader)
-            epoch, skip = epoch + 1, 0
-
-    def state_after_update() -> dict:
-        """Everything a resumed run needs besides what accelerate saves (models, optimizer, schedule, RNG); the
-        data position is the update number itself (update x gradient_accumulation_steps micro batches)."""
-        return {
-            **run_shape, "episode": episode, "num_target_syncs": num_target_syncs, "train_time": train_time,
-            "last_train_metrics": last_train_metrics, "interval_tokens": interval_tokens,
-            "interval_stats": {key: list(values) for key, values in interval_stats.items()},
-        }
-
-    micro_batch_iterator = micro_batches(start_update * args.gradient_accumulation_steps)
-    last_good = state_after_update()  # the counters after the last completed update
-    update = start_update
-    try:
-        for update in range(start_update + 1, num_updates + 1):
-            update_start = time.time()
-            update_stats: Dict[str, List[torch.Tensor]] = {}  # this process's micro batch statistics
-            update_tokens = 0
-            for _ in range(args.gradient_accumulation_steps):
-                batch = next(micro_batch_iterator)
-                labels = batch["response_label"]  # (B, T): the response tokens, [PAD] elsewhere
-                positions, mask = action_positions(
-                    batch["query_token_len"], (labels != pad_token_id).sum(1), labels.size(1)
-                )  # (B, Tr) states s_t and real-action mask
-                actions = labels.gather(1, positions + 1).masked_fill(~mask, pad_token_id)  # (B, Tr): a_t
-                step_rewards = terminal_rewards(batch["reward"].float(), mask)  # (B, Tr)
-                with accelerator.accumulate(model):
-                    with accelerator.autocast():
-                        lm_logits, qs, target_qs, values = model(batch["query_response"], pad_token_id, positions)
-                    loss, stats = ilql_loss(lm_logits, qs, target_qs, values, actions, step_rewards, mask, args.ilql)
-                    # non-finite guard: the total loss and every term, before backward, so no weight sees them
-                    check_finite(accelerator, update, **{
-                        f"train/{key}": stats[key] for key in ("loss", "loss_q", "loss_v", "loss_cql", "loss_awac")
-                    })
-                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
-                    optimizer.step()  # a no-op until the last micro batch of the update
-                    optimizer.zero_grad()
-                for key, value in stats.items():
-                    update_stats.setdefault(f"train/{key}", []).append(value.float())
-                update_tokens += int((batch["query_response"] != pad_token_id).sum())
-            if not accelerator.sync_gradients:
-                raise RuntimeError("gradient accumulation went out of step with the update loop")
-            # Polyak-average the target Q heads every steps_for_target_q_sync OPTIMIZER updates. The decision reads
-            # the global update number only, so a resumed run syncs on exactly the updates the uninterrupted one does
-            if should_sync_target(update, args.ilql.steps_for_target_q_sync):
-                heads.sync_target_q_heads(args.ilql.alpha)
-                num_target_syncs += 1
-            # the update's statistics over every process (every process has the same number of micro batches, so
-            # the mean of these per-update means over an interval is the mean over all its micro batches)
-            keys = list(update_stats)
-            update_means = accelerator.reduce(torch.stack([torch.stack(update_stats[k]).mean() for k in keys]), reduction="mean")
-            for key, value in zip(keys, update_means.tolist()):
-                interval_stats.setdefault(key, []).append(value)
-            interval_tokens += int(accelerator.reduce(torch.tensor(update_tokens, device=accelerator.device), reduction="sum"))
-            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
-            lr_scheduler.step()
-            episode += args.total_batch_size
-            train_time += time.time() - update_start
-            progress.update(1)
-            if update % args.log_every == 0 or update == num_updates:
-                means = {key: sum(values) / len(values) for key, values in interval_stats.items()}
-                means["train/tokens_per_s"] = interval_tokens / (time.time() - interval_start)
-                means["train/lr"] = update_lr
-                means["train/epoch"] = episode / len(trajectories)
-                means["train/num_target_syncs"] = num_target_syncs
-                log(means, update, episode)
-                last_train_metrics = means
-                progress.set_postfix(
-                    loss=f"{means['train/loss']:.4f}", awac=f"{means['train/loss_awac']:.3f}",
-                    tok_s=f"{means['train/tokens_per_s']:.0f}",
-                )
-                interval_stats, interval_tokens, interval_start = {}, 0, time.time()
-            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-                run_evaluation(update, episode, [args.beta], final=False)
-                interval_start = time.time()  # evaluation time is not training throughput
-            last_good = state_after_update()
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
-                save_checkpoint(accelerator, run_dir, update, last_good, args.checkpoint_keep)
-    except NonFiniteError:
-        # the guard runs before backward and no optimizer step of this update has happened, so the weights (and
-        # the target heads, synced only after an update) are still those after update - 1: keep them as the last
-        # good checkpoint, with the counters of that update; the poisoned update is never applied or saved
-        save_checkpoint(accelerator, run_dir, update - 1, last_good, args.checkpoint_keep)
-        accelerator.print(f"non-finite value at update {update}; last good checkpoint: {latest_checkpoint(run_dir)}")
-        raise
-    progress.close()
-
-    # 9. final evaluation: the beta sweep (and --beta for samples.csv), summary, saving
-    final_betas = list(dict.fromkeys(list(args.eval_betas) + [args.beta]))
-    metrics = run_evaluation(update, episode, final_betas, final=True)
-    summary = dict(metrics)
-    summary.update(last_train_metrics)  # the last logging interval's training means
-    summary.update(data_metrics)
-    summary["num_updates"] = update
-    summary["episodes"] = episode
-    summary["num_target_syncs"] = num_target_syncs
-    summary["train_time_s"] = train_time
-    summary["wall_time_s"] = time.time() - start_time
-    if accelerator.is_main_process:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        writer.close()
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        lm_state = {k[len("lm."):]: v for k, v in state_dict.items() if k.startswith("lm.")}
-        heads_state = {k[len("heads."):]: v.contiguous() for k, v in state_dict.items() if k.startswith("heads.")}
-        # transformers v5 always writes safetensors; the heads go next to the LM in their own file
-        unwrapped.lm.save_pretrained(args.output_dir, state_dict=lm_state)
-        tokenizer.save_pretrained(args.output_dir)
-        heads_path = os.path.join(args.output_dir, "ilql_heads.safetensors")
-        save_file(heads_state, heads_path)
-        with open(os.path.join(args.output_dir, "ilql_heads.json"), "w") as f:
-            json.dump({"hidden_size": unwrapped.lm.config.hidden_size, "two_qs": args.ilql.two_qs,
-                       "beta": args.beta, "top_k": args.top_k, "temperature": args.temperature}, f, indent=2)
-        if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
-            unwrapped.lm.push_to_hub(hub_model_id)
-            tokenizer.push_to_hub(hub_model_id)
-            HfApi().upload_file(path_or_fileobj=heads_path, path_in_repo="ilql_heads.safetensors", repo_id=hub_model_id)
-    if accelerator.is_main_process and args.track:
-        import wandb
-
-        wandb.finish()
-    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run_dir}")
-    return summary
 
 
 if __name__ == "__main__":

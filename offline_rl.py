@@ -201,8 +201,1148 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared helpers: copied verbatim into every script that uses them (a test keeps the copies equal)
+# Offline-RL pieces (module-level so that tests can check each one against a hand computation; names kept
+# unique to this script)
 # ---------------------------------------------------------------------------------------------
+
+
+def offline_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
+    """Detail 23: exactly response_length new tokens. `eos_token_id=[]` turns off stopping at EOS while EOS
+    stays an ordinary token that can be chosen (`min_new_tokens` would forbid it). temperature 0 means
+    greedy decoding (the seed generates its mixture greedily); otherwise pure sampling (top_k 0, top_p 1)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if temperature == 0:
+        return GenerationConfig(max_new_tokens=response_length, do_sample=False, eos_token_id=[], pad_token_id=pad_token_id)
+    return GenerationConfig(
+        max_new_tokens=response_length,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        do_sample=True,
+        eos_token_id=[],
+        pad_token_id=pad_token_id,
+    )
+
+
+def offline_lr_schedule(optimizer, kind: str, num_updates: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """No warm-up; cosine decays to 0 as 0.5 * (1 + cos(pi * t / T)), linear as 1 - t / T, constant stays.
+    The same curves as transformers.get_scheduler, written out because importing that module loads peft."""
+    curves = {
+        "cosine": lambda t: 0.5 * (1.0 + math.cos(math.pi * min(t, num_updates) / num_updates)),
+        "linear": lambda t: max(0.0, 1.0 - t / num_updates),
+        "constant": lambda t: 1.0,
+    }
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, curves[kind])
+
+
+def filter_weights(rewards: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Eq. 4 (MLE with filtering): weight 1 for a sample whose normalised reward is above the threshold, else 0."""
+    return (rewards > threshold).float()
+
+
+def rwr_weights(rewards: torch.Tensor, beta: float, max_weight: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 5 (reward-weighted regression): the raw weight exp(R / beta) of every sample of an update batch,
+    and the weight actually used.
+
+    Our choice (the seed leaves it open): the raw weights are divided by their mean over the update batch
+    (self-normalisation: the batch gradient keeps the scale of plain SFT whatever the reward offset, and the
+    loss is the same function of relative weights as eq. 5 within the batch), then clipped at max_weight so
+    that no single sample carries more than max_weight samples' share. With z-normalised rewards and beta = 5
+    the raw weights lie in about [0.5, 2] and the clip rarely binds; it matters for small beta. The exp is
+    computed after subtracting the batch maximum, which cancels in the ratio and cannot overflow."""
+    raw = torch.exp(rewards / beta)
+    shifted = torch.exp((rewards - rewards.max()) / beta)
+    normalised = shifted / shifted.mean()
+    return raw, torch.clamp(normalised, max=max_weight)
+
+
+def dt_reward_prompt(score: float) -> str:
+    """Eq. 6: the reward prompt " <rm_score> a.b" (one decimal).
+
+    The ONLY place the template lives: training and inference both build their prompt here, so the two are
+    byte-identical and the model is evaluated on the prompt it was trained on. The leading space separates it
+    from the query's final "TL;DR:"; the response that follows starts with its own space (Detail 3). Rounding can
+    give -0.0, which is written as 0.0 so that one reward has one spelling. `<rm_score>` stays plain text, not a
+    new special token: the tokenizer, vocabulary and pad id stay those of the SFT model and the reward model (their
+    token ids must agree), and no untrained embedding row is added; the model learns the marker from its few
+    subword pieces."""
+    value = round(float(score), 1) + 0.0  # + 0.0 turns -0.0 into 0.0
+    return f" <rm_score> {value:.1f}"
+
+
+def dt_query_tokens(tokenizer, query: str, score: float) -> list:
+    """Token ids of query + reward prompt, as seen at training (score = the sample's normalised reward) and at
+    inference (score = the target). The whole string is tokenized at once, in both cases."""
+    return tokenizer.encode(query + dt_reward_prompt(score))
+
+
+def dt_queries(tokenizer, queries: list, scores: list, pad_token_id: int) -> torch.Tensor:
+    """The DT prompts of a set of rows, left-padded to the longest: (N, W). Training passes each sample's own
+    normalised reward, inference the target reward; both go through dt_query_tokens."""
+    rows = [dt_query_tokens(tokenizer, query, score) for query, score in zip(queries, scores, strict=True)]
+    width = max(len(r) for r in rows)
+    return torch.tensor([[pad_token_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
+
+
+def response_labels(query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
+    """Next-token targets of a (left-padded query [+ reward prompt], right-padded response) batch: only the
+    response tokens and their EOS, -100 everywhere else (query, DT reward prompt, pads)."""
+    labels = query_responses.clone()
+    labels[:, :context_length] = -100
+    return labels.masked_fill(query_responses == pad_token_id, -100)
+
+
+def weighted_response_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                           pad_token_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """sum over samples i and target tokens t of w_i * (-log pi(x_t | x_<t)), divided by the number of target
+    tokens in the micro-batch (so w = 1 is the SFT token mean). Eq. 4: w = 1[R > t]; eq. 5: w = RWR weight;
+    eq. 6 and best-of-n: w = 1. Returns the loss and the per-sample mean token NLL (B,), for logging."""
+    logits = forward(model, query_responses, pad_token_id).logits[:, :-1].float()  # (B, T-1, V)
+    targets = labels[:, 1:]  # (B, T-1): token t is predicted at t - 1
+    mask = targets != -100
+    nll = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")  # (B, T-1)
+    nll = nll * mask
+    loss = (nll * weights.unsqueeze(1)).sum() / mask.sum()
+    return loss, nll.sum(1) / mask.sum(1).clamp(min=1)
+
+
+def best_of_n_select(scores: torch.Tensor, responses: torch.Tensor, n: int):
+    """Rejection sampling (OpenRLHF A.7): rows are grouped as n consecutive candidates per prompt; keep the
+    candidate with the highest RM score. Returns the kept responses (P, Tr), their scores (P,) and index (P,)."""
+    grouped = scores.view(-1, n)  # (P, n)
+    best = grouped.argmax(dim=1)  # (P,)
+    rows = torch.arange(grouped.size(0), device=scores.device) * n + best
+    return responses[rows], grouped.max(dim=1).values, best
+
+
+def trim_columns(queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int):
+    """Drop leading query columns and trailing response columns that are padding in every row (saves compute;
+    positions and masks come from the pads, so the loss and the rewards do not change)."""
+    query_real = (queries != pad_token_id).any(0)
+    first = int(first_true_indices(query_real.unsqueeze(0))[0]) if bool(query_real.any()) else queries.size(1)
+    response_real = (responses != pad_token_id).any(0)
+    last = int(response_real.nonzero().max()) + 1 if bool(response_real.any()) else 1
+    return queries[:, first:], responses[:, :last]
+
+
+@torch.no_grad()
+def sample_policy(accelerator, model, queries: torch.Tensor, generation_config, tokenizer, batch_size: int, desc: str):
+    """Fixed-length responses (Detail 23) to left-padded queries (N, W), truncated after the first EOS:
+    (N, response_length), the same on every process."""
+    unwrapped = accelerator.unwrap_model(model)
+    was_training = unwrapped.training
+    unwrapped.eval()
+    indices = local_rows(queries.size(0), accelerator)
+    pairs = []
+    for start in tqdm(range(0, len(indices), batch_size), desc=desc, disable=not accelerator.is_main_process):
+        rows = indices[start : start + batch_size]
+        query = queries[rows]
+        query = query[:, int(first_true_indices((query != tokenizer.pad_token_id).any(0).unsqueeze(0))[0]) :]  # drop all-pad columns
+        query = query.to(accelerator.device)
+        query_response, _ = generate(unwrapped, query, tokenizer.pad_token_id, generation_config)
+        response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, query_response[:, query.size(1) :])
+        pairs += list(zip(rows, response.cpu().tolist()))
+    unwrapped.train(was_training)
+    return torch.tensor(gather_rows(pairs, queries.size(0)), dtype=torch.long)
+
+
+@torch.no_grad()
+def score_responses(accelerator, reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+                    batch_size: int, desc: str) -> torch.Tensor:
+    """Raw RM score of every (left-padded query, right-padded response) row, read at the EOS (Detail 12): (N,)."""
+    indices = local_rows(queries.size(0), accelerator)
+    pairs = []
+    for start in tqdm(range(0, len(indices), batch_size), desc=desc, disable=not accelerator.is_main_process):
+        rows = indices[start : start + batch_size]
+        query, response = trim_columns(queries[rows], responses[rows], pad_token_id)
+        query_response = torch.cat((query, response), 1).to(accelerator.device)
+        _, score, _ = get_reward(reward_model, query_response, pad_token_id, query.size(1))
+        pairs += list(zip(rows, score.float().cpu().tolist()))
+    return torch.tensor(gather_rows(pairs, queries.size(0)), dtype=torch.float32)
+
+
+def mixture_counts(size: int, weights: Tuple[float, float, float]) -> Tuple[int, int, int]:
+    """Samples per source (references, preference responses, generated) for relative weights; sums to size."""
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--mixture_weights must be non-negative with a positive sum, got {weights}")
+    total = sum(weights)
+    num_references = round(size * weights[0] / total)
+    num_preference = round(size * weights[1] / total)
+    return num_references, num_preference, size - num_references - num_preference
+
+
+def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> Tuple[Dataset, dict]:
+    """Step 1 (the seed's step 3): draw the three sources, generate, label with the RM, z-normalise."""
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    num_references, num_preference, num_generated = mixture_counts(args.mixture_size, args.mixture_weights)
+    draw = torch.Generator().manual_seed(args.seed)
+    sft_train = load_split(args.query_dataset, args.train_split)
+    query_length = len(sft_train[0]["query_token"])
+    queries, query_texts, responses, sources = [], [], [], []
+
+    # (a) SFT references: " " + summary + EOS, right-padded to response_length
+    if num_references > len(sft_train):
+        raise ValueError(f"{num_references} references requested but {args.train_split} has {len(sft_train)} rows")
+    picked = sft_train.select(torch.randperm(len(sft_train), generator=draw)[:num_references].tolist())
+    for row in tqdm(picked, desc="mixture: references", disable=not accelerator.is_main_process):
+        if len(row["reference_response_token"]) != args.response_length:
+            raise ValueError(
+                f"--response_length {args.response_length} but {args.query_dataset} has responses of "
+                f"{len(row['reference_response_token'])} tokens"
+            )
+        queries.append(row["query_token"])
+        query_texts.append(row["query"])
+        responses.append(row["reference_response_token"])
+        sources.append("reference")
+
+    # (b) preference-pair responses, chosen and rejected. Left out: responses longer than response_length
+    # (the policy never writes them), queries of another length (e.g. CNN/DM rows), exact duplicates (a summary
+    # appears in several comparisons of the same post).
+    preference = load_split(args.preference_dataset, args.preference_split)  # checked in load_offline_data
+    # the query length of every row, read from the Arrow column without decoding the rows
+    query_lengths = pyarrow.compute.list_value_length(preference.data.column("query_token")).to_pylist()
+    candidates, seen, dropped = [], set(), {"too_long": 0, "query_length": 0, "duplicate": 0}
+    columns = preference.select_columns(["query", "chosen", "rejected", "chosen_token_len", "rejected_token_len"])
+    for i, row in enumerate(tqdm(columns, desc="mixture: preference pool", disable=not accelerator.is_main_process)):
+        for side in ("chosen", "rejected"):
+            if query_lengths[i] != query_length:
+                dropped["query_length"] += 1
+            elif row[f"{side}_token_len"] > args.response_length:
+                dropped["too_long"] += 1
+            elif (row["query"], row[side]) in seen:
+                dropped["duplicate"] += 1
+            else:
+                seen.add((row["query"], row[side]))
+                candidates.append((i, side))
+    if num_preference > len(candidates):
+        raise ValueError(
+            f"{num_preference} preference responses requested but only {len(candidates)} usable ones exist "
+            f"(left out: {dropped}); lower --mixture_size or the preference weight"
+        )
+    chosen_rows = [candidates[j] for j in torch.randperm(len(candidates), generator=draw)[:num_preference].tolist()]
+    picked = preference.select([i for i, _ in chosen_rows])
+    for (_, side), row in zip(chosen_rows, tqdm(picked, desc="mixture: preference", disable=not accelerator.is_main_process)):
+        queries.append(row["query_token"])
+        query_texts.append(row["query"])
+        responses.append(row[f"{side}_token"][: args.response_length])  # the rest was padding
+        sources.append(side)
+
+    # (c) new responses of the SFT model on SFT prompts (greedy by default)
+    if num_generated > len(sft_train):
+        raise ValueError(f"{num_generated} generated responses requested but {args.train_split} has {len(sft_train)} prompts")
+    picked = sft_train.select(torch.randperm(len(sft_train), generator=draw)[:num_generated].tolist())
+    generation_time = 0.0
+    if num_generated > 0:
+        prompts = torch.tensor(picked["query_token"], dtype=torch.long)
+        config = offline_generation_config(args.response_length, args.mixture_temperature, pad_token_id)
+        start = time.time()
+        generated = sample_policy(accelerator, policy, prompts, config, tokenizer, args.local_rollout_batch_size, "mixture: generate")
+        generation_time = time.time() - start
+        queries += prompts.tolist()
+        query_texts += picked["query"]
+        responses += generated.tolist()
+        sources += ["generated"] * num_generated
+
+    # (d) label every (prompt, response) with the RM, then z-normalise over the mixture (the seed's Figure 5)
+    query_tensor = torch.tensor(queries, dtype=torch.long)
+    response_tensor = torch.tensor(responses, dtype=torch.long)
+    start = time.time()
+    raw = score_responses(accelerator, reward_model, query_tensor, response_tensor, pad_token_id,
+                          args.local_rollout_batch_size, "mixture: label")
+    labelling_time = time.time() - start
+    # a NaN/inf RM score would poison the normalisation of every reward: stop here, before anything is cached
+    check_finite(accelerator, 0, **{"mixture/raw_reward": raw})
+    has_eos = (response_tensor == eos_token_id).any(1)
+    if args.non_eos_penalty:
+        raw = torch.where(has_eos, raw, torch.full_like(raw, args.penalty_reward_value))
+    mean, std = raw.mean(), raw.std(unbiased=False)
+    if not std > 0:
+        raise ValueError("every mixture sample has the same reward; z-normalisation is undefined")
+    normalised = (raw - mean) / std
+    dataset = Dataset.from_dict(
+        {
+            "query": query_texts,
+            "query_token": queries,
+            "response_token": responses,
+            "source": sources,
+            "raw_reward": raw.tolist(),
+            "reward": normalised.tolist(),
+        }
+    )
+    stats = {
+        "mixture/size": len(dataset),
+        "mixture/num_references": num_references,
+        "mixture/num_preference": num_preference,
+        "mixture/num_generated": num_generated,
+        "mixture/preference_left_out_too_long": dropped["too_long"],
+        "mixture/preference_left_out_query_length": dropped["query_length"],
+        "mixture/preference_left_out_duplicate": dropped["duplicate"],
+        "mixture/raw_reward_mean": mean.item(),
+        "mixture/raw_reward_std": std.item(),
+        "mixture/eos_rate": has_eos.float().mean().item(),
+        "mixture/generation_s": generation_time,
+        "mixture/labelling_s": labelling_time,
+    }
+    for source in ("reference", "chosen", "rejected", "generated"):
+        selected = [r for r, s in zip(normalised.tolist(), sources) if s == source]
+        if selected:
+            stats[f"mixture/reward_mean_{source}"] = sum(selected) / len(selected)
+    return dataset, stats
+
+
+def filter_mixture(args: Args, accelerator, mixture: Dataset) -> Tuple[Dataset, dict]:
+    """Eq. 4 (MLE with filtering) applied to the data: only the samples whose normalised reward is above
+    --filter_threshold are trained on. The others would only add zero-loss rows (the loss applies the same 0/1
+    weight anyway), so they are dropped here, which makes filter the cheapest method (the seed's Table 3).
+    Returns the kept samples and the pass fractions, overall and per source."""
+    rewards = torch.tensor(mixture["reward"], dtype=torch.float32)
+    keep = (filter_weights(rewards, args.filter_threshold) > 0).nonzero().squeeze(1).tolist()
+    stats = {"filter/num_pass": len(keep), "filter/pass_fraction": len(keep) / len(mixture)}
+    sources = mixture["source"]
+    for source in ("reference", "chosen", "rejected", "generated"):
+        total = sum(s == source for s in sources)
+        if total:
+            passed = sum(sources[i] == source for i in keep)
+            stats[f"filter/pass_fraction_{source}"] = passed / total
+    accelerator.print(f"[filter] {len(keep)} of {len(mixture)} samples have normalised reward > {args.filter_threshold}")
+    return mixture.select(keep), stats
+
+
+def mixture_samples(args: Args, mixture: Dataset, tokenizer):
+    """The training samples of filter, rwr and dt: queries (N, W) left-padded, responses (N, Tr) right-padded and
+    the normalised rewards (N,). For dt (eq. 6) each query carries its sample's own reward prompt, built by the
+    same function as the prompt at inference."""
+    rewards = torch.tensor(mixture["reward"], dtype=torch.float32)
+    responses = torch.tensor(mixture["response_token"], dtype=torch.long)
+    if args.method == "dt":
+        queries = dt_queries(tokenizer, mixture["query"], rewards.tolist(), tokenizer.pad_token_id)
+    else:
+        queries = torch.tensor(mixture["query_token"], dtype=torch.long)
+    return queries, responses, rewards
+
+
+def best_of_n_candidates(args: Args, accelerator, model, reward_model, tokenizer, queries: torch.Tensor, costs: dict,
+                         desc: str):
+    """Rejection sampling (OpenRLHF A.7), first half: --n responses per prompt from the current policy at
+    --bon_temperature, and their raw RM scores. Returns the candidates (P * n, Tr), n consecutive rows per prompt
+    as best_of_n_select reads them, and their scores (P * n,); the seconds spent go into `costs` (Table 3)."""
+    candidates_q = queries.repeat_interleave(args.n, 0)  # (P * n, Tq): n consecutive copies per prompt
+    config = offline_generation_config(args.response_length, args.bon_temperature, tokenizer.pad_token_id)
+    start = time.time()
+    candidates = sample_policy(accelerator, model, candidates_q, config, tokenizer, args.local_rollout_batch_size,
+                               f"{desc}: sample")
+    costs["generation_s"] += time.time() - start
+    start = time.time()
+    scores = score_responses(accelerator, reward_model, candidates_q, candidates, tokenizer.pad_token_id,
+                             args.local_rollout_batch_size, f"{desc}: score")
+    costs["labelling_s"] += time.time() - start
+    return candidates, scores
+
+
+def loss_weights(args: Args, rewards: torch.Tensor) -> torch.Tensor:
+    """The weight w_i of each sample of an update batch in weighted_response_loss, from its reward: eq. 4 (filter)
+    1[R > t], eq. 5 (rwr) the self-normalised and clipped exp(R / beta), eq. 6 (dt) and best-of-n 1. Computed over
+    the whole update batch (identical on every process) before each process takes its share of the batch."""
+    if args.method == "filter":
+        return filter_weights(rewards, args.filter_threshold)
+    if args.method == "rwr":
+        return rwr_weights(rewards, args.rwr_beta, args.rwr_max_weight)[1]
+    return torch.ones(rewards.numel())
+
+
+class OfflineDataOrder:
+    """The data position of step 2, in a form accelerate's save_state / load_state carry
+    (register_for_checkpointing needs state_dict and load_state_dict).
+
+    One generator draws every shuffle of the run, the same on every process: best-of-n's prompt order (a new
+    one each time the prompts run out) and each round's permutation of its samples (a new one each pass).
+    `permutation` and `position` say which update batches of the current pass are used. For best-of-n the
+    round's samples themselves are kept too: they were sampled from the policy of that moment, so after a
+    resume they could not be drawn again; the mixture methods rebuild theirs from the cached mixture.
+
+    state_dict returns the state as of the last `commit()` (called after every completed update), so a
+    checkpoint written while an update is under way (the non-finite guard) holds the position after the last
+    good update, not the batch of the update that failed."""
+
+    def __init__(self, seed: int, num_prompts: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.prompt_order, self.prompt_cursor = torch.randperm(num_prompts, generator=self.generator), 0
+        self.permutation, self.position = None, 0
+        self.round_samples = None  # best-of-n: (queries, responses, rewards) of the current round
+        self.commit()
+
+    def next_prompts(self, count: int) -> list:
+        """Best-of-n: the next `count` prompt rows; a new pass over the prompts is reshuffled."""
+        if self.prompt_cursor + count > self.prompt_order.numel():
+            self.prompt_order, self.prompt_cursor = torch.randperm(self.prompt_order.numel(), generator=self.generator), 0
+        rows = self.prompt_order[self.prompt_cursor : self.prompt_cursor + count].tolist()
+        self.prompt_cursor += count
+        return rows
+
+    def new_round(self, round_samples=None) -> None:
+        """A new set of training samples: its first permutation is drawn at its first batch."""
+        self.permutation, self.position, self.round_samples = None, 0, round_samples
+
+    def next_batch(self, num_samples: int, batch_size: int) -> torch.Tensor:
+        """Row indices of the next update batch (every process gets the same). A pass that cannot fill another
+        batch ends (its last incomplete batch is left out) and the next pass is reshuffled."""
+        if self.permutation is None or self.position == num_samples // batch_size:
+            self.permutation, self.position = torch.randperm(num_samples, generator=self.generator), 0
+        batch = self.permutation[self.position * batch_size : (self.position + 1) * batch_size]
+        self.position += 1
+        return batch
+
+    def commit(self) -> None:
+        """Mark the current position as the one a checkpoint records (tensors are never changed in place)."""
+        self.saved = {
+            "generator": self.generator.get_state(), "prompt_order": self.prompt_order,
+            "prompt_cursor": self.prompt_cursor, "permutation": self.permutation, "position": self.position,
+            "round_samples": self.round_samples,
+        }
+
+    def state_dict(self) -> dict:
+        return dict(self.saved)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.prompt_order, self.prompt_cursor = state["prompt_order"], state["prompt_cursor"]
+        self.permutation, self.position = state["permutation"], state["position"]
+        self.round_samples = state["round_samples"]
+        self.commit()
+
+
+@torch.no_grad()
+def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eval_rows: dict, policy_queries: torch.Tensor,
+                    generation_config, reward_stats: Optional[Tuple[float, float]]):
+    """Sample the eval queries (policy_queries: with the DT prompt for dt), score them with the RM on the
+    ORIGINAL query (the reward prompt is an instruction to the policy, not part of the task), and build the
+    sample table in the contract's columns. reward_stats = the mixture's (mean, std), to also report the score
+    in the normalised units of the DT target."""
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    responses = sample_policy(accelerator, model, policy_queries, generation_config, tokenizer,
+                              args.local_rollout_batch_size, "evaluate")
+    queries = eval_rows["query_token"]
+    scores = score_responses(accelerator, reward_model, queries, responses, pad_token_id, args.local_rollout_batch_size, "evaluate: score")
+    has_eos = (responses == eos_token_id).any(1)
+    response_token_len = torch.clamp(first_true_indices(responses == eos_token_id) + 1, max=responses.size(1))
+    df = pd.DataFrame(
+        {
+            "query": [tokenizer.decode(q[q != pad_token_id], skip_special_tokens=True) for q in queries],
+            "response": tokenizer.batch_decode(responses, skip_special_tokens=True),
+            "reference": eval_rows["reference_response"],
+            "score": scores.tolist(),
+            "response_token_len": response_token_len.tolist(),
+            "has_eos": has_eos.tolist(),
+        }
+    )
+    metrics = {
+        "score_mean": float(scores.mean()),
+        "eos_rate": float(has_eos.float().mean()),
+        "response_token_len_mean": float(response_token_len.float().mean()),
+        "num_samples": len(df),
+    }
+    if reward_stats is not None:
+        metrics["score_normalized_mean"] = float(((scores - reward_stats[0]) / reward_stats[1]).mean())
+    return metrics, df
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+        output_hidden_states=True,
+    )
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Reward of a (left-padded query + right-padded response) batch.
+
+    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
+    of the response (the last token when there is no pad). Returns the per-token reward
+    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
+    ).last_hidden_state  # (B, T, d)
+    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
+    return reward_logits, rewards, sequence_lengths
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
+    """Sample continuations of LEFT-padded queries with the KV cache.
+
+    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
+    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    output = lm.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=generation_config,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+
+
+def load_offline_models(args: Args, tokenizer):
+    """The two models: the policy (the SFT model, which also writes the mixture's new responses) and the frozen
+    reward model that labels every sample. There is no reference model: none of these losses has a KL term."""
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        trust_remote_code=args.trust_remote_code,
+    )
+    for model in (policy, reward_model):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if model.config.vocab_size < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+        if args.disable_dropout:
+            disable_dropout(model)
+    return policy, reward_model
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    # ---------------- processes, batch arithmetic and precision ----------------
+    processes = start_processes()  # first: the accumulation steps depend on the number of processes
+    args.world_size = processes.num_processes
+    args.gradient_accumulation_steps = exact_div(
+        args.total_batch_size,
+        args.local_micro_batch_size * args.world_size,
+        "total_batch_size / (local_micro_batch_size * world_size)",
+    )
+    check_offline_flags(args)
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
+    )
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # mixture draw, weights and data order: the same on every process
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per process
+
+    # ---------------- tokenizer and models ----------------
+    tokenizer = load_offline_tokenizer(args)  # Detail 3: [PAD] distinct from EOS
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
+    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
+    policy, reward_model = load_offline_models(args, tokenizer)
+    reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
+    # the policy samples the mixture before it trains: it goes through accelerator.prepare first, because under
+    # ZeRO-3 its weights are already partitioned and only a DeepSpeed engine gathers them for a forward
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps)
+    model, optimizer = accelerator.prepare(policy, optimizer)
+    torch.manual_seed(local_seed)  # generation (mixture, best-of-n, evaluation) differs across processes
+
+    # ---------------- data ----------------
+    sft_train, eval_dataset = load_offline_data(args, tokenizer)
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+
+    # ---------------- step 1: the labelled mixture (best-of-n samples its own data in step 2) ----------------
+    costs = {"generation_s": 0.0, "labelling_s": 0.0, "training_s": 0.0}  # wall seconds per stage (Table 3)
+    summary, reward_stats, mixture_stats = {}, None, {}
+    if args.method == "best_of_n":
+        samples_per_round = args.bon_num_prompts  # one selected response per prompt and round
+    else:
+        # build_mixture, or its cached copy: filter, rwr and dt with the same mixture flags share one labelling pass
+        mixture, mixture_stats = load_or_build_mixture(args, accelerator, model, reward_model, tokenizer)
+        summary.update(mixture_stats)
+        # the cost of building the mixture is paid once and shared; it is counted for every method (Table 3)
+        costs["generation_s"] += mixture_stats["mixture/generation_s"]
+        costs["labelling_s"] += mixture_stats["mixture/labelling_s"]
+        reward_stats = (mixture_stats["mixture/raw_reward_mean"], mixture_stats["mixture/raw_reward_std"])
+        if args.method == "filter":  # eq. 4: only the samples above the threshold are trained on
+            mixture, filter_stats = filter_mixture(args, accelerator, mixture)
+            summary.update(filter_stats)
+        samples_per_round = len(mixture)
+    episodes_per_round = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * samples_per_round
+    updates_per_round = episodes_per_round // args.total_batch_size
+    check_round_size(args, samples_per_round, episodes_per_round, updates_per_round, len(sft_train))
+    num_updates = updates_per_round * args.iterations
+
+    # ---------------- schedule, data order and resume ----------------
+    scheduler = offline_lr_schedule(optimizer, args.scheduler, num_updates)  # over the updates of every iteration
+    # every shuffle of step 2 comes from one generator seeded like the rest of the run (the same on every process)
+    data_order = OfflineDataOrder(args.seed, len(sft_train))
+    # saved and restored with the model and optimizer: the schedule and the data position
+    accelerator.register_for_checkpointing(scheduler)
+    accelerator.register_for_checkpointing(data_order)
+    # the running counters; --resume takes them from the checkpoint, whose run must share the flags that fix the
+    # number of updates and the data order
+    state = run.start({"update": 0, "train_tokens": 0, "last_loss": float("nan"), "costs": costs, "round_summary": {}},
+                      num_updates=num_updates, method=args.method, iterations=args.iterations,
+                      total_batch_size=args.total_batch_size, world_size=args.world_size)
+    start_update, train_tokens, last_loss = state["update"], state["train_tokens"], state["last_loss"]
+    costs = state["costs"]  # a resumed run goes on counting from the interrupted run's costs
+    round_summary = state["round_summary"]  # best-of-n's per-iteration metrics of the rounds done so far
+
+    def log(step: int, metrics: dict) -> None:
+        run.log(step, {"episode": step * args.total_batch_size, **metrics})
+
+    if mixture_stats and start_update == 0:
+        log(0, mixture_stats)  # a resumed run kept this line of metrics.jsonl
+
+    # ---------------- evaluation (step 3): the first num_eval_samples rows of the eval split ----------------
+    eval_rows = offline_eval_rows(args, eval_dataset)
+    eval_config = offline_generation_config(args.response_length, args.eval_temperature, pad_token_id)
+
+    def run_evaluation(step: int, final: bool) -> dict:
+        # dt: the final evaluation visits every target of --dt_eval_targets (Table 1) and --dt_target; the
+        # main table (samples.csv) is the one at --dt_target. Other methods have one prompt, no target.
+        if args.method != "dt":
+            targets = [None]
+        else:
+            targets = list(dict.fromkeys([args.dt_target, *args.dt_eval_targets])) if final else [args.dt_target]
+        out = {}
+        for target in targets:
+            # dt: the same prompt builder as in training, with the target reward in the prompt
+            queries = eval_rows["query_token"] if target is None else dt_queries(
+                tokenizer, eval_rows["query"], [target] * len(eval_rows["query"]), pad_token_id)
+            raw_metrics, df = evaluate_policy(args, accelerator, model, reward_model, tokenizer, eval_rows, queries,
+                                              eval_config, reward_stats)
+            metrics = write_offline_evaluation(args, run, step, target, final, raw_metrics, df)
+            out.update(metrics)
+            log(step, metrics)
+        return out
+
+    # ---------------- step 2: training rounds (one; --iterations for best_of_n) ----------------
+    model.train()
+    local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    progress = tqdm(total=num_updates, initial=start_update, disable=not accelerator.is_main_process,
+                    desc=f"offline_rl {args.method}")
+    update = start_update
+
+    def trainer_state() -> dict:
+        """What a resumed run needs besides accelerate's state (models, optimizer, schedule, data order, RNG)."""
+        return {"train_tokens": train_tokens, "last_loss": last_loss, "costs": dict(costs),
+                "round_summary": dict(round_summary)}
+
+    last_good = trainer_state()  # the counters after the last completed update
+    # a run resumed in the middle of a round goes on with that round's samples and permutation (data_order)
+    first_iteration, resume_in_round = divmod(start_update, updates_per_round)
+    try:
+        for iteration in range(first_iteration, args.iterations):
+            resumed_round = iteration == first_iteration and resume_in_round > 0
+            # (a) the samples of this round: (queries (N, W) left-padded, responses (N, Tr) right-padded, rewards (N,))
+            if args.method == "best_of_n" and resumed_round:
+                queries, responses, rewards = data_order.round_samples  # sampled before the interruption
+            elif args.method == "best_of_n":
+                # rejection sampling from the current policy: n candidates per prompt, the RM's best is kept
+                rows = data_order.next_prompts(args.bon_num_prompts)
+                queries = torch.tensor(sft_train.select(rows)["query_token"], dtype=torch.long)
+                candidates, scores = best_of_n_candidates(args, accelerator, model, reward_model, tokenizer, queries,
+                                                          costs, f"best_of_n {iteration + 1}/{args.iterations}")
+                # a NaN/inf RM score would decide which sample is kept: stop before training on this round
+                run.guard(update + 1, **{"best_of_n/scores": scores})
+                responses, rewards, _ = best_of_n_select(scores, candidates, args.n)
+                data_order.new_round((queries, responses, rewards))
+                round_metrics = {
+                    "best_of_n/score_mean_all": scores.mean().item(),
+                    "best_of_n/score_mean_best": rewards.mean().item(),
+                    "best_of_n/eos_rate_best": (responses == eos_token_id).any(1).float().mean().item(),
+                    "best_of_n/iteration": iteration + 1,
+                }
+                round_summary.update({f"{k}_iter{iteration + 1}": v for k, v in round_metrics.items() if k != "best_of_n/iteration"})
+                # logged at the round's first update: a step after any checkpoint taken before the round, so a
+                # resumed run neither keeps a stale copy of this line nor writes it twice
+                log(update + 1, round_metrics)
+                accelerator.print(f"[best_of_n] iteration {iteration + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
+            else:
+                queries, responses, rewards = mixture_samples(args, mixture, tokenizer)  # dt: with the reward prompt
+                if not resumed_round:
+                    data_order.new_round()
+
+            # (b) the updates of this round: every process draws the same permutation (a new one each pass over the
+            # samples) and reads its share of each batch
+            for _ in range(resume_in_round if resumed_round else 0, updates_per_round):
+                global_batch = data_order.next_batch(queries.size(0), args.total_batch_size)
+                batch_weights = loss_weights(args, rewards[global_batch])  # eq. 4-6, over the whole update batch
+                if args.method == "rwr":  # non-finite guard: a NaN/inf weight would scale this update's gradient
+                    run.guard(update + 1, **{"train/rwr_weights": batch_weights})
+                local_slice = slice(accelerator.process_index * local_batch_size, (accelerator.process_index + 1) * local_batch_size)
+                local_batch, local_weights = global_batch[local_slice], batch_weights[local_slice]
+                update_start = time.time()
+                stats = torch.zeros(3, device=accelerator.device)  # loss sum, micro-batches, input tokens (non-pad)
+                for micro in range(0, local_batch_size, args.local_micro_batch_size):
+                    micro_rows = local_batch[micro : micro + args.local_micro_batch_size]
+                    query, response = trim_columns(queries[micro_rows], responses[micro_rows], pad_token_id)
+                    query_responses = torch.cat((query, response), 1).to(accelerator.device)
+                    labels = response_labels(query_responses, query.size(1), pad_token_id)  # the response tokens only
+                    weights = local_weights[micro : micro + args.local_micro_batch_size].to(accelerator.device)
+                    with accelerator.accumulate(model):
+                        loss, _ = weighted_response_loss(model, query_responses, labels, weights, pad_token_id)
+                        # non-finite guard: checked before backward, so the weights never see it
+                        run.guard(update + 1, **{"train/loss": loss})
+                        accelerator.backward(loss)
+                        optimizer.step()  # a no-op until the last micro-batch of the update
+                        optimizer.zero_grad()
+                    stats += torch.stack([loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()])
+                scheduler.step()
+                costs["training_s"] += time.time() - update_start
+                loss_stats = accelerator.reduce(stats, reduction="sum")
+                update += 1
+                train_tokens += int(loss_stats[2])
+                last_loss = (loss_stats[0] / loss_stats[1]).item()  # mean over every micro-batch of the update
+                metrics = {
+                    "train/loss": last_loss,
+                    "train/lr": scheduler.get_last_lr()[0],
+                    "train/tokens_per_s": train_tokens / costs["training_s"],
+                    "train/weight_max": batch_weights.max().item(),
+                    "train/reward_mean": rewards[global_batch].mean().item(),
+                }
+                progress.update(1)
+                progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+                log(update, metrics)
+                if args.eval_every > 0 and update % args.eval_every == 0 and update != num_updates:
+                    run_evaluation(update, final=False)
+                data_order.commit()
+                last_good = trainer_state()
+                if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
+                    run.checkpoint(update, last_good)
+    except NonFiniteError:
+        keep_last_good_checkpoint(run, accelerator, update, last_good)
+        raise
+    progress.close()
+
+    # ---------------- step 3: final evaluation, costs (Table 3), model ----------------
+    eval_start = time.time()
+    summary.update(round_summary)
+    summary.update(run_evaluation(num_updates, final=True))
+    summary.update(
+        {
+            "train/loss": last_loss,
+            "train/tokens": train_tokens,
+            "train/updates": num_updates,
+            "train/samples_per_round": samples_per_round,
+            "cost/generation_s": costs["generation_s"],
+            "cost/labelling_s": costs["labelling_s"],
+            "cost/training_s": costs["training_s"],
+            "cost/total_s": costs["generation_s"] + costs["labelling_s"] + costs["training_s"],
+            "cost/evaluation_s": time.time() - eval_start,
+            "wall_time_s": time.time() - start_time,
+        }
+    )
+    save_offline_model(args, accelerator, model, tokenizer)
+    run.finish(summary)
+    if accelerator.is_main_process and args.push_to_hub:
+        push_offline_model(args)
+    accelerator.print(json.dumps(summary, indent=2))
+    return summary
+
+
+# =============================================================================================
+# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
+# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
+# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
+# =============================================================================================
+
+
+def check_offline_flags(args: Args) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    if args.iterations < 1:
+        raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
+    if args.method != "best_of_n" and args.iterations != 1:
+        raise ValueError("--iterations > 1 re-samples from the updated policy: only --method best_of_n does that")
+    if args.rwr_beta <= 0 or args.rwr_max_weight <= 0:
+        raise ValueError("--rwr_beta and --rwr_max_weight must be positive")
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+
+
+def load_offline_tokenizer(args: Args):
+    """The SFT model's tokenizer with a [PAD] distinct from EOS (Detail 3)."""
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: a pad distinct from EOS
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a "
+            "distinct pad token, or the EOS is masked out of the loss and the model never learns to stop. Save the "
+            "tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and "
+            "prepare the data with it"
+        )
+    return tokenizer
+
+
+def load_offline_data(args: Args, tokenizer):
+    """The SFT train and eval splits, and for the mixture methods the preference split (read again when the mixture
+    is built): each is checked for the columns it is read for and for the tokenizer that made it, before the
+    output folder is claimed. Returns the train and eval splits."""
+    sft_train = load_split(args.query_dataset, args.train_split)
+    check_columns(sft_train, TRAIN_COLUMNS["best_of_n" if args.method == "best_of_n" else "mixture"],
+                  f"{args.query_dataset} split {args.train_split!r}")
+    eval_dataset = load_split(args.query_dataset, args.eval_split)
+    check_columns(eval_dataset, EVAL_COLUMNS, f"{args.query_dataset} split {args.eval_split!r}")
+    for split, dataset in ((args.train_split, sft_train), (args.eval_split, eval_dataset)):
+        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
+    if args.method != "best_of_n":  # the mixture reads the preference responses (when it is not cached yet)
+        preference = load_split(args.preference_dataset, args.preference_split)
+        check_preference_columns(preference, args)
+        check_data_tokenizer(preference, tokenizer, args.sft_model_path,
+                             f"{args.preference_dataset} split {args.preference_split!r}")
+    return sft_train, eval_dataset
+
+
+# the columns each split is read for (check_columns runs on every split before it is used)
+TRAIN_COLUMNS = {"mixture": ["query_token", "query", "reference_response_token"], "best_of_n": ["query_token"]}
+PREFERENCE_COLUMNS = ["query", "query_token", "chosen", "rejected", "chosen_token", "rejected_token",
+                      "chosen_token_len", "rejected_token_len"]
+EVAL_COLUMNS = ["query", "query_token", "reference_response"]
+
+
+def check_preference_columns(preference, args: Args) -> None:
+    """check_columns for the preference split the mixture reads. query_token may mix query lengths (build_mixture
+    leaves rows of another length out), so only its presence is checked; the response columns must have one length."""
+    where = f"{args.preference_dataset} split {args.preference_split!r}"
+    check_columns(preference, [c for c in PREFERENCE_COLUMNS if c != "query_token"], where)
+    if "query_token" not in preference.column_names:
+        check_columns(preference, ["query_token"], where)  # raises the missing-column error
+
+
+def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
+    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
+    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
+    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(reward_model_path) and not any(
+        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
+    ):
+        raise ValueError(
+            f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
+            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
+            f"into that folder (tokenizer.save_pretrained), as reward.py does"
+        )
+    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
+    if rm_tokenizer.pad_token is None:
+        rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
+    problems = []
+    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
+    if policy_vocab != rm_vocab:
+        # name one token that differs, so the user sees what kind of mismatch it is
+        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
+        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
+        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
+    for name in ("pad_token_id", "eos_token_id"):
+        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
+            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
+    if problems:
+        raise ValueError(
+            f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
+            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
+            f"it was not trained on and score noise. Train the reward model from this SFT model "
+            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
+        )
+
+
+def check_round_size(args: Args, samples_per_round: int, episodes_per_round: int, updates_per_round: int,
+                     num_prompts: int) -> None:
+    """A round must fill at least one update batch (best-of-n: with prompts of the train split)."""
+    if args.method == "best_of_n" and samples_per_round > num_prompts:
+        raise ValueError(f"--bon_num_prompts {samples_per_round} > {num_prompts} prompts in {args.train_split}")
+    if updates_per_round == 0:
+        raise ValueError(f"{episodes_per_round} training samples do not fill one update of {args.total_batch_size}")
+    if samples_per_round < args.total_batch_size:
+        raise ValueError(f"{samples_per_round} training samples are fewer than one batch of {args.total_batch_size}")
+
+
+def fingerprint(path: str) -> str:
+    """What identifies a model or dataset for the cache: a local folder's file names, sizes and modification
+    times (so a retrained model at the same path invalidates the cache), or the hub name itself."""
+    if not os.path.isdir(path):
+        return path
+    entries = []
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            stat = os.stat(os.path.join(root, name))
+            entries.append(f"{os.path.relpath(os.path.join(root, name), path)}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
+
+
+def mixture_key(args: Args) -> dict:
+    """Every argument the mixture depends on; a cached mixture is reused only when all of them match."""
+    def where(path: str) -> str:  # a local folder by its absolute path, a hub name as it is
+        return os.path.abspath(path) if os.path.isdir(path) else path
+
+    return {
+        "sft_model_path": where(args.sft_model_path),
+        "sft_model_fingerprint": fingerprint(args.sft_model_path),
+        "reward_model_path": where(args.reward_model_path),
+        "reward_model_fingerprint": fingerprint(args.reward_model_path),
+        "query_dataset": where(args.query_dataset),
+        "query_dataset_fingerprint": fingerprint(args.query_dataset),
+        "preference_dataset": where(args.preference_dataset),
+        "preference_dataset_fingerprint": fingerprint(args.preference_dataset),
+        "train_split": args.train_split,
+        "preference_split": args.preference_split,
+        "response_length": args.response_length,
+        "mixture_size": args.mixture_size,
+        "mixture_weights": list(args.mixture_weights),
+        "mixture_temperature": args.mixture_temperature,
+        "non_eos_penalty": args.non_eos_penalty,
+        "penalty_reward_value": args.penalty_reward_value,
+        "seed": args.seed,
+    }
+
+
+def load_or_build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> Tuple[Dataset, dict]:
+    """The cached mixture when its recorded arguments match, else a fresh one (saved by the main process)."""
+    key = mixture_key(args)
+    folder = os.path.join(args.cache_dir, "mixture_" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16])
+    meta_path = os.path.join(folder, "meta.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta["args"] == key:
+            accelerator.print(f"[mixture] reusing {folder}")
+            return load_from_disk(os.path.join(folder, "dataset")), {**meta["stats"], "mixture/cache_hit": 1}
+        accelerator.print(f"[mixture] {folder} was built with other arguments; rebuilding it")
+    dataset, stats = build_mixture(args, accelerator, policy, reward_model, tokenizer)
+    if accelerator.is_main_process:
+        os.makedirs(folder, exist_ok=True)
+        dataset.save_to_disk(os.path.join(folder, "dataset"))
+        with open(meta_path, "w") as f:  # written last: its presence marks a complete cache
+            json.dump({"args": key, "stats": stats}, f, indent=2)
+    accelerator.wait_for_everyone()
+    return dataset, {**stats, "mixture/cache_hit": 0}
+
+
+def local_rows(num_rows: int, accelerator) -> list:
+    """This process's contiguous share of row indices. Shares are equal in size (the last row is repeated to
+    fill them), so every process runs the same number of generate calls; gather_rows drops the repeats."""
+    per_process = math.ceil(num_rows / accelerator.num_processes)
+    indices = list(range(num_rows)) + [num_rows - 1] * (per_process * accelerator.num_processes - num_rows)
+    return indices[accelerator.process_index * per_process : (accelerator.process_index + 1) * per_process]
+
+
+def gather_rows(pairs: list, num_rows: int) -> list:
+    """Inverse of local_rows: (row index, value) pairs from every process -> the values in row order."""
+    by_row = {}
+    for row, value in gather_object(pairs):
+        by_row.setdefault(row, value)
+    if len(by_row) != num_rows:
+        raise RuntimeError(f"gathered {len(by_row)} rows, expected {num_rows}")
+    return [by_row[i] for i in range(num_rows)]
+
+
+def offline_eval_rows(args: Args, eval_dataset) -> dict:
+    """The first --num_eval_samples rows of the eval split (all of it for None): query texts, left-padded query
+    tokens (N, Tq) and reference summaries."""
+    num_eval = len(eval_dataset) if args.num_eval_samples is None else min(args.num_eval_samples, len(eval_dataset))
+    eval_subset = eval_dataset.select(range(num_eval))
+    return {
+        "query": eval_subset["query"],
+        "query_token": torch.tensor(eval_subset["query_token"], dtype=torch.long),
+        "reference_response": eval_subset["reference_response"],
+    }
+
+
+def write_offline_evaluation(args: Args, run, step: int, target: Optional[float], final: bool, raw_metrics: dict,
+                             df: pd.DataFrame) -> dict:
+    """Write one evaluation table (dt: the one at `target`) and return its metrics under their logged names. The
+    table at --dt_target (every method's only table) goes to samples/step_N.csv, at the end also to samples.csv; dt's
+    final tables also to samples_target_T.csv. Its first rows go to TensorBoard and the console."""
+    main_table = target is None or target == args.dt_target
+    metrics = {f"eval/{k}": v for k, v in raw_metrics.items()} if main_table else {}
+    if target is not None and final:
+        metrics.update({f"eval/target_{target:+.1f}/{k}": v for k, v in raw_metrics.items()})
+    if main_table:
+        run.save_table(df, f"samples/step_{step:06d}.csv")
+        if final:
+            run.save_table(df, "samples.csv")
+    if target is not None and final:
+        run.save_table(df, f"samples_target_{target:+.1f}.csv")
+    name = "eval" if target is None else f"eval/target_{target:+.1f}"
+    table = df.head(args.num_table_samples)[["query", "response", "reference", "score"]]
+    run.log_text(f"{name}/samples", markdown_rows(table), step)
+    if run.main:
+        for row in table.itertuples(index=False):
+            tqdm.write(f"[{name} step {step}] query: ...{row.query[-120:]!r}\n  response: {row.response!r}  score {row.score:.3f}")
+        tqdm.write(f"[{name} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in raw_metrics.items()))
+    return metrics
+
+
+def markdown_rows(df: pd.DataFrame) -> str:
+    """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    for row in df.itertuples(index=False):
+        lines.append("| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |")
+    return "\n".join(lines)
+
+
+def keep_last_good_checkpoint(run, accelerator, update: int, last_good: dict) -> None:
+    """After the non-finite guard fired in update + 1. Every guard runs before the backward / optimizer step that
+    would use the value, so the weights on hand are those after `update` (the last completed update); data_order
+    and the counters are saved as of that update too (commit), so the poisoned update is never applied or saved."""
+    run.checkpoint(update, last_good)
+    accelerator.print(f"non-finite value at update {update + 1}; last good checkpoint: {run.latest_checkpoint()}")
+
+
+def save_offline_model(args: Args, accelerator, model, tokenizer) -> None:
+    """save_pretrained (safetensors) of the aligned policy and its tokenizer in --output_dir."""
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(args.output_dir)
+
+
+def push_offline_model(args: Args) -> None:
+    """--push_to_hub: upload --output_dir (None -> f"{sft model name}__{exp_name}__{method}__{seed}")."""
+    hub_model_id = args.hub_model_id or (
+        f"{os.path.basename(args.sft_model_path.rstrip('/'))}__{args.exp_name}__{args.method}__{args.seed}"
+    )
+    api = HfApi()
+    api.create_repo(hub_model_id, exist_ok=True)
+    api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+
+
+# ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+class Run:
+    """Everything a training run keeps on disk besides the model, behind one small interface:
+
+        run = Run(args, accelerator)          # the run's name and its folder {run_dir_root}/{run_name}
+        run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
+        state = run.start(state, **shape)     # --resume: restore the latest checkpoint; then open the logs
+        run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
+        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
+        run.save_table(frame, "samples.csv")  # a CSV in the run folder
+        run.checkpoint(update, state)         # atomic, resumable checkpoint
+        run.finish(summary)                   # summary.json, close the logs
+
+    `state` is the script's own trainer state (data position, running counters); accelerate's save_state
+    holds the rest (prepared models, optimizers, registered objects, RNG states). `shape` names what a
+    checkpoint must share with the flags of a resumed run (e.g. num_updates)."""
+
+    def __init__(self, args, accelerator):
+        self.args, self.accelerator = args, accelerator
+        args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
+        self.dir = os.path.join(args.run_dir_root, args.run_name)
+        self.main = accelerator.is_main_process
+        self.shape, self.writer = {}, None
+
+    def claim_output_dir(self) -> None:
+        claim_output_dir(self.accelerator, self.args.output_dir, self.args.run_name,
+                         self.args.overwrite_output_dir or self.args.resume)
+
+    def start(self, state: dict, **shape) -> dict:
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`."""
+        self.shape = shape
+        if self.args.resume:
+            state = load_checkpoint(self.accelerator, self.dir)
+            found = {key: state.get(key) for key in shape}
+            if found != shape:
+                raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
+                                 "resume with the flags of the original run")
+        elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
+            shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
+        if self.main:
+            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+            config = asdict(self.args)  # with the derived fields filled in
+            with open(os.path.join(self.dir, "args.json"), "w") as f:
+                json.dump(config, f, indent=2)
+            if self.args.track:
+                import wandb
+
+                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                           config=config, name=self.args.run_name, save_code=True)
+            # a resumed run drops what the interrupted run logged after its checkpoint (TensorBoard's purge_step,
+            # start_metrics_file), so its logs match an uninterrupted run's
+            resumed_at = state.get("update", 0) if self.args.resume else 0
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.args.resume else None)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+                f"|{key}|{value}|" for key, value in config.items()))
+            start_metrics_file(os.path.join(self.dir, "metrics.jsonl"), resumed_at)
+        return state
+
+    def guard(self, update: int, **quantities: torch.Tensor) -> None:
+        check_finite(self.accelerator, update, **quantities)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.main:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        if self.main:
+            self.writer.add_text(tag, text, step)
+
+    def save_table(self, frame, name: str) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.dir, name), index=False)
+
+    def checkpoint(self, update: int, state: dict) -> str:
+        return save_checkpoint(self.accelerator, self.dir, update, {**self.shape, **state, "update": update}, self.args.checkpoint_keep)
+
+    def latest_checkpoint(self) -> Optional[str]:
+        return latest_checkpoint(self.dir)
+
+    def finish(self, summary: dict) -> None:
+        if self.main:
+            with open(os.path.join(self.dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+            self.writer.close()
+            if self.args.track:
+                import wandb
+
+                wandb.finish()
+
+
 def start_processes() -> PartialState:
     """Join the run's process group before anything reads the process count. accelerate picks a
     communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
@@ -369,87 +1509,6 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
             )
 
 
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Per row, the index of the first True; the row length when the row has no True."""
-    row_len = bools.size(-1)
-    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
-    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
-    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
-    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
-    functionally from a float attribute of the attention module; those are zeroed too."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "attn_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
-    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
-    left-padded query gets the same positions as an unpadded one (Detail 14)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        return_dict=True,
-        output_hidden_states=True,
-    )
-
-
-def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
-    """Reward of a (left-padded query + right-padded response) batch.
-
-    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
-    of the response (the last token when there is no pad). Returns the per-token reward
-    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
-    ).last_hidden_state  # (B, T, d)
-    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
-    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
-    return reward_logits, rewards, sequence_lengths
-
-
-def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
-    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
-    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
-    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
-    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
-
-
-def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
-    """Sample continuations of LEFT-padded queries with the KV cache.
-
-    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
-    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
-    context_length = queries.size(1)
-    attention_mask = queries != pad_token_id
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    output = lm.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=generation_config,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
-
-
-# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
 class NonFiniteError(RuntimeError):
     """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
 
@@ -564,916 +1623,6 @@ def start_metrics_file(path: str, resume_update: int) -> None:
         kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
     with open(path, "w") as f:
         f.writelines(kept)
-
-
-def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
-    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
-    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
-    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if os.path.isdir(reward_model_path) and not any(
-        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
-    ):
-        raise ValueError(
-            f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
-            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
-            f"into that folder (tokenizer.save_pretrained), as reward.py does"
-        )
-    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
-    if rm_tokenizer.pad_token is None:
-        rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
-    problems = []
-    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
-    if policy_vocab != rm_vocab:
-        # name one token that differs, so the user sees what kind of mismatch it is
-        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
-        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
-        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
-    for name in ("pad_token_id", "eos_token_id"):
-        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
-            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
-    if problems:
-        raise ValueError(
-            f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
-            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
-            f"it was not trained on and score noise. Train the reward model from this SFT model "
-            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Offline-RL pieces (names kept unique to this script)
-# ---------------------------------------------------------------------------------------------
-def offline_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
-    """Detail 23: exactly response_length new tokens. `eos_token_id=[]` turns off stopping at EOS while EOS
-    stays an ordinary token that can be chosen (`min_new_tokens` would forbid it). temperature 0 means
-    greedy decoding (the seed generates its mixture greedily); otherwise pure sampling (top_k 0, top_p 1)."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if temperature == 0:
-        return GenerationConfig(max_new_tokens=response_length, do_sample=False, eos_token_id=[], pad_token_id=pad_token_id)
-    return GenerationConfig(
-        max_new_tokens=response_length,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        do_sample=True,
-        eos_token_id=[],
-        pad_token_id=pad_token_id,
-    )
-
-
-def offline_lr_schedule(optimizer, kind: str, num_updates: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """No warm-up; cosine decays to 0 as 0.5 * (1 + cos(pi * t / T)), linear as 1 - t / T, constant stays.
-    The same curves as transformers.get_scheduler, written out because importing it loads peft (~10 s per run)."""
-    curves = {
-        "cosine": lambda t: 0.5 * (1.0 + math.cos(math.pi * min(t, num_updates) / num_updates)),
-        "linear": lambda t: max(0.0, 1.0 - t / num_updates),
-        "constant": lambda t: 1.0,
-    }
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, curves[kind])
-
-
-def filter_weights(rewards: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Eq. 4 (MLE with filtering): weight 1 for a sample whose normalised reward is above the threshold, else 0."""
-    return (rewards > threshold).float()
-
-
-def rwr_weights(rewards: torch.Tensor, beta: float, max_weight: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 5 (reward-weighted regression): the raw weight exp(R / beta) of every sample of an update batch,
-    and the weight actually used.
-
-    Our choice (the seed leaves it open): the raw weights are divided by their mean over the update batch
-    (self-normalisation: the batch gradient keeps the scale of plain SFT whatever the reward offset, and the
-    loss is the same function of relative weights as eq. 5 within the batch), then clipped at max_weight so
-    that no single sample carries more than max_weight samples' share. With z-normalised rewards and beta = 5
-    the raw weights lie in about [0.5, 2] and the clip rarely binds; it matters for small beta. The exp is
-    computed after subtracting the batch maximum, which cancels in the ratio and cannot overflow."""
-    raw = torch.exp(rewards / beta)
-    shifted = torch.exp((rewards - rewards.max()) / beta)
-    normalised = shifted / shifted.mean()
-    return raw, torch.clamp(normalised, max=max_weight)
-
-
-def dt_reward_prompt(score: float) -> str:
-    """Eq. 6: the reward prompt " <rm_score> a.b" (one decimal).
-
-    The ONLY place the template lives: training and inference both build their prompt here, so the two are
-    byte-identical (a public implementation builds them in two places that differ by one space, so its model
-    is evaluated on a prompt it never saw). The leading space separates it from the query's final "TL;DR:";
-    the response that follows starts with its own space (Detail 3). Rounding can give -0.0, which is written
-    as 0.0 so that one reward has one spelling. `<rm_score>` stays plain text, not a new special token: the
-    tokenizer, vocabulary and pad id stay those of the SFT model and the reward model (their token ids must
-    agree), and no untrained embedding row is added; the model learns the marker from its few subword pieces."""
-    value = round(float(score), 1) + 0.0  # + 0.0 turns -0.0 into 0.0
-    return f" <rm_score> {value:.1f}"
-
-
-def dt_query_tokens(tokenizer, query: str, score: float) -> list:
-    """Token ids of query + reward prompt, as seen at training (score = the sample's normalised reward) and at
-    inference (score = the target). The whole string is tokenized at once, in both cases."""
-    return tokenizer.encode(query + dt_reward_prompt(score))
-
-
-def dt_queries(tokenizer, queries: list, scores: list, pad_token_id: int) -> torch.Tensor:
-    """The DT prompts of a set of rows, left-padded to the longest: (N, W). Training passes each sample's own
-    normalised reward, inference the target reward; both go through dt_query_tokens."""
-    rows = [dt_query_tokens(tokenizer, query, score) for query, score in zip(queries, scores, strict=True)]
-    width = max(len(r) for r in rows)
-    return torch.tensor([[pad_token_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
-
-
-def response_labels(query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
-    """Next-token targets of a (left-padded query [+ reward prompt], right-padded response) batch: only the
-    response tokens and their EOS, -100 everywhere else (query, DT reward prompt, pads)."""
-    labels = query_responses.clone()
-    labels[:, :context_length] = -100
-    return labels.masked_fill(query_responses == pad_token_id, -100)
-
-
-def weighted_response_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                           pad_token_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """sum over samples i and target tokens t of w_i * (-log pi(x_t | x_<t)), divided by the number of target
-    tokens in the micro-batch (so w = 1 is the SFT token mean). Eq. 4: w = 1[R > t]; eq. 5: w = RWR weight;
-    eq. 6 and best-of-n: w = 1. Returns the loss and the per-sample mean token NLL (B,), for logging."""
-    logits = forward(model, query_responses, pad_token_id).logits[:, :-1].float()  # (B, T-1, V)
-    targets = labels[:, 1:]  # (B, T-1): token t is predicted at t - 1
-    mask = targets != -100
-    nll = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")  # (B, T-1)
-    nll = nll * mask
-    loss = (nll * weights.unsqueeze(1)).sum() / mask.sum()
-    return loss, nll.sum(1) / mask.sum(1).clamp(min=1)
-
-
-def best_of_n_select(scores: torch.Tensor, responses: torch.Tensor, n: int):
-    """Rejection sampling (OpenRLHF A.7): rows are grouped as n consecutive candidates per prompt; keep the
-    candidate with the highest RM score. Returns the kept responses (P, Tr), their scores (P,) and index (P,)."""
-    grouped = scores.view(-1, n)  # (P, n)
-    best = grouped.argmax(dim=1)  # (P,)
-    rows = torch.arange(grouped.size(0), device=scores.device) * n + best
-    return responses[rows], grouped.max(dim=1).values, best
-
-
-def trim_columns(queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int):
-    """Drop leading query columns and trailing response columns that are padding in every row (saves compute;
-    positions and masks come from the pads, so the loss and the rewards do not change)."""
-    query_real = (queries != pad_token_id).any(0)
-    first = int(first_true_indices(query_real.unsqueeze(0))[0]) if bool(query_real.any()) else queries.size(1)
-    response_real = (responses != pad_token_id).any(0)
-    last = int(response_real.nonzero().max()) + 1 if bool(response_real.any()) else 1
-    return queries[:, first:], responses[:, :last]
-
-
-def local_rows(num_rows: int, accelerator) -> list:
-    """This process's contiguous share of row indices. Shares are equal in size (the last row is repeated to
-    fill them), so every process runs the same number of generate calls; gather_rows drops the repeats."""
-    per_process = math.ceil(num_rows / accelerator.num_processes)
-    indices = list(range(num_rows)) + [num_rows - 1] * (per_process * accelerator.num_processes - num_rows)
-    return indices[accelerator.process_index * per_process : (accelerator.process_index + 1) * per_process]
-
-
-def gather_rows(pairs: list, num_rows: int) -> list:
-    """Inverse of local_rows: (row index, value) pairs from every process -> the values in row order."""
-    by_row = {}
-    for row, value in gather_object(pairs):
-        by_row.setdefault(row, value)
-    if len(by_row) != num_rows:
-        raise RuntimeError(f"gathered {len(by_row)} rows, expected {num_rows}")
-    return [by_row[i] for i in range(num_rows)]
-
-
-@torch.no_grad()
-def sample_policy(accelerator, model, queries: torch.Tensor, generation_config, tokenizer, batch_size: int, desc: str):
-    """Fixed-length responses (Detail 23) to left-padded queries (N, W), truncated after the first EOS:
-    (N, response_length), the same on every process."""
-    unwrapped = accelerator.unwrap_model(model)
-    was_training = unwrapped.training
-    unwrapped.eval()
-    indices = local_rows(queries.size(0), accelerator)
-    pairs = []
-    for start in tqdm(range(0, len(indices), batch_size), desc=desc, disable=not accelerator.is_main_process):
-        rows = indices[start : start + batch_size]
-        query = queries[rows]
-        query = query[:, int(first_true_indices((query != tokenizer.pad_token_id).any(0).unsqueeze(0))[0]) :]  # drop all-pad columns
-        query = query.to(accelerator.device)
-        query_response, _ = generate(unwrapped, query, tokenizer.pad_token_id, generation_config)
-        response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, query_response[:, query.size(1) :])
-        pairs += list(zip(rows, response.cpu().tolist()))
-    unwrapped.train(was_training)
-    return torch.tensor(gather_rows(pairs, queries.size(0)), dtype=torch.long)
-
-
-@torch.no_grad()
-def score_responses(accelerator, reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
-                    batch_size: int, desc: str) -> torch.Tensor:
-    """Raw RM score of every (left-padded query, right-padded response) row, read at the EOS (Detail 12): (N,)."""
-    indices = local_rows(queries.size(0), accelerator)
-    pairs = []
-    for start in tqdm(range(0, len(indices), batch_size), desc=desc, disable=not accelerator.is_main_process):
-        rows = indices[start : start + batch_size]
-        query, response = trim_columns(queries[rows], responses[rows], pad_token_id)
-        query_response = torch.cat((query, response), 1).to(accelerator.device)
-        _, score, _ = get_reward(reward_model, query_response, pad_token_id, query.size(1))
-        pairs += list(zip(rows, score.float().cpu().tolist()))
-    return torch.tensor(gather_rows(pairs, queries.size(0)), dtype=torch.float32)
-
-
-def fingerprint(path: str) -> str:
-    """What identifies a model or dataset for the cache: a local folder's file names, sizes and modification
-    times (so a retrained model at the same path invalidates the cache), or the hub name itself."""
-    if not os.path.isdir(path):
-        return path
-    entries = []
-    for root, _, files in sorted(os.walk(path)):
-        for name in sorted(files):
-            stat = os.stat(os.path.join(root, name))
-            entries.append(f"{os.path.relpath(os.path.join(root, name), path)}:{stat.st_size}:{stat.st_mtime_ns}")
-    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
-
-
-def mixture_key(args: Args) -> dict:
-    """Every argument the mixture depends on; a cached mixture is reused only when all of them match."""
-    def where(path: str) -> str:  # a local folder by its absolute path, a hub name as it is
-        return os.path.abspath(path) if os.path.isdir(path) else path
-
-    return {
-        "sft_model_path": where(args.sft_model_path),
-        "sft_model_fingerprint": fingerprint(args.sft_model_path),
-        "reward_model_path": where(args.reward_model_path),
-        "reward_model_fingerprint": fingerprint(args.reward_model_path),
-        "query_dataset": where(args.query_dataset),
-        "query_dataset_fingerprint": fingerprint(args.query_dataset),
-        "preference_dataset": where(args.preference_dataset),
-        "preference_dataset_fingerprint": fingerprint(args.preference_dataset),
-        "train_split": args.train_split,
-        "preference_split": args.preference_split,
-        "response_length": args.response_length,
-        "mixture_size": args.mixture_size,
-        "mixture_weights": list(args.mixture_weights),
-        "mixture_temperature": args.mixture_temperature,
-        "non_eos_penalty": args.non_eos_penalty,
-        "penalty_reward_value": args.penalty_reward_value,
-        "seed": args.seed,
-    }
-
-
-def mixture_counts(size: int, weights: Tuple[float, float, float]) -> Tuple[int, int, int]:
-    """Samples per source (references, preference responses, generated) for relative weights; sums to size."""
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--mixture_weights must be non-negative with a positive sum, got {weights}")
-    total = sum(weights)
-    num_references = round(size * weights[0] / total)
-    num_preference = round(size * weights[1] / total)
-    return num_references, num_preference, size - num_references - num_preference
-
-
-# the columns each split is read for (check_columns runs on every split before it is used)
-TRAIN_COLUMNS = {"mixture": ["query_token", "query", "reference_response_token"], "best_of_n": ["query_token"]}
-PREFERENCE_COLUMNS = ["query", "query_token", "chosen", "rejected", "chosen_token", "rejected_token",
-                      "chosen_token_len", "rejected_token_len"]
-EVAL_COLUMNS = ["query", "query_token", "reference_response"]
-
-
-def check_preference_columns(preference, args: Args) -> None:
-    """check_columns for the preference split the mixture reads. query_token may mix query lengths (build_mixture
-    leaves rows of another length out), so only its presence is checked; the response columns must have one length."""
-    where = f"{args.preference_dataset} split {args.preference_split!r}"
-    check_columns(preference, [c for c in PREFERENCE_COLUMNS if c != "query_token"], where)
-    if "query_token" not in preference.column_names:
-        check_columns(preference, ["query_token"], where)  # raises the missing-column error
-
-
-def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> Tuple[Dataset, dict]:
-    """Step 1 (the seed's step 3): draw the three sources, generate, label with the RM, z-normalise."""
-    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    num_references, num_preference, num_generated = mixture_counts(args.mixture_size, args.mixture_weights)
-    draw = torch.Generator().manual_seed(args.seed)
-    sft_train = load_split(args.query_dataset, args.train_split)
-    query_length = len(sft_train[0]["query_token"])
-    queries, query_texts, responses, sources = [], [], [], []
-
-    # (a) SFT references: " " + summary + EOS, right-padded to response_length
-    if num_references > len(sft_train):
-        raise ValueError(f"{num_references} references requested but {args.train_split} has {len(sft_train)} rows")
-    picked = sft_train.select(torch.randperm(len(sft_train), generator=draw)[:num_references].tolist())
-    for row in tqdm(picked, desc="mixture: references", disable=not accelerator.is_main_process):
-        if len(row["reference_response_token"]) != args.response_length:
-            raise ValueError(
-                f"--response_length {args.response_length} but {args.query_dataset} has responses of "
-                f"{len(row['reference_response_token'])} tokens"
-            )
-        queries.append(row["query_token"])
-        query_texts.append(row["query"])
-        responses.append(row["reference_response_token"])
-        sources.append("reference")
-
-    # (b) preference-pair responses, chosen and rejected. Left out: responses longer than response_length
-    # (the policy never writes them), queries of another length (e.g. CNN/DM rows), exact duplicates (a summary
-    # appears in several comparisons of the same post).
-    preference = load_split(args.preference_dataset, args.preference_split)  # its columns were checked in main
-    # the query length of every row, read from the Arrow column without decoding the rows
-    query_lengths = pyarrow.compute.list_value_length(preference.data.column("query_token")).to_pylist()
-    candidates, seen, dropped = [], set(), {"too_long": 0, "query_length": 0, "duplicate": 0}
-    columns = preference.select_columns(["query", "chosen", "rejected", "chosen_token_len", "rejected_token_len"])
-    for i, row in enumerate(tqdm(columns, desc="mixture: preference pool", disable=not accelerator.is_main_process)):
-        for side in ("chosen", "rejected"):
-            if query_lengths[i] != query_length:
-                dropped["query_length"] += 1
-            elif row[f"{side}_token_len"] > args.response_length:
-                dropped["too_long"] += 1
-            elif (row["query"], row[side]) in seen:
-                dropped["duplicate"] += 1
-            else:
-                seen.add((row["query"], row[side]))
-                candidates.append((i, side))
-    if num_preference > len(candidates):
-        raise ValueError(
-            f"{num_preference} preference responses requested but only {len(candidates)} usable ones exist "
-            f"(left out: {dropped}); lower --mixture_size or the preference weight"
-        )
-    chosen_rows = [candidates[j] for j in torch.randperm(len(candidates), generator=draw)[:num_preference].tolist()]
-    picked = preference.select([i for i, _ in chosen_rows])
-    for (_, side), row in zip(chosen_rows, tqdm(picked, desc="mixture: preference", disable=not accelerator.is_main_process)):
-        queries.append(row["query_token"])
-        query_texts.append(row["query"])
-        responses.append(row[f"{side}_token"][: args.response_length])  # the rest was padding
-        sources.append(side)
-
-    # (c) new responses of the SFT model on SFT prompts (greedy by default)
-    if num_generated > len(sft_train):
-        raise ValueError(f"{num_generated} generated responses requested but {args.train_split} has {len(sft_train)} prompts")
-    picked = sft_train.select(torch.randperm(len(sft_train), generator=draw)[:num_generated].tolist())
-    generation_time = 0.0
-    if num_generated > 0:
-        prompts = torch.tensor(picked["query_token"], dtype=torch.long)
-        config = offline_generation_config(args.response_length, args.mixture_temperature, pad_token_id)
-        start = time.time()
-        generated = sample_policy(accelerator, policy, prompts, config, tokenizer, args.local_rollout_batch_size, "mixture: generate")
-        generation_time = time.time() - start
-        queries += prompts.tolist()
-        query_texts += picked["query"]
-        responses += generated.tolist()
-        sources += ["generated"] * num_generated
-
-    # (d) label every (prompt, response) with the RM, then z-normalise over the mixture (the seed's Figure 5)
-    query_tensor = torch.tensor(queries, dtype=torch.long)
-    response_tensor = torch.tensor(responses, dtype=torch.long)
-    start = time.time()
-    raw = score_responses(accelerator, reward_model, query_tensor, response_tensor, pad_token_id,
-                          args.local_rollout_batch_size, "mixture: label")
-    labelling_time = time.time() - start
-    # a NaN/inf RM score would poison the normalisation of every reward: stop here, before anything is cached
-    check_finite(accelerator, 0, **{"mixture/raw_reward": raw})
-    has_eos = (response_tensor == eos_token_id).any(1)
-    if args.non_eos_penalty:
-        raw = torch.where(has_eos, raw, torch.full_like(raw, args.penalty_reward_value))
-    mean, std = raw.mean(), raw.std(unbiased=False)
-    if not std > 0:
-        raise ValueError("every mixture sample has the same reward; z-normalisation is undefined")
-    normalised = (raw - mean) / std
-    dataset = Dataset.from_dict(
-        {
-            "query": query_texts,
-            "query_token": queries,
-            "response_token": responses,
-            "source": sources,
-            "raw_reward": raw.tolist(),
-            "reward": normalised.tolist(),
-        }
-    )
-    stats = {
-        "mixture/size": len(dataset),
-        "mixture/num_references": num_references,
-        "mixture/num_preference": num_preference,
-        "mixture/num_generated": num_generated,
-        "mixture/preference_left_out_too_long": dropped["too_long"],
-        "mixture/preference_left_out_query_length": dropped["query_length"],
-        "mixture/preference_left_out_duplicate": dropped["duplicate"],
-        "mixture/raw_reward_mean": mean.item(),
-        "mixture/raw_reward_std": std.item(),
-        "mixture/eos_rate": has_eos.float().mean().item(),
-        "mixture/generation_s": generation_time,
-        "mixture/labelling_s": labelling_time,
-    }
-    for source in ("reference", "chosen", "rejected", "generated"):
-        selected = [r for r, s in zip(normalised.tolist(), sources) if s == source]
-        if selected:
-            stats[f"mixture/reward_mean_{source}"] = sum(selected) / len(selected)
-    return dataset, stats
-
-
-def load_or_build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> Tuple[Dataset, dict]:
-    """The cached mixture when its recorded arguments match, else a fresh one (saved by the main process)."""
-    key = mixture_key(args)
-    folder = os.path.join(args.cache_dir, "mixture_" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16])
-    meta_path = os.path.join(folder, "meta.json")
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta["args"] == key:
-            accelerator.print(f"[mixture] reusing {folder}")
-            return load_from_disk(os.path.join(folder, "dataset")), {**meta["stats"], "mixture/cache_hit": 1}
-        accelerator.print(f"[mixture] {folder} was built with other arguments; rebuilding it")
-    dataset, stats = build_mixture(args, accelerator, policy, reward_model, tokenizer)
-    if accelerator.is_main_process:
-        os.makedirs(folder, exist_ok=True)
-        dataset.save_to_disk(os.path.join(folder, "dataset"))
-        with open(meta_path, "w") as f:  # written last: its presence marks a complete cache
-            json.dump({"args": key, "stats": stats}, f, indent=2)
-    accelerator.wait_for_everyone()
-    return dataset, {**stats, "mixture/cache_hit": 0}
-
-
-class OfflineDataOrder:
-    """The data position of step 2, in a form accelerate's save_state / load_state carry
-    (register_for_checkpointing needs state_dict and load_state_dict).
-
-    One generator draws every shuffle of the run, the same on every process: best-of-n's prompt order (a new
-    one each time the prompts run out) and each round's permutation of its samples (a new one each pass).
-    `permutation` and `position` say which update batches of the current pass are used. For best-of-n the
-    round's samples themselves are kept too: they were sampled from the policy of that moment, so after a
-    resume they could not be drawn again; the mixture methods rebuild theirs from the cached mixture.
-
-    state_dict returns the state as of the last `commit()` (called after every completed update), so a
-    checkpoint written while an update is under way (the non-finite guard) holds the position after the last
-    good update, not the batch of the update that failed."""
-
-    def __init__(self, seed: int, num_prompts: int):
-        self.generator = torch.Generator().manual_seed(seed)
-        self.prompt_order, self.prompt_cursor = torch.randperm(num_prompts, generator=self.generator), 0
-        self.permutation, self.position = None, 0
-        self.round_samples = None  # best-of-n: (queries, responses, rewards) of the current round
-        self.commit()
-
-    def next_prompts(self, count: int) -> list:
-        """Best-of-n: the next `count` prompt rows; a new pass over the prompts is reshuffled."""
-        if self.prompt_cursor + count > self.prompt_order.numel():
-            self.prompt_order, self.prompt_cursor = torch.randperm(self.prompt_order.numel(), generator=self.generator), 0
-        rows = self.prompt_order[self.prompt_cursor : self.prompt_cursor + count].tolist()
-        self.prompt_cursor += count
-        return rows
-
-    def new_round(self, round_samples=None) -> None:
-        """A new set of training samples: its first permutation is drawn at its first batch."""
-        self.permutation, self.position, self.round_samples = None, 0, round_samples
-
-    def next_batch(self, num_samples: int, batch_size: int) -> torch.Tensor:
-        """Row indices of the next update batch (every process gets the same). A pass that cannot fill another
-        batch ends (its last incomplete batch is left out) and the next pass is reshuffled."""
-        if self.permutation is None or self.position == num_samples // batch_size:
-            self.permutation, self.position = torch.randperm(num_samples, generator=self.generator), 0
-        batch = self.permutation[self.position * batch_size : (self.position + 1) * batch_size]
-        self.position += 1
-        return batch
-
-    def commit(self) -> None:
-        """Mark the current position as the one a checkpoint records (tensors are never changed in place)."""
-        self.saved = {
-            "generator": self.generator.get_state(), "prompt_order": self.prompt_order,
-            "prompt_cursor": self.prompt_cursor, "permutation": self.permutation, "position": self.position,
-            "round_samples": self.round_samples,
-        }
-
-    def state_dict(self) -> dict:
-        return dict(self.saved)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-        self.prompt_order, self.prompt_cursor = state["prompt_order"], state["prompt_cursor"]
-        self.permutation, self.position = state["permutation"], state["position"]
-        self.round_samples = state["round_samples"]
-        self.commit()
-
-
-def markdown_rows(df: pd.DataFrame) -> str:
-    """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
-    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    for row in df.itertuples(index=False):
-        lines.append("| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |")
-    return "\n".join(lines)
-
-
-@torch.no_grad()
-def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eval_rows: dict, policy_queries: torch.Tensor,
-                    generation_config, reward_stats: Optional[Tuple[float, float]]):
-    """Sample the eval queries (policy_queries: with the DT prompt for dt), score them with the RM on the
-    ORIGINAL query (the reward prompt is an instruction to the policy, not part of the task), and build the
-    sample table in the contract's columns. reward_stats = the mixture's (mean, std), to also report the score
-    in the normalised units of the DT target."""
-    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    responses = sample_policy(accelerator, model, policy_queries, generation_config, tokenizer,
-                              args.local_rollout_batch_size, "evaluate")
-    queries = eval_rows["query_token"]
-    scores = score_responses(accelerator, reward_model, queries, responses, pad_token_id, args.local_rollout_batch_size, "evaluate: score")
-    has_eos = (responses == eos_token_id).any(1)
-    response_token_len = torch.clamp(first_true_indices(responses == eos_token_id) + 1, max=responses.size(1))
-    df = pd.DataFrame(
-        {
-            "query": [tokenizer.decode(q[q != pad_token_id], skip_special_tokens=True) for q in queries],
-            "response": tokenizer.batch_decode(responses, skip_special_tokens=True),
-            "reference": eval_rows["reference_response"],
-            "score": scores.tolist(),
-            "response_token_len": response_token_len.tolist(),
-            "has_eos": has_eos.tolist(),
-        }
-    )
-    metrics = {
-        "score_mean": float(scores.mean()),
-        "eos_rate": float(has_eos.float().mean()),
-        "response_token_len_mean": float(response_token_len.float().mean()),
-        "num_samples": len(df),
-    }
-    if reward_stats is not None:
-        metrics["score_normalized_mean"] = float(((scores - reward_stats[0]) / reward_stats[1]).mean())
-    return metrics, df
-
-
-def main(args: Args) -> dict:
-    start_time = time.time()
-    # ---- 1. processes, batch arithmetic and precision ----
-    state = start_processes()  # first: the accumulation steps depend on the number of processes
-    args.world_size = state.num_processes
-    args.gradient_accumulation_steps = exact_div(
-        args.total_batch_size,
-        args.local_micro_batch_size * args.world_size,
-        "total_batch_size / (local_micro_batch_size * world_size)",
-    )
-    if args.iterations < 1:
-        raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
-    if args.method != "best_of_n" and args.iterations != 1:
-        raise ValueError("--iterations > 1 re-samples from the updated policy: only --method best_of_n does that")
-    if args.rwr_beta <= 0 or args.rwr_max_weight <= 0:
-        raise ValueError("--rwr_beta and --rwr_max_weight must be positive")
-    if args.n < 1:
-        raise ValueError(f"--n must be >= 1, got {args.n}")
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
-    )
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    args.run_name = resolve_run_name(args)
-    run_dir = os.path.join(args.run_dir_root, args.run_name)
-
-    # ---- 2. seeding: mixture draw, weights and data order are the same on every process; sampling differs ----
-    set_seed(args.seed)
-    local_seed = args.seed + accelerator.process_index * 100003
-
-    # ---- 3. tokenizer and models ----
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: a pad distinct from EOS
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a "
-            "distinct pad token, or the EOS is masked out of the loss and the model never learns to stop. Save the "
-            "tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and "
-            "prepare the data with it"
-        )
-    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
-    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(
-        args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        trust_remote_code=args.trust_remote_code,
-    )
-    for model in (policy, reward_model):
-        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-        if model.config.vocab_size < len(tokenizer):
-            model.resize_token_embeddings(len(tokenizer))
-        if args.disable_dropout:
-            disable_dropout(model)
-    reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
-    # the policy samples the mixture before it trains: it goes through accelerator.prepare first, because under
-    # ZeRO-3 its weights are already partitioned and only a DeepSpeed engine gathers them for a forward
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps)
-    model, optimizer = accelerator.prepare(policy, optimizer)
-    torch.manual_seed(local_seed)  # generation (mixture, best-of-n, evaluation) differs across processes
-
-    # ---- 4. data: every split is checked for the columns it is read for before it is used ----
-    sft_train = load_split(args.query_dataset, args.train_split)
-    check_columns(sft_train, TRAIN_COLUMNS["best_of_n" if args.method == "best_of_n" else "mixture"],
-                  f"{args.query_dataset} split {args.train_split!r}")
-    eval_dataset = load_split(args.query_dataset, args.eval_split)
-    check_columns(eval_dataset, EVAL_COLUMNS, f"{args.query_dataset} split {args.eval_split!r}")
-    for split, dataset in ((args.train_split, sft_train), (args.eval_split, eval_dataset)):
-        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
-    if args.method != "best_of_n":  # the mixture reads the preference responses (when it is not cached yet)
-        preference = load_split(args.preference_dataset, args.preference_split)
-        check_preference_columns(preference, args)
-        check_data_tokenizer(preference, tokenizer, args.sft_model_path,
-                             f"{args.preference_dataset} split {args.preference_split!r}")
-    # claimed only now, so a run refused for bad input leaves no mark that would block the next attempt
-    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
-
-    # ---- 5. step 1: the training samples (the cached mixture, or best-of-n's first round) ----
-    costs = {"generation_s": 0.0, "labelling_s": 0.0, "training_s": 0.0}
-    summary, reward_stats, mixture_stats = {}, None, {}
-    if args.method == "best_of_n":
-        samples_per_round = args.bon_num_prompts
-        if samples_per_round > len(sft_train):
-            raise ValueError(f"--bon_num_prompts {samples_per_round} > {len(sft_train)} prompts in {args.train_split}")
-    else:
-        mixture, mixture_stats = load_or_build_mixture(args, accelerator, model, reward_model, tokenizer)
-        summary.update(mixture_stats)
-        # the cost of building the mixture is paid once and shared; it is counted for every method (Table 3)
-        costs["generation_s"] += mixture_stats["mixture/generation_s"]
-        costs["labelling_s"] += mixture_stats["mixture/labelling_s"]
-        reward_stats = (mixture_stats["mixture/raw_reward_mean"], mixture_stats["mixture/raw_reward_std"])
-        rewards = torch.tensor(mixture["reward"], dtype=torch.float32)
-        if args.method == "filter":
-            # Eq. 4. Samples at or below the threshold would only add zero-loss rows, so they are dropped here
-            # (the seed's filter run is also its cheapest, Table 3); the loss applies the same 0/1 weight anyway.
-            keep = (filter_weights(rewards, args.filter_threshold) > 0).nonzero().squeeze(1).tolist()
-            summary["filter/num_pass"] = len(keep)
-            summary["filter/pass_fraction"] = len(keep) / len(mixture)
-            sources = mixture["source"]
-            for source in ("reference", "chosen", "rejected", "generated"):
-                total = sum(s == source for s in sources)
-                if total:
-                    passed = sum(sources[i] == source for i in keep)
-                    summary[f"filter/pass_fraction_{source}"] = passed / total
-            accelerator.print(f"[filter] {len(keep)} of {len(mixture)} samples have normalised reward > {args.filter_threshold}")
-            mixture = mixture.select(keep)
-        samples_per_round = len(mixture)
-    episodes_per_round = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * samples_per_round
-    updates_per_round = episodes_per_round // args.total_batch_size
-    if updates_per_round == 0:
-        raise ValueError(f"{episodes_per_round} training samples do not fill one update of {args.total_batch_size}")
-    if samples_per_round < args.total_batch_size:
-        raise ValueError(f"{samples_per_round} training samples are fewer than one batch of {args.total_batch_size}")
-    num_updates = updates_per_round * args.iterations
-
-    # ---- 6. optimizer, schedule (over the updates of every iteration) and the data order ----
-    scheduler = offline_lr_schedule(optimizer, args.scheduler, num_updates)
-    # every shuffle of step 2 comes from one generator seeded like the rest of the run (the same on every process)
-    data_order = OfflineDataOrder(args.seed, len(sft_train))
-    # saved and restored with the model and optimizer: the schedule and the data position
-    accelerator.register_for_checkpointing(scheduler)
-    accelerator.register_for_checkpointing(data_order)
-
-    # ---- 7. resume: a killed run loses at most --checkpoint_every updates ----
-    # flags that fix the number of updates and the data order: a resumed run must share them
-    run_shape = {"num_updates": num_updates, "method": args.method, "iterations": args.iterations,
-                 "total_batch_size": args.total_batch_size, "world_size": args.world_size}
-    trainer_state = {"update": 0, "train_tokens": 0, "last_loss": float("nan"), "costs": costs, "round_summary": {}}
-    if args.resume:
-        trainer_state = load_checkpoint(accelerator, run_dir)  # policy, optimizer, schedule, data order, every RNG
-        changed = {k: (trainer_state[k], v) for k, v in run_shape.items() if trainer_state[k] != v}
-        if changed:
-            raise ValueError(
-                "--resume: the checkpoint belongs to a run with other " + ", ".join(
-                    f"{k} ({old} there, {new} here)" for k, (old, new) in changed.items()
-                ) + "; resume with the flags of the original run"
-            )
-    elif accelerator.is_main_process and os.path.isdir(os.path.join(run_dir, "checkpoints")):
-        shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
-    start_update = trainer_state["update"]
-
-    # ---- 8. logging ----
-    writer, metrics_file = None, None
-    if accelerator.is_main_process:
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=args.run_name, save_code=True)
-        # purge_step drops TensorBoard events logged after the checkpoint by the interrupted run
-        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
-        writer.add_text("hyperparameters", markdown_rows(pd.DataFrame(asdict(args).items(), columns=["key", "value"])))
-        start_metrics_file(os.path.join(run_dir, "metrics.jsonl"), start_update)
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-
-    def log(step: int, metrics: dict):
-        if not accelerator.is_main_process:
-            return
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
-        metrics_file.write(json.dumps({"step": step, "episode": step * args.total_batch_size, **metrics}) + "\n")
-        metrics_file.flush()
-
-    if mixture_stats and start_update == 0:
-        log(0, mixture_stats)  # a resumed run kept this line of metrics.jsonl
-
-    # ---- evaluation data: the first num_eval_samples rows of the eval split ----
-    num_eval = len(eval_dataset) if args.num_eval_samples is None else min(args.num_eval_samples, len(eval_dataset))
-    eval_subset = eval_dataset.select(range(num_eval))
-    eval_rows = {
-        "query": eval_subset["query"],
-        "query_token": torch.tensor(eval_subset["query_token"], dtype=torch.long),
-        "reference_response": eval_subset["reference_response"],
-    }
-    eval_config = offline_generation_config(args.response_length, args.eval_temperature, pad_token_id)
-
-    def eval_queries(target: Optional[float]) -> torch.Tensor:
-        if args.method != "dt":
-            return eval_rows["query_token"]
-        # the same builder as in training, with the target reward in the prompt
-        return dt_queries(tokenizer, eval_rows["query"], [target] * len(eval_rows["query"]), pad_token_id)
-
-    def run_evaluation(step: int, final: bool) -> dict:
-        # dt: the final evaluation visits every target of --dt_eval_targets (Table 1) and --dt_target; the
-        # main table (samples.csv) is the one at --dt_target. Other methods have one prompt, no target.
-        if args.method != "dt":
-            targets = [None]
-        else:
-            targets = list(dict.fromkeys([args.dt_target, *args.dt_eval_targets])) if final else [args.dt_target]
-        out = {}
-        for target in targets:
-            raw_metrics, df = evaluate_policy(args, accelerator, model, reward_model, tokenizer, eval_rows,
-                                              eval_queries(target), eval_config, reward_stats)
-            main_table = target is None or target == args.dt_target
-            metrics = {f"eval/{k}": v for k, v in raw_metrics.items()} if main_table else {}
-            if target is not None and final:
-                metrics.update({f"eval/target_{target:+.1f}/{k}": v for k, v in raw_metrics.items()})
-            out.update(metrics)
-            if accelerator.is_main_process:
-                if main_table:
-                    df.to_csv(os.path.join(run_dir, "samples", f"step_{step:06d}.csv"), index=False)
-                    if final:
-                        df.to_csv(os.path.join(run_dir, "samples.csv"), index=False)
-                if target is not None and final:
-                    df.to_csv(os.path.join(run_dir, f"samples_target_{target:+.1f}.csv"), index=False)
-                name = "eval" if target is None else f"eval/target_{target:+.1f}"
-                table = df.head(args.num_table_samples)[["query", "response", "reference", "score"]]
-                writer.add_text(f"{name}/samples", markdown_rows(table), step)
-                for row in table.itertuples(index=False):
-                    tqdm.write(f"[{name} step {step}] query: ...{row.query[-120:]!r}\n  response: {row.response!r}  score {row.score:.3f}")
-                tqdm.write(f"[{name} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in raw_metrics.items()))
-            log(step, metrics)
-        return out
-
-    # ---- 9. step 2: training rounds (one for the mixture methods, --iterations for best_of_n) ----
-    model.train()
-    local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
-    progress = tqdm(total=num_updates, initial=start_update, disable=not accelerator.is_main_process,
-                    desc=f"offline_rl {args.method}")
-    # running counters; a resumed run takes them from the checkpoint, so its logs and summary match
-    update, train_tokens, last_loss = start_update, trainer_state["train_tokens"], trainer_state["last_loss"]
-    costs = trainer_state["costs"]  # a resumed run goes on counting from the interrupted run's costs
-    round_summary = trainer_state["round_summary"]  # best-of-n's per-iteration metrics of the rounds done so far
-
-    def checkpoint_state() -> dict:
-        """What a resumed run needs besides accelerate's state (models, optimizer, schedule, data order, RNG)."""
-        return {**run_shape, "train_tokens": train_tokens, "last_loss": last_loss, "costs": dict(costs),
-                "round_summary": dict(round_summary)}
-
-    last_good = checkpoint_state()  # the counters after the last completed update
-    # a run resumed in the middle of a round goes on with that round's samples and permutation (data_order)
-    first_iteration, resume_in_round = divmod(start_update, updates_per_round)
-    try:
-        for iteration in range(first_iteration, args.iterations):
-            resumed_round = iteration == first_iteration and resume_in_round > 0
-            # (a) the samples of this round: (queries (N, W) left-padded, responses (N, Tr) right-padded, rewards (N,))
-            if args.method == "best_of_n" and resumed_round:
-                queries, responses, rewards = data_order.round_samples  # sampled before the interruption
-            elif args.method == "best_of_n":
-                rows = data_order.next_prompts(args.bon_num_prompts)
-                queries = torch.tensor(sft_train.select(rows)["query_token"], dtype=torch.long)
-                candidates_q = queries.repeat_interleave(args.n, 0)  # (P * n, Tq): n consecutive copies per prompt
-                config = offline_generation_config(args.response_length, args.bon_temperature, pad_token_id)
-                start = time.time()
-                candidates = sample_policy(accelerator, model, candidates_q, config, tokenizer, args.local_rollout_batch_size,
-                                           f"best_of_n {iteration + 1}/{args.iterations}: sample")
-                costs["generation_s"] += time.time() - start
-                start = time.time()
-                scores = score_responses(accelerator, reward_model, candidates_q, candidates, pad_token_id,
-                                         args.local_rollout_batch_size, f"best_of_n {iteration + 1}/{args.iterations}: score")
-                costs["labelling_s"] += time.time() - start
-                # a NaN/inf RM score would decide which sample is kept: stop before training on this round
-                check_finite(accelerator, update + 1, **{"best_of_n/scores": scores})
-                responses, best_scores, _ = best_of_n_select(scores, candidates, args.n)
-                rewards = best_scores
-                data_order.new_round((queries, responses, rewards))
-                round_metrics = {
-                    "best_of_n/score_mean_all": scores.mean().item(),
-                    "best_of_n/score_mean_best": best_scores.mean().item(),
-                    "best_of_n/eos_rate_best": (responses == eos_token_id).any(1).float().mean().item(),
-                    "best_of_n/iteration": iteration + 1,
-                }
-                round_summary.update({f"{k}_iter{iteration + 1}": v for k, v in round_metrics.items() if k != "best_of_n/iteration"})
-                # logged at the round's first update: a step after any checkpoint taken before the round, so a
-                # resumed run neither keeps a stale copy of this line nor writes it twice
-                log(update + 1, round_metrics)
-                accelerator.print(f"[best_of_n] iteration {iteration + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
-            else:
-                rewards = torch.tensor(mixture["reward"], dtype=torch.float32)
-                responses = torch.tensor(mixture["response_token"], dtype=torch.long)
-                if args.method == "dt":
-                    # eq. 6: the sample's own normalised reward goes into the prompt (the same builder as inference)
-                    queries = dt_queries(tokenizer, mixture["query"], rewards.tolist(), pad_token_id)
-                else:
-                    queries = torch.tensor(mixture["query_token"], dtype=torch.long)
-                if not resumed_round:
-                    data_order.new_round()
-
-            # (b) the updates of this round: every process draws the same permutation (a new one each pass over the
-            # samples) and reads its share of each batch
-            for _ in range(resume_in_round if resumed_round else 0, updates_per_round):
-                global_batch = data_order.next_batch(queries.size(0), args.total_batch_size)
-                # weights are computed over the whole update batch (identical on every process), then sliced
-                if args.method == "filter":
-                    batch_weights = filter_weights(rewards[global_batch], args.filter_threshold)
-                elif args.method == "rwr":
-                    _, batch_weights = rwr_weights(rewards[global_batch], args.rwr_beta, args.rwr_max_weight)
-                    # non-finite guard: a NaN/inf weight would scale this update's gradient
-                    check_finite(accelerator, update + 1, **{"train/rwr_weights": batch_weights})
-                else:
-                    batch_weights = torch.ones(global_batch.numel())
-                local_slice = slice(accelerator.process_index * local_batch_size, (accelerator.process_index + 1) * local_batch_size)
-                local_batch, local_weights = global_batch[local_slice], batch_weights[local_slice]
-                update_start = time.time()
-                stats = torch.zeros(3, device=accelerator.device)  # loss sum, micro-batches, input tokens (non-pad)
-                for micro in range(0, local_batch_size, args.local_micro_batch_size):
-                    micro_rows = local_batch[micro : micro + args.local_micro_batch_size]
-                    query, response = trim_columns(queries[micro_rows], responses[micro_rows], pad_token_id)
-                    query_responses = torch.cat((query, response), 1).to(accelerator.device)
-                    labels = response_labels(query_responses, query.size(1), pad_token_id)
-                    weights = local_weights[micro : micro + args.local_micro_batch_size].to(accelerator.device)
-                    with accelerator.accumulate(model):
-                        loss, _ = weighted_response_loss(model, query_responses, labels, weights, pad_token_id)
-                        # non-finite guard: checked before backward, so the weights never see it
-                        check_finite(accelerator, update + 1, **{"train/loss": loss})
-                        accelerator.backward(loss)
-                        optimizer.step()  # a no-op until the last micro-batch of the update
-                        optimizer.zero_grad()
-                    stats += torch.stack([loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()])
-                scheduler.step()
-                costs["training_s"] += time.time() - update_start
-                loss_stats = accelerator.reduce(stats, reduction="sum")
-                update += 1
-                train_tokens += int(loss_stats[2])
-                last_loss = (loss_stats[0] / loss_stats[1]).item()  # mean over every micro-batch of the update
-                metrics = {
-                    "train/loss": last_loss,
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/tokens_per_s": train_tokens / costs["training_s"],
-                    "train/weight_max": batch_weights.max().item(),
-                    "train/reward_mean": rewards[global_batch].mean().item(),
-                }
-                progress.update(1)
-                progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
-                log(update, metrics)
-                if args.eval_every > 0 and update % args.eval_every == 0 and update != num_updates:
-                    run_evaluation(update, final=False)
-                data_order.commit()
-                last_good = checkpoint_state()
-                if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
-                    save_checkpoint(accelerator, run_dir, update, last_good, args.checkpoint_keep)
-    except NonFiniteError:
-        # every guard runs before the backward / optimizer step that would use the value, so the weights on hand
-        # are those after `update` (the last completed update); data_order and the counters are saved as of that
-        # update too (commit), so the poisoned update is never applied or saved
-        save_checkpoint(accelerator, run_dir, update, last_good, args.checkpoint_keep)
-        accelerator.print(f"non-finite value at update {update + 1}; last good checkpoint: {latest_checkpoint(run_dir)}")
-        raise
-    progress.close()
-
-    # ---- 10. step 3: final evaluation, costs (Table 3), model ----
-    eval_start = time.time()
-    summary.update(round_summary)
-    summary.update(run_evaluation(num_updates, final=True))
-    summary.update(
-        {
-            "train/loss": last_loss,
-            "train/tokens": train_tokens,
-            "train/updates": num_updates,
-            "train/samples_per_round": samples_per_round,
-            "cost/generation_s": costs["generation_s"],
-            "cost/labelling_s": costs["labelling_s"],
-            "cost/training_s": costs["training_s"],
-            "cost/total_s": costs["generation_s"] + costs["labelling_s"] + costs["training_s"],
-            "cost/evaluation_s": time.time() - eval_start,
-            "wall_time_s": time.time() - start_time,
-        }
-    )
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(args.output_dir)
-        if args.push_to_hub:
-            hub_model_id = args.hub_model_id or (
-                f"{os.path.basename(args.sft_model_path.rstrip('/'))}__{args.exp_name}__{args.method}__{args.seed}"
-            )
-            api = HfApi()
-            api.create_repo(hub_model_id, exist_ok=True)
-            api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
-        writer.close()
-        metrics_file.close()
-        if args.track:
-            import wandb
-
-            wandb.finish()
-        print(json.dumps(summary, indent=2))
-    return summary
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The whole RLHF pipeline on the built-in task, in one command, ending in a results report.
 
-    python pipeline.py                 # the quickstart (about 15 minutes on 2 CPU cores)
+    python pipeline.py                 # the quickstart (about 20 minutes on 2 CPU cores)
     python pipeline.py --mode full     # adds ILQL and the four offline methods, on seeds 1 2 3
     python pipeline.py --mode ci       # a minimal run that checks every artefact is produced
     python pipeline.py --force ppo     # rerun one stage (and nothing else)
@@ -15,7 +15,8 @@ the task (prep: data, tokenizer, base model) is made once and every later stage 
 (mean and standard deviation of each policy's gold win rate, the RM accuracies).
 
 This file is glue, not an algorithm: it may import the project's `data` package (the built-in task
-and its gold judge), which the algorithm scripts never do.
+and its gold judge) and `report.py`, which the algorithm scripts never do. Measured run times and results:
+docs/results.md.
 """
 
 from __future__ import annotations
@@ -77,15 +78,13 @@ OFFLINE_CI = ["--mixture_size", "48", "--total_batch_size", "16", "--local_micro
 SETTINGS = {
     "quickstart": {
         "prep": [],
-        # 5 epochs: the tiny model starts copying facts from the post only after ~700 updates of batch 16
+        # 5 epochs (1250 updates of batch 16): the tiny model needs several hundred updates before it copies facts
+        # from the post (docs/results.md)
         "sft": ["--lr", "3e-3", "--total_batch_size", "16", "--local_micro_batch_size", "16", "--num_train_epochs", "5",
                 "--num_eval_samples", "200"],
-        # two epochs over the 6000 training pairs at batch 64 (Table 4's) and lr 1e-3 (Table 4: 1 epoch over 92k
-        # pairs; a deliberate difference for a dataset 15x smaller). Validation accuracy on seeds 1 / 2 / 3 (ceiling
-        # 0.781; each +-0.028 at 95% from the 940 pairs alone): one epoch, batch 32, lr 5e-4 (the previous setting):
-        # 0.732 / 0.683 / 0.717; two epochs, batch 64, lr 1e-3: 0.738 / 0.690 / 0.726. The same seed moves by as
-        # much with the batch: two epochs, batch 32, lr 1e-3 gave 0.723 / 0.727 on seeds 1 / 2. Also tried, one
-        # epoch: batch 32, lr 1e-3 - / 0.717 / 0.718; batch 64, lr 2e-3 (seed 2) 0.706; batch 16, lr 5e-4 (seed 2) 0.694
+        # two epochs over the 6000 training pairs (12032 episodes) at batch 64 (Table 4's) and lr 1e-3, where Table 4
+        # runs 1 epoch over 92k pairs: a deliberate difference for a dataset 15x smaller (the settings tried and
+        # their accuracies: docs/results.md)
         "rm": ["--lr", "1e-3", "--total_batch_size", "64", "--local_micro_batch_size", "32", "--total_episodes", "12032",
                "--num_normalization_samples", "512", "--local_eval_batch_size", "64", "--checkpoint_every", "25"],
         "ppo": ["--lr", "1e-4", "--total_episodes", "1536", "--total_batch_size", "32", "--local_micro_batch_size", "16",
@@ -94,13 +93,12 @@ SETTINGS = {
         "dpo": ["--lr", "3e-4", "--beta", "0.1", "--total_episodes", "960", "--total_batch_size", "32",
                 "--local_micro_batch_size", "16", "--local_eval_batch_size", "32", "--eval_every", "0", "--num_eval_samples", "200",
                 "--checkpoint_every", "10"],
-        # from SFT (trlX started from the base model; here 200 updates from the base model reach a gold win rate of
-        # 0.02-0.08, far below SFT's 0.28), with RM scores as rewards (trlX used the +-1 labels; here the Q heads
-        # fit the labels too weakly for the advantage to reach the first tokens, and the beta gain held on 1 of 3
-        # training seeds; with the RM's scores it held on 3 of 3, README "ILQL"), a fast target (alpha 1: the
-        # terminal reward must travel back one token per sync), a light CQL term (0.1 inflates every Q along the
-        # response, see ilql.py's cql_scale) and the near-greedy sampling every other policy is evaluated with;
-        # 19200 trajectories = 1.6 passes over the 6000 pairs (6400 left the Q heads too weak to matter)
+        # from SFT (trlX started from the base model, which the tiny base model is too weak for), with RM scores as
+        # rewards (trlX used the +-1 labels, which the Q heads fit too weakly for the advantage to reach the first
+        # tokens), a fast target (alpha 1: the terminal reward travels back one token per sync), a light CQL term
+        # (0.1 inflates every Q along the response, see ilql.py's --ilql.cql_scale) and the near-greedy sampling
+        # every other policy is evaluated with; 19200 trajectories = 1.6 passes over the 6000 pairs. The
+        # measurements behind each choice: docs/results.md
         "ilql": ["--init_from", "sft", "--reward_source", "rm", "--lr", "1e-3", "--total_episodes", "19200",
                  "--total_batch_size", "32", "--local_micro_batch_size", "32", "--num_eval_samples", "200",
                  "--local_eval_batch_size", "50", "--ilql.alpha", "1.0", "--ilql.cql_scale", "0.01",
@@ -276,7 +274,7 @@ class Pipeline:
             self.run("judge", cmd)
 
     def stage_report(self) -> None:
-        from data import report
+        import report
 
         text = report.write_report(self)
         print("\n" + text)
@@ -312,7 +310,7 @@ def main(args: Args) -> None:
     for seed in seeds:
         print(f"\n##### seed {seed} of {seeds}", flush=True)
         Pipeline(dataclasses.replace(args, seed=seed), seed_dir=f"seed_{seed}", data_seed=seeds[0]).main()
-    from data import report
+    import report
 
     print("\n" + report.write_seed_report(os.path.abspath(args.out), seeds))
 

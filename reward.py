@@ -3,29 +3,28 @@
 A scalar reward model r(x, y) is trained on pairs of summaries of the same post, one preferred by a
 human rater (chosen) and one not (rejected), with the pairwise loss -log sigmoid(r(x, y_c) - r(x, y_r)).
 
-What this file shows, detail by detail:
-  * Detail 10 (Table 4): 1 epoch, AdamW (eps 1e-5, lr 3e-6), cosine schedule, batch 64.
-  * Detail 11: the model is the SFT model's transformer trunk plus a bias-free linear head whose weights
-    are drawn from N(0, std = 1 / sqrt(d_model + 1)) (`--reward_head_init library` is the ablation).
-  * Detail 12: the reward of a sequence is the head's output at its EOS token, found as the index of the
-    first [PAD] of the response minus 1 (the last token when there is no pad).
-  * Detail 13: every other position's output (a "reward logit") is meaningless; we plot a few.
-  * Detail 14: the same sequence scored with a left-padded query (as PPO does) and as one right-padded
-    row gives almost the same reward; we measure the difference.
-  * Detail 15: after training the model is shifted so that the SFT reference summaries score mean 0.
-  * Details 6 and 16: accuracy on every validation split, by annotation batch, confidence and split
-    (the analogue of Table 5).
-  * Detail 18: a calibration plot, accuracy against score difference next to the ideal 1 / (1 + e^-d).
+  model    1. the SFT model's transformer trunk plus a bias-free linear head, weights drawn
+              from N(0, std = 1 / sqrt(d_model + 1)); --reward_head_init library is the ablation      (Detail 11)
+  train    2. chosen and rejected rows of a micro batch in one forward pass; a sequence's reward is
+              the head's output at its EOS: the first [PAD] of the response minus 1 (the last
+              token when there is no pad)                                                             (Detail 12)
+           3. loss -log sigmoid(r_chosen - r_rejected); 1 epoch, AdamW (eps 1e-5, lr 3e-6), cosine
+              schedule, batch 64                                                             (Detail 10, Table 4)
+  after    4. score the SFT reference summaries with a left-padded query (as PPO does) and as one
+              right-padded row: almost the same reward; we report the difference                      (Detail 14)
+           5. shift the model so that the references score mean 0, folded into the final norm's bias  (Detail 15)
+           6. evaluate on every validation split: accuracy by annotation batch, confidence and split
+              (Details 6, 16: the analogue of Table 5), calibration against the ideal 1 / (1 + e^-d)
+              (Detail 18), and the head's output at non-EOS positions, which is no reward (Detail 13)
 
 Launch: `python reward.py ...` on one process, `accelerate launch [--config_file zero2.yaml] reward.py ...`
 on several. The saved model is a plain `AutoModelForSequenceClassification` with one label: any tool can
-load it, and scores come from `get_reward` below (see the README for a four-line example).
+load it, and scores come from `get_reward` below (docs/usage.md has a four-line example).
 
 Interrupted runs: every --checkpoint_every updates the scorer (trunk + head), AdamW, the schedule, the data
 position and the RNG states go to runs/{run_name}/checkpoints; `--resume` continues from the latest one and ends
-with the same weights and metrics as a run that was never stopped (the Detail 14/15 steps and the final
-evaluation run after training as usual). A NaN or inf loss or reward stops the run before it reaches the
-weights, keeping the last good checkpoint.
+with the same weights and metrics as a run that was never stopped (steps 4-6 run after training as usual). A NaN
+or inf loss or reward stops the run before it reaches the weights, keeping the last good checkpoint.
 """
 
 import contextlib
@@ -164,11 +163,821 @@ class Args:
     """micro-batches per update on one process = total_batch_size / (local_micro_batch_size * world_size)"""
     num_updates: tyro.conf.Suppress[Optional[int]] = None
     """optimizer updates of the whole run"""
+    head_init_std: tyro.conf.Suppress[Optional[float]] = None
+    """the std the reward head was drawn with (Detail 11)"""
 
 
-# ------------------------------------------------------------------------------------------------
-# Shared helpers (copied verbatim into every script that uses them; a test checks the copies)
-# ------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# Reward model pieces (module-level so that tests can check each one against a hand computation)
+# ---------------------------------------------------------------------------------------------
+
+
+class RewardScorer(torch.nn.Module):
+    """The sequence-classification model with `get_reward` as its forward.
+
+    Training goes through this wrapper so that accelerate's DDP / DeepSpeed wrapper sees the whole
+    scoring computation as one forward call (gradient synchronisation and accumulation hook into it).
+    Returns what `get_reward` returns: per-token reward logits (B, T), rewards (B,), EOS indices (B,)."""
+
+    def __init__(self, rm, pad_token_id: int):
+        super().__init__()
+        self.rm = rm
+        self.pad_token_id = pad_token_id
+
+    def forward(self, query_responses: torch.Tensor, context_length: int):
+        return get_reward(self.rm, query_responses, self.pad_token_id, context_length)
+
+
+def init_reward_head(model, mode: str, std: Optional[float]) -> float:
+    """Detail 11: draw the scalar head's weights; return the std used.
+
+    `paper`: N(0, 1 / sqrt(d_model + 1)) (or the given std), as in Stiennon et al.'s reference code.
+    `library`: N(0, config.initializer_range), which is what transformers' `_init_weights` gives a
+    fresh `nn.Linear` head (0.02 for Pythia); written out here so that the ablation is explicit.
+    The GPT-NeoX sequence-classification head has no bias, which is the paper's zero bias."""
+    if mode == "paper":
+        std = 1.0 / math.sqrt(model.config.hidden_size + 1) if std is None else std
+    elif std is not None:
+        raise ValueError("--reward_head_init_std only applies to --reward_head_init paper")
+    else:
+        std = model.config.initializer_range
+    with torch.no_grad(), whole_parameters([model.score.weight, model.score.bias]):
+        torch.nn.init.normal_(model.score.weight, mean=0.0, std=std)
+        if model.score.bias is not None:
+            torch.nn.init.zeros_(model.score.bias)
+    return std
+
+
+def whole_parameters(params: list):
+    """A context in which `params` (None entries skipped) are whole tensors that may be changed in place. Under
+    ZeRO-3 (zero3.yaml) each process holds only a slice of each weight: the slices are gathered on entry and
+    rank 0's values are sliced back out on exit (every rank computes the same change). Elsewhere it does nothing."""
+    params = [p for p in params if p is not None]
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def final_norm_of(model) -> torch.nn.Module:
+    """The normalisation layer whose output is the head's input (GPT-NeoX: `final_layer_norm`)."""
+    backbone = getattr(model, model.base_model_prefix)
+    for name in ("final_layer_norm", "ln_f", "norm"):
+        norm = getattr(backbone, name, None)
+        if norm is not None and getattr(norm, "bias", None) is not None:
+            return norm
+    raise ValueError(
+        f"{type(backbone).__name__} has no final norm with a bias, so the Detail 15 shift cannot be folded "
+        "into its weights; run with --no-normalize_reward"
+    )
+
+
+def build_reward_model(args, tokenizer):
+    """Detail 11: the SFT model's transformer trunk plus a fresh scalar head (see init_reward_head).
+    Returns the model and the std its head was drawn with."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.sft_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
+    )
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > model.config.vocab_size:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    head_std = init_reward_head(model, args.reward_head_init, args.reward_head_init_std)
+    if args.disable_dropout:
+        disable_dropout(model)  # Detail 7
+    return model, head_std
+
+
+def trim_trailing_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Drop the trailing columns that are [PAD] in every row. Pure speed (rows are padded to the
+    dataset's full length, often far beyond the longest row of a batch); no reward changes, because
+    each row keeps every token up to its EOS."""
+    last_real_column = int((query_responses != pad_token_id).any(dim=0).nonzero().max())
+    return query_responses[:, : last_real_column + 1]
+
+
+def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
+    """The Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), averaged over pairs."""
+    return -F.logsigmoid(chosen_rewards - rejected_rewards).mean()
+
+
+@torch.no_grad()
+def score_references(scorer, accelerator, dataset, pad_token_id: int, batch_size: int):
+    """Score the SFT references twice: as one right-padded row (how the RM is trained) and as a
+    left-padded query followed by the right-padded reference (how PPO scores). Returns both (N,) arrays
+    on every process (Details 14 and 15)."""
+    dataset = dataset.with_format("torch", columns=["query_token", "reference_response_token",
+                                                    "query_reference_response_token"])
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=batch_size, shuffle=False))
+    right, left = [], []
+    scorer.eval()
+    for batch in loader:
+        # right-padded: unpadded query + reference + EOS + pads; no pad before the response, so context 0
+        right_rows = trim_trailing_padding(batch["query_reference_response_token"], pad_token_id)
+        _, right_scores, _ = scorer(right_rows, 0)
+        # left-padded query (B, Tq) + right-padded reference (B, Tr): the layout PPO scores (Detail 14)
+        query_responses = torch.cat((batch["query_token"], batch["reference_response_token"]), dim=1)
+        query_responses = trim_trailing_padding(query_responses, pad_token_id)
+        _, left_scores, _ = scorer(query_responses, batch["query_token"].size(1))
+        right.append(accelerator.gather_for_metrics(right_scores.float()))
+        left.append(accelerator.gather_for_metrics(left_scores.float()))
+    return torch.cat(right).cpu().numpy(), torch.cat(left).cpu().numpy()
+
+
+def fold_reward_bias(model, bias: float) -> None:
+    """Detail 15: make every output of the model `bias` lower, exactly, without a new parameter.
+
+    The reference implementation keeps the bias in its own config and subtracts it in its forward.
+    We keep the library's bias-free sequence-classification format instead, so that any loader gets
+    normalised scores: the head computes r = w . LN(x) with LN(x) = gamma * xhat + beta, which is linear
+    in the final norm's bias beta. Moving beta by delta = -bias * w / ||w||^2 changes every reward logit
+    by w . delta = -bias. The value is also stored as `config.reward_normalization_bias` (already applied;
+    never subtract it again)."""
+    norm = final_norm_of(model)
+    with torch.no_grad(), whole_parameters([model.score.weight, norm.bias]):
+        w = model.score.weight[0].detach().float()  # (d,)
+        norm.bias.add_((-bias * w / w.dot(w)).to(norm.bias.dtype))
+
+
+def normalize_on_references(scorer, accelerator, model, references, pad_token_id: int, args) -> dict:
+    """Details 14 and 15, after training: score the SFT references right-padded (as the RM trains) and with a
+    left-padded query (as PPO scores), then, with --normalize_reward, fold their mean into `model` so that
+    they score mean 0. Returns the summary entries of both steps."""
+    right, left = score_references(scorer, accelerator, references, pad_token_id, args.local_eval_batch_size)
+    summary = {
+        "reference_reward_mean_before_normalization": float(right.mean()),
+        "reference_reward_std": float(right.std()),
+        # Detail 14: the same sequences, left-padded query vs one right-padded row
+        "left_right_pad_diff": float(np.abs(left - right).mean()),
+        "left_right_pad_diff_signed": float((left - right).mean()),
+        "reward_normalization_bias": 0.0,
+    }
+    if args.normalize_reward:
+        fold_reward_bias(model, float(right.mean()))  # the same shift on every process
+        summary["reward_normalization_bias"] = float(right.mean())
+    model.config.reward_normalization_bias = summary["reward_normalization_bias"]
+    accelerator.print(f"SFT references: mean reward {right.mean():.4f} before normalisation; "
+                      f"mean |left - right padding| {summary['left_right_pad_diff']:.2e}")
+    return summary
+
+
+@torch.no_grad()
+def score_preference_split(scorer, accelerator, dataset, pad_token_id: int, eos_token_id: int, batch_size: int,
+                           num_logit_rows: int):
+    """Score every pair of a preference split. Returns a DataFrame with one row per pair (scores and the
+    rater metadata of Table 5), the per-token reward logits of the first `num_logit_rows` chosen
+    responses (Detail 13), and the mean / negative share of the non-EOS response logits."""
+    columns = ["query_chosen_token", "query_rejected_token", "query_token_len"]
+    indexed = dataset.add_column("row_index", list(range(len(dataset))))
+    loader = accelerator.prepare(
+        DataLoader(indexed.with_format("torch", columns=columns + ["row_index"]), batch_size=batch_size)
+    )
+    scorer.eval()
+    chosen, rejected, indices, ends_with_eos = [], [], [], []
+    logit_rows = []
+    non_eos_sum = torch.zeros((), device=accelerator.device)
+    non_eos_negative = torch.zeros((), device=accelerator.device)
+    non_eos_count = torch.zeros((), device=accelerator.device)
+    for batch in loader:
+        b = batch["query_chosen_token"].size(0)
+        # chosen and rejected in one forward pass; both are right-padded rows, so context length 0
+        query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
+        query_responses = trim_trailing_padding(query_responses, pad_token_id)  # (2B, T)
+        reward_logits, rewards, eos_index = scorer(query_responses, 0)
+        chosen.append(accelerator.gather_for_metrics(rewards[:b].float()))
+        rejected.append(accelerator.gather_for_metrics(rewards[b:].float()))
+        indices.append(accelerator.gather_for_metrics(batch["row_index"]))
+        # is the token the reward is read at really an EOS? (a response cut at the length limit has none)
+        eos_read = query_responses[torch.arange(2 * b, device=query_responses.device), eos_index] == eos_token_id
+        ends_with_eos.append(accelerator.gather_for_metrics(torch.stack((eos_read[:b], eos_read[b:]), dim=1)))
+        # Detail 13: the logits at response positions before the EOS are not rewards
+        positions = torch.arange(query_responses.size(1), device=query_responses.device).unsqueeze(0)
+        query_len = batch["query_token_len"].repeat(2).unsqueeze(1)
+        non_eos = (positions >= query_len) & (positions < eos_index.unsqueeze(1))
+        non_eos_sum += (reward_logits.float() * non_eos).sum()
+        non_eos_negative += ((reward_logits < 0) & non_eos).sum()
+        non_eos_count += non_eos.sum()
+        for i in range(b):
+            if len(logit_rows) < num_logit_rows:
+                start, end = int(query_len[i]), int(eos_index[i])
+                tokens = query_responses[i, start : end + 1].tolist()
+                logit_rows.append({
+                    "logits": reward_logits[i, start : end + 1].float().cpu().numpy(),
+                    "ends_with_eos": tokens[-1] == eos_token_id,
+                })
+    non_eos_sum, non_eos_negative, non_eos_count = (accelerator.reduce(t, "sum") for t in
+                                                    (non_eos_sum, non_eos_negative, non_eos_count))
+    index = torch.cat(indices).cpu().numpy()
+    meta = dataset.select_columns(["query", "chosen", "rejected", "batch", "split", "confidence",
+                                   "chosen_policy", "rejected_policy", "choice", "chosen_token_len",
+                                   "rejected_token_len"]).to_pandas()
+    frame = meta.iloc[index].reset_index(drop=True)
+    frame["chosen_score"] = torch.cat(chosen).cpu().numpy()
+    frame["rejected_score"] = torch.cat(rejected).cpu().numpy()
+    eos_flags = torch.cat(ends_with_eos).cpu().numpy()  # (N, 2)
+    frame["chosen_has_eos"], frame["rejected_has_eos"] = eos_flags[:, 0], eos_flags[:, 1]
+    frame["score_diff"] = frame["chosen_score"] - frame["rejected_score"]
+    frame["correct"] = frame["score_diff"] > 0
+    logit_stats = {
+        "non_eos_logit_mean": float(non_eos_sum / non_eos_count.clamp(min=1)),
+        "non_eos_logit_negative_frac": float(non_eos_negative / non_eos_count.clamp(min=1)),
+    }
+    return frame, logit_rows, logit_stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Reward of a (left-padded query + right-padded response) batch.
+
+    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
+    of the response (the last token when there is no pad). Returns the per-token reward
+    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
+    ).last_hidden_state  # (B, T, d)
+    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
+    return reward_logits, rewards, sequence_lengths
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    # ---------------- processes, batch arithmetic and precision ----------------
+    args.world_size = num_processes = start_processes().num_processes
+    args.gradient_accumulation_steps = gradient_accumulation_steps = exact_div(
+        args.total_batch_size, args.local_micro_batch_size * num_processes,
+        "total_batch_size / (local_micro_batch_size * world_size)",
+    )
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if args.push_to_hub and args.hub_model_id is None:
+        raise ValueError("--push_to_hub needs --hub_model_id")
+    # sync_with_dataloader=False: an update never straddles the end of an epoch with fewer pairs than
+    # total_batch_size; the accumulation counter simply runs on into the next epoch.
+    # use_seedable_sampler: the shuffle of epoch e depends on (seed, e) only, which is what lets a resumed
+    # run find its place in the data (see resumable_micro_batches)
+    accelerator = Accelerator(
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        mixed_precision="bf16" if args.bf16 else "no",
+    )
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+    set_seed(args.seed)  # same weights and data order on every process
+
+    # ---------------- tokenizer and data ----------------
+    tokenizer = load_reward_tokenizer(args)  # Details 3 and 12: [PAD] distinct from EOS
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    train_set, eval_sets, references = load_reward_data(args, tokenizer, accelerator)
+    total_episodes = args.total_episodes or args.num_train_epochs * len(train_set)
+    args.num_updates = num_updates = total_episodes // args.total_batch_size
+    if num_updates == 0:
+        raise ValueError(f"{total_episodes} episodes make no optimizer step of {args.total_batch_size} pairs")
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+
+    # ---------------- model: the SFT trunk plus a fresh scalar head (Detail 11) ----------------
+    model, head_std = build_reward_model(args, tokenizer)
+    args.head_init_std = head_std  # recorded in args.json and the summary
+    # the shuffle has its own generator (reseeded with seed + epoch by the seedable sampler), so iterating
+    # the data never draws from the global torch RNG
+    train_loader = DataLoader(
+        train_set.with_format("torch", columns=["query_chosen_token", "query_rejected_token"]),
+        batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+
+    # ---------------- optimiser (Table 4) ----------------
+    scorer = RewardScorer(model, pad_id)
+    optimizer = torch.optim.AdamW(scorer.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    # stepped by hand once per optimizer step, so its length is exactly num_updates on any process count
+    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+                                 num_training_steps=num_updates)
+    scorer, optimizer, train_loader = accelerator.prepare(scorer, optimizer, train_loader)
+    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the scorer and optimizer
+    unwrapped = accelerator.unwrap_model(scorer).rm  # the bare sequence-classification model
+
+    # ---------------- resume ----------------
+    # a checkpoint holds the scorer (trunk + head), AdamW's moments, the schedule and every process's RNG states;
+    # the trainer state adds the update reached and the running counters of the summary
+    state = run.start({"update": 0, "tokens_seen": 0, "train_time": 0.0}, num_updates=num_updates)
+    start_update = state["update"]
+    # accelerate counts micro batches to decide when to step; restart the count at the update boundary of the
+    # checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
+    accelerator.step = start_update * gradient_accumulation_steps
+
+    def evaluate(step: int, final: bool) -> dict:
+        metrics, rows, calibration, logit_rows, frame = run_evaluation(scorer, accelerator, eval_sets, pad_id, eos_id, args)
+        save_reward_evaluation(run, frame, rows, calibration, logit_rows, tokenizer.eos_token, step, final)
+        run.log(step, {"episode": step * args.total_batch_size, **metrics})
+        scorer.train()
+        return metrics
+
+    # ---------------- training: one forward pass over chosen + rejected per micro batch ----------------
+    accelerator.print(f"{num_updates} optimizer steps of {args.total_batch_size} pairs "
+                      f"({args.local_micro_batch_size} per micro batch x {gradient_accumulation_steps} accumulation "
+                      f"x {num_processes} processes), head init std {head_std:.5f}")
+    scorer.train()
+    # the running counters continue from the checkpoint, so the summary covers the whole run
+    tokens_seen, train_time_before = state["tokens_seen"], state["train_time"]
+    train_start = time.time()
+    # the data position: every update reads gradient_accumulation_steps micro batches on each process
+    batches = resumable_micro_batches(train_loader, start_update * gradient_accumulation_steps)
+    progress = tqdm(total=num_updates, initial=start_update, disable=not accelerator.is_local_main_process,
+                    desc="reward model")
+
+    def trainer_state() -> dict:
+        return {"tokens_seen": tokens_seen, "train_time": train_time_before + time.time() - train_start}
+
+    step = start_update  # optimizer updates done
+    try:
+        while step < num_updates:
+            update = step + 1
+            stats = {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
+            for _ in range(gradient_accumulation_steps):
+                batch = next(batches)
+                with accelerator.accumulate(scorer):
+                    b = batch["query_chosen_token"].size(0)
+                    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
+                    query_responses = trim_trailing_padding(query_responses, pad_id)  # (2B, T)
+                    _, rewards, _ = scorer(query_responses, 0)  # (2B,), read at each EOS (Detail 12)
+                    chosen_rewards, rejected_rewards = rewards[:b], rewards[b:]
+                    loss = pairwise_loss(chosen_rewards, rejected_rewards)
+                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
+                    run.guard(update, **{"train/loss": loss, "train/chosen_rewards": chosen_rewards,
+                                         "train/rejected_rewards": rejected_rewards})
+                    accelerator.backward(loss)
+                    optimizer.step()  # a no-op until the last micro batch of the update
+                    optimizer.zero_grad()
+                tokens_seen += int((query_responses != pad_id).sum()) * num_processes
+                stats["loss"].append(loss.detach())
+                stats["accuracy"].append((chosen_rewards > rejected_rewards).float().mean().detach())
+                stats["chosen"].append(chosen_rewards.detach().float().mean())
+                stats["rejected"].append(rejected_rewards.detach().float().mean())
+            if not accelerator.sync_gradients:
+                raise RuntimeError("gradient accumulation went out of step with the update loop")
+            lr_scheduler.step()
+            step = update
+            # averages over every micro batch of the update and every process (STYLE 7)
+            means = {k: accelerator.gather(torch.stack(v)).float().mean().item() for k, v in stats.items()}
+            tokens_per_s = tokens_seen / (train_time_before + time.time() - train_start)
+            progress.update(1)
+            progress.set_postfix(loss=f"{means['loss']:.4f}", acc=f"{means['accuracy']:.3f}", tok_s=f"{tokens_per_s:.0f}")
+            if step % args.log_every == 0 or step == num_updates:
+                run.log(step, {"episode": step * args.total_batch_size, "train/loss": means["loss"],
+                               "train/accuracy": means["accuracy"], "train/chosen_rewards": means["chosen"],
+                               "train/rejected_rewards": means["rejected"],
+                               "train/reward_margin": means["chosen"] - means["rejected"],
+                               "lr": lr_scheduler.get_last_lr()[0], "epoch": step * args.total_batch_size / len(train_set),
+                               "tokens_per_s": tokens_per_s})
+            if args.eval_every > 0 and step % args.eval_every == 0 and step < num_updates:
+                evaluate(step, final=False)
+            # after the update's logging and evaluation, so a resumed run repeats neither
+            if args.checkpoint_every > 0 and step % args.checkpoint_every == 0 and step < num_updates:
+                run.checkpoint(step, trainer_state())
+    except NonFiniteError:
+        keep_last_good_reward_checkpoint(run, accelerator, progress, step, trainer_state())
+        raise
+    progress.close()
+    train_time = train_time_before + time.time() - train_start
+
+    # ---------------- Details 14 and 15: score the SFT references, then normalise ----------------
+    summary = normalize_on_references(scorer, accelerator, unwrapped, references, pad_id, args)
+
+    # ---------------- final evaluation of the saved (normalised) model, and outputs ----------------
+    summary.update(evaluate(num_updates, final=True))
+    summary.update({"train_time_s": train_time, "wall_time_s": time.time() - start_time,
+                    "tokens_per_s": tokens_seen / max(train_time, 1e-9), "num_updates": num_updates,
+                    "head_init_std": head_std})
+    save_reward_model(accelerator, scorer, unwrapped, tokenizer, args)
+    run.finish(summary)
+    if accelerator.is_main_process:
+        print(json.dumps({k: summary[k] for k in ("eval/accuracy", "left_right_pad_diff", "train_time_s")}))
+    return summary
+
+
+# =============================================================================================
+# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
+# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
+# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
+# =============================================================================================
+
+
+def load_reward_tokenizer(args):
+    """The SFT model's tokenizer with a [PAD] distinct from EOS (Detail 3)."""
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia has no pad token
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; the reward is read "
+            "at the EOS found as the first [PAD] of the response minus one (Details 3, 12), so [PAD] must differ from "
+            "EOS. Save the SFT tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a "
+            "pad token) and prepare the data with it"
+        )
+    return tokenizer
+
+
+def load_reward_data(args, tokenizer, accelerator):
+    """The preference train split, the preference evaluation splits (those absent are skipped) and the SFT
+    references of Details 14 and 15 (scored after training; loaded now so that a bad split fails early). Every
+    split is checked for the columns read from it and for the tokenizer that made it, before any training."""
+    train_set = load_split(args.preference_dataset, args.train_split)
+    check_columns(train_set, ["query_chosen_token", "query_rejected_token", "query_chosen_token_len"],
+                  f"{args.preference_dataset} split {args.train_split!r}")
+    # the data must come from this tokenizer (Detail 12 also finds the EOS by its pad id)
+    check_data_tokenizer(train_set, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {args.train_split!r}")
+    if os.path.isdir(args.preference_dataset):
+        available = set(load_from_disk(args.preference_dataset).keys())
+    else:
+        from datasets import get_dataset_split_names
+
+        available = set(get_dataset_split_names(args.preference_dataset))
+    eval_sets = {}
+    eval_columns = ["query_chosen_token", "query_rejected_token", "query_token_len", "query", "chosen", "rejected",
+                    "batch", "split", "confidence", "chosen_policy", "rejected_policy", "choice", "chosen_token_len",
+                    "rejected_token_len"]  # what score_preference_split reads
+    for split_name in args.eval_splits:
+        if split_name not in available:
+            accelerator.print(f"evaluation split {split_name!r} is not in {args.preference_dataset}; skipped")
+            continue
+        dataset = load_split(args.preference_dataset, split_name)
+        check_columns(dataset, eval_columns, f"{args.preference_dataset} split {split_name!r}")
+        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split_name!r}")
+        if args.num_eval_samples is not None:
+            dataset = dataset.select(range(min(args.num_eval_samples, len(dataset))))
+        eval_sets[split_name] = dataset
+    if not eval_sets:
+        raise ValueError(f"none of {args.eval_splits} is in {args.preference_dataset}")
+    references = load_split(args.query_dataset, args.normalization_split)
+    check_columns(references, ["query_token", "reference_response_token", "query_reference_response_token"],
+                  f"{args.query_dataset} split {args.normalization_split!r}")
+    check_data_tokenizer(references, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.normalization_split!r}")
+    if args.num_normalization_samples is not None:
+        references = references.select(range(min(args.num_normalization_samples, len(references))))
+    return train_set, eval_sets, references
+
+
+def keep_last_good_reward_checkpoint(run, accelerator, progress, step: int, trainer_state: dict) -> None:
+    """After the non-finite guard fired in update step + 1. The guard runs before backward and before the
+    update's optimizer step, so the weights on hand are still those after update `step`: keep them as the
+    last good checkpoint (never the poisoned ones)."""
+    progress.close()  # so that the error is the last line of the output
+    run.checkpoint(step, trainer_state)
+    accelerator.print(f"non-finite value in update {step + 1}; last good checkpoint: {run.latest_checkpoint()}")
+
+
+def save_reward_model(accelerator, scorer, model, tokenizer, args) -> None:
+    """save_pretrained (safetensors) of the bare sequence-classification model and its tokenizer; --push_to_hub."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(scorer)  # every rank takes part (ZeRO-3 gathers the shards on rank 0)
+    if not accelerator.is_main_process:
+        return
+    # the wrapper's keys are "rm.<name>"; the saved model is the bare sequence-classification model
+    state_dict = {k[len("rm."):]: v for k, v in state_dict.items()}
+    model.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True, save_function=accelerator.save)
+    tokenizer.save_pretrained(args.output_dir)
+    if args.push_to_hub:
+        model.push_to_hub(args.hub_model_id)
+        tokenizer.push_to_hub(args.hub_model_id)
+
+
+def resumable_micro_batches(loader, skip: int):
+    """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
+    the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
+
+    The loader must come from an Accelerator made with DataLoaderConfiguration(use_seedable_sampler=True,
+    data_seed=seed): its shuffle of epoch e is then drawn from a generator seeded with seed + e, so it
+    depends on e alone and not on how many epochs this process has iterated before. A resumed run can
+    therefore set epoch e directly and drop the micro batches of it already trained on; skip_first_batches
+    drops them from the index lists (no row is read). Every process skips its own share the same way."""
+    per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
+    if per_epoch == 0:
+        raise ValueError("the train split is smaller than one micro batch per process; "
+                         "lower --local_micro_batch_size or use more data")
+    epoch, skip = divmod(skip, per_epoch)
+    while True:
+        loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
+        yield from (skip_first_batches(loader, skip) if skip else loader)
+        epoch, skip = epoch + 1, 0
+
+
+# ---- evaluation outputs: the Table 5 analogue (Details 6, 16), calibration (Detail 18), the Detail 13 plot ----
+
+
+def run_evaluation(scorer, accelerator, eval_sets: dict, pad_token_id: int, eos_token_id: int, args: Args):
+    """Evaluate on every preference split; return flat metrics, the table rows, calibration bins, the
+    Detail 13 logit rows and the per-pair frame."""
+    metrics, rows, calibration, frames = {}, [], {}, []
+    logit_rows = []
+    for split_name, dataset in eval_sets.items():
+        frame, split_logit_rows, logit_stats = score_preference_split(
+            scorer, accelerator, dataset, pad_token_id, eos_token_id, args.local_eval_batch_size,
+            args.num_logit_plot_samples if not logit_rows else 0,
+        )
+        logit_rows.extend(split_logit_rows)
+        frame["dataset_split"] = split_name
+        frames.append(frame)
+        split_rows = accuracy_breakdown(frame, split_name)
+        rows.extend(split_rows)
+        for r in split_rows:
+            # eval/{split}/reward/mean, eval/{split}/accuracy, eval/{split}/accuracy/batch/batch10, ...
+            if r["group"] == "accuracy":
+                metrics[f"eval/{split_name}/accuracy"] = r["value"]
+                metrics[f"eval/{split_name}/accuracy_ci_low"] = r["ci_low"]
+                metrics[f"eval/{split_name}/accuracy_ci_high"] = r["ci_high"]
+            else:
+                group = r["group"].replace("accuracy by ", "accuracy/")
+                metrics[f"eval/{split_name}/{group}/{r['key']}"] = r["value"]
+        metrics[f"eval/{split_name}/loss"] = float(np.mean(np.log1p(np.exp(-frame["score_diff"].to_numpy()))))
+        calibration[split_name] = calibration_bins(frame, args.num_calibration_bins)
+        c = calibration[split_name]
+        # expected calibration error: |accuracy - ideal| weighted by the share of (symmetrised) pairs per bin
+        metrics[f"eval/{split_name}/calibration_error"] = float((c["n"] * (c["accuracy"] - c["ideal"]).abs()).sum()
+                                                                / c["n"].sum())
+        for k, v in logit_stats.items():
+            metrics[f"eval/{split_name}/{k}"] = v
+    first = next(iter(eval_sets))
+    metrics["eval/accuracy"] = metrics[f"eval/{first}/accuracy"]
+    return metrics, rows, calibration, logit_rows, pd.concat(frames).reset_index(drop=True)
+
+
+def save_reward_evaluation(run, frame, rows, calibration: dict, logit_rows: list, eos_text: str, step: int,
+                           final: bool) -> None:
+    """The outputs of one evaluation: the sample table samples/step_N.csv; after the final one also samples.csv,
+    the Table 5 analogue (eval_table.md / .csv, printed), calibration.csv and the Detail 13 / 18 plots."""
+    if not run.main:
+        return
+    samples = samples_frame(frame, eos_text)
+    run.save_table(samples, f"samples/step_{step:06d}.csv")
+    if final:
+        run.save_table(samples, "samples.csv")
+        table = markdown_table(rows)
+        with open(os.path.join(run.dir, "eval_table.md"), "w") as f:
+            f.write(table + "\n")
+        run.save_table(pd.DataFrame(rows), "eval_table.csv")
+        run.save_table(pd.concat([c.assign(dataset_split=s) for s, c in calibration.items()]), "calibration.csv")
+        save_plots(run.dir, calibration, logit_rows)
+        print(table)
+
+
+def accuracy_breakdown(frame: pd.DataFrame, split_name: str) -> list[dict]:
+    """Table 5 analogue for one preference split: reward statistics and accuracy overall, by batch,
+    by confidence and by split, one dict per table row. A pair is correct when r_chosen > r_rejected."""
+    scores = np.concatenate([frame["chosen_score"].to_numpy(), frame["rejected_score"].to_numpy()])
+    rows = [{"dataset_split": split_name, "group": "reward", "key": k, "value": float(v), "n": len(scores)}
+            for k, v in (("max", scores.max()), ("mean", scores.mean()), ("min", scores.min()),
+                         ("std", scores.std()))]
+    # every accuracy comes with its 95% Wilson interval: on ~1000 validation pairs it is about +-3 points,
+    # so two RMs (or two seeds) that differ by less than that are not distinguishable on this split
+    rows.append({"dataset_split": split_name, "group": "accuracy", "key": "overall",
+                 "value": float(frame["correct"].mean()), "n": len(frame), **accuracy_interval(frame["correct"])})
+    # a pair whose two summaries are the same text always ties, and a tie counts as wrong (strict >, as
+    # in the reference implementation): this share bounds the accuracy any scalar reward model can reach
+    rows.append({"dataset_split": split_name, "group": "pairs", "key": "identical_texts",
+                 "value": float((frame["chosen"] == frame["rejected"]).mean()), "n": len(frame)})
+    for group in ("batch", "confidence", "split"):
+        for key, sub in frame.groupby(group, sort=True):
+            rows.append({"dataset_split": split_name, "group": f"accuracy by {group}", "key": str(key),
+                         "value": float(sub["correct"].mean()), "n": len(sub), **accuracy_interval(sub["correct"])})
+    return rows
+
+
+def accuracy_interval(correct: pd.Series) -> dict:
+    """The 95% Wilson interval of an accuracy, as the table row's ci_low / ci_high."""
+    low, high = wilson_interval(int(correct.sum()), len(correct))
+    return {"ci_low": float(low), "ci_high": float(high)}
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (better than the normal approximation
+    near 0 or 1 and for small n); (nan, nan) when n = 0."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    low = 0.0 if successes == 0 else max(0.0, center - half)  # exact at the edges (no 1e-17 from rounding)
+    high = 1.0 if successes == n else min(1.0, center + half)
+    return float(low), float(high)
+
+
+def calibration_bins(frame: pd.DataFrame, num_bins: int) -> pd.DataFrame:
+    """Detail 18 (Bai et al.): the fraction of pairs in which the rater preferred A, against the score
+    difference d = r(A) - r(B). Each pair enters twice, once as (A, B) = (chosen, rejected) with label 1
+    and once swapped with label 0, so the curve does not depend on the order of the two summaries.
+    A calibrated model follows 1 / (1 + e^-d)."""
+    d = np.concatenate([frame["score_diff"].to_numpy(), -frame["score_diff"].to_numpy()])
+    label = np.concatenate([np.ones(len(frame)), np.zeros(len(frame))])
+    edge = max(float(np.quantile(np.abs(d), 0.99)), 1e-6)
+    edges = np.linspace(-edge, edge, num_bins + 1)
+    which = np.clip(np.digitize(d, edges) - 1, 0, num_bins - 1)
+    rows = []
+    for b in range(num_bins):
+        in_bin = which == b
+        if in_bin.any():
+            rows.append({"bin_center": float((edges[b] + edges[b + 1]) / 2), "mean_diff": float(d[in_bin].mean()),
+                         "accuracy": float(label[in_bin].mean()), "ideal": float(1 / (1 + np.exp(-d[in_bin].mean()))),
+                         "n": int(in_bin.sum())})
+    return pd.DataFrame(rows)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The Table 5 analogue as Markdown."""
+    lines = ["| dataset split | metric | key | value | 95% CI | n |", "| --- | --- | --- | ---: | --- | ---: |"]
+    for r in rows:
+        ci = f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]" if "ci_low" in r else ""
+        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {ci} | {r['n']} |")
+    return "\n".join(lines)
+
+
+def save_plots(run_dir: str, calibration: dict, logit_rows: list[dict]) -> None:
+    """Figure 5 (right) analogue and the Detail 13 per-token reward logits, as PNG files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    lim = max(float(np.abs(c["mean_diff"]).max()) for c in calibration.values())
+    x = np.linspace(-lim, lim, 200)
+    ax.plot(x, 1 / (1 + np.exp(-x)), color="black", label="perfect calibration 1/(1+e^-d)")
+    for split_name, c in calibration.items():
+        ax.plot(c["mean_diff"], c["accuracy"], marker="o", label=split_name)
+    ax.set_xlabel("score difference d = r(A) - r(B)")
+    ax.set_ylabel("fraction of pairs where raters prefer A")
+    ax.set_title("Reward model calibration (Detail 18)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "calibration.png"), dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, row in enumerate(logit_rows):
+        steps = np.arange(len(row["logits"]))
+        line = ax.plot(steps, row["logits"], marker=".", label=f"sequence {i}")[0]
+        marker = "*" if row["ends_with_eos"] else "x"
+        ax.plot(steps[-1], row["logits"][-1], marker=marker, markersize=14, color=line.get_color())
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("response token index (star: EOS, where the reward is read)")
+    ax.set_ylabel("reward logit")
+    ax.set_title("Per-token reward logits (Detail 13)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "reward_logits.png"), dpi=120)
+    plt.close(fig)
+
+
+def samples_frame(frame: pd.DataFrame, eos_text: str) -> pd.DataFrame:
+    """One row per validation response in the project's samples schema, plus the pair's metadata."""
+    out = []
+    for role, other in (("chosen", "rejected"), ("rejected", "chosen")):
+        out.append(pd.DataFrame({
+            "query": frame["query"],
+            "response": frame[role].str.replace(eos_text, "", regex=False),
+            "reference": "",  # preference rows carry no reference summary
+            "score": frame[f"{role}_score"],
+            "response_token_len": frame[f"{role}_token_len"],
+            "has_eos": frame[f"{role}_has_eos"],
+            "role": role,
+            "pair_index": frame.index,
+            "policy": frame[f"{role}_policy"],
+            "other_score": frame[f"{other}_score"],
+            "dataset_split": frame["dataset_split"],
+            "batch": frame["batch"],
+            "split": frame["split"],
+            "confidence": frame["confidence"],
+        }))
+    return pd.concat(out).sort_values(["dataset_split", "pair_index", "role"]).reset_index(drop=True)
+
+
+# ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+class Run:
+    """Everything a training run keeps on disk besides the model, behind one small interface:
+
+        run = Run(args, accelerator)          # the run's name and its folder {run_dir_root}/{run_name}
+        run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
+        state = run.start(state, **shape)     # --resume: restore the latest checkpoint; then open the logs
+        run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
+        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
+        run.save_table(frame, "samples.csv")  # a CSV in the run folder
+        run.checkpoint(update, state)         # atomic, resumable checkpoint
+        run.finish(summary)                   # summary.json, close the logs
+
+    `state` is the script's own trainer state (data position, running counters); accelerate's save_state
+    holds the rest (prepared models, optimizers, registered objects, RNG states). `shape` names what a
+    checkpoint must share with the flags of a resumed run (e.g. num_updates)."""
+
+    def __init__(self, args, accelerator):
+        self.args, self.accelerator = args, accelerator
+        args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
+        self.dir = os.path.join(args.run_dir_root, args.run_name)
+        self.main = accelerator.is_main_process
+        self.shape, self.writer = {}, None
+
+    def claim_output_dir(self) -> None:
+        claim_output_dir(self.accelerator, self.args.output_dir, self.args.run_name,
+                         self.args.overwrite_output_dir or self.args.resume)
+
+    def start(self, state: dict, **shape) -> dict:
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`."""
+        self.shape = shape
+        if self.args.resume:
+            state = load_checkpoint(self.accelerator, self.dir)
+            found = {key: state.get(key) for key in shape}
+            if found != shape:
+                raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
+                                 "resume with the flags of the original run")
+        elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
+            shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
+        if self.main:
+            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+            config = asdict(self.args)  # with the derived fields filled in
+            with open(os.path.join(self.dir, "args.json"), "w") as f:
+                json.dump(config, f, indent=2)
+            if self.args.track:
+                import wandb
+
+                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                           config=config, name=self.args.run_name, save_code=True)
+            # a resumed run drops what the interrupted run logged after its checkpoint (TensorBoard's purge_step,
+            # start_metrics_file), so its logs match an uninterrupted run's
+            resumed_at = state.get("update", 0) if self.args.resume else 0
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.args.resume else None)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+                f"|{key}|{value}|" for key, value in config.items()))
+            start_metrics_file(os.path.join(self.dir, "metrics.jsonl"), resumed_at)
+        return state
+
+    def guard(self, update: int, **quantities: torch.Tensor) -> None:
+        check_finite(self.accelerator, update, **quantities)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.main:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        if self.main:
+            self.writer.add_text(tag, text, step)
+
+    def save_table(self, frame, name: str) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.dir, name), index=False)
+
+    def checkpoint(self, update: int, state: dict) -> str:
+        return save_checkpoint(self.accelerator, self.dir, update, {**self.shape, **state, "update": update}, self.args.checkpoint_keep)
+
+    def latest_checkpoint(self) -> Optional[str]:
+        return latest_checkpoint(self.dir)
+
+    def finish(self, summary: dict) -> None:
+        if self.main:
+            with open(os.path.join(self.dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+            self.writer.close()
+            if self.args.track:
+                import wandb
+
+                wandb.finish()
+
+
 def start_processes() -> PartialState:
     """Join the run's process group before anything reads the process count. accelerate picks a
     communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
@@ -335,46 +1144,6 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
             )
 
 
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Per row, the index of the first True; the row length when the row has no True."""
-    row_len = bools.size(-1)
-    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
-    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
-    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
-    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
-    functionally from a float attribute of the attention module; those are zeroed too."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "attn_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
-    """Reward of a (left-padded query + right-padded response) batch.
-
-    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
-    of the response (the last token when there is no pad). Returns the per-token reward
-    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
-    ).last_hidden_state  # (B, T, d)
-    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
-    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
-    return reward_logits, rewards, sequence_lengths
-
-
-# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
 class NonFiniteError(RuntimeError):
     """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
 
@@ -489,665 +1258,6 @@ def start_metrics_file(path: str, resume_update: int) -> None:
         kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
     with open(path, "w") as f:
         f.writelines(kept)
-
-
-def resumable_micro_batches(loader, skip: int):
-    """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
-    the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
-
-    The loader must come from an Accelerator made with DataLoaderConfiguration(use_seedable_sampler=True,
-    data_seed=seed): its shuffle of epoch e is then drawn from a generator seeded with seed + e, so it
-    depends on e alone and not on how many epochs this process has iterated before. A resumed run can
-    therefore set epoch e directly and drop the micro batches of it already trained on; skip_first_batches
-    drops them from the index lists (no row is read). Every process skips its own share the same way."""
-    per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
-    if per_epoch == 0:
-        raise ValueError("the train split is smaller than one micro batch per process; "
-                         "lower --local_micro_batch_size or use more data")
-    epoch, skip = divmod(skip, per_epoch)
-    while True:
-        loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
-        yield from (skip_first_batches(loader, skip) if skip else loader)
-        epoch, skip = epoch + 1, 0
-
-
-# ------------------------------------------------------------------------------------------------
-# Reward-model specifics
-# ------------------------------------------------------------------------------------------------
-class RewardScorer(torch.nn.Module):
-    """The sequence-classification model with `get_reward` as its forward.
-
-    Training goes through this wrapper so that accelerate's DDP / DeepSpeed wrapper sees the whole
-    scoring computation as one forward call (gradient synchronisation and accumulation hook into it).
-    Returns what `get_reward` returns: per-token reward logits (B, T), rewards (B,), EOS indices (B,)."""
-
-    def __init__(self, rm, pad_token_id: int):
-        super().__init__()
-        self.rm = rm
-        self.pad_token_id = pad_token_id
-
-    def forward(self, query_responses: torch.Tensor, context_length: int):
-        return get_reward(self.rm, query_responses, self.pad_token_id, context_length)
-
-
-def init_reward_head(model, mode: str, std: Optional[float]) -> float:
-    """Detail 11: draw the scalar head's weights; return the std used.
-
-    `paper`: N(0, 1 / sqrt(d_model + 1)) (or the given std), as in Stiennon et al.'s reference code.
-    `library`: N(0, config.initializer_range), which is what transformers' `_init_weights` gives a
-    fresh `nn.Linear` head (0.02 for Pythia); written out here so that the ablation is explicit.
-    The GPT-NeoX sequence-classification head has no bias, which is the paper's zero bias."""
-    if mode == "paper":
-        std = 1.0 / math.sqrt(model.config.hidden_size + 1) if std is None else std
-    elif std is not None:
-        raise ValueError("--reward_head_init_std only applies to --reward_head_init paper")
-    else:
-        std = model.config.initializer_range
-    with torch.no_grad(), whole_parameters([model.score.weight, model.score.bias]):
-        torch.nn.init.normal_(model.score.weight, mean=0.0, std=std)
-        if model.score.bias is not None:
-            torch.nn.init.zeros_(model.score.bias)
-    return std
-
-
-def whole_parameters(params: list):
-    """A context in which `params` (None entries skipped) are whole tensors that may be changed in place. Under
-    ZeRO-3 (zero3.yaml) each process holds only a slice of each weight: the slices are gathered on entry and
-    rank 0's values are sliced back out on exit (every rank computes the same change). Elsewhere it does nothing."""
-    params = [p for p in params if p is not None]
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-
-
-def final_norm_of(model) -> torch.nn.Module:
-    """The normalisation layer whose output is the head's input (GPT-NeoX: `final_layer_norm`)."""
-    backbone = getattr(model, model.base_model_prefix)
-    for name in ("final_layer_norm", "ln_f", "norm"):
-        norm = getattr(backbone, name, None)
-        if norm is not None and getattr(norm, "bias", None) is not None:
-            return norm
-    raise ValueError(
-        f"{type(backbone).__name__} has no final norm with a bias, so the Detail 15 shift cannot be folded "
-        "into its weights; run with --no-normalize_reward"
-    )
-
-
-def fold_reward_bias(model, bias: float) -> None:
-    """Detail 15: make every output of the model `bias` lower, exactly, without a new parameter.
-
-    The reference implementation keeps the bias in its own config and subtracts it in its forward.
-    We keep the library's bias-free sequence-classification format instead, so that any loader gets
-    normalised scores: the head computes r = w . LN(x) with LN(x) = gamma * xhat + beta, which is linear
-    in the final norm's bias beta. Moving beta by delta = -bias * w / ||w||^2 changes every reward logit
-    by w . delta = -bias. The value is also stored as `config.reward_normalization_bias` (already applied;
-    never subtract it again)."""
-    norm = final_norm_of(model)
-    with torch.no_grad(), whole_parameters([model.score.weight, norm.bias]):
-        w = model.score.weight[0].detach().float()  # (d,)
-        norm.bias.add_((-bias * w / w.dot(w)).to(norm.bias.dtype))
-
-
-def trim_trailing_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Drop the trailing columns that are [PAD] in every row. Pure speed (rows are padded to the
-    dataset's full length, often far beyond the longest row of a batch); no reward changes, because
-    each row keeps every token up to its EOS."""
-    last_real_column = int((query_responses != pad_token_id).any(dim=0).nonzero().max())
-    return query_responses[:, : last_real_column + 1]
-
-
-def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
-    """The Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), averaged over pairs."""
-    return -F.logsigmoid(chosen_rewards - rejected_rewards).mean()
-
-
-@torch.no_grad()
-def score_references(scorer, accelerator, dataset, pad_token_id: int, batch_size: int):
-    """Score the SFT references twice: as one right-padded row (how the RM is trained) and as a
-    left-padded query followed by the right-padded reference (how PPO scores). Returns both (N,) arrays
-    on every process (Details 14 and 15)."""
-    dataset = dataset.with_format("torch", columns=["query_token", "reference_response_token",
-                                                    "query_reference_response_token"])
-    loader = accelerator.prepare(DataLoader(dataset, batch_size=batch_size, shuffle=False))
-    right, left = [], []
-    scorer.eval()
-    for batch in loader:
-        # right-padded: unpadded query + reference + EOS + pads; no pad before the response, so context 0
-        right_rows = trim_trailing_padding(batch["query_reference_response_token"], pad_token_id)
-        _, right_scores, _ = scorer(right_rows, 0)
-        # left-padded query (B, Tq) + right-padded reference (B, Tr): the layout PPO scores (Detail 14)
-        query_responses = torch.cat((batch["query_token"], batch["reference_response_token"]), dim=1)
-        query_responses = trim_trailing_padding(query_responses, pad_token_id)
-        _, left_scores, _ = scorer(query_responses, batch["query_token"].size(1))
-        right.append(accelerator.gather_for_metrics(right_scores.float()))
-        left.append(accelerator.gather_for_metrics(left_scores.float()))
-    return torch.cat(right).cpu().numpy(), torch.cat(left).cpu().numpy()
-
-
-@torch.no_grad()
-def score_preference_split(scorer, accelerator, dataset, pad_token_id: int, eos_token_id: int, batch_size: int,
-             num_logit_rows: int):
-    """Score every pair of a preference split. Returns a DataFrame with one row per pair (scores and the
-    rater metadata of Table 5), the per-token reward logits of the first `num_logit_rows` chosen
-    responses (Detail 13), and the mean / negative share of the non-EOS response logits."""
-    columns = ["query_chosen_token", "query_rejected_token", "query_token_len"]
-    indexed = dataset.add_column("row_index", list(range(len(dataset))))
-    loader = accelerator.prepare(
-        DataLoader(indexed.with_format("torch", columns=columns + ["row_index"]), batch_size=batch_size)
-    )
-    scorer.eval()
-    chosen, rejected, indices, ends_with_eos = [], [], [], []
-    logit_rows = []
-    non_eos_sum = torch.zeros((), device=accelerator.device)
-    non_eos_negative = torch.zeros((), device=accelerator.device)
-    non_eos_count = torch.zeros((), device=accelerator.device)
-    for batch in loader:
-        b = batch["query_chosen_token"].size(0)
-        # chosen and rejected in one forward pass; both are right-padded rows, so context length 0
-        query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
-        query_responses = trim_trailing_padding(query_responses, pad_token_id)  # (2B, T)
-        reward_logits, rewards, eos_index = scorer(query_responses, 0)
-        chosen.append(accelerator.gather_for_metrics(rewards[:b].float()))
-        rejected.append(accelerator.gather_for_metrics(rewards[b:].float()))
-        indices.append(accelerator.gather_for_metrics(batch["row_index"]))
-        # is the token the reward is read at really an EOS? (a response cut at the length limit has none)
-        eos_read = query_responses[torch.arange(2 * b, device=query_responses.device), eos_index] == eos_token_id
-        ends_with_eos.append(accelerator.gather_for_metrics(torch.stack((eos_read[:b], eos_read[b:]), dim=1)))
-        # Detail 13: the logits at response positions before the EOS are not rewards
-        positions = torch.arange(query_responses.size(1), device=query_responses.device).unsqueeze(0)
-        query_len = batch["query_token_len"].repeat(2).unsqueeze(1)
-        non_eos = (positions >= query_len) & (positions < eos_index.unsqueeze(1))
-        non_eos_sum += (reward_logits.float() * non_eos).sum()
-        non_eos_negative += ((reward_logits < 0) & non_eos).sum()
-        non_eos_count += non_eos.sum()
-        for i in range(b):
-            if len(logit_rows) < num_logit_rows:
-                start, end = int(query_len[i]), int(eos_index[i])
-                tokens = query_responses[i, start : end + 1].tolist()
-                logit_rows.append({
-                    "logits": reward_logits[i, start : end + 1].float().cpu().numpy(),
-                    "ends_with_eos": tokens[-1] == eos_token_id,
-                })
-    non_eos_sum, non_eos_negative, non_eos_count = (accelerator.reduce(t, "sum") for t in
-                                                    (non_eos_sum, non_eos_negative, non_eos_count))
-    index = torch.cat(indices).cpu().numpy()
-    meta = dataset.select_columns(["query", "chosen", "rejected", "batch", "split", "confidence",
-                                   "chosen_policy", "rejected_policy", "choice", "chosen_token_len",
-                                   "rejected_token_len"]).to_pandas()
-    frame = meta.iloc[index].reset_index(drop=True)
-    frame["chosen_score"] = torch.cat(chosen).cpu().numpy()
-    frame["rejected_score"] = torch.cat(rejected).cpu().numpy()
-    eos_flags = torch.cat(ends_with_eos).cpu().numpy()  # (N, 2)
-    frame["chosen_has_eos"], frame["rejected_has_eos"] = eos_flags[:, 0], eos_flags[:, 1]
-    frame["score_diff"] = frame["chosen_score"] - frame["rejected_score"]
-    frame["correct"] = frame["score_diff"] > 0
-    logit_stats = {
-        "non_eos_logit_mean": float(non_eos_sum / non_eos_count.clamp(min=1)),
-        "non_eos_logit_negative_frac": float(non_eos_negative / non_eos_count.clamp(min=1)),
-    }
-    return frame, logit_rows, logit_stats
-
-
-def accuracy_breakdown(frame: pd.DataFrame, split_name: str) -> list[dict]:
-    """Table 5 analogue for one preference split: reward statistics and accuracy overall, by batch,
-    by confidence and by split, one dict per table row. A pair is correct when r_chosen > r_rejected."""
-    scores = np.concatenate([frame["chosen_score"].to_numpy(), frame["rejected_score"].to_numpy()])
-    rows = [{"dataset_split": split_name, "group": "reward", "key": k, "value": float(v), "n": len(scores)}
-            for k, v in (("max", scores.max()), ("mean", scores.mean()), ("min", scores.min()),
-                         ("std", scores.std()))]
-    # every accuracy comes with its 95% Wilson interval: on ~1000 validation pairs it is about +-3 points,
-    # so two RMs (or two seeds) that differ by less than that are not distinguishable on this split
-    rows.append({"dataset_split": split_name, "group": "accuracy", "key": "overall",
-                 "value": float(frame["correct"].mean()), "n": len(frame), **accuracy_interval(frame["correct"])})
-    # a pair whose two summaries are the same text always ties, and a tie counts as wrong (strict >, as
-    # in the reference implementation): this share bounds the accuracy any scalar reward model can reach
-    rows.append({"dataset_split": split_name, "group": "pairs", "key": "identical_texts",
-                 "value": float((frame["chosen"] == frame["rejected"]).mean()), "n": len(frame)})
-    for group in ("batch", "confidence", "split"):
-        for key, sub in frame.groupby(group, sort=True):
-            rows.append({"dataset_split": split_name, "group": f"accuracy by {group}", "key": str(key),
-                         "value": float(sub["correct"].mean()), "n": len(sub), **accuracy_interval(sub["correct"])})
-    return rows
-
-
-def accuracy_interval(correct: pd.Series) -> dict:
-    """The 95% Wilson interval of an accuracy, as the table row's ci_low / ci_high."""
-    low, high = wilson_interval(int(correct.sum()), len(correct))
-    return {"ci_low": float(low), "ci_high": float(high)}
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion (better than the normal approximation
-    near 0 or 1 and for small n); (nan, nan) when n = 0."""
-    if n == 0:
-        return float("nan"), float("nan")
-    p = successes / n
-    denom = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    low = 0.0 if successes == 0 else max(0.0, center - half)  # exact at the edges (no 1e-17 from rounding)
-    high = 1.0 if successes == n else min(1.0, center + half)
-    return float(low), float(high)
-
-
-def calibration_bins(frame: pd.DataFrame, num_bins: int) -> pd.DataFrame:
-    """Detail 18 (Bai et al.): the fraction of pairs in which the rater preferred A, against the score
-    difference d = r(A) - r(B). Each pair enters twice, once as (A, B) = (chosen, rejected) with label 1
-    and once swapped with label 0, so the curve does not depend on the order of the two summaries.
-    A calibrated model follows 1 / (1 + e^-d)."""
-    d = np.concatenate([frame["score_diff"].to_numpy(), -frame["score_diff"].to_numpy()])
-    label = np.concatenate([np.ones(len(frame)), np.zeros(len(frame))])
-    edge = max(float(np.quantile(np.abs(d), 0.99)), 1e-6)
-    edges = np.linspace(-edge, edge, num_bins + 1)
-    which = np.clip(np.digitize(d, edges) - 1, 0, num_bins - 1)
-    rows = []
-    for b in range(num_bins):
-        in_bin = which == b
-        if in_bin.any():
-            rows.append({"bin_center": float((edges[b] + edges[b + 1]) / 2), "mean_diff": float(d[in_bin].mean()),
-                         "accuracy": float(label[in_bin].mean()), "ideal": float(1 / (1 + np.exp(-d[in_bin].mean()))),
-                         "n": int(in_bin.sum())})
-    return pd.DataFrame(rows)
-
-
-def markdown_table(rows: list[dict]) -> str:
-    """The Table 5 analogue as Markdown."""
-    lines = ["| dataset split | metric | key | value | 95% CI | n |", "| --- | --- | --- | ---: | --- | ---: |"]
-    for r in rows:
-        ci = f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]" if "ci_low" in r else ""
-        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {ci} | {r['n']} |")
-    return "\n".join(lines)
-
-
-def save_plots(run_dir: str, calibration: dict, logit_rows: list[dict]) -> None:
-    """Figure 5 (right) analogue and the Detail 13 per-token reward logits, as PNG files."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 4))
-    lim = max(float(np.abs(c["mean_diff"]).max()) for c in calibration.values())
-    x = np.linspace(-lim, lim, 200)
-    ax.plot(x, 1 / (1 + np.exp(-x)), color="black", label="perfect calibration 1/(1+e^-d)")
-    for split_name, c in calibration.items():
-        ax.plot(c["mean_diff"], c["accuracy"], marker="o", label=split_name)
-    ax.set_xlabel("score difference d = r(A) - r(B)")
-    ax.set_ylabel("fraction of pairs where raters prefer A")
-    ax.set_title("Reward model calibration (Detail 18)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "calibration.png"), dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, row in enumerate(logit_rows):
-        steps = np.arange(len(row["logits"]))
-        line = ax.plot(steps, row["logits"], marker=".", label=f"sequence {i}")[0]
-        marker = "*" if row["ends_with_eos"] else "x"
-        ax.plot(steps[-1], row["logits"][-1], marker=marker, markersize=14, color=line.get_color())
-    ax.axhline(0.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("response token index (star: EOS, where the reward is read)")
-    ax.set_ylabel("reward logit")
-    ax.set_title("Per-token reward logits (Detail 13)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "reward_logits.png"), dpi=120)
-    plt.close(fig)
-
-
-def samples_frame(frame: pd.DataFrame, eos_text: str) -> pd.DataFrame:
-    """One row per validation response in the project's samples schema, plus the pair's metadata."""
-    out = []
-    for role, other in (("chosen", "rejected"), ("rejected", "chosen")):
-        out.append(pd.DataFrame({
-            "query": frame["query"],
-            "response": frame[role].str.replace(eos_text, "", regex=False),
-            "reference": "",  # preference rows carry no reference summary
-            "score": frame[f"{role}_score"],
-            "response_token_len": frame[f"{role}_token_len"],
-            "has_eos": frame[f"{role}_has_eos"],
-            "role": role,
-            "pair_index": frame.index,
-            "policy": frame[f"{role}_policy"],
-            "other_score": frame[f"{other}_score"],
-            "dataset_split": frame["dataset_split"],
-            "batch": frame["batch"],
-            "split": frame["split"],
-            "confidence": frame["confidence"],
-        }))
-    return pd.concat(out).sort_values(["dataset_split", "pair_index", "role"]).reset_index(drop=True)
-
-
-def run_evaluation(scorer, accelerator, eval_sets: dict, pad_token_id: int, eos_token_id: int, args: Args):
-    """Evaluate on every preference split; return flat metrics, the table rows, calibration bins, the
-    Detail 13 logit rows and the per-pair frame."""
-    metrics, rows, calibration, frames = {}, [], {}, []
-    logit_rows = []
-    for split_name, dataset in eval_sets.items():
-        frame, split_logit_rows, logit_stats = score_preference_split(
-            scorer, accelerator, dataset, pad_token_id, eos_token_id, args.local_eval_batch_size,
-            args.num_logit_plot_samples if not logit_rows else 0,
-        )
-        logit_rows.extend(split_logit_rows)
-        frame["dataset_split"] = split_name
-        frames.append(frame)
-        split_rows = accuracy_breakdown(frame, split_name)
-        rows.extend(split_rows)
-        for r in split_rows:
-            # eval/{split}/reward/mean, eval/{split}/accuracy, eval/{split}/accuracy/batch/batch10, ...
-            if r["group"] == "accuracy":
-                metrics[f"eval/{split_name}/accuracy"] = r["value"]
-                metrics[f"eval/{split_name}/accuracy_ci_low"] = r["ci_low"]
-                metrics[f"eval/{split_name}/accuracy_ci_high"] = r["ci_high"]
-            else:
-                group = r["group"].replace("accuracy by ", "accuracy/")
-                metrics[f"eval/{split_name}/{group}/{r['key']}"] = r["value"]
-        metrics[f"eval/{split_name}/loss"] = float(np.mean(np.log1p(np.exp(-frame["score_diff"].to_numpy()))))
-        calibration[split_name] = calibration_bins(frame, args.num_calibration_bins)
-        c = calibration[split_name]
-        # expected calibration error: |accuracy - ideal| weighted by the share of (symmetrised) pairs per bin
-        metrics[f"eval/{split_name}/calibration_error"] = float((c["n"] * (c["accuracy"] - c["ideal"]).abs()).sum()
-                                                                / c["n"].sum())
-        for k, v in logit_stats.items():
-            metrics[f"eval/{split_name}/{k}"] = v
-    first = next(iter(eval_sets))
-    metrics["eval/accuracy"] = metrics[f"eval/{first}/accuracy"]
-    return metrics, rows, calibration, logit_rows, pd.concat(frames).reset_index(drop=True)
-
-
-def main(args: Args):
-    start_time = time.time()
-    # ---- 1. processes, batch arithmetic and precision ----
-    args.world_size = num_processes = start_processes().num_processes
-    args.gradient_accumulation_steps = gradient_accumulation_steps = exact_div(
-        args.total_batch_size, args.local_micro_batch_size * num_processes,
-        "total_batch_size / (local_micro_batch_size * world_size)",
-    )
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if args.push_to_hub and args.hub_model_id is None:
-        raise ValueError("--push_to_hub needs --hub_model_id")
-    # sync_with_dataloader=False: an update never straddles the end of an epoch with fewer pairs than
-    # total_batch_size; the accumulation counter simply runs on into the next epoch.
-    # use_seedable_sampler: the shuffle of epoch e depends on (seed, e) only, which is what lets a resumed
-    # run find its place in the data (see resumable_micro_batches)
-    accelerator = Accelerator(
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        mixed_precision="bf16" if args.bf16 else "no",
-    )
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    args.run_name = run_name = resolve_run_name(args)
-    run_dir = os.path.join(args.run_dir_root, run_name)
-    set_seed(args.seed)  # same weights and data order on every process
-
-    # ---- tokenizer ----
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia has no pad token
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; the reward is read "
-            "at the EOS found as the first [PAD] of the response minus one (Details 3, 12), so [PAD] must differ from "
-            "EOS. Save the SFT tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a "
-            "pad token) and prepare the data with it"
-        )
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-
-    # ---- data: every split is checked for the columns read from it before any training ----
-    train_set = load_split(args.preference_dataset, args.train_split)
-    check_columns(train_set, ["query_chosen_token", "query_rejected_token", "query_chosen_token_len"],
-                  f"{args.preference_dataset} split {args.train_split!r}")
-    # the data must come from this tokenizer (Detail 12 also finds the EOS by its pad id)
-    check_data_tokenizer(train_set, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {args.train_split!r}")
-    if os.path.isdir(args.preference_dataset):
-        available = set(load_from_disk(args.preference_dataset).keys())
-    else:
-        from datasets import get_dataset_split_names
-
-        available = set(get_dataset_split_names(args.preference_dataset))
-    eval_sets = {}
-    eval_columns = ["query_chosen_token", "query_rejected_token", "query_token_len", "query", "chosen", "rejected",
-                    "batch", "split", "confidence", "chosen_policy", "rejected_policy", "choice", "chosen_token_len",
-                    "rejected_token_len"]  # what score_preference_split reads
-    for split_name in args.eval_splits:
-        if split_name not in available:
-            accelerator.print(f"evaluation split {split_name!r} is not in {args.preference_dataset}; skipped")
-            continue
-        dataset = load_split(args.preference_dataset, split_name)
-        check_columns(dataset, eval_columns, f"{args.preference_dataset} split {split_name!r}")
-        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split_name!r}")
-        if args.num_eval_samples is not None:
-            dataset = dataset.select(range(min(args.num_eval_samples, len(dataset))))
-        eval_sets[split_name] = dataset
-    if not eval_sets:
-        raise ValueError(f"none of {args.eval_splits} is in {args.preference_dataset}")
-    # the SFT references of Details 14 and 15, scored after training; checked now so a bad split fails early
-    references = load_split(args.query_dataset, args.normalization_split)
-    check_columns(references, ["query_token", "reference_response_token", "query_reference_response_token"],
-                  f"{args.query_dataset} split {args.normalization_split!r}")
-    check_data_tokenizer(references, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.normalization_split!r}")
-    if args.num_normalization_samples is not None:
-        references = references.select(range(min(args.num_normalization_samples, len(references))))
-    total_episodes = args.total_episodes or args.num_train_epochs * len(train_set)
-    args.num_updates = num_updates = total_episodes // args.total_batch_size
-    if num_updates == 0:
-        raise ValueError(f"{total_episodes} episodes make no optimizer step of {args.total_batch_size} pairs")
-    # claimed only after the input checks, so a run refused for bad input leaves no mark that would block
-    # the next attempt; a resumed run finds its own mark, any other run's model there is an error
-    claim_output_dir(accelerator, args.output_dir, run_name, args.overwrite_output_dir or args.resume)
-
-    # ---- model: the SFT trunk plus a fresh scalar head (Detail 11) ----
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.sft_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
-    )
-    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-    if len(tokenizer) > model.config.vocab_size:
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    head_std = init_reward_head(model, args.reward_head_init, args.reward_head_init_std)
-    if args.disable_dropout:
-        disable_dropout(model)
-
-    # the shuffle has its own generator (reseeded with seed + epoch by the seedable sampler), so iterating
-    # the data never draws from the global torch RNG
-    train_loader = DataLoader(
-        train_set.with_format("torch", columns=["query_chosen_token", "query_rejected_token"]),
-        batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
-
-    # ---- optimiser (Table 4) ----
-    scorer = RewardScorer(model, pad_id)
-    optimizer = torch.optim.AdamW(scorer.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    # stepped by hand once per optimizer step, so its length is exactly num_updates on any process count
-    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps,
-                                 num_training_steps=num_updates)
-    scorer, optimizer, train_loader = accelerator.prepare(scorer, optimizer, train_loader)
-    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the scorer and optimizer
-    unwrapped = accelerator.unwrap_model(scorer).rm  # the bare sequence-classification model
-
-    # ---- resume: a killed run loses at most --checkpoint_every updates ----
-    # the checkpoint holds the scorer (trunk + head), AdamW's moments, the schedule and every process's RNG
-    # states; trainer_state.json adds the update reached and the running counters of the summary
-    trainer_state = {"update": 0, "tokens_seen": 0, "train_time": 0.0}
-    if args.resume:
-        trainer_state = load_checkpoint(accelerator, run_dir)
-        if trainer_state["num_updates"] != num_updates:
-            raise ValueError(f"--resume: the checkpoint belongs to a run of {trainer_state['num_updates']} updates, "
-                             f"these flags make {num_updates}; resume with the flags of the original run")
-        # accelerate counts micro batches to decide when to step; restart the count at the update boundary
-        # of the checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
-        accelerator.step = trainer_state["update"] * gradient_accumulation_steps
-    elif accelerator.is_main_process and os.path.isdir(os.path.join(run_dir, "checkpoints")):
-        shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
-    start_update = trainer_state["update"]
-
-    # ---- logging ----
-    writer = None
-    metrics_file = os.path.join(run_dir, "metrics.jsonl")
-    if accelerator.is_main_process:
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump({**asdict(args), "head_init_std": head_std}, f, indent=2)
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-        # purge_step drops the TensorBoard events that the interrupted run logged after its checkpoint
-        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-        start_metrics_file(metrics_file, start_update)  # likewise for metrics.jsonl
-
-    def log(step: int, metrics: dict) -> None:
-        if accelerator.is_main_process:
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, step)
-            with open(metrics_file, "a") as f:
-                f.write(json.dumps({"step": step, "episode": step * args.total_batch_size, **metrics}) + "\n")
-
-    def full_evaluation(step: int, final: bool):
-        metrics, rows, calibration, logit_rows, frame = run_evaluation(scorer, accelerator, eval_sets, pad_id, eos_id, args)
-        if accelerator.is_main_process:
-            samples = samples_frame(frame, tokenizer.eos_token)
-            samples.to_csv(os.path.join(run_dir, "samples", f"step_{step:06d}.csv"), index=False)
-            if final:
-                samples.to_csv(os.path.join(run_dir, "samples.csv"), index=False)
-                table = markdown_table(rows)
-                with open(os.path.join(run_dir, "eval_table.md"), "w") as f:
-                    f.write(table + "\n")
-                pd.DataFrame(rows).to_csv(os.path.join(run_dir, "eval_table.csv"), index=False)
-                pd.concat([c.assign(dataset_split=s) for s, c in calibration.items()]).to_csv(
-                    os.path.join(run_dir, "calibration.csv"), index=False)
-                save_plots(run_dir, calibration, logit_rows)
-                print(table)
-        log(step, metrics)
-        scorer.train()
-        return metrics
-
-    # ---- training: one forward pass over chosen + rejected per micro batch ----
-    accelerator.print(f"{num_updates} optimizer steps of {args.total_batch_size} pairs "
-                      f"({args.local_micro_batch_size} per micro batch x {gradient_accumulation_steps} accumulation "
-                      f"x {num_processes} processes), head init std {head_std:.5f}")
-    scorer.train()
-    # the running counters continue from the checkpoint, so the summary covers the whole run
-    tokens_seen, train_time_before = trainer_state["tokens_seen"], trainer_state["train_time"]
-    train_start = time.time()
-    # the data position: every update reads gradient_accumulation_steps micro batches on each process
-    batches = resumable_micro_batches(train_loader, start_update * gradient_accumulation_steps)
-    progress = tqdm(total=num_updates, initial=start_update, disable=not accelerator.is_local_main_process,
-                    desc="reward model")
-
-    def checkpoint(done: int) -> None:
-        save_checkpoint(accelerator, run_dir, done, {"num_updates": num_updates, "tokens_seen": tokens_seen,
-                        "train_time": train_time_before + time.time() - train_start}, args.checkpoint_keep)
-
-    step = start_update  # optimizer updates done
-    try:
-        while step < num_updates:
-            update = step + 1
-            stats = {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
-            for _ in range(gradient_accumulation_steps):
-                batch = next(batches)
-                with accelerator.accumulate(scorer):
-                    b = batch["query_chosen_token"].size(0)
-                    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
-                    query_responses = trim_trailing_padding(query_responses, pad_id)  # (2B, T)
-                    _, rewards, _ = scorer(query_responses, 0)  # (2B,), read at each EOS (Detail 12)
-                    chosen_rewards, rejected_rewards = rewards[:b], rewards[b:]
-                    loss = pairwise_loss(chosen_rewards, rejected_rewards)
-                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
-                    check_finite(accelerator, update, **{"train/loss": loss, "train/chosen_rewards": chosen_rewards,
-                                                         "train/rejected_rewards": rejected_rewards})
-                    accelerator.backward(loss)
-                    optimizer.step()  # a no-op until the last micro batch of the update
-                    optimizer.zero_grad()
-                tokens_seen += int((query_responses != pad_id).sum()) * num_processes
-                stats["loss"].append(loss.detach())
-                stats["accuracy"].append((chosen_rewards > rejected_rewards).float().mean().detach())
-                stats["chosen"].append(chosen_rewards.detach().float().mean())
-                stats["rejected"].append(rejected_rewards.detach().float().mean())
-            if not accelerator.sync_gradients:
-                raise RuntimeError("gradient accumulation went out of step with the update loop")
-            lr_scheduler.step()
-            step = update
-            # averages over every micro batch of the update and every process (STYLE 7)
-            means = {k: accelerator.gather(torch.stack(v)).float().mean().item() for k, v in stats.items()}
-            tokens_per_s = tokens_seen / (train_time_before + time.time() - train_start)
-            progress.update(1)
-            progress.set_postfix(loss=f"{means['loss']:.4f}", acc=f"{means['accuracy']:.3f}", tok_s=f"{tokens_per_s:.0f}")
-            if step % args.log_every == 0 or step == num_updates:
-                log(step, {"train/loss": means["loss"], "train/accuracy": means["accuracy"],
-                           "train/chosen_rewards": means["chosen"], "train/rejected_rewards": means["rejected"],
-                           "train/reward_margin": means["chosen"] - means["rejected"],
-                           "lr": lr_scheduler.get_last_lr()[0], "epoch": step * args.total_batch_size / len(train_set),
-                           "tokens_per_s": tokens_per_s})
-            if args.eval_every > 0 and step % args.eval_every == 0 and step < num_updates:
-                full_evaluation(step, final=False)
-            # after the update's logging and evaluation, so a resumed run repeats neither
-            if args.checkpoint_every > 0 and step % args.checkpoint_every == 0 and step < num_updates:
-                checkpoint(step)
-    except NonFiniteError:
-        # the guard runs before backward and before the update's optimizer step, so the weights on hand
-        # are still those after update `step`: keep them as the last good checkpoint (never the poisoned ones)
-        progress.close()  # so that the error is the last line of the output
-        checkpoint(step)
-        accelerator.print(f"non-finite value in update {step + 1}; last good checkpoint: {latest_checkpoint(run_dir)}")
-        raise
-    progress.close()
-    train_time = train_time_before + time.time() - train_start
-
-    # ---- Details 14 and 15: score the SFT references, then normalise ----
-    right, left = score_references(scorer, accelerator, references, pad_id, args.local_eval_batch_size)
-    summary = {
-        "reference_reward_mean_before_normalization": float(right.mean()),
-        "reference_reward_std": float(right.std()),
-        # Detail 14: the same sequences, left-padded query vs one right-padded row
-        "left_right_pad_diff": float(np.abs(left - right).mean()),
-        "left_right_pad_diff_signed": float((left - right).mean()),
-        "reward_normalization_bias": 0.0,
-    }
-    if args.normalize_reward:
-        fold_reward_bias(unwrapped, float(right.mean()))  # the same shift on every process
-        summary["reward_normalization_bias"] = float(right.mean())
-    unwrapped.config.reward_normalization_bias = summary["reward_normalization_bias"]
-    accelerator.print(f"SFT references: mean reward {right.mean():.4f} before normalisation; "
-                      f"mean |left - right padding| {summary['left_right_pad_diff']:.2e}")
-
-    # ---- final evaluation of the saved (normalised) model ----
-    metrics = full_evaluation(num_updates, final=True)
-    summary.update(metrics)
-    summary.update({"train_time_s": train_time, "wall_time_s": time.time() - start_time,
-                    "tokens_per_s": tokens_seen / max(train_time, 1e-9), "num_updates": num_updates,
-                    "head_init_std": head_std})
-
-    # ---- save ----
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(scorer)  # every rank takes part (ZeRO-3 gathers the shards on rank 0)
-    if accelerator.is_main_process:
-        # the wrapper's keys are "rm.<name>"; the saved model is the bare sequence-classification model
-        state_dict = {k[len("rm."):]: v for k, v in state_dict.items()}
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True,
-                                  save_function=accelerator.save)
-        tokenizer.save_pretrained(args.output_dir)
-        if args.push_to_hub:
-            unwrapped.push_to_hub(args.hub_model_id)
-            tokenizer.push_to_hub(args.hub_model_id)
-        writer.close()
-        if args.track:
-            import wandb
-
-            wandb.finish()
-        print(json.dumps({k: summary[k] for k in ("eval/accuracy", "left_right_pad_diff", "train_time_s")}))
-    return summary
 
 
 if __name__ == "__main__":

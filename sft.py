@@ -1,15 +1,28 @@
-"""Supervised fine-tuning (SFT), step 1 of the RLHF pipeline (section 5 and Appendix D of the paper).
+"""Supervised fine-tuning (SFT), step 1 of the RLHF pipeline (section 5 and Appendix D of the paper; Table 3).
 
-Fine-tunes a causal LM on `query + " " + reference summary + EOS` with the next-token loss, then
-samples summaries of the validation queries and reports ROUGE-1/2/L against the references, the
-EOS rate (share of samples that end inside the response length) and the mean response length.
-Sample tables go to runs/{run_name}/samples/step_N.csv and runs/{run_name}/samples.csv (judge.py
-reads them), metrics to TensorBoard, runs/{run_name}/metrics.jsonl and runs/{run_name}/summary.json.
+One update = one batch of `total_batch_size` (query, reference summary) pairs from the processed data, whose rows
+are `query + " " + reference summary + EOS`, right-padded with a [PAD] distinct from EOS (Detail 3):
+
+  1. draw the batch from a fresh permutation of the train split each epoch, the same on every process; each process
+     reads its own share, split into micro-batches (an epoch's incomplete last batch is left out)
+  2. labels: the reference summary and its EOS (--loss_on response) or the whole sequence (--loss_on sequence);
+     every [PAD] becomes -100, so the EOS stays a target and the model learns to stop (Detail 3)
+  3. loss: mean next-token cross-entropy over the labels, accumulated over the micro-batches
+  4. AdamW step (lr 3e-6, eps 1e-5) on a cosine schedule without warm-up (Table 3)
+
+Evaluation (every --eval_every updates and after training): the validation loss, then one summary per query,
+sampled with exactly `response_length` tokens (Detail 23) at temperature 0.01 and truncated after its first EOS;
+ROUGE-1/2/L against the reference, the EOS rate (share of samples that end inside the response length) and the
+mean response length. Sample tables go to runs/{run_name}/samples/step_N.csv and runs/{run_name}/samples.csv
+(judge.py reads them), metrics to TensorBoard, runs/{run_name}/metrics.jsonl and runs/{run_name}/summary.json.
 
 Single process:         python sft.py --base_model ... --query_dataset ...
 Several GPU processes:  accelerate launch [--config_file zero2.yaml] sft.py ...
 Several CPU processes:  torchrun --nproc_per_node 2 sft.py ...   (gloo; `accelerate launch --cpu` starts only one)
-Built-in task (CPU):    see README.md for the paths and the small sizes it passes.
+Built-in task (CPU):    pipeline.py's SETTINGS hold the paths and the small sizes it passes.
+After a crash:          the same command with --resume: it continues from the latest checkpoint in
+                        runs/{run_name}/checkpoints (model, AdamW, schedule, data position, RNG states) and ends
+                        exactly like an uninterrupted run (--checkpoint_every sets how often).
 """
 
 import json
@@ -140,8 +153,561 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared helpers: copied verbatim into every script that uses them (a test keeps the copies equal)
+# SFT pieces (module-level so that tests can check each one against a hand computation)
 # ---------------------------------------------------------------------------------------------
+
+
+def sft_batch_indices(num_rows: int, total_batch_size: int, local_micro_batch_size: int,
+                      gradient_accumulation_steps: int, seed: int, process_index: int):
+    """Step 1: endless updates, each a list of this process's micro-batches of row indices. Every process draws the
+    same permutation each epoch (from --seed alone, so the data order does not depend on the sampling seed) and
+    reads its own share of every update's batch; an epoch that does not fill a last update leaves those rows out
+    (like drop_last)."""
+    data_generator = torch.Generator().manual_seed(seed)
+    updates_per_epoch = num_rows // total_batch_size
+    local_batch_size = local_micro_batch_size * gradient_accumulation_steps
+    while True:
+        permutation = torch.randperm(num_rows, generator=data_generator)
+        for update in range(updates_per_epoch):
+            global_batch = permutation[update * total_batch_size : (update + 1) * total_batch_size]
+            local_batch = global_batch[process_index * local_batch_size :][:local_batch_size]
+            yield [local_batch[i : i + local_micro_batch_size].tolist() for i in range(0, local_batch_size, local_micro_batch_size)]
+
+
+def load_sft_model(args, tokenizer) -> torch.nn.Module:
+    """The base model to fine-tune, with an embedding row for the tokenizer's [PAD] (Detail 3) and no dropout
+    (Detail 7). Float32 master weights (transformers v5 would otherwise keep the checkpoint's dtype, float16 for
+    Pythia); --bf16 computes in bf16 through accelerate's autocast."""
+    model = AutoModelForCausalLM.from_pretrained(
+        args.base_model, trust_remote_code=args.trust_remote_code, dtype=torch.float32
+    )
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > model.config.vocab_size:
+        model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:
+        disable_dropout(model)
+    return model
+
+
+def sft_labels(label_tokens: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Next-token targets: every pad becomes -100 (ignored by the loss).
+
+    Detail 3: with a distinct [PAD] the EOS after the summary stays a target, so the model learns to
+    end; when the data was padded with EOS itself (pad_token_id == eos_token_id) this line also masks
+    the EOS out, and the model never sees a reason to stop."""
+    return torch.masked_fill(label_tokens, label_tokens == pad_token_id, -100)
+
+
+def next_token_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, pad_token_id: int):
+    """Mean next-token cross-entropy over the target tokens of a right-padded batch, and their count.
+
+    Token t is predicted from the logits at t - 1, so logits drop the last position and labels the
+    first. Right padding only appends masked positions, which neither attend into the real tokens
+    (causal attention) nor carry labels, so extra padding leaves the loss unchanged."""
+    logits = forward(model, query_responses, pad_token_id).logits  # (B, T, V)
+    shifted_logits = logits[:, :-1].float()  # (B, T-1, V)
+    shifted_labels = labels[:, 1:]  # (B, T-1)
+    num_targets = (shifted_labels != -100).sum()
+    loss = F.cross_entropy(shifted_logits.flatten(0, 1), shifted_labels.flatten(), ignore_index=-100)
+    return loss, num_targets
+
+
+def make_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
+    """Detail 23: sample exactly response_length tokens. `eos_token_id=[]` turns off stopping at EOS
+    (None would be filled in from the model's own config, which stops at EOS), while EOS stays an
+    ordinary token that can be sampled; `min_new_tokens` is not used because it forbids EOS and so
+    changes the distribution."""
+    return GenerationConfig(
+        max_new_tokens=response_length,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        do_sample=True,
+        eos_token_id=[],
+        pad_token_id=pad_token_id,
+    )
+
+
+@torch.no_grad()
+def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset, generation_config, label_column: str):
+    """Validation loss, then fixed-length sampling of a summary per query, truncated after its first EOS.
+
+    Every process takes an equal contiguous share of the rows (the last len % world_size rows are left
+    out, so every process runs the same number of forward/generate calls). Returns the metrics (on every
+    process) and the sample table (complete on the main process)."""
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    num_rows = len(dataset) if args.num_eval_samples is None else min(args.num_eval_samples, len(dataset))
+    local_rows = num_rows // accelerator.num_processes
+    if local_rows == 0:
+        raise ValueError(f"{num_rows} evaluation rows cannot be shared by {accelerator.num_processes} processes")
+    start = accelerator.process_index * local_rows
+    loss_sum = torch.zeros((), device=accelerator.device)
+    num_targets = torch.zeros((), device=accelerator.device)
+    rows = []
+    for begin in range(start, start + local_rows, args.local_eval_batch_size):
+        batch = dataset[begin : min(begin + args.local_eval_batch_size, start + local_rows)]
+        query_responses = batch["query_reference_response_token"].to(accelerator.device)  # (B, Tq + Tr)
+        labels = sft_labels(batch[label_column].to(accelerator.device), pad_token_id)
+        loss, count = next_token_loss(model, query_responses, labels, pad_token_id)
+        loss_sum += loss * count
+        num_targets += count
+
+        queries = batch["query_token"].to(accelerator.device)  # (B, Tq), left-padded
+        context_length = queries.size(1)
+        query_sampled, _ = generate(unwrapped, queries, pad_token_id, generation_config)
+        responses = query_sampled[:, context_length:]  # (B, response_length)
+        postprocessed = truncate_response(eos_token_id, pad_token_id, responses)
+        has_eos = (responses == eos_token_id).any(dim=1)  # (B,)
+        # tokens up to and including the first EOS (response_length when there is none)
+        response_token_len = torch.clamp(first_true_indices(responses == eos_token_id) + 1, max=responses.size(1))
+        for i in range(queries.size(0)):
+            rows.append(
+                {
+                    "query": tokenizer.decode(queries[i][queries[i] != pad_token_id], skip_special_tokens=True),
+                    "response": tokenizer.decode(postprocessed[i], skip_special_tokens=True),
+                    "reference": batch["reference_response"][i],
+                    "score": None,
+                    "response_token_len": int(response_token_len[i]),
+                    "has_eos": bool(has_eos[i]),
+                }
+            )
+    loss_sum = accelerator.reduce(loss_sum, reduction="sum")
+    num_targets = accelerator.reduce(num_targets, reduction="sum")
+    rows = gather_object(rows)
+    model.train()
+
+    df = pd.DataFrame(rows, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    rouge = {key: 0.0 for key in ("rouge1", "rouge2", "rougeL")}
+    for response, reference in zip(df["response"], df["reference"]):
+        scores = scorer.score(reference, response)  # (target, prediction)
+        for key in rouge:
+            rouge[key] += scores[key].fmeasure / len(df)
+    metrics = {
+        "loss": (loss_sum / num_targets).item(),
+        **rouge,
+        "eos_rate": float(df["has_eos"].mean()),
+        "response_token_len_mean": float(df["response_token_len"].mean()),
+        "num_samples": len(df),
+    }
+    return metrics, df
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+        output_hidden_states=True,
+    )
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
+    """Sample continuations of LEFT-padded queries with the KV cache.
+
+    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
+    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    output = lm.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=generation_config,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
+    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    # ---------------- processes, batch arithmetic and precision ----------------
+    processes = start_processes()  # first: the accumulation steps depend on the number of processes
+    args.world_size = processes.num_processes
+    args.gradient_accumulation_steps = exact_div(
+        args.total_batch_size,
+        args.local_micro_batch_size * args.world_size,
+        "total_batch_size / (local_micro_batch_size * world_size)",
+    )
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
+    )
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+
+    # ---------------- seeding ----------------
+    set_seed(args.seed)  # weights and data order: the same on every process
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling (set after the model exists) differs
+
+    # ---------------- tokenizer, data, model ----------------
+    tokenizer = load_sft_tokenizer(args)  # Detail 3: a [PAD] distinct from EOS (EOS itself with --pad_token eos)
+    pad_token_id = tokenizer.pad_token_id
+    # step 2: the tokens that carry the loss (--loss_on): the reference summary and its EOS, or the whole sequence
+    label_column = {
+        "response": "query_reference_response_token_response_label",
+        "sequence": "query_reference_response_token",
+    }[args.loss_on]
+    train_dataset, eval_datasets = load_sft_data(args, tokenizer, label_column)
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+    model = load_sft_model(args, tokenizer)
+    generation_config = make_generation_config(args.response_length, args.temperature, pad_token_id)
+
+    # ---------------- optimizer, schedule and the data order ----------------
+    args.num_updates = count_sft_updates(args, len(train_dataset))
+    # the reference uses torch's AdamW with its default weight decay (0.01); so do we
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps)
+    # the schedule is not passed to accelerator.prepare, which would step it once per process
+    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)  # saved and restored with the model and optimizer
+    torch.manual_seed(local_seed)  # sampling at evaluation differs across processes
+    batches = sft_batch_indices(len(train_dataset), args.total_batch_size, args.local_micro_batch_size,
+                                args.gradient_accumulation_steps, args.seed, accelerator.process_index)
+
+    # ---------------- resume and logging ----------------
+    # the trainer state: the running counters of the summary (the data position is the update number)
+    state = run.start({"update": 0, "train_tokens": 0, "train_time": 0.0, "last_loss": float("nan")},
+                      num_updates=args.num_updates)
+    start_update = state["update"]
+    if args.resume:
+        # the accumulation counter restarts at an update boundary (a guard checkpoint may be saved mid-update)
+        accelerator.step = start_update * args.gradient_accumulation_steps
+
+    def log(step: int, metrics: dict) -> None:
+        run.log(step, {"episode": step * args.total_batch_size, **metrics})
+
+    def run_evaluation(step: int, final: bool) -> dict:
+        summary = {}
+        for split, dataset in eval_datasets.items():
+            prefix = "eval" if split == args.eval_split else split
+            metrics, table = evaluate_sft(args, accelerator, model, tokenizer, dataset, generation_config, label_column)
+            metrics = {f"{prefix}/{key}": value for key, value in metrics.items()}
+            summary.update(metrics)
+            write_sft_samples(run, args, split, prefix, step, final, metrics, table)
+            log(step, metrics)
+        return summary
+
+    # ---------------- training: steps 1-4 ----------------
+    model.train()
+    progress = tqdm(range(start_update + 1, args.num_updates + 1), initial=start_update, total=args.num_updates,
+                    disable=not accelerator.is_main_process, desc="sft")
+    for _ in range(start_update):
+        next(batches)  # the data position: replay the permutations of the updates already done
+    train_tokens, train_time, last_loss = state["train_tokens"], state["train_time"], state["last_loss"]
+
+    def trainer_state() -> dict:
+        return {"train_tokens": train_tokens, "train_time": train_time, "last_loss": last_loss}
+
+    update = start_update
+    try:
+        for update in progress:
+            update_start = time.time()
+            stats = torch.zeros(3, device=accelerator.device)  # loss sum over micro-batches, micro-batches, input tokens
+            for micro_indices in next(batches):  # 1.
+                micro_batch = train_dataset[micro_indices]
+                query_responses = micro_batch["query_reference_response_token"].to(accelerator.device)  # (b, Tq + Tr)
+                labels = sft_labels(micro_batch[label_column].to(accelerator.device), pad_token_id)  # 2.
+                with accelerator.accumulate(model):
+                    loss, _ = next_token_loss(model, query_responses, labels, pad_token_id)  # 3.
+                    # non-finite guard: checked before backward, so the weights never see it
+                    run.guard(update, **{"train/loss": loss})
+                    accelerator.backward(loss)  # divided by the accumulation steps inside
+                    optimizer.step()  # 4. a no-op until the last micro-batch of the update
+                    optimizer.zero_grad()
+                stats += torch.stack(
+                    [loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()]
+                )
+            lr = scheduler.get_last_lr()[0]  # the rate this update used
+            scheduler.step()
+            stats = accelerator.reduce(stats, reduction="sum")
+            train_time += time.time() - update_start
+            train_tokens += int(stats[2])
+            last_loss = (stats[0] / stats[1]).item()  # mean over every micro-batch of the update, all processes
+            tokens_per_s = train_tokens / train_time
+            progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
+            log(update, {"train/loss": last_loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s})
+            if args.eval_every > 0 and update % args.eval_every == 0 and update != args.num_updates:
+                run_evaluation(update, final=False)
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != args.num_updates:
+                run.checkpoint(update, trainer_state())
+    except NonFiniteError:
+        # the guard runs before backward, so the weights on hand are still those after update - 1:
+        # keep them as the last good checkpoint (the poisoned update is never applied or saved)
+        run.checkpoint(update - 1, trainer_state())
+        accelerator.print(f"non-finite value at update {update}; last good checkpoint: {run.latest_checkpoint()}")
+        raise
+    progress.close()
+
+    # ---------------- final evaluation, summary and model ----------------
+    summary = run_evaluation(args.num_updates, final=True)
+    summary.update(
+        {
+            "train/loss": last_loss,
+            "train/tokens": train_tokens,
+            "train/time_s": train_time,
+            "train/tokens_per_s": train_tokens / train_time,
+            "train/updates": args.num_updates,
+            "wall_time_s": time.time() - start_time,
+        }
+    )
+    save_sft_model(accelerator, model, tokenizer, args)
+    run.finish(summary)
+    accelerator.print(json.dumps(summary, indent=2))
+    return summary
+
+
+# =============================================================================================
+# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
+# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
+# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
+# =============================================================================================
+
+
+def load_sft_tokenizer(args):
+    """The base model's tokenizer with the pad token of --pad_token (Detail 3): a distinct [PAD], added when the
+    tokenizer has none, or EOS itself for the ablation. A tokenizer that already pads with EOS is refused unless
+    the ablation asks for it."""
+    tokenizer = AutoTokenizer.from_pretrained(args.base_model, trust_remote_code=args.trust_remote_code)
+    if args.pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        # Detail 3: Pythia ships no pad token; a distinct [PAD] keeps EOS a training target
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    if args.pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {args.base_model} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS is masked out of the loss and the model never learns to stop. Save the tokenizer "
+            "with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the data with it "
+            "(--pad_token eos runs the EOS-as-pad ablation on purpose)"
+        )
+    return tokenizer
+
+
+def load_sft_data(args, tokenizer, label_column: str):
+    """The train split and the evaluation splits ({split: dataset}; `test` too with --eval_test_split) as torch
+    tensors, checked for the columns this run reads, for the tokenizer that made them and for --response_length."""
+    columns = list(dict.fromkeys(  # loss_on=sequence reads its labels from the input column itself
+        ["query_reference_response_token", label_column, "query_token", "query_reference_response_token_len"]
+    ))
+    train_dataset = load_split(args.query_dataset, args.train_split)
+    check_columns(train_dataset, columns, f"{args.query_dataset} split {args.train_split!r}")
+    # the data must come from this tokenizer (its pad id also decides which labels are masked)
+    check_data_tokenizer(train_dataset, tokenizer, args.base_model, f"{args.query_dataset} split {args.train_split!r}")
+    train_dataset = train_dataset.with_format("torch", columns=columns)
+    eval_splits = [args.eval_split] + (["test"] if args.eval_test_split else [])
+    eval_datasets = {}
+    for split in eval_splits:
+        dataset = load_split(args.query_dataset, split)
+        check_columns(dataset, columns + ["reference_response"], f"{args.query_dataset} split {split!r}")
+        check_data_tokenizer(dataset, tokenizer, args.base_model, f"{args.query_dataset} split {split!r}")
+        eval_datasets[split] = dataset.with_format("torch", columns=columns + ["reference_response"])
+    first = train_dataset[0]
+    data_response_length = first["query_reference_response_token"].numel() - first["query_token"].numel()
+    if data_response_length != args.response_length:
+        raise ValueError(
+            f"--response_length {args.response_length} but {args.query_dataset} has responses of {data_response_length} tokens"
+        )
+    return train_dataset, eval_datasets
+
+
+def count_sft_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes pairs, else num_train_epochs passes over the train split."""
+    num_pairs = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = num_pairs // args.total_batch_size
+    if num_updates == 0:
+        raise ValueError(f"{num_pairs} training pairs do not fill one update of {args.total_batch_size}")
+    return num_updates
+
+
+def write_sft_samples(run, args, split: str, prefix: str, step: int, final: bool, metrics: dict,
+                      df: pd.DataFrame) -> None:
+    """The sample table of one evaluation of one split: runs/{run_name}/samples/step_N.csv (and samples.csv after
+    training; `_test` added for the test split), its first --num_table_samples rows in TensorBoard (and W&B) and
+    on the console, with the metrics."""
+    suffix = "" if split == args.eval_split else f"_{split}"
+    run.save_table(df, f"samples/step_{step:06d}{suffix}.csv")
+    if final:
+        run.save_table(df, f"samples{suffix}.csv")
+    table = df.head(args.num_table_samples)[["query", "response", "reference"]]
+    run.log_text(f"{prefix}/samples", frame_markdown(table), step)
+    if not run.main:
+        return
+    if args.track:
+        import wandb
+
+        wandb.log({f"{prefix}/samples": wandb.Table(dataframe=df.head(args.num_table_samples))}, step=step)
+    for row in table.itertuples(index=False):
+        tqdm.write(f"[{split} step {step}] query: ...{row.query[-200:]!r}\n  response: {row.response!r}\n  reference: {row.reference!r}")
+    tqdm.write(f"[{split} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+
+
+def save_sft_model(accelerator, model, tokenizer, args) -> None:
+    """save_pretrained of the model (safetensors: transformers v5 always writes them) and the tokenizer to
+    --output_dir; with --push_to_hub, that folder is uploaded too."""
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    if not accelerator.is_main_process:
+        return
+    unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
+    tokenizer.save_pretrained(args.output_dir)
+    if args.push_to_hub:
+        hub_model_id = args.hub_model_id or f"{os.path.basename(args.base_model.rstrip('/'))}__{args.exp_name}__{args.seed}"
+        api = HfApi()
+        api.create_repo(hub_model_id, exist_ok=True)
+        api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+
+
+def frame_markdown(df: pd.DataFrame) -> str:
+    """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
+
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+# ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+class Run:
+    """Everything a training run keeps on disk besides the model, behind one small interface:
+
+        run = Run(args, accelerator)          # the run's name and its folder {run_dir_root}/{run_name}
+        run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
+        state = run.start(state, **shape)     # --resume: restore the latest checkpoint; then open the logs
+        run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
+        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
+        run.save_table(frame, "samples.csv")  # a CSV in the run folder
+        run.checkpoint(update, state)         # atomic, resumable checkpoint
+        run.finish(summary)                   # summary.json, close the logs
+
+    `state` is the script's own trainer state (data position, running counters); accelerate's save_state
+    holds the rest (prepared models, optimizers, registered objects, RNG states). `shape` names what a
+    checkpoint must share with the flags of a resumed run (e.g. num_updates)."""
+
+    def __init__(self, args, accelerator):
+        self.args, self.accelerator = args, accelerator
+        args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
+        self.dir = os.path.join(args.run_dir_root, args.run_name)
+        self.main = accelerator.is_main_process
+        self.shape, self.writer = {}, None
+
+    def claim_output_dir(self) -> None:
+        claim_output_dir(self.accelerator, self.args.output_dir, self.args.run_name,
+                         self.args.overwrite_output_dir or self.args.resume)
+
+    def start(self, state: dict, **shape) -> dict:
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`."""
+        self.shape = shape
+        if self.args.resume:
+            state = load_checkpoint(self.accelerator, self.dir)
+            found = {key: state.get(key) for key in shape}
+            if found != shape:
+                raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
+                                 "resume with the flags of the original run")
+        elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
+            shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
+        if self.main:
+            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+            config = asdict(self.args)  # with the derived fields filled in
+            with open(os.path.join(self.dir, "args.json"), "w") as f:
+                json.dump(config, f, indent=2)
+            if self.args.track:
+                import wandb
+
+                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                           config=config, name=self.args.run_name, save_code=True)
+            # a resumed run drops what the interrupted run logged after its checkpoint (TensorBoard's purge_step,
+            # start_metrics_file), so its logs match an uninterrupted run's
+            resumed_at = state.get("update", 0) if self.args.resume else 0
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.args.resume else None)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+                f"|{key}|{value}|" for key, value in config.items()))
+            start_metrics_file(os.path.join(self.dir, "metrics.jsonl"), resumed_at)
+        return state
+
+    def guard(self, update: int, **quantities: torch.Tensor) -> None:
+        check_finite(self.accelerator, update, **quantities)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.main:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        if self.main:
+            self.writer.add_text(tag, text, step)
+
+    def save_table(self, frame, name: str) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.dir, name), index=False)
+
+    def checkpoint(self, update: int, state: dict) -> str:
+        return save_checkpoint(self.accelerator, self.dir, update, {**self.shape, **state, "update": update}, self.args.checkpoint_keep)
+
+    def latest_checkpoint(self) -> Optional[str]:
+        return latest_checkpoint(self.dir)
+
+    def finish(self, summary: dict) -> None:
+        if self.main:
+            with open(os.path.join(self.dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+            self.writer.close()
+            if self.args.track:
+                import wandb
+
+                wandb.finish()
+
+
 def start_processes() -> PartialState:
     """Join the run's process group before anything reads the process count. accelerate picks a
     communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
@@ -308,68 +874,6 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
             )
 
 
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Per row, the index of the first True; the row length when the row has no True."""
-    row_len = bools.size(-1)
-    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
-    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
-    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
-    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
-    functionally from a float attribute of the attention module; those are zeroed too."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "attn_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
-    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
-    left-padded query gets the same positions as an unpadded one (Detail 14)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        return_dict=True,
-        output_hidden_states=True,
-    )
-
-
-def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
-    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
-    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
-    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
-    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
-
-
-def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
-    """Sample continuations of LEFT-padded queries with the KV cache.
-
-    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
-    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
-    context_length = queries.size(1)
-    attention_mask = queries != pad_token_id
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    output = lm.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=generation_config,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
-
-
-# ---- reliability: non-finite guard, atomic checkpoints, resume, output-folder ownership ----
 class NonFiniteError(RuntimeError):
     """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
 
@@ -484,389 +988,6 @@ def start_metrics_file(path: str, resume_update: int) -> None:
         kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
     with open(path, "w") as f:
         f.writelines(kept)
-
-
-# ---------------------------------------------------------------------------------------------
-# SFT-specific pieces
-# ---------------------------------------------------------------------------------------------
-def sft_labels(label_tokens: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Next-token targets: every pad becomes -100 (ignored by the loss).
-
-    Detail 3: with a distinct [PAD] the EOS after the summary stays a target, so the model learns to
-    end; when the data was padded with EOS itself (pad_token_id == eos_token_id) this line also masks
-    the EOS out, and the model never sees a reason to stop."""
-    return torch.masked_fill(label_tokens, label_tokens == pad_token_id, -100)
-
-
-def next_token_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, pad_token_id: int):
-    """Mean next-token cross-entropy over the target tokens of a right-padded batch, and their count.
-
-    Token t is predicted from the logits at t - 1, so logits drop the last position and labels the
-    first. Right padding only appends masked positions, which neither attend into the real tokens
-    (causal attention) nor carry labels, so extra padding leaves the loss unchanged."""
-    logits = forward(model, query_responses, pad_token_id).logits  # (B, T, V)
-    shifted_logits = logits[:, :-1].float()  # (B, T-1, V)
-    shifted_labels = labels[:, 1:]  # (B, T-1)
-    num_targets = (shifted_labels != -100).sum()
-    loss = F.cross_entropy(shifted_logits.flatten(0, 1), shifted_labels.flatten(), ignore_index=-100)
-    return loss, num_targets
-
-
-def make_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
-    """Detail 23: sample exactly response_length tokens. `eos_token_id=[]` turns off stopping at EOS
-    (None would be filled in from the model's own config, which stops at EOS), while EOS stays an
-    ordinary token that can be sampled; `min_new_tokens` is not used because it forbids EOS and so
-    changes the distribution."""
-    return GenerationConfig(
-        max_new_tokens=response_length,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        do_sample=True,
-        eos_token_id=[],
-        pad_token_id=pad_token_id,
-    )
-
-
-def frame_markdown(df: pd.DataFrame) -> str:
-    """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
-
-    def cell(value) -> str:
-        return str(value).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines)
-
-
-@torch.no_grad()
-def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset, generation_config, label_column: str):
-    """Validation loss, then fixed-length sampling of a summary per query, truncated after its first EOS.
-
-    Every process takes an equal contiguous share of the rows (the last len % world_size rows are left
-    out, so every process runs the same number of forward/generate calls). Returns the metrics (on every
-    process) and the sample table (complete on the main process)."""
-    model.eval()
-    unwrapped = accelerator.unwrap_model(model)
-    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    num_rows = len(dataset) if args.num_eval_samples is None else min(args.num_eval_samples, len(dataset))
-    local_rows = num_rows // accelerator.num_processes
-    if local_rows == 0:
-        raise ValueError(f"{num_rows} evaluation rows cannot be shared by {accelerator.num_processes} processes")
-    start = accelerator.process_index * local_rows
-    loss_sum = torch.zeros((), device=accelerator.device)
-    num_targets = torch.zeros((), device=accelerator.device)
-    rows = []
-    for begin in range(start, start + local_rows, args.local_eval_batch_size):
-        batch = dataset[begin : min(begin + args.local_eval_batch_size, start + local_rows)]
-        query_responses = batch["query_reference_response_token"].to(accelerator.device)  # (B, Tq + Tr)
-        labels = sft_labels(batch[label_column].to(accelerator.device), pad_token_id)
-        loss, count = next_token_loss(model, query_responses, labels, pad_token_id)
-        loss_sum += loss * count
-        num_targets += count
-
-        queries = batch["query_token"].to(accelerator.device)  # (B, Tq), left-padded
-        context_length = queries.size(1)
-        query_sampled, _ = generate(unwrapped, queries, pad_token_id, generation_config)
-        responses = query_sampled[:, context_length:]  # (B, response_length)
-        postprocessed = truncate_response(eos_token_id, pad_token_id, responses)
-        has_eos = (responses == eos_token_id).any(dim=1)  # (B,)
-        # tokens up to and including the first EOS (response_length when there is none)
-        response_token_len = torch.clamp(first_true_indices(responses == eos_token_id) + 1, max=responses.size(1))
-        for i in range(queries.size(0)):
-            rows.append(
-                {
-                    "query": tokenizer.decode(queries[i][queries[i] != pad_token_id], skip_special_tokens=True),
-                    "response": tokenizer.decode(postprocessed[i], skip_special_tokens=True),
-                    "reference": batch["reference_response"][i],
-                    "score": None,
-                    "response_token_len": int(response_token_len[i]),
-                    "has_eos": bool(has_eos[i]),
-                }
-            )
-    loss_sum = accelerator.reduce(loss_sum, reduction="sum")
-    num_targets = accelerator.reduce(num_targets, reduction="sum")
-    rows = gather_object(rows)
-    model.train()
-
-    df = pd.DataFrame(rows, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
-    rouge = {key: 0.0 for key in ("rouge1", "rouge2", "rougeL")}
-    for response, reference in zip(df["response"], df["reference"]):
-        scores = scorer.score(reference, response)  # (target, prediction)
-        for key in rouge:
-            rouge[key] += scores[key].fmeasure / len(df)
-    metrics = {
-        "loss": (loss_sum / num_targets).item(),
-        **rouge,
-        "eos_rate": float(df["has_eos"].mean()),
-        "response_token_len_mean": float(df["response_token_len"].mean()),
-        "num_samples": len(df),
-    }
-    return metrics, df
-
-
-def main(args: Args):
-    start_time = time.time()
-    # ---- 1. processes, batch arithmetic and precision ----
-    # The process group comes first: the accumulation steps depend on the number of processes.
-    state = start_processes()
-    args.world_size = state.num_processes
-    args.gradient_accumulation_steps = exact_div(
-        args.total_batch_size,
-        args.local_micro_batch_size * args.world_size,
-        "total_batch_size / (local_micro_batch_size * world_size)",
-    )
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
-    )
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    args.run_name = resolve_run_name(args)
-    run_dir = os.path.join(args.run_dir_root, args.run_name)
-
-    # ---- 2. seeding: weights and data order are the same on every process, sampling differs ----
-    set_seed(args.seed)
-    local_seed = args.seed + accelerator.process_index * 100003
-
-    # ---- 3. tokenizer, data, model ----
-    tokenizer = AutoTokenizer.from_pretrained(args.base_model, trust_remote_code=args.trust_remote_code)
-    if args.pad_token == "eos":
-        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
-    elif tokenizer.pad_token is None:
-        # Detail 3: Pythia ships no pad token; a distinct [PAD] keeps EOS a training target
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    if args.pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"the tokenizer of {args.base_model} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
-            "pad token, or the EOS is masked out of the loss and the model never learns to stop. Save the tokenizer "
-            "with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the data with it "
-            "(--pad_token eos runs the EOS-as-pad ablation on purpose)"
-        )
-    pad_token_id = tokenizer.pad_token_id
-    label_column = {
-        "response": "query_reference_response_token_response_label",
-        "sequence": "query_reference_response_token",
-    }[args.loss_on]
-    columns = list(dict.fromkeys(  # loss_on=sequence reads its labels from the input column itself
-        ["query_reference_response_token", label_column, "query_token", "query_reference_response_token_len"]
-    ))
-    train_dataset = load_split(args.query_dataset, args.train_split)
-    check_columns(train_dataset, columns, f"{args.query_dataset} split {args.train_split!r}")
-    # the data must come from this tokenizer (its pad id also decides which labels are masked)
-    check_data_tokenizer(train_dataset, tokenizer, args.base_model, f"{args.query_dataset} split {args.train_split!r}")
-    train_dataset = train_dataset.with_format("torch", columns=columns)
-    eval_splits = [args.eval_split] + (["test"] if args.eval_test_split else [])
-    eval_datasets = {}
-    for split in eval_splits:
-        dataset = load_split(args.query_dataset, split)
-        check_columns(dataset, columns + ["reference_response"], f"{args.query_dataset} split {split!r}")
-        check_data_tokenizer(dataset, tokenizer, args.base_model, f"{args.query_dataset} split {split!r}")
-        eval_datasets[split] = dataset.with_format("torch", columns=columns + ["reference_response"])
-    first = train_dataset[0]
-    data_response_length = first["query_reference_response_token"].numel() - first["query_token"].numel()
-    if data_response_length != args.response_length:
-        raise ValueError(
-            f"--response_length {args.response_length} but {args.query_dataset} has responses of {data_response_length} tokens"
-        )
-
-    # claimed only now, so a run refused for bad input leaves no mark that would block the next attempt
-    claim_output_dir(accelerator, args.output_dir, args.run_name, args.overwrite_output_dir or args.resume)
-
-    # float32 master weights (transformers v5 would otherwise keep the checkpoint's dtype, float16 for Pythia);
-    # --bf16 computes in bf16 through accelerate's autocast
-    model = AutoModelForCausalLM.from_pretrained(
-        args.base_model, trust_remote_code=args.trust_remote_code, dtype=torch.float32
-    )
-    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-    if len(tokenizer) > model.config.vocab_size:
-        model.resize_token_embeddings(len(tokenizer))
-    if args.disable_dropout:
-        disable_dropout(model)
-    generation_config = make_generation_config(args.response_length, args.temperature, pad_token_id)
-
-    # ---- 4. optimizer, schedule and the data order ----
-    num_pairs = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * len(train_dataset)
-    args.num_updates = num_pairs // args.total_batch_size
-    if args.num_updates == 0:
-        raise ValueError(f"{num_pairs} training pairs do not fill one update of {args.total_batch_size}")
-    # the reference uses torch's AdamW with its default weight decay (0.01); so do we
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps)
-    # the schedule is not passed to accelerator.prepare, which would step it once per process
-    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)  # saved and restored with the model and optimizer
-    torch.manual_seed(local_seed)  # sampling at evaluation differs across processes
-    # Every process draws the same permutation each epoch and reads its own share of every update's
-    # batch; an epoch that does not fill a last update leaves those rows out (like drop_last).
-    data_generator = torch.Generator().manual_seed(args.seed)
-    updates_per_epoch = len(train_dataset) // args.total_batch_size
-
-    def batch_indices():
-        local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
-        while True:
-            permutation = torch.randperm(len(train_dataset), generator=data_generator)
-            for update in range(updates_per_epoch):
-                global_batch = permutation[update * args.total_batch_size : (update + 1) * args.total_batch_size]
-                local_batch = global_batch[accelerator.process_index * local_batch_size :][:local_batch_size]
-                yield [local_batch[i : i + args.local_micro_batch_size].tolist() for i in range(0, local_batch_size, args.local_micro_batch_size)]
-
-    # ---- 5. logging ----
-    # ---- 5. resume (Detail-free bookkeeping: a killed run loses at most --checkpoint_every updates) ----
-    trainer_state = {"update": 0, "train_tokens": 0, "train_time": 0.0, "last_loss": float("nan")}
-    if args.resume:
-        trainer_state = load_checkpoint(accelerator, run_dir)  # model, optimizer, schedule, every RNG
-        # the accumulation counter restarts at an update boundary (a guard checkpoint may be saved mid-update)
-        accelerator.step = trainer_state["update"] * args.gradient_accumulation_steps
-        if trainer_state["num_updates"] != args.num_updates:
-            raise ValueError(f"--resume: the checkpoint belongs to a run of {trainer_state['num_updates']} updates, "
-                             f"these flags make {args.num_updates}; resume with the flags of the original run")
-    elif accelerator.is_main_process and os.path.isdir(os.path.join(run_dir, "checkpoints")):
-        shutil.rmtree(os.path.join(run_dir, "checkpoints"))  # a fresh run of the same name starts over
-    start_update = trainer_state["update"]
-
-    # ---- 6. logging ----
-    writer, metrics_file = None, None
-    if accelerator.is_main_process:
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
-        if args.track:
-            import wandb
-
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=asdict(args),
-                name=args.run_name,
-                save_code=True,
-            )
-        # purge_step drops TensorBoard events logged after the checkpoint by the interrupted run
-        writer = SummaryWriter(run_dir, purge_step=start_update + 1 if args.resume else None)
-        writer.add_text("hyperparameters", frame_markdown(pd.DataFrame(asdict(args).items(), columns=["key", "value"])))
-        start_metrics_file(os.path.join(run_dir, "metrics.jsonl"), start_update)
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-
-    def log(step: int, metrics: dict):
-        if not accelerator.is_main_process:
-            return
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, step)
-        metrics_file.write(json.dumps({"step": step, "episode": step * args.total_batch_size, **metrics}) + "\n")
-        metrics_file.flush()
-
-    def run_evaluation(step: int, final: bool) -> dict:
-        summary = {}
-        for split, dataset in eval_datasets.items():
-            prefix = "eval" if split == args.eval_split else split
-            metrics, df = evaluate_sft(args, accelerator, model, tokenizer, dataset, generation_config, label_column)
-            metrics = {f"{prefix}/{key}": value for key, value in metrics.items()}
-            summary.update(metrics)
-            if accelerator.is_main_process:
-                suffix = "" if split == args.eval_split else f"_{split}"
-                df.to_csv(os.path.join(run_dir, "samples", f"step_{step:06d}{suffix}.csv"), index=False)
-                if final:
-                    df.to_csv(os.path.join(run_dir, f"samples{suffix}.csv"), index=False)
-                table = df.head(args.num_table_samples)[["query", "response", "reference"]]
-                writer.add_text(f"{prefix}/samples", frame_markdown(table), step)
-                if args.track:
-                    import wandb
-
-                    wandb.log({f"{prefix}/samples": wandb.Table(dataframe=df.head(args.num_table_samples))}, step=step)
-                for row in table.itertuples(index=False):
-                    tqdm.write(f"[{split} step {step}] query: ...{row.query[-200:]!r}\n  response: {row.response!r}\n  reference: {row.reference!r}")
-                tqdm.write(f"[{split} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-            log(step, metrics)
-        return summary
-
-    # ---- 7. training ----
-    model.train()
-    progress = tqdm(range(start_update + 1, args.num_updates + 1), initial=start_update, total=args.num_updates,
-                    disable=not accelerator.is_main_process, desc="sft")
-    batches = batch_indices()
-    for _ in range(start_update):
-        next(batches)  # the data position: replay the permutations of the updates already done
-    train_tokens, train_time, last_loss = trainer_state["train_tokens"], trainer_state["train_time"], trainer_state["last_loss"]
-
-    def checkpoint(done: int) -> None:
-        save_checkpoint(accelerator, run_dir, done, {"num_updates": args.num_updates, "train_tokens": train_tokens,
-                        "train_time": train_time, "last_loss": last_loss}, args.checkpoint_keep)
-
-    update = start_update
-    try:
-        for update in progress:
-            update_start = time.time()
-            stats = torch.zeros(3, device=accelerator.device)  # loss sum over micro-batches, micro-batches, input tokens
-            for micro_indices in next(batches):
-                micro_batch = train_dataset[micro_indices]
-                query_responses = micro_batch["query_reference_response_token"].to(accelerator.device)  # (b, Tq + Tr)
-                labels = sft_labels(micro_batch[label_column].to(accelerator.device), pad_token_id)
-                with accelerator.accumulate(model):
-                    loss, _ = next_token_loss(model, query_responses, labels, pad_token_id)
-                    # non-finite guard: checked before backward, so the weights never see it
-                    check_finite(accelerator, update, **{"train/loss": loss})
-                    accelerator.backward(loss)  # divided by the accumulation steps inside
-                    optimizer.step()  # a no-op until the last micro-batch of the update
-                    optimizer.zero_grad()
-                stats += torch.stack(
-                    [loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()]
-                )
-            lr = scheduler.get_last_lr()[0]  # the rate this update used
-            scheduler.step()
-            stats = accelerator.reduce(stats, reduction="sum")
-            train_time += time.time() - update_start
-            train_tokens += int(stats[2])
-            last_loss = (stats[0] / stats[1]).item()  # mean over every micro-batch of the update, all processes
-            tokens_per_s = train_tokens / train_time
-            progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
-            log(update, {"train/loss": last_loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s})
-            if args.eval_every > 0 and update % args.eval_every == 0 and update != args.num_updates:
-                run_evaluation(update, final=False)
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != args.num_updates:
-                checkpoint(update)
-    except NonFiniteError:
-        # the guard runs before backward, so the weights on hand are still those after update - 1:
-        # keep them as the last good checkpoint (the poisoned update is never applied or saved)
-        checkpoint(update - 1)
-        accelerator.print(f"non-finite value at update {update}; last good checkpoint: {latest_checkpoint(run_dir)}")
-        raise
-    progress.close()
-
-    # ---- 8. final evaluation, summary, model ----
-    summary = run_evaluation(args.num_updates, final=True)
-    summary.update(
-        {
-            "train/loss": last_loss,
-            "train/tokens": train_tokens,
-            "train/time_s": train_time,
-            "train/tokens_per_s": train_tokens / train_time,
-            "train/updates": args.num_updates,
-            "wall_time_s": time.time() - start_time,
-        }
-    )
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        # transformers v5 always writes safetensors
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(args.output_dir)
-        if args.push_to_hub:
-            hub_model_id = args.hub_model_id or f"{os.path.basename(args.base_model.rstrip('/'))}__{args.exp_name}__{args.seed}"
-            api = HfApi()
-            api.create_repo(hub_model_id, exist_ok=True)
-            api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
-        writer.close()
-        metrics_file.close()
-        if args.track:
-            import wandb
-
-            wandb.finish()
-        print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -115,11 +115,8 @@ class Args:
     synthetic_warmup_steps: int = 600
     """synthetic task: language-model warm-up steps (batch 16) on fresh posts that end with the author's recap,
     so the base model is 'pretrained' (it knows the language and copies phrases) before SFT, like Pythia;
-    0 = a random-init base. Copying appears abruptly and at a seed-dependent step (the "induction head" phase
-    change). With the pipeline's seed, 300 steps left SFT covering 7% of the key facts and 600 steps 86%.
-    Cheaper variants, measured by the base model's held-out recap-token accuracy (teacher-forced): 600 steps
-    0.790 in 163 s; 380 steps at peak lr 3e-3, no dropout, length-sorted batches 0.675 in 85 s; 250 steps of
-    200-character documents, then 320 of full ones, 0.761 in 112 s."""
+    0 = a random-init base. Copying appears abruptly, at a seed-dependent step (the "induction head" phase
+    change): too few steps leave SFT unable to copy the post's facts (docs/results.md has the measurements)."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,9 +32,8 @@ from dataclasses import dataclass
 # --------------------------------------------------------------------------------------------
 # Each content word is a single BPE token that appears nowhere but inside facts, and the world is small
 # (8 x 8 x 8 facts), so that a ~1M parameter model learns to copy facts from the post within a few CPU
-# minutes. (A first version used two-token phrases, "my mom" / "the car": copying them needs a two-token
-# lookback behind the shared "my" / "the", and SFT covered 20% of the facts after 600 steps where this
-# world covers 36%, same model and budget.)
+# minutes: copying a one-token word needs a one-token lookback, where a phrase behind a shared word ("my mom",
+# "the car") needs two (the comparison: docs/results.md).
 SUBJECTS = ["mom", "dad", "boss", "sister", "brother", "roommate", "landlord", "neighbor"]
 VERBS = ["lost", "broke", "sold", "stole", "hid", "found", "burned", "cleaned"]
 OBJECTS = ["cash", "furniture", "cookies", "plants", "tickets", "jewelry", "shoes", "paintings"]
@@ -204,9 +203,8 @@ def make_post(rng: random.Random) -> dict:
 # as filler. It is the *typical* reference, so SFT (which imitates the typical reference and is evaluated
 # near-greedily) opens with it too; the preference pairs show raters disliking filler, so a reward model
 # learns the habit is bad and RLHF can unlearn it. This is the headroom the paper's setting has too: human
-# TL;DR references are beatable, and PPO's summaries beat them more often than SFT's do. (A first version
-# gave 73% of references no flaw at all; SFT then tied the reference on half the posts and no method could
-# rise measurably above it: PPO 0.460 and DPO 0.420 against SFT 0.440.)
+# TL;DR references are beatable, and PPO's summaries beat them more often than SFT's do. With flawless
+# references there is nothing above SFT to reach (docs/results.md).
 REFERENCE_OPENER = "basically"
 P_REFERENCE_OPENER = 0.6
 
@@ -233,8 +231,7 @@ def policy_summary(policy: str, post: dict, rng: random.Random) -> str:
     """A summary in the style of one named sampling policy. The policies that wrote the compared summaries
     were trained on human references, so all but `good` (a flawless writer) and `title` pick up the writers'
     opener as often as the references do. Were it only in the `ref` policy's summaries, which usually win
-    their comparisons, the opener would look like a mark of quality to a reward model (measured: an RM
-    trained on such data scored summaries with the opener 0.03 higher than without it)."""
+    their comparisons, the opener would look like a mark of quality to a reward model (docs/results.md)."""
     facts = post["facts"]
     if policy == "good":
         return _join_facts(facts) + "."
@@ -262,10 +259,9 @@ def policy_summary(policy: str, post: dict, rng: random.Random) -> str:
 
 
 # Train pairs cover every kind of flaw, including invented facts (which a reward model can only catch by
-# checking the summary against the post) and a copied title (no fact at all). Validation adds pairs of
-# policies that are never compared with each other in train (Detail 6). (With no title in any train pair, the
-# RM had never seen a summary without facts and preferred a copied title to a chatty summary in 80% of
-# those validation pairs, where the gold labels agree with the chatty one 81% of the time.)
+# checking the summary against the post) and a copied title (no fact at all: an RM that never saw one in
+# training misjudges it in validation, docs/results.md). Validation adds pairs of policies that are never
+# compared with each other in train (Detail 6).
 TRAIN_POLICY_PAIRS = [("good", "drop"), ("good", "filler"), ("ref", "short"), ("ref", "runon"),
                       ("drop", "filler"), ("good", "ref"), ("short", "runon"), ("drop", "short"), ("good", "invent"),
                       ("ref", "invent"), ("short", "title")]
@@ -405,12 +401,8 @@ def pretraining_documents(num: int, seed: int, min_chars: int = 600) -> list[str
     earlier in the document is the skill SFT builds on, so the warm-up text is dense in it: short posts put
     about one token in five inside a recap, where a full-length post would put one in twenty.
 
-    Shorter documents make the warm-up cheaper but the base model worse for this task. Measured, pipeline
-    seed, 600 steps of batch 16, the quickstart after it: 200-character documents (peak lr 3e-3) took 85 s
-    instead of 163 s and predicted held-out recap facts as well (76% vs 74%), but SFT from that model covered
-    78% of the key facts instead of 86%, with 0.57 invented facts per summary instead of 0.35, its RM reached
-    0.697 instead of 0.732, and PPO against that RM over-optimised (gold win rate 0.45 at update 16, 0.29 at
-    update 48, against 0.60 and 0.62 with 600-character documents)."""
+    Shorter documents make the warm-up cheaper but the base model worse for this task: SFT from it copies
+    fewer facts and invents more, and PPO over-optimises against the weaker reward model (docs/results.md)."""
     rng = random.Random(seed + 7919)
     docs = []
     for _ in range(num):
@@ -465,8 +457,7 @@ def build_base_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 
         # Pythia rotates 25% of each head's dimensions (64 of 256 in Pythia-1B). Our heads have 32
         # dimensions, so 25% would leave 8 rotary dimensions: too little position signal for the
         # "previous token" heads that copying is built from. We rotate all of them (a deliberate
-        # difference from Pythia). Measured, same seed and budget (400 warm-up + 600 SFT steps): SFT covered
-        # 6% of the facts with 25% rotary dimensions and 36% with all of them.
+        # difference from Pythia; the comparison: docs/results.md).
         rotary_pct=1.0,
         use_parallel_residual=True,
         tie_word_embeddings=False,

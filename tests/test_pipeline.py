@@ -53,7 +53,7 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
 
 def test_gold_win_counts_a_tie_with_the_reference_as_half():
     sys.path.insert(0, REPO_ROOT)
-    from data.report import gold_win
+    from report import gold_win
 
     post = "POST: so yesterday landlord sold furniture.\n\non top of that mom hid shoes.\n\nTL;DR:"
     ref = " landlord sold furniture."
@@ -85,7 +85,7 @@ def test_several_seeds_share_the_task_and_keep_their_own_runs(tmp_path):
 
 def test_seed_report_gives_every_seed_with_mean_and_std(tmp_path):
     sys.path.insert(0, REPO_ROOT)
-    from data.report import write_seed_report
+    from report import write_seed_report
 
     wins = {1: (0.30, 0.60), 2: (0.34, 0.70), 3: (0.32, 0.65)}
     for seed, (sft, ppo) in wins.items():

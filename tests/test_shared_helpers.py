@@ -35,15 +35,58 @@ def test_shared_helpers_are_identical_across_scripts():
     assert not drifted, "helper copies differ between scripts (make them identical):\n" + "\n".join(drifted)
 
 
+TRAINING_SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py"]
+BANNER = "# RUN INFRASTRUCTURE: TRY NOT TO MODIFY."
+SHARED_BLOCK = "# ---- shared run infrastructure: identical in every training script"
+
+
+def calls_before(function: ast.FunctionDef, stop: str) -> list:
+    """Names of the functions (and methods) that `function` calls before its first call named `stop`, in order."""
+    names = []
+    for node in sorted((n for n in ast.walk(function) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if name == stop:
+            return names
+        names.append(name)
+    raise AssertionError(f"{function.name} never calls {stop}")
+
+
 def test_every_training_script_checks_the_tokenizer_of_its_data_before_claiming_its_output():
     """Each script that trains on processed data refuses data of another tokenizer (check_data_tokenizer) before
-    it claims --output_dir, so a refused run leaves nothing behind."""
-    for script in ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py"]:
+    it claims --output_dir, so a refused run leaves nothing behind: main calls check_data_tokenizer, or a function
+    of the script that calls it, before it claims the folder."""
+    for script in TRAINING_SCRIPTS:
         source = open(os.path.join(REPO_ROOT, script)).read()
-        main = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "main")
-        text = ast.get_source_segment(source, main)
-        assert "check_data_tokenizer(" in text, f"{script} does not check the tokenizer of its data"
-        assert text.index("check_data_tokenizer(") < text.index("claim_output_dir("), script
+        functions = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+        before = calls_before(functions["main"], "claim_output_dir")
+        checked = "check_data_tokenizer" in before or any(
+            name in functions and "check_data_tokenizer" in {getattr(c.func, "id", None) for c in ast.walk(functions[name])
+                                                              if isinstance(c, ast.Call)}
+            for name in before
+        )
+        assert checked, f"{script} does not check the tokenizer of its data before it claims --output_dir"
+
+
+def test_every_training_script_reads_as_the_algorithm_first():
+    """STYLE.md 11: docstring -> Args -> the algorithm -> main -> one banner -> the run infrastructure, whose shared
+    part (the Run object and the helpers every script needs) is the same text in every training script."""
+    blocks = {}
+    for script in TRAINING_SCRIPTS:
+        source = open(os.path.join(REPO_ROOT, script)).read()
+        lines = source.splitlines()
+        assert sum(line.startswith(BANNER) for line in lines) == 1, f"{script}: expected the banner exactly once"
+        banner = next(i for i, line in enumerate(lines) if line.startswith(BANNER)) + 1
+        tree = ast.parse(source)
+        main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+        assert args.lineno < main.lineno < banner, f"{script}: Args, then main, then the banner"
+        assert ast.get_docstring(tree), f"{script}: the module docstring states the algorithm"
+        below = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.lineno > banner}
+        assert {"Run", "check_finite", "save_checkpoint", "claim_output_dir", "start_processes"} <= below, script
+        start = source.index(SHARED_BLOCK)
+        blocks[script] = source[start : source.index('\nif __name__ == "__main__":', start)]
+    assert len(set(blocks.values())) == 1, "the shared run infrastructure differs between " + ", ".join(
+        f"{a} and {b}" for a, b in zip(TRAINING_SCRIPTS, TRAINING_SCRIPTS[1:]) if blocks[a] != blocks[b])
 
 
 def test_scripts_do_not_import_each_other():

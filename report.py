@@ -1,4 +1,5 @@
-"""The pipeline's results report: one Markdown table set plus plots, from the files the stages wrote.
+"""The pipeline's results report (pipeline.py's `report` stage, and the readers ablate.py shares): one
+Markdown table set plus plots, from the files the stages wrote.
 
 Reads (never recomputes training): each run's `summary.json` and `samples*.csv`, the judge's
 `judge_summary.json`, the reward model's calibration plot, the stage timings. Two numbers are computed
@@ -79,7 +80,7 @@ def kl_from_sft(p, label: str, samples_csv: str, tokenizer) -> float | None:
     if label == "offline_dt":
         # the Decision Transformer writes after a return-conditioned prompt (`<rm_score> ...`), not after the
         # plain query the SFT model reads: log-probabilities of the two on the plain query do not compare
-        # (measured: scoring them that way gave a negative "KL")
+        # (such an estimate can even come out negative)
         return None
     model_dir = os.path.join(p.models, label)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
