@@ -108,8 +108,14 @@ class Args:
     dt_target: float = 5.0
     """dt: the reward written in the prompt at inference (seed: 5.0, although most normalised rewards lie in
     [-2.5, 2.5])"""
+    dt_target_percentile: Optional[float] = None
+    """dt: if set, the inference target is this percentile of the labelled mixture's normalised rewards (rounded to
+    one decimal) instead of --dt_target: a target the model saw in its training prompts, whatever the reward scale"""
     dt_eval_targets: Tuple[float, ...] = (-5.0, 0.0, 5.0)
     """dt: targets evaluated after training, one sample table each (the seed's Table 1, controllability)"""
+    dt_eval_percentiles: Tuple[float, ...] = (10.0, 50.0, 90.0, 99.0)
+    """dt: also evaluate at these percentiles of the labelled mixture's normalised rewards (rounded to the prompt's
+    one decimal), so that the targets lie inside the range the model was trained on; () = only --dt_eval_targets"""
     n: int = 4
     """best_of_n: responses sampled per prompt; the RM's arg-max is kept"""
     bon_temperature: float = 0.7
@@ -269,6 +275,13 @@ def dt_reward_prompt(score: float) -> str:
     subword pieces."""
     value = round(float(score), 1) + 0.0  # + 0.0 turns -0.0 into 0.0
     return f" <rm_score> {value:.1f}"
+
+
+def dt_percentile_targets(rewards, percentiles) -> dict:
+    """Targets inside the training distribution of the reward prompt: percentile -> the mixture's normalised reward
+    at that percentile, rounded as the prompt writes it (one decimal)."""
+    values = np.percentile(np.asarray(rewards, dtype=np.float64), list(percentiles)) if len(percentiles) else []
+    return {float(p): round(float(v), 1) + 0.0 for p, v in zip(percentiles, values)}
 
 
 def dt_query_tokens(tokenizer, query: str, score: float) -> list:
@@ -806,6 +819,15 @@ def main(args: Args) -> dict:
             mixture, filter_stats = filter_mixture(args, accelerator, mixture)
             summary.update(filter_stats)
         samples_per_round = len(mixture)
+    # dt: targets at percentiles of the rewards the model saw in its prompts (the mixture's own distribution); with
+    # --dt_target_percentile the inference target itself is one (a derived value: args.json records it)
+    percentile_targets = dt_percentile_targets(mixture["reward"], args.dt_eval_percentiles) \
+        if args.method == "dt" else {}
+    if args.method == "dt" and args.dt_target_percentile is not None:
+        args.dt_target = dt_percentile_targets(mixture["reward"], (args.dt_target_percentile,))[args.dt_target_percentile]
+    summary.update({f"dt/target_at_percentile_{p:g}": t for p, t in percentile_targets.items()})
+    if args.method == "dt":
+        summary["dt/target"] = args.dt_target
     episodes_per_round = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * samples_per_round
     updates_per_round = episodes_per_round // args.total_batch_size
     check_round_size(args, samples_per_round, episodes_per_round, updates_per_round, len(sft_train))
@@ -843,7 +865,8 @@ def main(args: Args) -> dict:
         if args.method != "dt":
             targets = [None]
         else:
-            targets = list(dict.fromkeys([args.dt_target, *args.dt_eval_targets])) if final else [args.dt_target]
+            targets = list(dict.fromkeys([args.dt_target, *args.dt_eval_targets, *percentile_targets.values()])) \
+                if final else [args.dt_target]
         out = {}
         for target in targets:
             # dt: the same prompt builder as in training, with the target reward in the prompt
@@ -998,6 +1021,9 @@ def check_offline_flags(args: Args) -> None:
         raise ValueError("--rwr_beta and --rwr_max_weight must be positive")
     if args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
+    percentiles = list(args.dt_eval_percentiles) + ([args.dt_target_percentile] if args.dt_target_percentile is not None else [])
+    if any(not 0 <= p <= 100 for p in percentiles):
+        raise ValueError(f"--dt_eval_percentiles and --dt_target_percentile are percentiles in [0, 100], got {percentiles}")
 
 
 def load_offline_tokenizer(args: Args):

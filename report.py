@@ -110,6 +110,22 @@ def ppo_curve(p) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def dt_targets(run_dir: str) -> pd.DataFrame:
+    """The Decision Transformer's final samples at every target reward of its prompt (offline_rl.py writes
+    samples_target_T.csv): mean RM score and gold win rate vs the reference per target, the seed's Table 1.
+    `percentile` names the targets taken from the labelled mixture's own reward distribution."""
+    summary = _load(os.path.join(run_dir, "summary.json"))
+    at = {v: float(k.rsplit("_", 1)[1]) for k, v in summary.items() if k.startswith("dt/target_at_percentile_")}
+    rows = []
+    for path in glob.glob(os.path.join(run_dir, "samples_target_*.csv")):
+        target = float(os.path.basename(path)[len("samples_target_"):-len(".csv")])
+        df = pd.read_csv(path, keep_default_na=False)
+        wins = [gold_win(q, r, ref) for q, r, ref in zip(df["query"], df["response"], df["reference"])]
+        rows.append({"target": target, "percentile": at.get(target), "rm_score": pd.to_numeric(df["score"]).mean(),
+                     "gold_win_rate": float(np.mean(wins)), "n": len(df)})
+    return pd.DataFrame(rows).sort_values("target").reset_index(drop=True) if rows else pd.DataFrame()
+
+
 def write_report(p) -> str:
     import matplotlib
 
@@ -215,6 +231,27 @@ def write_report(p) -> str:
                   "| --- | --- | --- | --- | --- |"]
         lines += [f"| {r.step} | {_fmt(r.rm_score)} | {_fmt(r.gold_win_rate)} | {_fmt(r.gold_score)} | {_fmt(r.eos_rate)} |"
                   for r in curve.itertuples()]
+    dt = dt_targets(os.path.join(p.runs, "offline_dt"))
+    if len(dt):
+        dt.to_csv(os.path.join(p.report_dir, "dt_targets.csv"), index=False)
+        fig, ax1 = plt.subplots(figsize=(6, 4))
+        ax1.plot(dt["target"], dt["rm_score"], "o-", color="tab:orange", label="RM score")
+        ax1.set(xlabel="target reward in the prompt (normalised units)", ylabel="mean RM score of the samples")
+        ax2 = ax1.twinx()
+        ax2.plot(dt["target"], dt["gold_win_rate"], "s-", color="tab:green", label="gold win rate")
+        ax2.set(ylabel="gold win rate vs reference")
+        fig.legend(loc="lower right")
+        ax1.set_title("Decision Transformer: outcome against the target it is given")
+        fig.tight_layout()
+        fig.savefig(os.path.join(p.report_dir, "dt_targets.png"), dpi=100)
+        plt.close(fig)
+        plots.append("dt_targets.png")
+        lines += ["", "## Decision Transformer: outcome against the target in its prompt", "",
+                  "Targets at percentiles of the labelled mixture's normalised rewards lie inside what the model saw in "
+                  "training; the others are the seed's (Table 1).", "",
+                  "| target | mixture percentile | mean RM score | gold win rate | n |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r.target:+.1f} | {'' if pd.isna(r.percentile) else f'{r.percentile:g}th'} | {_fmt(r.rm_score)} | "
+                  f"{_fmt(r.gold_win_rate)} | {r.n} |" for r in dt.itertuples()]
     copies = {"length_controlled_win_rate.png": os.path.join(p.runs, "judge", "length_controlled_win_rate.png")}
     copies["rm_calibration.png"] = next(iter(glob.glob(os.path.join(p.runs, "rm", "*calibration*.png"))), "")
     for name, src in copies.items():

@@ -119,6 +119,14 @@ def test_dt_reward_prompt_format():
     assert offline_rl.dt_reward_prompt(-0.04) == " <rm_score> 0.0"  # no "-0.0"
 
 
+def test_dt_percentile_targets_are_the_mixture_percentiles_as_the_prompt_writes_them():
+    rewards = [x / 10 for x in range(-50, 51)]  # -5.0 ... 5.0
+    targets = offline_rl.dt_percentile_targets(rewards, (10, 50, 90, 99))
+    assert targets == {10.0: -4.0, 50.0: 0.0, 90.0: 4.0, 99.0: 4.9}
+    assert str(offline_rl.dt_percentile_targets([-0.04, -0.02], (50,))[50.0]) == "0.0"  # one spelling of zero
+    assert offline_rl.dt_percentile_targets(rewards, ()) == {}
+
+
 def test_dt_prompt_identical_at_training_and_inference_and_masked_from_loss(synthetic_task):
     tokenizer = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
     pad = tokenizer.pad_token_id
@@ -225,11 +233,21 @@ def run_method(setup: dict, method: str, *extra: str) -> tuple[dict, str]:
 
 
 def test_smoke_dt_then_filter_and_rwr_reuse_the_cache(smoke_setup):
-    summary, run_dir = run_method(smoke_setup, "dt", "--dt_eval_targets", "-5", "0", "5")
+    summary, run_dir = run_method(smoke_setup, "dt", "--dt_eval_targets", "-5", "0", "5", "--dt_target_percentile", "90")
     assert summary["mixture/cache_hit"] == 0 and summary["mixture/size"] == 32
     for target in ("-5.0", "+0.0", "+5.0"):
         assert os.path.exists(os.path.join(run_dir, f"samples_target_{target}.csv"))
         assert f"eval/target_{target}/score_mean" in summary
+    # and at the 10th / 50th / 90th / 99th percentiles of the mixture's own normalised rewards
+    at = [summary[f"dt/target_at_percentile_{p}"] for p in (10, 50, 90, 99)]
+    assert at == sorted(at) and at[0] < at[-1], at
+    for target in at:
+        assert os.path.exists(os.path.join(run_dir, f"samples_target_{target:+.1f}.csv"))
+        assert f"eval/target_{target:+.1f}/score_mean" in summary
+    # --dt_target_percentile 90: the inference target (the main table, samples.csv) is the 90th percentile
+    target = summary["dt/target_at_percentile_90"]
+    assert summary["dt/target"] == target == json.load(open(os.path.join(run_dir, "args.json")))["dt_target"]
+    assert summary["eval/score_mean"] == summary[f"eval/target_{target:+.1f}/score_mean"]
 
     summary, _ = run_method(smoke_setup, "filter")
     assert summary["mixture/cache_hit"] == 1  # the same mixture arguments: no second labelling pass

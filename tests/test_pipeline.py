@@ -1,6 +1,7 @@
 """Issue 10: the one-command pipeline, CI-sized. Every artefact the report lists must be produced,
 and a second invocation must skip the finished stages (restartable)."""
 
+import csv
 import json
 import os
 import subprocess
@@ -31,11 +32,19 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
         assert row["ci_low"] <= row["win_rate"] <= row["ci_high"]
         assert 0.0 <= row["eos_rate"] <= 1.0 and row["length"] > 0
     assert results["ceiling"] is not None
-    for plot in ("win_rate_per_policy.png", "ppo_rm_vs_gold.png", "length_controlled_win_rate.png", "rm_calibration.png"):
+    for plot in ("win_rate_per_policy.png", "ppo_rm_vs_gold.png", "length_controlled_win_rate.png", "rm_calibration.png",
+                 "dt_targets.png"):
         assert (report / plot).stat().st_size > 1000, plot
         assert plot in text
-    for heading in ("gold win rate", "Reward models", "rater confidence", "Wall time per stage", "PPO along training"):
+    for heading in ("gold win rate", "Reward models", "rater confidence", "Wall time per stage", "PPO along training",
+                    "Decision Transformer: outcome against the target"):
         assert heading in text
+    # the Decision Transformer's Table 1: one row per target, the seed's targets and the mixture's percentiles
+    with open(report / "dt_targets.csv") as f:
+        dt = list(csv.DictReader(f))
+    assert {-5.0, 0.0, 5.0} <= {float(row["target"]) for row in dt}
+    assert sum(row["percentile"] != "" for row in dt) >= 2
+    assert all(0.0 <= float(row["gold_win_rate"]) <= 1.0 and int(row["n"]) > 0 for row in dt)
 
     # restartable: nothing but the judge and the report runs again
     again = subprocess.run(cmd, check=True, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
