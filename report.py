@@ -126,6 +126,25 @@ def dt_targets(run_dir: str) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("target").reset_index(drop=True) if rows else pd.DataFrame()
 
 
+def rm_and_gold_plot(frame: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str, report_dir: str, name: str) -> str:
+    """The mean RM score (left axis) and the gold win rate (right axis) of samples against `x`; returns the file name.
+    Called by write_report, which has chosen matplotlib's Agg backend."""
+    import matplotlib.pyplot as plt
+
+    fig, ax1 = plt.subplots(figsize=(6, 4))
+    ax1.plot(frame[x], frame["rm_score"], "o-", color="tab:orange", label="RM score")
+    ax1.set(xlabel=xlabel, ylabel=ylabel)
+    ax2 = ax1.twinx()
+    ax2.plot(frame[x], frame["gold_win_rate"], "s-", color="tab:green", label="gold win rate")
+    ax2.set(ylabel="gold win rate vs reference")
+    fig.legend(loc="lower right")
+    ax1.set_title(title)
+    fig.tight_layout()
+    fig.savefig(os.path.join(report_dir, name), dpi=100)
+    plt.close(fig)
+    return name
+
+
 def write_report(p) -> str:
     import matplotlib
 
@@ -215,18 +234,8 @@ def write_report(p) -> str:
     curve = ppo_curve(p)
     if len(curve):
         curve.to_csv(os.path.join(p.report_dir, "ppo_overoptimisation.csv"), index=False)
-        fig, ax1 = plt.subplots(figsize=(6, 4))
-        ax1.plot(curve["step"], curve["rm_score"], "o-", color="tab:orange", label="RM score")
-        ax1.set(xlabel="PPO update", ylabel="mean RM score")
-        ax2 = ax1.twinx()
-        ax2.plot(curve["step"], curve["gold_win_rate"], "s-", color="tab:green", label="gold win rate")
-        ax2.set(ylabel="gold win rate vs reference")
-        fig.legend(loc="lower right")
-        ax1.set_title("PPO: RM score and gold judge along training")
-        fig.tight_layout()
-        fig.savefig(os.path.join(p.report_dir, "ppo_rm_vs_gold.png"), dpi=100)
-        plt.close(fig)
-        plots.append("ppo_rm_vs_gold.png")
+        plots.append(rm_and_gold_plot(curve, "step", "PPO update", "mean RM score",
+                                      "PPO: RM score and gold judge along training", p.report_dir, "ppo_rm_vs_gold.png"))
         lines += ["", "## PPO along training (over-optimisation check)", "", "| update | mean RM score | gold win rate | gold score | EOS rate |",
                   "| --- | --- | --- | --- | --- |"]
         lines += [f"| {r.step} | {_fmt(r.rm_score)} | {_fmt(r.gold_win_rate)} | {_fmt(r.gold_score)} | {_fmt(r.eos_rate)} |"
@@ -234,18 +243,10 @@ def write_report(p) -> str:
     dt = dt_targets(os.path.join(p.runs, "offline_dt"))
     if len(dt):
         dt.to_csv(os.path.join(p.report_dir, "dt_targets.csv"), index=False)
-        fig, ax1 = plt.subplots(figsize=(6, 4))
-        ax1.plot(dt["target"], dt["rm_score"], "o-", color="tab:orange", label="RM score")
-        ax1.set(xlabel="target reward in the prompt (normalised units)", ylabel="mean RM score of the samples")
-        ax2 = ax1.twinx()
-        ax2.plot(dt["target"], dt["gold_win_rate"], "s-", color="tab:green", label="gold win rate")
-        ax2.set(ylabel="gold win rate vs reference")
-        fig.legend(loc="lower right")
-        ax1.set_title("Decision Transformer: outcome against the target it is given")
-        fig.tight_layout()
-        fig.savefig(os.path.join(p.report_dir, "dt_targets.png"), dpi=100)
-        plt.close(fig)
-        plots.append("dt_targets.png")
+        plots.append(rm_and_gold_plot(dt, "target", "target reward in the prompt (normalised units)",
+                                      "mean RM score of the samples",
+                                      "Decision Transformer: outcome against the target it is given", p.report_dir,
+                                      "dt_targets.png"))
         lines += ["", "## Decision Transformer: outcome against the target in its prompt", "",
                   "Targets at percentiles of the labelled mixture's normalised rewards lie inside what the model saw in "
                   "training; the others are the seed's (Table 1).", "",
