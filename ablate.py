@@ -1,7 +1,7 @@
 """Detail ablations on the built-in task: each implementation detail toggled on its own, several seeds,
 with its measured effect next to what the paper says it does (issue #11).
 
-    python ablate.py                      # every row, seeds 1 2 3 (a few hours on 2 CPU cores; see --dry_run)
+    python ablate.py --jobs 2 --threads 1 # every row, seeds 1 2 3, two runs at a time (about 1.5 hours on 2 CPU cores)
     python ablate.py --rows 7 23          # only Details 7 and 23
     python ablate.py --mode ci --seeds 1  # tiny sizes: checks that every artefact is produced
     python ablate.py --dry_run            # print the plan and the time estimate, run nothing
@@ -10,7 +10,7 @@ The baseline upstream (data, SFT model, reward model) is the quickstart pipeline
 (`--upstream artifacts/quickstart`); whatever of it is missing is made first by `python pipeline.py`.
 Then, for every row and seed, the affected stage runs once with the baseline setting and once with
 the detail toggled. A baseline run is shared by every row that needs the same stage with the same
-seed (the PPO baseline serves Details 7, 15, 22, 23, 24 and 25). Each run is a subprocess of the
+seed (the PPO baseline serves Details 7, 15, 22, 24 and 25). Each run is a subprocess of the
 real script, printed as it starts, with its console output in `<out>/logs/<run>.log`; a run whose
 summary.json exists is skipped, so an interrupted ablation picks up where it stopped.
 
@@ -19,6 +19,9 @@ Outputs in `<out>` (default artifacts/ablations): `ablations.md` (the table, als
 (`detail_NN.png`: every seed's value, baseline vs toggled) and `timings.json`.
 
 The toggled runs need no new flags: the scripts expose every detail (`python <script>.py --help`).
+Where the task's own setting would hide a detail, its row changes that setting in both arms: Detail 23 (the
+EOS trick) runs PPO with a response budget the SFT policy often overruns (EOS_TRICK_RESPONSE_LENGTH), since
+with the task's 24 tokens every response ends in time and the trick never fires.
 Two measurements are indirect, and say so in the table:
   * Detail 7's "ratio at the first minibatch": ppo.py logs the ratio averaged over all K epochs and
     minibatches of an update. A probe run of ONE update with one epoch and one minibatch (the first
@@ -43,7 +46,9 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
@@ -73,6 +78,9 @@ class Args:
     """where data, runs, logs, the table and the plots go; None -> artifacts/ablations (mode ci: artifacts/ablations_ci)"""
     threads: int = 0
     """torch threads per run (OMP_NUM_THREADS); 0 = leave the environment's setting"""
+    jobs: int = 1
+    """runs at once; a run waits for the runs it reads (its toggled data or reward model). With N jobs, give
+    each run about (cores / N) threads with --threads"""
     dry_run: bool = False
     """print the plan and the time estimate, then stop"""
     report_only: bool = False
@@ -88,9 +96,12 @@ BUDGET = {
         # SFT (rows 2 and 3): 1.5 passes over the 4000 training posts (375 updates of batch 16) instead of the
         # quickstart's 5. Enough for the EOS behaviour (row 3) and for the copying of facts to have begun.
         "sft": {"--num_train_epochs": None, "--total_episodes": "6000", "--num_eval_samples": "200"},
-        # RM (row 11, and the unnormalised RM of row 15): the quickstart's own settings (pipeline.py's SETTINGS:
-        # two epochs over the 6000 training pairs)
-        "rm": {},
+        # RM (row 11): one epoch over the 6000 training pairs (the quickstart runs two); the head init acts on
+        # the early updates
+        "rm": {"--total_episodes": "6016"},
+        # the unnormalised RM of row 15 repeats the upstream RM exactly (pipeline.py's SETTINGS, two epochs), so
+        # that only the normalisation differs between the reward models of the two PPO arms
+        "rm_upstream": {},
         # PPO (rows 7, 15, 22-25): 640 episodes = 20 updates of 32 (the quickstart runs 48), one evaluation
         # on 200 validation queries at the end
         "ppo": {"--total_episodes": "640", "--eval_every": "0", "--num_eval_samples": "200"},
@@ -101,6 +112,7 @@ BUDGET = {
     "ci": {
         "sft": {"--checkpoint_every": "0"},
         "rm": {},
+        "rm_upstream": {},
         "ppo": {"--eval_every": "0"},
         "probe": {"--total_episodes": "16", "--ppo.num_ppo_epochs": "1", "--ppo.num_mini_batches": "1",
                   "--local_micro_batch_size": "1", "--num_eval_samples": "16"},
@@ -110,7 +122,7 @@ PIPELINE_MODE = {"default": "quickstart", "ci": "ci"}
 # seconds per run on 2 quiet CPU cores, for the estimate printed before starting (measured timings of
 # earlier runs in <out>/timings.json replace them)
 ESTIMATE_S = {
-    "default": {"pipeline": 560, "prep": 45, "sft": 100, "rm": 85, "ppo": 95, "probe": 25},
+    "default": {"pipeline": 860, "prep": 45, "sft": 100, "rm": 155, "ppo": 95, "probe": 25},
     "ci": {"pipeline": 90, "prep": 12, "sft": 15, "rm": 15, "ppo": 15, "probe": 12},
 }
 
@@ -134,7 +146,14 @@ class Arm:
     data: Optional[str] = None  # a toggled data folder (name under <out>/data), else the upstream data
     reward_model: Optional[str] = None  # a toggled reward model (run key), else the upstream RM
     seedless: bool = False  # one run serves every seed (the unnormalised RM of row 15)
+    budget: Optional[str] = None  # the BUDGET entry, when not the one named by `kind`
+    response_length: Optional[int] = None  # PPO's --response_length, when not the task's (row 23)
 
+
+# Detail 23 needs responses that run out of tokens, or the EOS trick never fires. With the task's 24 tokens
+# every SFT summary ends in time (it writes 9 to 14 tokens with its EOS); with 9, most SFT summaries are cut,
+# and the policy must learn to say less to end at all. Both arms of row 23 run at this length.
+EOS_TRICK_RESPONSE_LENGTH = 9
 
 ARMS = {
     # SFT (rows 2, 3)
@@ -144,15 +163,23 @@ ARMS = {
     # reward model (row 11; row 15's unnormalised RM)
     "rm_baseline": Arm("rm_baseline", "rm"),
     "rm_library_head": Arm("rm_library_head", "rm", extra=["--reward_head_init", "library"]),
-    "rm_unnormalised": Arm("rm_unnormalised", "rm", extra=["--no-normalize_reward"], seedless=True),
+    # row 15: two RMs trained alike (the upstream's settings, the same threads), normalised or not; the upstream RM
+    # itself will not do as the baseline, since a run on another thread count sums in another order and ends
+    # as a different RM
+    "rm_normalised": Arm("rm_normalised", "rm", seedless=True, budget="rm_upstream"),
+    "rm_unnormalised": Arm("rm_unnormalised", "rm", extra=["--no-normalize_reward"], seedless=True, budget="rm_upstream"),
     # PPO (rows 7, 15, 22-25) and the Detail 7 probe
     "ppo_baseline": Arm("ppo_baseline", "ppo"),
     "ppo_dropout": Arm("ppo_dropout", "ppo", extra=["--no-disable_dropout"]),
     "probe_baseline": Arm("probe_baseline", "probe"),
     "probe_dropout": Arm("probe_dropout", "probe", extra=["--no-disable_dropout"]),
+    "ppo_normalised_rm": Arm("ppo_normalised_rm", "ppo", reward_model="rm_normalised"),
     "ppo_unnormalised_rm": Arm("ppo_unnormalised_rm", "ppo", reward_model="rm_unnormalised"),
     "ppo_critic_from_sft": Arm("ppo_critic_from_sft", "ppo", extra=["--critic_init", "sft"]),
-    "ppo_no_eos_trick": Arm("ppo_no_eos_trick", "ppo", extra=["--no-non_eos_penalty"]),
+    # row 23 at a response budget the SFT policy often overruns (see EOS_TRICK_RESPONSE_LENGTH)
+    "ppo_short": Arm("ppo_short", "ppo", response_length=EOS_TRICK_RESPONSE_LENGTH),
+    "ppo_short_no_eos_trick": Arm("ppo_short_no_eos_trick", "ppo", extra=["--no-non_eos_penalty"],
+                                  response_length=EOS_TRICK_RESPONSE_LENGTH),
     "ppo_reward_whitening": Arm("ppo_reward_whitening", "ppo", extra=["--ppo.whiten_rewards"]),
     "ppo_no_advantage_whitening": Arm("ppo_no_advantage_whitening", "ppo", extra=["--ppo.no-whiten_advantages"]),
 }
@@ -252,7 +279,7 @@ ROWS = {
         Metric("RM train loss, first 10 updates", lambda ab, arm, key: mean(series(ab, key, "train/loss")[:10]),
                None, "follows Stiennon et al.; no ablation in the paper"),
     ]),
-    15: Row(15, "reward model not normalised (baseline: references score mean 0)", "ppo_baseline", "ppo_unnormalised_rm", [
+    15: Row(15, "reward model not normalised (baseline: references score mean 0)", "ppo_normalised_rm", "ppo_unnormalised_rm", [
         Metric("PPO RM score of the final policy", lambda ab, arm, key: summary_of(ab, key)["eval/score"], "shift",
                "shifted by the normalisation bias (see the note above)"),
         Metric("PPO KL (last quarter of updates)", lambda ab, arm, key: mean(last_quarter(series(ab, key, "objective/kl"))),
@@ -266,11 +293,16 @@ ROWS = {
         Metric("PPO gold win rate", lambda ab, arm, key: samples(ab, key)["gold_win_rate"], None,
                "no number given"),
     ]),
-    23: Row(23, "EOS trick off (baseline: on, -1 without EOS)", "ppo_baseline", "ppo_no_eos_trick", [
+    23: Row(23, f"EOS trick off (baseline: on, -1 without EOS), both at --response_length {EOS_TRICK_RESPONSE_LENGTH}",
+            "ppo_short", "ppo_short_no_eos_trick", [
+        Metric("PPO rollouts ending with EOS, first update (share)",
+               lambda ab, arm, key: series(ab, key, "objective/eos_rate")[0], "same",
+               "the same: both arms start from the SFT policy (how often the trick fires at first)"),
+        Metric("PPO rollouts ending with EOS, last quarter of updates (share)",
+               lambda ab, arm, key: mean(last_quarter(series(ab, key, "objective/eos_rate"))), "down",
+               "lower: nothing pushes the policy to end its responses"),
         Metric("PPO EOS rate", lambda ab, arm, key: samples(ab, key)["eos_rate"], "down",
                "lower: nothing pushes the policy to end its responses"),
-        Metric("PPO response length (tokens)", lambda ab, arm, key: samples(ab, key)["length"], "up",
-               "longer", digits=1),
         Metric("PPO gold win rate", lambda ab, arm, key: samples(ab, key)["gold_win_rate"], "down",
                "lower: the RM score of a response without EOS is meaningless (Detail 13)"),
     ]),
@@ -360,13 +392,14 @@ class Ablation:
         common = ["--seed", str(seed), "--run_name", key, "--run_dir_root", self.runs, "--overwrite_output_dir",
                   "--output_dir", os.path.join(self.models, key)]
         data = self.data_dir(arm)
-        response_length = str(pipeline.TASK["sft_response_length"])
+        response_length = str(arm.response_length or pipeline.TASK["sft_response_length"])
+        budget = self.budget[arm.budget or arm.kind]
         if arm.kind == "sft":
-            flags = pipeline.flags_with(self.settings["sft"], self.budget["sft"])
+            flags = pipeline.flags_with(self.settings["sft"], budget)
             cmd = self.py("sft.py", *common, "--base_model", self.up("data", "base_model"), "--query_dataset",
                           os.path.join(data, "sft"), "--response_length", response_length, *flags)
         elif arm.kind == "rm":
-            flags = pipeline.flags_with(self.settings["rm"], self.budget["rm"])
+            flags = pipeline.flags_with(self.settings["rm"], budget)
             cmd = self.py("reward.py", *common, "--sft_model_path", self.up("models", "sft"), "--preference_dataset",
                           os.path.join(data, "preference"), "--query_dataset", os.path.join(data, "sft"), *flags)
         else:  # ppo or the Detail 7 probe
@@ -442,7 +475,7 @@ class Ablation:
         print(f"ablation plan: rows {self.args.rows}, seeds {self.args.seeds}, {len(runs)} runs, {len(runs) - len(todo)} done "
               f"already; to run: {'the upstream pipeline (prep, SFT, RM), ' if need_upstream else ''}"
               + ", ".join(f"{n} {k}" for k, n in counts.items() if n)
-              + f"\nestimated time: {left / 60:.0f} min (2 quiet CPU cores; a shared machine is slower)", flush=True)
+              + f"\nestimated time: {left / max(1, self.args.jobs) / 60:.0f} min (2 quiet CPU cores; a shared machine is slower)", flush=True)
         if self.args.dry_run:
             for r in runs:
                 print(("  done  " if r not in todo else "  todo  ") + r.key)
@@ -455,25 +488,43 @@ class Ablation:
             self.record("upstream_pipeline", "pipeline", time.time() - t0)
         runs = self.plan()  # the prep commands read the upstream's args.json, which exists now
         todo = [r for r in runs if not os.path.exists(r.done_file)]
-        failed = []
-        for i, run in enumerate(todo, 1):
+        failed: list[str] = []
+        finished = [0]
+        lock = threading.Lock()
+        events = {r.key: threading.Event() for r in todo}  # set once a run has ended (done, failed or skipped)
+
+        def one(run: Run) -> None:
+            for dep in self.dependencies(run):
+                if dep in events:
+                    events[dep].wait()
             if any(dep in failed for dep in self.dependencies(run)):
                 print(f"--- [{run.key}] skipped: a run it needs failed", flush=True)
-                failed.append(run.key)
-                continue
+                with lock:
+                    failed.append(run.key)
+                events[run.key].set()
+                return
             if run.kind != "prep" and os.path.isdir(os.path.join(self.runs, run.key, "checkpoints")) and any(
                     d.startswith("update_") for d in os.listdir(os.path.join(self.runs, run.key, "checkpoints"))):
                 run.cmd.append("--resume")  # interrupted after a checkpoint: continue from it
             t0 = time.time()
             ok = self.execute(run.key, run.cmd)
             seconds = time.time() - t0
-            if ok:
-                self.record(run.key, run.kind, seconds)
-            else:
-                failed.append(run.key)
-            remaining = sum(self.estimate(r.kind) for r in todo[i:])
-            print(f"--- [{i}/{len(todo)}] {run.key}: {'done' if ok else 'FAILED'} in {seconds:.0f} s; "
-                  f"elapsed {(time.time() - t_start) / 60:.1f} min, about {remaining / 60:.0f} min left", flush=True)
+            with lock:
+                if ok:
+                    self.record(run.key, run.kind, seconds)
+                else:
+                    failed.append(run.key)
+                finished[0] += 1
+                left_runs = [r for r in todo if not events[r.key].is_set() and r.key != run.key]
+                remaining = sum(self.estimate(r.kind) for r in left_runs) / max(1, self.args.jobs)
+                print(f"--- [{finished[0]}/{len(todo)}] {run.key}: {'done' if ok else 'FAILED'} in {seconds:.0f} s; "
+                      f"elapsed {(time.time() - t_start) / 60:.1f} min, about {remaining / 60:.0f} min left", flush=True)
+            events[run.key].set()
+
+        # runs start in plan order (the runs others read come first), at most --jobs at a time
+        with ThreadPoolExecutor(max_workers=max(1, self.args.jobs)) as pool:
+            for future in [pool.submit(one, run) for run in todo]:
+                future.result()
         return failed
 
     def dependencies(self, run: Run) -> list[str]:
@@ -569,8 +620,8 @@ class Ablation:
         return "no: no clear effect" if direction == "none" else "no: opposite"
 
     def normalisation_bias(self) -> Optional[float]:
-        """The shift reward.py applied to the upstream RM (the SFT references' mean reward before it)."""
-        path = self.up("runs", "rm", "summary.json")
+        """The shift reward.py applied to row 15's normalised RM (the SFT references' mean reward before it)."""
+        path = os.path.join(self.runs, "rm_normalised", "summary.json")
         if not os.path.exists(path):
             return None
         return json.load(open(path)).get("reward_normalization_bias")
@@ -612,6 +663,7 @@ class Ablation:
             "",
             f"Every implementation detail below toggled on its own, seeds {' '.join(map(str, self.args.seeds))}, "
             f"each against the baseline with the same seed (`python ablate.py{' --mode ci' if self.args.mode == 'ci' else ''}"
+            f"{f' --jobs {self.args.jobs}' if self.args.jobs != 1 else ''}{f' --threads {self.args.threads}' if self.args.threads else ''}"
             f"{' --rows ' + ' '.join(map(str, self.args.rows)) if self.args.rows != ALL_ROWS else ''}`).",
             "",
             f"- **Run time**: {(own + upstream_s) / 60:.0f} min in all: {own / 60:.1f} min for the {len(timed)} ablation runs "
@@ -621,7 +673,8 @@ class Ablation:
             f"- **Machine**: {self.machine()}. Load average at the end: "
             f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min; above the core count, other jobs shared the cores and the times are upper bounds).",
             f"- **Budgets** ({self.args.mode} mode): SFT {' '.join(pipeline.flags_with(self.settings['sft'], b['sft']))}; "
-            f"RM {' '.join(pipeline.flags_with(self.settings['rm'], b['rm']))}; PPO "
+            f"RM {' '.join(pipeline.flags_with(self.settings['rm'], b['rm']))} (row 15's unnormalised RM: the upstream RM's "
+            f"{' '.join(pipeline.flags_with(self.settings['rm'], b['rm_upstream']))}); PPO "
             f"{' '.join(pipeline.flags_with(self.settings['ppo'], b['ppo']))}; Detail 7 probe: the PPO flags with "
             f"{' '.join(f'{k} {v}' for k, v in b['probe'].items())}. Data, SFT model and RM of the PPO runs: the upstream's "
             "(seed 1); the seed varies the ablated stage.",
@@ -633,10 +686,14 @@ class Ablation:
             "same at every seed (a deterministic quantity, such as a first ratio of exactly 1) and every seed's "
             "toggled value lies on the same side of it; *no: no clear effect* when it does not; *(no prediction)* "
             "reports the direction of a measured effect the paper does not predict.",
-            f"- Detail 15: the baseline RM's normalisation bias is {bias:+.3f}, so the unnormalised RM scores every "
-            "response that much higher." if bias is not None else "- Detail 15: the upstream RM's bias is unknown.",
+            f"- Detail 15: the two RMs are one training run, saved with and without the normalisation; the references' "
+            f"mean reward before it is {bias:+.3f}, so the unnormalised RM scores every response {bias:+.3f} against "
+            "the normalised one." if bias is not None else "- Detail 15: the normalised RM's bias is unknown (no run yet).",
             "- Detail 7: the ratio comes from a one-update probe run (one epoch, one minibatch, micro-batches of one "
             "episode): its mean ratio is the first minibatch's, its variance is over the episodes' mean ratios.",
+            f"- Detail 23: both arms run PPO with `--response_length {EOS_TRICK_RESPONSE_LENGTH}` (the task's: "
+            f"{pipeline.TASK['sft_response_length']}), a budget the SFT policy often overruns; with the task's length every "
+            "response ends in time and the trick never fires.",
             "",
             "| detail | toggle | metric | baseline (mean ± std) | toggled (mean ± std) | difference (paired by seed, mean ± std) | expected | reproduced here |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -21,12 +21,13 @@ import ablate  # noqa: E402
 def test_ablate_ci_rows_2_and_7_write_table_csv_and_plots(tmp_path):
     up, out = tmp_path / "upstream", tmp_path / "ablations"
     cmd = [sys.executable, os.path.join(REPO_ROOT, "ablate.py"), "--mode", "ci", "--rows", "2", "7", "--seeds", "1",
-           "--upstream", str(up), "--out", str(out)]
+           "--upstream", str(up), "--out", str(out), "--jobs", "2"]
     first = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert "running the pipeline's prep, SFT and RM stages" in first.stdout  # the missing upstream was made
-    # a progress line per run: prep, 2 SFT, 2 probes, 2 PPO
+    # a progress line per run: prep, 2 SFT, 2 probes, 2 PPO; two at a time, and the toggled SFT after its data
     assert first.stdout.count("--- [") == 7, first.stdout[-3000:]
+    assert first.stdout.index("] prep_token_truncation: done") < first.stdout.index("=== [sft_token_truncation_s1]")
 
     text = (out / "ablations.md").read_text()
     for needle in ("Run time", "Machine", "CPU cores", "torch", "| detail | toggle | metric |"):
@@ -106,3 +107,26 @@ def test_verdict_needs_an_effect_beyond_twice_its_standard_error(tmp_path, expec
     metric = ablate.Metric("m", lambda *a: 0.0, expect, "")
     seeds = range(1, len(baseline) + 1)
     assert ab.verdict(metric, dict(zip(seeds, baseline)), dict(zip(seeds, toggled))) == verdict
+
+
+def test_plan_flags_of_the_eos_trick_and_the_two_reward_models(tmp_path):
+    """Row 23 runs both arms at the short response budget, differing by the toggle only; the unnormalised RM
+    of row 15 repeats the upstream RM's settings while row 11's RMs take the ablation's shorter budget."""
+    ab = ablate.Ablation(ablate.Args(rows=[11, 15, 23], seeds=[1], upstream=str(tmp_path / "up"), out=str(tmp_path / "out")))
+    cmds = {run.key: run.cmd for run in ab.plan()}
+
+    def flag(key, name):
+        return cmds[key][cmds[key].index(name) + 1]
+
+    short = str(ablate.EOS_TRICK_RESPONSE_LENGTH)
+    assert flag("ppo_short_s1", "--response_length") == flag("ppo_short_no_eos_trick_s1", "--response_length") == short
+    assert flag("ppo_normalised_rm_s1", "--response_length") == str(ablate.pipeline.TASK["sft_response_length"]) != short
+    only_toggled = set(cmds["ppo_short_no_eos_trick_s1"]) - set(cmds["ppo_short_s1"])
+    assert {a for a in only_toggled if "ppo_short_no_eos_trick_s1" not in a} == {"--no-non_eos_penalty"}  # besides its names
+    upstream_rm = ablate.pipeline.flags_with(ablate.pipeline.SETTINGS["quickstart"]["rm"], {})
+    assert flag("rm_unnormalised", "--total_episodes") == upstream_rm[upstream_rm.index("--total_episodes") + 1]
+    assert flag("rm_baseline_s1", "--total_episodes") == ablate.BUDGET["default"]["rm"]["--total_episodes"]
+    assert flag("rm_baseline_s1", "--total_episodes") != flag("rm_unnormalised", "--total_episodes")
+    # row 15's two reward models are trained alike and differ by the normalisation alone
+    differ = set(cmds["rm_unnormalised"]) ^ set(cmds["rm_normalised"])
+    assert {a for a in differ if "rm_unnormalised" not in a and "rm_normalised" not in a} == {"--no-normalize_reward"}
