@@ -1,7 +1,7 @@
 """Detail ablations on the built-in task: each implementation detail toggled on its own, several seeds,
 with its measured effect next to what the paper says it does (issue #11).
 
-    python ablate.py --jobs 2 --threads 1 # every row, seeds 1 2 3, two runs at a time (about 1.5 hours on 2 CPU cores)
+    python ablate.py --jobs 2 --threads 1 # every row, seeds 1 2 3, two runs at a time (under 2 hours on 2 CPU cores)
     python ablate.py --rows 7 23          # only Details 7 and 23
     python ablate.py --mode ci --seeds 1  # tiny sizes: checks that every artefact is produced
     python ablate.py --dry_run            # print the plan and the time estimate, run nothing
@@ -119,10 +119,11 @@ BUDGET = {
     },
 }
 PIPELINE_MODE = {"default": "quickstart", "ci": "ci"}
-# seconds per run on 2 quiet CPU cores, for the estimate printed before starting (measured timings of
-# earlier runs in <out>/timings.json replace them)
+# seconds per run on 2 CPU cores with two runs at a time on one thread each (`--jobs 2 --threads 1`; the
+# pipeline alone), for the estimate printed before starting (measured timings of earlier runs in
+# <out>/timings.json replace them)
 ESTIMATE_S = {
-    "default": {"pipeline": 860, "prep": 45, "sft": 100, "rm": 155, "ppo": 95, "probe": 25},
+    "default": {"pipeline": 700, "prep": 42, "sft": 210, "rm": 350, "ppo": 180, "probe": 21},
     "ci": {"pipeline": 90, "prep": 12, "sft": 15, "rm": 15, "ppo": 15, "probe": 12},
 }
 
@@ -470,12 +471,13 @@ class Ablation:
         runs = self.plan()
         todo = [r for r in runs if not os.path.exists(r.done_file)]
         need_upstream = not self.upstream_ready()
-        left = sum(self.estimate(r.kind) for r in todo) + (self.estimate("pipeline") if need_upstream else 0)
+        left = (sum(self.estimate(r.kind) for r in todo) / max(1, self.args.jobs)
+                + (self.estimate("pipeline") if need_upstream else 0))
         counts = {k: sum(r.kind == k for r in todo) for k in ("prep", "sft", "rm", "probe", "ppo")}
         print(f"ablation plan: rows {self.args.rows}, seeds {self.args.seeds}, {len(runs)} runs, {len(runs) - len(todo)} done "
               f"already; to run: {'the upstream pipeline (prep, SFT, RM), ' if need_upstream else ''}"
               + ", ".join(f"{n} {k}" for k, n in counts.items() if n)
-              + f"\nestimated time: {left / max(1, self.args.jobs) / 60:.0f} min (2 quiet CPU cores; a shared machine is slower)", flush=True)
+              + f"\nestimated time: {left / 60:.0f} min (2 quiet CPU cores; a shared machine is slower)", flush=True)
         if self.args.dry_run:
             for r in runs:
                 print(("  done  " if r not in todo else "  todo  ") + r.key)
