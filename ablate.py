@@ -10,7 +10,7 @@ The baseline upstream (data, SFT model, reward model) is the quickstart pipeline
 (`--upstream artifacts/quickstart`); whatever of it is missing is made first by `python pipeline.py`.
 Then, for every row and seed, the affected stage runs once with the baseline setting and once with
 the detail toggled. A baseline run is shared by every row that needs the same stage with the same
-seed (the PPO baseline serves Details 7, 15, 22, 24 and 25). Each run is a subprocess of the
+seed (the PPO baseline serves Details 7, 22, 24 and 25). Each run is a subprocess of the
 real script, printed as it starts, with its console output in `<out>/logs/<run>.log`; a run whose
 summary.json exists is skipped, so an interrupted ablation picks up where it stopped.
 
@@ -99,8 +99,7 @@ BUDGET = {
         # RM (row 11): one epoch over the 6000 training pairs (the quickstart runs two); the head init acts on
         # the early updates
         "rm": {"--total_episodes": "6016"},
-        # the unnormalised RM of row 15 repeats the upstream RM exactly (pipeline.py's SETTINGS, two epochs), so
-        # that only the normalisation differs between the reward models of the two PPO arms
+        # the two RMs of row 15 (normalised or not): the upstream RM's settings (pipeline.py's SETTINGS, two epochs)
         "rm_upstream": {},
         # PPO (rows 7, 15, 22-25): 640 episodes = 20 updates of 32 (the quickstart runs 48), one evaluation
         # on 200 validation queries at the end
@@ -161,7 +160,7 @@ ARMS = {
     "sft_baseline": Arm("sft_baseline", "sft"),
     "sft_token_truncation": Arm("sft_token_truncation", "sft", data="token_truncation"),
     "sft_eos_pad": Arm("sft_eos_pad", "sft", extra=["--pad_token", "eos"], data="eos_pad"),
-    # reward model (row 11; row 15's unnormalised RM)
+    # reward model (row 11)
     "rm_baseline": Arm("rm_baseline", "rm"),
     "rm_library_head": Arm("rm_library_head", "rm", extra=["--reward_head_init", "library"]),
     # row 15: two RMs trained alike (the upstream's settings, the same threads), normalised or not; the upstream RM

@@ -21,7 +21,7 @@ import ablate  # noqa: E402
 def test_ablate_ci_rows_2_and_7_write_table_csv_and_plots(tmp_path):
     up, out = tmp_path / "upstream", tmp_path / "ablations"
     cmd = [sys.executable, os.path.join(REPO_ROOT, "ablate.py"), "--mode", "ci", "--rows", "2", "7", "--seeds", "1",
-           "--upstream", str(up), "--out", str(out), "--jobs", "2"]
+           "--upstream", str(up), "--out", str(out), "--jobs", "2", "--threads", "1"]
     first = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert "running the pipeline's prep, SFT and RM stages" in first.stdout  # the missing upstream was made
