@@ -96,7 +96,7 @@ class Args:
     eval_splits: Optional[List[str]] = None
     """preference splits for the implicit-reward accuracy table; None = every split whose name starts
     with "validation" (TL;DR: validation and validation_cnndm)"""
-    sample_split: str = "validation"
+    eval_split: str = "validation"
     """split of --query_dataset whose queries are sampled for samples.csv"""
 
     # Table 6 hyperparameters
@@ -129,6 +129,8 @@ class Args:
     accumulation steps x number of processes"""
     local_micro_batch_size: int = 8
     """pairs per forward/backward pass on one process (each pair is two sequences: chosen and rejected)"""
+    gradient_accumulation_steps: Optional[int] = None
+    """micro batches per optimizer step; None = derived from the batch sizes, else checked against them"""
     local_eval_batch_size: int = 8
     """pairs (or queries for sampling) per forward pass during evaluation"""
     disable_dropout: bool = True
@@ -144,18 +146,17 @@ class Args:
     """use only the first N rows of each evaluation split (preference and sampling); None = all"""
     response_length: int = 53
     """number of new tokens sampled per query (TL;DR SFT response length 53; the built-in task uses 24)"""
-    temperature: float = 0.01
+    eval_temperature: float = 0.01
     """sampling temperature of the evaluation samples (0.01 = near-greedy, as in sft.py)"""
     log_every: int = 10
     """log training metrics every N optimizer updates, averaged over every micro batch since the last log"""
     print_sample_every: int = 1
-    """print a few generated samples at every N-th evaluation (0 = never)"""
+    """updates between printed samples: an evaluation at a multiple of it prints a few (the final one always);
+    0 = never"""
 
     # derived at run time (not flags)
     world_size: tyro.conf.Suppress[Optional[int]] = None
     """number of processes"""
-    gradient_accumulation_steps: tyro.conf.Suppress[Optional[int]] = None
-    """micro batches per update on one process = total_batch_size / (local_micro_batch_size x world_size)"""
     num_updates: tyro.conf.Suppress[Optional[int]] = None
     """optimizer updates of the whole run"""
 
@@ -330,7 +331,7 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
     for batch in dataloader:
         queries = batch["query_token"]  # (B, Tq), left-padded
         with accelerator.autocast():
-            query_responses, _ = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
         responses = truncate_response(
             tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
         )  # (B, Tr)
@@ -348,8 +349,166 @@ TRAIN_STATS = [  # per micro batch, logged as means over the logging interval
 
 
 # ---------------------------------------------------------------------------------------------
+# Detail 19: DPO as a reward model (the Table 5 analogue), its samples, the reference's log-prob tables
+# ---------------------------------------------------------------------------------------------
+
+
+def reference_logprob_tables(args, accelerator, run, ref_model, train_dataset, eval_datasets, pad_token_id: int):
+    """--precompute_ref_logprobs: the reference's sequence log-probs of every train and evaluation pair
+    (precompute_reference_logprobs), as a train table (N_train, 2) and {evaluation split: table (N, 2)}. The tables
+    are kept in the run folder: a resumed run reads the very numbers the interrupted run trained with (and skips
+    the pass over the data) instead of trusting a second pass to repeat them bit for bit. Without the flag the
+    reference runs live: (None, {}), and a fresh run deletes an older run's tables."""
+    ref_cache = os.path.join(run.dir, "reference_logprobs.pt")
+    if not args.precompute_ref_logprobs:
+        if not args.resume and accelerator.is_main_process and os.path.exists(ref_cache):
+            os.remove(ref_cache)  # an older run's tables; this run computes the reference live
+        return None, {}
+    sizes = {"train": len(train_dataset), "eval": {split: len(raw) for split, (raw, _) in eval_datasets.items()}}
+    if args.resume and os.path.exists(ref_cache):
+        cached = torch.load(ref_cache)
+        found = {"train": len(cached["train"]), "eval": {split: len(t) for split, t in cached["eval"].items()}}
+        if found != sizes:
+            raise ValueError(f"--resume: {ref_cache} holds reference log-probs of {found} rows, these flags read "
+                             f"{sizes}; resume with the data flags of the original run")
+        accelerator.print(f"reference log-probs of the interrupted run read from {ref_cache}")
+        return cached["train"], cached["eval"]
+    train_ref_table = precompute_reference_logprobs(
+        accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id
+    )
+    ref_tables = {}
+    for split, (_, dataset) in eval_datasets.items():
+        ref_tables[split] = precompute_reference_logprobs(
+            accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id
+        )
+    if accelerator.is_main_process:  # written whole, then renamed: never half a file under the name
+        os.makedirs(run.dir, exist_ok=True)
+        torch.save({"train": train_ref_table, "eval": ref_tables}, ref_cache + ".tmp")
+        os.replace(ref_cache + ".tmp", ref_cache)
+    return train_ref_table, ref_tables
+
+
+def preference_report(pairs: Dict[str, pd.DataFrame], eval_datasets):
+    """The per-pair frames of evaluate_preferences with each pair's annotation batch, confidence and comparison
+    split, as flat metrics (reward.py's names), the rows of the accuracy table and one frame of every pair."""
+    metrics, frames, table_rows = {}, [], []
+    for split, frame in pairs.items():
+        raw, rows = eval_datasets[split][0], frame["row_index"]
+        batches, confidences, comparison_splits = raw["batch"], raw["confidence"], raw["split"]
+        frame["batch"] = [batches[int(i)] for i in rows]
+        frame["confidence"] = [int(confidences[int(i)]) for i in rows]
+        frame["split"] = [comparison_splits[int(i)] for i in rows]
+        frame["correct"] = frame["chosen_reward"] > frame["rejected_reward"]
+        frame["dataset_split"] = split
+        frames.append(frame)
+        split_rows = implicit_reward_breakdown(frame, split)
+        table_rows.extend(split_rows)
+        for r in split_rows:
+            # the same metric names as reward.py: eval/{split}/accuracy, eval/{split}/accuracy/batch/batch10, ...
+            if r["group"] == "accuracy":
+                metrics[f"eval/{split}/accuracy"] = r["value"]
+            else:
+                group = r["group"].replace("accuracy by ", "accuracy/")
+                metrics[f"eval/{split}/{group}/{r['key']}"] = r["value"]
+        metrics[f"eval/{split}/loss"] = float(frame["loss"].mean())
+        metrics[f"eval/{split}/rewards/chosen"] = float(frame["chosen_reward"].mean())
+        metrics[f"eval/{split}/rewards/rejected"] = float(frame["rejected_reward"].mean())
+        metrics[f"eval/{split}/rewards/margins"] = float((frame["chosen_reward"] - frame["rejected_reward"]).mean())
+        metrics[f"eval/{split}/logps/chosen"] = float(frame["chosen_logp"].mean())
+        metrics[f"eval/{split}/logps/rejected"] = float(frame["rejected_logp"].mean())
+    # as in reward.py: the headline accuracy is the first split's (TL;DR "validation"); all pairs pooled too
+    metrics["eval/accuracy"] = metrics[f"eval/{next(iter(pairs))}/accuracy"]
+    frame = pd.concat(frames, ignore_index=True)
+    metrics["eval/accuracy_all_splits"] = float(frame["correct"].mean())
+    return metrics, table_rows, frame
+
+
+def implicit_reward_breakdown(frame: pd.DataFrame, split_name: str) -> List[dict]:
+    """Detail 19: the Table 5 analogue of reward.py, row for row, with DPO's implicit reward
+    beta * log(pi / pi_ref) as the score: reward statistics, then accuracy overall, by annotation
+    batch, by confidence and by the comparisons' own `split` column (Detail 16)."""
+    scores = np.concatenate([frame["chosen_reward"].to_numpy(), frame["rejected_reward"].to_numpy()])
+    rows = [{"dataset_split": split_name, "group": "reward", "key": k, "value": float(v), "n": len(scores)}
+            for k, v in (("max", scores.max()), ("mean", scores.mean()), ("min", scores.min()), ("std", scores.std()))]
+    rows.append({"dataset_split": split_name, "group": "accuracy", "key": "overall",
+                 "value": float(frame["correct"].mean()), "n": len(frame)})
+    for group in ("batch", "confidence", "split"):
+        for key, part in frame.groupby(group, sort=True):
+            rows.append({"dataset_split": split_name, "group": f"accuracy by {group}", "key": str(key),
+                         "value": float(part["correct"].mean()), "n": len(part)})
+    return rows
+
+
+def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
+    """The samples table (the columns every policy script writes) of sample_responses' rows (N,) and truncated
+    responses (N, Tr), and its metrics: the EOS rate and the mean response length."""
+    has_eos = (responses == tokenizer.eos_token_id).any(1)
+    # tokens up to and including the first EOS (all of them when there is none)
+    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(1))
+    query_tokens, references = raw["query_token"], raw["reference_response"]
+    records = []
+    for i, row in enumerate(rows.tolist()):
+        query = query_tokens[row]
+        records.append({
+            "query": tokenizer.decode([t for t in query if t != tokenizer.pad_token_id], skip_special_tokens=True),
+            "response": tokenizer.decode(
+                [t for t in responses[i].tolist() if t != tokenizer.pad_token_id], skip_special_tokens=True
+            ),
+            "reference": references[row],
+            "score": None,  # no reward model in DPO
+            "response_token_len": int(token_len[i]),
+            "has_eos": bool(has_eos[i]),
+        })
+    table = pd.DataFrame(records, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
+    metrics = {
+        "eval/eos_rate": float(has_eos.float().mean()),
+        "eval/response_token_len_mean": float(token_len.float().mean()),
+    }
+    return table, metrics
+
+
+# ---------------------------------------------------------------------------------------------
 # Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
 # ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
+    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
+    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
+    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -383,7 +542,6 @@ def forward(model, query_responses: torch.Tensor, pad_token_id: int):
         attention_mask=attention_mask,
         position_ids=position_ids,
         return_dict=True,
-        output_hidden_states=True,
     )
 
 
@@ -394,38 +552,25 @@ def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Ten
     return torch.masked_fill(responses, positions > eos_index, pad_token_id)
 
 
-def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
-    """Sample continuations of LEFT-padded queries with the KV cache.
-
-    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
-    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
     context_length = queries.size(1)
     attention_mask = queries != pad_token_id
     input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    output = lm.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=generation_config,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    return torch.cat((queries, sequences[:, context_length:]), dim=1)
 
 
-def make_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
-    """Detail 23: sample exactly response_length tokens. `eos_token_id=[]` turns off stopping at EOS
-    (None would be filled in from the model's own config, which stops at EOS), while EOS stays an
-    ordinary token that can be sampled; `min_new_tokens` is not used because it forbids EOS and so
-    changes the distribution."""
+def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
+    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
+    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
+    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
+    if temperature < 0:
+        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     return GenerationConfig(
-        max_new_tokens=response_length,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        do_sample=True,
-        eos_token_id=[],
-        pad_token_id=pad_token_id,
+        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
+        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
     )
 
 
@@ -434,10 +579,10 @@ def main(args: Args) -> dict:
     check_dpo_flags(args)
     # ---------------- batch arithmetic (Table 6: 64 pairs per update), processes, run folder ----------------
     args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
-    args.gradient_accumulation_steps = exact_div(
-        args.total_batch_size, args.local_micro_batch_size * args.world_size,
-        "total_batch_size / (local_micro_batch_size x world_size)",
-    )
+    accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
+                             "total_batch_size / (local_micro_batch_size * world_size)")
+    check_gradient_accumulation(args, accumulation, args.world_size)
+    args.gradient_accumulation_steps = accumulation  # recorded in args.json
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     accelerator = make_dpo_accelerator(args)  # gradient accumulation, a resumable data order, bf16 autocast
@@ -449,19 +594,15 @@ def main(args: Args) -> dict:
     local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
 
     # ---------------- tokenizer and data ----------------
-    tokenizer = load_dpo_tokenizer(args)  # Detail 3: [PAD] distinct from EOS
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
     pad_token_id = tokenizer.pad_token_id
     train_dataset, eval_datasets, sample_raw, sample_dataset = load_dpo_data(args, tokenizer)
-    total_episodes = (args.total_episodes if args.total_episodes is not None
-                      else args.num_train_epochs * len(train_dataset))  # None: --num_train_epochs over the train split
-    args.num_updates = num_updates = total_episodes // args.total_batch_size  # a last partial batch is dropped
-    if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}")
+    args.num_updates = num_updates = count_updates(args, len(train_dataset))
     run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
 
     # ---------------- models: the policy and the frozen reference, both the SFT model ----------------
     policy, ref_model = load_policy_and_reference(args, accelerator, tokenizer)
-    generation_config = make_generation_config(args.response_length, args.temperature, pad_token_id)
+    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
     # --precompute_ref_logprobs: the reference's log-probs of every pair, computed once; then the reference is freed
     train_ref_table, ref_tables = reference_logprob_tables(args, accelerator, run, ref_model, train_dataset,
                                                            eval_datasets, pad_token_id)
@@ -576,7 +717,9 @@ def main(args: Args) -> dict:
     summary = {**metrics, **interval.last_means,  # the last logging interval's training means
                "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
                "wall_time_s": time.time() - start_time}
-    save_dpo_policy(accelerator, policy, tokenizer, args)
+    save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
+    if args.push_to_hub and accelerator.is_main_process:
+        upload_to_hub(args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
     accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
     return summary
@@ -610,19 +753,47 @@ def make_dpo_accelerator(args) -> Accelerator:
     )
 
 
-def load_dpo_tokenizer(args):
-    """The SFT model's tokenizer with a [PAD] distinct from EOS (Detail 3)."""
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError(
-            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a "
-            "distinct pad token, or the EOS of every response is masked out of its log-prob. Save the SFT tokenizer "
-            "with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the "
-            "data with it (data/prepare.py)"
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
         )
     return tokenizer
+
+
+def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini_batches: int = 1) -> None:
+    """--gradient_accumulation_steps left out (None) takes `derived`, the micro batches per optimizer step that the
+    batch sizes give; a stated value must equal it (it checks the batch arithmetic, it never overrides it)."""
+    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps != derived:
+        raise ValueError(
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not match total_batch_size "
+            f"{args.total_batch_size} / ({num_processes} processes x {num_mini_batches} minibatches x "
+            f"{args.local_micro_batch_size} micro batch) = {derived}; leave it out or change the batch sizes"
+        )
+
+
+def count_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
+    train data) in full batches of total_batch_size; a last partial batch is dropped."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = total_episodes // args.total_batch_size
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+    return num_updates
 
 
 def load_dpo_data(args, tokenizer):
@@ -643,9 +814,9 @@ def load_dpo_data(args, tokenizer):
         if args.num_eval_samples is not None:
             raw = raw.select(range(min(args.num_eval_samples, len(raw))))
         eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
-    sample_raw = load_split(args.query_dataset, args.sample_split)
-    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
-    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.sample_split!r}")
+    sample_raw = load_split(args.query_dataset, args.eval_split)
+    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
+    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.eval_split!r}")
     if args.num_eval_samples is not None:
         sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
     return train_dataset, eval_datasets, sample_raw, with_row_index(sample_raw, ["query_token"])
@@ -659,41 +830,6 @@ def preference_eval_splits(path: str) -> List[str]:
     if not splits:
         raise ValueError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
     return splits
-
-
-def reference_logprob_tables(args, accelerator, run, ref_model, train_dataset, eval_datasets, pad_token_id: int):
-    """--precompute_ref_logprobs: the reference's sequence log-probs of every train and evaluation pair
-    (precompute_reference_logprobs), as a train table (N_train, 2) and {evaluation split: table (N, 2)}. The tables
-    are kept in the run folder: a resumed run reads the very numbers the interrupted run trained with (and skips
-    the pass over the data) instead of trusting a second pass to repeat them bit for bit. Without the flag the
-    reference runs live: (None, {}), and a fresh run deletes an older run's tables."""
-    ref_cache = os.path.join(run.dir, "reference_logprobs.pt")
-    if not args.precompute_ref_logprobs:
-        if not args.resume and accelerator.is_main_process and os.path.exists(ref_cache):
-            os.remove(ref_cache)  # an older run's tables; this run computes the reference live
-        return None, {}
-    sizes = {"train": len(train_dataset), "eval": {split: len(raw) for split, (raw, _) in eval_datasets.items()}}
-    if args.resume and os.path.exists(ref_cache):
-        cached = torch.load(ref_cache)
-        found = {"train": len(cached["train"]), "eval": {split: len(t) for split, t in cached["eval"].items()}}
-        if found != sizes:
-            raise ValueError(f"--resume: {ref_cache} holds reference log-probs of {found} rows, these flags read "
-                             f"{sizes}; resume with the data flags of the original run")
-        accelerator.print(f"reference log-probs of the interrupted run read from {ref_cache}")
-        return cached["train"], cached["eval"]
-    train_ref_table = precompute_reference_logprobs(
-        accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id
-    )
-    ref_tables = {}
-    for split, (_, dataset) in eval_datasets.items():
-        ref_tables[split] = precompute_reference_logprobs(
-            accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id
-        )
-    if accelerator.is_main_process:  # written whole, then renamed: never half a file under the name
-        os.makedirs(run.dir, exist_ok=True)
-        torch.save({"train": train_ref_table, "eval": ref_tables}, ref_cache + ".tmp")
-        os.replace(ref_cache + ".tmp", ref_cache)
-    return train_ref_table, ref_tables
 
 
 class DpoLoggingInterval:
@@ -757,7 +893,7 @@ def write_dpo_evaluation(run, args, update: int, final: bool, pairs: Dict[str, p
     metrics.update(sample_metrics)
     run.save_table(samples, f"samples/step_{update:06d}.csv")
     run.log_text("eval/accuracy_table", breakdown_markdown(table_rows), update)
-    run.log_text("eval/samples", dataframe_markdown(samples.head(8)), update)
+    run.log_text("eval/samples", frame_markdown(samples.head(8)), update)
     if not run.main:
         return metrics
     if final:
@@ -767,90 +903,10 @@ def write_dpo_evaluation(run, args, update: int, final: bool, pairs: Dict[str, p
             f.write(breakdown_markdown(table_rows) + "\n")
         run.save_table(frame, "eval_pairs.csv")
         print(breakdown_markdown(table_rows))
-    num_evals = update // args.eval_every if args.eval_every > 0 else 1
-    if args.print_sample_every > 0 and (final or num_evals % args.print_sample_every == 0):
+    if args.print_sample_every > 0 and (final or update % args.print_sample_every == 0):
         for row in samples.head(2).itertuples():
             print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\nREFERENCE: {row.reference}")
     return metrics
-
-
-def preference_report(pairs: Dict[str, pd.DataFrame], eval_datasets):
-    """The per-pair frames of evaluate_preferences with each pair's annotation batch, confidence and comparison
-    split, as flat metrics (reward.py's names), the rows of the accuracy table and one frame of every pair."""
-    metrics, frames, table_rows = {}, [], []
-    for split, frame in pairs.items():
-        raw, rows = eval_datasets[split][0], frame["row_index"]
-        batches, confidences, comparison_splits = raw["batch"], raw["confidence"], raw["split"]
-        frame["batch"] = [batches[int(i)] for i in rows]
-        frame["confidence"] = [int(confidences[int(i)]) for i in rows]
-        frame["split"] = [comparison_splits[int(i)] for i in rows]
-        frame["correct"] = frame["chosen_reward"] > frame["rejected_reward"]
-        frame["dataset_split"] = split
-        frames.append(frame)
-        split_rows = implicit_reward_breakdown(frame, split)
-        table_rows.extend(split_rows)
-        for r in split_rows:
-            # the same metric names as reward.py: eval/{split}/accuracy, eval/{split}/accuracy/batch/batch10, ...
-            if r["group"] == "accuracy":
-                metrics[f"eval/{split}/accuracy"] = r["value"]
-            else:
-                group = r["group"].replace("accuracy by ", "accuracy/")
-                metrics[f"eval/{split}/{group}/{r['key']}"] = r["value"]
-        metrics[f"eval/{split}/loss"] = float(frame["loss"].mean())
-        metrics[f"eval/{split}/rewards/chosen"] = float(frame["chosen_reward"].mean())
-        metrics[f"eval/{split}/rewards/rejected"] = float(frame["rejected_reward"].mean())
-        metrics[f"eval/{split}/rewards/margins"] = float((frame["chosen_reward"] - frame["rejected_reward"]).mean())
-        metrics[f"eval/{split}/logps/chosen"] = float(frame["chosen_logp"].mean())
-        metrics[f"eval/{split}/logps/rejected"] = float(frame["rejected_logp"].mean())
-    # as in reward.py: the headline accuracy is the first split's (TL;DR "validation"); all pairs pooled too
-    metrics["eval/accuracy"] = metrics[f"eval/{next(iter(pairs))}/accuracy"]
-    frame = pd.concat(frames, ignore_index=True)
-    metrics["eval/accuracy_all_splits"] = float(frame["correct"].mean())
-    return metrics, table_rows, frame
-
-
-def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
-    """The samples table (the columns every policy script writes) of sample_responses' rows (N,) and truncated
-    responses (N, Tr), and its metrics: the EOS rate and the mean response length."""
-    has_eos = (responses == tokenizer.eos_token_id).any(1)
-    # tokens up to and including the first EOS (all of them when there is none)
-    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(1))
-    query_tokens, references = raw["query_token"], raw["reference_response"]
-    records = []
-    for i, row in enumerate(rows.tolist()):
-        query = query_tokens[row]
-        records.append({
-            "query": tokenizer.decode([t for t in query if t != tokenizer.pad_token_id], skip_special_tokens=True),
-            "response": tokenizer.decode(
-                [t for t in responses[i].tolist() if t != tokenizer.pad_token_id], skip_special_tokens=True
-            ),
-            "reference": references[row],
-            "score": None,  # no reward model in DPO
-            "response_token_len": int(token_len[i]),
-            "has_eos": bool(has_eos[i]),
-        })
-    table = pd.DataFrame(records, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
-    metrics = {
-        "eval/eos_rate": float(has_eos.float().mean()),
-        "eval/response_token_len_mean": float(token_len.float().mean()),
-    }
-    return table, metrics
-
-
-def implicit_reward_breakdown(frame: pd.DataFrame, split_name: str) -> List[dict]:
-    """Detail 19: the Table 5 analogue of reward.py, row for row, with DPO's implicit reward
-    beta * log(pi / pi_ref) as the score: reward statistics, then accuracy overall, by annotation
-    batch, by confidence and by the comparisons' own `split` column (Detail 16)."""
-    scores = np.concatenate([frame["chosen_reward"].to_numpy(), frame["rejected_reward"].to_numpy()])
-    rows = [{"dataset_split": split_name, "group": "reward", "key": k, "value": float(v), "n": len(scores)}
-            for k, v in (("max", scores.max()), ("mean", scores.mean()), ("min", scores.min()), ("std", scores.std()))]
-    rows.append({"dataset_split": split_name, "group": "accuracy", "key": "overall",
-                 "value": float(frame["correct"].mean()), "n": len(frame)})
-    for group in ("batch", "confidence", "split"):
-        for key, part in frame.groupby(group, sort=True):
-            rows.append({"dataset_split": split_name, "group": f"accuracy by {group}", "key": str(key),
-                         "value": float(part["correct"].mean()), "n": len(part)})
-    return rows
 
 
 def breakdown_markdown(rows: List[dict]) -> str:
@@ -861,29 +917,119 @@ def breakdown_markdown(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def dataframe_markdown(frame: pd.DataFrame) -> str:
-    """A small table (the samples) as Markdown for TensorBoard's text tab; pipes and newlines escaped."""
+def frame_markdown(df: pd.DataFrame) -> str:
+    """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
+
     def cell(value) -> str:
         return str(value).replace("|", "\\|").replace("\n", " ")
 
-    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
 
 
-def save_dpo_policy(accelerator, policy, tokenizer, args) -> None:
-    """save_pretrained (safetensors) of the policy and its tokenizer in --output_dir; --push_to_hub uploads both."""
-    unwrapped = accelerator.unwrap_model(policy)
+def save_pretrained_model(accelerator, wrapped, model, tokenizer, output_dir: str, prefix: str = "") -> None:
+    """save_pretrained (safetensors) of `model` and its tokenizer in output_dir. The weights are those of
+    accelerator.get_state_dict(wrapped), which every process calls (ZeRO-3 gathers the shards); `prefix` is the
+    name of `model` inside the wrapper (reward.py's "rm."), dropped from the saved names."""
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(policy)  # every rank takes part (ZeRO-3 gathers the shards)
+    state_dict = accelerator.get_state_dict(wrapped)
     if accelerator.is_main_process:
-        # transformers v5 always writes safetensors (safe_serialization is no longer an option)
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(args.output_dir)
-        if args.push_to_hub:
-            hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
-            unwrapped.push_to_hub(hub_model_id)
-            tokenizer.push_to_hub(hub_model_id)
+        state_dict = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+def upload_to_hub(args) -> None:
+    """--push_to_hub: upload --output_dir (the model and its tokenizer) to the hub repository --hub_model_id
+    (None: the run name). Main process only, after save_pretrained_model."""
+    from huggingface_hub import HfApi
+
+    hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
+    api = HfApi()
+    api.create_repo(hub_model_id, exist_ok=True)
+    api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+
+
+# ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
+    and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+                         "make it with data/prepare.py, whose output has every column the scripts read")
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in (c for c in columns if pyarrow.types.is_list(table.schema.field(c).type) and table.num_rows):
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has "
+                             f"{int(lengths[0])}; every row must be padded to the same length (prepare the data again "
+                             "with data/prepare.py)")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
+    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
+    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
+    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+                  if theirs.get(k) != ours[k]]
+        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        if differ:
+            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
+                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
+                             f"other tokens. {fix}")
+        return
+    other = f"so the data was tokenized by another tokenizer. {fix}"
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
+            table.schema.field(c).type, "value_type", pyarrow.string()))):
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= size:
+            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
+                             f"has {size} tokens, {other}")
+    head = dataset.select(range(min(rows, len(dataset))))
+    for column in (c for c in columns if c + "_len" in dataset.column_names):
+        ends = []  # the last token of each response (the query column has none)
+        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
+            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
+            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
+            if wrong:
+                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
+                                 f"{model_path} pads with {pad}, {other}")
+            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
+                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
 
 
 # ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
@@ -892,58 +1038,112 @@ def save_dpo_policy(accelerator, policy, tokenizer, args) -> None:
 class Run:
     """Everything a training run keeps on disk besides the model, behind one small interface:
 
-        run = Run(args, accelerator)          # the run's name and its folder {run_dir_root}/{run_name}
+        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
         run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
-        state = run.start(state, **shape)     # --resume: restore the latest checkpoint; then open the logs
+        state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
         run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
         run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
         run.save_table(frame, "samples.csv")  # a CSV in the run folder
-        run.checkpoint(update, state)         # atomic, resumable checkpoint
-        run.finish(summary)                   # summary.json, close the logs
+        run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files
+        run.finish(summary)                   # summary.json; marks --output_dir complete, last
 
-    `state` is the script's own trainer state (data position, running counters); accelerate's save_state
-    holds the rest (prepared models, optimizers, registered objects, RNG states). `shape` names what a
-    checkpoint must share with the flags of a resumed run (e.g. num_updates)."""
+    `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
+    (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
 
     def __init__(self, args, accelerator):
-        self.args, self.accelerator = args, accelerator
-        args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
-        self.dir = os.path.join(args.run_dir_root, args.run_name)
-        self.main = accelerator.is_main_process
-        self.shape, self.writer = {}, None
+        self.args, self.accelerator, self.main = args, accelerator, accelerator.is_main_process
+        root = args.run_dir_root
+        if args.run_name is None and args.resume:  # the newest run of this experiment and seed with a checkpoint
+            prefix = f"{args.exp_name}__{args.seed}__"
+            runs = [d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+                    and os.path.isdir(os.path.join(root, d, "checkpoints"))]
+            if not runs:
+                raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+            args.run_name = max(runs, key=lambda d: os.path.getmtime(os.path.join(root, d)))
+        name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+        broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+        args.run_name = name[0]
+        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
+        self.lock = os.path.join(self.dir, "run.lock")
+        if self.main:  # one live run per folder: a second run into it stops here, naming the holder
+            os.makedirs(self.dir, exist_ok=True)
+            take_lock(self.lock)
+        self.resume_from = self.intact_checkpoint() if args.resume else None
+
+    def intact_checkpoint(self) -> str:
+        """--resume: the newest checkpoint whose files all match its manifest (sizes included, RNG states too),
+        written by as many processes and the same DeepSpeed stage as this run; checked before any model loads."""
+        root, stage = os.path.join(self.dir, "checkpoints"), getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+        names = sorted((d for d in os.listdir(root) if d.startswith("update_")), reverse=True) if os.path.isdir(root) else []
+        for path in (os.path.join(root, name) for name in names):
+            try:
+                manifest = json.load(open(os.path.join(path, "manifest.json")))
+                sizes = {os.path.join(path, f): (os.path.getsize(os.path.join(path, f)), n) for f, n in manifest["files"].items()}
+                problem = next((f"{f} has {got} bytes, not {n}" for f, (got, n) in sizes.items() if got != n), None)
+            except FileNotFoundError as error:
+                problem = f"{error.filename} is missing"
+            except (OSError, ValueError, KeyError) as error:
+                problem = f"{os.path.join(path, 'manifest.json')} is unreadable ({error!r})"
+            if problem is None:
+                break
+            self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
+        else:
+            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if names else ""))
+        for stale in (d for d in os.listdir(root) if d.startswith(".tmp_") and self.main):  # of killed or failed saves
+            shutil.rmtree(os.path.join(root, stale))
+        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, stage)
+        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
+            raise ValueError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
+                             f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
+        return path
 
     def claim_output_dir(self) -> None:
-        claim_output_dir(self.accelerator, self.args.output_dir, self.args.run_name,
-                         self.args.overwrite_output_dir or self.args.resume)
+        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not yet
+        complete). A resumed run finds its own mark and goes on."""
+        out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
+        if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
+            owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+            if owner != self.args.run_name:
+                raise ValueError(
+                    f"--output_dir {out} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                    f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                    + (f", or --resume --run_name {owner} to continue that run" if owner else ""))
+        self.accelerator.wait_for_everyone()  # every process checked before the mark changes
+        if self.main:
+            os.makedirs(out, exist_ok=True)
+            json.dump({"run_name": self.args.run_name}, open(mark, "w"))
 
     def start(self, state: dict, **shape) -> dict:
-        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`."""
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`. A resumed run
+        drops what the interrupted run logged after its checkpoint, so its logs match an uninterrupted run's."""
         self.shape = shape
-        if self.args.resume:
-            state = load_checkpoint(self.accelerator, self.dir)
+        if self.resume_from:
+            state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
             found = {key: state.get(key) for key in shape}
             if found != shape:
                 raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
                                  "resume with the flags of the original run")
+            self.accelerator.load_state(self.resume_from)
+            self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
         elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
             shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
         if self.main:
+            resumed_at = state["update"] if self.resume_from else 0
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
             config = asdict(self.args)  # with the derived fields filled in
-            with open(os.path.join(self.dir, "args.json"), "w") as f:
-                json.dump(config, f, indent=2)
+            json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
             if self.args.track:
                 import wandb
 
                 wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
                            config=config, name=self.args.run_name, save_code=True)
-            # a resumed run drops what the interrupted run logged after its checkpoint (TensorBoard's purge_step,
-            # start_metrics_file), so its logs match an uninterrupted run's
-            resumed_at = state.get("update", 0) if self.args.resume else 0
-            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.args.resume else None)
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
                 f"|{key}|{value}|" for key, value in config.items()))
-            start_metrics_file(os.path.join(self.dir, "metrics.jsonl"), resumed_at)
+            metrics = os.path.join(self.dir, "metrics.jsonl")
+            kept = [line for line in open(metrics) if line.strip() and json.loads(line)["step"] <= resumed_at
+                    ] if resumed_at and os.path.exists(metrics) else []
+            open(metrics, "w").writelines(kept)
         return state
 
     def guard(self, update: int, **quantities: torch.Tensor) -> None:
@@ -965,27 +1165,100 @@ class Run:
             frame.to_csv(os.path.join(self.dir, name), index=False)
 
     def checkpoint(self, update: int, state: dict) -> str:
-        return save_checkpoint(self.accelerator, self.dir, update, {**self.shape, **state, "update": update}, self.args.checkpoint_keep)
+        """Save what a resumed run needs after `update` (called on every process). Atomic: it is written to a
+        hidden temporary folder, its manifest (files and sizes) last, and renamed to update_N when complete, so a
+        kill during the save leaves the previous checkpoint as the newest. A full disk leaves no folder behind."""
+        root = os.path.join(self.dir, "checkpoints")
+        final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+        self.accelerator.wait_for_everyone()
+        try:  # (a temporary folder of a killed save is removed by the --resume that follows it)
+            self.accelerator.save_state(temporary)
+            self.accelerator.wait_for_everyone()
+            if self.main:
+                json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
+                files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
+                         for d, _, names in os.walk(temporary) for f in names}
+                stage = getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": stage},
+                          open(os.path.join(temporary, "manifest.json"), "w"))
+        except Exception as error:  # a full disk surfaces as OSError, SafetensorError or a torch writer error
+            if getattr(error, "errno", None) != 28 and shutil.disk_usage(self.dir).free > 2**24:
+                raise
+            shutil.rmtree(temporary, ignore_errors=True)
+            last = self.latest_checkpoint()
+            need = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs) if last else 0
+            raise OSError(28, f"no space left on the device while saving the checkpoint of update {update} to {root}; "
+                              + (f"it needs about {need / 2**20:.1f} MiB (the size of {last}, still the newest)" if last
+                                 else "no checkpoint was saved before") + ". Free space, then --resume") from error
+        if self.main:
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(temporary, final)
+            for name in sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-self.args.checkpoint_keep]:
+                shutil.rmtree(os.path.join(root, name))  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+        self.accelerator.wait_for_everyone()
+        return final
 
     def latest_checkpoint(self) -> Optional[str]:
-        return latest_checkpoint(self.dir)
+        """The newest checkpoint folder, or None (a killed save never got its final name)."""
+        root = os.path.join(self.dir, "checkpoints")
+        done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+        return os.path.join(root, done[-1]) if done else None
 
     def finish(self, summary: dict) -> None:
+        """summary.json, then the mark that --output_dir is complete (written last: a folder without it is not)."""
         if self.main:
-            with open(os.path.join(self.dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
             self.writer.close()
             if self.args.track:
                 import wandb
 
                 wandb.finish()
+            json.dump({"run_name": self.args.run_name, "complete": True},
+                      open(os.path.join(self.args.output_dir, "run.json"), "w"))
+            os.remove(self.lock)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
+    raise together). Called before the optimizer step that would use it: the weights on hand are the last good ones."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
+
+
+def take_lock(path: str) -> None:
+    """One live run per folder: the lock file `path` holds the host and process id of its run. A lock whose process
+    is gone (a run killed on this host) is stale and taken over; a live holder stops this run."""
+    import psutil
+
+    me = {"host": os.uname().nodename, "pid": os.getpid()}
+    if os.path.exists(path):
+        holder = json.load(open(path))
+        if holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"])):
+            raise RuntimeError(f"{os.path.dirname(path)} is in use by the run of process {holder['pid']} on "
+                               f"{holder['host']} ({path}); wait for it to end, or pass another --run_name")
+        os.remove(path)
+    with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:  # two runs at once: one fails here
+        json.dump(me, f)
 
 
 def start_processes() -> PartialState:
-    """Join the run's process group before anything reads the process count. accelerate picks a
-    communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
-    runs (`torchrun`) become gloo ranks on the CPU (cpu=True); a DeepSpeed launch
-    (`DS_ACCELERATOR=cpu accelerate launch --config_file zero2.yaml ...`) keeps DeepSpeed over gloo."""
+    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate
+    picks a backend by itself only for GPUs, so on the CPU we name it: gloo (plain `torchrun` ranks, or DeepSpeed
+    with DS_ACCELERATOR=cpu)."""
+    import atexit
+
+    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
     if torch.cuda.is_available():
         return PartialState()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -994,273 +1267,14 @@ def start_processes() -> PartialState:
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8), state what the script itself does, where
-    accelerate would fill DeepSpeed's "auto" values with something else: the micro batch per process (not
-    every script hands accelerate a dataloader to read it from) and no gradient clipping (the paper clips
-    no gradients; accelerate's "auto" clips at 1.0)."""
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) state what the script does where accelerate would fill
+    DeepSpeed's "auto" values otherwise: the micro batch per process, and no gradient clipping (the paper clips
+    none; accelerate's "auto" clips at 1.0)."""
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return
-    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
-    if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-        plugin.deepspeed_config["gradient_clipping"] = 0.0
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 (zero3.yaml)
-    from_pretrained has already partitioned its weights across processes, so it runs inside a DeepSpeed
-    inference engine that gathers each layer's weights for its forward; `offload` keeps them in CPU memory
-    between uses (ZeRO-3 parameter offload: the paper's 6.9B setting, Detail 8). Elsewhere it moves to the
-    device (and a script that offloads by hand moves it on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
-
-
-def exact_div(a: int, b: int, what: str = "batch size") -> int:
-    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
-    q = a // b
-    if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
-    return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
-        dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
-
-
-def check_columns(dataset, columns: list, where: str) -> None:
-    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
-    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
-    missing = [c for c in columns if c not in dataset.column_names]
-    if missing:
-        raise ValueError(
-            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
-            "make it with data/prepare.py, whose output has every column the scripts read"
-        )
-    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
-    for column in columns:
-        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
-            continue
-        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
-        bad = np.flatnonzero(lengths != lengths[0])
-        if bad.size:
-            raise ValueError(
-                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
-                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
-            )
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
-    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
-    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
-    import hashlib
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
-    return {
-        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-
-
-def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
-    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
-    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
-    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
-    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
-    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
-    padding made of this [PAD] and the responses ended by this EOS."""
-    ours = tokenizer_fingerprint(tokenizer)
-    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
-           "(with the task's other flags)")
-    try:
-        theirs = json.loads(dataset.info.description)["tokenizer"]
-    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
-        theirs = None
-    if theirs is not None:
-        keys = ("vocab_size", "pad_token_id", "eos_token_id")
-        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
-        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
-            differ.append("same size, other tokens")
-        if differ:
-            raise ValueError(
-                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
-                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
-            )
-        return
-    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
-    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
-    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
-    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
-    for column in columns:
-        kind = table.schema.field(column).type
-        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
-        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
-            continue
-        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
-        if highest is not None and highest >= vocab_size:
-            raise ValueError(
-                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
-                f"tokens, so the data was tokenized by another tokenizer. {fix}"
-            )
-    head = table.slice(0, rows).to_pylist()
-    for column in [c for c in columns if c + "_len" in dataset.column_names]:
-        ends = []  # the last token of each response (the query column has none)
-        for i, row in enumerate(head):
-            ids, n = row[column], row[column + "_len"]
-            if n > len(ids):
-                continue  # a response cut to the column's width has no padding and no EOS to check
-            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
-            wrong = [token for token in padding if token != pad]
-            if wrong:
-                raise ValueError(
-                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
-                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
-                )
-            if column != "query_token" and n > 0:
-                ends.append(ids[n - 1])
-        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
-            raise ValueError(
-                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
-                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
-                f"another tokenizer. {fix}"
-            )
-
-
-class NonFiniteError(RuntimeError):
-    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
-
-
-def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
-    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
-
-    The flags are summed over processes, so every process raises together and none is left waiting in
-    a collective. Callers check before the optimizer step that would use the quantity, so the weights
-    on hand are still the last good ones when this raises."""
-    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
-    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
-    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
-    if bad:
-        raise NonFiniteError(
-            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
-            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
-            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)"
-        )
-
-
-def latest_checkpoint(run_dir: str) -> Optional[str]:
-    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
-    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
-    root = os.path.join(run_dir, "checkpoints")
-    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
-
-
-def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
-    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
-    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
-    every process's RNG states; trainer_state.json adds the data position and the running counters.
-
-    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
-    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
-    root = os.path.join(run_dir, "checkpoints")
-    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
-    if accelerator.is_main_process and os.path.isdir(temporary):
-        shutil.rmtree(temporary)  # left by a save that was killed
-    accelerator.wait_for_everyone()
-    accelerator.save_state(temporary)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
-            json.dump({"update": update, **trainer_state}, f, indent=2)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(temporary, final)
-        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
-        for name in older:
-            shutil.rmtree(os.path.join(root, name))
-    accelerator.wait_for_everyone()
-    return final
-
-
-def load_checkpoint(accelerator, run_dir: str) -> dict:
-    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
-    accelerator.load_state(path)
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        trainer_state = json.load(f)
-    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
-    return trainer_state
-
-
-def resolve_run_name(args) -> str:
-    """The run's name, the same on every process. With --resume and no --run_name: the newest
-    runs/{exp_name}__{seed}__* that has a checkpoint."""
-    if args.run_name is None and args.resume:
-        prefix = f"{args.exp_name}__{args.seed}__"
-        root = args.run_dir_root
-        candidates = sorted(
-            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
-             and latest_checkpoint(os.path.join(root, d)) is not None),
-            key=lambda d: os.path.getmtime(os.path.join(root, d)),
-        )
-        if not candidates:
-            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
-        return candidates[-1]
-    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
-    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
-    return name[0]
-
-
-def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
-    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
-    (run.json). A resumed run finds its own mark and goes on."""
-    mark = os.path.join(output_dir, "run.json")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
-        if owner != run_name:
-            raise ValueError(
-                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
-                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
-                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
-            )
-    accelerator.wait_for_everyone()  # every process checked before the mark changes
-    if accelerator.is_main_process:
-        os.makedirs(output_dir, exist_ok=True)
-        with open(mark, "w") as f:
-            json.dump({"run_name": run_name}, f)
-
-
-def start_metrics_file(path: str, resume_update: int) -> None:
-    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
-    drops those written after it (they are written again), so the file matches an uninterrupted run."""
-    kept = []
-    if resume_update > 0 and os.path.exists(path):
-        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
-    with open(path, "w") as f:
-        f.writelines(kept)
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+            plugin.deepspeed_config["gradient_clipping"] = 0.0
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ Several GPUs:     accelerate launch --config_file zero2.yaml ilql.py --seed 1
 """
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -150,8 +151,8 @@ class Args:
     """processed SFT dataset whose queries (and reference summaries) are sampled for the evaluation tables"""
     train_split: str = "train"
     """preference split to train on"""
-    sample_split: str = "validation"
-    """split of --query_dataset whose queries are sampled for samples.csv"""
+    eval_split: str = "validation"
+    """split of --query_dataset whose queries are sampled for the evaluation tables (samples.csv)"""
     reward_source: Literal["labels", "rm"] = "labels"
     """the reward of each trajectory: labels = +1 for the chosen and -1 for the rejected response (trlX, Sec. 4.1);
     rm = the score of --reward_model_path. A label depends on the other summary of its pair (the same summary
@@ -180,6 +181,8 @@ class Args:
     """trajectories per optimizer update over all processes (trlX: batch 128, "at least 128 global samples")"""
     local_micro_batch_size: int = 8
     """trajectories per forward/backward pass on one process"""
+    gradient_accumulation_steps: Optional[int] = None
+    """micro batches per optimizer step; None = derived from the batch sizes, else checked against them"""
     local_eval_batch_size: int = 8
     """queries per sampling batch (and trajectories per RM-labelling batch)"""
     disable_dropout: bool = True
@@ -192,11 +195,11 @@ class Args:
     eval_every: int = 500
     """sample the evaluation table with --beta every N optimizer updates (0 = only after training)"""
     num_eval_samples: Optional[int] = None
-    """sample only the first N queries of --sample_split; None = all"""
+    """sample only the first N queries of --eval_split; None = all"""
     response_length: int = 53
     """new tokens sampled per query (TL;DR SFT response length 53; the built-in task uses 24)"""
-    temperature: float = 1.0
-    """sampling temperature (trlX ILQL gen_kwargs: 1.0)"""
+    eval_temperature: float = 1.0
+    """sampling temperature of the evaluation samples (trlX ILQL gen_kwargs: 1.0); ILQL samples nothing else"""
     top_k: int = 20
     """top-k of the advantage-shifted scores (trlX ILQL gen_kwargs: 20); 0 = no top-k"""
     beta: float = 1.0
@@ -207,13 +210,11 @@ class Args:
     log_every: int = 10
     """log training metrics every N optimizer updates, averaged over every micro batch since the last log"""
     print_sample_every: int = 1
-    """print a few generated samples at every N-th evaluation (0 = never)"""
+    """print a few samples of the evaluations at updates that are multiples of N (and of the final one); 0 = never"""
 
     # derived at run time (not flags)
     world_size: tyro.conf.Suppress[Optional[int]] = None
     """number of processes"""
-    gradient_accumulation_steps: tyro.conf.Suppress[Optional[int]] = None
-    """micro batches per update on one process = total_batch_size / (local_micro_batch_size x world_size)"""
     num_updates: tyro.conf.Suppress[Optional[int]] = None
     """optimizer updates of the whole run"""
 
@@ -292,6 +293,33 @@ def action_positions(query_token_len: torch.Tensor, response_token_len: torch.Te
     mask = offsets < response_token_len.unsqueeze(1)  # (B, Tr)
     positions = (query_token_len.long().unsqueeze(1) - 1 + offsets).clamp(max=seq_len - 2)  # (B, Tr)
     return positions, mask
+
+
+def check_response_starts(pairs, pad_token_id: int, where: str, chunk: int = 4096) -> None:
+    """Bad input: action_positions takes each response's start from query_token_len, the loss its tokens from the
+    label column (the response tokens, [PAD] elsewhere). The two must agree: in every row and for each side of the
+    pair, the labelled tokens form one run that starts at index query_token_len. Where they do not (a query_token_len
+    from another tokenization, a label column written by other code), every state and action of the row would be
+    read at the wrong token without an error; this stops at the first such row, naming it."""
+    for side in ("chosen", "rejected"):
+        column = f"query_{side}_token_response_label"
+        for first_row in range(0, len(pairs), chunk):
+            rows = pairs.select_columns([column, "query_token_len"]).with_format("numpy")[first_row : first_row + chunk]
+            labelled = np.asarray(rows[column]) != pad_token_id  # (N, T)
+            starts = np.where(labelled.any(1), labelled.argmax(1), -1)  # first labelled index; -1 = none
+            ends = labelled.shape[1] - labelled[:, ::-1].argmax(1)  # one past the last labelled index
+            query_lengths = np.asarray(rows["query_token_len"])
+            bad = np.flatnonzero((starts != query_lengths) | (ends - starts != labelled.sum(1)))
+            if bad.size:
+                i = int(bad[0])
+                found = "no response token" if starts[i] < 0 else f"its first response token at index {starts[i]}" + (
+                    "" if ends[i] - starts[i] == labelled[i].sum() else " and [PAD] gaps inside the response")
+                raise ValueError(
+                    f"{where} row {first_row + i} ({side}): query_token_len is {int(query_lengths[i])} but {column!r} "
+                    f"has {found}; the response must start at query_token_len and run without a gap, or ILQL reads its "
+                    "states and actions at the wrong tokens. Prepare the data again with data/prepare.py, which writes "
+                    "the labels and query_token_len together"
+                )
 
 
 def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -492,6 +520,10 @@ def ilql_loss(
     return loss, stats
 
 
+# the loss terms the non-finite guard checks before every backward
+ILQL_LOSS_TERMS = ("loss", "loss_q", "loss_v", "loss_cql", "loss_awac")
+
+
 def should_sync_target(update: int, steps_for_target_q_sync: int) -> bool:
     """True after optimizer update number `update` (1-based) when the target Q heads are synced: every
     steps_for_target_q_sync optimizer updates, independent of epochs."""
@@ -574,7 +606,7 @@ def ilql_sample_table(accelerator, model, reward_model, tokenizer, raw, dataset,
         context_length = queries.size(1)
         with accelerator.autocast():
             query_responses = ilql_generate(
-                unwrapped, queries, pad_id, eos_id, args.response_length, beta, args.temperature, args.top_k
+                unwrapped, queries, pad_id, eos_id, args.response_length, beta, args.eval_temperature, args.top_k
             )
         responses = truncate_response(eos_id, pad_id, query_responses[:, context_length:])  # (B, Tr)
         if reward_model is not None:
@@ -616,6 +648,45 @@ def ilql_sample_table(accelerator, model, reward_model, tokenizer, raw, dataset,
 # ---------------------------------------------------------------------------------------------
 # Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
 # ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
+    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
+    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
+    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -668,11 +739,12 @@ def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- batch arithmetic (fails loudly), accelerator, run folder ----------------
     args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
-    args.gradient_accumulation_steps = exact_div(
+    gradient_accumulation_steps = exact_div(
         args.total_batch_size, args.local_micro_batch_size * args.world_size,
         "total_batch_size / (local_micro_batch_size x world_size)",
     )
-    check_ilql_flags(args)
+    check_ilql_flags(args, gradient_accumulation_steps)
+    args.gradient_accumulation_steps = gradient_accumulation_steps  # args.json records the value used
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     accelerator = Accelerator(
@@ -695,12 +767,12 @@ def main(args: Args) -> dict:
     # ---------------- tokenizer and models ----------------
     if args.model_path is None:
         args.model_path = DEFAULT_MODEL_PATHS[args.init_from]  # --init_from picks the starting model
-    tokenizer = load_ilql_tokenizer(args)  # Detail 3: [PAD] distinct from EOS
+    tokenizer = load_tokenizer(args.model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
     pad_token_id = tokenizer.pad_token_id
     model, reward_model = load_ilql_models(args, accelerator, tokenizer)
 
     # ---------------- data: steps 1-2 ----------------
-    train_raw, sample_raw = load_data(args, tokenizer)
+    train_raw, eval_raw = load_data(args, tokenizer)
     run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
     trajectories = flatten_pairs(train_raw)  # 1. the (query, chosen) rows, then the (query, rejected) rows
     if args.reward_source == "labels":  # 2. trlX: +1 / -1
@@ -711,7 +783,7 @@ def main(args: Args) -> dict:
     data_metrics = reward_statistics(raw_rewards, rewards, len(train_raw))
     trajectories = trajectories.add_column("reward", rewards.tolist())
     train_dataset = trajectories.with_format("torch", columns=TRAJECTORY_COLUMNS + ["reward"])
-    sample_raw, sample_dataset = evaluation_queries(args, sample_raw)
+    eval_raw, eval_dataset = evaluation_queries(args, eval_raw)
     args.num_updates = num_updates = count_updates(args, len(trajectories))
 
     # ---------------- optimizer, schedule, data order ----------------
@@ -736,33 +808,15 @@ def main(args: Args) -> dict:
     # ---------------- resume: a killed run loses at most --checkpoint_every updates ----------------
     # the trainer state: running counters and the open logging interval. The flags that fix the data order, the
     # schedule and the target syncs (the shape) must be those of the checkpoint's run
-    state = run.start({"update": 0, "episode": 0, "num_target_syncs": 0, "train_time": 0.0, "last_train_metrics": {},
-                       "interval_stats": {}, "interval_tokens": 0},
-                      num_updates=num_updates, total_batch_size=args.total_batch_size, world_size=args.world_size,
-                      steps_for_target_q_sync=args.ilql.steps_for_target_q_sync)
-    start_update = state["update"]
-    if start_update == 0:
+    counters = IlqlCounters(run.start(
+        {"update": 0, "episode": 0, "num_target_syncs": 0, "train_time": 0.0, "last_train_metrics": {},
+         "interval_stats": {}, "interval_tokens": 0},
+        num_updates=num_updates, total_batch_size=args.total_batch_size, world_size=args.world_size,
+        steps_for_target_q_sync=args.ilql.steps_for_target_q_sync))
+    if counters.update == 0:
         run.log(0, {"episode": 0, **data_metrics})  # a resumed run kept this line of metrics.jsonl
-    # running counters; a resumed run takes them from the checkpoint, so its logs and summary match
-    episode, num_target_syncs = state["episode"], state["num_target_syncs"]
-    last_train_metrics: Dict[str, float] = state["last_train_metrics"]
-    # the logging interval that was open at the checkpoint: per update, each statistic averaged over every micro
-    # batch of every process, and the tokens of all processes. Already reduced, they are the same on every process,
-    # so the main process's copy in the checkpoint is every process's (and JSON keeps the floats exactly)
-    interval_stats: Dict[str, List[float]] = state["interval_stats"]
-    interval_tokens, interval_start = state["interval_tokens"], time.time()
-    train_time = state["train_time"]  # optimisation only (no evaluation, no RM labelling): compare with ppo.py's training
-
-    def trainer_state() -> dict:
-        """Everything a resumed run needs besides what accelerate saves (models, optimizer, schedule, RNG); the
-        data position is the update number itself (update x gradient_accumulation_steps micro batches)."""
-        return {"episode": episode, "num_target_syncs": num_target_syncs, "train_time": train_time,
-                "last_train_metrics": last_train_metrics, "interval_tokens": interval_tokens,
-                "interval_stats": {key: list(values) for key, values in interval_stats.items()}}
-
-    def run_evaluation(update: int, betas: List[float], final: bool = False) -> dict:
-        return evaluate_and_save(run, accelerator, model, reward_model, tokenizer, sample_raw, sample_dataset, args,
-                                 update, episode, betas, final)
+    evaluate = functools.partial(evaluate_and_save, run, accelerator, model, reward_model, tokenizer, eval_raw,
+                                 eval_dataset, args)
 
     # ---------------- training: one optimizer update per total_batch_size trajectories ----------------
     accelerator.print(
@@ -771,12 +825,11 @@ def main(args: Args) -> dict:
         f"{args.gradient_accumulation_steps} accumulation x {args.local_micro_batch_size}"
     )
     model.train()
-    progress = tqdm(total=num_updates, initial=start_update, desc="ilql", disable=not accelerator.is_local_main_process)
-    micro_batches = resumable_micro_batches(train_dataloader, start_update * args.gradient_accumulation_steps)
-    last_good = trainer_state()  # the counters after the last completed update
-    update = start_update
-    try:
-        for update in range(start_update + 1, num_updates + 1):
+    progress = tqdm(total=num_updates, initial=counters.update, desc="ilql", disable=not accelerator.is_local_main_process)
+    # the data position is the update number itself (update x gradient_accumulation_steps micro batches)
+    micro_batches = resumable_micro_batches(train_dataloader, counters.update * args.gradient_accumulation_steps)
+    with keep_last_good_checkpoint(run, accelerator, counters):  # the non-finite guard stops with the last good state
+        for update in range(counters.update + 1, num_updates + 1):
             update_start = time.time()
             update_stats: Dict[str, List[torch.Tensor]] = {}  # this process's micro batch statistics
             update_tokens = 0
@@ -795,9 +848,7 @@ def main(args: Args) -> dict:
                     # 5. the ILQL loss
                     loss, stats = ilql_loss(lm_logits, qs, target_qs, values, actions, step_rewards, mask, args.ilql)
                     # non-finite guard: the total loss and every term, before backward, so no weight sees them
-                    run.guard(update, **{
-                        f"train/{key}": stats[key] for key in ("loss", "loss_q", "loss_v", "loss_cql", "loss_awac")
-                    })
+                    run.guard(update, **{f"train/{key}": stats[key] for key in ILQL_LOSS_TERMS})
                     accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
                     optimizer.step()  # a no-op until the last micro batch of the update
                     optimizer.zero_grad()
@@ -810,46 +861,37 @@ def main(args: Args) -> dict:
             # the global update number only, so a resumed run syncs on exactly the updates the uninterrupted one does
             if should_sync_target(update, args.ilql.steps_for_target_q_sync):
                 heads.sync_target_q_heads(args.ilql.alpha)
-                num_target_syncs += 1
-            interval_tokens += add_update_means(accelerator, update_stats, update_tokens, interval_stats)
+                counters.num_target_syncs += 1
+            counters.interval_tokens += add_update_means(accelerator, update_stats, update_tokens, counters.interval_stats)
             update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
             lr_scheduler.step()
-            episode += args.total_batch_size
-            train_time += time.time() - update_start
+            counters.end_update(update, args.total_batch_size, time.time() - update_start)
             progress.update(1)
-
             # ---------------- logging: averages over the interval since the last log ----------------
             if update % args.log_every == 0 or update == num_updates:
-                last_train_metrics = interval_means(interval_stats, interval_tokens, interval_start, update_lr,
-                                                    episode / len(trajectories), num_target_syncs)
-                run.log(update, {"episode": episode, **last_train_metrics})
-                progress.set_postfix(
-                    loss=f"{last_train_metrics['train/loss']:.4f}", awac=f"{last_train_metrics['train/loss_awac']:.3f}",
-                    tok_s=f"{last_train_metrics['train/tokens_per_s']:.0f}",
-                )
-                interval_stats, interval_tokens, interval_start = {}, 0, time.time()
+                metrics = counters.close_interval(update_lr, len(trajectories))
+                run.log(update, {"episode": counters.episode, **metrics})
+                progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", awac=f"{metrics['train/loss_awac']:.3f}",
+                                     tok_s=f"{metrics['train/tokens_per_s']:.0f}")
             if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-                run_evaluation(update, [args.beta])
-                interval_start = time.time()  # evaluation time is not training throughput
-            last_good = trainer_state()
+                evaluate(update, counters.episode, [args.beta], final=False)
+                counters.interval_start = time.time()  # evaluation time is not training throughput
+            counters.commit()  # the state a checkpoint saves: as of this completed update
             if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
-                run.checkpoint(update, last_good)
-    except NonFiniteError:
-        keep_last_good_update(run, accelerator, update, last_good)
-        raise
+                run.checkpoint(update, counters.last_good)
     progress.close()
 
     # ---------------- final evaluation (7. the beta sweep) and outputs ----------------
     final_betas = list(dict.fromkeys(list(args.eval_betas) + [args.beta]))
-    metrics = run_evaluation(update, final_betas, final=True)
+    metrics = evaluate(counters.update, counters.episode, final_betas, final=True)
     summary = {
         **metrics,
-        **last_train_metrics,  # the last logging interval's training means
+        **counters.last_train_metrics,  # the last logging interval's training means
         **data_metrics,
-        "num_updates": update,
-        "episodes": episode,
-        "num_target_syncs": num_target_syncs,
-        "train_time_s": train_time,
+        "num_updates": counters.update,
+        "episodes": counters.episode,
+        "num_target_syncs": counters.num_target_syncs,
+        "train_time_s": counters.train_time,
         "wall_time_s": time.time() - start_time,
     }
     accelerator.wait_for_everyone()
@@ -866,41 +908,61 @@ def main(args: Args) -> dict:
 # =============================================================================================
 
 
-def check_ilql_flags(args) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded."""
-    if args.temperature <= 0:
-        raise ValueError(f"--temperature must be positive, got {args.temperature}")
+def check_ilql_flags(args, gradient_accumulation_steps: int) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded. gradient_accumulation_steps: the value
+    the batch sizes give, total_batch_size / (local_micro_batch_size x world_size)."""
+    check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
+    if args.eval_temperature <= 0:
+        raise ValueError(f"--eval_temperature must be positive, got {args.eval_temperature}")
     if args.ilql.steps_for_target_q_sync < 1:
         raise ValueError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
     if args.reward_source == "rm" and args.reward_model_path is None:
         raise ValueError("--reward_source rm needs --reward_model_path")
 
 
-def load_ilql_tokenizer(args):
-    """The starting model's tokenizer with a [PAD] distinct from EOS (Detail 3)."""
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError(
-            f"the tokenizer of {args.model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
-            "pad token, or the EOS action is masked out of every ILQL term and the policy never learns to stop. Save the "
-            "tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare "
-            "the data with it"
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
         )
     return tokenizer
 
 
+def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini_batches: int = 1) -> None:
+    """--gradient_accumulation_steps left out (None) takes `derived`, the micro batches per optimizer step that the
+    batch sizes give; a stated value must equal it (it checks the batch arithmetic, it never overrides it)."""
+    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps != derived:
+        raise ValueError(
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not match total_batch_size "
+            f"{args.total_batch_size} / ({num_processes} processes x {num_mini_batches} minibatches x "
+            f"{args.local_micro_batch_size} micro batch) = {derived}; leave it out or change the batch sizes"
+        )
+
+
 def load_data(args, tokenizer):
-    """The preference split to train on and the query split to sample, checked for the columns this run reads and
-    for the tokenizer that made them."""
+    """The preference split to train on and the query split to sample, checked for the columns this run reads, for
+    the tokenizer that made them and (the train split) for responses that start where query_token_len says."""
     train_raw = load_split(args.preference_dataset, args.train_split)
     check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
     check_data_tokenizer(train_raw, tokenizer, args.model_path, f"{args.preference_dataset} split {args.train_split!r}")
-    sample_raw = load_split(args.query_dataset, args.sample_split)
-    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.sample_split!r}")
-    check_data_tokenizer(sample_raw, tokenizer, args.model_path, f"{args.query_dataset} split {args.sample_split!r}")
-    return train_raw, sample_raw
+    check_response_starts(train_raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {args.train_split!r}")
+    eval_raw = load_split(args.query_dataset, args.eval_split)
+    check_columns(eval_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
+    check_data_tokenizer(eval_raw, tokenizer, args.model_path, f"{args.query_dataset} split {args.eval_split!r}")
+    return train_raw, eval_raw
 
 
 def reward_statistics(raw_rewards: torch.Tensor, rewards: torch.Tensor, num_pairs: int) -> dict:
@@ -915,21 +977,23 @@ def reward_statistics(raw_rewards: torch.Tensor, rewards: torch.Tensor, num_pair
     }
 
 
-def evaluation_queries(args, sample_raw):
+def evaluation_queries(args, eval_raw):
     """The first --num_eval_samples rows of the query split, and the same rows with their row index as a torch
     dataset (ilql_sample_table gathers its rows back in that order)."""
     if args.num_eval_samples is not None:
-        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
-    sample_dataset = sample_raw.add_column("row_index", list(range(len(sample_raw))))
-    return sample_raw, sample_dataset.with_format("torch", columns=["query_token", "row_index"])
+        eval_raw = eval_raw.select(range(min(args.num_eval_samples, len(eval_raw))))
+    eval_dataset = eval_raw.add_column("row_index", list(range(len(eval_raw))))
+    return eval_raw, eval_dataset.with_format("torch", columns=["query_token", "row_index"])
 
 
-def count_updates(args, num_trajectories: int) -> int:
-    """Optimizer updates of the run: --total_episodes (default: num_train_epochs passes) in full batches."""
-    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_trajectories
-    num_updates = total_episodes // args.total_batch_size  # a last partial batch is dropped
+def count_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
+    train data) in full batches of total_batch_size; a last partial batch is dropped."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = total_episodes // args.total_batch_size
     if num_updates < 1:
-        raise ValueError(f"{total_episodes} trajectories give no full batch of {args.total_batch_size}")
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
     return num_updates
 
 
@@ -976,13 +1040,13 @@ def interval_means(interval_stats: dict, interval_tokens: int, interval_start: f
     return means
 
 
-def evaluate_and_save(run, accelerator, model, reward_model, tokenizer, sample_raw, sample_dataset, args,
+def evaluate_and_save(run, accelerator, model, reward_model, tokenizer, eval_raw, eval_dataset, args,
                       update: int, episode: int, betas: List[float], final: bool) -> dict:
     """Sample the evaluation queries at each beta (ilql_sample_table) and log the metrics; the table of --beta
     becomes samples/step_N.csv (and samples.csv at the end), each swept beta samples_beta{b}.csv."""
     metrics, tables = {}, {}
     for beta in betas:
-        table, beta_metrics = ilql_sample_table(accelerator, model, reward_model, tokenizer, sample_raw, sample_dataset,
+        table, beta_metrics = ilql_sample_table(accelerator, model, reward_model, tokenizer, eval_raw, eval_dataset,
                                                 beta, args)
         tables[beta] = table
         metrics.update({f"eval/beta_{beta_name(beta)}/{k}": v for k, v in beta_metrics.items()})
@@ -994,8 +1058,7 @@ def evaluate_and_save(run, accelerator, model, reward_model, tokenizer, sample_r
         run.save_table(default_table, "samples.csv")
         for beta in args.eval_betas:
             run.save_table(tables[beta], f"samples_beta{beta_name(beta)}.csv")
-    num_evals = update // args.eval_every if args.eval_every > 0 else 1
-    printing = args.print_sample_every > 0 and (final or num_evals % args.print_sample_every == 0)
+    printing = args.print_sample_every > 0 and (final or update % args.print_sample_every == 0)
     if accelerator.is_main_process and printing:
         for row in default_table.head(2).itertuples():
             print(f"--- update {update}, beta {args.beta}\nQUERY: {row.query[-200:]}\n"
@@ -1009,13 +1072,56 @@ def beta_name(beta: float) -> str:
     return f"{beta:g}"
 
 
-def keep_last_good_update(run, accelerator, update: int, last_good: dict) -> None:
-    """After the non-finite guard fired in `update`: keep the last good state as a checkpoint. The guard runs before
-    backward and no optimizer step of this update has happened, so the weights (and the target heads, synced only
-    after an update) are still those after update - 1: they are saved with the counters of that update, and the
-    poisoned update is never applied or saved."""
-    run.checkpoint(update - 1, last_good)
-    accelerator.print(f"non-finite value at update {update}; last good checkpoint: {run.latest_checkpoint()}")
+class IlqlCounters:
+    """The running counters of training, which a checkpoint saves in trainer_state.json next to accelerate's state
+    (models, optimizer, schedule, RNG): completed updates (the data position: update x gradient_accumulation_steps
+    micro batches), episodes, target syncs, training seconds, the last logged training means, and the open logging
+    interval: per update, each statistic averaged over every micro batch of every process, and the tokens of all
+    processes. Already reduced, they are the same on every process, so the main process's copy in the checkpoint is
+    every process's (and JSON keeps the floats exactly). `last_good` is a copy as of the last completed update
+    (commit): what a checkpoint holds, also when the non-finite guard stops an update."""
+
+    def __init__(self, state: dict):
+        self.update, self.episode, self.num_target_syncs = state["update"], state["episode"], state["num_target_syncs"]
+        self.train_time = state["train_time"]  # optimisation only (no evaluation, no RM labelling)
+        self.last_train_metrics: Dict[str, float] = state["last_train_metrics"]
+        self.interval_stats: Dict[str, List[float]] = state["interval_stats"]
+        self.interval_tokens, self.interval_start = state["interval_tokens"], time.time()
+        self.commit()
+
+    def end_update(self, update: int, batch_size: int, seconds: float) -> None:
+        self.update = update
+        self.episode += batch_size
+        self.train_time += seconds
+
+    def close_interval(self, lr: float, num_trajectories: int) -> dict:
+        """The training means of the logging interval that ends here (interval_means); a new interval opens."""
+        self.last_train_metrics = interval_means(self.interval_stats, self.interval_tokens, self.interval_start, lr,
+                                                 self.episode / num_trajectories, self.num_target_syncs)
+        self.interval_stats, self.interval_tokens, self.interval_start = {}, 0, time.time()
+        return self.last_train_metrics
+
+    def commit(self) -> None:
+        self.last_good = {"update": self.update, "episode": self.episode, "num_target_syncs": self.num_target_syncs,
+                          "train_time": self.train_time, "last_train_metrics": self.last_train_metrics,
+                          "interval_tokens": self.interval_tokens,
+                          "interval_stats": {key: list(values) for key, values in self.interval_stats.items()}}
+
+
+@contextlib.contextmanager
+def keep_last_good_checkpoint(run, accelerator, counters):
+    """The non-finite guard's exit: when a run.guard of the training loop raises NonFiniteError, save the last good
+    state as a checkpoint and raise on. Every guard runs before the backward / optimizer step that would use the
+    value, so the weights on hand (and any state changed only after an update) are those after the last completed
+    update; they are saved with counters.last_good, the counters of that update (commit), so the poisoned update is
+    never applied or saved."""
+    try:
+        yield
+    except NonFiniteError:
+        update = counters.last_good["update"]
+        run.checkpoint(update, counters.last_good)
+        accelerator.print(f"non-finite value at update {update + 1}; last good checkpoint: {run.latest_checkpoint()}")
+        raise
 
 
 def whole_parameters(params: list):
@@ -1068,7 +1174,7 @@ def save_model(accelerator, model, tokenizer, args) -> None:
     save_file(heads_state, heads_path)
     with open(os.path.join(args.output_dir, "ilql_heads.json"), "w") as f:
         json.dump({"hidden_size": unwrapped.lm.config.hidden_size, "two_qs": args.ilql.two_qs,
-                   "beta": args.beta, "top_k": args.top_k, "temperature": args.temperature}, f, indent=2)
+                   "beta": args.beta, "top_k": args.top_k, "temperature": args.eval_temperature}, f, indent=2)
     if args.push_to_hub:
         from huggingface_hub import HfApi
 
@@ -1113,64 +1219,199 @@ def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: st
         )
 
 
+# ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
+    and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+                         "make it with data/prepare.py, whose output has every column the scripts read")
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in (c for c in columns if pyarrow.types.is_list(table.schema.field(c).type) and table.num_rows):
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has "
+                             f"{int(lengths[0])}; every row must be padded to the same length (prepare the data again "
+                             "with data/prepare.py)")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
+    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
+    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
+    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+                  if theirs.get(k) != ours[k]]
+        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        if differ:
+            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
+                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
+                             f"other tokens. {fix}")
+        return
+    other = f"so the data was tokenized by another tokenizer. {fix}"
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
+            table.schema.field(c).type, "value_type", pyarrow.string()))):
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= size:
+            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
+                             f"has {size} tokens, {other}")
+    head = dataset.select(range(min(rows, len(dataset))))
+    for column in (c for c in columns if c + "_len" in dataset.column_names):
+        ends = []  # the last token of each response (the query column has none)
+        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
+            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
+            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
+            if wrong:
+                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
+                                 f"{model_path} pads with {pad}, {other}")
+            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
+                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
+
+
 # ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
 
 
 class Run:
     """Everything a training run keeps on disk besides the model, behind one small interface:
 
-        run = Run(args, accelerator)          # the run's name and its folder {run_dir_root}/{run_name}
+        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
         run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
-        state = run.start(state, **shape)     # --resume: restore the latest checkpoint; then open the logs
+        state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
         run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
         run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
         run.save_table(frame, "samples.csv")  # a CSV in the run folder
-        run.checkpoint(update, state)         # atomic, resumable checkpoint
-        run.finish(summary)                   # summary.json, close the logs
+        run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files
+        run.finish(summary)                   # summary.json; marks --output_dir complete, last
 
-    `state` is the script's own trainer state (data position, running counters); accelerate's save_state
-    holds the rest (prepared models, optimizers, registered objects, RNG states). `shape` names what a
-    checkpoint must share with the flags of a resumed run (e.g. num_updates)."""
+    `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
+    (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
 
     def __init__(self, args, accelerator):
-        self.args, self.accelerator = args, accelerator
-        args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
-        self.dir = os.path.join(args.run_dir_root, args.run_name)
-        self.main = accelerator.is_main_process
-        self.shape, self.writer = {}, None
+        self.args, self.accelerator, self.main = args, accelerator, accelerator.is_main_process
+        root = args.run_dir_root
+        if args.run_name is None and args.resume:  # the newest run of this experiment and seed with a checkpoint
+            prefix = f"{args.exp_name}__{args.seed}__"
+            runs = [d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+                    and os.path.isdir(os.path.join(root, d, "checkpoints"))]
+            if not runs:
+                raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+            args.run_name = max(runs, key=lambda d: os.path.getmtime(os.path.join(root, d)))
+        name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+        broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+        args.run_name = name[0]
+        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
+        self.lock = os.path.join(self.dir, "run.lock")
+        if self.main:  # one live run per folder: a second run into it stops here, naming the holder
+            os.makedirs(self.dir, exist_ok=True)
+            take_lock(self.lock)
+        self.resume_from = self.intact_checkpoint() if args.resume else None
+
+    def intact_checkpoint(self) -> str:
+        """--resume: the newest checkpoint whose files all match its manifest (sizes included, RNG states too),
+        written by as many processes and the same DeepSpeed stage as this run; checked before any model loads."""
+        root, stage = os.path.join(self.dir, "checkpoints"), getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+        names = sorted((d for d in os.listdir(root) if d.startswith("update_")), reverse=True) if os.path.isdir(root) else []
+        for path in (os.path.join(root, name) for name in names):
+            try:
+                manifest = json.load(open(os.path.join(path, "manifest.json")))
+                sizes = {os.path.join(path, f): (os.path.getsize(os.path.join(path, f)), n) for f, n in manifest["files"].items()}
+                problem = next((f"{f} has {got} bytes, not {n}" for f, (got, n) in sizes.items() if got != n), None)
+            except FileNotFoundError as error:
+                problem = f"{error.filename} is missing"
+            except (OSError, ValueError, KeyError) as error:
+                problem = f"{os.path.join(path, 'manifest.json')} is unreadable ({error!r})"
+            if problem is None:
+                break
+            self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
+        else:
+            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if names else ""))
+        for stale in (d for d in os.listdir(root) if d.startswith(".tmp_") and self.main):  # of killed or failed saves
+            shutil.rmtree(os.path.join(root, stale))
+        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, stage)
+        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
+            raise ValueError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
+                             f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
+        return path
 
     def claim_output_dir(self) -> None:
-        claim_output_dir(self.accelerator, self.args.output_dir, self.args.run_name,
-                         self.args.overwrite_output_dir or self.args.resume)
+        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not yet
+        complete). A resumed run finds its own mark and goes on."""
+        out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
+        if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
+            owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+            if owner != self.args.run_name:
+                raise ValueError(
+                    f"--output_dir {out} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                    f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                    + (f", or --resume --run_name {owner} to continue that run" if owner else ""))
+        self.accelerator.wait_for_everyone()  # every process checked before the mark changes
+        if self.main:
+            os.makedirs(out, exist_ok=True)
+            json.dump({"run_name": self.args.run_name}, open(mark, "w"))
 
     def start(self, state: dict, **shape) -> dict:
-        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`."""
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`. A resumed run
+        drops what the interrupted run logged after its checkpoint, so its logs match an uninterrupted run's."""
         self.shape = shape
-        if self.args.resume:
-            state = load_checkpoint(self.accelerator, self.dir)
+        if self.resume_from:
+            state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
             found = {key: state.get(key) for key in shape}
             if found != shape:
                 raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
                                  "resume with the flags of the original run")
+            self.accelerator.load_state(self.resume_from)
+            self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
         elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
             shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
         if self.main:
+            resumed_at = state["update"] if self.resume_from else 0
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
             config = asdict(self.args)  # with the derived fields filled in
-            with open(os.path.join(self.dir, "args.json"), "w") as f:
-                json.dump(config, f, indent=2)
+            json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
             if self.args.track:
                 import wandb
 
                 wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
                            config=config, name=self.args.run_name, save_code=True)
-            # a resumed run drops what the interrupted run logged after its checkpoint (TensorBoard's purge_step,
-            # start_metrics_file), so its logs match an uninterrupted run's
-            resumed_at = state.get("update", 0) if self.args.resume else 0
-            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.args.resume else None)
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
                 f"|{key}|{value}|" for key, value in config.items()))
-            start_metrics_file(os.path.join(self.dir, "metrics.jsonl"), resumed_at)
+            metrics = os.path.join(self.dir, "metrics.jsonl")
+            kept = [line for line in open(metrics) if line.strip() and json.loads(line)["step"] <= resumed_at
+                    ] if resumed_at and os.path.exists(metrics) else []
+            open(metrics, "w").writelines(kept)
         return state
 
     def guard(self, update: int, **quantities: torch.Tensor) -> None:
@@ -1192,27 +1433,100 @@ class Run:
             frame.to_csv(os.path.join(self.dir, name), index=False)
 
     def checkpoint(self, update: int, state: dict) -> str:
-        return save_checkpoint(self.accelerator, self.dir, update, {**self.shape, **state, "update": update}, self.args.checkpoint_keep)
+        """Save what a resumed run needs after `update` (called on every process). Atomic: it is written to a
+        hidden temporary folder, its manifest (files and sizes) last, and renamed to update_N when complete, so a
+        kill during the save leaves the previous checkpoint as the newest. A full disk leaves no folder behind."""
+        root = os.path.join(self.dir, "checkpoints")
+        final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+        self.accelerator.wait_for_everyone()
+        try:  # (a temporary folder of a killed save is removed by the --resume that follows it)
+            self.accelerator.save_state(temporary)
+            self.accelerator.wait_for_everyone()
+            if self.main:
+                json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
+                files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
+                         for d, _, names in os.walk(temporary) for f in names}
+                stage = getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": stage},
+                          open(os.path.join(temporary, "manifest.json"), "w"))
+        except Exception as error:  # a full disk surfaces as OSError, SafetensorError or a torch writer error
+            if getattr(error, "errno", None) != 28 and shutil.disk_usage(self.dir).free > 2**24:
+                raise
+            shutil.rmtree(temporary, ignore_errors=True)
+            last = self.latest_checkpoint()
+            need = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs) if last else 0
+            raise OSError(28, f"no space left on the device while saving the checkpoint of update {update} to {root}; "
+                              + (f"it needs about {need / 2**20:.1f} MiB (the size of {last}, still the newest)" if last
+                                 else "no checkpoint was saved before") + ". Free space, then --resume") from error
+        if self.main:
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(temporary, final)
+            for name in sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-self.args.checkpoint_keep]:
+                shutil.rmtree(os.path.join(root, name))  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+        self.accelerator.wait_for_everyone()
+        return final
 
     def latest_checkpoint(self) -> Optional[str]:
-        return latest_checkpoint(self.dir)
+        """The newest checkpoint folder, or None (a killed save never got its final name)."""
+        root = os.path.join(self.dir, "checkpoints")
+        done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+        return os.path.join(root, done[-1]) if done else None
 
     def finish(self, summary: dict) -> None:
+        """summary.json, then the mark that --output_dir is complete (written last: a folder without it is not)."""
         if self.main:
-            with open(os.path.join(self.dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
             self.writer.close()
             if self.args.track:
                 import wandb
 
                 wandb.finish()
+            json.dump({"run_name": self.args.run_name, "complete": True},
+                      open(os.path.join(self.args.output_dir, "run.json"), "w"))
+            os.remove(self.lock)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
+    raise together). Called before the optimizer step that would use it: the weights on hand are the last good ones."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
+
+
+def take_lock(path: str) -> None:
+    """One live run per folder: the lock file `path` holds the host and process id of its run. A lock whose process
+    is gone (a run killed on this host) is stale and taken over; a live holder stops this run."""
+    import psutil
+
+    me = {"host": os.uname().nodename, "pid": os.getpid()}
+    if os.path.exists(path):
+        holder = json.load(open(path))
+        if holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"])):
+            raise RuntimeError(f"{os.path.dirname(path)} is in use by the run of process {holder['pid']} on "
+                               f"{holder['host']} ({path}); wait for it to end, or pass another --run_name")
+        os.remove(path)
+    with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:  # two runs at once: one fails here
+        json.dump(me, f)
 
 
 def start_processes() -> PartialState:
-    """Join the run's process group before anything reads the process count. accelerate picks a
-    communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
-    runs (`torchrun`) become gloo ranks on the CPU (cpu=True); a DeepSpeed launch
-    (`DS_ACCELERATOR=cpu accelerate launch --config_file zero2.yaml ...`) keeps DeepSpeed over gloo."""
+    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate
+    picks a backend by itself only for GPUs, so on the CPU we name it: gloo (plain `torchrun` ranks, or DeepSpeed
+    with DS_ACCELERATOR=cpu)."""
+    import atexit
+
+    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
     if torch.cuda.is_available():
         return PartialState()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -1221,273 +1535,14 @@ def start_processes() -> PartialState:
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8), state what the script itself does, where
-    accelerate would fill DeepSpeed's "auto" values with something else: the micro batch per process (not
-    every script hands accelerate a dataloader to read it from) and no gradient clipping (the paper clips
-    no gradients; accelerate's "auto" clips at 1.0)."""
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) state what the script does where accelerate would fill
+    DeepSpeed's "auto" values otherwise: the micro batch per process, and no gradient clipping (the paper clips
+    none; accelerate's "auto" clips at 1.0)."""
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return
-    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
-    if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-        plugin.deepspeed_config["gradient_clipping"] = 0.0
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 (zero3.yaml)
-    from_pretrained has already partitioned its weights across processes, so it runs inside a DeepSpeed
-    inference engine that gathers each layer's weights for its forward; `offload` keeps them in CPU memory
-    between uses (ZeRO-3 parameter offload: the paper's 6.9B setting, Detail 8). Elsewhere it moves to the
-    device (and a script that offloads by hand moves it on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
-
-
-def exact_div(a: int, b: int, what: str = "batch size") -> int:
-    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
-    q = a // b
-    if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
-    return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
-        dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
-
-
-def check_columns(dataset, columns: list, where: str) -> None:
-    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
-    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
-    missing = [c for c in columns if c not in dataset.column_names]
-    if missing:
-        raise ValueError(
-            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
-            "make it with data/prepare.py, whose output has every column the scripts read"
-        )
-    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
-    for column in columns:
-        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
-            continue
-        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
-        bad = np.flatnonzero(lengths != lengths[0])
-        if bad.size:
-            raise ValueError(
-                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
-                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
-            )
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
-    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
-    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
-    import hashlib
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
-    return {
-        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-
-
-def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
-    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
-    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
-    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
-    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
-    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
-    padding made of this [PAD] and the responses ended by this EOS."""
-    ours = tokenizer_fingerprint(tokenizer)
-    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
-           "(with the task's other flags)")
-    try:
-        theirs = json.loads(dataset.info.description)["tokenizer"]
-    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
-        theirs = None
-    if theirs is not None:
-        keys = ("vocab_size", "pad_token_id", "eos_token_id")
-        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
-        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
-            differ.append("same size, other tokens")
-        if differ:
-            raise ValueError(
-                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
-                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
-            )
-        return
-    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
-    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
-    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
-    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
-    for column in columns:
-        kind = table.schema.field(column).type
-        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
-        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
-            continue
-        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
-        if highest is not None and highest >= vocab_size:
-            raise ValueError(
-                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
-                f"tokens, so the data was tokenized by another tokenizer. {fix}"
-            )
-    head = table.slice(0, rows).to_pylist()
-    for column in [c for c in columns if c + "_len" in dataset.column_names]:
-        ends = []  # the last token of each response (the query column has none)
-        for i, row in enumerate(head):
-            ids, n = row[column], row[column + "_len"]
-            if n > len(ids):
-                continue  # a response cut to the column's width has no padding and no EOS to check
-            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
-            wrong = [token for token in padding if token != pad]
-            if wrong:
-                raise ValueError(
-                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
-                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
-                )
-            if column != "query_token" and n > 0:
-                ends.append(ids[n - 1])
-        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
-            raise ValueError(
-                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
-                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
-                f"another tokenizer. {fix}"
-            )
-
-
-class NonFiniteError(RuntimeError):
-    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
-
-
-def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
-    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
-
-    The flags are summed over processes, so every process raises together and none is left waiting in
-    a collective. Callers check before the optimizer step that would use the quantity, so the weights
-    on hand are still the last good ones when this raises."""
-    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
-    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
-    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
-    if bad:
-        raise NonFiniteError(
-            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
-            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
-            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)"
-        )
-
-
-def latest_checkpoint(run_dir: str) -> Optional[str]:
-    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
-    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
-    root = os.path.join(run_dir, "checkpoints")
-    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
-
-
-def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
-    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
-    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
-    every process's RNG states; trainer_state.json adds the data position and the running counters.
-
-    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
-    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
-    root = os.path.join(run_dir, "checkpoints")
-    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
-    if accelerator.is_main_process and os.path.isdir(temporary):
-        shutil.rmtree(temporary)  # left by a save that was killed
-    accelerator.wait_for_everyone()
-    accelerator.save_state(temporary)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
-            json.dump({"update": update, **trainer_state}, f, indent=2)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(temporary, final)
-        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
-        for name in older:
-            shutil.rmtree(os.path.join(root, name))
-    accelerator.wait_for_everyone()
-    return final
-
-
-def load_checkpoint(accelerator, run_dir: str) -> dict:
-    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
-    accelerator.load_state(path)
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        trainer_state = json.load(f)
-    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
-    return trainer_state
-
-
-def resolve_run_name(args) -> str:
-    """The run's name, the same on every process. With --resume and no --run_name: the newest
-    runs/{exp_name}__{seed}__* that has a checkpoint."""
-    if args.run_name is None and args.resume:
-        prefix = f"{args.exp_name}__{args.seed}__"
-        root = args.run_dir_root
-        candidates = sorted(
-            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
-             and latest_checkpoint(os.path.join(root, d)) is not None),
-            key=lambda d: os.path.getmtime(os.path.join(root, d)),
-        )
-        if not candidates:
-            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
-        return candidates[-1]
-    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
-    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
-    return name[0]
-
-
-def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
-    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
-    (run.json). A resumed run finds its own mark and goes on."""
-    mark = os.path.join(output_dir, "run.json")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
-        if owner != run_name:
-            raise ValueError(
-                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
-                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
-                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
-            )
-    accelerator.wait_for_everyone()  # every process checked before the mark changes
-    if accelerator.is_main_process:
-        os.makedirs(output_dir, exist_ok=True)
-        with open(mark, "w") as f:
-            json.dump({"run_name": run_name}, f)
-
-
-def start_metrics_file(path: str, resume_update: int) -> None:
-    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
-    drops those written after it (they are written again), so the file matches an uninterrupted run."""
-    kept = []
-    if resume_update > 0 and os.path.exists(path):
-        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
-    with open(path, "w") as f:
-        f.writelines(kept)
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+            plugin.deepspeed_config["gradient_clipping"] = 0.0
 
 
 if __name__ == "__main__":

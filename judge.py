@@ -117,7 +117,14 @@ class Args:
     max_parse_tries: int = 3
     """asks per pair when the reply has no parseable verdict (then the pair is invalid)"""
     cache_path: str = "runs/judge_cache.sqlite"
-    """sqlite file caching every reply, keyed by model + system prompt + prompt + temperature + ask index"""
+    """sqlite file caching every reply, keyed by model, endpoint, system prompt, prompt, temperature, ask index and,
+    unless --temperature is 0, --seed (caches written before the endpoint and seed joined the key are not reused)"""
+    strip_eos_text: str = "<|endoftext|>"
+    """the EOS spelling removed from the end of every summary and reference before the judge reads it: the hub's
+    processed TL;DR references end with it as text, and the reference implementation strips it too ("" keeps it)"""
+    check_complete: bool = True
+    """refuse a sample CSV or a reward model whose training run did not finish (its output folder's run.json lacks
+    `"complete": true`); off: judge it anyway"""
 
     # length-controlled analysis (Figure 8)
     length_unit: Literal["tokens", "chars"] = "tokens"
@@ -169,13 +176,12 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
-    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
-    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
-    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
-    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
-    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
-    padding made of this [PAD] and the responses ended by this EOS."""
+    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
+    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
+    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
+    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
     ours = tokenizer_fingerprint(tokenizer)
+    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
     fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
            "(with the task's other flags)")
     try:
@@ -183,53 +189,36 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
     except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
         theirs = None
     if theirs is not None:
-        keys = ("vocab_size", "pad_token_id", "eos_token_id")
-        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
-        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
-            differ.append("same size, other tokens")
+        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+                  if theirs.get(k) != ours[k]]
+        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
         if differ:
-            raise ValueError(
-                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
-                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
-            )
+            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
+                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
+                             f"other tokens. {fix}")
         return
+    other = f"so the data was tokenized by another tokenizer. {fix}"
     columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
-    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
-    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
-    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
-    for column in columns:
-        kind = table.schema.field(column).type
-        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
-        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
-            continue
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
+            table.schema.field(c).type, "value_type", pyarrow.string()))):
         highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
-        if highest is not None and highest >= vocab_size:
-            raise ValueError(
-                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
-                f"tokens, so the data was tokenized by another tokenizer. {fix}"
-            )
-    head = table.slice(0, rows).to_pylist()
-    for column in [c for c in columns if c + "_len" in dataset.column_names]:
+        if highest is not None and highest >= size:
+            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
+                             f"has {size} tokens, {other}")
+    head = dataset.select(range(min(rows, len(dataset))))
+    for column in (c for c in columns if c + "_len" in dataset.column_names):
         ends = []  # the last token of each response (the query column has none)
-        for i, row in enumerate(head):
-            ids, n = row[column], row[column + "_len"]
-            if n > len(ids):
-                continue  # a response cut to the column's width has no padding and no EOS to check
-            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
-            wrong = [token for token in padding if token != pad]
+        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
+            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
+            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
             if wrong:
-                raise ValueError(
-                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
-                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
-                )
-            if column != "query_token" and n > 0:
-                ends.append(ids[n - 1])
+                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
+                                 f"{model_path} pads with {pad}, {other}")
+            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
         if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
-            raise ValueError(
-                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
-                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
-                f"another tokenizer. {fix}"
-            )
+            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
+                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -339,16 +328,29 @@ def pair_rng(seed: int, *texts: str) -> random.Random:
     return random.Random(hashlib.sha256("\x00".join((str(seed),) + texts).encode()).digest())
 
 
-# One line "Preferred: A" (quotes, a trailing period and markdown bold tolerated). A reply with
-# no such line, or with lines that disagree, is unparseable.
-_PREFERRED_RE = re.compile(r'^[ \t]*\**Preferred:?\**:?[ \t]*\**[ \t]*"?([AB])"?\**\.?[ \t]*$', re.MULTILINE)
+def without_eos_text(text: str, eos_text: str) -> str:
+    """What a human reader sees of a summary: the text without surrounding whitespace and without the EOS spelling
+    `eos_text` (every copy of it) at its end. The hub's processed TL;DR references end with `<|endoftext|>` as
+    text; the reference implementation strips it before judging, and so do we."""
+    text = str(text).strip()
+    while eos_text and text.endswith(eos_text):
+        text = text[: -len(eos_text)].rstrip()
+    return text
+
+
+# The verdict line in the forms judges write: "Preferred: A", "Preferred: Summary A", any letter case, quotes, a
+# trailing period and markdown bold, and the letter alone on the line after "Preferred:". A reply with no such
+# line, or with lines that disagree, is unparseable.
+_PREFERRED_RE = re.compile(
+    r'^[ \t]*[*_]*preferred[*_]*(?::[*_]*)?(?:[ \t]*\n)*[ \t]*[*_]*[ \t]*["\'(\[]?(?:summary[ \t]+)?([ab])["\')\]]?[*_]*\.?[*_]*[ \t]*$',
+    re.MULTILINE | re.IGNORECASE)
 _COMPARISON_RE = re.compile(r"^[ \t]*\**Comparison:?\**:?[ \t]*(.*?)[ \t]*$", re.MULTILINE)
 
 
 def parse_verdict(reply: str) -> Optional[tuple[str, str]]:
     """("A" or "B", explanation) from a reply in the paper's format; None when there is no
     unambiguous `Preferred:` line."""
-    verdicts = set(_PREFERRED_RE.findall(reply))
+    verdicts = {verdict.upper() for verdict in _PREFERRED_RE.findall(reply)}
     if len(verdicts) != 1:
         return None
     comparison = _COMPARISON_RE.search(reply)
@@ -437,8 +439,10 @@ def public_url(url: Optional[str]) -> Optional[str]:
 
 
 class ReplyCache:
-    """Every reply the judge paid for, in sqlite. The key is a hash of the model, system prompt,
-    prompt, temperature and the ask index (0 for the first ask; 1, 2 ... for re-asks after an
+    """Every reply the judge paid for, in sqlite. The key is a hash of the model, the endpoint (its URL without
+    credentials: two servers that serve one model name never share replies), system prompt, prompt, temperature,
+    the seed when the judge samples (a temperature above 0, or none sent, which leaves the API's default; a rerun
+    with another --seed asks afresh) and the ask index (0 for the first ask; 1, 2 ... for re-asks after an
     unparseable reply), so a rerun replays the same sequence of replies without any request.
     Only replies are cached; a request that failed (429/5xx after all tries) is asked again.
 
@@ -455,8 +459,11 @@ class ReplyCache:
         self.db.commit()
 
     @staticmethod
-    def key(model: str, system_prompt: str, prompt: str, temperature: Optional[float], ask_index: int) -> str:
-        return hashlib.sha256(json.dumps([model, system_prompt, prompt, temperature, ask_index]).encode()).hexdigest()
+    def key(model: str, endpoint: str, system_prompt: str, prompt: str, temperature: Optional[float], seed: int,
+            ask_index: int) -> str:
+        sampled_with = None if temperature == 0 else seed  # a greedy judge answers alike whatever the seed
+        fields = [model, endpoint, system_prompt, prompt, temperature, sampled_with, ask_index]
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
     def get(self, key: str) -> Optional[str]:
         row = self.db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
@@ -558,8 +565,10 @@ class Judge:
     async def ask(self, prompt: str, parse_fn: Callable[[str], object]) -> Outcome:
         """Ask until parse_fn accepts the reply, at most --max_parse_tries times."""
         reply = ""
+        endpoint = public_url(str(self.client.base_url))  # the URL actually asked (--base_url or the client's default)
         for ask_index in range(self.args.max_parse_tries):
-            key = ReplyCache.key(self.args.model, self.args.system_prompt, prompt, self.args.temperature, ask_index)
+            key = ReplyCache.key(self.args.model, endpoint, self.args.system_prompt, prompt, self.args.temperature,
+                                 self.args.seed, ask_index)
             cached = self.cache.get(key)
             if cached is not None:
                 self.stats["cache_hits"] += 1
@@ -605,6 +614,9 @@ class Judge:
 
 
 def run_jobs(args: Args, jobs: list[tuple[str, Callable[[str], object]]], on_done, cache: ReplyCache) -> tuple[list[Outcome], dict]:
+    if not jobs:  # e.g. every pair a tie: nothing to ask
+        return [], {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0, "judging_s": 0.0}
+
     async def go():
         judge = Judge(args, cache)
         start = time.time()
@@ -618,6 +630,49 @@ def run_jobs(args: Args, jobs: list[tuple[str, Callable[[str], object]]], on_don
 # ----------------------------------------------------------------------------------------------
 # 5. Pairwise mode: win rates, length control, comparison table.
 # ----------------------------------------------------------------------------------------------
+def incomplete_output(folder: str) -> Optional[str]:
+    """Why a training script's output folder is not complete, or None when it is (or was not written by one of the
+    project's training scripts: no run.json). A run marks its folder `"complete": true` in run.json last, after the
+    final model is saved, so a folder without the mark holds a run that stopped (or is still running)."""
+    mark = os.path.join(folder, "run.json")
+    if not os.path.isfile(mark):
+        return None
+    try:
+        info = json.load(open(mark))
+    except ValueError:
+        info = {}
+    if info.get("complete") is True:
+        return None
+    return (f"{folder} is incomplete: its run.json lacks \"complete\": true (the run {info.get('run_name')!r} stopped "
+            "before the end, or is still running)")
+
+
+def check_sources_complete(args: Args, csvs: list[str]) -> None:
+    """Bad input: samples or a reward model from a run that did not finish. A sample CSV's run folder (the folder
+    holding the run's args.json: the CSV's own or its parent) names the run's --output_dir; that folder and
+    --reward_model_path must carry the completion mark (incomplete_output)."""
+    if not args.check_complete:
+        return
+    for path in csvs:
+        for run_dir in (os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.dirname(os.path.abspath(path)))):
+            config = os.path.join(run_dir, "args.json")
+            if os.path.isfile(config):
+                run = json.load(open(config))
+                folder = run.get("output_dir")
+                problem = incomplete_output(folder) if folder and os.path.isdir(folder) else None
+                if problem:
+                    script = f"{run.get('exp_name', 'the training script')}.py"
+                    raise ValueError(f"{path} comes from an unfinished run: {problem}. Rerun {script} to its end (e.g. "
+                                     f"with --resume --run_name {run.get('run_name')}), or pass --no-check_complete to "
+                                     "judge these samples anyway")
+                break
+    if args.mode == "agreement" and args.reward_model_path and os.path.isdir(args.reward_model_path):
+        problem = incomplete_output(args.reward_model_path)
+        if problem:
+            raise ValueError(f"--reward_model_path: {problem}. Rerun reward.py to its end, or pass --no-check_complete "
+                             "to use it anyway")
+
+
 def csv_labels(paths: list[str], labels: Optional[list[str]]) -> list[str]:
     if labels is not None:
         if len(labels) != len(paths):
@@ -656,7 +711,8 @@ def build_length_fn(args: Args) -> Callable[[str], int]:
     if args.length_unit == "chars":
         return len
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path, trust_remote_code=args.trust_remote_code)
-    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # a special token's spelling in a summary is text, as in data/prepare.py (split_special_tokens)
+    return lambda text: len(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
 def length_bins(frames: dict[str, pd.DataFrame], num_bins: int) -> pd.DataFrame:
@@ -672,10 +728,10 @@ def length_bins(frames: dict[str, pd.DataFrame], num_bins: int) -> pd.DataFrame:
     rows = []
     for label, d in valid.items():
         which = np.clip(np.digitize(d["log_length_ratio"].to_numpy(), edges[1:-1]), 0, num_bins - 1)
-        wins = (d["winner"] == "ours").to_numpy()
+        wins = (d["winner"] == "ours").to_numpy() + 0.5 * (d["winner"] == "tie").to_numpy()  # a tie is half a win
         for b in range(num_bins):
             n = int((which == b).sum())
-            w = int(wins[which == b].sum())
+            w = float(wins[which == b].sum())
             low, high = wilson_interval(w, n)
             rows.append({"label": label, "bin_low": edges[b], "bin_high": edges[b + 1],
                          "bin_center": (edges[b] + edges[b + 1]) / 2, "n": n,
@@ -745,20 +801,24 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         else:
             other = list(df["reference"])
         out = pd.DataFrame({"query": df["query"], "response": df["response"], "baseline": other})
-        # what the judge sees: the stripped texts, as in the reference implementation
+        # what the judge sees: the stripped texts without an EOS spelling at their end, as in the reference
+        # implementation
         post = out["query"].map(str.strip)
-        ours, theirs = out["response"].map(str.strip), out["baseline"].map(str.strip)
+        ours = out["response"].map(lambda text: without_eos_text(text, args.strip_eos_text))
+        theirs = out["baseline"].map(lambda text: without_eos_text(text, args.strip_eos_text))
         out["shuffled_index"] = [pair_order(args.seed, p, o, t) for p, o, t in zip(post, ours, theirs)]
         # shuffled_index 0: ours is Summary A; 1: ours is Summary B
         out["summary_a"] = [o if s == 0 else t for o, t, s in zip(ours, theirs, out["shuffled_index"])]
         out["summary_b"] = [t if s == 0 else o for o, t, s in zip(ours, theirs, out["shuffled_index"])]
+        # two identical texts are a tie: half a win, never sent to the judge (which could only follow the position)
         out["identical"] = ours == theirs
         out["response_len"] = [length_of(t) for t in ours]
         out["baseline_len"] = [length_of(t) for t in theirs]
         out["log_length_ratio"] = np.log(np.maximum(out["response_len"], 1) / np.maximum(out["baseline_len"], 1))
         frames[label] = out
-        for row, (p, a, b) in enumerate(zip(post, out["summary_a"], out["summary_b"])):
-            jobs.append((label, row, pairwise_prompt(p, a, b)))
+        for row, (p, a, b, same) in enumerate(zip(post, out["summary_a"], out["summary_b"], out["identical"])):
+            if not same:
+                jobs.append((label, row, pairwise_prompt(p, a, b)))
 
     # progress bar: done, total, invalid, running win rate over every CSV so far
     tally = {"wins": 0, "losses": 0, "invalid": 0}
@@ -781,9 +841,10 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     finally:
         bar.close()  # before any error, so the error is the last line printed
 
-    by_label: dict[str, list[Outcome]] = {label: [] for label in labels}
-    for (label, _, _), outcome in zip(jobs, outcomes):
-        by_label[label].append(outcome)  # jobs were built row by row, so the rows stay in order
+    tie = Outcome("tie", None, "", 0)  # an identical pair: not asked
+    by_label: dict[str, list[Outcome]] = {label: [tie] * len(d) for label, d in frames.items()}
+    for (label, row, _), outcome in zip(jobs, outcomes):
+        by_label[label][row] = outcome
     for label, d in frames.items():
         results = by_label[label]
         d["status"] = [o.status for o in results]
@@ -792,9 +853,10 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         d["judge_reply"] = [o.reply for o in results]
         d["preferred"] = [o.parsed[0] if o.status == "ok" else "" for o in results]
         d["explanation"] = [o.parsed[1] if o.status == "ok" else "" for o in results]
-        # invalid: neither a loss nor a coin flip; excluded from the win rate and counted
+        # invalid: neither a loss nor a coin flip; excluded from the win rate and counted. tie: half a win
         d["winner"] = [
-            "invalid" if o.status != "ok" else ("ours" if (o.parsed[0] == "A") == (s == 0) else "baseline")
+            o.status if o.status == "tie" else "invalid" if o.status != "ok"
+            else ("ours" if (o.parsed[0] == "A") == (s == 0) else "baseline")
             for o, s in zip(results, d["shuffled_index"])
         ]
 
@@ -804,15 +866,18 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         judged_path = os.path.join(output_dir, f"{label}_judged.csv")
         d.to_csv(judged_path, index=False)
         wins, losses = int((d["winner"] == "ours").sum()), int((d["winner"] == "baseline").sum())
-        low, high = wilson_interval(wins, wins + losses)
+        ties = int((d["winner"] == "tie").sum())
+        decided = wins + losses + ties
+        low, high = wilson_interval(wins + 0.5 * ties, decided)  # a tie: half a success
         per_csv[label] = {
             "csv": path,
             "baseline": args.baseline_csv if args.baseline_csv is not None else "reference",
-            "win_rate": wins / (wins + losses) if wins + losses else None,
+            "win_rate": (wins + 0.5 * ties) / decided if decided else None,  # a tie counts half a win
             "ci_low": none_if_nan(low),
             "ci_high": none_if_nan(high),
             "wins": wins,
             "losses": losses,
+            "ties": ties,
             "invalid": int((d["winner"] == "invalid").sum()),
             "unparseable": int((d["status"] == "unparseable").sum()),
             "api_errors": int((d["status"] == "api_error").sum()),
@@ -827,14 +892,15 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     plot_length_controlled(bins, os.path.join(output_dir, "length_controlled_win_rate.png"), args.length_unit)
 
     vs = "reference" if args.baseline_csv is None else f"`{args.baseline_csv}`"
-    lines = [f"Win rate against {vs}, judge `{args.model}`, 95% Wilson intervals; invalid verdicts are excluded, not losses.", "",
-             "| model | win rate | 95% CI | wins | losses | invalid | n | mean log(len ratio) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"Win rate against {vs}, judge `{args.model}`, 95% Wilson intervals; invalid verdicts are excluded, not losses; "
+             "a tie (identical texts, not sent to the judge) counts half a win.", "",
+             "| model | win rate | 95% CI | wins | losses | ties | invalid | n | mean log(len ratio) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, s in per_csv.items():
         rate = "n/a" if s["win_rate"] is None else f"{s['win_rate']:.3f}"
         ci = "n/a" if s["ci_low"] is None else f"[{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
         ratio = "n/a" if s["mean_log_length_ratio"] is None else f"{s['mean_log_length_ratio']:+.3f}"
-        lines.append(f"| {label} | {rate} | {ci} | {s['wins']} | {s['losses']} | {s['invalid']} | {s['n']} | {ratio} |")
+        lines.append(f"| {label} | {rate} | {ci} | {s['wins']} | {s['losses']} | {s['ties']} | {s['invalid']} | {s['n']} | {ratio} |")
     with open(os.path.join(output_dir, "comparison.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot_bars(list(per_csv), [s["win_rate"] if s["win_rate"] is not None else float("nan") for s in per_csv.values()],
@@ -880,14 +946,22 @@ def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
 
     df = pd.DataFrame({"query": dataset["query"], "chosen": dataset["chosen"], "rejected": dataset["rejected"]})
     post = df["query"].map(str.strip)
-    c, r = df["chosen"].map(str.strip), df["rejected"].map(str.strip)
+    c = df["chosen"].map(lambda text: without_eos_text(text, args.strip_eos_text))
+    r = df["rejected"].map(lambda text: without_eos_text(text, args.strip_eos_text))
     df["shuffled_index"] = [pair_order(args.seed, p, x, y) for p, x, y in zip(post, c, r)]  # 0: chosen is A
-    prompts = [pairwise_prompt(p, x, y) if s == 0 else pairwise_prompt(p, y, x) for p, x, y, s in zip(post, c, r, df["shuffled_index"])]
+    # a pair whose two texts are identical holds no preference (the RM ties, the judge could only follow the
+    # position): a tie, never sent to the judge, reported but left out of the agreement rate
+    df["identical"] = c == r
+    prompts = {i: pairwise_prompt(p, x, y) if s == 0 else pairwise_prompt(p, y, x)
+               for i, (p, x, y, s, same) in enumerate(zip(post, c, r, df["shuffled_index"], df["identical"])) if not same}
     bar = tqdm(total=len(prompts), desc="judging pairs", dynamic_ncols=True)
     try:
-        outcomes, stats = run_jobs(args, [(p, parse_verdict) for p in prompts], lambda i, o: bar.update(1), cache)
+        asked, stats = run_jobs(args, [(p, parse_verdict) for p in prompts.values()], lambda i, o: bar.update(1), cache)
     finally:
         bar.close()  # before any error, so the error is the last line printed
+    outcomes = [Outcome("tie", None, "", 0)] * len(df)
+    for i, outcome in zip(prompts, asked):
+        outcomes[i] = outcome
 
     df["reward_chosen"], df["reward_rejected"] = r_chosen, r_rejected
     df["rm_prefers_chosen"] = r_chosen > r_rejected
@@ -896,9 +970,6 @@ def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     df["preferred"] = [o.parsed[0] if o.status == "ok" else "" for o in outcomes]
     judge_chosen = [(o.parsed[0] == "A") == (s == 0) if o.status == "ok" else None for o, s in zip(outcomes, df["shuffled_index"])]
     df["judge_prefers_chosen"] = judge_chosen
-    # a pair whose two texts are identical holds no preference (the RM ties, the judge can only
-    # follow the position): such pairs are reported but left out of the agreement rate
-    df["identical"] = c == r
     valid = df[(df["status"] == "ok") & ~df["identical"]]
     agree = int((valid["judge_prefers_chosen"].astype(bool) == valid["rm_prefers_chosen"]).sum())
     judge_human = int(valid["judge_prefers_chosen"].astype(bool).sum())
@@ -911,7 +982,7 @@ def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         "ci_high": none_if_nan(high),
         "agree": agree,
         "n_valid": n,
-        "invalid": int((df["status"] != "ok").sum()),
+        "invalid": int(((df["status"] != "ok") & ~df["identical"]).sum()),
         "n_identical": int(df["identical"].sum()),
         "n": int(len(df)),
         "judge_agrees_with_label": judge_human / n if n else None,  # judge vs the human choice
@@ -940,25 +1011,33 @@ def run_multi(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         answers_by_label.append([lookup[q] for q in base["query"]])
 
     names = [chr(ord("A") + k) for k in range(len(labels))]  # anonymous names: no model-name bias
-    jobs, orders = [], []
+    jobs, orders = {}, []
     for i, query in enumerate(base["query"]):
         question = query.strip()
-        answers = [answers_by_label[k][i].strip() for k in range(len(labels))]
+        answers = [without_eos_text(answers_by_label[k][i], args.strip_eos_text) for k in range(len(labels))]
         order = list(range(len(labels)))
         pair_rng(args.seed, question, *answers).shuffle(order)  # presentation order, seeded per query
         orders.append(order)
-        prompt = multi_answer_prompt(question, names, [answers[k] for k in order])
-        jobs.append((prompt, lambda reply: parse_scores(reply, names)))
+        if len(set(answers)) > 1:  # answers all identical: a tie, not sent to the judge
+            jobs[i] = (multi_answer_prompt(question, names, [answers[k] for k in order]),
+                       lambda reply: parse_scores(reply, names))
     bar = tqdm(total=len(jobs), desc="scoring", dynamic_ncols=True)
     try:
-        outcomes, stats = run_jobs(args, jobs, lambda i, o: bar.update(1), cache)
+        asked, stats = run_jobs(args, list(jobs.values()), lambda i, o: bar.update(1), cache)
     finally:
         bar.close()  # before any error, so the error is the last line printed
+    outcomes = [Outcome("tie", None, "", 0)] * len(orders)
+    for i, outcome in zip(jobs, asked):
+        outcomes[i] = outcome
 
     rows = []
     for i, (outcome, order) in enumerate(zip(outcomes, orders)):
         row = {"query": base["query"].iloc[i], "status": outcome.status,
                "order": ",".join(labels[k] for k in order), "judge_reply": outcome.reply}
+        if outcome.status == "tie":  # every answer shares the average rank; no 1-10 score was asked for
+            for lab in labels:
+                row[f"score/{lab}"] = float("nan")
+                row[f"rank_score/{lab}"] = (len(labels) + 1) / 2
         if outcome.status == "ok":
             # the answer shown as names[j] is labels[order[j]]
             scores = {labels[order[j]]: outcome.parsed[names[j]] for j in range(len(names))}
@@ -970,12 +1049,14 @@ def run_multi(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     table = pd.DataFrame(rows)
     table.to_csv(os.path.join(output_dir, "multi_scores.csv"), index=False)
     valid = table[table["status"] == "ok"]
+    ranked = table[table["status"].isin(["ok", "tie"])]  # a tie ranks every answer alike
     per_label = {}
     for lab in labels:
         per_label[lab] = {
             "mean_score": float(valid[f"score/{lab}"].mean()) if len(valid) else None,
-            "mean_rank_score": float(valid[f"rank_score/{lab}"].mean()) if len(valid) else None,
+            "mean_rank_score": float(ranked[f"rank_score/{lab}"].mean()) if len(ranked) else None,
             "n": int(len(valid)),
+            "ties": int(len(ranked) - len(valid)),
         }
     lines = [f"Multi-answer scores (1-10) by `{args.model}`; rank score = N + 1 - rank (best = {len(labels)}).", "",
              "| model | mean score | mean rank score | n |", "| --- | --- | --- | --- |"]
@@ -983,17 +1064,19 @@ def run_multi(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         ms = "n/a" if s["mean_score"] is None else f"{s['mean_score']:.2f}"
         mr = "n/a" if s["mean_rank_score"] is None else f"{s['mean_rank_score']:.2f}"
         lines.append(f"| {lab} | {ms} | {mr} | {s['n']} |")
-    lines.append(f"\ninvalid: {int(len(table) - len(valid))} of {len(table)}")
+    lines.append(f"\ninvalid: {int(len(table) - len(ranked))} of {len(table)}; ties (every answer identical, not sent "
+                 f"to the judge): {int(len(ranked) - len(valid))}")
     with open(os.path.join(output_dir, "multi_comparison.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return {"multi": per_label, "multi_invalid": int(len(table) - len(valid)), "multi_n": int(len(table)), "stats": stats}
+    return {"multi": per_label, "multi_invalid": int(len(table) - len(ranked)), "multi_n": int(len(table)), "stats": stats}
 
 
 def main(args: Args) -> dict:
     start = time.time()
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     output_dir = args.output_dir or os.path.join(args.run_dir_root, run_name)
+    check_sources_complete(args, args.csv + ([args.baseline_csv] if args.baseline_csv else []))
     os.makedirs(output_dir, exist_ok=True)
     if args.max_parallel_requests < 1 or args.max_tries < 1 or args.max_parse_tries < 1:
         raise ValueError("--max_parallel_requests, --max_tries and --max_parse_tries must be at least 1")

@@ -20,7 +20,8 @@ sampling) and A.8 (conditional SFT).
           best_of_n  rejection sampling (OpenRLHF A.7): n samples per prompt from the current policy, keep
                      the RM's best, fine-tune on it; --iterations > 1 repeats with the updated policy.
                      It samples its own data, so it does not use the cached mixture.
-          For every method the loss covers response tokens (and their EOS) only, never the query.
+          For every method the loss covers response tokens (and their EOS) only, never the query; it is the
+          (weighted) token mean over the whole update batch, whatever the micro-batch size and process count.
   step 3  samples of the validation split as CSV (judge.py reads them), RM-scored. For dt also one CSV per
           target in --dt_eval_targets (the seed's Table 1: controllability), and the cost of each stage in
           wall seconds (generation, labelling, training: the seed's Table 3) in summary.json.
@@ -35,6 +36,8 @@ Single process:   python offline_rl.py --method dt --sft_model_path models/sft -
 Several:          accelerate launch [--config_file zero2.yaml] offline_rl.py ...
 """
 
+import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -175,6 +178,8 @@ class Args:
     gradient accumulation steps * number of processes"""
     local_micro_batch_size: int = 16
     """samples per forward/backward pass on one process (memory knob; the update size stays total_batch_size)"""
+    gradient_accumulation_steps: Optional[int] = None
+    """micro batches per optimizer step; None = derived from the batch sizes, else checked against them"""
     lr: float = 5e-6
     """AdamW learning rate (seed: 5e-6 for all offline RLHF models)"""
     eps: float = 1e-5
@@ -202,8 +207,6 @@ class Args:
     # ---- derived at run time (not flags) ----
     world_size: tyro.conf.Suppress[Optional[int]] = None
     """number of processes"""
-    gradient_accumulation_steps: tyro.conf.Suppress[Optional[int]] = None
-    """micro-batches per update on one process = total_batch_size / (local_micro_batch_size * world_size)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,22 +215,16 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 
 
-def offline_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
-    """Detail 23: exactly response_length new tokens. `eos_token_id=[]` turns off stopping at EOS while EOS
-    stays an ordinary token that can be chosen (`min_new_tokens` would forbid it). temperature 0 means
-    greedy decoding (the seed generates its mixture greedily); otherwise pure sampling (top_k 0, top_p 1)."""
+def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
+    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
+    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
+    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
     if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if temperature == 0:
-        return GenerationConfig(max_new_tokens=response_length, do_sample=False, eos_token_id=[], pad_token_id=pad_token_id)
+        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     return GenerationConfig(
-        max_new_tokens=response_length,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        do_sample=True,
-        eos_token_id=[],
-        pad_token_id=pad_token_id,
+        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
+        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
     )
 
 
@@ -286,8 +283,9 @@ def dt_percentile_targets(rewards, percentiles) -> dict:
 
 def dt_query_tokens(tokenizer, query: str, score: float) -> list:
     """Token ids of query + reward prompt, as seen at training (score = the sample's normalised reward) and at
-    inference (score = the target). The whole string is tokenized at once, in both cases."""
-    return tokenizer.encode(query + dt_reward_prompt(score))
+    inference (score = the target). The whole string is tokenized at once, in both cases. The query is user text:
+    a special token's spelling inside it stays ordinary tokens (split_special_tokens)."""
+    return tokenizer(query + dt_reward_prompt(score), add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
 def dt_queries(tokenizer, queries: list, scores: list, pad_token_id: int) -> torch.Tensor:
@@ -307,16 +305,17 @@ def response_labels(query_responses: torch.Tensor, context_length: int, pad_toke
 
 
 def weighted_response_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                           pad_token_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """sum over samples i and target tokens t of w_i * (-log pi(x_t | x_<t)), divided by the number of target
-    tokens in the micro-batch (so w = 1 is the SFT token mean). Eq. 4: w = 1[R > t]; eq. 5: w = RWR weight;
-    eq. 6 and best-of-n: w = 1. Returns the loss and the per-sample mean token NLL (B,), for logging."""
+                           pad_token_id: int, num_tokens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """sum over samples i and target tokens t of w_i * (-log pi(x_t | x_<t)), divided by num_tokens: the target
+    tokens of the whole update batch when this is one of its micro batches (train_update), None = this batch's own
+    target tokens (so w = 1 is the SFT token mean). Eq. 4: w = 1[R > t]; eq. 5: w = RWR weight; eq. 6 and
+    best-of-n: w = 1. Returns the loss and the per-sample mean token NLL (B,), for logging."""
     logits = forward(model, query_responses, pad_token_id).logits[:, :-1].float()  # (B, T-1, V)
     targets = labels[:, 1:]  # (B, T-1): token t is predicted at t - 1
     mask = targets != -100
     nll = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")  # (B, T-1)
     nll = nll * mask
-    loss = (nll * weights.unsqueeze(1)).sum() / mask.sum()
+    loss = (nll * weights.unsqueeze(1)).sum() / (mask.sum() if num_tokens is None else num_tokens)
     return loss, nll.sum(1) / mask.sum(1).clamp(min=1)
 
 
@@ -353,7 +352,7 @@ def sample_policy(accelerator, model, queries: torch.Tensor, generation_config, 
         query = queries[rows]
         query = query[:, int(first_true_indices((query != tokenizer.pad_token_id).any(0).unsqueeze(0))[0]) :]  # drop all-pad columns
         query = query.to(accelerator.device)
-        query_response, _ = generate(unwrapped, query, tokenizer.pad_token_id, generation_config)
+        query_response = generate(unwrapped, query, tokenizer.pad_token_id, generation_config)
         response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, query_response[:, query.size(1) :])
         pairs += list(zip(rows, response.cpu().tolist()))
     unwrapped.train(was_training)
@@ -448,7 +447,7 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
     generation_time = 0.0
     if num_generated > 0:
         prompts = torch.tensor(picked["query_token"], dtype=torch.long)
-        config = offline_generation_config(args.response_length, args.mixture_temperature, pad_token_id)
+        config = sampling_config(args, tokenizer, args.mixture_temperature)
         start = time.time()
         generated = sample_policy(accelerator, policy, prompts, config, tokenizer, args.local_rollout_batch_size, "mixture: generate")
         generation_time = time.time() - start
@@ -541,7 +540,7 @@ def best_of_n_candidates(args: Args, accelerator, model, reward_model, tokenizer
     --bon_temperature, and their raw RM scores. Returns the candidates (P * n, Tr), n consecutive rows per prompt
     as best_of_n_select reads them, and their scores (P * n,); the seconds spent go into `costs` (Table 3)."""
     candidates_q = queries.repeat_interleave(args.n, 0)  # (P * n, Tq): n consecutive copies per prompt
-    config = offline_generation_config(args.response_length, args.bon_temperature, tokenizer.pad_token_id)
+    config = sampling_config(args, tokenizer, args.bon_temperature)
     start = time.time()
     candidates = sample_policy(accelerator, model, candidates_q, config, tokenizer, args.local_rollout_batch_size,
                                f"{desc}: sample")
@@ -650,19 +649,58 @@ def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eva
         }
     )
     metrics = {
-        "score_mean": float(scores.mean()),
+        "score": float(scores.mean()),
         "eos_rate": float(has_eos.float().mean()),
         "response_token_len_mean": float(response_token_len.float().mean()),
         "num_samples": len(df),
     }
     if reward_stats is not None:
-        metrics["score_normalized_mean"] = float(((scores - reward_stats[0]) / reward_stats[1]).mean())
+        metrics["score_normalized"] = float(((scores - reward_stats[0]) / reward_stats[1]).mean())
     return metrics, df
 
 
 # ---------------------------------------------------------------------------------------------
 # Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
 # ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
+    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
+    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
+    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -696,7 +734,6 @@ def forward(model, query_responses: torch.Tensor, pad_token_id: int):
         attention_mask=attention_mask,
         position_ids=position_ids,
         return_dict=True,
-        output_hidden_states=True,
     )
 
 
@@ -726,23 +763,13 @@ def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Ten
     return torch.masked_fill(responses, positions > eos_index, pad_token_id)
 
 
-def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
-    """Sample continuations of LEFT-padded queries with the KV cache.
-
-    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
-    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
     context_length = queries.size(1)
     attention_mask = queries != pad_token_id
     input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    output = lm.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=generation_config,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
+    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    return torch.cat((queries, sequences[:, context_length:]), dim=1)
 
 
 def load_offline_models(args: Args, tokenizer):
@@ -762,17 +789,150 @@ def load_offline_models(args: Args, tokenizer):
     return policy, reward_model
 
 
+def alignment_data(args: Args, accelerator, model, reward_model, tokenizer, costs: dict):
+    """Step 1: the labelled mixture of filter, rwr and dt (build_mixture, or its cached copy: the three methods share
+    one labelling pass when their mixture flags match), and for filter (eq. 4) only its samples above the threshold.
+    Returns the mixture, its statistics and the summary entries of step 1; best_of_n samples its own data in step 2
+    and gets (None, {}, {}). The cost of building the mixture is paid once and shared; it is counted in `costs` for
+    every method (Table 3)."""
+    if args.method == "best_of_n":
+        return None, {}, {}
+    mixture, mixture_stats = load_or_build_mixture(args, accelerator, model, reward_model, tokenizer)
+    summary = dict(mixture_stats)
+    costs["generation_s"] += mixture_stats["mixture/generation_s"]
+    costs["labelling_s"] += mixture_stats["mixture/labelling_s"]
+    if args.method == "filter":  # eq. 4: only the samples above the threshold are trained on
+        mixture, filter_stats = filter_mixture(args, accelerator, mixture)
+        summary.update(filter_stats)
+    return mixture, mixture_stats, summary
+
+
+def dt_targets(args: Args, mixture, summary: dict) -> dict:
+    """dt: the targets at --dt_eval_percentiles of the rewards the model saw in its prompts (the mixture's own
+    distribution), and with --dt_target_percentile the inference target itself as one of them (written into
+    args.dt_target: a derived value that args.json records). Adds them to `summary`; returns percentile -> target.
+    The other methods have no target: {}."""
+    if args.method != "dt":
+        return {}
+    percentile_targets = dt_percentile_targets(mixture["reward"], args.dt_eval_percentiles)
+    if args.dt_target_percentile is not None:
+        args.dt_target = dt_percentile_targets(mixture["reward"], (args.dt_target_percentile,))[args.dt_target_percentile]
+    summary.update({f"dt/target_at_percentile_{p:g}": t for p, t in percentile_targets.items()})
+    summary["dt/target"] = args.dt_target
+    return percentile_targets
+
+
+def round_samples(args: Args, run, accelerator, model, reward_model, tokenizer, sft_train, mixture,
+                  data_order: "OfflineDataOrder", counters: "OfflineCounters", update: int, iteration: int,
+                  resumed: bool):
+    """Step 2 (a): the training samples of the round that starts at `update` (or, `resumed`, goes on there after a
+    resume): queries (N, W) left-padded, responses (N, Tr) right-padded, rewards (N,). filter, rwr and dt read the
+    mixture (dt: each query with its sample's reward prompt). best_of_n (rejection sampling) draws --n candidates per
+    prompt from the current policy and keeps the RM's best; a resumed round takes the samples the interrupted run
+    drew, which data_order carries (they came from the policy of that moment and cannot be drawn again)."""
+    if args.method != "best_of_n":
+        samples = mixture_samples(args, mixture, tokenizer)  # dt: with the reward prompt
+        if not resumed:
+            data_order.new_round()
+        return samples
+    if resumed:
+        return data_order.round_samples  # sampled before the interruption
+    rows = data_order.next_prompts(args.bon_num_prompts)
+    queries = torch.tensor(sft_train.select(rows)["query_token"], dtype=torch.long)
+    candidates, scores = best_of_n_candidates(args, accelerator, model, reward_model, tokenizer, queries,
+                                              counters.costs, f"best_of_n {iteration + 1}/{args.iterations}")
+    # a NaN/inf RM score would decide which sample is kept: stop before training on this round
+    run.guard(update, **{"best_of_n/scores": scores})
+    responses, rewards, _ = best_of_n_select(scores, candidates, args.n)
+    data_order.new_round((queries, responses, rewards))
+    round_metrics = {
+        "best_of_n/score_mean_all": scores.mean().item(),
+        "best_of_n/score_mean_best": rewards.mean().item(),
+        "best_of_n/eos_rate_best": (responses == tokenizer.eos_token_id).any(1).float().mean().item(),
+        "best_of_n/iteration": iteration + 1,
+    }
+    counters.round_summary.update(
+        {f"{k}_iter{iteration + 1}": v for k, v in round_metrics.items() if k != "best_of_n/iteration"})
+    # logged at the round's first update: a step after any checkpoint taken before the round, so a resumed run
+    # neither keeps a stale copy of this line nor writes it twice
+    log_offline(run, args, update, round_metrics)
+    accelerator.print(f"[best_of_n] iteration {iteration + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
+    return queries, responses, rewards
+
+
+def train_update(args: Args, accelerator, model, optimizer, run, update: int, queries: torch.Tensor,
+                 responses: torch.Tensor, global_batch: torch.Tensor, batch_weights: torch.Tensor, pad_token_id: int):
+    """Step 2 (b), one optimizer update on the rows `global_batch` (the same on every process) with their loss
+    weights: this process trains on its share, in micro batches of --local_micro_batch_size whose gradients
+    accumulate into one optimizer step. The loss of every micro batch is divided by the target tokens of the whole
+    update batch (all its micro batches, on every process), so the update's gradient is that of the batch's weighted
+    token mean whatever the micro-batch size and the number of processes; its backward is scaled by the micro batches
+    of the update (accumulation steps x processes), which accelerate's accumulation and the data-parallel gradient
+    average divide out again. Returns the update's loss (the weighted token mean over the batch) and its input tokens
+    (non-pad, every process)."""
+    local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    local_slice = slice(accelerator.process_index * local_batch_size, (accelerator.process_index + 1) * local_batch_size)
+    local_batch, local_weights = global_batch[local_slice], batch_weights[local_slice]
+    # every response token (and its EOS) of the update batch is a target; the same count on every process
+    batch_tokens = (responses[global_batch] != pad_token_id).sum().to(accelerator.device)
+    scale = args.gradient_accumulation_steps * accelerator.num_processes
+    stats = torch.zeros(2, device=accelerator.device)  # loss (its share of the batch mean), input tokens (non-pad)
+    for micro in range(0, local_batch_size, args.local_micro_batch_size):
+        micro_rows = local_batch[micro : micro + args.local_micro_batch_size]
+        query, response = trim_columns(queries[micro_rows], responses[micro_rows], pad_token_id)
+        query_responses = torch.cat((query, response), 1).to(accelerator.device)
+        labels = response_labels(query_responses, query.size(1), pad_token_id)  # the response tokens only
+        weights = local_weights[micro : micro + args.local_micro_batch_size].to(accelerator.device)
+        with accelerator.accumulate(model):
+            loss, _ = weighted_response_loss(model, query_responses, labels, weights, pad_token_id, batch_tokens)
+            # non-finite guard: checked before backward, so the weights never see it
+            run.guard(update, **{"train/loss": loss})
+            accelerator.backward(loss * scale)
+            optimizer.step()  # a no-op until the last micro-batch of the update
+            optimizer.zero_grad()
+        stats += torch.stack([loss.detach(), (query_responses != pad_token_id).sum().float()])
+    stats = accelerator.reduce(stats, reduction="sum")
+    return stats[0].item(), int(stats[1])
+
+
+def offline_evaluation(args: Args, run, accelerator, model, reward_model, tokenizer, eval_rows: dict,
+                       percentile_targets: dict, mixture_stats: dict, step: int, final: bool) -> dict:
+    """Step 3: sample and score the eval rows, write the tables and log their metrics; returns the metrics. dt: the
+    final evaluation visits every target of --dt_eval_targets (Table 1), the percentile targets and --dt_target; the
+    main table (samples.csv) is the one at --dt_target. The other methods have one prompt and no target. With a
+    mixture, the scores are also given in its normalised units (those of the DT target)."""
+    reward_stats = (mixture_stats["mixture/raw_reward_mean"], mixture_stats["mixture/raw_reward_std"]) \
+        if mixture_stats else None
+    if args.method != "dt":
+        targets = [None]
+    else:
+        targets = list(dict.fromkeys([args.dt_target, *args.dt_eval_targets, *percentile_targets.values()])) \
+            if final else [args.dt_target]
+    eval_config = sampling_config(args, tokenizer, args.eval_temperature)
+    out = {}
+    for target in targets:
+        # dt: the same prompt builder as in training, with the target reward in the prompt
+        queries = eval_rows["query_token"] if target is None else dt_queries(
+            tokenizer, eval_rows["query"], [target] * len(eval_rows["query"]), tokenizer.pad_token_id)
+        raw_metrics, df = evaluate_policy(args, accelerator, model, reward_model, tokenizer, eval_rows, queries,
+                                          eval_config, reward_stats)
+        metrics = write_offline_evaluation(args, run, step, target, final, raw_metrics, df)
+        out.update(metrics)
+        log_offline(run, args, step, metrics)
+    return out
+
+
 def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic and precision ----------------
-    processes = start_processes()  # first: the accumulation steps depend on the number of processes
-    args.world_size = processes.num_processes
-    args.gradient_accumulation_steps = exact_div(
+    args.world_size = start_processes().num_processes  # first: the accumulation steps depend on the number of processes
+    gradient_accumulation_steps = exact_div(
         args.total_batch_size,
         args.local_micro_batch_size * args.world_size,
         "total_batch_size / (local_micro_batch_size * world_size)",
     )
-    check_offline_flags(args)
+    check_offline_flags(args, gradient_accumulation_steps)
+    args.gradient_accumulation_steps = gradient_accumulation_steps  # args.json records the value used
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     accelerator = Accelerator(
@@ -786,8 +946,8 @@ def main(args: Args) -> dict:
     local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per process
 
     # ---------------- tokenizer and models ----------------
-    tokenizer = load_offline_tokenizer(args)  # Detail 3: [PAD] distinct from EOS
-    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+    pad_token_id = tokenizer.pad_token_id
     # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
     check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
     policy, reward_model = load_offline_models(args, tokenizer)
@@ -804,34 +964,9 @@ def main(args: Args) -> dict:
 
     # ---------------- step 1: the labelled mixture (best-of-n samples its own data in step 2) ----------------
     costs = {"generation_s": 0.0, "labelling_s": 0.0, "training_s": 0.0}  # wall seconds per stage (Table 3)
-    summary, reward_stats, mixture_stats = {}, None, {}
-    if args.method == "best_of_n":
-        samples_per_round = args.bon_num_prompts  # one selected response per prompt and round
-    else:
-        # build_mixture, or its cached copy: filter, rwr and dt with the same mixture flags share one labelling pass
-        mixture, mixture_stats = load_or_build_mixture(args, accelerator, model, reward_model, tokenizer)
-        summary.update(mixture_stats)
-        # the cost of building the mixture is paid once and shared; it is counted for every method (Table 3)
-        costs["generation_s"] += mixture_stats["mixture/generation_s"]
-        costs["labelling_s"] += mixture_stats["mixture/labelling_s"]
-        reward_stats = (mixture_stats["mixture/raw_reward_mean"], mixture_stats["mixture/raw_reward_std"])
-        if args.method == "filter":  # eq. 4: only the samples above the threshold are trained on
-            mixture, filter_stats = filter_mixture(args, accelerator, mixture)
-            summary.update(filter_stats)
-        samples_per_round = len(mixture)
-    # dt: targets at percentiles of the rewards the model saw in its prompts (the mixture's own distribution); with
-    # --dt_target_percentile the inference target itself is one (a derived value: args.json records it)
-    percentile_targets = dt_percentile_targets(mixture["reward"], args.dt_eval_percentiles) \
-        if args.method == "dt" else {}
-    if args.method == "dt" and args.dt_target_percentile is not None:
-        args.dt_target = dt_percentile_targets(mixture["reward"], (args.dt_target_percentile,))[args.dt_target_percentile]
-    summary.update({f"dt/target_at_percentile_{p:g}": t for p, t in percentile_targets.items()})
-    if args.method == "dt":
-        summary["dt/target"] = args.dt_target
-    episodes_per_round = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * samples_per_round
-    updates_per_round = episodes_per_round // args.total_batch_size
-    check_round_size(args, samples_per_round, episodes_per_round, updates_per_round, len(sft_train))
-    num_updates = updates_per_round * args.iterations
+    mixture, mixture_stats, summary = alignment_data(args, accelerator, model, reward_model, tokenizer, costs)
+    percentile_targets = dt_targets(args, mixture, summary)  # dt: the inference and evaluation targets
+    samples_per_round, updates_per_round, num_updates = count_offline_updates(args, mixture, len(sft_train))
 
     # ---------------- schedule, data order and resume ----------------
     scheduler = offline_lr_schedule(optimizer, args.scheduler, num_updates)  # over the updates of every iteration
@@ -842,150 +977,69 @@ def main(args: Args) -> dict:
     accelerator.register_for_checkpointing(data_order)
     # the running counters; --resume takes them from the checkpoint, whose run must share the flags that fix the
     # number of updates and the data order
-    state = run.start({"update": 0, "train_tokens": 0, "last_loss": float("nan"), "costs": costs, "round_summary": {}},
-                      num_updates=num_updates, method=args.method, iterations=args.iterations,
-                      total_batch_size=args.total_batch_size, world_size=args.world_size)
-    start_update, train_tokens, last_loss = state["update"], state["train_tokens"], state["last_loss"]
-    costs = state["costs"]  # a resumed run goes on counting from the interrupted run's costs
-    round_summary = state["round_summary"]  # best-of-n's per-iteration metrics of the rounds done so far
+    counters = OfflineCounters(run.start(
+        {"update": 0, "train_tokens": 0, "last_loss": float("nan"), "costs": costs, "round_summary": {}},
+        num_updates=num_updates, method=args.method, iterations=args.iterations,
+        total_batch_size=args.total_batch_size, world_size=args.world_size))
+    if mixture_stats and counters.update == 0:
+        log_offline(run, args, 0, mixture_stats)  # a resumed run kept this line of metrics.jsonl
 
-    def log(step: int, metrics: dict) -> None:
-        run.log(step, {"episode": step * args.total_batch_size, **metrics})
-
-    if mixture_stats and start_update == 0:
-        log(0, mixture_stats)  # a resumed run kept this line of metrics.jsonl
-
-    # ---------------- evaluation (step 3): the first num_eval_samples rows of the eval split ----------------
-    eval_rows = offline_eval_rows(args, eval_dataset)
-    eval_config = offline_generation_config(args.response_length, args.eval_temperature, pad_token_id)
-
-    def run_evaluation(step: int, final: bool) -> dict:
-        # dt: the final evaluation visits every target of --dt_eval_targets (Table 1) and --dt_target; the
-        # main table (samples.csv) is the one at --dt_target. Other methods have one prompt, no target.
-        if args.method != "dt":
-            targets = [None]
-        else:
-            targets = list(dict.fromkeys([args.dt_target, *args.dt_eval_targets, *percentile_targets.values()])) \
-                if final else [args.dt_target]
-        out = {}
-        for target in targets:
-            # dt: the same prompt builder as in training, with the target reward in the prompt
-            queries = eval_rows["query_token"] if target is None else dt_queries(
-                tokenizer, eval_rows["query"], [target] * len(eval_rows["query"]), pad_token_id)
-            raw_metrics, df = evaluate_policy(args, accelerator, model, reward_model, tokenizer, eval_rows, queries,
-                                              eval_config, reward_stats)
-            metrics = write_offline_evaluation(args, run, step, target, final, raw_metrics, df)
-            out.update(metrics)
-            log(step, metrics)
-        return out
+    # step 3's evaluation, on the first num_eval_samples rows of the eval split
+    evaluate = functools.partial(offline_evaluation, args, run, accelerator, model, reward_model, tokenizer,
+                                 offline_eval_rows(args, eval_dataset), percentile_targets, mixture_stats)
 
     # ---------------- step 2: training rounds (one; --iterations for best_of_n) ----------------
     model.train()
-    local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
-    progress = tqdm(total=num_updates, initial=start_update, disable=not accelerator.is_main_process,
+    progress = tqdm(total=num_updates, initial=counters.update, disable=not accelerator.is_main_process,
                     desc=f"offline_rl {args.method}")
-    update = start_update
-
-    def trainer_state() -> dict:
-        """What a resumed run needs besides accelerate's state (models, optimizer, schedule, data order, RNG)."""
-        return {"train_tokens": train_tokens, "last_loss": last_loss, "costs": dict(costs),
-                "round_summary": dict(round_summary)}
-
-    last_good = trainer_state()  # the counters after the last completed update
-    # a run resumed in the middle of a round goes on with that round's samples and permutation (data_order)
-    first_iteration, resume_in_round = divmod(start_update, updates_per_round)
-    try:
-        for iteration in range(first_iteration, args.iterations):
-            resumed_round = iteration == first_iteration and resume_in_round > 0
-            # (a) the samples of this round: (queries (N, W) left-padded, responses (N, Tr) right-padded, rewards (N,))
-            if args.method == "best_of_n" and resumed_round:
-                queries, responses, rewards = data_order.round_samples  # sampled before the interruption
-            elif args.method == "best_of_n":
-                # rejection sampling from the current policy: n candidates per prompt, the RM's best is kept
-                rows = data_order.next_prompts(args.bon_num_prompts)
-                queries = torch.tensor(sft_train.select(rows)["query_token"], dtype=torch.long)
-                candidates, scores = best_of_n_candidates(args, accelerator, model, reward_model, tokenizer, queries,
-                                                          costs, f"best_of_n {iteration + 1}/{args.iterations}")
-                # a NaN/inf RM score would decide which sample is kept: stop before training on this round
-                run.guard(update + 1, **{"best_of_n/scores": scores})
-                responses, rewards, _ = best_of_n_select(scores, candidates, args.n)
-                data_order.new_round((queries, responses, rewards))
-                round_metrics = {
-                    "best_of_n/score_mean_all": scores.mean().item(),
-                    "best_of_n/score_mean_best": rewards.mean().item(),
-                    "best_of_n/eos_rate_best": (responses == eos_token_id).any(1).float().mean().item(),
-                    "best_of_n/iteration": iteration + 1,
-                }
-                round_summary.update({f"{k}_iter{iteration + 1}": v for k, v in round_metrics.items() if k != "best_of_n/iteration"})
-                # logged at the round's first update: a step after any checkpoint taken before the round, so a
-                # resumed run neither keeps a stale copy of this line nor writes it twice
-                log(update + 1, round_metrics)
-                accelerator.print(f"[best_of_n] iteration {iteration + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
-            else:
-                queries, responses, rewards = mixture_samples(args, mixture, tokenizer)  # dt: with the reward prompt
-                if not resumed_round:
-                    data_order.new_round()
-
-            # (b) the updates of this round: every process draws the same permutation (a new one each pass over the
-            # samples) and reads its share of each batch
-            for _ in range(resume_in_round if resumed_round else 0, updates_per_round):
-                global_batch = data_order.next_batch(queries.size(0), args.total_batch_size)
-                batch_weights = loss_weights(args, rewards[global_batch])  # eq. 4-6, over the whole update batch
-                if args.method == "rwr":  # non-finite guard: a NaN/inf weight would scale this update's gradient
-                    run.guard(update + 1, **{"train/rwr_weights": batch_weights})
-                local_slice = slice(accelerator.process_index * local_batch_size, (accelerator.process_index + 1) * local_batch_size)
-                local_batch, local_weights = global_batch[local_slice], batch_weights[local_slice]
-                update_start = time.time()
-                stats = torch.zeros(3, device=accelerator.device)  # loss sum, micro-batches, input tokens (non-pad)
-                for micro in range(0, local_batch_size, args.local_micro_batch_size):
-                    micro_rows = local_batch[micro : micro + args.local_micro_batch_size]
-                    query, response = trim_columns(queries[micro_rows], responses[micro_rows], pad_token_id)
-                    query_responses = torch.cat((query, response), 1).to(accelerator.device)
-                    labels = response_labels(query_responses, query.size(1), pad_token_id)  # the response tokens only
-                    weights = local_weights[micro : micro + args.local_micro_batch_size].to(accelerator.device)
-                    with accelerator.accumulate(model):
-                        loss, _ = weighted_response_loss(model, query_responses, labels, weights, pad_token_id)
-                        # non-finite guard: checked before backward, so the weights never see it
-                        run.guard(update + 1, **{"train/loss": loss})
-                        accelerator.backward(loss)
-                        optimizer.step()  # a no-op until the last micro-batch of the update
-                        optimizer.zero_grad()
-                    stats += torch.stack([loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()])
-                scheduler.step()
-                costs["training_s"] += time.time() - update_start
-                loss_stats = accelerator.reduce(stats, reduction="sum")
-                update += 1
-                train_tokens += int(loss_stats[2])
-                last_loss = (loss_stats[0] / loss_stats[1]).item()  # mean over every micro-batch of the update
-                metrics = {
-                    "train/loss": last_loss,
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/tokens_per_s": train_tokens / costs["training_s"],
-                    "train/weight_max": batch_weights.max().item(),
-                    "train/reward_mean": rewards[global_batch].mean().item(),
-                }
-                progress.update(1)
-                progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
-                log(update, metrics)
-                if args.eval_every > 0 and update % args.eval_every == 0 and update != num_updates:
-                    run_evaluation(update, final=False)
-                data_order.commit()
-                last_good = trainer_state()
-                if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
-                    run.checkpoint(update, last_good)
-    except NonFiniteError:
-        keep_last_good_checkpoint(run, accelerator, update, last_good)
-        raise
+    samples = None
+    with keep_last_good_checkpoint(run, accelerator, counters):  # the non-finite guard stops with the last good state
+        for update in range(counters.update + 1, num_updates + 1):
+            # (a) a round's samples (queries (N, W) left-padded, responses (N, Tr) right-padded, rewards (N,)) at its
+            # first update; a run resumed in the middle of a round goes on with that round's samples and permutation
+            if samples is None or (update - 1) % updates_per_round == 0:
+                samples = round_samples(args, run, accelerator, model, reward_model, tokenizer, sft_train, mixture,
+                                        data_order, counters, update, iteration=(update - 1) // updates_per_round,
+                                        resumed=(update - 1) % updates_per_round > 0)
+            queries, responses, rewards = samples
+            # (b) the update: every process draws the same permutation (a new one each pass over the samples) and
+            # trains on its share of each batch
+            global_batch = data_order.next_batch(queries.size(0), args.total_batch_size)
+            batch_weights = loss_weights(args, rewards[global_batch])  # eq. 4-6, over the whole update batch
+            if args.method == "rwr":  # non-finite guard: a NaN/inf weight would scale this update's gradient
+                run.guard(update, **{"train/rwr_weights": batch_weights})
+            update_start = time.time()
+            loss, tokens = train_update(args, accelerator, model, optimizer, run, update, queries, responses,
+                                        global_batch, batch_weights, pad_token_id)
+            scheduler.step()
+            counters.add_update(loss, tokens, time.time() - update_start)
+            metrics = {
+                "train/loss": loss,
+                "train/lr": scheduler.get_last_lr()[0],
+                "train/tokens_per_s": counters.train_tokens / counters.costs["training_s"],
+                "train/weight_max": batch_weights.max().item(),
+                "train/reward_mean": rewards[global_batch].mean().item(),
+            }
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+            log_offline(run, args, update, metrics)
+            if args.eval_every > 0 and update % args.eval_every == 0 and update != num_updates:
+                evaluate(update, final=False)
+            data_order.commit()
+            counters.commit()  # the state a checkpoint saves: as of this completed update
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
+                run.checkpoint(update, counters.last_good)
     progress.close()
 
     # ---------------- step 3: final evaluation, costs (Table 3), model ----------------
     eval_start = time.time()
-    summary.update(round_summary)
-    summary.update(run_evaluation(num_updates, final=True))
+    summary.update(counters.round_summary)
+    summary.update(evaluate(num_updates, final=True))
+    costs = counters.costs
     summary.update(
         {
-            "train/loss": last_loss,
-            "train/tokens": train_tokens,
+            "train/loss": counters.last_loss,
+            "train/tokens": counters.train_tokens,
             "train/updates": num_updates,
             "train/samples_per_round": samples_per_round,
             "cost/generation_s": costs["generation_s"],
@@ -996,7 +1050,7 @@ def main(args: Args) -> dict:
             "wall_time_s": time.time() - start_time,
         }
     )
-    save_offline_model(args, accelerator, model, tokenizer)
+    save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)
     run.finish(summary)
     if accelerator.is_main_process and args.push_to_hub:
         push_offline_model(args)
@@ -1011,8 +1065,10 @@ def main(args: Args) -> dict:
 # =============================================================================================
 
 
-def check_offline_flags(args: Args) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded."""
+def check_offline_flags(args: Args, gradient_accumulation_steps: int) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded. gradient_accumulation_steps: the value
+    the batch sizes give, total_batch_size / (local_micro_batch_size * world_size)."""
+    check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
     if args.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
     if args.method != "best_of_n" and args.iterations != 1:
@@ -1026,19 +1082,36 @@ def check_offline_flags(args: Args) -> None:
         raise ValueError(f"--dt_eval_percentiles and --dt_target_percentile are percentiles in [0, 100], got {percentiles}")
 
 
-def load_offline_tokenizer(args: Args):
-    """The SFT model's tokenizer with a [PAD] distinct from EOS (Detail 3)."""
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: a pad distinct from EOS
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError(
-            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a "
-            "distinct pad token, or the EOS is masked out of the loss and the model never learns to stop. Save the "
-            "tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and "
-            "prepare the data with it"
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
         )
     return tokenizer
+
+
+def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini_batches: int = 1) -> None:
+    """--gradient_accumulation_steps left out (None) takes `derived`, the micro batches per optimizer step that the
+    batch sizes give; a stated value must equal it (it checks the batch arithmetic, it never overrides it)."""
+    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps != derived:
+        raise ValueError(
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not match total_batch_size "
+            f"{args.total_batch_size} / ({num_processes} processes x {num_mini_batches} minibatches x "
+            f"{args.local_micro_batch_size} micro batch) = {derived}; leave it out or change the batch sizes"
+        )
 
 
 def load_offline_data(args: Args, tokenizer):
@@ -1230,7 +1303,7 @@ def write_offline_evaluation(args: Args, run, step: int, target: Optional[float]
         run.save_table(df, f"samples_target_{target:+.1f}.csv")
     name = "eval" if target is None else f"eval/target_{target:+.1f}"
     table = df.head(args.num_table_samples)[["query", "response", "reference", "score"]]
-    run.log_text(f"{name}/samples", markdown_rows(table), step)
+    run.log_text(f"{name}/samples", frame_markdown(table), step)
     if run.main:
         for row in table.itertuples(index=False):
             tqdm.write(f"[{name} step {step}] query: ...{row.query[-120:]!r}\n  response: {row.response!r}  score {row.score:.3f}")
@@ -1238,30 +1311,81 @@ def write_offline_evaluation(args: Args, run, step: int, target: Optional[float]
     return metrics
 
 
-def markdown_rows(df: pd.DataFrame) -> str:
+def frame_markdown(df: pd.DataFrame) -> str:
     """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
+
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
     lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    for row in df.itertuples(index=False):
-        lines.append("| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |")
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
 
 
-def keep_last_good_checkpoint(run, accelerator, update: int, last_good: dict) -> None:
-    """After the non-finite guard fired in update + 1. Every guard runs before the backward / optimizer step that
-    would use the value, so the weights on hand are those after `update` (the last completed update); data_order
-    and the counters are saved as of that update too (commit), so the poisoned update is never applied or saved."""
-    run.checkpoint(update, last_good)
-    accelerator.print(f"non-finite value at update {update + 1}; last good checkpoint: {run.latest_checkpoint()}")
+def count_offline_updates(args: Args, mixture, num_prompts: int) -> Tuple[int, int, int]:
+    """Training samples per round (best_of_n: one per prompt, else the mixture's), updates per round (--total_episodes,
+    or --num_train_epochs passes over the round's samples, in full batches) and of the whole run (--iterations
+    rounds); a round must fill at least one update batch."""
+    samples_per_round = args.bon_num_prompts if args.method == "best_of_n" else len(mixture)
+    episodes_per_round = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * samples_per_round
+    updates_per_round = episodes_per_round // args.total_batch_size
+    check_round_size(args, samples_per_round, episodes_per_round, updates_per_round, num_prompts)
+    return samples_per_round, updates_per_round, updates_per_round * args.iterations
 
 
-def save_offline_model(args: Args, accelerator, model, tokenizer) -> None:
-    """save_pretrained (safetensors) of the aligned policy and its tokenizer in --output_dir."""
+class OfflineCounters:
+    """The running counters of step 2, which a checkpoint saves in trainer_state.json next to accelerate's state
+    (models, optimizer, schedule, data order, RNG): completed updates, input tokens trained on, the last update's
+    loss, the wall seconds per stage (Table 3) and best-of-n's per-round metrics. `last_good` is a copy as of the
+    last completed update (commit): what a checkpoint holds, also when the non-finite guard stops an update."""
+
+    def __init__(self, state: dict):
+        self.update, self.train_tokens, self.last_loss = state["update"], state["train_tokens"], state["last_loss"]
+        self.costs, self.round_summary = state["costs"], state["round_summary"]
+        self.commit()
+
+    def add_update(self, loss: float, tokens: int, seconds: float) -> None:
+        self.update += 1
+        self.train_tokens += tokens
+        self.last_loss = loss
+        self.costs["training_s"] += seconds
+
+    def commit(self) -> None:
+        self.last_good = {"update": self.update, "train_tokens": self.train_tokens, "last_loss": self.last_loss,
+                          "costs": dict(self.costs), "round_summary": dict(self.round_summary)}
+
+
+@contextlib.contextmanager
+def keep_last_good_checkpoint(run, accelerator, counters):
+    """The non-finite guard's exit: when a run.guard of the training loop raises NonFiniteError, save the last good
+    state as a checkpoint and raise on. Every guard runs before the backward / optimizer step that would use the
+    value, so the weights on hand (and any state changed only after an update) are those after the last completed
+    update; they are saved with counters.last_good, the counters of that update (commit), so the poisoned update is
+    never applied or saved."""
+    try:
+        yield
+    except NonFiniteError:
+        update = counters.last_good["update"]
+        run.checkpoint(update, counters.last_good)
+        accelerator.print(f"non-finite value at update {update + 1}; last good checkpoint: {run.latest_checkpoint()}")
+        raise
+
+
+def log_offline(run, args: Args, step: int, metrics: dict) -> None:
+    """Log metrics at an update, with the number of samples trained on so far (`episode`)."""
+    run.log(step, {"episode": step * args.total_batch_size, **metrics})
+
+
+def save_pretrained_model(accelerator, wrapped, model, tokenizer, output_dir: str, prefix: str = "") -> None:
+    """save_pretrained (safetensors) of `model` and its tokenizer in output_dir. The weights are those of
+    accelerator.get_state_dict(wrapped), which every process calls (ZeRO-3 gathers the shards); `prefix` is the
+    name of `model` inside the wrapper (reward.py's "rm."), dropped from the saved names."""
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    state_dict = accelerator.get_state_dict(wrapped)
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(args.output_dir)
+        state_dict = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
 
 
 def push_offline_model(args: Args) -> None:
@@ -1274,64 +1398,199 @@ def push_offline_model(args: Args) -> None:
     api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
 
 
+# ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
+    and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+                         "make it with data/prepare.py, whose output has every column the scripts read")
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in (c for c in columns if pyarrow.types.is_list(table.schema.field(c).type) and table.num_rows):
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has "
+                             f"{int(lengths[0])}; every row must be padded to the same length (prepare the data again "
+                             "with data/prepare.py)")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
+    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
+    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
+    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+                  if theirs.get(k) != ours[k]]
+        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        if differ:
+            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
+                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
+                             f"other tokens. {fix}")
+        return
+    other = f"so the data was tokenized by another tokenizer. {fix}"
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
+            table.schema.field(c).type, "value_type", pyarrow.string()))):
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= size:
+            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
+                             f"has {size} tokens, {other}")
+    head = dataset.select(range(min(rows, len(dataset))))
+    for column in (c for c in columns if c + "_len" in dataset.column_names):
+        ends = []  # the last token of each response (the query column has none)
+        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
+            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
+            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
+            if wrong:
+                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
+                                 f"{model_path} pads with {pad}, {other}")
+            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
+                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
+
+
 # ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
 
 
 class Run:
     """Everything a training run keeps on disk besides the model, behind one small interface:
 
-        run = Run(args, accelerator)          # the run's name and its folder {run_dir_root}/{run_name}
+        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
         run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
-        state = run.start(state, **shape)     # --resume: restore the latest checkpoint; then open the logs
+        state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
         run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
         run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
         run.save_table(frame, "samples.csv")  # a CSV in the run folder
-        run.checkpoint(update, state)         # atomic, resumable checkpoint
-        run.finish(summary)                   # summary.json, close the logs
+        run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files
+        run.finish(summary)                   # summary.json; marks --output_dir complete, last
 
-    `state` is the script's own trainer state (data position, running counters); accelerate's save_state
-    holds the rest (prepared models, optimizers, registered objects, RNG states). `shape` names what a
-    checkpoint must share with the flags of a resumed run (e.g. num_updates)."""
+    `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
+    (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
 
     def __init__(self, args, accelerator):
-        self.args, self.accelerator = args, accelerator
-        args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
-        self.dir = os.path.join(args.run_dir_root, args.run_name)
-        self.main = accelerator.is_main_process
-        self.shape, self.writer = {}, None
+        self.args, self.accelerator, self.main = args, accelerator, accelerator.is_main_process
+        root = args.run_dir_root
+        if args.run_name is None and args.resume:  # the newest run of this experiment and seed with a checkpoint
+            prefix = f"{args.exp_name}__{args.seed}__"
+            runs = [d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+                    and os.path.isdir(os.path.join(root, d, "checkpoints"))]
+            if not runs:
+                raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+            args.run_name = max(runs, key=lambda d: os.path.getmtime(os.path.join(root, d)))
+        name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+        broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+        args.run_name = name[0]
+        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
+        self.lock = os.path.join(self.dir, "run.lock")
+        if self.main:  # one live run per folder: a second run into it stops here, naming the holder
+            os.makedirs(self.dir, exist_ok=True)
+            take_lock(self.lock)
+        self.resume_from = self.intact_checkpoint() if args.resume else None
+
+    def intact_checkpoint(self) -> str:
+        """--resume: the newest checkpoint whose files all match its manifest (sizes included, RNG states too),
+        written by as many processes and the same DeepSpeed stage as this run; checked before any model loads."""
+        root, stage = os.path.join(self.dir, "checkpoints"), getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+        names = sorted((d for d in os.listdir(root) if d.startswith("update_")), reverse=True) if os.path.isdir(root) else []
+        for path in (os.path.join(root, name) for name in names):
+            try:
+                manifest = json.load(open(os.path.join(path, "manifest.json")))
+                sizes = {os.path.join(path, f): (os.path.getsize(os.path.join(path, f)), n) for f, n in manifest["files"].items()}
+                problem = next((f"{f} has {got} bytes, not {n}" for f, (got, n) in sizes.items() if got != n), None)
+            except FileNotFoundError as error:
+                problem = f"{error.filename} is missing"
+            except (OSError, ValueError, KeyError) as error:
+                problem = f"{os.path.join(path, 'manifest.json')} is unreadable ({error!r})"
+            if problem is None:
+                break
+            self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
+        else:
+            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if names else ""))
+        for stale in (d for d in os.listdir(root) if d.startswith(".tmp_") and self.main):  # of killed or failed saves
+            shutil.rmtree(os.path.join(root, stale))
+        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, stage)
+        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
+            raise ValueError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
+                             f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
+        return path
 
     def claim_output_dir(self) -> None:
-        claim_output_dir(self.accelerator, self.args.output_dir, self.args.run_name,
-                         self.args.overwrite_output_dir or self.args.resume)
+        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not yet
+        complete). A resumed run finds its own mark and goes on."""
+        out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
+        if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
+            owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+            if owner != self.args.run_name:
+                raise ValueError(
+                    f"--output_dir {out} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                    f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                    + (f", or --resume --run_name {owner} to continue that run" if owner else ""))
+        self.accelerator.wait_for_everyone()  # every process checked before the mark changes
+        if self.main:
+            os.makedirs(out, exist_ok=True)
+            json.dump({"run_name": self.args.run_name}, open(mark, "w"))
 
     def start(self, state: dict, **shape) -> dict:
-        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`."""
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`. A resumed run
+        drops what the interrupted run logged after its checkpoint, so its logs match an uninterrupted run's."""
         self.shape = shape
-        if self.args.resume:
-            state = load_checkpoint(self.accelerator, self.dir)
+        if self.resume_from:
+            state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
             found = {key: state.get(key) for key in shape}
             if found != shape:
                 raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
                                  "resume with the flags of the original run")
+            self.accelerator.load_state(self.resume_from)
+            self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
         elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
             shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
         if self.main:
+            resumed_at = state["update"] if self.resume_from else 0
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
             config = asdict(self.args)  # with the derived fields filled in
-            with open(os.path.join(self.dir, "args.json"), "w") as f:
-                json.dump(config, f, indent=2)
+            json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
             if self.args.track:
                 import wandb
 
                 wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
                            config=config, name=self.args.run_name, save_code=True)
-            # a resumed run drops what the interrupted run logged after its checkpoint (TensorBoard's purge_step,
-            # start_metrics_file), so its logs match an uninterrupted run's
-            resumed_at = state.get("update", 0) if self.args.resume else 0
-            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.args.resume else None)
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
                 f"|{key}|{value}|" for key, value in config.items()))
-            start_metrics_file(os.path.join(self.dir, "metrics.jsonl"), resumed_at)
+            metrics = os.path.join(self.dir, "metrics.jsonl")
+            kept = [line for line in open(metrics) if line.strip() and json.loads(line)["step"] <= resumed_at
+                    ] if resumed_at and os.path.exists(metrics) else []
+            open(metrics, "w").writelines(kept)
         return state
 
     def guard(self, update: int, **quantities: torch.Tensor) -> None:
@@ -1353,27 +1612,100 @@ class Run:
             frame.to_csv(os.path.join(self.dir, name), index=False)
 
     def checkpoint(self, update: int, state: dict) -> str:
-        return save_checkpoint(self.accelerator, self.dir, update, {**self.shape, **state, "update": update}, self.args.checkpoint_keep)
+        """Save what a resumed run needs after `update` (called on every process). Atomic: it is written to a
+        hidden temporary folder, its manifest (files and sizes) last, and renamed to update_N when complete, so a
+        kill during the save leaves the previous checkpoint as the newest. A full disk leaves no folder behind."""
+        root = os.path.join(self.dir, "checkpoints")
+        final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+        self.accelerator.wait_for_everyone()
+        try:  # (a temporary folder of a killed save is removed by the --resume that follows it)
+            self.accelerator.save_state(temporary)
+            self.accelerator.wait_for_everyone()
+            if self.main:
+                json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
+                files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
+                         for d, _, names in os.walk(temporary) for f in names}
+                stage = getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": stage},
+                          open(os.path.join(temporary, "manifest.json"), "w"))
+        except Exception as error:  # a full disk surfaces as OSError, SafetensorError or a torch writer error
+            if getattr(error, "errno", None) != 28 and shutil.disk_usage(self.dir).free > 2**24:
+                raise
+            shutil.rmtree(temporary, ignore_errors=True)
+            last = self.latest_checkpoint()
+            need = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs) if last else 0
+            raise OSError(28, f"no space left on the device while saving the checkpoint of update {update} to {root}; "
+                              + (f"it needs about {need / 2**20:.1f} MiB (the size of {last}, still the newest)" if last
+                                 else "no checkpoint was saved before") + ". Free space, then --resume") from error
+        if self.main:
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(temporary, final)
+            for name in sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-self.args.checkpoint_keep]:
+                shutil.rmtree(os.path.join(root, name))  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+        self.accelerator.wait_for_everyone()
+        return final
 
     def latest_checkpoint(self) -> Optional[str]:
-        return latest_checkpoint(self.dir)
+        """The newest checkpoint folder, or None (a killed save never got its final name)."""
+        root = os.path.join(self.dir, "checkpoints")
+        done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+        return os.path.join(root, done[-1]) if done else None
 
     def finish(self, summary: dict) -> None:
+        """summary.json, then the mark that --output_dir is complete (written last: a folder without it is not)."""
         if self.main:
-            with open(os.path.join(self.dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
             self.writer.close()
             if self.args.track:
                 import wandb
 
                 wandb.finish()
+            json.dump({"run_name": self.args.run_name, "complete": True},
+                      open(os.path.join(self.args.output_dir, "run.json"), "w"))
+            os.remove(self.lock)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
+    raise together). Called before the optimizer step that would use it: the weights on hand are the last good ones."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
+
+
+def take_lock(path: str) -> None:
+    """One live run per folder: the lock file `path` holds the host and process id of its run. A lock whose process
+    is gone (a run killed on this host) is stale and taken over; a live holder stops this run."""
+    import psutil
+
+    me = {"host": os.uname().nodename, "pid": os.getpid()}
+    if os.path.exists(path):
+        holder = json.load(open(path))
+        if holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"])):
+            raise RuntimeError(f"{os.path.dirname(path)} is in use by the run of process {holder['pid']} on "
+                               f"{holder['host']} ({path}); wait for it to end, or pass another --run_name")
+        os.remove(path)
+    with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:  # two runs at once: one fails here
+        json.dump(me, f)
 
 
 def start_processes() -> PartialState:
-    """Join the run's process group before anything reads the process count. accelerate picks a
-    communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
-    runs (`torchrun`) become gloo ranks on the CPU (cpu=True); a DeepSpeed launch
-    (`DS_ACCELERATOR=cpu accelerate launch --config_file zero2.yaml ...`) keeps DeepSpeed over gloo."""
+    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate
+    picks a backend by itself only for GPUs, so on the CPU we name it: gloo (plain `torchrun` ranks, or DeepSpeed
+    with DS_ACCELERATOR=cpu)."""
+    import atexit
+
+    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
     if torch.cuda.is_available():
         return PartialState()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -1382,273 +1714,14 @@ def start_processes() -> PartialState:
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8), state what the script itself does, where
-    accelerate would fill DeepSpeed's "auto" values with something else: the micro batch per process (not
-    every script hands accelerate a dataloader to read it from) and no gradient clipping (the paper clips
-    no gradients; accelerate's "auto" clips at 1.0)."""
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) state what the script does where accelerate would fill
+    DeepSpeed's "auto" values otherwise: the micro batch per process, and no gradient clipping (the paper clips
+    none; accelerate's "auto" clips at 1.0)."""
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return
-    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
-    if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-        plugin.deepspeed_config["gradient_clipping"] = 0.0
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 (zero3.yaml)
-    from_pretrained has already partitioned its weights across processes, so it runs inside a DeepSpeed
-    inference engine that gathers each layer's weights for its forward; `offload` keeps them in CPU memory
-    between uses (ZeRO-3 parameter offload: the paper's 6.9B setting, Detail 8). Elsewhere it moves to the
-    device (and a script that offloads by hand moves it on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
-
-
-def exact_div(a: int, b: int, what: str = "batch size") -> int:
-    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
-    q = a // b
-    if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
-    return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
-        dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
-
-
-def check_columns(dataset, columns: list, where: str) -> None:
-    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
-    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
-    missing = [c for c in columns if c not in dataset.column_names]
-    if missing:
-        raise ValueError(
-            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
-            "make it with data/prepare.py, whose output has every column the scripts read"
-        )
-    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
-    for column in columns:
-        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
-            continue
-        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
-        bad = np.flatnonzero(lengths != lengths[0])
-        if bad.size:
-            raise ValueError(
-                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
-                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
-            )
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
-    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
-    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
-    import hashlib
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
-    return {
-        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-
-
-def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
-    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
-    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
-    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
-    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
-    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
-    padding made of this [PAD] and the responses ended by this EOS."""
-    ours = tokenizer_fingerprint(tokenizer)
-    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
-           "(with the task's other flags)")
-    try:
-        theirs = json.loads(dataset.info.description)["tokenizer"]
-    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
-        theirs = None
-    if theirs is not None:
-        keys = ("vocab_size", "pad_token_id", "eos_token_id")
-        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
-        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
-            differ.append("same size, other tokens")
-        if differ:
-            raise ValueError(
-                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
-                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
-            )
-        return
-    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
-    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
-    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
-    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
-    for column in columns:
-        kind = table.schema.field(column).type
-        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
-        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
-            continue
-        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
-        if highest is not None and highest >= vocab_size:
-            raise ValueError(
-                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
-                f"tokens, so the data was tokenized by another tokenizer. {fix}"
-            )
-    head = table.slice(0, rows).to_pylist()
-    for column in [c for c in columns if c + "_len" in dataset.column_names]:
-        ends = []  # the last token of each response (the query column has none)
-        for i, row in enumerate(head):
-            ids, n = row[column], row[column + "_len"]
-            if n > len(ids):
-                continue  # a response cut to the column's width has no padding and no EOS to check
-            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
-            wrong = [token for token in padding if token != pad]
-            if wrong:
-                raise ValueError(
-                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
-                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
-                )
-            if column != "query_token" and n > 0:
-                ends.append(ids[n - 1])
-        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
-            raise ValueError(
-                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
-                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
-                f"another tokenizer. {fix}"
-            )
-
-
-class NonFiniteError(RuntimeError):
-    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
-
-
-def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
-    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
-
-    The flags are summed over processes, so every process raises together and none is left waiting in
-    a collective. Callers check before the optimizer step that would use the quantity, so the weights
-    on hand are still the last good ones when this raises."""
-    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
-    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
-    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
-    if bad:
-        raise NonFiniteError(
-            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
-            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
-            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)"
-        )
-
-
-def latest_checkpoint(run_dir: str) -> Optional[str]:
-    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
-    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
-    root = os.path.join(run_dir, "checkpoints")
-    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
-
-
-def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
-    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
-    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
-    every process's RNG states; trainer_state.json adds the data position and the running counters.
-
-    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
-    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
-    root = os.path.join(run_dir, "checkpoints")
-    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
-    if accelerator.is_main_process and os.path.isdir(temporary):
-        shutil.rmtree(temporary)  # left by a save that was killed
-    accelerator.wait_for_everyone()
-    accelerator.save_state(temporary)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
-            json.dump({"update": update, **trainer_state}, f, indent=2)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(temporary, final)
-        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
-        for name in older:
-            shutil.rmtree(os.path.join(root, name))
-    accelerator.wait_for_everyone()
-    return final
-
-
-def load_checkpoint(accelerator, run_dir: str) -> dict:
-    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
-    accelerator.load_state(path)
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        trainer_state = json.load(f)
-    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
-    return trainer_state
-
-
-def resolve_run_name(args) -> str:
-    """The run's name, the same on every process. With --resume and no --run_name: the newest
-    runs/{exp_name}__{seed}__* that has a checkpoint."""
-    if args.run_name is None and args.resume:
-        prefix = f"{args.exp_name}__{args.seed}__"
-        root = args.run_dir_root
-        candidates = sorted(
-            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
-             and latest_checkpoint(os.path.join(root, d)) is not None),
-            key=lambda d: os.path.getmtime(os.path.join(root, d)),
-        )
-        if not candidates:
-            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
-        return candidates[-1]
-    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
-    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
-    return name[0]
-
-
-def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
-    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
-    (run.json). A resumed run finds its own mark and goes on."""
-    mark = os.path.join(output_dir, "run.json")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
-        if owner != run_name:
-            raise ValueError(
-                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
-                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
-                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
-            )
-    accelerator.wait_for_everyone()  # every process checked before the mark changes
-    if accelerator.is_main_process:
-        os.makedirs(output_dir, exist_ok=True)
-        with open(mark, "w") as f:
-            json.dump({"run_name": run_name}, f)
-
-
-def start_metrics_file(path: str, resume_update: int) -> None:
-    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
-    drops those written after it (they are written again), so the file matches an uninterrupted run."""
-    kept = []
-    if resume_update > 0 and os.path.exists(path):
-        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
-    with open(path, "w") as f:
-        f.writelines(kept)
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+            plugin.deepspeed_config["gradient_clipping"] = 0.0
 
 
 if __name__ == "__main__":

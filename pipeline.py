@@ -6,8 +6,9 @@
     python pipeline.py --force ppo     # rerun one stage (and nothing else)
 
 Stages run the top-level scripts as subprocesses, exactly as a user would type them (each command is
-printed). A stage that finished leaves `<out>/stages/<name>.json`; it is skipped on the next run, so an
-interrupted pipeline picks up at the stage it was in, and a training stage that was interrupted after one
+printed). A stage that finished leaves `<out>/stages/<name>.json`; it is skipped on the next run while its
+outputs are complete (prep's task.json, a training stage's model folder marked `"complete": true` in its
+run.json), so an interrupted pipeline picks up at the stage it was in, and a training stage that was interrupted after one
 of its checkpoints (`--checkpoint_every`) continues from it with `--resume`. The report lands in `<out>/report/`:
 `results.md` (also printed) and the plots. With several seeds (`--seeds 1 2 3`, the default of `--mode full`)
 the task (prep: data, tokenizer, base model) is made once and every later stage runs once per seed in
@@ -102,7 +103,7 @@ SETTINGS = {
         "ilql": ["--init_from", "sft", "--reward_source", "rm", "--lr", "1e-3", "--total_episodes", "19200",
                  "--total_batch_size", "32", "--local_micro_batch_size", "32", "--num_eval_samples", "200",
                  "--local_eval_batch_size", "50", "--ilql.alpha", "1.0", "--ilql.cql_scale", "0.01",
-                 "--temperature", "0.01"],
+                 "--eval_temperature", "0.01"],
         "offline_filter": OFFLINE,
         # beta 1 on the z-normalised rewards: the seed's 5 weights every sample almost alike (effective sample size
         # 0.96 N), which makes RWR plain fine-tuning on the mixture (docs/results.md)
@@ -117,6 +118,9 @@ SETTINGS = {
 # full: the same sizes, but PPO runs twice as long, so the over-optimisation curve (RM score up, gold score
 # down) has room to show
 SETTINGS["full"] = {**SETTINGS["quickstart"], "ppo": flags_with(SETTINGS["quickstart"]["ppo"], {"--total_episodes": "3072"})}
+# RLOO (rloo.py) on PPO's sizes and episodes, with its own defaults: the paper's k = 2 responses per query and one
+# pass over each batch
+SETTINGS["full"]["rloo"] = SETTINGS["full"]["ppo"]
 SETTINGS["ci"] = {
     "prep": ["--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48", "--synthetic_num_pref_train", "256",
              "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8", "--synthetic_warmup_steps", "20"],
@@ -126,6 +130,8 @@ SETTINGS["ci"] = {
            "--num_eval_samples", "32"],
     "ppo": ["--lr", "1e-4", "--total_episodes", "32", "--total_batch_size", "16", "--local_micro_batch_size", "8",
             "--num_eval_samples", "32", "--eval_every", "1"],
+    "rloo": ["--lr", "1e-4", "--total_episodes", "32", "--total_batch_size", "16", "--local_micro_batch_size", "8",
+             "--num_eval_samples", "32", "--eval_every", "1"],
     "dpo": ["--lr", "1e-4", "--total_batch_size", "16", "--local_micro_batch_size", "8", "--total_episodes", "32",
             "--num_eval_samples", "32"],
     "ilql": ["--reward_source", "rm", "--total_episodes", "48", "--total_batch_size", "8", "--local_micro_batch_size", "4",
@@ -137,10 +143,10 @@ SETTINGS["ci"] = {
 }
 
 QUICKSTART_STAGES = ["prep", "sft", "rm", "ppo", "dpo", "judge", "report"]
-FULL_STAGES = ["prep", "sft", "rm", "ppo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt",
+FULL_STAGES = ["prep", "sft", "rm", "ppo", "rloo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt",
                "offline_best_of_n", "judge", "report"]
 # policies whose samples are judged: stage -> (label, samples CSV relative to the run dir)
-POLICY_STAGES = ["sft", "ppo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n"]
+POLICY_STAGES = ["sft", "ppo", "rloo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n"]
 
 
 def resolve_seeds(args: Args) -> list[int]:
@@ -178,10 +184,25 @@ class Pipeline:
         return os.path.join(self.shared_stage_dir if stage == "prep" else self.stage_dir, f"{stage}.json")
 
     def done(self, stage: str) -> bool:
+        """A stage is done when it left its marker and its outputs are complete (see incomplete), unless forced."""
         if stage in ("judge", "report"):  # cheap (the judge caches every verdict) and they read every stage
             return False
         forced = stage in self.args.force or "all" in self.args.force
-        return os.path.exists(self.marker(stage)) and not forced
+        return os.path.exists(self.marker(stage)) and not forced and self.incomplete(stage) is None
+
+    def incomplete(self, stage: str) -> str | None:
+        """Why a stage's outputs are not complete, or None: prep's task folder holds task.json (data/prepare.py
+        writes it last); a training stage's model folder carries `"complete": true` in its run.json (the run
+        writes it last, after the final model)."""
+        if stage in ("judge", "report"):
+            return None
+        if stage == "prep":
+            if os.path.exists(os.path.join(self.data, "task.json")):
+                return None
+            return f"{self.data} is incomplete: it has no task.json (written last by data/prepare.py)"
+        from report import missing_completion_mark
+
+        return missing_completion_mark(os.path.join(self.models, stage))
 
     def run(self, stage: str, cmd: list[str]) -> None:
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"))
@@ -224,6 +245,12 @@ class Pipeline:
                        "--reward_model_path", f"{self.models}/rm", "--query_dataset", f"{self.data}/sft",
                        "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/ppo",
                        *self.settings["ppo"])
+
+    def cmd_rloo(self) -> list[str]:
+        return self.py("rloo.py", *self.common("rloo"), "--sft_model_path", f"{self.models}/sft",
+                       "--reward_model_path", f"{self.models}/rm", "--query_dataset", f"{self.data}/sft",
+                       "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/rloo",
+                       *self.settings["rloo"])
 
     def cmd_dpo(self) -> list[str]:
         return self.py("dpo.py", *self.common("dpo"), "--sft_model_path", f"{self.models}/sft",
@@ -271,6 +298,11 @@ class Pipeline:
         from data.gold_judge_server import serve_in_thread
 
         policies = self.policies()
+        for label, _ in policies:  # samples of a stage that did not finish are not judged
+            stage = "ilql" if label.startswith("ilql_beta") else label
+            problem = self.incomplete(stage)
+            if problem:
+                raise RuntimeError(f"judge: {problem}; rerun that stage: python pipeline.py --force {stage}")
         with serve_in_thread() as server:
             cmd = self.py("judge.py", "--csv", *[p for _, p in policies], "--labels", *[label for label, _ in policies],
                           "--base_url", server.base_url, "--model", server.model_name, "--output_dir",
@@ -291,6 +323,9 @@ class Pipeline:
             if self.done(stage):
                 print(f"=== [{stage}] done already ({self.marker(stage)}); --force {stage} reruns it")
                 continue
+            problem = self.incomplete(stage) if os.path.exists(self.marker(stage)) else None
+            if problem:
+                print(f"=== [{stage}] marked done, but {problem}: running it again")
             t0 = time.time()
             if stage == "judge":
                 self.stage_judge()
@@ -302,6 +337,9 @@ class Pipeline:
                     print(f"=== [{stage}] interrupted earlier; continuing from its latest checkpoint")
                     cmd.append("--resume")
                 self.run(stage, cmd)
+                problem = self.incomplete(stage)
+                if problem:  # the stage's command ended without error, yet its outputs are not complete
+                    raise RuntimeError(f"[{stage}] ended, but {problem}; rerun it: python pipeline.py --force {stage}")
             with open(self.marker(stage), "w") as f:
                 json.dump({"stage": stage, "wall_time_s": round(time.time() - t0, 1), "finished": time.time()}, f)
         print(f"\npipeline finished in {time.time() - t_start:.0f} s (this invocation); report: {self.report_dir}/results.md")

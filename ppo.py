@@ -18,8 +18,9 @@ One update = one rollout of `total_batch_size` episodes followed by K PPO epochs
 Single process:   python ppo.py --sft_model_path models/sft --reward_model_path models/rm
 Several:          accelerate launch --config_file zero2.yaml ppo.py ...
 After a crash:    the same command with --resume: it continues from the latest checkpoint in
-                  runs/{run_name}/checkpoints (policy + critic, AdamW, KL controller, reward statistics, data
-                  position, RNG states) and ends exactly like an uninterrupted run (--checkpoint_every sets how often).
+                  runs/{run_name}/checkpoints (policy + critic, AdamW, KL controller, reward statistics, RNG
+                  states; the data position follows from the update number) and ends exactly like an uninterrupted
+                  run (--checkpoint_every sets how often).
 """
 
 import contextlib
@@ -216,20 +217,18 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 
 
-def shuffled_query_batches(num_rows: int, batch_size: int, seed: int, process_index: int, num_processes: int):
-    """Detail 21: endless local index batches. Each pass over the split is a fresh permutation
-    (sampling without replacement); the incomplete tail of a pass is dropped. Every rank draws the
-    same permutation and takes its own slice of each global batch."""
+def shuffled_query_batch(num_rows: int, batch_size: int, seed: int, index: int, process_index: int, num_processes: int):
+    """Detail 21: this process's slice of global index batch number `index` (0, 1, 2, ...) of an endless stream.
+    Each pass over the split is a fresh permutation (seeded by seed + pass number: sampling without replacement);
+    the incomplete tail of a pass is dropped. Every rank draws the same permutation and takes its own slice of
+    each global batch. The batch depends on its arguments only, so a resumed run needs no replay of past draws."""
     if num_rows < batch_size:
         raise ValueError(f"the query split has {num_rows} rows, fewer than one batch of {batch_size}")
     local_batch_size = exact_div(batch_size, num_processes, "total_batch_size across processes")
-    data_pass = 0
-    while True:
-        permutation = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + data_pass))
-        for start in range(0, num_rows - batch_size + 1, batch_size):
-            local_start = start + process_index * local_batch_size
-            yield permutation[local_start : local_start + local_batch_size]
-        data_pass += 1
+    data_pass, batch_in_pass = divmod(index, num_rows // batch_size)
+    permutation = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + data_pass))
+    local_start = batch_in_pass * batch_size + process_index * local_batch_size
+    return permutation[local_start : local_start + local_batch_size]
 
 
 def action_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, pad_token_id: int):
@@ -301,13 +300,9 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
     return advantages, advantages + values
 
 
-def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, returns, mask, cliprange, cliprange_value):
-    """Clipped policy loss and clipped value loss (both masked means), and per-microbatch stats."""
-    vpred_clipped = old_values + torch.clamp(vpred - old_values, -cliprange_value, cliprange_value)
-    vf_losses_unclipped = (vpred - returns) ** 2
-    vf_losses_clipped = (vpred_clipped - returns) ** 2
-    vf_loss = 0.5 * masked_mean(torch.max(vf_losses_unclipped, vf_losses_clipped), mask)
-    log_ratio = new_logprobs - old_logprobs
+def clipped_policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float):
+    """PPO's clipped surrogate: the masked mean of max(-A * r, -A * clip(r, 1 - eps, 1 + eps)) over the ratios
+    r = exp(log_ratio) of new to rollout probabilities, and its per-micro-batch stats."""
     ratio = torch.exp(log_ratio)
     pg_losses_unclipped = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
@@ -316,29 +311,454 @@ def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, return
         stats = {
             "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
             "pg_clipfrac": masked_mean((pg_losses_clipped > pg_losses_unclipped).float(), mask),
-            "vf_clipfrac": masked_mean((vf_losses_clipped > vf_losses_unclipped).float(), mask),
             "ratio": masked_mean(ratio, mask),
         }
+    return pg_loss, stats
+
+
+def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, returns, mask, cliprange, cliprange_value):
+    """Clipped policy loss and clipped value loss (both masked means over the tokens), and per-micro-batch stats."""
+    pg_loss, stats = clipped_policy_loss(new_logprobs - old_logprobs, advantages, mask, cliprange)
+    vpred_clipped = old_values + torch.clamp(vpred - old_values, -cliprange_value, cliprange_value)
+    vf_losses_unclipped = (vpred - returns) ** 2
+    vf_losses_clipped = (vpred_clipped - returns) ** 2
+    vf_loss = 0.5 * masked_mean(torch.max(vf_losses_unclipped, vf_losses_clipped), mask)
+    stats["vf_clipfrac"] = masked_mean((vf_losses_clipped > vf_losses_unclipped).float(), mask).detach()
     return pg_loss, vf_loss, stats
 
 
-def skip_frozen_actor_step(actor_params) -> None:
-    """OpenRLHF (--ppo.freeze_actor_updates): a frozen actor takes no optimizer step at all. Called after
-    backward and before optimizer.step(): the actor's gradients become None, and AdamW skips a parameter
-    without a gradient (no step count, no moment update, no weight decay). Its AdamW state therefore stays
-    as it was, and its first step after the freeze is the step of a run that never froze. The actor still
-    takes part in backward, so DDP sees a gradient for every parameter."""
-    for param in actor_params:
-        param.grad = None
+class PolicyAndValue(nn.Module):
+    """Policy and critic in one module, so that one `accelerator.prepare` (DDP / DeepSpeed) and one
+    optimizer hold both, and one forward serves the PPO loss (and the ptx loss)."""
+
+    def __init__(self, policy: nn.Module, critic: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.critic = critic
+
+    def forward(self, query_responses: torch.Tensor, pad_token_id: int, context_length: int, ptx_query_responses=None):
+        logits = forward(self.policy, query_responses, pad_token_id).logits  # (B, T, V)
+        values, _, _ = get_reward(self.critic, query_responses, pad_token_id, context_length)  # (B, T) per-token values
+        ptx_logits = None
+        if ptx_query_responses is not None:
+            ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id).logits
+        return logits, values, ptx_logits
+
+    def policy_state_dict(self, state_dict: dict) -> dict:
+        """The policy's entries of a state dict of this module (e.g. the one accelerate gathers from ZeRO-3
+        shards), under the policy's own names; a missing entry is an error, not a silently incomplete model."""
+        return {name: state_dict[f"policy.{name}"] for name in self.policy.state_dict()}
+
+
+@dataclass
+class ShapedRewards:
+    """Steps 5-9 for a local rollout batch of B episodes; each (B, T) tensor is 0 after the EOS."""
+
+    mask: torch.Tensor  # (B, T) response tokens up to and including the EOS
+    last_index: torch.Tensor  # (B,) index of the EOS (the last token when there is none)
+    scores: torch.Tensor  # (B,) after the EOS trick and the optional scaling and clipping
+    contains_eos: torch.Tensor  # (B,)
+    kl: torch.Tensor  # (B, T) per-token KL estimate
+    non_score_reward: torch.Tensor  # (B, T) -kl_coef * kl
+    rewards: torch.Tensor  # (B, T) the KL penalty plus the score at the EOS
+    values: torch.Tensor  # (B, T) the critic's values from the rollout
+    advantages: torch.Tensor  # (B, T)
+    returns: torch.Tensor  # (B, T)
+
+
+def shape_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coef: float, reward_moments, gather):
+    """Steps 5-9 on a local rollout batch: mask after the EOS, EOS trick, optional reward scaling and
+    clipping, per-token KL penalty with the score at the EOS, optional reward whitening, GAE, then
+    advantage whitening. `gather` collects a tensor across ranks (for the running reward statistics)."""
+    responses = data["responses"]
+    mask, last_index = response_mask(responses, pad_token_id)  # kept tokens: up to and including the EOS
+    scores = data["scores"]
+    contains_eos = (responses == eos_token_id).any(1)
+    if args.non_eos_penalty:  # 5. Detail 23: EOS trick
+        scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
+    if args.ppo.scale_rewards:  # trlX: running-std scaling, statistics over all ranks
+        reward_moments.update(gather(scores))
+        scores = scores / max(reward_moments.std, 1e-8)
+    if args.ppo.reward_clip is not None:
+        scores = torch.clamp(scores, -args.ppo.reward_clip, args.ppo.reward_clip)
+    # 6. per-token KL penalty and the score at the EOS; everything after the EOS is masked
+    kl = kl_per_token(data["logprobs"], data["ref_logprobs"], args.ppo.kl_estimator) * mask
+    rewards, non_score_reward = per_token_rewards(scores, kl, mask, last_index, kl_coef)
+    # whitening statistics of the global rollout batch: summing over processes = summing the gathered copies
+    sum_over_processes = (lambda x: gather(x.reshape(1)).sum()) if args.ppo.whiten_across_processes else None
+    if args.ppo.whiten_rewards:  # 7. Detail 24 (optional)
+        rewards = masked_whiten(rewards, mask, shift_mean=False, sum_over_processes=sum_over_processes)
+    values = data["values"] * mask
+    advantages, returns = compute_gae(rewards, values, mask, args.ppo.gamma, args.ppo.lam)  # 8.
+    if args.ppo.whiten_advantages:  # 9. Detail 25
+        advantages = masked_whiten(advantages, mask, sum_over_processes=sum_over_processes)
+    return ShapedRewards(mask, last_index, scores, contains_eos, kl, non_score_reward, rewards, values, advantages,
+                         returns)
+
+
+def policy_value_forward(model, query_responses, context_length: int, temperature: float, pad_token_id: int,
+                         ptx_query_responses=None):
+    """The training-time forward: temperature-scaled logprobs of the responses (B, T), the full
+    log-softmax (B, T, V), the values (B, T) of the state before each response token, ptx logits."""
+    logits, full_values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses)
+    new_logprobs, all_logprobs = action_logprobs(
+        logits[:, context_length - 1 : -1], query_responses[:, context_length:], temperature, pad_token_id
+    )
+    return new_logprobs, all_logprobs, full_values[:, context_length - 1 : -1].float(), ptx_logits
+
+
+def reference_logits(ref_policy, policy, query_responses, pad_token_id):
+    """Reference policy logits: a separate (or Hydra) frozen model, or the LoRA policy with its adapters off."""
+    if ref_policy is None:
+        with policy.disable_adapter():
+            return forward(policy, query_responses, pad_token_id).logits
+    return forward(ref_policy, query_responses, pad_token_id).logits
+
+
+@torch.no_grad()
+def rollout(args, accelerator, model, ref_policy, reward_model, queries, tokenizer, generation_config, timers,
+            offload_by_hand: bool):
+    """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size. Returns the raw
+    (untruncated) query_responses, the truncated responses, temperature-scaled logprobs of policy and
+    reference and RM scores (B,) before the EOS trick. offload_by_hand: move the
+    frozen models to the device around each use (--offload, see place_frozen_models)."""
+    unwrapped = accelerator.unwrap_model(model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    context_length = queries.size(1)
+    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "scores")}
+    for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
+        query = queries[start : start + args.local_rollout_forward_batch_size]
+        t0 = time.time()
+        # 2. fixed-length sampling with the KV cache; EOS can be sampled but never stops generation
+        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
+        t1 = time.time()
+        response = query_response[:, context_length:]  # (b, T)
+        # temperature-scaled logprobs from a full forward pass: the same computation as the update,
+        # so the first ratio is exactly 1 without dropout (Detail 7)
+        logits = forward(unwrapped.policy, query_response, pad_id).logits[:, context_length - 1 : -1]
+        logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
+        del logits
+        ref_model = ref_policy if ref_policy is not None else unwrapped.policy
+        with placed_on(ref_model, accelerator.device, offload_by_hand and ref_policy is not None):
+            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id)
+        ref_logprob, _ = action_logprobs(ref_logits[:, context_length - 1 : -1], response, args.temperature, pad_id)
+        del ref_logits
+        # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
+        truncated = truncate_response(eos_id, pad_id, response)
+        with placed_on(reward_model, accelerator.device, offload_by_hand):
+            _, score, _ = get_reward(reward_model, torch.cat((query, truncated), 1), pad_id, context_length)
+        timers["generation"] += t1 - t0
+        timers["scoring"] += time.time() - t1
+        out["query_responses"].append(query_response)
+        out["responses"].append(truncated)
+        out["logprobs"].append(logprob)
+        out["ref_logprobs"].append(ref_logprob)
+        out["scores"].append(score.float())
+    return {k: torch.cat(v, 0) for k, v in out.items()}
+
+
+@torch.no_grad()
+def critic_values(args, accelerator, model, query_responses, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """The critic's values (B, T_response) of the rollout, V(state before each response token), in chunks of
+    local_rollout_forward_batch_size."""
+    critic, size = accelerator.unwrap_model(model).critic, args.local_rollout_forward_batch_size
+    chunks = [get_reward(critic, query_responses[i : i + size], pad_token_id, context_length)[0]
+              for i in range(0, query_responses.size(0), size)]
+    return torch.cat(chunks, 0)[:, context_length - 1 : -1].float()
+
+
+def ppo_update(args, accelerator, model, optimizer, data: dict, shaped, update: int, run,
+               actor_freeze, ptx, pad_token_id: int) -> dict:
+    """The update: K epochs over the local rollout batch, each a fresh permutation cut into micro batches; every
+    gradient_accumulation_steps of them make a minibatch and one optimizer step. Returns this process's
+    statistics of each micro batch, (K, num_mini_batches, gradient_accumulation_steps) tensors. actor_freeze
+    (ActorFreeze) and ptx (PtxData) are the two options that act inside the update; off, they change nothing."""
+    local_batch_size, response_length = data["responses"].shape
+    context_length = data["query_responses"].size(1) - response_length
+    micro = args.local_micro_batch_size
+    K, nmb = args.ppo.num_ppo_epochs, args.ppo.num_mini_batches
+    ga = local_batch_size // nmb // micro
+    device = accelerator.device
+    names = ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio", "ptx_loss")
+    stats = {name: torch.zeros((K, nmb, ga), device=device) for name in names}
+    model.train()
+    for epoch in range(K):
+        permutation = torch.randperm(local_batch_size, device=device)
+        for step in range(nmb * ga):  # micro batch `step` of this epoch is micro batch `micro_index` of minibatch `mb`
+            mb, micro_index = divmod(step, ga)
+            idx = permutation[step * micro : (step + 1) * micro]
+            with accelerator.accumulate(model):
+                ptx_tokens, ptx_labels = ptx.batch(update, epoch * nmb * ga + step, device)
+                new_logprobs, all_logprobs, vpred, ptx_logits = policy_value_forward(
+                    model, data["query_responses"][idx], context_length, args.temperature, pad_token_id, ptx_tokens
+                )
+                pg_loss, vf_loss, mb_stats = ppo_losses(
+                    new_logprobs, data["logprobs"][idx], shaped.advantages[idx], vpred, shaped.values[idx],
+                    shaped.returns[idx], shaped.mask[idx], args.ppo.cliprange, args.ppo.cliprange_value,
+                )
+                ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
+                loss = actor_freeze.policy_loss_weight(update) * pg_loss + args.ppo.vf_coef * vf_loss
+                loss = loss + ptx.coef * ptx_loss
+                # non-finite guard: checked before backward, so the optimizer never applies it
+                run.guard(update, **{f"ppo/loss (epoch {epoch + 1}, minibatch {mb + 1})": loss})
+                accelerator.backward(loss)
+                actor_freeze.before_step(update)
+                optimizer.step()  # a no-op until the last micro batch of the minibatch
+                optimizer.zero_grad()
+            with torch.no_grad():
+                probs = all_logprobs.exp()
+                token_entropy = -(probs * torch.where(probs > 0, all_logprobs, 0.0)).sum(-1)
+                mb_stats.update(pg_loss=pg_loss.detach(), vf_loss=vf_loss.detach(), ptx_loss=ptx_loss.detach(),
+                                entropy=masked_mean(token_entropy, shaped.mask[idx]))
+                for name, value in mb_stats.items():
+                    stats[name][epoch, mb, micro_index] = value
+    return stats
+
+
+def ppo_metrics(stats: dict, num_eos_tokens: torch.Tensor) -> dict:
+    """The PPO statistics of an update (gathered from every process), averaged over its micro batches."""
+    return {
+        "ppo/policy/approxkl_avg": stats["approxkl"].mean().item(),
+        "ppo/policy/clipfrac_avg": stats["pg_clipfrac"].mean().item(),
+        "ppo/policy/entropy_avg": stats["entropy"].mean().item(),
+        "ppo/loss/policy_avg": stats["pg_loss"].mean().item(),
+        "ppo/loss/value_avg": stats["vf_loss"].mean().item(),
+        "ppo/loss/ptx_avg": stats["ptx_loss"].mean().item(),
+        "ppo/val/clipfrac_avg": stats["vf_clipfrac"].mean().item(),
+        "ppo/val/ratio": stats["ratio"].mean().item(),
+        "ppo/val/ratio_var": stats["ratio"].var(unbiased=False).item(),
+        "ppo/val/num_eos_tokens": num_eos_tokens.item(),
+    }
+
+
+def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, data: dict, shaped, stats: dict,
+                   timers: dict, eos_token_id: int, algorithm_metrics) -> dict:
+    """The update's metrics: rollout sums per episode, the statistics of the update's micro batches (named by
+    `algorithm_metrics`), each averaged over the global batch (gathered across processes), and the shares of the
+    update's time."""
+    gather = accelerator.gather
+    kl_sum, non_score_sum = gather(shaped.kl.sum(1)), gather(shaped.non_score_reward.sum(1))
+    entropy_sum, scores = gather((-data["logprobs"] * shaped.mask).sum(1)), gather(shaped.scores)
+    stats = {name: gather(value) for name, value in stats.items()}
+    num_eos_tokens = gather((data["responses"] == eos_token_id).sum().unsqueeze(0)).sum()
+    return {
+        "episode": update * args.total_batch_size,
+        "train/lr": lr,
+        "objective/kl": kl_sum.mean().item(),
+        "objective/kl_coef": kl_coef,
+        "objective/entropy": entropy_sum.mean().item(),
+        "objective/non_score_reward": non_score_sum.mean().item(),
+        "objective/rlhf_reward": non_score_sum.mean().item() + scores.mean().item(),
+        "objective/scores": scores.mean().item(),
+        "objective/eos_rate": gather(shaped.contains_eos.float()).mean().item(),
+        **algorithm_metrics(stats, num_eos_tokens),
+        "episodes_per_second": args.total_batch_size / timers["wall"],
+        "time/generation_share": timers["generation"] / timers["wall"],
+        "time/scoring_share": timers["scoring"] / timers["wall"],
+        "time/training_share": timers["training"] / timers["wall"],
+    }
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    start_processes()  # first: the batch arithmetic below depends on the number of processes
+    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
+    # ---------------- batch arithmetic (fails loudly) ----------------
+    num_processes = accelerator.num_processes
+    local_batch_size = exact_div(args.total_batch_size, num_processes, "total_batch_size across processes")
+    local_mini_batch_size = exact_div(local_batch_size, args.ppo.num_mini_batches, "local batch across minibatches")
+    gradient_accumulation_steps = exact_div(local_mini_batch_size, args.local_micro_batch_size, "local minibatch")
+    accelerator.gradient_accumulation_steps = gradient_accumulation_steps
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    num_updates = args.total_episodes // args.total_batch_size
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
+    check_flags(args, num_processes, args.ppo.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
+    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights (fresh critic head) and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+
+    # ---------------- tokenizer and models ----------------
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
+    # Detail 22: the critic starts as the reward model (a per-token RM); "sft" gets a fresh scalar head
+    critic_path = args.reward_model_path if args.critic_init == "reward" else args.sft_model_path
+    # Hydra and LoRA enter here: they decide what the reference policy is (None with LoRA)
+    policy, critic, reward_model, ref_policy = load_models(args, tokenizer, bf16, critic_path)
+    model = PolicyAndValue(policy, critic)
+    actor_params = [p for p in policy.parameters() if p.requires_grad]
+    critic_params = [p for p in critic.parameters() if p.requires_grad]
+    # two named groups, so that the actor can be frozen while the critic warms up (--ppo.freeze_actor_updates)
+    adamw = torch.optim.AdamW([{"params": actor_params, "name": "actor"}, {"params": critic_params, "name": "critic"}],
+                              lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    model, optimizer = accelerator.prepare(model, adamw)
+    device = accelerator.device
+    # the frozen models need no optimizer state (Detail 8); --offload decides where they live between uses
+    reward_model, ref_policy, offload_by_hand = place_frozen_models(args, accelerator, reward_model, ref_policy, zero3)
+    actor_freeze = ActorFreeze(args.ppo.freeze_actor_updates, actor_params, deepspeed=deepspeed_plugin is not None)
+
+    # ---------------- data ----------------
+    train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=args.ppo.ptx_coef > 0)
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+    query_tokens = torch.tensor(train_dataset["query_token"])  # (N, query_length), left-padded
+    draws_per_update = args.ppo.num_ppo_epochs * args.ppo.num_mini_batches * gradient_accumulation_steps
+    ptx = PtxData(args.ppo.ptx_coef, args, train_dataset, accelerator.process_index, num_processes, draws_per_update)
+    # sampling seed is set after the models exist, so model init stays identical across ranks
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    generation_config = sampling_config(args, tokenizer, args.temperature)
+    eval_generation_config = sampling_config(args, tokenizer, args.eval_temperature)
+
+    # ---------------- stateful PPO pieces and resume ----------------
+    kl_controller = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target_kl, args.ppo.kl_horizon, args.ppo.adaptive_kl)
+    reward_moments = RunningMoments()
+    # saved and restored with the models, the optimizer and the RNG states. The data position and the learning
+    # rate need no entry: both are functions of the update number (see the loop)
+    accelerator.register_for_checkpointing(kl_controller, reward_moments)
+    last_good = LastGoodState(run, accelerator, adamw, kl_controller, reward_moments)  # the non-finite guard's fallback
+    # the trainer state: time totals and the last metrics, for the summary
+    state = run.start({"update": 0, "wall_time_s": 0.0, "metrics": {},
+                       "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}},
+                      num_updates=num_updates, total_batch_size=args.total_batch_size)
+    start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
+    accelerator.print(
+        f"PPO: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} processes x {local_batch_size}); "
+        f"{args.ppo.num_ppo_epochs} epochs x {args.ppo.num_mini_batches} minibatches x {gradient_accumulation_steps} "
+        f"micro batches of {args.local_micro_batch_size}"
+    )
+    progress = tqdm(range(state["update"] + 1, num_updates + 1), initial=state["update"], total=num_updates,
+                    disable=not accelerator.is_local_main_process)
+    for update in progress:
+        with last_good.kept(update, state):  # a non-finite rollout leaves the state after update - 1 as a checkpoint
+            update_start, timers = time.time(), {"generation": 0.0, "scoring": 0.0}
+            # linear decay to 0 over the run (Table 7); a frozen actor (OpenRLHF) gets lr 0
+            lr = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
+            actor_freeze.set_lr(optimizer, update, lr)
+
+            # ---------------- rollout: steps 1-5 ----------------
+            model.eval()  # rollouts sample without dropout; with Detail 7 (dropout off) train() and eval() agree
+            rows = shuffled_query_batch(len(query_tokens), args.total_batch_size, args.seed, update - 1,
+                                        accelerator.process_index, num_processes)
+            queries = query_tokens[rows].to(device)  # 1. Detail 21
+            with accelerator.autocast():
+                data = rollout(args, accelerator, model, ref_policy, reward_model, queries, tokenizer, generation_config,
+                               timers, offload_by_hand)
+                t_values = time.time()  # the critic's values count as scoring time, as the RM's scores do
+                data["values"] = critic_values(args, accelerator, model, data["query_responses"], pad_id, queries.size(1))
+            timers["scoring"] += time.time() - t_values
+
+            # ---------------- steps 5-9: EOS trick, KL penalty, GAE, whitening ----------------
+            t_shaping = time.time()
+            with torch.no_grad():
+                shaped = shape_rewards(args, data, eos_id, pad_id, kl_controller.value, reward_moments, accelerator.gather)
+            # non-finite guard on the rollout, before any optimizer step uses it. The raw RM scores are checked
+            # themselves: the EOS trick would hide a NaN score of a response without EOS.
+            run.guard(update, **{"rollout/rm_scores": data["scores"], "rollout/rewards": shaped.rewards,
+                                 "rollout/advantages": shaped.advantages})
+            timers["scoring"] += time.time() - t_shaping
+
+            # ---------------- PPO update: K epochs x minibatches x micro batches ----------------
+            t_train = time.time()
+            stats = ppo_update(args, accelerator, model, optimizer, data, shaped, update, run, actor_freeze, ptx, pad_id)
+            timers["training"] = time.time() - t_train
+            timers["wall"] = time.time() - update_start
+
+            # ---------------- logging: whole-update averages gathered across ranks ----------------
+            metrics = update_metrics(args, accelerator, update, lr, kl_controller.value, data, shaped, stats, timers,
+                                     eos_id, ppo_metrics)
+            kl_controller.update(metrics["objective/kl"], args.total_batch_size)  # no-op without --ppo.adaptive_kl
+            run.log(update, metrics)
+            totals = {key: state["totals"][key] + timers[key] for key in state["totals"]}
+            state = {"wall_time_s": time.time() - start_time, "totals": totals, "metrics": metrics}
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                             eps=f"{metrics['episodes_per_second']:.1f}")
+        if due(args.print_sample_every, update):
+            accelerator.print(f"[update {update}] score {shaped.scores[0].item():.3f} | "
+                              + tokenizer.decode(data["responses"][0], skip_special_tokens=True))
+        del data, shaped, stats
+        if due(args.eval_every, update, num_updates):
+            eval_metrics, _ = evaluation(run, f"step_{update:06d}", evaluate(
+                args, accelerator, model, reward_model, eval_dataset, tokenizer, eval_generation_config, offload_by_hand))
+            run.log(update, {"episode": update * args.total_batch_size, **eval_metrics})
+        if due(args.save_policy_every, update, num_updates):
+            save_policy(accelerator, model, tokenizer, os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"),
+                        args.lora_rank > 0)
+        # resumable checkpoint, after this update's logging and evaluation: a resumed run starts with the next
+        # update, with the RNG states as they are now (not at the final update: the model is saved)
+        if due(args.checkpoint_every, update, num_updates):
+            run.checkpoint(update, state)
+    progress.close()
+
+    # ---------------- final evaluation and outputs ----------------
+    eval_metrics, table = evaluation(run, f"step_{num_updates:06d}", evaluate(
+        args, accelerator, model, reward_model, eval_dataset, tokenizer, eval_generation_config, offload_by_hand))
+    run.log(num_updates, {"episode": num_updates * args.total_batch_size, **eval_metrics})
+    save_policy(accelerator, model, tokenizer, args.output_dir, args.lora_rank > 0)
+    totals = state["totals"]
+    summary = {
+        **eval_metrics,
+        **{k: v for k, v in state["metrics"].items() if k.startswith("objective/")},
+        "episodes": num_updates * args.total_batch_size,
+        "episodes_per_second": num_updates * args.total_batch_size / totals["wall"],
+        "time/generation_share": totals["generation"] / totals["wall"],
+        "time/scoring_share": totals["scoring"] / totals["wall"],
+        "time/training_share": totals["training"] / totals["wall"],
+        "wall_time_s": time.time() - start_time,
+    }
+    run.save_table(table, "samples.csv")
+    run.finish(summary)
+    if accelerator.is_main_process and args.push_to_hub:
+        accelerator.unwrap_model(model).policy.push_to_hub(args.hub_model_id or args.run_name)
+        tokenizer.push_to_hub(args.hub_model_id or args.run_name)
+    accelerator.print(json.dumps(summary, indent=2))
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# The trlX / OpenRLHF options: each enters main at one place and does nothing when it is off
+# ---------------------------------------------------------------------------------------------
+
+
+class ActorFreeze:
+    """OpenRLHF (--ppo.freeze_actor_updates N): for the first N updates only the critic learns; with N = 0 every
+    method changes nothing. A frozen update gives the "actor" group of AdamW lr 0 and multiplies the policy loss
+    by 0 (not dropped, so that DDP still sees a gradient for every parameter)."""
+
+    def __init__(self, num_frozen_updates: int, actor_params: list, deepspeed: bool):
+        self.num_frozen_updates, self.actor_params, self.deepspeed = num_frozen_updates, actor_params, deepspeed
+
+    def set_lr(self, optimizer, update: int, lr: float) -> None:
+        for group in optimizer.param_groups:  # main's AdamW has two named groups, "actor" and "critic"
+            group["lr"] = 0.0 if group["name"] == "actor" and update <= self.num_frozen_updates else lr
+
+    def policy_loss_weight(self, update: int) -> float:
+        return 0.0 if update <= self.num_frozen_updates else 1.0
+
+    def before_step(self, update: int) -> None:
+        """Called after backward: a frozen actor's gradients become None, and AdamW skips a parameter without one
+        (no step count, no moment update, no weight decay), so its first step after the freeze is the step of a
+        run that never froze. Under DeepSpeed the engine has stepped inside accelerator.backward, on its own copy
+        of the weights: there lr 0 and the zero policy gradient keep them, while AdamW counts the frozen steps."""
+        if update <= self.num_frozen_updates and not self.deepspeed:
+            for param in self.actor_params:
+                param.grad = None
 
 
 class AdaptiveKLController:
-    """trlX / Ziegler et al. (2019): move kl_coef proportionally to the KL error, clipped to +-20%."""
+    """trlX / Ziegler et al. (2019): move kl_coef proportionally to the KL error, clipped to +-20%. With
+    adaptive=False (the adaptive_kl flag off) kl_coef stays at its initial value: update() is a no-op."""
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: int):
-        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+    def __init__(self, init_kl_coef: float, target: float, horizon: int, adaptive: bool = True):
+        self.value, self.target, self.horizon, self.adaptive = init_kl_coef, target, horizon, adaptive
 
     def update(self, current_kl: float, num_episodes: int) -> None:
+        if not self.adaptive:
+            return
         proportional_error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
         self.value *= 1.0 + proportional_error * num_episodes / self.horizon
 
@@ -381,54 +801,6 @@ class RunningMoments:
         self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The stack of transformer blocks of a causal LM (GPT-NeoX `layers`, GPT-2 `h`, ...)."""
-    backbone = getattr(model, model.base_model_prefix)
-    for name in ("layers", "h", "blocks"):
-        layers = getattr(backbone, name, None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} for Hydra")
-
-
-def build_hydra_reference(policy: nn.Module, num_layers_unfrozen: int) -> nn.Module:
-    """Hydra (trlX): freeze the embeddings and the bottom layers of the policy, and build the reference
-    as a model that SHARES those frozen modules with the policy and owns frozen copies of the top
-    `num_layers_unfrozen` layers, the final norm and the LM head. The trunk exists once in memory.
-    (trlX also reuses the trunk's activations; here the reference recomputes them, which keeps the
-    code model-agnostic at the cost of compute, not memory.)"""
-    layers = decoder_layers(policy)
-    if not 1 <= num_layers_unfrozen <= len(layers):
-        raise ValueError(f"--num_layers_unfrozen must be in [1, {len(layers)}], got {num_layers_unfrozen}")
-    num_frozen = len(layers) - num_layers_unfrozen
-    shared = [policy.get_input_embeddings()] + list(layers[:num_frozen])
-    for module in shared:
-        module.requires_grad_(False)
-    # deepcopy with a memo that maps each shared module to itself: those are reused, not copied
-    memo = {id(module): module for module in shared}
-    reference = copy.deepcopy(policy, memo)
-    reference.requires_grad_(False)
-    return reference.eval()
-
-
-class PolicyAndValue(nn.Module):
-    """Policy and critic in one module, so that one `accelerator.prepare` (DDP / DeepSpeed) and one
-    optimizer hold both, and one forward serves the PPO loss (and the ptx loss)."""
-
-    def __init__(self, policy: nn.Module, critic: nn.Module):
-        super().__init__()
-        self.policy = policy
-        self.critic = critic
-
-    def forward(self, query_responses: torch.Tensor, pad_token_id: int, context_length: int, ptx_query_responses=None):
-        logits = forward(self.policy, query_responses, pad_token_id).logits  # (B, T, V)
-        values, _, _ = get_reward(self.critic, query_responses, pad_token_id, context_length)  # (B, T) per-token values
-        ptx_logits = None
-        if ptx_query_responses is not None:
-            ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id).logits
-        return logits, values, ptx_logits
-
-
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     """PPO-ptx: next-token NLL on the reference-summary tokens (labels are [PAD] elsewhere)."""
     targets = labels[:, 1:]
@@ -436,112 +808,36 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, pad_token_id: int) -> t
     return -masked_mean(logprobs, targets != pad_token_id)
 
 
-def shape_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coef: float, reward_moments, gather):
-    """Steps 5-9 on a local rollout batch: mask after the EOS, EOS trick, optional reward scaling and
-    clipping, per-token KL penalty with the score at the EOS, optional reward whitening, GAE, then
-    advantage whitening. `gather` collects a tensor across ranks (for the running reward statistics)."""
-    responses = data["responses"]
-    mask, last_index = response_mask(responses, pad_token_id)  # kept tokens: up to and including the EOS
-    scores = data["scores"]
-    contains_eos = (responses == eos_token_id).any(1)
-    if args.non_eos_penalty:  # 5. Detail 23: EOS trick
-        scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
-    if args.ppo.scale_rewards:  # trlX: running-std scaling, statistics over all ranks
-        reward_moments.update(gather(scores))
-        scores = scores / max(reward_moments.std, 1e-8)
-    if args.ppo.reward_clip is not None:
-        scores = torch.clamp(scores, -args.ppo.reward_clip, args.ppo.reward_clip)
-    # 6. per-token KL penalty and the score at the EOS; everything after the EOS is masked
-    kl = kl_per_token(data["logprobs"], data["ref_logprobs"], args.ppo.kl_estimator) * mask
-    rewards, non_score_reward = per_token_rewards(scores, kl, mask, last_index, kl_coef)
-    # whitening statistics of the global rollout batch: summing over processes = summing the gathered copies
-    sum_over_processes = (lambda x: gather(x.reshape(1)).sum()) if args.ppo.whiten_across_processes else None
-    if args.ppo.whiten_rewards:  # 7. Detail 24 (optional)
-        rewards = masked_whiten(rewards, mask, shift_mean=False, sum_over_processes=sum_over_processes)
-    values = data["values"] * mask
-    advantages, returns = compute_gae(rewards, values, mask, args.ppo.gamma, args.ppo.lam)  # 8.
-    if args.ppo.whiten_advantages:  # 9. Detail 25
-        advantages = masked_whiten(advantages, mask, sum_over_processes=sum_over_processes)
-    return {"mask": mask, "last_index": last_index, "scores": scores, "contains_eos": contains_eos, "kl": kl,
-            "non_score_reward": non_score_reward, "rewards": rewards, "values": values,
-            "advantages": advantages, "returns": returns}
+class PtxData:
+    """PPO-ptx (InstructGPT, OpenRLHF; the ptx_coef flag): every micro batch adds ptx_coef x the SFT loss of a batch
+    of reference summaries, drawn like the queries (shuffled passes, Detail 21) with a seed of its own. With
+    ptx_coef 0 (off) there is no batch and the loss is 0."""
 
+    def __init__(self, ptx_coef: float, args, train_dataset, process_index: int, num_processes: int,
+                 draws_per_update: int):
+        self.coef, self.on = ptx_coef, ptx_coef > 0
+        self.seed, self.draws_per_update = args.seed + 7919, draws_per_update
+        self.process_index, self.num_processes = process_index, num_processes
+        self.batch_size = args.local_micro_batch_size * num_processes
+        if self.on:
+            self.tokens = torch.tensor(train_dataset["query_reference_response_token"])
+            self.labels = torch.tensor(train_dataset["query_reference_response_token_response_label"])
 
-def policy_value_forward(model, query_responses, context_length: int, temperature: float, pad_token_id: int,
-                         ptx_query_responses=None):
-    """The training-time forward: temperature-scaled logprobs of the responses (B, T), the full
-    log-softmax (B, T, V), the values (B, T) of the state before each response token, ptx logits."""
-    logits, full_values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses)
-    new_logprobs, all_logprobs = action_logprobs(
-        logits[:, context_length - 1 : -1], query_responses[:, context_length:], temperature, pad_token_id
-    )
-    return new_logprobs, all_logprobs, full_values[:, context_length - 1 : -1].float(), ptx_logits
+    def batch(self, update: int, draw: int, device):
+        """Tokens and labels of the ptx batch of micro batch `draw` of `update` (None, None when off)."""
+        if not self.on:
+            return None, None
+        index = (update - 1) * self.draws_per_update + draw
+        rows = shuffled_query_batch(len(self.tokens), self.batch_size, self.seed, index, self.process_index,
+                                    self.num_processes)
+        return self.tokens[rows].to(device), self.labels[rows].to(device)
 
-
-@contextlib.contextmanager
-def placed_on(model: nn.Module, device: torch.device, offload: bool):
-    """--offload: keep a frozen model on CPU and bring it to the accelerator only while it is used."""
-    if offload:
-        model.to(device)
-    try:
-        yield model
-    finally:
-        if offload:
-            model.to("cpu")
-
-
-def reference_logits(ref_policy, policy, query_responses, pad_token_id):
-    """Reference policy logits: a separate (or Hydra) frozen model, or the LoRA policy with its adapters off."""
-    if ref_policy is None:
-        with policy.disable_adapter():
-            return forward(policy, query_responses, pad_token_id).logits
-    return forward(ref_policy, query_responses, pad_token_id).logits
+    def loss(self, logits, labels, pad_token_id: int, device) -> torch.Tensor:
+        return torch.zeros((), device=device) if logits is None else sft_loss(logits, labels, pad_token_id)
 
 
 @torch.no_grad()
-def rollout(args, accelerator, model, ref_policy, reward_model, queries, tokenizer, generation_config, timers):
-    """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size. Returns the raw
-    (untruncated) query_responses, the truncated responses, temperature-scaled logprobs of policy and
-    reference, critic values (B, T_response) and RM scores (B,) before the EOS trick."""
-    unwrapped = accelerator.unwrap_model(model)
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    context_length = queries.size(1)
-    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "values", "scores")}
-    for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
-        query = queries[start : start + args.local_rollout_forward_batch_size]
-        t0 = time.time()
-        # 2. fixed-length sampling with the KV cache; EOS can be sampled but never stops generation
-        query_response, _ = generate(unwrapped.policy, query, pad_id, generation_config)
-        t1 = time.time()
-        response = query_response[:, context_length:]  # (b, T)
-        # temperature-scaled logprobs from a full forward pass: the same computation as the PPO update,
-        # so the first ratio is exactly 1 without dropout (Detail 7)
-        logits = forward(unwrapped.policy, query_response, pad_id).logits[:, context_length - 1 : -1]
-        logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
-        del logits
-        ref_model = ref_policy if ref_policy is not None else unwrapped.policy
-        with placed_on(ref_model, accelerator.device, args.offload and ref_policy is not None):
-            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id)
-        ref_logprob, _ = action_logprobs(ref_logits[:, context_length - 1 : -1], response, args.temperature, pad_id)
-        del ref_logits
-        # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
-        truncated = truncate_response(eos_id, pad_id, response)
-        with placed_on(reward_model, accelerator.device, args.offload):
-            _, score, _ = get_reward(reward_model, torch.cat((query, truncated), 1), pad_id, context_length)
-        full_values, _, _ = get_reward(unwrapped.critic, query_response, pad_id, context_length)
-        timers["generation"] += t1 - t0
-        timers["scoring"] += time.time() - t1
-        out["query_responses"].append(query_response)
-        out["responses"].append(truncated)
-        out["logprobs"].append(logprob)
-        out["ref_logprobs"].append(ref_logprob)
-        out["values"].append(full_values[:, context_length - 1 : -1].float())  # V(state before each token)
-        out["scores"].append(score.float())
-    return {k: torch.cat(v, 0) for k, v in out.items()}
-
-
-@torch.no_grad()
-def evaluate(args, accelerator, model, reward_model, eval_dataset, tokenizer, generation_config):
+def evaluate(args, accelerator, model, reward_model, eval_dataset, tokenizer, generation_config, offload_by_hand: bool):
     """Sample the first num_eval_samples validation queries (split evenly across ranks so that every
     rank runs the same number of generate calls), score them and return the rows of the sample table."""
     unwrapped = accelerator.unwrap_model(model)
@@ -553,9 +849,9 @@ def evaluate(args, accelerator, model, reward_model, eval_dataset, tokenizer, ge
         batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
         query = torch.tensor(batch["query_token"], device=accelerator.device)
         context_length = query.size(1)
-        query_response, _ = generate(unwrapped.policy, query, pad_id, generation_config)
+        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
         truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
-        with placed_on(reward_model, accelerator.device, args.offload):
+        with placed_on(reward_model, accelerator.device, offload_by_hand):
             _, score, _ = get_reward(reward_model, torch.cat((query, truncated), 1), pad_id, context_length)
         _, last_index = response_mask(truncated, pad_id)
         has_eos = (truncated == eos_id).any(1)
@@ -573,9 +869,56 @@ def evaluate(args, accelerator, model, reward_model, eval_dataset, tokenizer, ge
     return gather_object(rows)
 
 
+def evaluation(run, tag: str, rows: list):
+    """Save the rows of an evaluation as samples/{tag}.csv; return its metrics and the table."""
+    table = pd.DataFrame(rows)
+    run.save_table(table, f"samples/{tag}.csv")
+    return {"eval/score": float(table["score"].mean()), "eval/eos_rate": float(table["has_eos"].mean()),
+            "eval/response_token_len_mean": float(table["response_token_len"].mean())}, table
+
+
 # ---------------------------------------------------------------------------------------------
 # Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
 # ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
+    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
+    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
+    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -609,7 +952,6 @@ def forward(model, query_responses: torch.Tensor, pad_token_id: int):
         attention_mask=attention_mask,
         position_ids=position_ids,
         return_dict=True,
-        output_hidden_states=True,
     )
 
 
@@ -658,46 +1000,100 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
-def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
-    """Sample continuations of LEFT-padded queries with the KV cache.
-
-    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
-    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
     context_length = queries.size(1)
     attention_mask = queries != pad_token_id
     input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    output = lm.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=generation_config,
-        return_dict_in_generate=True,
-        output_logits=True,
+    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    return torch.cat((queries, sequences[:, context_length:]), dim=1)
+
+
+def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
+    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
+    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
+    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
+    if temperature < 0:
+        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
+        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
     )
-    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
 
 
-def load_models(args, tokenizer, bf16: bool):
-    """The four models of PPO: the policy (from the SFT model), the critic (Detail 22: from the reward model by
-    default), the frozen reward model, and the frozen reference policy (a copy of the SFT model; a Hydra head
-    that shares the policy's frozen trunk; or None with LoRA, where the reference is the policy with its
-    adapters off)."""
+# =============================================================================================
+# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
+# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
+# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
+# =============================================================================================
+
+
+def check_flags(args, num_processes: int, num_mini_batches: int, gradient_accumulation_steps: int, num_updates: int,
+                zero3: bool) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    check_gradient_accumulation(args, gradient_accumulation_steps, num_processes, num_mini_batches)
+    if num_updates < 1:
+        raise ValueError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
+    if args.lora_rank > 0 and args.num_layers_unfrozen >= 0:
+        raise ValueError("choose one of --lora_rank and --num_layers_unfrozen (each builds its own reference)")
+    if args.offload and args.num_layers_unfrozen >= 0:
+        raise ValueError("--offload cannot move a Hydra reference: it shares its trunk with the policy")
+    if zero3 and args.num_layers_unfrozen >= 0:
+        raise ValueError("Hydra shares modules between policy and reference, which ZeRO-3 cannot partition")
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
+        )
+    return tokenizer
+
+
+def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini_batches: int = 1) -> None:
+    """--gradient_accumulation_steps left out (None) takes `derived`, the micro batches per optimizer step that the
+    batch sizes give; a stated value must equal it (it checks the batch arithmetic, it never overrides it)."""
+    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps != derived:
+        raise ValueError(
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not match total_batch_size "
+            f"{args.total_batch_size} / ({num_processes} processes x {num_mini_batches} minibatches x "
+            f"{args.local_micro_batch_size} micro batch) = {derived}; leave it out or change the batch sizes"
+        )
+
+
+def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
+    """The models: the policy (from the SFT model), the critic (from critic_path; None = no critic), the frozen
+    reward model, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
+    frozen trunk; or None with LoRA, where the reference is the policy with its adapters off)."""
     frozen_dtype = torch.bfloat16 if bf16 else torch.float32
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    critic_path = args.reward_model_path if args.critic_init == "reward" else args.sft_model_path
-    # Detail 22: the critic starts as the reward model (a per-token RM); "sft" gets a fresh scalar head
-    critic = AutoModelForSequenceClassification.from_pretrained(
+    critic = None if critic_path is None else AutoModelForSequenceClassification.from_pretrained(
         critic_path, num_labels=1, trust_remote_code=args.trust_remote_code
     )
     reward_model = AutoModelForSequenceClassification.from_pretrained(
         args.reward_model_path, num_labels=1, dtype=frozen_dtype, trust_remote_code=args.trust_remote_code
     )
-    for model in (policy, critic, reward_model):
+    loaded = [model for model in (policy, critic, reward_model) if model is not None]
+    for model in loaded:
         # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
         if model.config.vocab_size < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     if args.disable_dropout:  # Detail 7
-        for model in (policy, critic, reward_model):
+        for model in loaded:
             disable_dropout(model)
     reward_model.requires_grad_(False).eval()
     if args.lora_rank > 0:
@@ -719,354 +1115,54 @@ def load_models(args, tokenizer, bf16: bool):
     return policy, critic, reward_model, ref_policy
 
 
-def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
-    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
-    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action."""
-    return GenerationConfig(
-        max_new_tokens=args.response_length, temperature=temperature, top_k=0, top_p=1.0, do_sample=True,
-        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
-    )
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of transformer blocks of a causal LM (GPT-NeoX `layers`, GPT-2 `h`, ...)."""
+    backbone = getattr(model, model.base_model_prefix)
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(backbone, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} for Hydra")
 
 
-def main(args: Args) -> dict:
-    start_time = time.time()
-    bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    start_processes()  # first: the batch arithmetic below depends on the number of processes
-    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
-    # ---------------- batch arithmetic (fails loudly) ----------------
-    num_processes = accelerator.num_processes
-    local_batch_size = exact_div(args.total_batch_size, num_processes, "total_batch_size across processes")
-    local_mini_batch_size = exact_div(local_batch_size, args.ppo.num_mini_batches, "local batch across minibatches")
-    gradient_accumulation_steps = exact_div(local_mini_batch_size, args.local_micro_batch_size, "local minibatch")
-    accelerator.gradient_accumulation_steps = gradient_accumulation_steps
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    num_updates = args.total_episodes // args.total_batch_size
-    deepspeed_plugin = accelerator.state.deepspeed_plugin
-    zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
-    check_flags(args, num_processes, gradient_accumulation_steps, num_updates, zero3)
-    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+def build_hydra_reference(policy: nn.Module, num_layers_unfrozen: int) -> nn.Module:
+    """Hydra (trlX): freeze the embeddings and the bottom layers of the policy, and build the reference
+    as a model that SHARES those frozen modules with the policy and owns frozen copies of the top
+    `num_layers_unfrozen` layers, the final norm and the LM head. The trunk exists once in memory.
+    (trlX also reuses the trunk's activations; here the reference recomputes them, which keeps the
+    code model-agnostic at the cost of compute, not memory.)"""
+    layers = decoder_layers(policy)
+    if not 1 <= num_layers_unfrozen <= len(layers):
+        raise ValueError(f"--num_layers_unfrozen must be in [1, {len(layers)}], got {num_layers_unfrozen}")
+    num_frozen = len(layers) - num_layers_unfrozen
+    shared = [policy.get_input_embeddings()] + list(layers[:num_frozen])
+    for module in shared:
+        module.requires_grad_(False)
+    # deepcopy with a memo that maps each shared module to itself: those are reused, not copied
+    memo = {id(module): module for module in shared}
+    reference = copy.deepcopy(policy, memo)
+    reference.requires_grad_(False)
+    return reference.eval()
 
-    # ---------------- seeding (labelled, deliberate) ----------------
-    set_seed(args.seed)  # weights (fresh critic head) and data order: identical on every rank
-    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
 
-    # ---------------- tokenizer and models ----------------
-    tokenizer = load_tokenizer(args)  # Detail 3: [PAD] distinct from EOS
-    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
-    policy, critic, reward_model, ref_policy = load_models(args, tokenizer, bf16)
-    model = PolicyAndValue(policy, critic)
-    actor_params = [p for p in policy.parameters() if p.requires_grad]
-    critic_params = [p for p in critic.parameters() if p.requires_grad]
-    # two groups so that the actor can be frozen while the critic warms up (OpenRLHF, --ppo.freeze_actor_updates)
-    optimizer = torch.optim.AdamW(
-        [{"params": actor_params}, {"params": critic_params}], lr=args.lr, eps=args.eps, weight_decay=args.weight_decay
-    )
-    model, optimizer = accelerator.prepare(model, optimizer)
-    device = accelerator.device
-    # the frozen models need no optimizer state (Detail 8): see place_frozen_models
-    reward_model, ref_policy, args_for_rollout = place_frozen_models(args, accelerator, reward_model, ref_policy, zero3)
-
-    # ---------------- data ----------------
-    train_dataset, eval_dataset = load_query_data(args, tokenizer)
-    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
-    query_tokens = torch.tensor(train_dataset["query_token"])  # (N, query_length), left-padded
-    context_length = query_tokens.size(1)
-    batches = shuffled_query_batches(
-        len(train_dataset), args.total_batch_size, args.seed, accelerator.process_index, num_processes
-    )
-    if args.ppo.ptx_coef > 0:
-        ptx_tokens = torch.tensor(train_dataset["query_reference_response_token"])
-        ptx_labels = torch.tensor(train_dataset["query_reference_response_token_response_label"])
-        ptx_batches = shuffled_query_batches(
-            len(train_dataset), args.local_micro_batch_size * num_processes, args.seed + 7919,
-            accelerator.process_index, num_processes,
-        )
-    # sampling seed is set after the models exist, so model init stays identical across ranks
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
-    generation_config = sampling_config(args, tokenizer, args.temperature)
-    eval_generation_config = sampling_config(args, tokenizer, args.eval_temperature)
-
-    # ---------------- stateful PPO pieces and resume ----------------
-    kl_controller = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target_kl, args.ppo.kl_horizon)
-    reward_moments = RunningMoments()
-    # saved and restored with the models, the optimizer and the RNG states. The learning rate needs no entry:
-    # it is a function of the update number (see the loop)
-    accelerator.register_for_checkpointing(kl_controller)
-    accelerator.register_for_checkpointing(reward_moments)
-    # the trainer state: the data position is the number of index batches drawn from each sampler (replaying
-    # that many draws puts the samplers where they were); the totals and last metrics feed the summary
-    state = run.start({"update": 0, "query_batches_drawn": 0, "ptx_batches_drawn": 0, "wall_time_s": 0.0,
-                       "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}, "metrics": {}},
-                      num_updates=num_updates, total_batch_size=args.total_batch_size)
-    start_update = state["update"]
-    start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
-    drawn = {"query": 0, "ptx": 0}  # index batches drawn so far from each sampler
-
-    def next_query_batch() -> torch.Tensor:
-        drawn["query"] += 1
-        return next(batches)
-
-    def next_ptx_batch() -> torch.Tensor:
-        drawn["ptx"] += 1
-        return next(ptx_batches)
-
-    for _ in range(state["query_batches_drawn"]):
-        next_query_batch()  # the data position: replay the draws of the updates already done
-    for _ in range(state["ptx_batches_drawn"] if args.ppo.ptx_coef > 0 else 0):
-        next_ptx_batch()
-    totals, metrics = dict(state["totals"]), dict(state["metrics"])
-
-    def trainer_state() -> dict:
-        return {"query_batches_drawn": drawn["query"], "ptx_batches_drawn": drawn["ptx"],
-                "wall_time_s": time.time() - start_time, "totals": dict(totals), "metrics": dict(metrics)}
-
-    def run_evaluation(tag: str):
-        table = pd.DataFrame(evaluate(args_for_rollout, accelerator, model, reward_model, eval_dataset, tokenizer,
-                                      eval_generation_config))
-        run.save_table(table, f"samples/{tag}.csv")
-        return {"eval/score": float(table["score"].mean()), "eval/eos_rate": float(table["has_eos"].mean()),
-                "eval/response_token_len_mean": float(table["response_token_len"].mean())}, table
-
-    K, nmb, ga = args.ppo.num_ppo_epochs, args.ppo.num_mini_batches, gradient_accumulation_steps
-    accelerator.print(
-        f"PPO: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} processes x {local_batch_size}); "
-        f"{K} epochs x {nmb} minibatches x {ga} micro batches of {args.local_micro_batch_size}"
-    )
-    progress = tqdm(range(start_update + 1, num_updates + 1), initial=start_update, total=num_updates,
-                    disable=not accelerator.is_local_main_process)
-    update, optimizer_steps = start_update, 0
+@contextlib.contextmanager
+def placed_on(model: nn.Module, device: torch.device, offload: bool):
+    """--offload: keep a frozen model on CPU and bring it to the accelerator only while it is used."""
+    if offload:
+        model.to(device)
     try:
-        for update in progress:
-            # what a checkpoint holds besides the weights and AdamW, as it stands after update - 1: put back if
-            # this update's rollout turns out non-finite (see recover_from_non_finite)
-            last_good = {"rng": rng_states(), "accelerator_step": accelerator.step, "kl": kl_controller.state_dict(),
-                         "moments": reward_moments.state_dict(), "trainer_state": trainer_state()}
-            optimizer_steps = 0  # optimizer steps of this update (the weights change from the first one on)
-            update_start = time.time()
-            timers = {"generation": 0.0, "scoring": 0.0}
-            # linear decay to 0 over the run (Table 7). A frozen actor (OpenRLHF) takes no step: see
-            # skip_frozen_actor_step; its lr of 0 is what keeps its weights under DeepSpeed
-            lr_now = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
-            actor_frozen = update <= args.ppo.freeze_actor_updates
-            optimizer.param_groups[0]["lr"] = 0.0 if actor_frozen else lr_now
-            optimizer.param_groups[1]["lr"] = lr_now
-
-            # ---------------- rollout: steps 1-5 ----------------
-            model.eval()  # rollouts sample without dropout; with Detail 7 (dropout off) train() and eval() agree
-            queries = query_tokens[next_query_batch()].to(device)  # 1. Detail 21
-            with accelerator.autocast():
-                data = rollout(args_for_rollout, accelerator, model, ref_policy, reward_model, queries, tokenizer,
-                               generation_config, timers)
-            t_post = time.time()
-            with torch.no_grad():
-                # ---------------- steps 5-9: EOS trick, KL penalty, GAE, whitening ----------------
-                kl_coef = kl_controller.value if args.ppo.adaptive_kl else args.ppo.kl_coef
-                shaped = shape_rewards(args, data, tokenizer.eos_token_id, tokenizer.pad_token_id, kl_coef,
-                                       reward_moments, accelerator.gather)
-                responses, logprobs, mask = data["responses"], data["logprobs"], shaped["mask"]
-                kl, scores, non_score_reward = shaped["kl"], shaped["scores"], shaped["non_score_reward"]
-                values, advantages, returns = shaped["values"], shaped["advantages"], shaped["returns"]
-                rewards, contains_eos = shaped["rewards"], shaped["contains_eos"]
-                # non-finite guard on the rollout, before any optimizer step uses it. The raw RM scores are
-                # checked themselves: the EOS trick would hide a NaN score of a response without EOS.
-                run.guard(update, **{"rollout/rm_scores": data["scores"], "rollout/rewards": rewards,
-                                     "rollout/advantages": advantages})
-                # rollout statistics, per episode then averaged over the global batch
-                kl_sum = accelerator.gather(kl.sum(1))
-                if args.ppo.adaptive_kl:
-                    kl_controller.update(kl_sum.mean().item(), args.total_batch_size)
-                entropy_sum = accelerator.gather((-logprobs * mask).sum(1))
-                non_score_sum = accelerator.gather(non_score_reward.sum(1))
-                all_scores = accelerator.gather(scores)
-                all_eos = accelerator.gather(contains_eos.float())
-            timers["scoring"] += time.time() - t_post
-
-            # ---------------- PPO update: K epochs x minibatches x micro batches ----------------
-            t_train = time.time()
-            model.train()
-            stat_names = ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio",
-                          "ptx_loss")
-            stats = {name: torch.zeros((K, nmb, ga), device=device) for name in stat_names}
-            query_responses = data["query_responses"]
-            for epoch in range(K):
-                permutation = torch.randperm(local_batch_size, device=device)
-                for mb, mb_start in enumerate(range(0, local_batch_size, local_mini_batch_size)):
-                    mb_indices = permutation[mb_start : mb_start + local_mini_batch_size]
-                    for micro, micro_start in enumerate(range(0, local_mini_batch_size, args.local_micro_batch_size)):
-                        with accelerator.accumulate(model):
-                            idx = mb_indices[micro_start : micro_start + args.local_micro_batch_size]
-                            ptx_input = None
-                            if args.ppo.ptx_coef > 0:
-                                ptx_idx = next_ptx_batch()
-                                ptx_input = ptx_tokens[ptx_idx].to(device)
-                            new_logprobs, all_logprobs, vpred, ptx_logits = policy_value_forward(
-                                model, query_responses[idx], context_length, args.temperature, tokenizer.pad_token_id,
-                                ptx_input,
-                            )
-                            pg_loss, vf_loss, mb_stats = ppo_losses(
-                                new_logprobs, logprobs[idx], advantages[idx], vpred, values[idx], returns[idx],
-                                mask[idx], args.ppo.cliprange, args.ppo.cliprange_value,
-                            )
-                            # frozen actor: the policy term is multiplied by 0 (not dropped) so that DDP still
-                            # sees a gradient for every parameter; the actor's gradients are dropped before the step
-                            loss = (0.0 if actor_frozen else 1.0) * pg_loss + args.ppo.vf_coef * vf_loss
-                            ptx_loss = torch.zeros((), device=device)
-                            if ptx_logits is not None:
-                                ptx_loss = sft_loss(ptx_logits, ptx_labels[ptx_idx].to(device), tokenizer.pad_token_id)
-                                loss = loss + args.ppo.ptx_coef * ptx_loss
-                            # non-finite guard: checked before backward, so the optimizer never applies it
-                            run.guard(update, **{f"ppo/loss (epoch {epoch + 1}, minibatch {mb + 1})": loss})
-                            accelerator.backward(loss)
-                            # a frozen actor takes no step. Under DeepSpeed the engine steps inside
-                            # accelerator.backward, on its own copies of the weights: there the actor's lr of 0 and
-                            # zero policy gradient keep its weights, while its AdamW state counts the frozen steps
-                            if actor_frozen and deepspeed_plugin is None:
-                                skip_frozen_actor_step(actor_params)
-                            optimizer.step()  # a no-op until the last micro batch of the minibatch
-                            optimizer.zero_grad()
-                            optimizer_steps += int(accelerator.sync_gradients)
-                            with torch.no_grad():
-                                probs = all_logprobs.exp()
-                                token_entropy = -(probs * torch.where(probs > 0, all_logprobs, 0.0)).sum(-1)
-                                for name, value in mb_stats.items():
-                                    stats[name][epoch, mb, micro] = value
-                                stats["pg_loss"][epoch, mb, micro] = pg_loss.detach()
-                                stats["vf_loss"][epoch, mb, micro] = vf_loss.detach()
-                                stats["entropy"][epoch, mb, micro] = masked_mean(token_entropy, mask[idx])
-                                stats["ptx_loss"][epoch, mb, micro] = ptx_loss.detach()
-            timers["training"] = time.time() - t_train
-            update_time = time.time() - update_start
-            for key in ("generation", "scoring", "training"):
-                totals[key] += timers[key]
-            totals["wall"] += update_time
-
-            # ---------------- logging: whole-update averages gathered across ranks ----------------
-            with torch.no_grad():
-                gathered = {name: accelerator.gather(value) for name, value in stats.items()}
-                num_eos_tokens = accelerator.gather((responses == tokenizer.eos_token_id).sum().unsqueeze(0)).sum()
-            episode = update * args.total_batch_size
-            metrics = {
-                "episode": episode,
-                "lr": lr_now,
-                "objective/kl": kl_sum.mean().item(),
-                "objective/kl_coef": kl_coef,
-                "objective/entropy": entropy_sum.mean().item(),
-                "objective/non_score_reward": non_score_sum.mean().item(),
-                "objective/rlhf_reward": non_score_sum.mean().item() + all_scores.mean().item(),
-                "objective/scores": all_scores.mean().item(),
-                "objective/eos_rate": all_eos.mean().item(),
-                "ppo/policy/approxkl_avg": gathered["approxkl"].mean().item(),
-                "ppo/policy/clipfrac_avg": gathered["pg_clipfrac"].mean().item(),
-                "ppo/policy/entropy_avg": gathered["entropy"].mean().item(),
-                "ppo/loss/policy_avg": gathered["pg_loss"].mean().item(),
-                "ppo/loss/value_avg": gathered["vf_loss"].mean().item(),
-                "ppo/loss/ptx_avg": gathered["ptx_loss"].mean().item(),
-                "ppo/val/clipfrac_avg": gathered["vf_clipfrac"].mean().item(),
-                "ppo/val/ratio": gathered["ratio"].mean().item(),
-                "ppo/val/ratio_var": gathered["ratio"].var(unbiased=False).item(),
-                "ppo/val/num_eos_tokens": num_eos_tokens.item(),
-                "episodes_per_second": args.total_batch_size / update_time,
-                "time/generation_share": timers["generation"] / update_time,
-                "time/scoring_share": timers["scoring"] / update_time,
-                "time/training_share": timers["training"] / update_time,
-            }
-            run.log(update, metrics)
-            progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                                 eps=f"{metrics['episodes_per_second']:.1f}")
-            if args.print_sample_every > 0 and update % args.print_sample_every == 0:
-                accelerator.print(
-                    f"[update {update}] score {scores[0].item():.3f} | "
-                    + tokenizer.decode(responses[0], skip_special_tokens=True)
-                )
-            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-                eval_metrics, _ = run_evaluation(f"step_{update:06d}")
-                run.log(update, {"episode": episode, **eval_metrics})
-            if args.save_policy_every > 0 and update % args.save_policy_every == 0 and update < num_updates:
-                save_policy(accelerator, model, tokenizer,
-                            os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"), args.lora_rank > 0)
-            del data, query_responses, rewards, advantages, returns, values
-            # resumable checkpoint, after this update's logging and evaluation: a resumed run starts with the
-            # next update, with the RNG states as they are now (not at the final update: the model is saved)
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < num_updates:
-                run.checkpoint(update, trainer_state())
-    except NonFiniteError:
-        recover_from_non_finite(run, accelerator, update, optimizer_steps, last_good, kl_controller, reward_moments)
-        raise
-    progress.close()
-
-    # ---------------- final evaluation and outputs ----------------
-    eval_metrics, table = run_evaluation(f"step_{num_updates:06d}")
-    run.log(num_updates, {"episode": num_updates * args.total_batch_size, **eval_metrics})
-    save_policy(accelerator, model, tokenizer, args.output_dir, args.lora_rank > 0)
-    summary = {
-        **eval_metrics,
-        **{k: v for k, v in metrics.items() if k.startswith("objective/")},
-        "episodes": num_updates * args.total_batch_size,
-        "episodes_per_second": num_updates * args.total_batch_size / totals["wall"],
-        "time/generation_share": totals["generation"] / totals["wall"],
-        "time/scoring_share": totals["scoring"] / totals["wall"],
-        "time/training_share": totals["training"] / totals["wall"],
-        "wall_time_s": time.time() - start_time,
-    }
-    run.save_table(table, "samples.csv")
-    run.finish(summary)
-    if accelerator.is_main_process and args.push_to_hub:
-        accelerator.unwrap_model(model).policy.push_to_hub(args.hub_model_id or args.run_name)
-        tokenizer.push_to_hub(args.hub_model_id or args.run_name)
-    accelerator.print(json.dumps(summary, indent=2))
-    return summary
+        yield model
+    finally:
+        if offload:
+            model.to("cpu")
 
 
-# =============================================================================================
-# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
-# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
-# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
-# =============================================================================================
-
-
-def check_flags(args, num_processes: int, gradient_accumulation_steps: int, num_updates: int, zero3: bool) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded."""
-    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps != gradient_accumulation_steps:
-        raise ValueError(
-            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not match total_batch_size "
-            f"{args.total_batch_size} / ({num_processes} processes x {args.ppo.num_mini_batches} minibatches x "
-            f"{args.local_micro_batch_size} micro batch) = {gradient_accumulation_steps}"
-        )
-    if num_updates < 1:
-        raise ValueError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
-    if args.lora_rank > 0 and args.num_layers_unfrozen >= 0:
-        raise ValueError("choose one of --lora_rank and --num_layers_unfrozen (each builds its own reference)")
-    if args.offload and args.num_layers_unfrozen >= 0:
-        raise ValueError("--offload cannot move a Hydra reference: it shares its trunk with the policy")
-    if zero3 and args.num_layers_unfrozen >= 0:
-        raise ValueError("Hydra shares modules between policy and reference, which ZeRO-3 cannot partition")
-
-
-def load_tokenizer(args):
-    """The SFT model's tokenizer with a [PAD] distinct from EOS (Detail 3)."""
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: pad distinct from EOS
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        # Detail 3/23: truncation fills after the EOS with [PAD] and the RM reads the score at the last token
-        # before the first [PAD]; with [PAD] == EOS the EOS itself would be taken for padding
-        raise ValueError(
-            f"the tokenizer of {args.sft_model_path} pads with its EOS token {tokenizer.eos_token!r}; PPO needs a "
-            "distinct pad token to find the EOS of a response (Details 3 and 23). Save the tokenizer with "
-            "tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the data "
-            "with it (an SFT model of the sft.py --pad_token eos ablation cannot be trained with PPO)"
-        )
-    return tokenizer
-
-
-def load_query_data(args, tokenizer):
+def load_query_data(args, tokenizer, ptx: bool):
     """The query splits, checked for the columns this run reads and for the tokenizer that made them."""
     train_dataset = load_split(args.query_dataset, args.train_split)
     eval_dataset = load_split(args.query_dataset, args.eval_split)
     ptx_columns = ["query_reference_response_token", "query_reference_response_token_response_label"]
-    check_columns(train_dataset, ["query_token"] + (ptx_columns if args.ppo.ptx_coef > 0 else []),
+    check_columns(train_dataset, ["query_token"] + (ptx_columns if ptx else []),
                   f"{args.query_dataset} split {args.train_split!r}")
     check_columns(eval_dataset, ["query_token", "reference_response"],
                   f"{args.query_dataset} split {args.eval_split!r}")
@@ -1078,40 +1174,64 @@ def load_query_data(args, tokenizer):
 def place_frozen_models(args, accelerator, reward_model, ref_policy, zero3: bool):
     """The reward model and the reference policy: placed on the device, kept on the CPU between uses (--offload),
     or under ZeRO-3 partitioned in a DeepSpeed inference engine that offloads them itself (Detail 8). Returns
-    them and the args rollout() reads (its --offload means "move the models by hand around each use")."""
+    them and offload_by_hand: whether rollout() and evaluate() move them to the device around each use (--offload
+    with an accelerator and without ZeRO-3)."""
     device = accelerator.device
     reward_model = prepare_frozen_model(accelerator, reward_model, offload=args.offload)
     if args.num_layers_unfrozen >= 0:
         ref_policy.to(device)  # Hydra: the reference shares the policy's frozen trunk
     elif ref_policy is not None:
         ref_policy = prepare_frozen_model(accelerator, ref_policy, offload=args.offload)
-    args_for_rollout = copy.copy(args)
-    args_for_rollout.offload = args.offload and not zero3 and device.type != "cpu"
     if args.offload and not zero3 and device.type == "cpu":
         accelerator.print("--offload: no accelerator present, models already live on CPU")
-    return reward_model, ref_policy, args_for_rollout
+    return reward_model, ref_policy, args.offload and not zero3 and device.type != "cpu"
 
 
-def recover_from_non_finite(run, accelerator, update, optimizer_steps, last_good, kl_controller, reward_moments):
-    """After the non-finite guard fired in `update`: keep the last good state as a checkpoint, if there is one."""
-    if optimizer_steps == 0:
-        # no optimizer step of this update happened: the weights and AdamW are those after update - 1. Put back
-        # what the rollout already moved (RNG, KL controller, reward statistics, accumulation counter, counters)
-        # and save them as the last good checkpoint; the poisoned rollout is not in it.
-        set_rng_states(last_good["rng"])
-        accelerator.step = last_good["accelerator_step"]
-        kl_controller.load_state_dict(last_good["kl"])
-        reward_moments.load_state_dict(last_good["moments"])
-        run.checkpoint(update - 1, last_good["trainer_state"])
-        accelerator.print(f"non-finite value at update {update} before any optimizer step of it; "
-                          f"last good checkpoint: {run.latest_checkpoint()}")
-    else:
-        # some minibatch steps of this update already changed the weights: they are not saved
-        accelerator.print(
-            f"non-finite value at update {update} after {optimizer_steps} optimizer step(s) of it had already "
-            f"changed the weights; those weights are NOT saved. Last good checkpoint: "
-            f"{run.latest_checkpoint() or 'none (no --checkpoint_every checkpoint was written before it)'}"
-        )
+def due(every: int, update: int, num_updates: Optional[int] = None) -> bool:
+    """Whether an action done every `every` updates (0 = never) falls on `update`; with num_updates, never on the
+    last update (the final evaluation and the final model cover it)."""
+    return every > 0 and update % every == 0 and (num_updates is None or update < num_updates)
+
+
+class LastGoodState:
+    """The non-finite guard's fallback. `with last_good.kept(update, state):` wraps one update and notes what a
+    checkpoint after update - 1 holds besides the weights and AdamW: the RNG states, the gradient accumulation
+    counter, the objects registered for checkpointing, the trainer state. When the guard (run.guard) raises in
+    the update before any optimizer step of it, the weights and AdamW are still those after update - 1: it puts
+    the rest back and saves it all as the last good checkpoint, without the poisoned rollout. After a step the
+    weights have changed, and nothing is saved."""
+
+    def __init__(self, run, accelerator, optimizer: torch.optim.Optimizer, *registered):
+        self.run, self.accelerator, self.registered = run, accelerator, registered
+        self.optimizer_steps = 0  # optimizer steps of the current update
+        optimizer.register_step_post_hook(self.count_step)
+
+    def count_step(self, *_) -> None:
+        self.optimizer_steps += 1
+
+    @contextlib.contextmanager
+    def kept(self, update: int, trainer_state: dict):
+        rng, accumulation_step = rng_states(), self.accelerator.step
+        registered = [obj.state_dict() for obj in self.registered]
+        self.optimizer_steps = 0
+        try:
+            yield
+        except NonFiniteError:
+            if self.optimizer_steps == 0:
+                set_rng_states(rng)
+                self.accelerator.step = accumulation_step
+                for obj, saved in zip(self.registered, registered):
+                    obj.load_state_dict(saved)
+                self.run.checkpoint(update - 1, trainer_state)
+                self.accelerator.print(f"non-finite value at update {update} before any optimizer step of it; "
+                                       f"last good checkpoint: {self.run.latest_checkpoint()}")
+            else:
+                self.accelerator.print(
+                    f"non-finite value at update {update} after {self.optimizer_steps} optimizer step(s) of it had "
+                    f"already changed the weights; those weights are NOT saved. Last good checkpoint: "
+                    f"{self.run.latest_checkpoint() or 'none (no --checkpoint_every checkpoint was written before it)'}"
+                )
+            raise
 
 
 def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
@@ -1154,20 +1274,17 @@ def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
     if not accelerator.is_main_process:
         return
-    policy = accelerator.unwrap_model(model).policy
+    unwrapped = accelerator.unwrap_model(model)
     if lora:
-        merged = copy.deepcopy(policy).merge_and_unload()
-        merged.save_pretrained(path, safe_serialization=True)
+        copy.deepcopy(unwrapped.policy).merge_and_unload().save_pretrained(path, safe_serialization=True)
     else:
-        policy_state = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
-        policy.save_pretrained(path, state_dict=policy_state, safe_serialization=True)
+        unwrapped.policy.save_pretrained(path, state_dict=unwrapped.policy_state_dict(state_dict), safe_serialization=True)
     tokenizer.save_pretrained(path)
 
 
 def rng_states() -> dict:
-    """The random states accelerate's save_state writes (Python, NumPy, torch CPU, CUDA). Taken at the
-    start of each update, so that after a non-finite rollout the last good checkpoint can be written
-    exactly as the previous update would have written it."""
+    """The random states accelerate's save_state writes (Python, NumPy, torch CPU, CUDA), which LastGoodState
+    takes at the start of each update."""
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
@@ -1183,64 +1300,199 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+# ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
+    and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+                         "make it with data/prepare.py, whose output has every column the scripts read")
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in (c for c in columns if pyarrow.types.is_list(table.schema.field(c).type) and table.num_rows):
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has "
+                             f"{int(lengths[0])}; every row must be padded to the same length (prepare the data again "
+                             "with data/prepare.py)")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
+    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
+    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
+    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+                  if theirs.get(k) != ours[k]]
+        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        if differ:
+            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
+                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
+                             f"other tokens. {fix}")
+        return
+    other = f"so the data was tokenized by another tokenizer. {fix}"
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
+            table.schema.field(c).type, "value_type", pyarrow.string()))):
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= size:
+            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
+                             f"has {size} tokens, {other}")
+    head = dataset.select(range(min(rows, len(dataset))))
+    for column in (c for c in columns if c + "_len" in dataset.column_names):
+        ends = []  # the last token of each response (the query column has none)
+        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
+            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
+            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
+            if wrong:
+                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
+                                 f"{model_path} pads with {pad}, {other}")
+            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
+                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
+
+
 # ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
 
 
 class Run:
     """Everything a training run keeps on disk besides the model, behind one small interface:
 
-        run = Run(args, accelerator)          # the run's name and its folder {run_dir_root}/{run_name}
+        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
         run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
-        state = run.start(state, **shape)     # --resume: restore the latest checkpoint; then open the logs
+        state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
         run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
         run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
         run.save_table(frame, "samples.csv")  # a CSV in the run folder
-        run.checkpoint(update, state)         # atomic, resumable checkpoint
-        run.finish(summary)                   # summary.json, close the logs
+        run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files
+        run.finish(summary)                   # summary.json; marks --output_dir complete, last
 
-    `state` is the script's own trainer state (data position, running counters); accelerate's save_state
-    holds the rest (prepared models, optimizers, registered objects, RNG states). `shape` names what a
-    checkpoint must share with the flags of a resumed run (e.g. num_updates)."""
+    `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
+    (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
 
     def __init__(self, args, accelerator):
-        self.args, self.accelerator = args, accelerator
-        args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
-        self.dir = os.path.join(args.run_dir_root, args.run_name)
-        self.main = accelerator.is_main_process
-        self.shape, self.writer = {}, None
+        self.args, self.accelerator, self.main = args, accelerator, accelerator.is_main_process
+        root = args.run_dir_root
+        if args.run_name is None and args.resume:  # the newest run of this experiment and seed with a checkpoint
+            prefix = f"{args.exp_name}__{args.seed}__"
+            runs = [d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+                    and os.path.isdir(os.path.join(root, d, "checkpoints"))]
+            if not runs:
+                raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+            args.run_name = max(runs, key=lambda d: os.path.getmtime(os.path.join(root, d)))
+        name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+        broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+        args.run_name = name[0]
+        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
+        self.lock = os.path.join(self.dir, "run.lock")
+        if self.main:  # one live run per folder: a second run into it stops here, naming the holder
+            os.makedirs(self.dir, exist_ok=True)
+            take_lock(self.lock)
+        self.resume_from = self.intact_checkpoint() if args.resume else None
+
+    def intact_checkpoint(self) -> str:
+        """--resume: the newest checkpoint whose files all match its manifest (sizes included, RNG states too),
+        written by as many processes and the same DeepSpeed stage as this run; checked before any model loads."""
+        root, stage = os.path.join(self.dir, "checkpoints"), getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+        names = sorted((d for d in os.listdir(root) if d.startswith("update_")), reverse=True) if os.path.isdir(root) else []
+        for path in (os.path.join(root, name) for name in names):
+            try:
+                manifest = json.load(open(os.path.join(path, "manifest.json")))
+                sizes = {os.path.join(path, f): (os.path.getsize(os.path.join(path, f)), n) for f, n in manifest["files"].items()}
+                problem = next((f"{f} has {got} bytes, not {n}" for f, (got, n) in sizes.items() if got != n), None)
+            except FileNotFoundError as error:
+                problem = f"{error.filename} is missing"
+            except (OSError, ValueError, KeyError) as error:
+                problem = f"{os.path.join(path, 'manifest.json')} is unreadable ({error!r})"
+            if problem is None:
+                break
+            self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
+        else:
+            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if names else ""))
+        for stale in (d for d in os.listdir(root) if d.startswith(".tmp_") and self.main):  # of killed or failed saves
+            shutil.rmtree(os.path.join(root, stale))
+        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, stage)
+        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
+            raise ValueError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
+                             f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
+        return path
 
     def claim_output_dir(self) -> None:
-        claim_output_dir(self.accelerator, self.args.output_dir, self.args.run_name,
-                         self.args.overwrite_output_dir or self.args.resume)
+        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not yet
+        complete). A resumed run finds its own mark and goes on."""
+        out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
+        if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
+            owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+            if owner != self.args.run_name:
+                raise ValueError(
+                    f"--output_dir {out} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                    f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                    + (f", or --resume --run_name {owner} to continue that run" if owner else ""))
+        self.accelerator.wait_for_everyone()  # every process checked before the mark changes
+        if self.main:
+            os.makedirs(out, exist_ok=True)
+            json.dump({"run_name": self.args.run_name}, open(mark, "w"))
 
     def start(self, state: dict, **shape) -> dict:
-        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`."""
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`. A resumed run
+        drops what the interrupted run logged after its checkpoint, so its logs match an uninterrupted run's."""
         self.shape = shape
-        if self.args.resume:
-            state = load_checkpoint(self.accelerator, self.dir)
+        if self.resume_from:
+            state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
             found = {key: state.get(key) for key in shape}
             if found != shape:
                 raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
                                  "resume with the flags of the original run")
+            self.accelerator.load_state(self.resume_from)
+            self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
         elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
             shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
         if self.main:
+            resumed_at = state["update"] if self.resume_from else 0
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
             config = asdict(self.args)  # with the derived fields filled in
-            with open(os.path.join(self.dir, "args.json"), "w") as f:
-                json.dump(config, f, indent=2)
+            json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
             if self.args.track:
                 import wandb
 
                 wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
                            config=config, name=self.args.run_name, save_code=True)
-            # a resumed run drops what the interrupted run logged after its checkpoint (TensorBoard's purge_step,
-            # start_metrics_file), so its logs match an uninterrupted run's
-            resumed_at = state.get("update", 0) if self.args.resume else 0
-            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.args.resume else None)
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
                 f"|{key}|{value}|" for key, value in config.items()))
-            start_metrics_file(os.path.join(self.dir, "metrics.jsonl"), resumed_at)
+            metrics = os.path.join(self.dir, "metrics.jsonl")
+            kept = [line for line in open(metrics) if line.strip() and json.loads(line)["step"] <= resumed_at
+                    ] if resumed_at and os.path.exists(metrics) else []
+            open(metrics, "w").writelines(kept)
         return state
 
     def guard(self, update: int, **quantities: torch.Tensor) -> None:
@@ -1262,27 +1514,100 @@ class Run:
             frame.to_csv(os.path.join(self.dir, name), index=False)
 
     def checkpoint(self, update: int, state: dict) -> str:
-        return save_checkpoint(self.accelerator, self.dir, update, {**self.shape, **state, "update": update}, self.args.checkpoint_keep)
+        """Save what a resumed run needs after `update` (called on every process). Atomic: it is written to a
+        hidden temporary folder, its manifest (files and sizes) last, and renamed to update_N when complete, so a
+        kill during the save leaves the previous checkpoint as the newest. A full disk leaves no folder behind."""
+        root = os.path.join(self.dir, "checkpoints")
+        final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+        self.accelerator.wait_for_everyone()
+        try:  # (a temporary folder of a killed save is removed by the --resume that follows it)
+            self.accelerator.save_state(temporary)
+            self.accelerator.wait_for_everyone()
+            if self.main:
+                json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
+                files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
+                         for d, _, names in os.walk(temporary) for f in names}
+                stage = getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": stage},
+                          open(os.path.join(temporary, "manifest.json"), "w"))
+        except Exception as error:  # a full disk surfaces as OSError, SafetensorError or a torch writer error
+            if getattr(error, "errno", None) != 28 and shutil.disk_usage(self.dir).free > 2**24:
+                raise
+            shutil.rmtree(temporary, ignore_errors=True)
+            last = self.latest_checkpoint()
+            need = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs) if last else 0
+            raise OSError(28, f"no space left on the device while saving the checkpoint of update {update} to {root}; "
+                              + (f"it needs about {need / 2**20:.1f} MiB (the size of {last}, still the newest)" if last
+                                 else "no checkpoint was saved before") + ". Free space, then --resume") from error
+        if self.main:
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(temporary, final)
+            for name in sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-self.args.checkpoint_keep]:
+                shutil.rmtree(os.path.join(root, name))  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+        self.accelerator.wait_for_everyone()
+        return final
 
     def latest_checkpoint(self) -> Optional[str]:
-        return latest_checkpoint(self.dir)
+        """The newest checkpoint folder, or None (a killed save never got its final name)."""
+        root = os.path.join(self.dir, "checkpoints")
+        done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+        return os.path.join(root, done[-1]) if done else None
 
     def finish(self, summary: dict) -> None:
+        """summary.json, then the mark that --output_dir is complete (written last: a folder without it is not)."""
         if self.main:
-            with open(os.path.join(self.dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
             self.writer.close()
             if self.args.track:
                 import wandb
 
                 wandb.finish()
+            json.dump({"run_name": self.args.run_name, "complete": True},
+                      open(os.path.join(self.args.output_dir, "run.json"), "w"))
+            os.remove(self.lock)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
+    raise together). Called before the optimizer step that would use it: the weights on hand are the last good ones."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
+
+
+def take_lock(path: str) -> None:
+    """One live run per folder: the lock file `path` holds the host and process id of its run. A lock whose process
+    is gone (a run killed on this host) is stale and taken over; a live holder stops this run."""
+    import psutil
+
+    me = {"host": os.uname().nodename, "pid": os.getpid()}
+    if os.path.exists(path):
+        holder = json.load(open(path))
+        if holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"])):
+            raise RuntimeError(f"{os.path.dirname(path)} is in use by the run of process {holder['pid']} on "
+                               f"{holder['host']} ({path}); wait for it to end, or pass another --run_name")
+        os.remove(path)
+    with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:  # two runs at once: one fails here
+        json.dump(me, f)
 
 
 def start_processes() -> PartialState:
-    """Join the run's process group before anything reads the process count. accelerate picks a
-    communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
-    runs (`torchrun`) become gloo ranks on the CPU (cpu=True); a DeepSpeed launch
-    (`DS_ACCELERATOR=cpu accelerate launch --config_file zero2.yaml ...`) keeps DeepSpeed over gloo."""
+    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate
+    picks a backend by itself only for GPUs, so on the CPU we name it: gloo (plain `torchrun` ranks, or DeepSpeed
+    with DS_ACCELERATOR=cpu)."""
+    import atexit
+
+    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
     if torch.cuda.is_available():
         return PartialState()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -1291,273 +1616,14 @@ def start_processes() -> PartialState:
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8), state what the script itself does, where
-    accelerate would fill DeepSpeed's "auto" values with something else: the micro batch per process (not
-    every script hands accelerate a dataloader to read it from) and no gradient clipping (the paper clips
-    no gradients; accelerate's "auto" clips at 1.0)."""
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) state what the script does where accelerate would fill
+    DeepSpeed's "auto" values otherwise: the micro batch per process, and no gradient clipping (the paper clips
+    none; accelerate's "auto" clips at 1.0)."""
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return
-    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
-    if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-        plugin.deepspeed_config["gradient_clipping"] = 0.0
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 (zero3.yaml)
-    from_pretrained has already partitioned its weights across processes, so it runs inside a DeepSpeed
-    inference engine that gathers each layer's weights for its forward; `offload` keeps them in CPU memory
-    between uses (ZeRO-3 parameter offload: the paper's 6.9B setting, Detail 8). Elsewhere it moves to the
-    device (and a script that offloads by hand moves it on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
-
-
-def exact_div(a: int, b: int, what: str = "batch size") -> int:
-    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
-    q = a // b
-    if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
-    return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
-        dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
-
-
-def check_columns(dataset, columns: list, where: str) -> None:
-    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
-    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
-    missing = [c for c in columns if c not in dataset.column_names]
-    if missing:
-        raise ValueError(
-            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
-            "make it with data/prepare.py, whose output has every column the scripts read"
-        )
-    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
-    for column in columns:
-        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
-            continue
-        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
-        bad = np.flatnonzero(lengths != lengths[0])
-        if bad.size:
-            raise ValueError(
-                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
-                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
-            )
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
-    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
-    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
-    import hashlib
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
-    return {
-        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-
-
-def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
-    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
-    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
-    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
-    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
-    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
-    padding made of this [PAD] and the responses ended by this EOS."""
-    ours = tokenizer_fingerprint(tokenizer)
-    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
-           "(with the task's other flags)")
-    try:
-        theirs = json.loads(dataset.info.description)["tokenizer"]
-    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
-        theirs = None
-    if theirs is not None:
-        keys = ("vocab_size", "pad_token_id", "eos_token_id")
-        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
-        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
-            differ.append("same size, other tokens")
-        if differ:
-            raise ValueError(
-                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
-                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
-            )
-        return
-    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
-    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
-    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
-    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
-    for column in columns:
-        kind = table.schema.field(column).type
-        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
-        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
-            continue
-        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
-        if highest is not None and highest >= vocab_size:
-            raise ValueError(
-                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
-                f"tokens, so the data was tokenized by another tokenizer. {fix}"
-            )
-    head = table.slice(0, rows).to_pylist()
-    for column in [c for c in columns if c + "_len" in dataset.column_names]:
-        ends = []  # the last token of each response (the query column has none)
-        for i, row in enumerate(head):
-            ids, n = row[column], row[column + "_len"]
-            if n > len(ids):
-                continue  # a response cut to the column's width has no padding and no EOS to check
-            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
-            wrong = [token for token in padding if token != pad]
-            if wrong:
-                raise ValueError(
-                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
-                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
-                )
-            if column != "query_token" and n > 0:
-                ends.append(ids[n - 1])
-        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
-            raise ValueError(
-                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
-                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
-                f"another tokenizer. {fix}"
-            )
-
-
-class NonFiniteError(RuntimeError):
-    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
-
-
-def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
-    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
-
-    The flags are summed over processes, so every process raises together and none is left waiting in
-    a collective. Callers check before the optimizer step that would use the quantity, so the weights
-    on hand are still the last good ones when this raises."""
-    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
-    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
-    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
-    if bad:
-        raise NonFiniteError(
-            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
-            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
-            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)"
-        )
-
-
-def latest_checkpoint(run_dir: str) -> Optional[str]:
-    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
-    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
-    root = os.path.join(run_dir, "checkpoints")
-    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
-
-
-def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
-    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
-    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
-    every process's RNG states; trainer_state.json adds the data position and the running counters.
-
-    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
-    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
-    root = os.path.join(run_dir, "checkpoints")
-    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
-    if accelerator.is_main_process and os.path.isdir(temporary):
-        shutil.rmtree(temporary)  # left by a save that was killed
-    accelerator.wait_for_everyone()
-    accelerator.save_state(temporary)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
-            json.dump({"update": update, **trainer_state}, f, indent=2)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(temporary, final)
-        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
-        for name in older:
-            shutil.rmtree(os.path.join(root, name))
-    accelerator.wait_for_everyone()
-    return final
-
-
-def load_checkpoint(accelerator, run_dir: str) -> dict:
-    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
-    accelerator.load_state(path)
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        trainer_state = json.load(f)
-    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
-    return trainer_state
-
-
-def resolve_run_name(args) -> str:
-    """The run's name, the same on every process. With --resume and no --run_name: the newest
-    runs/{exp_name}__{seed}__* that has a checkpoint."""
-    if args.run_name is None and args.resume:
-        prefix = f"{args.exp_name}__{args.seed}__"
-        root = args.run_dir_root
-        candidates = sorted(
-            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
-             and latest_checkpoint(os.path.join(root, d)) is not None),
-            key=lambda d: os.path.getmtime(os.path.join(root, d)),
-        )
-        if not candidates:
-            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
-        return candidates[-1]
-    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
-    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
-    return name[0]
-
-
-def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
-    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
-    (run.json). A resumed run finds its own mark and goes on."""
-    mark = os.path.join(output_dir, "run.json")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
-        if owner != run_name:
-            raise ValueError(
-                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
-                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
-                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
-            )
-    accelerator.wait_for_everyone()  # every process checked before the mark changes
-    if accelerator.is_main_process:
-        os.makedirs(output_dir, exist_ok=True)
-        with open(mark, "w") as f:
-            json.dump({"run_name": run_name}, f)
-
-
-def start_metrics_file(path: str, resume_update: int) -> None:
-    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
-    drops those written after it (they are written again), so the file matches an uninterrupted run."""
-    kept = []
-    if resume_update > 0 and os.path.exists(path):
-        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
-    with open(path, "w") as f:
-        f.writelines(kept)
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+            plugin.deepspeed_config["gradient_clipping"] = 0.0
 
 
 if __name__ == "__main__":

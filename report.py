@@ -24,6 +24,39 @@ def _load(path: str) -> dict:
     return json.load(open(path)) if os.path.exists(path) else {}
 
 
+def missing_completion_mark(folder: str) -> str | None:
+    """Why a training script's output folder is not complete, or None when it is. A run writes `"complete": true`
+    into its output folder's run.json last, after the final model, so a folder without it holds a run that
+    stopped before the end (or is still running)."""
+    try:
+        info = json.load(open(os.path.join(folder, "run.json")))
+    except (OSError, ValueError):
+        info = None
+    if isinstance(info, dict) and info.get("complete") is True:
+        return None
+    why = "it has no readable run.json" if info is None else 'its run.json lacks "complete": true'
+    return f"{folder} is incomplete: {why} (its run stopped before the end, or is still running)"
+
+
+def check_outputs_complete(p) -> None:
+    """Bad input: a report from an unfinished stage. Every folder the report reads must be complete: the task
+    (task.json, written last by data/prepare.py) and the output folder of every training stage whose samples or
+    summaries it reads. One error names the folder and the pipeline stage to rerun."""
+    problems = []
+    if not os.path.exists(os.path.join(p.data, "task.json")):
+        problems.append(("prep", f"{p.data} is incomplete: it has no task.json (written last by data/prepare.py)"))
+    stages = {label.split("_beta")[0] if label.startswith("ilql_beta") else label for label, _ in p.policies()}
+    stages |= {stage for stage in ("rm", "dpo") if stage in p.stages}
+    for stage in sorted(stages):
+        problem = missing_completion_mark(os.path.join(p.models, stage))
+        if problem:
+            problems.append((stage, problem))
+    if problems:
+        stage, problem = problems[0]
+        raise ValueError(f"report: {problem}; rerun that stage: python pipeline.py --force {stage}"
+                         + (f" (incomplete too: {', '.join(s for s, _ in problems[1:])})" if len(problems) > 1 else ""))
+
+
 def _fmt(x, digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and np.isnan(x)):
         return "n/a"
@@ -49,8 +82,10 @@ def sequence_logprobs(model_path: str, samples: pd.DataFrame, tokenizer, batch_s
         batch = rows[start : start + batch_size]
         seqs, spans = [], []
         for r in batch:
-            q = tokenizer.encode(r.query)
-            resp = tokenizer.encode(r.response if str(r.response).startswith(" ") else " " + str(r.response))
+            # a special token's spelling in the text is text, as data/prepare.py tokenized it (split_special_tokens)
+            q = tokenizer.encode(r.query, split_special_tokens=True)
+            resp = tokenizer.encode(r.response if str(r.response).startswith(" ") else " " + str(r.response),
+                                    split_special_tokens=True)
             if bool(r.has_eos):
                 resp = resp + [tokenizer.eos_token_id]
             seqs.append(q + resp)
@@ -89,9 +124,23 @@ def kl_from_sft(p, label: str, samples_csv: str, tokenizer) -> float | None:
     return float(np.mean(sequence_logprobs(model_dir, df, tokenizer) - sequence_logprobs(os.path.join(p.models, "sft"), df, tokenizer)))
 
 
+def without_eos_text(text: str, eos_text: str) -> str:
+    """What a human reader sees of a summary: the text without surrounding whitespace and without the EOS spelling
+    `eos_text` (every copy of it) at its end. The hub's processed TL;DR references end with `<|endoftext|>` as
+    text; the reference implementation strips it before judging, and so do we."""
+    text = str(text).strip()
+    while eos_text and text.endswith(eos_text):
+        text = text[: -len(eos_text)].rstrip()
+    return text
+
+
 def gold_win(query: str, response: str, reference: str) -> float:
-    """1 if the gold judge prefers the response to the reference in both A/B orders, 0 if in neither.
-    judge.py randomises the order, so a response identical to its reference counts as half a win here too."""
+    """1 if the gold judge prefers the response to the reference in both A/B orders, 0 if in neither, half when
+    it prefers it in one order only. As in judge.py, both texts lose an EOS spelling at their end first, and two
+    identical texts are a tie: half a win."""
+    response, reference = without_eos_text(response, synthetic.EOS_TEXT), without_eos_text(reference, synthetic.EOS_TEXT)
+    if response == reference:
+        return 0.5
     return 0.5 * (synthetic.gold_prefer(query, response, reference) == "A") + \
         0.5 * (synthetic.gold_prefer(query, reference, response) == "B")
 
@@ -127,17 +176,29 @@ def dt_targets(run_dir: str) -> pd.DataFrame:
 
 
 def rm_and_gold_plot(frame: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str, report_dir: str, name: str) -> str:
-    """The mean RM score (left axis) and the gold win rate (right axis) of samples against `x`; returns the file name.
-    Called by write_report, which has chosen matplotlib's Agg backend."""
+    """The mean RM score (left axis) and the gold win rate (right axis, 0 to 1) of samples against `x`; returns the
+    file name. A frame with `<column>_low` / `<column>_high` columns (several seeds, write_seed_report) also gets
+    the band between them. Called by write_report and write_seed_report, which have chosen matplotlib's Agg backend."""
     import matplotlib.pyplot as plt
 
     fig, ax1 = plt.subplots(figsize=(6, 4))
-    ax1.plot(frame[x], frame["rm_score"], "o-", color="tab:orange", label="RM score")
-    ax1.set(xlabel=xlabel, ylabel=ylabel)
     ax2 = ax1.twinx()
-    ax2.plot(frame[x], frame["gold_win_rate"], "s-", color="tab:green", label="gold win rate")
-    ax2.set(ylabel="gold win rate vs reference")
-    fig.legend(loc="lower right")
+    for ax, column, style, color, label in ((ax1, "rm_score", "o-", "tab:orange", "RM score"),
+                                            (ax2, "gold_win_rate", "s-", "tab:green", "gold win rate")):
+        ax.plot(frame[x], frame[column], style, color=color, label=label)
+        if f"{column}_low" in frame:
+            ax.fill_between(frame[x], frame[f"{column}_low"], frame[f"{column}_high"], color=color, alpha=0.2,
+                            label=f"{label}: range over seeds")
+    ax1.set(xlabel=xlabel, ylabel=ylabel)
+    ax2.set(ylabel="gold win rate vs reference", ylim=(0, 1))
+    # the legend lives inside the axes, on the gold axis (drawn last, so nothing covers it); matplotlib's "best" spot
+    # avoids only that axis's data, so the RM curves are copied onto it, invisible, in its 0-1 coordinates
+    low, high = ax1.get_ylim()
+    for column in ("rm_score", "rm_score_low", "rm_score_high"):
+        if column in frame:
+            ax2.plot(frame[x], (frame[column] - low) / (high - low), alpha=0)
+    handles, labels = (sum(pair, []) for pair in zip(ax1.get_legend_handles_labels(), ax2.get_legend_handles_labels()))
+    ax2.legend(handles, labels, loc="best", fontsize=8, framealpha=0.8)
     ax1.set_title(title)
     fig.tight_layout()
     fig.savefig(os.path.join(report_dir, name), dpi=100)
@@ -152,6 +213,7 @@ def write_report(p) -> str:
     import matplotlib.pyplot as plt
     from transformers import AutoTokenizer
 
+    check_outputs_complete(p)
     os.makedirs(p.report_dir, exist_ok=True)
     judge = _load(os.path.join(p.runs, "judge", "judge_summary.json"))
     per_csv = judge.get("per_csv", {})
@@ -311,6 +373,24 @@ def mid_sentence_share(queries: list[str]) -> float:
 # --------------------------------------------------------------------------------------------
 # Several seeds (pipeline.py --seeds 1 2 3): every seed's own report, side by side.
 # --------------------------------------------------------------------------------------------
+def ppo_seed_band(out: str, seeds: list[int]) -> pd.DataFrame:
+    """The PPO over-optimisation curves of every seed (`<out>/seed_<n>/report/ppo_overoptimisation.csv`, written by
+    write_report) at the updates they share: mean, lowest and highest RM score and gold win rate. Empty unless at
+    least two seeds have a curve."""
+    curves = [pd.read_csv(path) for path in (os.path.join(out, f"seed_{seed}", "report", "ppo_overoptimisation.csv")
+                                             for seed in seeds) if os.path.exists(path)]
+    if len(curves) < 2:
+        return pd.DataFrame()
+    stacked = pd.concat(curves)
+    shared = stacked.groupby("step").filter(lambda g: len(g) == len(curves))
+    grouped = shared.groupby("step")[["rm_score", "gold_win_rate"]]
+    band = grouped.mean()
+    for column in ("rm_score", "gold_win_rate"):
+        band[f"{column}_low"], band[f"{column}_high"] = grouped.min()[column], grouped.max()[column]
+    band["num_seeds"] = len(curves)
+    return band.reset_index()
+
+
 def write_seed_report(out: str, seeds: list[int]) -> str:
     """`<out>/report/seeds.md` (+ .json and a plot) from `<out>/seed_<n>/report/results.json`: per policy the
     gold win rate of every seed, their mean and sample standard deviation; the same for the RM and DPO-as-RM
@@ -366,6 +446,13 @@ def write_seed_report(out: str, seeds: list[int]) -> str:
         fig.savefig(os.path.join(report_dir, "seeds_win_rate.png"), dpi=100)
         plt.close(fig)
         lines += ["", "Plot: `seeds_win_rate.png`"]
+    band = ppo_seed_band(out, seeds)
+    if len(band):
+        band.to_csv(os.path.join(report_dir, "ppo_overoptimisation_seeds.csv"), index=False)
+        name = rm_and_gold_plot(band, "step", "PPO update", "mean RM score",
+                                f"PPO along training: mean and range of seeds {seeds}", report_dir,
+                                "ppo_rm_vs_gold_seeds.png")
+        lines += [f"Plot: `{name}` (the PPO curve of every seed: mean line, band from the lowest to the highest seed)"]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(report_dir, "seeds.md"), "w") as f:
         f.write(text)

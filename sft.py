@@ -11,9 +11,9 @@ are `query + " " + reference summary + EOS`, right-padded with a [PAD] distinct 
   4. AdamW step (lr 3e-6, eps 1e-5) on a cosine schedule without warm-up (Table 3)
 
 Evaluation (every --eval_every updates and after training): the validation loss, then one summary per query,
-sampled with exactly `response_length` tokens (Detail 23) at temperature 0.01 and truncated after its first EOS;
-ROUGE-1/2/L against the reference, the EOS rate (share of samples that end inside the response length) and the
-mean response length. Sample tables go to runs/{run_name}/samples/step_N.csv and runs/{run_name}/samples.csv
+sampled with exactly `response_length` tokens ([PAD] never; Detail 23) at --eval_temperature 0.01 and truncated
+after its first EOS; ROUGE-1/2/L against the reference, the EOS rate (share of samples that end inside the response
+length) and the mean response length. Sample tables go to runs/{run_name}/samples/step_N.csv and runs/{run_name}/samples.csv
 (judge.py reads them), metrics to TensorBoard, runs/{run_name}/metrics.jsonl and runs/{run_name}/summary.json.
 
 Single process:         python sft.py --base_model ... --query_dataset ...
@@ -42,7 +42,6 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from datasets import load_dataset, load_from_disk
-from huggingface_hub import HfApi
 from rouge_score import rouge_scorer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
@@ -67,7 +66,7 @@ class Args:
     push_to_hub: bool = False
     """upload the trained model and tokenizer to the Hugging Face hub"""
     hub_model_id: Optional[str] = None
-    """hub repository for --push_to_hub; None -> f"{base model name}__{exp_name}__{seed}" """
+    """hub repository for --push_to_hub; None -> the run name"""
     output_dir: str = "models/sft"
     """where the trained model and tokenizer are saved (safetensors)"""
     run_dir_root: str = "runs"
@@ -119,6 +118,8 @@ class Args:
     gradient accumulation steps * number of processes"""
     local_micro_batch_size: int = 16
     """pairs per forward/backward pass on one process (memory knob; the update size stays total_batch_size)"""
+    gradient_accumulation_steps: Optional[int] = None
+    """micro batches per optimizer step; None = derived from the batch sizes, else checked against them"""
     lr: float = 3e-6
     """AdamW learning rate (Table 3: 3e-6, the same for SFT, RM and PPO)"""
     eps: float = 1e-5
@@ -138,7 +139,7 @@ class Args:
     """evaluate on the first this many rows of the split (None = all of it)"""
     local_eval_batch_size: int = 32
     """queries per generation / loss batch on one process during evaluation"""
-    temperature: float = 0.01
+    eval_temperature: float = 0.01
     """sampling temperature of the evaluation summaries (0.01: almost greedy, as in the reference)"""
     num_table_samples: int = 4
     """rows of the sample table printed to the console and logged to TensorBoard / W&B at each evaluation"""
@@ -146,8 +147,6 @@ class Args:
     # ---- derived at run time (not flags) ----
     world_size: tyro.conf.Suppress[Optional[int]] = None
     """number of processes"""
-    gradient_accumulation_steps: tyro.conf.Suppress[Optional[int]] = None
-    """micro-batches per update on one process = total_batch_size / (local_micro_batch_size * world_size)"""
     num_updates: tyro.conf.Suppress[Optional[int]] = None
     """optimizer updates of the whole run"""
 
@@ -212,22 +211,6 @@ def next_token_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, 
     return loss, num_targets
 
 
-def make_generation_config(response_length: int, temperature: float, pad_token_id: int) -> GenerationConfig:
-    """Detail 23: sample exactly response_length tokens. `eos_token_id=[]` turns off stopping at EOS
-    (None would be filled in from the model's own config, which stops at EOS), while EOS stays an
-    ordinary token that can be sampled; `min_new_tokens` is not used because it forbids EOS and so
-    changes the distribution."""
-    return GenerationConfig(
-        max_new_tokens=response_length,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        do_sample=True,
-        eos_token_id=[],
-        pad_token_id=pad_token_id,
-    )
-
-
 @torch.no_grad()
 def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset, generation_config, label_column: str):
     """Validation loss, then fixed-length sampling of a summary per query, truncated after its first EOS.
@@ -256,7 +239,7 @@ def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset
 
         queries = batch["query_token"].to(accelerator.device)  # (B, Tq), left-padded
         context_length = queries.size(1)
-        query_sampled, _ = generate(unwrapped, queries, pad_token_id, generation_config)
+        query_sampled = generate(unwrapped, queries, pad_token_id, generation_config)
         responses = query_sampled[:, context_length:]  # (B, response_length)
         postprocessed = truncate_response(eos_token_id, pad_token_id, responses)
         has_eos = (responses == eos_token_id).any(dim=1)  # (B,)
@@ -300,6 +283,24 @@ def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset
 # ---------------------------------------------------------------------------------------------
 
 
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """Per row, the index of the first True; the row length when the row has no True."""
     row_len = bools.size(-1)
@@ -331,7 +332,6 @@ def forward(model, query_responses: torch.Tensor, pad_token_id: int):
         attention_mask=attention_mask,
         position_ids=position_ids,
         return_dict=True,
-        output_hidden_states=True,
     )
 
 
@@ -342,35 +342,36 @@ def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Ten
     return torch.masked_fill(responses, positions > eos_index, pad_token_id)
 
 
-def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config):
-    """Sample continuations of LEFT-padded queries with the KV cache.
-
-    Returns query_responses (B, Tq + Tr) and the raw (untempered) logits of every sampled step
-    (B, Tr, V), so callers need no extra forward pass to get rollout logprobs."""
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
     context_length = queries.size(1)
     attention_mask = queries != pad_token_id
     input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    output = lm.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=generation_config,
-        return_dict_in_generate=True,
-        output_logits=True,
+    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    return torch.cat((queries, sequences[:, context_length:]), dim=1)
+
+
+def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
+    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
+    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
+    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
+    if temperature < 0:
+        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
+        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
     )
-    logits = torch.stack(output.logits, 1)  # (B, Tr, V)
-    return torch.cat((queries, output.sequences[:, context_length:]), dim=1), logits
 
 
 def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic and precision ----------------
-    processes = start_processes()  # first: the accumulation steps depend on the number of processes
-    args.world_size = processes.num_processes
-    args.gradient_accumulation_steps = exact_div(
-        args.total_batch_size,
-        args.local_micro_batch_size * args.world_size,
-        "total_batch_size / (local_micro_batch_size * world_size)",
-    )
+    args.world_size = start_processes().num_processes  # first: the accumulation steps depend on the process count
+    accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
+                             "total_batch_size / (local_micro_batch_size * world_size)")
+    check_gradient_accumulation(args, accumulation, args.world_size)
+    args.gradient_accumulation_steps = accumulation  # recorded in args.json
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     accelerator = Accelerator(
@@ -384,7 +385,8 @@ def main(args: Args) -> dict:
     local_seed = args.seed + accelerator.process_index * 100003  # sampling (set after the model exists) differs
 
     # ---------------- tokenizer, data, model ----------------
-    tokenizer = load_sft_tokenizer(args)  # Detail 3: a [PAD] distinct from EOS (EOS itself with --pad_token eos)
+    # Detail 3: a [PAD] distinct from EOS (EOS itself with --pad_token eos)
+    tokenizer = load_tokenizer(args.base_model, args.trust_remote_code, args.pad_token)
     pad_token_id = tokenizer.pad_token_id
     # step 2: the tokens that carry the loss (--loss_on): the reference summary and its EOS, or the whole sequence
     label_column = {
@@ -394,10 +396,10 @@ def main(args: Args) -> dict:
     train_dataset, eval_datasets = load_sft_data(args, tokenizer, label_column)
     run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
     model = load_sft_model(args, tokenizer)
-    generation_config = make_generation_config(args.response_length, args.temperature, pad_token_id)
+    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
 
     # ---------------- optimizer, schedule and the data order ----------------
-    args.num_updates = count_sft_updates(args, len(train_dataset))
+    args.num_updates = count_updates(args, len(train_dataset))
     # the reference uses torch's AdamW with its default weight decay (0.01); so do we
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps)
     # the schedule is not passed to accelerator.prepare, which would step it once per process
@@ -494,7 +496,9 @@ def main(args: Args) -> dict:
             "wall_time_s": time.time() - start_time,
         }
     )
-    save_sft_model(accelerator, model, tokenizer, args)
+    save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)
+    if args.push_to_hub and accelerator.is_main_process:
+        upload_to_hub(args)
     run.finish(summary)
     accelerator.print(json.dumps(summary, indent=2))
     return summary
@@ -507,24 +511,36 @@ def main(args: Args) -> dict:
 # =============================================================================================
 
 
-def load_sft_tokenizer(args):
-    """The base model's tokenizer with the pad token of --pad_token (Detail 3): a distinct [PAD], added when the
-    tokenizer has none, or EOS itself for the ablation. A tokenizer that already pads with EOS is refused unless
-    the ablation asks for it."""
-    tokenizer = AutoTokenizer.from_pretrained(args.base_model, trust_remote_code=args.trust_remote_code)
-    if args.pad_token == "eos":
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
         tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
     elif tokenizer.pad_token is None:
-        # Detail 3: Pythia ships no pad token; a distinct [PAD] keeps EOS a training target
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    if args.pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError(
-            f"the tokenizer of {args.base_model} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
-            "pad token, or the EOS is masked out of the loss and the model never learns to stop. Save the tokenizer "
-            "with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one without a pad token) and prepare the data with it "
-            "(--pad_token eos runs the EOS-as-pad ablation on purpose)"
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
         )
     return tokenizer
+
+
+def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini_batches: int = 1) -> None:
+    """--gradient_accumulation_steps left out (None) takes `derived`, the micro batches per optimizer step that the
+    batch sizes give; a stated value must equal it (it checks the batch arithmetic, it never overrides it)."""
+    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps != derived:
+        raise ValueError(
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not match total_batch_size "
+            f"{args.total_batch_size} / ({num_processes} processes x {num_mini_batches} minibatches x "
+            f"{args.local_micro_batch_size} micro batch) = {derived}; leave it out or change the batch sizes"
+        )
 
 
 def load_sft_data(args, tokenizer, label_column: str):
@@ -554,12 +570,14 @@ def load_sft_data(args, tokenizer, label_column: str):
     return train_dataset, eval_datasets
 
 
-def count_sft_updates(args, num_rows: int) -> int:
-    """Optimizer updates of the run: --total_episodes pairs, else num_train_epochs passes over the train split."""
-    num_pairs = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
-    num_updates = num_pairs // args.total_batch_size
-    if num_updates == 0:
-        raise ValueError(f"{num_pairs} training pairs do not fill one update of {args.total_batch_size}")
+def count_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
+    train data) in full batches of total_batch_size; a last partial batch is dropped."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = total_episodes // args.total_batch_size
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
     return num_updates
 
 
@@ -585,21 +603,27 @@ def write_sft_samples(run, args, split: str, prefix: str, step: int, final: bool
     tqdm.write(f"[{split} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
 
 
-def save_sft_model(accelerator, model, tokenizer, args) -> None:
-    """save_pretrained of the model (safetensors: transformers v5 always writes them) and the tokenizer to
-    --output_dir; with --push_to_hub, that folder is uploaded too."""
+def save_pretrained_model(accelerator, wrapped, model, tokenizer, output_dir: str, prefix: str = "") -> None:
+    """save_pretrained (safetensors) of `model` and its tokenizer in output_dir. The weights are those of
+    accelerator.get_state_dict(wrapped), which every process calls (ZeRO-3 gathers the shards); `prefix` is the
+    name of `model` inside the wrapper (reward.py's "rm."), dropped from the saved names."""
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
-    if not accelerator.is_main_process:
-        return
-    unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
-    tokenizer.save_pretrained(args.output_dir)
-    if args.push_to_hub:
-        hub_model_id = args.hub_model_id or f"{os.path.basename(args.base_model.rstrip('/'))}__{args.exp_name}__{args.seed}"
-        api = HfApi()
-        api.create_repo(hub_model_id, exist_ok=True)
-        api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+    state_dict = accelerator.get_state_dict(wrapped)
+    if accelerator.is_main_process:
+        state_dict = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+def upload_to_hub(args) -> None:
+    """--push_to_hub: upload --output_dir (the model and its tokenizer) to the hub repository --hub_model_id
+    (None: the run name). Main process only, after save_pretrained_model."""
+    from huggingface_hub import HfApi
+
+    hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
+    api = HfApi()
+    api.create_repo(hub_model_id, exist_ok=True)
+    api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
 
 
 def frame_markdown(df: pd.DataFrame) -> str:
@@ -613,64 +637,199 @@ def frame_markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+# ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
+    and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+                         "make it with data/prepare.py, whose output has every column the scripts read")
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in (c for c in columns if pyarrow.types.is_list(table.schema.field(c).type) and table.num_rows):
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has "
+                             f"{int(lengths[0])}; every row must be padded to the same length (prepare the data again "
+                             "with data/prepare.py)")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
+    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
+    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
+    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+                  if theirs.get(k) != ours[k]]
+        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        if differ:
+            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
+                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
+                             f"other tokens. {fix}")
+        return
+    other = f"so the data was tokenized by another tokenizer. {fix}"
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
+            table.schema.field(c).type, "value_type", pyarrow.string()))):
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= size:
+            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
+                             f"has {size} tokens, {other}")
+    head = dataset.select(range(min(rows, len(dataset))))
+    for column in (c for c in columns if c + "_len" in dataset.column_names):
+        ends = []  # the last token of each response (the query column has none)
+        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
+            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
+            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
+            if wrong:
+                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
+                                 f"{model_path} pads with {pad}, {other}")
+            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
+                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
+
+
 # ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
 
 
 class Run:
     """Everything a training run keeps on disk besides the model, behind one small interface:
 
-        run = Run(args, accelerator)          # the run's name and its folder {run_dir_root}/{run_name}
+        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
         run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
-        state = run.start(state, **shape)     # --resume: restore the latest checkpoint; then open the logs
+        state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
         run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
         run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
         run.save_table(frame, "samples.csv")  # a CSV in the run folder
-        run.checkpoint(update, state)         # atomic, resumable checkpoint
-        run.finish(summary)                   # summary.json, close the logs
+        run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files
+        run.finish(summary)                   # summary.json; marks --output_dir complete, last
 
-    `state` is the script's own trainer state (data position, running counters); accelerate's save_state
-    holds the rest (prepared models, optimizers, registered objects, RNG states). `shape` names what a
-    checkpoint must share with the flags of a resumed run (e.g. num_updates)."""
+    `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
+    (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
 
     def __init__(self, args, accelerator):
-        self.args, self.accelerator = args, accelerator
-        args.run_name = resolve_run_name(args)  # with --resume and no --run_name: the newest run with a checkpoint
-        self.dir = os.path.join(args.run_dir_root, args.run_name)
-        self.main = accelerator.is_main_process
-        self.shape, self.writer = {}, None
+        self.args, self.accelerator, self.main = args, accelerator, accelerator.is_main_process
+        root = args.run_dir_root
+        if args.run_name is None and args.resume:  # the newest run of this experiment and seed with a checkpoint
+            prefix = f"{args.exp_name}__{args.seed}__"
+            runs = [d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+                    and os.path.isdir(os.path.join(root, d, "checkpoints"))]
+            if not runs:
+                raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+            args.run_name = max(runs, key=lambda d: os.path.getmtime(os.path.join(root, d)))
+        name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+        broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+        args.run_name = name[0]
+        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
+        self.lock = os.path.join(self.dir, "run.lock")
+        if self.main:  # one live run per folder: a second run into it stops here, naming the holder
+            os.makedirs(self.dir, exist_ok=True)
+            take_lock(self.lock)
+        self.resume_from = self.intact_checkpoint() if args.resume else None
+
+    def intact_checkpoint(self) -> str:
+        """--resume: the newest checkpoint whose files all match its manifest (sizes included, RNG states too),
+        written by as many processes and the same DeepSpeed stage as this run; checked before any model loads."""
+        root, stage = os.path.join(self.dir, "checkpoints"), getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+        names = sorted((d for d in os.listdir(root) if d.startswith("update_")), reverse=True) if os.path.isdir(root) else []
+        for path in (os.path.join(root, name) for name in names):
+            try:
+                manifest = json.load(open(os.path.join(path, "manifest.json")))
+                sizes = {os.path.join(path, f): (os.path.getsize(os.path.join(path, f)), n) for f, n in manifest["files"].items()}
+                problem = next((f"{f} has {got} bytes, not {n}" for f, (got, n) in sizes.items() if got != n), None)
+            except FileNotFoundError as error:
+                problem = f"{error.filename} is missing"
+            except (OSError, ValueError, KeyError) as error:
+                problem = f"{os.path.join(path, 'manifest.json')} is unreadable ({error!r})"
+            if problem is None:
+                break
+            self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
+        else:
+            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if names else ""))
+        for stale in (d for d in os.listdir(root) if d.startswith(".tmp_") and self.main):  # of killed or failed saves
+            shutil.rmtree(os.path.join(root, stale))
+        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, stage)
+        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
+            raise ValueError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
+                             f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
+        return path
 
     def claim_output_dir(self) -> None:
-        claim_output_dir(self.accelerator, self.args.output_dir, self.args.run_name,
-                         self.args.overwrite_output_dir or self.args.resume)
+        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not yet
+        complete). A resumed run finds its own mark and goes on."""
+        out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
+        if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
+            owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+            if owner != self.args.run_name:
+                raise ValueError(
+                    f"--output_dir {out} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                    f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                    + (f", or --resume --run_name {owner} to continue that run" if owner else ""))
+        self.accelerator.wait_for_everyone()  # every process checked before the mark changes
+        if self.main:
+            os.makedirs(out, exist_ok=True)
+            json.dump({"run_name": self.args.run_name}, open(mark, "w"))
 
     def start(self, state: dict, **shape) -> dict:
-        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`."""
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`. A resumed run
+        drops what the interrupted run logged after its checkpoint, so its logs match an uninterrupted run's."""
         self.shape = shape
-        if self.args.resume:
-            state = load_checkpoint(self.accelerator, self.dir)
+        if self.resume_from:
+            state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
             found = {key: state.get(key) for key in shape}
             if found != shape:
                 raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
                                  "resume with the flags of the original run")
+            self.accelerator.load_state(self.resume_from)
+            self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
         elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
             shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
         if self.main:
+            resumed_at = state["update"] if self.resume_from else 0
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
             config = asdict(self.args)  # with the derived fields filled in
-            with open(os.path.join(self.dir, "args.json"), "w") as f:
-                json.dump(config, f, indent=2)
+            json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
             if self.args.track:
                 import wandb
 
                 wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
                            config=config, name=self.args.run_name, save_code=True)
-            # a resumed run drops what the interrupted run logged after its checkpoint (TensorBoard's purge_step,
-            # start_metrics_file), so its logs match an uninterrupted run's
-            resumed_at = state.get("update", 0) if self.args.resume else 0
-            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.args.resume else None)
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
                 f"|{key}|{value}|" for key, value in config.items()))
-            start_metrics_file(os.path.join(self.dir, "metrics.jsonl"), resumed_at)
+            metrics = os.path.join(self.dir, "metrics.jsonl")
+            kept = [line for line in open(metrics) if line.strip() and json.loads(line)["step"] <= resumed_at
+                    ] if resumed_at and os.path.exists(metrics) else []
+            open(metrics, "w").writelines(kept)
         return state
 
     def guard(self, update: int, **quantities: torch.Tensor) -> None:
@@ -692,27 +851,100 @@ class Run:
             frame.to_csv(os.path.join(self.dir, name), index=False)
 
     def checkpoint(self, update: int, state: dict) -> str:
-        return save_checkpoint(self.accelerator, self.dir, update, {**self.shape, **state, "update": update}, self.args.checkpoint_keep)
+        """Save what a resumed run needs after `update` (called on every process). Atomic: it is written to a
+        hidden temporary folder, its manifest (files and sizes) last, and renamed to update_N when complete, so a
+        kill during the save leaves the previous checkpoint as the newest. A full disk leaves no folder behind."""
+        root = os.path.join(self.dir, "checkpoints")
+        final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+        self.accelerator.wait_for_everyone()
+        try:  # (a temporary folder of a killed save is removed by the --resume that follows it)
+            self.accelerator.save_state(temporary)
+            self.accelerator.wait_for_everyone()
+            if self.main:
+                json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
+                files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
+                         for d, _, names in os.walk(temporary) for f in names}
+                stage = getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": stage},
+                          open(os.path.join(temporary, "manifest.json"), "w"))
+        except Exception as error:  # a full disk surfaces as OSError, SafetensorError or a torch writer error
+            if getattr(error, "errno", None) != 28 and shutil.disk_usage(self.dir).free > 2**24:
+                raise
+            shutil.rmtree(temporary, ignore_errors=True)
+            last = self.latest_checkpoint()
+            need = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs) if last else 0
+            raise OSError(28, f"no space left on the device while saving the checkpoint of update {update} to {root}; "
+                              + (f"it needs about {need / 2**20:.1f} MiB (the size of {last}, still the newest)" if last
+                                 else "no checkpoint was saved before") + ". Free space, then --resume") from error
+        if self.main:
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(temporary, final)
+            for name in sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-self.args.checkpoint_keep]:
+                shutil.rmtree(os.path.join(root, name))  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+        self.accelerator.wait_for_everyone()
+        return final
 
     def latest_checkpoint(self) -> Optional[str]:
-        return latest_checkpoint(self.dir)
+        """The newest checkpoint folder, or None (a killed save never got its final name)."""
+        root = os.path.join(self.dir, "checkpoints")
+        done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+        return os.path.join(root, done[-1]) if done else None
 
     def finish(self, summary: dict) -> None:
+        """summary.json, then the mark that --output_dir is complete (written last: a folder without it is not)."""
         if self.main:
-            with open(os.path.join(self.dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
             self.writer.close()
             if self.args.track:
                 import wandb
 
                 wandb.finish()
+            json.dump({"run_name": self.args.run_name, "complete": True},
+                      open(os.path.join(self.args.output_dir, "run.json"), "w"))
+            os.remove(self.lock)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
+    raise together). Called before the optimizer step that would use it: the weights on hand are the last good ones."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
+
+
+def take_lock(path: str) -> None:
+    """One live run per folder: the lock file `path` holds the host and process id of its run. A lock whose process
+    is gone (a run killed on this host) is stale and taken over; a live holder stops this run."""
+    import psutil
+
+    me = {"host": os.uname().nodename, "pid": os.getpid()}
+    if os.path.exists(path):
+        holder = json.load(open(path))
+        if holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"])):
+            raise RuntimeError(f"{os.path.dirname(path)} is in use by the run of process {holder['pid']} on "
+                               f"{holder['host']} ({path}); wait for it to end, or pass another --run_name")
+        os.remove(path)
+    with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:  # two runs at once: one fails here
+        json.dump(me, f)
 
 
 def start_processes() -> PartialState:
-    """Join the run's process group before anything reads the process count. accelerate picks a
-    communication backend by itself only for GPUs, so without CUDA we name it: gloo. Plain multi-process
-    runs (`torchrun`) become gloo ranks on the CPU (cpu=True); a DeepSpeed launch
-    (`DS_ACCELERATOR=cpu accelerate launch --config_file zero2.yaml ...`) keeps DeepSpeed over gloo."""
+    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate
+    picks a backend by itself only for GPUs, so on the CPU we name it: gloo (plain `torchrun` ranks, or DeepSpeed
+    with DS_ACCELERATOR=cpu)."""
+    import atexit
+
+    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
     if torch.cuda.is_available():
         return PartialState()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -721,273 +953,14 @@ def start_processes() -> PartialState:
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8), state what the script itself does, where
-    accelerate would fill DeepSpeed's "auto" values with something else: the micro batch per process (not
-    every script hands accelerate a dataloader to read it from) and no gradient clipping (the paper clips
-    no gradients; accelerate's "auto" clips at 1.0)."""
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) state what the script does where accelerate would fill
+    DeepSpeed's "auto" values otherwise: the micro batch per process, and no gradient clipping (the paper clips
+    none; accelerate's "auto" clips at 1.0)."""
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return
-    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
-    if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-        plugin.deepspeed_config["gradient_clipping"] = 0.0
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 (zero3.yaml)
-    from_pretrained has already partitioned its weights across processes, so it runs inside a DeepSpeed
-    inference engine that gathers each layer's weights for its forward; `offload` keeps them in CPU memory
-    between uses (ZeRO-3 parameter offload: the paper's 6.9B setting, Detail 8). Elsewhere it moves to the
-    device (and a script that offloads by hand moves it on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
-
-
-def exact_div(a: int, b: int, what: str = "batch size") -> int:
-    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
-    q = a // b
-    if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
-    return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
-        dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
-
-
-def check_columns(dataset, columns: list, where: str) -> None:
-    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is
-    present, and every token column has one length in all rows (processed data is padded to fixed lengths)."""
-    missing = [c for c in columns if c not in dataset.column_names]
-    if missing:
-        raise ValueError(
-            f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
-            "make it with data/prepare.py, whose output has every column the scripts read"
-        )
-    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
-    for column in columns:
-        if not pyarrow.types.is_list(table.schema.field(column).type) or table.num_rows == 0:
-            continue
-        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
-        bad = np.flatnonzero(lengths != lengths[0])
-        if bad.size:
-            raise ValueError(
-                f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has {int(lengths[0])}; "
-                "every row must be padded to the same length (prepare the data again with data/prepare.py)"
-            )
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
-    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
-    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
-    import hashlib
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
-    return {
-        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-
-
-def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
-    """Bad input: token ids mean something only to the tokenizer that wrote them. Data prepared with another
-    tokenizer trains without an error on the wrong ids (a larger vocabulary) or fails deep inside the embedding
-    (a smaller one), so it is refused here, before the output folder is claimed. A split written by
-    data/prepare.py carries its tokenizer's fingerprint, which must equal the model's; a split without one (e.g.
-    a hub dataset) is checked by its ids: every id below the vocabulary size, and in the first `rows` rows the
-    padding made of this [PAD] and the responses ended by this EOS."""
-    ours = tokenizer_fingerprint(tokenizer)
-    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
-           "(with the task's other flags)")
-    try:
-        theirs = json.loads(dataset.info.description)["tokenizer"]
-    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
-        theirs = None
-    if theirs is not None:
-        keys = ("vocab_size", "pad_token_id", "eos_token_id")
-        differ = [f"{key} {theirs.get(key)} vs {ours[key]}" for key in keys if theirs.get(key) != ours[key]]
-        if theirs.get("vocab_sha256") != ours["vocab_sha256"] and not differ:
-            differ.append("same size, other tokens")
-        if differ:
-            raise ValueError(
-                f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one of "
-                f"{model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as other tokens. {fix}"
-            )
-        return
-    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
-    lengths = [c + "_len" for c in columns if c + "_len" in dataset.column_names]
-    table = dataset.select_columns(columns + lengths).with_format("arrow")[:]
-    pad, eos, vocab_size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
-    for column in columns:
-        kind = table.schema.field(column).type
-        listed = pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)
-        if not (listed and pyarrow.types.is_integer(kind.value_type)) or table.num_rows == 0:
-            continue
-        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
-        if highest is not None and highest >= vocab_size:
-            raise ValueError(
-                f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} has {vocab_size} "
-                f"tokens, so the data was tokenized by another tokenizer. {fix}"
-            )
-    head = table.slice(0, rows).to_pylist()
-    for column in [c for c in columns if c + "_len" in dataset.column_names]:
-        ends = []  # the last token of each response (the query column has none)
-        for i, row in enumerate(head):
-            ids, n = row[column], row[column + "_len"]
-            if n > len(ids):
-                continue  # a response cut to the column's width has no padding and no EOS to check
-            padding = ids[: len(ids) - n] if column == "query_token" else ids[n:]  # queries are left-padded (Detail 5)
-            wrong = [token for token in padding if token != pad]
-            if wrong:
-                raise ValueError(
-                    f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of {model_path} "
-                    f"pads with {pad}, so the data was tokenized by another tokenizer. {fix}"
-                )
-            if column != "query_token" and n > 0:
-                ends.append(ids[n - 1])
-        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
-            raise ValueError(
-                f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id {eos} of the "
-                f"tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), so the data was tokenized by "
-                f"another tokenizer. {fix}"
-            )
-
-
-class NonFiniteError(RuntimeError):
-    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
-
-
-def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
-    """Non-finite guard: stop when any named tensor holds a NaN or inf on any process.
-
-    The flags are summed over processes, so every process raises together and none is left waiting in
-    a collective. Callers check before the optimizer step that would use the quantity, so the weights
-    on hand are still the last good ones when this raises."""
-    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
-    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
-    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
-    if bad:
-        raise NonFiniteError(
-            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
-            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
-            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)"
-        )
-
-
-def latest_checkpoint(run_dir: str) -> Optional[str]:
-    """The newest complete checkpoint folder of a run, or None. A folder gets its final name only once it
-    is complete (see save_checkpoint), so a save that was killed half-way is never picked."""
-    root = os.path.join(run_dir, "checkpoints")
-    done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
-
-
-def save_checkpoint(accelerator, run_dir: str, update: int, trainer_state: dict, keep: int) -> str:
-    """Save what a resumed run needs after `update`: accelerate's save_state writes the prepared models
-    (safetensors), their optimizers, the objects given to register_for_checkpointing (schedule, ...) and
-    every process's RNG states; trainer_state.json adds the data position and the running counters.
-
-    Atomic: everything goes to a hidden temporary folder that is renamed to update_N when complete, so a
-    kill during the save leaves the previous checkpoint as the latest. Called on every process."""
-    root = os.path.join(run_dir, "checkpoints")
-    final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
-    if accelerator.is_main_process and os.path.isdir(temporary):
-        shutil.rmtree(temporary)  # left by a save that was killed
-    accelerator.wait_for_everyone()
-    accelerator.save_state(temporary)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
-            json.dump({"update": update, **trainer_state}, f, indent=2)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(temporary, final)
-        older = sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-keep] if keep > 0 else []
-        for name in older:
-            shutil.rmtree(os.path.join(root, name))
-    accelerator.wait_for_everyone()
-    return final
-
-
-def load_checkpoint(accelerator, run_dir: str) -> dict:
-    """Restore the latest checkpoint of run_dir into the prepared objects; returns its trainer_state."""
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        raise ValueError(f"--resume: {run_dir}/checkpoints holds no checkpoint; start the run without --resume")
-    accelerator.load_state(path)
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        trainer_state = json.load(f)
-    accelerator.print(f"resumed from {path} (update {trainer_state['update']})")
-    return trainer_state
-
-
-def resolve_run_name(args) -> str:
-    """The run's name, the same on every process. With --resume and no --run_name: the newest
-    runs/{exp_name}__{seed}__* that has a checkpoint."""
-    if args.run_name is None and args.resume:
-        prefix = f"{args.exp_name}__{args.seed}__"
-        root = args.run_dir_root
-        candidates = sorted(
-            (d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
-             and latest_checkpoint(os.path.join(root, d)) is not None),
-            key=lambda d: os.path.getmtime(os.path.join(root, d)),
-        )
-        if not candidates:
-            raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
-        return candidates[-1]
-    name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
-    broadcast_object_list(name)  # the clocks of the processes may disagree on the second
-    return name[0]
-
-
-def claim_output_dir(accelerator, output_dir: str, run_name: str, overwrite: bool) -> None:
-    """Refuse an --output_dir that already holds another run's files, then mark it as this run's
-    (run.json). A resumed run finds its own mark and goes on."""
-    mark = os.path.join(output_dir, "run.json")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
-        if owner != run_name:
-            raise ValueError(
-                f"--output_dir {output_dir} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
-                f"pass a new --output_dir, or --overwrite_output_dir to replace it"
-                + (f", or --resume --run_name {owner} to continue that run" if owner else "")
-            )
-    accelerator.wait_for_everyone()  # every process checked before the mark changes
-    if accelerator.is_main_process:
-        os.makedirs(output_dir, exist_ok=True)
-        with open(mark, "w") as f:
-            json.dump({"run_name": run_name}, f)
-
-
-def start_metrics_file(path: str, resume_update: int) -> None:
-    """metrics.jsonl of a fresh run starts empty; a resumed run keeps the lines up to its checkpoint and
-    drops those written after it (they are written again), so the file matches an uninterrupted run."""
-    kept = []
-    if resume_update > 0 and os.path.exists(path):
-        kept = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_update]
-    with open(path, "w") as f:
-        f.writelines(kept)
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+            plugin.deepspeed_config["gradient_clipping"] = 0.0
 
 
 if __name__ == "__main__":

@@ -140,8 +140,22 @@ def load_raw(local: Optional[str], hub_name: str, config: Optional[str] = None):
     out = {}
     for split, path in data_files.items():
         kind = "parquet" if path.endswith(".parquet") else "json"
+        if source_rows(path) == 0:
+            check_not_empty(f"{split} ({path})", 0, 0, {})
         out[split] = load_dataset(kind, data_files={split: path}, split=split)
     return DatasetDict(out)
+
+
+def source_rows(path: str) -> int:
+    """Rows of a local split file (0 for an empty one, which the loader cannot read), or -1 when unknown."""
+    if os.path.getsize(path) == 0:
+        return 0
+    if path.endswith(".parquet"):
+        import pyarrow.parquet
+
+        return pyarrow.parquet.ParquetFile(path).metadata.num_rows
+    with open(path, "rb") as f:
+        return -1 if any(line.strip() for line in f) else 0
 
 
 def check_fields(row: dict, fields: dict, where: str) -> None:
@@ -153,6 +167,34 @@ def check_fields(row: dict, fields: dict, where: str) -> None:
             raise ValueError(f"{where}: field {field!r} must be {kinds}, got {type(row[field]).__name__}")
         if isinstance(row[field], str) and not row[field].strip() and field not in ("title",):
             raise ValueError(f"{where}: field {field!r} is empty; drop or fix this row in the source file")
+
+
+# --------------------------------------------------------------------------------------------
+# User text is text: the spelling of a special token in a post or summary is not that token
+# --------------------------------------------------------------------------------------------
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of text that came from data or a user. A post, title or summary may spell a special token
+    (`<|endoftext|>` in quoted code or a copied chat log, `[PAD]`): the tokenizer's `split_special_tokens` turns
+    such a spelling into the ordinary tokens of its characters, so the only special ids in the prepared data are
+    the ones this file puts there (the [PAD] of Detail 5's padding, the EOS of Detail 3). No special token is added
+    either (`add_special_tokens=False`): a BOS a tokenizer would prepend is not part of the text."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def special_spellings(tokenizer) -> list[str]:
+    """The spellings of the tokenizer's special tokens (EOS, [PAD], BOS, UNK and any added special token)."""
+    added = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    return sorted({str(t) for t in list(tokenizer.all_special_tokens) + added if t})
+
+
+def count_special_spelling_rows(texts_per_row, spellings: list[str], name: str, report: dict) -> None:
+    """Count (in the prep report) the rows of split `name` whose text holds the spelling of a special token, and
+    say so in the log; those spellings were tokenized as plain text (encode_text)."""
+    n = sum(any(s in text for text in texts for s in spellings) for texts in texts_per_row)
+    report[f"{name}_rows_with_special_token_text"] = n
+    if n:
+        print(f"[prepare] {name}: {n} rows hold the spelling of a special token ({', '.join(spellings)}); it is "
+              "tokenized as the plain text it is, never as the special token")
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,7 +211,7 @@ def build_query(tokenizer, fields: dict, fmt: str, truncate_field: str, length: 
     it was truncated)."""
     fields = dict(fields)
     text = fmt.format(**fields)
-    tokens = tokenizer.encode(text)
+    tokens = encode_text(tokenizer, text)
     truncated = False
     while len(tokens) > length:
         truncated = True
@@ -186,11 +228,11 @@ def build_query(tokenizer, fields: dict, fmt: str, truncate_field: str, length: 
             else:
                 body = longest_fitting_prefix(tokenizer, fields, fmt, truncate_field, length)
         else:
-            body_tokens = tokenizer.encode(body)
+            body_tokens = encode_text(tokenizer, body)
             body = tokenizer.decode(body_tokens[: max(0, len(body_tokens) - (len(tokens) - length))])
         fields[truncate_field] = body
         text = fmt.format(**fields)
-        tokens = tokenizer.encode(text)
+        tokens = encode_text(tokenizer, text)
     return text, tokens, truncated
 
 
@@ -205,7 +247,7 @@ def longest_fitting_prefix(tokenizer, fields: dict, fmt: str, field: str, length
     body = fields[field]
     cut = len(body) - 1  # the whole field is known not to fit
     while cut > 0:
-        excess = len(tokenizer.encode(fmt.format(**{**fields, field: body[:cut]}))) - length
+        excess = len(encode_text(tokenizer, fmt.format(**{**fields, field: body[:cut]}))) - length
         if excess <= 0:
             return body[:cut]
         while excess > 0 and cut > 0:
@@ -223,8 +265,9 @@ def right_pad(tokens: list[int], length: int, pad_id: int) -> list[int]:
 
 
 def response_tokens(tokenizer, text: str) -> list[int]:
-    """Detail 3: a response is " " + text + EOS (the query ends with "TL;DR:" and no space)."""
-    return tokenizer.encode(" " + text.strip()) + [tokenizer.eos_token_id]
+    """Detail 3: a response is " " + text + EOS (the query ends with "TL;DR:" and no space). The EOS id is the one
+    this function appends; an EOS spelled inside the text stays text (encode_text)."""
+    return encode_text(tokenizer, " " + text.strip()) + [tokenizer.eos_token_id]
 
 
 def process_sft_row(row: dict, tokenizer, args: Args, where: str) -> dict:
@@ -342,7 +385,7 @@ def split_hh(chosen: str, rejected: str, where: str) -> tuple[str, str, str]:
 def truncate_hh_query(tokenizer, query: str, length: int, where: str) -> tuple[str, list[int], bool]:
     """The HH analogue of paragraph truncation: drop the oldest turns (a Human turn and the reply after
     it) until the query fits; the last human turn is never dropped."""
-    tokens = tokenizer.encode(query)
+    tokens = encode_text(tokenizer, query)
     truncated = False
     while len(tokens) > length:
         truncated = True
@@ -351,7 +394,7 @@ def truncate_hh_query(tokenizer, query: str, length: int, where: str) -> tuple[s
             raise ValueError(f"row {where}: the last human turn alone is {len(tokens)} tokens > query length "
                              f"{length}; raise --query_length or drop the row")
         query = query[starts[1]:]
-        tokens = tokenizer.encode(query)
+        tokens = encode_text(tokenizer, query)
     return query, tokens, truncated
 
 
@@ -446,35 +489,68 @@ def drop_long(dataset, name: str, report: dict):
     return dataset.filter(lambda r: not r["response_too_long"]).remove_columns("response_too_long")
 
 
+def check_not_empty(name: str, kept: int, read: int, dropped: dict) -> None:
+    """Bad input: a split that ends with no row would be saved empty and fail later (or train on nothing). One
+    error, raised before anything is saved, says how many rows were read and how many were dropped for which
+    reason (`dropped`: reason -> count)."""
+    if kept:
+        return
+    if read == 0:
+        raise ValueError(f"{name}: the source split holds no rows; nothing was saved. Add rows to it or remove its file")
+    reasons = "; ".join(f"{count} {why}" for why, count in dropped.items() if count)
+    raise ValueError(f"{name}: no row is left of the {read} rows read ({reasons or 'none dropped'}); nothing was "
+                     "saved. Fix the source rows or the flags named here, or remove the split's file")
+
+
+LONG = ("dropped: response longer than --{flag} (--long_response_policy drop; raise the length or shorten "
+        "the responses)")
+
+
 def prepare_tldr(args: Args, tokenizer) -> dict:
     from datasets import DatasetDict
 
     report: dict = {}
+    spellings = special_spellings(tokenizer)
     raw_sft = load_raw(args.sft_data, args.sft_dataset_name)
     sft = {}
     for split, ds in raw_sft.items():
+        read = len(ds)
+        check_not_empty(f"sft/{split}", read, read, {})
         def check(row, idx, split=split):
             check_fields(row, {"id": str, "subreddit": str, "title": str, "post": str, "summary": str},
                          f"sft/{split} row {idx} (id {row.get('id')})")
             return row
         ds = ds.map(check, with_indices=True, desc=f"check sft/{split}")
+        count_special_spelling_rows(zip(ds["subreddit"], ds["title"], ds["post"], ds["summary"]), spellings,
+                                    f"sft/{split}", report)
         ds = map_rows(ds, process_sft_row, tokenizer, args, lambda r, i: r["id"], f"sft/{split}")
         report[f"sft/{split}_truncated_queries"] = int(sum(ds["query_truncated"]))
         sft[split] = drop_long(ds, f"sft/{split}", report)
+        check_not_empty(f"sft/{split}", len(sft[split]), read,
+                        {LONG.format(flag="sft_response_length"): report[f"sft/{split}_dropped_long_response"]})
     raw_pref = load_raw(args.preference_data, args.preference_dataset_name, "comparisons")
     pref = {}
     for split, ds in raw_pref.items():
+        read = len(ds)
+        check_not_empty(f"preference/{split}", read, read, {})
         def check(row, idx, split=split):
             check_fields(row, {"info": dict, "summaries": list, "choice": int, "batch": str},
                          f"preference/{split} row {idx}")
             return row
         ds = ds.map(check, with_indices=True, desc=f"check preference/{split}")
+        count_special_spelling_rows(
+            ([str(v) for k, v in info.items() if k in ("post", "title", "subreddit", "article") and v]
+             + [str(s.get("text") or "") for s in summaries] for info, summaries in zip(ds["info"], ds["summaries"])),
+            spellings, f"preference/{split}", report)
         ds = map_rows(ds, process_preference_row, tokenizer, args, lambda r, i: r["info"].get("id"),
                       f"preference/{split}")
         ds = drop_long(ds, f"preference/{split}", report)
+        dropped = {LONG.format(flag="rm_response_length"): report[f"preference/{split}_dropped_long_response"]}
         if split == "validation":  # Detail 6: keep the CNN/DM batches apart
             pref["validation_cnndm"] = ds.filter(lambda r: r["is_cnndm"])
             ds = ds.filter(lambda r: not r["is_cnndm"])
+            dropped["moved to validation_cnndm (CNN/DM batches, Detail 6)"] = len(pref["validation_cnndm"])
+        check_not_empty(f"preference/{split}", len(ds), read, dropped)
         report[f"preference/{split}_truncated_queries"] = int(sum(ds["query_truncated"]))
         pref[split] = ds
     return {"sft": DatasetDict(sft), "preference": DatasetDict({k: v for k, v in pref.items() if len(v)}),
@@ -513,19 +589,30 @@ def prepare_hh(args: Args, tokenizer) -> dict:
     from datasets import DatasetDict
 
     report: dict = {}
+    spellings = special_spellings(tokenizer)
     raw = load_raw(args.hh_data, args.hh_dataset_name)
     sft, pref = {}, {}
     for split, ds in raw.items():
         name = "validation" if split == "test" else split
+        read = len(ds)
+        check_not_empty(f"hh/{name}", read, read, {})
         ds, raw_row = drop_mismatched_hh(ds, name, args, report)
+        mismatched = {"dropped: chosen and rejected share no query (--hh_mismatch_policy drop)":
+                      report[f"hh/{name}_dropped_mismatched_pairs"]}
+        check_not_empty(f"hh/{name}", len(ds), read, mismatched)
+        count_special_spelling_rows(zip(ds["chosen"], ds["rejected"]), spellings, f"hh/{name}", report)
         s = map_rows(ds, hh_sft_row, tokenizer, args, lambda r, i: raw_row[i], f"hh-sft/{name}")
         s = s.remove_columns([c for c in ds.column_names if c in ("chosen", "rejected")])
         report[f"sft/{name}_truncated_queries"] = int(sum(s["query_truncated"]))
         sft[name] = drop_long(s, f"sft/{name}", report)
+        check_not_empty(f"sft/{name} (HH)", len(sft[name]), read, {
+            **mismatched, LONG.format(flag="sft_response_length"): report[f"sft/{name}_dropped_long_response"]})
         p = ds.map(lambda r, i: process_hh_row(r, tokenizer, args, f"hh/{name} row {raw_row[i]}"), with_indices=True,
                    remove_columns=ds.column_names, num_proc=args.num_proc, desc=f"hh/{name}")
         report[f"preference/{name}_truncated_queries"] = int(sum(p["query_truncated"]))
         pref[name] = drop_long(p, f"preference/{name}", report)
+        check_not_empty(f"preference/{name} (HH)", len(pref[name]), read, {
+            **mismatched, LONG.format(flag="rm_response_length"): report[f"preference/{name}_dropped_long_response"]})
     return {"sft": DatasetDict(sft), "preference": DatasetDict(pref), "report": report}
 
 
@@ -605,7 +692,7 @@ def warmup_lm(model, tokenizer, texts: list[str], steps: int, seed: int, batch_s
     import torch
     from tqdm.auto import tqdm
 
-    encoded = [tokenizer.encode(t)[: max_len - 1] + [tokenizer.eos_token_id] for t in texts]
+    encoded = [encode_text(tokenizer, t)[: max_len - 1] + [tokenizer.eos_token_id] for t in texts]
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
@@ -641,6 +728,23 @@ def resolve_lengths(args: Args) -> None:
             setattr(args, name, default)
 
 
+# The same text as the training scripts' copies (tests/test_shared_helpers.py compares them): data preparation
+# imports no training script.
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
 def main(args: Args) -> dict:
     t0 = time.time()
     resolve_lengths(args)
@@ -654,8 +758,6 @@ def main(args: Args) -> dict:
     result = prepare_hh(args, tokenizer) if args.task == "hh" else prepare_tldr(args, tokenizer)
     # every split carries the identity of the tokenizer that wrote its token ids, so that each training script
     # can refuse data made with another tokenizer than its model's (check_data_tokenizer)
-    from sft import tokenizer_fingerprint  # the scripts' own definition (a copy of it lives in each of them)
-
     fingerprint = {"name_or_path": args.base_model, **tokenizer_fingerprint(tokenizer)}
     record = json.dumps({"prepared_by": "data/prepare.py", "task": args.task, "tokenizer": fingerprint})
     for name in ("sft", "preference"):

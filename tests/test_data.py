@@ -70,14 +70,14 @@ def test_crlf_post_cut_at_a_paragraph_keeps_no_carriage_return(tokenizer):
 
 
 class CountingTokenizer:
-    """A tokenizer that counts its encode calls."""
+    """A tokenizer that counts its calls (data/prepare.py tokenizes text with `tokenizer(text, ...)`)."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.calls = tokenizer, 0
 
-    def encode(self, text):
+    def __call__(self, text, **kwargs):
         self.calls += 1
-        return self.tokenizer.encode(text)
+        return self.tokenizer(text, **kwargs)
 
 
 def one_character_at_a_time(tokenizer, fields: dict, length: int) -> str:
@@ -269,6 +269,133 @@ def test_hh_fixture_end_to_end(tmp_path, synthetic_task):
     assert set(sft.keys()) == {"train", "validation"} and pref["train"].num_rows == 2
     assert pref["train"][1]["chosen"] == " An apple." and pref["train"][1]["query"].endswith("\n\nAssistant:")
     assert sft["train"][0]["reference_response"] == " Put it in boiling water for about nine minutes."
+
+
+# ---------------------------------------------------------------- issue 33: user text is text
+SPELLED = "quoted code: print('<|endoftext|>') and a [PAD] in a copied log"
+
+
+def assert_only_code_puts_special_ids(row: dict, pad: int, eos: int, query_length: int) -> None:
+    """The query's real tokens hold neither EOS nor [PAD]; every response ends with one EOS and holds no [PAD]."""
+    n = row["query_token_len"]
+    real_query = row["query_token"][query_length - n:]
+    assert eos not in real_query and pad not in real_query, real_query
+    for response in [c for c in ("reference_response", "chosen", "rejected") if c + "_token" in row]:
+        tokens = row[response + "_token"][: row[response + "_token_len"]]
+        assert tokens.count(eos) == 1 and tokens[-1] == eos and pad not in tokens, (response, tokens)
+        both = row[f"query_{response}_token"]
+        length = row[f"query_{response}_token_len"]
+        assert both[:length] == real_query + tokens and set(both[length:]) <= {pad}
+
+
+def test_special_token_spellings_in_posts_and_summaries_are_plain_text(tmp_path, synthetic_task, capsys):
+    tok = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    good = json.loads(open(os.path.join(FIXTURES, "tldr_sft", "train.jsonl")).readline())
+    rows = [good, {**good, "id": "t3_spelled", "post": good["post"] + "\n\n" + SPELLED,
+                   "summary": "my roommate [PAD] sold the couch.<|endoftext|>"}]
+    sft_dir = _write(tmp_path, "sft", rows)
+    comparisons = [json.loads(line) for line in open(os.path.join(FIXTURES, "tldr_comparisons", "train.jsonl"))]
+    spelled = {**comparisons[0], "info": {**comparisons[0]["info"], "post": SPELLED},
+               "summaries": [{"text": " a [PAD] summary<|endoftext|>", "policy": "ref"},
+                             {"text": " <|endoftext|> other [PAD]", "policy": "sup2"}]}
+    pref_dir = _write(tmp_path, "comparisons", comparisons + [spelled])
+    out = run_prepare(tmp_path, synthetic_task["base_model"], sft_data=sft_dir, preference_data=pref_dir,
+                      query_length=128, sft_response_length=32, rm_response_length=32, cnndm_query_length=128,
+                      cnndm_response_length=32)
+    sft = load_from_disk(os.path.join(out, "sft"))["train"]
+    pref = load_from_disk(os.path.join(out, "preference"))["train"]
+    assert len(sft) == 2 and len(pref) == len(comparisons) + 1
+    for row in list(sft) + list(pref):
+        assert_only_code_puts_special_ids(row, pad, eos, 128)
+    row = sft[1]
+    assert tok.decode(row["reference_response_token"][: row["reference_response_token_len"] - 1]) == \
+        " my roommate [PAD] sold the couch.<|endoftext|>", "the spelling is kept, as text"
+    assert SPELLED in tok.decode(row["query_token"][128 - row["query_token_len"]:])
+    summary = json.load(open(os.path.join(out, "prep_summary.json")))
+    assert summary["report"]["sft/train_rows_with_special_token_text"] == 1
+    assert summary["report"]["preference/train_rows_with_special_token_text"] == 1
+    assert "sft/train: 1 rows hold the spelling of a special token" in capsys.readouterr().out
+
+
+def test_special_token_spellings_in_hh_dialogues_are_plain_text(tmp_path, synthetic_task):
+    tok = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
+    rows = [json.loads(line) for line in open(os.path.join(FIXTURES, "hh", "train.jsonl"))]
+    turn = "\n\nHuman: " + SPELLED + "\n\nAssistant:"
+    rows.append({"chosen": turn + " Here: <|endoftext|> is a [PAD] token.", "rejected": turn + " [PAD]<|endoftext|>"})
+    hh = _write(tmp_path, "hh", rows)
+    out = run_prepare(tmp_path, synthetic_task["base_model"], task="hh", hh_data=hh, query_length=96,
+                      sft_response_length=64, rm_response_length=64)
+    for name in ("sft", "preference"):
+        data = load_from_disk(os.path.join(out, name))["train"]
+        assert len(data) == len(rows)
+        for row in data:
+            assert_only_code_puts_special_ids(row, tok.pad_token_id, tok.eos_token_id, 96)
+    summary = json.load(open(os.path.join(out, "prep_summary.json")))
+    assert summary["report"]["hh/train_rows_with_special_token_text"] == 1
+
+
+def test_encode_text_splits_the_special_tokens_of_a_gpt_neox_style_tokenizer():
+    """Pythia's tokenizer: byte-level BPE, `<|endoftext|>` and `<|padding|>` as special added tokens, runs of
+    spaces as ordinary (non-special) added tokens, and data/prepare.py's [PAD] added on top."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["some text of a post", "a summary"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|padding|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                  unk_token="<|endoftext|>")
+    tok.add_tokens(["    "])  # an ordinary added token, as Pythia's whitespace runs
+    tok.add_special_tokens({"pad_token": "[PAD]"})
+    special = {tok.eos_token_id, tok.pad_token_id, tok.convert_tokens_to_ids("<|padding|>")}
+    text = "a <|endoftext|> b <|padding|> c [PAD]    d"
+    assert special & set(tok.encode(text)), "without split_special_tokens the spellings become special ids"
+    ids = prepare.encode_text(tok, text)
+    assert not special & set(ids) and tok.decode(ids) == text
+    assert tok.convert_tokens_to_ids("    ") in ids, "ordinary added tokens are still used"
+    assert prepare.special_spellings(tok) == sorted(["<|endoftext|>", "<|padding|>", "[PAD]"])
+
+
+# ---------------------------------------------------------------- issue 33: a split that ends empty
+def test_hh_prep_where_every_row_is_dropped_is_one_error_before_anything_is_saved(tmp_path, synthetic_task):
+    rows = [json.loads(line) for line in open(os.path.join(FIXTURES, "hh", "train.jsonl"))]
+    broken = [{"chosen": r["chosen"], "rejected": "\n\nHuman: another question.\n\nAssistant: no."} for r in rows]
+    hh = _write(tmp_path, "hh", broken)
+    with pytest.raises(ValueError, match=re.escape(
+            f"hh/train: no row is left of the {len(rows)} rows read ({len(rows)} dropped: chosen and rejected share "
+            "no query (--hh_mismatch_policy drop)); nothing was saved")):
+        run_prepare(tmp_path, synthetic_task["base_model"], task="hh", hh_data=hh, query_length=96,
+                    sft_response_length=64, rm_response_length=64)
+    assert not os.path.exists(tmp_path / "out" / "sft") and not os.path.exists(tmp_path / "out" / "preference")
+
+
+def test_tldr_split_whose_every_response_is_too_long_is_one_error_naming_the_counts(tmp_path, synthetic_task):
+    good = [json.loads(line) for line in open(os.path.join(FIXTURES, "tldr_sft", "train.jsonl"))]
+    sft_dir = _write(tmp_path, "sft", [{**r, "summary": "sister lost tickets " * 20} for r in good])
+    with pytest.raises(ValueError, match=re.escape(
+            f"sft/train: no row is left of the {len(good)} rows read ({len(good)} dropped: response longer than "
+            "--sft_response_length")):
+        run_prepare(tmp_path, synthetic_task["base_model"], sft_data=sft_dir,
+                    preference_data=os.path.join(FIXTURES, "tldr_comparisons"), query_length=128,
+                    sft_response_length=24, rm_response_length=32, cnndm_query_length=128, cnndm_response_length=32)
+    assert not os.path.exists(tmp_path / "out" / "sft")
+
+
+def test_local_split_with_no_rows_is_one_error(tmp_path, synthetic_task):
+    hh = tmp_path / "hh"
+    hh.mkdir()
+    (hh / "train.jsonl").write_text(open(os.path.join(FIXTURES, "hh", "train.jsonl")).read())
+    import pandas as pd
+
+    pd.DataFrame({"chosen": pd.Series([], dtype=str), "rejected": pd.Series([], dtype=str)}).to_parquet(hh / "test.parquet")
+    with pytest.raises(ValueError, match=re.escape(f"test ({hh / 'test.parquet'}): the source split holds no rows; "
+                                                   "nothing was saved")):
+        run_prepare(tmp_path, synthetic_task["base_model"], task="hh", hh_data=str(hh), query_length=96,
+                    sft_response_length=64, rm_response_length=64)
 
 
 # ---------------------------------------------------------------- gold judge

@@ -269,9 +269,12 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, shor
     uninterrupted run's. The precomputed reference log-probs are read back, not recomputed."""
     # 3 epochs of 40 pairs = 7 updates of 16 (update 3 spans epochs 1 and 2); logs at 2, 4, 6, 7; evaluation at 3, 6
     flags = ["--num_train_epochs", "3", "--checkpoint_every", "3", "--eval_every", "3", "--log_every", "2",
-             "--precompute_ref_logprobs", "--temperature", "1.0"]  # temperature 1: the samples depend on the RNG
-    run_ok(dpo_command(synthetic_task, short_preference, tmp_path, tmp_path / "full", "--run_name", "full", *flags),
-           cwd=REPO_ROOT, env=ENV)
+             "--precompute_ref_logprobs", "--eval_temperature", "1.0",  # temperature 1: the samples depend on the RNG
+             "--print_sample_every", "3"]
+    full = run_ok(dpo_command(synthetic_task, short_preference, tmp_path, tmp_path / "full", "--run_name", "full", *flags),
+                  cwd=REPO_ROOT, env=ENV)
+    # --print_sample_every counts updates: the evaluations at updates 3 and 6 print samples, and the final one
+    assert all(f"--- update {u}\n" in full.stdout for u in (3, 6, 7)), full.stdout[-2000:]
 
     command = dpo_command(synthetic_task, short_preference, tmp_path, tmp_path / "cut", *flags)
     runs = tmp_path / "runs"

@@ -466,3 +466,59 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint_and_no_model(synthe
     assert_last_good_checkpoint(tmp_path / "runs" / "poisoned" / "checkpoints", 1)
     assert not (tmp_path / "model_poisoned" / "model.safetensors").exists()
     assert not (tmp_path / "model_poisoned" / "ilql_heads.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input
+# ------------------------------------------------------------------------------------------------
+def test_a_response_that_does_not_start_at_query_token_len_is_one_clear_error(synthetic_task, tmp_path):
+    """action_positions takes each response's start from query_token_len, the loss its tokens from the label column:
+    a row where the two disagree stops the run before anything is written, naming the row, the side and the fix."""
+    from datasets import DatasetDict, load_from_disk
+    from transformers import AutoTokenizer
+
+    pad = AutoTokenizer.from_pretrained(synthetic_task["base_model"]).pad_token_id
+    pairs = load_from_disk(synthetic_task["preference"])["train"].select(range(16))
+    ilql.check_response_starts(pairs, pad, "pairs")  # the prepared data agrees
+
+    # row 11's query_token_len one too large: the response's first token would be read as part of the query
+    shifted = pairs.map(lambda row, i: {"query_token_len": row["query_token_len"] + (i == 11)}, with_indices=True)
+    query_length = pairs[11]["query_token_len"]
+    with pytest.raises(ValueError, match=rf"^pairs row 11 \(chosen\): query_token_len is {query_length + 1} but "
+                                         rf"'query_chosen_token_response_label' has its first response token at "
+                                         rf"index {query_length}; .*data/prepare.py"):
+        ilql.check_response_starts(shifted, pad, "pairs")
+
+    # a [PAD] inside row 6's rejected response: the label mask is no longer one run from query_token_len
+    column = "query_rejected_token_response_label"
+    start, length = pairs[6]["query_token_len"], pairs[6]["rejected_token_len"]
+    assert length >= 3  # the [PAD] goes strictly inside the response
+
+    def gap(row, i):
+        if i == 6:
+            row[column] = row[column][: start + 1] + [pad] + row[column][start + 2 :]
+        return row
+
+    with pytest.raises(ValueError, match=r"^pairs row 6 \(rejected\): .*\[PAD\] gaps inside the response"):
+        ilql.check_response_starts(pairs.map(gap, with_indices=True), pad, "pairs")
+
+    # in a run: refused at the data checks, before the output folder is claimed
+    broken = str(tmp_path / "preference_shifted")
+    DatasetDict({"train": shifted}).save_to_disk(broken)
+    result = subprocess.run(resumable_ilql_command(synthetic_task, broken, tmp_path, "shifted"), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"ValueError: {broken} split 'train' row 11 (chosen): query_token_len"), last_line
+    assert not (tmp_path / "model_shifted").exists() and not (tmp_path / "runs" / "shifted" / "checkpoints").exists()
+
+
+def test_gradient_accumulation_steps_is_checked_against_the_batch_sizes():
+    args = ilql.Args(total_batch_size=16, local_micro_batch_size=4, gradient_accumulation_steps=2)
+    args.world_size = 1
+    with pytest.raises(ValueError, match=r"--gradient_accumulation_steps 2 does not match .* = 4"):
+        ilql.check_ilql_flags(args, 4)
+    args.gradient_accumulation_steps = 4
+    ilql.check_ilql_flags(args, 4)  # the value the batch sizes give is accepted, as is None (derived)
+    args.gradient_accumulation_steps = None
+    ilql.check_ilql_flags(args, 4)

@@ -29,7 +29,7 @@ judge = load_script("judge")
 POLICIES = ["good", "drop", "short", "filler", "runon", "invent", "title", "ref"]
 
 
-def make_samples(path: str, n: int, seed: int, policies=POLICIES) -> pd.DataFrame:
+def make_samples(path: str, n: int, seed: int, policies=POLICIES, ties: bool = True) -> pd.DataFrame:
     """A sample CSV in the training scripts' format, responses from the synthetic policies."""
     rng, policy_rng = random.Random(seed), random.Random(f"{seed}-{policies}")  # same posts for any policies
     rows = []
@@ -40,6 +40,9 @@ def make_samples(path: str, n: int, seed: int, policies=POLICIES) -> pd.DataFram
                      "reference": " " + reference_summary(post["facts"], rng), "score": "",
                      "response_token_len": 10, "has_eos": True})
     df = pd.DataFrame(rows)
+    if not ties:  # a response that is its reference is a tie, never asked; tests that count requests want none
+        same = df["response"].str.strip() == df["reference"].str.strip()
+        df.loc[same, "reference"] = df.loc[same, "reference"] + " tbh"
     df.to_csv(path, index=False)
     return df
 
@@ -110,6 +113,25 @@ def test_parser_rejects_malformed(reply):
     assert judge.parse_verdict(reply) is None
 
 
+# issue 33: the answer forms judges write, one test each; anything else stays invalid
+@pytest.mark.parametrize("reply,expected", [
+    ("Comparison: A is tighter.\nPreferred: A", "A"),
+    ("Comparison: B keeps the facts.\nPreferred: Summary B", "B"),
+    ("Comparison: b keeps the facts.\npreferred: b", "B"),
+    ("Comparison: A is tighter.\nPreferred:\nA", "A"),
+], ids=["letter", "summary_letter", "lower_case", "letter_on_the_next_line"])
+def test_parser_accepts_common_answer_forms(reply, expected):
+    assert judge.parse_verdict(reply)[0] == expected
+
+
+@pytest.mark.parametrize("reply", [
+    "Preferred: Summary C", "Preferred: summary", "Preferred:\nboth", "Preferred: Summary A\nPreferred: summary b",
+    "We preferred: A", "Preferred: A and B",
+])
+def test_parser_still_rejects_what_matches_no_form(reply):
+    assert judge.parse_verdict(reply) is None
+
+
 def test_score_parser():
     reply = "Assistant A is good.\nScores:\nAssistant A: 8.5\n**Assistant B**: 3\nAssistant C: 10/10"
     assert judge.parse_scores(reply, ["A", "B", "C"]) == {"A": 8.5, "B": 3.0, "C": 10.0}
@@ -170,28 +192,31 @@ def test_length_bins_by_hand():
 def test_end_to_end_win_rates_equal_gold_verdicts(tmp_path):
     df_a = make_samples(tmp_path / "a.csv", 60, seed=0)
     df_b = make_samples(tmp_path / "b.csv", 30, seed=1, policies=["good", "filler", "drop"])
+    identical = sum(int((df["response"].str.strip() == df["reference"].str.strip()).sum()) for df in (df_a, df_b))
+    assert identical > 0  # the "ref" policy writes the reference itself now and then
     with gjs.serve_in_thread() as server:
         summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv"), str(tmp_path / "b.csv")],
                                         max_parallel_requests=8))
-        assert server.request_count == 90
+        assert server.request_count == 90 - identical  # identical pairs are ties, never sent
     for label, df in [("a", df_a), ("b", df_b)]:
         judged = pd.read_csv(tmp_path / "out" / f"{label}_judged.csv", keep_default_na=False)
-        expected = gold_winners(judged)
+        differ = ~judged["identical"].astype(bool)
+        expected = [w if k else "tie" for w, k in zip(gold_winners(judged), differ)]
         assert list(judged["winner"]) == expected
         # where the two texts differ, that is the order-free gold verdict
-        differ = ~judged["identical"].astype(bool)
         assert differ.sum() >= len(df) // 2
         order_free = ["ours" if w else "baseline" for w in gold_wins(df)]
         assert [w for w, k in zip(expected, differ) if k] == [w for w, k in zip(order_free, differ) if k]
         s = summary["per_csv"][label]
-        wins = expected.count("ours")
-        assert (s["wins"], s["losses"], s["invalid"], s["n"]) == (wins, len(df) - wins, 0, len(df))
-        assert s["n_identical"] == int((~differ).sum())
-        assert s["win_rate"] == wins / len(df)
+        wins, ties = expected.count("ours"), expected.count("tie")
+        assert (s["wins"], s["losses"], s["ties"], s["invalid"], s["n"]) == (wins, len(df) - wins - ties, ties, 0, len(df))
+        assert s["n_identical"] == ties == int((~differ).sum())
+        assert s["win_rate"] == (wins + 0.5 * ties) / len(df)  # a tie is half a win
         assert s["ci_low"] < s["win_rate"] < s["ci_high"]
         # the paper's output columns: explanation, preference, shuffled order
-        assert judged["explanation"].str.startswith("Summary ").all()
-        assert set(judged["preferred"]) <= {"A", "B"}
+        assert judged.loc[differ, "explanation"].str.startswith("Summary ").all()
+        assert (judged.loc[~differ, "status"] == "tie").all() and (judged.loc[~differ, "asks"] == 0).all()
+        assert set(judged["preferred"]) <= {"A", "B", ""}
         # the judge saw ours as A exactly when shuffled_index == 0
         ours_is_a = judged["summary_a"] == judged["response"].str.strip()
         assert (ours_is_a == (judged["shuffled_index"] == 0))[differ].all()
@@ -234,7 +259,7 @@ def test_order_in_judged_csv_reproducible_across_runs(tmp_path):
 
 
 def test_fault_injection_retries_and_counts_invalid(tmp_path):
-    make_samples(tmp_path / "a.csv", 60, seed=6)
+    make_samples(tmp_path / "a.csv", 60, seed=6, ties=False)
     with gjs.serve_in_thread(fail_rate=0.3, garbage_rate=0.25, seed=11) as server:
         summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=10, max_parse_tries=2))
         stats = server.stats()
@@ -263,7 +288,7 @@ def answer_then_fail(server, answered: int) -> None:
 
 
 def test_hard_failures_are_invalid_never_losses(tmp_path):
-    make_samples(tmp_path / "a.csv", 12, seed=7)
+    make_samples(tmp_path / "a.csv", 12, seed=7, ties=False)
     with gjs.serve_in_thread() as server:
         answer_then_fail(server, 4)  # one request at a time: rows 0-3 judged, then the judge breaks down
         summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3,
@@ -335,7 +360,7 @@ def test_unknown_model_is_one_error_without_retries(tmp_path):
 def test_refused_key_or_every_prompt_refused_is_one_error(tmp_path, monkeypatch):
     secret = "sk-test-REFUSED456"
     monkeypatch.setenv("OPENAI_API_KEY", secret)
-    make_samples(tmp_path / "a.csv", 40, seed=18)
+    make_samples(tmp_path / "a.csv", 40, seed=18, ties=False)
     status = {"code": 401}
 
     def refuse(handler):  # the server's POST handler, replaced: every request gets `status`
@@ -383,7 +408,7 @@ def test_sample_csv_with_a_header_and_no_rows_is_nothing_to_judge(tmp_path):
 
 
 def test_cache_rerun_makes_no_requests_and_resumes(tmp_path):
-    df = make_samples(tmp_path / "a.csv", 50, seed=8)
+    df = make_samples(tmp_path / "a.csv", 50, seed=8, ties=False)
     with gjs.serve_in_thread() as server:
         # an "interrupted" run that got through the first 20 pairs
         judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], num_samples=20, output_dir=str(tmp_path / "r0")))
@@ -464,7 +489,7 @@ def test_sigkill_mid_run_then_rerun_pays_for_nothing_twice(tmp_path):
     rerun's verdicts and win rate equal an uninterrupted run's, and no prompt was answered twice."""
     n, limit, parallel, seed = 96, 40, 4, 3
     csv_path = str(tmp_path / "a.csv")
-    make_samples(csv_path, n, seed=15)
+    make_samples(csv_path, n, seed=15, ties=False)
 
     # the uninterrupted run: fresh cache, same seed and arguments
     with gjs.serve_in_thread() as server:
@@ -556,6 +581,122 @@ def test_api_key_never_in_outputs(tmp_path, monkeypatch, capfd):
 
 
 # ----------------------------------------------------------------------------------------------
+# issue 33: what the judge reads (EOS spellings, ties), the cache key, unfinished runs
+# ----------------------------------------------------------------------------------------------
+def test_an_eos_spelling_at_the_end_is_stripped_and_identical_pairs_are_ties_never_asked(tmp_path):
+    df = make_samples(tmp_path / "a.csv", 12, seed=21, ties=False)
+    eos = "<|endoftext|>"
+    # the hub's references end with the EOS spelling as text; rows 0-3 are the reference itself (+ EOS text)
+    df["reference"] = df["reference"] + eos
+    df.loc[:3, "response"] = df.loc[:3, "reference"].str.replace(eos, "", regex=False) + "  " + eos + eos
+    df.to_csv(tmp_path / "a.csv", index=False)
+    assert judge.without_eos_text(" a summary.<|endoftext|> <|endoftext|>\n", eos) == "a summary."
+    assert judge.without_eos_text(" a <|endoftext|> inside.", eos) == "a <|endoftext|> inside."
+    with gjs.serve_in_thread() as server:
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")]))
+        assert server.request_count == 8  # the 4 ties were never sent
+    judged = pd.read_csv(tmp_path / "out" / "a_judged.csv", keep_default_na=False)
+    assert not judged["summary_a"].str.contains(eos, regex=False).any()
+    assert not judged["summary_b"].str.contains(eos, regex=False).any()
+    assert list(judged["winner"][:4]) == ["tie"] * 4 and "tie" not in list(judged["winner"][4:])
+    s = summary["per_csv"]["a"]
+    assert (s["ties"], s["wins"] + s["losses"], s["n_identical"]) == (4, 8, 4)
+    assert s["win_rate"] == (s["wins"] + 2) / 12
+    low, high = judge.wilson_interval(s["wins"] + 2, 12)
+    assert (s["ci_low"], s["ci_high"]) == (low, high)
+    assert "| ties |" in open(tmp_path / "out" / "comparison.md").read()
+
+
+def test_every_pair_a_tie_asks_nothing_and_wins_half(tmp_path):
+    df = make_samples(tmp_path / "a.csv", 6, seed=22, ties=False)
+    df["response"] = df["reference"]
+    df.to_csv(tmp_path / "a.csv", index=False)
+    with gjs.serve_in_thread() as server:
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")]))
+        assert server.request_count == 0
+    s = summary["per_csv"]["a"]
+    assert (s["win_rate"], s["ties"], s["invalid"]) == (0.5, 6, 0)
+
+
+def test_multi_mode_query_with_identical_answers_is_a_tie_never_asked(tmp_path):
+    a = make_samples(tmp_path / "a.csv", 10, seed=23, policies=["good"])
+    b = make_samples(tmp_path / "b.csv", 10, seed=23, policies=["drop"])
+    b.loc[:3, "response"] = a.loc[:3, "response"] + "<|endoftext|>"  # rows 0-3: the same answer from both
+    b.to_csv(tmp_path / "b.csv", index=False)
+    with gjs.serve_in_thread() as server:
+        summary = judge.main(judge_args(tmp_path, server, mode="multi", csv=[str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]))
+        assert server.request_count == 6
+    table = pd.read_csv(tmp_path / "out" / "multi_scores.csv")
+    assert list(table["status"][:4]) == ["tie"] * 4 and (table["rank_score/a"][:4] == 1.5).all()
+    m = summary["multi"]
+    assert m["a"]["n"] == 6 and m["a"]["ties"] == 4 and summary["multi_invalid"] == 0
+    assert m["a"]["mean_rank_score"] == pytest.approx((4 * 1.5 + table["rank_score/a"][4:].sum()) / 10)
+
+
+def test_cache_key_holds_the_endpoint_and_the_seed_of_a_sampling_judge(tmp_path):
+    key = judge.ReplyCache.key
+    args = ("gold", "http://127.0.0.1:8011/v1/", "sys", "prompt")
+    assert key(*args, None, 1, 0) != key("gold", "http://127.0.0.1:8012/v1/", "sys", "prompt", None, 1, 0)
+    assert key(*args, 0.7, 1, 0) != key(*args, 0.7, 2, 0) and key(*args, None, 1, 0) != key(*args, None, 2, 0)
+    assert key(*args, 0.0, 1, 0) == key(*args, 0.0, 2, 0)  # a greedy judge: the seed changes nothing
+    make_samples(tmp_path / "a.csv", 20, seed=24, ties=False)
+    csv = [str(tmp_path / "a.csv")]
+    with gjs.serve_in_thread() as first, gjs.serve_in_thread() as second:  # one model name, two endpoints
+        judge.main(judge_args(tmp_path, first, csv=csv, output_dir=str(tmp_path / "r1")))
+        other = judge.main(judge_args(tmp_path, second, csv=csv, output_dir=str(tmp_path / "r2")))
+        assert first.model_name == second.model_name and second.request_count == 20
+        assert other["stats"]["cache_hits"] == 0
+        again = judge.main(judge_args(tmp_path, second, csv=csv, output_dir=str(tmp_path / "r3")))
+        assert again["stats"]["requests"] == 0  # the same endpoint replays its own replies
+        # a sampling judge asked again with another seed asks afresh; a greedy one reuses the prompts it has seen
+        judge.main(judge_args(tmp_path, first, csv=csv, temperature=0.7, seed=1, output_dir=str(tmp_path / "t1")))
+        sampled = judge.main(judge_args(tmp_path, first, csv=csv, temperature=0.7, seed=2, output_dir=str(tmp_path / "t2")))
+        assert sampled["stats"]["cache_hits"] == 0
+        judge.main(judge_args(tmp_path, first, csv=csv, temperature=0.0, seed=1, output_dir=str(tmp_path / "g1")))
+        greedy = judge.main(judge_args(tmp_path, first, csv=csv, temperature=0.0, seed=2, output_dir=str(tmp_path / "g2")))
+    same_order = (pd.read_csv(tmp_path / "g1" / "a_judged.csv")["shuffled_index"]
+                  == pd.read_csv(tmp_path / "g2" / "a_judged.csv")["shuffled_index"]).sum()
+    assert 0 < greedy["stats"]["cache_hits"] == same_order < 20
+
+
+def fake_training_run(root, name: str, complete: bool) -> tuple:
+    """A training run's folders as the scripts leave them: runs/<name>/ (args.json naming --output_dir,
+    samples.csv) and the output folder, whose run.json holds "complete": true only once the run has finished."""
+    run_dir, out_dir = root / "runs" / name, root / "models" / name
+    run_dir.mkdir(parents=True)
+    out_dir.mkdir(parents=True)
+    (run_dir / "args.json").write_text(json.dumps({"exp_name": name, "run_name": name, "output_dir": str(out_dir)}))
+    (out_dir / "run.json").write_text(json.dumps({"run_name": name, **({"complete": True} if complete else {})}))
+    make_samples(run_dir / "samples.csv", 8, seed=25, ties=False)
+    return run_dir, out_dir
+
+
+def test_samples_or_reward_model_of_an_unfinished_run_are_refused(tmp_path):
+    run_dir, out_dir = fake_training_run(tmp_path, "ppo", complete=False)
+    with gjs.serve_in_thread() as server:
+        with pytest.raises(ValueError, match=re.escape(
+                f"{run_dir / 'samples.csv'} comes from an unfinished run: {out_dir} is incomplete: its run.json lacks "
+                "\"complete\": true")) as err:
+            judge.main(judge_args(tmp_path, server, csv=[str(run_dir / "samples.csv")]))
+        assert "Rerun ppo.py to its end" in str(err.value) and server.request_count == 0
+        assert not (tmp_path / "out").exists()
+        # samples taken along training (runs/<name>/samples/step_N.csv) name the same run
+        (run_dir / "samples").mkdir()
+        (run_dir / "samples" / "step_000008.csv").write_text((run_dir / "samples.csv").read_text())
+        with pytest.raises(ValueError, match="comes from an unfinished run"):
+            judge.main(judge_args(tmp_path, server, csv=[str(run_dir / "samples" / "step_000008.csv")]))
+        judge.main(judge_args(tmp_path, server, csv=[str(run_dir / "samples.csv")], check_complete=False))
+        (out_dir / "run.json").write_text(json.dumps({"run_name": "ppo", "complete": True}))
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(run_dir / "samples.csv")]))
+        assert summary["per_csv"]["ppo"]["n"] == 8
+    rm_dir = tmp_path / "models" / "rm"
+    rm_dir.mkdir()
+    (rm_dir / "run.json").write_text(json.dumps({"run_name": "rm"}))
+    with pytest.raises(ValueError, match=re.escape(f"--reward_model_path: {rm_dir} is incomplete")):
+        judge.main(offline_args(tmp_path, [], mode="agreement", reward_model_path=str(rm_dir)))
+
+
+# ----------------------------------------------------------------------------------------------
 # multi-answer mode (offline-RLHF seed)
 # ----------------------------------------------------------------------------------------------
 def test_multi_answer_mode(tmp_path):
@@ -595,6 +736,7 @@ def test_agreement_mode_matches_hand_computation(tmp_path, synthetic_task):
         summary = judge.main(judge_args(tmp_path, server, mode="agreement", reward_model_path=rm_path,
                                         preference_dataset=synthetic_task["preference"], num_samples=16,
                                         local_micro_batch_size=5))
+        asked = server.request_count
     pairs = pd.read_csv(tmp_path / "out" / "agreement_pairs.csv", keep_default_na=False)
     ds = judge.load_split(synthetic_task["preference"], "validation").select(range(16))
     # by hand: the gold verdict and the RM's scores, one pair at a time, unbatched
@@ -613,12 +755,13 @@ def test_agreement_mode_matches_hand_computation(tmp_path, synthetic_task):
         agree += int(gold_chosen == (rc > rr))
     a = summary["agreement"]
     assert a["n"] == 16 and a["invalid"] == 0 and a["n_identical"] == identical
+    assert asked == 16 - identical  # identical pairs are ties, never sent to the judge
     assert a["n_valid"] == 16 - identical >= 8
     assert a["agreement_rate"] == agree / (16 - identical)
 
 
 def test_smoke_subprocess(tmp_path, synthetic_task):
-    make_samples(tmp_path / "samples.csv", 16, seed=13)
+    make_samples(tmp_path / "samples.csv", 16, seed=13, ties=False)
     with gjs.serve_in_thread() as server:
         cmd = [sys.executable, os.path.join(REPO, "judge.py"), "--csv", str(tmp_path / "samples.csv"),
                "--base_url", server.base_url, "--model", server.model_name, "--output_dir", str(tmp_path / "out"),

@@ -90,6 +90,16 @@ def ppo_flags(task: dict) -> list:
             "--temperature", "0.001", "--num_eval_samples", "8", "--eval_every", "2", "--lr", "1e-4"]
 
 
+def rloo_flags(task: dict) -> list:
+    # as PPO's (near-greedy sampling, one minibatch per epoch); both responses to a query are then the same and
+    # their advantages 0, so PPO-ptx gives the weights a gradient that both runs must agree on
+    return ["--sft_model_path", task["base_model"], "--reward_model_path", reward_model(task),
+            "--query_dataset", task["sft"], "--response_length", str(task["task"]["sft_response_length"]),
+            "--total_episodes", "32", "--total_batch_size", "8", "--local_micro_batch_size", "4",
+            "--local_rollout_forward_batch_size", "4", "--rloo.num_ppo_epochs", "2", "--rloo.ptx_coef", "0.1",
+            "--temperature", "0.001", "--num_eval_samples", "8", "--eval_every", "2", "--lr", "1e-4"]
+
+
 def offline_rl_flags(task: dict) -> list:
     # each run builds its own RM-labelled mixture ({run} is the run's folder), greedy as the seed paper did
     return ["--method", "rwr", "--sft_model_path", task["base_model"], "--reward_model_path", reward_model(task),
@@ -100,7 +110,7 @@ def offline_rl_flags(task: dict) -> list:
 
 
 SCRIPTS = {"sft": sft_flags, "reward": reward_flags, "dpo": dpo_flags, "ilql": ilql_flags, "ppo": ppo_flags,
-           "offline_rl": offline_rl_flags}
+           "rloo": rloo_flags, "offline_rl": offline_rl_flags}
 LAUNCHERS = ["torchrun", "zero2", "zero3"]
 
 
@@ -174,7 +184,7 @@ def assert_same_run(script, two, two_rows, one, one_rows, what: str):
     for a, b in zip(two_rows, one_rows):
         assert a.keys() == b.keys(), what
         for key in a:
-            if key.startswith(("train/", "objective/", "ppo/", "loss")) and isinstance(a[key], float):
+            if key.startswith(("train/", "objective/", "ppo/", "rloo/", "loss")) and isinstance(a[key], float):
                 # a clip fraction counts values past a threshold: a 1e-8 difference can flip one token
                 tolerance = dict(abs=0.01) if "clipfrac" in key else dict(rel=1e-4, abs=1e-5)
                 assert a[key] == pytest.approx(b[key], **tolerance), (what, a["step"], key)
@@ -297,6 +307,15 @@ def test_zero2_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, 
     kill_after_checkpoint(command("killed"), tmp_path / "runs" / "killed" / "checkpoints" / "update_000002",
                           cwd=REPO_ROOT, env=DEEPSPEED_ENV, timeout=300)
     assert not (tmp_path / "model_killed" / "model.safetensors").exists()
+    # the checkpoint records who wrote it, and one plain process is refused before anything loads
+    checkpoint = tmp_path / "runs" / "killed" / "checkpoints" / "update_000002"
+    manifest = json.load(open(checkpoint / "manifest.json"))
+    assert (manifest["num_processes"], manifest["deepspeed_stage"]) == (2, 2)
+    one = subprocess.run([sys.executable, PROBE, *command("killed", "--resume")[len(launcher_command("zero2", 2, 0)):]],
+                         cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert one.returncode != 0 and one.stderr.strip().splitlines()[-1] == (
+        f"ValueError: --resume: {checkpoint} was written by 2 process(es) with DeepSpeed stage 2, this run has 1 with "
+        "stage None; launch 2 process(es) with the original config"), one.stderr[-2000:]
     resumed = subprocess.run(command("killed", "--resume"), cwd=REPO_ROOT, env=DEEPSPEED_ENV, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pandas as pd
 import pytest
@@ -112,6 +113,82 @@ def test_rwr_loss_weights_each_sample_by_its_weight():
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
+def test_the_gradient_of_an_update_does_not_depend_on_the_micro_batch_size():
+    """train_update divides every micro batch's loss by the target tokens of the whole update batch: micro batches of
+    2 (4 accumulation steps) and one micro batch of 8 give the same gradient (SGD with lr 1: the weights move by
+    minus the gradient), and that gradient is the one of the batch's weighted token mean. Averaging per-micro-batch
+    token means, as the script did before, gives another gradient for these responses of unequal lengths."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    queries = torch.randint(3, VOCAB, (8, 4))
+    queries[::3, 0] = PAD  # some left padding
+    responses = torch.full((8, 6), PAD)
+    for i, length in enumerate([1, 6, 2, 5, 3, 6, 1, 4]):  # responses of very unequal lengths, each ended by EOS
+        responses[i, : length - 1] = torch.randint(3, VOCAB, (length - 1,))
+        responses[i, length - 1] = EOS
+    rows = torch.tensor([5, 0, 7, 2, 6, 1, 4, 3])  # an update batch in shuffled order
+    weights = torch.tensor([0.5, 1.5, 1.0, 0.0, 2.0, 1.0, 0.25, 1.75])  # per row of `rows` (RWR-like)
+    accelerator = Accelerator(cpu=True)
+
+    def weights_after_one_update(micro_batch_size: int) -> dict:
+        model = tiny_lm(3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        accelerator.gradient_accumulation_steps = 8 // micro_batch_size
+        accelerator.step = 0  # micro-step counter of accelerate's accumulation, from a fresh update
+        prepared, optimizer = accelerator.prepare(model, optimizer)
+        prepared.train()
+        args = SimpleNamespace(local_micro_batch_size=micro_batch_size, gradient_accumulation_steps=8 // micro_batch_size)
+        run = SimpleNamespace(guard=lambda update, **quantities: offline_rl.check_finite(accelerator, update, **quantities))
+        loss, tokens = offline_rl.train_update(args, accelerator, prepared, optimizer, run, 1, queries, responses, rows,
+                                               weights, PAD)
+        return loss, tokens, {name: p.detach().clone() for name, p in accelerator.unwrap_model(prepared).named_parameters()}
+
+    start = dict(tiny_lm(3).named_parameters())
+    loss_2, tokens_2, after_2 = weights_after_one_update(2)
+    loss_8, tokens_8, after_8 = weights_after_one_update(8)
+    assert tokens_2 == tokens_8 == int((queries != PAD).sum() + (responses != PAD).sum())
+    assert loss_2 == pytest.approx(loss_8, rel=1e-6)
+    moved = [name for name in start if not torch.equal(after_8[name], start[name].detach())]
+    assert moved, "the update changed no weight"
+    for name in start:
+        torch.testing.assert_close(after_2[name], after_8[name], rtol=1e-5, atol=1e-7, msg=name)
+
+    # the batch's weighted token mean, by hand, gives the same loss and the same gradient
+    model = tiny_lm(3).train()
+    hand = hand_token_nll(model, torch.cat((queries[rows], responses[rows]), 1), queries.size(1))
+    num_tokens = sum(n for _, n in hand)
+    assert loss_8 == pytest.approx(sum(w * nll for w, (nll, _) in zip(weights.tolist(), hand)) / num_tokens, rel=1e-5)
+    query_responses = torch.cat((queries[rows], responses[rows]), 1)
+    labels = offline_rl.response_labels(query_responses, queries.size(1), PAD)
+    offline_rl.weighted_response_loss(model, query_responses, labels, weights, PAD)[0].backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(start[name].detach() - p.grad, after_8[name], rtol=1e-5, atol=1e-7, msg=name)
+
+    # the mean of per-micro-batch token means (micro batches of 2) is another objective: its gradient differs
+    model.zero_grad()
+    for micro in range(0, 8, 2):
+        part = slice(micro, micro + 2)
+        loss, _ = offline_rl.weighted_response_loss(model, query_responses[part], labels[part], weights[part], PAD)
+        (loss / 4).backward()
+    differs = [name for name, p in model.named_parameters() if not torch.allclose(start[name].detach() - p.grad, after_2[name],
+                                                                                 rtol=1e-3, atol=1e-5)]
+    assert differs, "per-micro-batch means would give the same update: the test cannot tell the two apart"
+
+
+def test_gradient_accumulation_steps_is_checked_against_the_batch_sizes():
+    args = offline_rl.Args(total_batch_size=16, local_micro_batch_size=4, gradient_accumulation_steps=2)
+    args.world_size = 1
+    with pytest.raises(ValueError, match=r"--gradient_accumulation_steps 2 does not match .* = 4"):
+        offline_rl.check_offline_flags(args, 4)
+    args.gradient_accumulation_steps = 4
+    offline_rl.check_offline_flags(args, 4)  # the value the batch sizes give is accepted, as is None (derived)
+    args.gradient_accumulation_steps = None
+    offline_rl.check_offline_flags(args, 4)
+
+
 def test_dt_reward_prompt_format():
     assert offline_rl.dt_reward_prompt(1.26) == " <rm_score> 1.3"
     assert offline_rl.dt_reward_prompt(5) == " <rm_score> 5.0"
@@ -165,7 +242,8 @@ def test_best_of_n_keeps_the_arg_max_per_prompt():
 
 
 def test_generation_is_fixed_length_and_eos_can_appear():
-    """Detail 23: exactly L new tokens come back, greedy or sampled, even when EOS is the likeliest token."""
+    """Detail 23: exactly L new tokens come back, greedy or sampled, even when EOS is the likeliest token; [PAD] is
+    never chosen (the one generation config of every script, sampling_config)."""
     model = tiny_lm()
     with torch.no_grad():  # make EOS the arg-max at every step
         model.gpt_neox.final_layer_norm.weight.zero_()
@@ -173,11 +251,14 @@ def test_generation_is_fixed_length_and_eos_can_appear():
         model.get_output_embeddings().weight.zero_()
         model.get_output_embeddings().weight[EOS] = 10.0
     queries = torch.tensor([[PAD, 5, 6, 7], [8, 9, 10, 11]])
+    tokenizer = types.SimpleNamespace(pad_token_id=PAD)
     for temperature in (0.0, 0.7):
-        config = offline_rl.offline_generation_config(6, temperature, PAD)
-        query_responses, logits = offline_rl.generate(model, queries, PAD, config)
+        config = offline_rl.sampling_config(types.SimpleNamespace(response_length=6), tokenizer, temperature)
+        assert config.do_sample == (temperature > 0) and config.suppress_tokens == [PAD]
+        query_responses = offline_rl.generate(model, queries, PAD, config)
         responses = query_responses[:, 4:]
-        assert responses.shape == (2, 6) and logits.shape[1] == 6
+        assert responses.shape == (2, 6) and torch.equal(query_responses[:, :4], queries)
+        assert not (responses == PAD).any()
         assert (responses == EOS).any(1).all()
         truncated = offline_rl.truncate_response(EOS, PAD, responses)
         first = offline_rl.first_true_indices(responses == EOS)
@@ -237,17 +318,17 @@ def test_smoke_dt_then_filter_and_rwr_reuse_the_cache(smoke_setup):
     assert summary["mixture/cache_hit"] == 0 and summary["mixture/size"] == 32
     for target in ("-5.0", "+0.0", "+5.0"):
         assert os.path.exists(os.path.join(run_dir, f"samples_target_{target}.csv"))
-        assert f"eval/target_{target}/score_mean" in summary
+        assert f"eval/target_{target}/score" in summary
     # and at the 10th / 50th / 90th / 99th percentiles of the mixture's own normalised rewards
     at = [summary[f"dt/target_at_percentile_{p}"] for p in (10, 50, 90, 99)]
     assert at == sorted(at) and at[0] < at[-1], at
     for target in at:
         assert os.path.exists(os.path.join(run_dir, f"samples_target_{target:+.1f}.csv"))
-        assert f"eval/target_{target:+.1f}/score_mean" in summary
+        assert f"eval/target_{target:+.1f}/score" in summary
     # --dt_target_percentile 90: the inference target (the main table, samples.csv) is the 90th percentile
     target = summary["dt/target_at_percentile_90"]
     assert summary["dt/target"] == target == json.load(open(os.path.join(run_dir, "args.json")))["dt_target"]
-    assert summary["eval/score_mean"] == summary[f"eval/target_{target:+.1f}/score_mean"]
+    assert summary["eval/score"] == summary[f"eval/target_{target:+.1f}/score"]
 
     summary, _ = run_method(smoke_setup, "filter")
     assert summary["mixture/cache_hit"] == 1  # the same mixture arguments: no second labelling pass

@@ -18,7 +18,7 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
     text = (report / "results.md").read_text()
     results = json.loads((report / "results.json").read_text())
     policies = {r["policy"] for r in results["policies"]}
-    assert {"sft", "ppo", "dpo"} <= policies
+    assert {"sft", "ppo", "rloo", "dpo"} <= policies
     # ILQL is judged once per swept beta (ilql.py --eval_betas default 0 1 4), never as one unnamed policy,
     # and gets no KL: its policy is the LM head shifted by the Q heads, which the LM alone does not give
     assert {"ilql_beta0", "ilql_beta1", "ilql_beta4"} <= policies and "ilql" not in policies
@@ -26,7 +26,7 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
     # nor does the Decision Transformer, whose samples follow a return-conditioned prompt; the others get one
     kl = {r["policy"]: r["kl"] for r in results["policies"]}
     assert kl["offline_dt"] is None and kl["sft"] == 0.0
-    assert all(kl[p] is not None for p in ("ppo", "dpo", "offline_filter", "offline_rwr", "offline_best_of_n"))
+    assert all(kl[p] is not None for p in ("ppo", "rloo", "dpo", "offline_filter", "offline_rwr", "offline_best_of_n"))
     for row in results["policies"]:
         assert row["win_rate"] is not None and 0.0 <= row["win_rate"] <= 1.0, row
         assert row["ci_low"] <= row["win_rate"] <= row["ci_high"]
@@ -69,6 +69,18 @@ def test_gold_win_counts_a_tie_with_the_reference_as_half():
     assert gold_win(post, ref, ref) == 0.5  # identical: whichever side is A wins the tie-break
     assert gold_win(post, " landlord sold furniture and mom hid shoes.", ref) == 1.0
     assert gold_win(post, " lol.", ref) == 0.0
+
+
+def test_gold_win_reads_the_texts_as_the_judge_does():
+    """issue 33: an EOS spelling at the end is stripped first, and what is then identical is a tie (judge.py's rule)."""
+    sys.path.insert(0, REPO_ROOT)
+    from report import gold_win
+
+    post = "POST: so yesterday landlord sold furniture.\n\non top of that mom hid shoes.\n\nTL;DR:"
+    ref = " landlord sold furniture."
+    assert gold_win(post, ref + "<|endoftext|>", ref) == 0.5
+    assert gold_win(post, ref, ref + " <|endoftext|><|endoftext|>") == 0.5
+    assert gold_win(post, " landlord sold furniture and mom hid shoes.", ref + "<|endoftext|>") == 1.0
 
 
 def test_several_seeds_share_the_task_and_keep_their_own_runs(tmp_path):
@@ -114,3 +126,153 @@ def test_seed_report_gives_every_seed_with_mean_and_std(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="seed 4"):
         write_seed_report(str(tmp_path), [1, 4])
+
+
+# ---------------------------------------------------------------- issue 33: output folders count only when complete
+def fake_stage_output(p, stage: str, complete: bool) -> None:
+    """What a training stage leaves: its stage marker, its samples and its model folder, whose run.json holds
+    "complete": true only when the run finished (the training scripts write it last)."""
+    import pathlib
+
+    pathlib.Path(p.marker(stage)).write_text(json.dumps({"stage": stage, "wall_time_s": 1.0}))
+    os.makedirs(os.path.join(p.runs, stage), exist_ok=True)
+    pathlib.Path(p.runs, stage, "samples.csv").write_text("query,response,reference\nq,r,x\n")
+    os.makedirs(os.path.join(p.models, stage), exist_ok=True)
+    pathlib.Path(p.models, stage, "run.json").write_text(json.dumps({"run_name": stage, **({"complete": True} if complete else {})}))
+
+
+def small_pipeline(tmp_path):
+    sys.path.insert(0, REPO_ROOT)
+    import pipeline
+
+    p = pipeline.Pipeline(pipeline.Args(out=str(tmp_path)))
+    os.makedirs(p.data, exist_ok=True)
+    return p
+
+
+def test_a_stage_counts_as_done_only_when_its_outputs_are_complete(tmp_path):
+    p = small_pipeline(tmp_path)
+    open(p.marker("prep"), "w").write("{}")
+    assert not p.done("prep") and "has no task.json" in p.incomplete("prep")  # prep killed before task.json
+    open(os.path.join(p.data, "task.json"), "w").write("{}")
+    assert p.done("prep")
+    fake_stage_output(p, "sft", complete=False)
+    assert not p.done("sft")
+    assert p.incomplete("sft") == (f"{p.models}/sft is incomplete: its run.json lacks \"complete\": true (its run "
+                                   "stopped before the end, or is still running)")
+    fake_stage_output(p, "sft", complete=True)
+    assert p.done("sft") and p.incomplete("sft") is None
+    os.remove(os.path.join(p.models, "sft", "run.json"))
+    assert not p.done("sft") and "has no readable run.json" in p.incomplete("sft")
+
+
+def test_pipeline_reruns_an_incomplete_stage_and_stops_when_a_stage_ends_incomplete(tmp_path, capsys):
+    import pytest
+
+    p = small_pipeline(tmp_path)
+    open(os.path.join(p.data, "task.json"), "w").write("{}")
+    fake_stage_output(p, "sft", complete=False)
+    ran = []
+
+    def fake_run(stage, cmd, complete=True):
+        ran.append(stage)
+        fake_stage_output(p, stage, complete=complete)
+
+    p.stages, p.run = ["sft"], fake_run
+    p.main()  # marked done, but incomplete: it runs again
+    assert ran == ["sft"] and "[sft] marked done, but" in capsys.readouterr().out
+    p.main()  # complete now: skipped
+    assert ran == ["sft"]
+    p.args.force = ["sft"]
+    p.run = lambda stage, cmd: fake_run(stage, cmd, complete=False)  # the command ends, the folder is incomplete
+    with pytest.raises(RuntimeError, match=r"\[sft\] ended, but .*models/sft is incomplete.*python pipeline.py --force sft"):
+        p.main()
+
+
+def test_judge_and_report_stages_name_the_incomplete_folder_and_the_stage_to_rerun(tmp_path):
+    import pytest
+
+    sys.path.insert(0, REPO_ROOT)
+    import report
+
+    p = small_pipeline(tmp_path)
+    open(os.path.join(p.data, "task.json"), "w").write("{}")
+    for stage in ("sft", "rm", "dpo"):
+        fake_stage_output(p, stage, complete=True)
+    fake_stage_output(p, "ppo", complete=False)
+    with pytest.raises(RuntimeError, match=rf"judge: {p.models}/ppo is incomplete: .*; rerun that stage: python "
+                                           r"pipeline.py --force ppo"):
+        p.stage_judge()
+    with pytest.raises(ValueError, match=rf"report: {p.models}/ppo is incomplete: .*; rerun that stage: python "
+                                         r"pipeline.py --force ppo"):
+        report.write_report(p)
+    assert not os.path.exists(p.report_dir)
+    fake_stage_output(p, "ppo", complete=True)
+    fake_stage_output(p, "rm", complete=False)  # the report reads the reward model's summary too
+    with pytest.raises(ValueError, match=rf"report: {p.models}/rm is incomplete: .*--force rm"):
+        report.write_report(p)
+    os.remove(os.path.join(p.data, "task.json"))
+    with pytest.raises(ValueError, match=r"has no task.json .*--force prep"):
+        report.write_report(p)
+
+
+def captured_figure(monkeypatch):
+    """The figures report.py closes, kept for inspection."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    return figures
+
+
+def assert_legend_inside_and_gold_axis_0_to_1(fig) -> None:
+    rm_axis, gold_axis = fig.axes
+    assert gold_axis.get_ylim() == (0.0, 1.0)
+    assert not fig.legends, "no legend hung on the figure's edge"
+    legend = gold_axis.get_legend()
+    fig.canvas.draw()
+    box, axes_box = legend.get_window_extent(), gold_axis.get_window_extent()
+    assert axes_box.x0 <= box.x0 and box.x1 <= axes_box.x1 and axes_box.y0 <= box.y0 and box.y1 <= axes_box.y1
+    labels = [text.get_text() for text in legend.get_texts()]
+    assert "RM score" in labels and "gold win rate" in labels
+
+
+def test_ppo_plot_keeps_its_legend_inside_and_the_gold_axis_from_0_to_1(tmp_path, monkeypatch):
+    sys.path.insert(0, REPO_ROOT)
+    import pandas as pd
+    import report
+
+    figures = captured_figure(monkeypatch)
+    curve = pd.DataFrame({"step": [8, 16, 24, 32, 40, 48], "rm_score": [0.1, 0.5, 0.9, 1.2, 1.4, 1.5],
+                          "gold_win_rate": [0.30, 0.40, 0.50, 0.55, 0.60, 0.58]})
+    report.rm_and_gold_plot(curve, "step", "PPO update", "mean RM score", "PPO", str(tmp_path), "ppo.png")
+    assert (tmp_path / "ppo.png").stat().st_size > 1000
+    assert_legend_inside_and_gold_axis_0_to_1(figures[-1])
+
+
+def test_seed_report_draws_the_ppo_seed_band(tmp_path, monkeypatch):
+    sys.path.insert(0, REPO_ROOT)
+    import numpy as np
+    import pandas as pd
+    import report
+
+    figures = captured_figure(monkeypatch)
+    for seed, shift in ((1, 0.0), (2, 0.1), (3, -0.05)):
+        (tmp_path / f"seed_{seed}" / "report").mkdir(parents=True)
+        (tmp_path / f"seed_{seed}" / "report" / "results.json").write_text(json.dumps({
+            "policies": [{"policy": "ppo", "win_rate": 0.6 + shift}], "rm": {}, "dpo": {}, "ceiling": 0.78}))
+        pd.DataFrame({"step": [8, 16, 24], "rm_score": [0.2 + shift, 0.8 + shift, 1.1 + shift],
+                      "gold_win_rate": [0.40 + shift, 0.55 + shift, 0.60 + shift]}).to_csv(
+            tmp_path / f"seed_{seed}" / "report" / "ppo_overoptimisation.csv", index=False)
+    text = report.write_seed_report(str(tmp_path), [1, 2, 3])
+    assert "ppo_rm_vs_gold_seeds.png" in text and (tmp_path / "report" / "ppo_rm_vs_gold_seeds.png").stat().st_size > 1000
+    band = pd.read_csv(tmp_path / "report" / "ppo_overoptimisation_seeds.csv")
+    assert list(band["step"]) == [8, 16, 24]
+    assert np.allclose(band["gold_win_rate_low"], [0.35, 0.50, 0.55]) and np.allclose(band["gold_win_rate_high"], [0.5, 0.65, 0.7])
+    assert np.allclose(band["rm_score"], [0.2 + 0.05 / 3, 0.8 + 0.05 / 3, 1.1 + 0.05 / 3])
+    fig = figures[-1]
+    assert_legend_inside_and_gold_axis_0_to_1(fig)
+    assert sum(len(ax.collections) for ax in fig.axes) == 2, "one band for the RM score, one for the gold win rate"

@@ -75,7 +75,7 @@ def shaped_example(args, scores, responses, seed=0):
     B, T = responses.shape
     data = {"responses": responses, "scores": scores, "logprobs": -torch.rand(B, T),
             "ref_logprobs": -torch.rand(B, T), "values": torch.randn(B, T)}
-    out = ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, ppo.RunningMoments(), lambda x: x)
+    out = vars(ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, ppo.RunningMoments(), lambda x: x))
     return data, out
 
 
@@ -121,14 +121,19 @@ def test_eos_trick_hits_exactly_the_no_eos_responses():
 
 def test_data_order_reshuffles_each_pass():
     # Detail 21: 10 rows, global batch 4 over 2 ranks -> 2 batches per pass, the last 2 rows dropped
-    gens = [ppo.shuffled_query_batches(10, 4, seed=3, process_index=r, num_processes=2) for r in range(2)]
-    passes = []
-    for _ in range(3):
-        rows = [torch.cat([next(g) for g in gens]) for _ in range(2)]
-        passes.append(torch.cat(rows))
+    def batch(index, rank):
+        return ppo.shuffled_query_batch(10, 4, seed=3, index=index, process_index=rank, num_processes=2)
+
+    passes = [torch.cat([batch(2 * p + b, r) for b in range(2) for r in range(2)]) for p in range(3)]
     for rows in passes:
         assert len(set(rows.tolist())) == 8  # without replacement within a pass
     assert passes[0].tolist() != passes[1].tolist()  # reshuffled between passes
+    # the ranks split each global batch: together they hold the batch one process would draw
+    one_process = [ppo.shuffled_query_batch(10, 4, seed=3, index=i, process_index=0, num_processes=1) for i in range(6)]
+    assert torch.cat(one_process).tolist() == torch.cat(passes).tolist()
+    # a batch is a function of its index: drawing batch 5 directly (a resumed run) gives what a run that drew
+    # batches 0-4 first gets
+    assert batch(5, 1).tolist() == passes[2][6:8].tolist()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -210,7 +215,9 @@ def tiny_rollout(accelerator, policy, critic, reward_model, ref_policy, length=6
     timers = {"generation": 0.0, "scoring": 0.0}
     tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
     model.eval()
-    data = ppo.rollout(args, accelerator, model, ref_policy, reward_model, queries, tok, fixed_config(length), timers)
+    data = ppo.rollout(args, accelerator, model, ref_policy, reward_model, queries, tok, fixed_config(length), timers,
+                       offload_by_hand=False)
+    data["values"] = ppo.critic_values(args, accelerator, model, data["query_responses"], PAD, queries.size(1))
     return model, queries, data
 
 
@@ -220,9 +227,9 @@ def test_generation_fixed_length_and_eos_can_appear(accelerator):
     with torch.no_grad():
         policy.get_output_embeddings().weight[EOS] += 4.0  # EOS very likely, also right after an EOS
     queries = torch.tensor([[PAD, PAD, 5, 6], [7, 8, 9, 10]])
-    query_responses, logits = ppo.generate(policy, queries, PAD, fixed_config(12))
+    query_responses = ppo.generate(policy, queries, PAD, fixed_config(12))
     responses = query_responses[:, 4:]
-    assert responses.shape == (2, 12) and logits.shape == (2, 12, VOCAB)
+    assert responses.shape == (2, 12) and torch.equal(query_responses[:, :4], queries)
     assert (responses == EOS).any()
     eos_rows = (responses == EOS).any(1)
     first_eos = ppo.first_true_indices(responses == EOS)
@@ -276,7 +283,7 @@ def test_detail22_values_and_eos_advantage_ppo_uses_at_init(accelerator, tmp_pat
                                                                     tmp_path / "rm", num_labels=1).eval()
         # the reference is the policy itself: KL 0, as at initialisation
         _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, policy)
-        out = ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, ppo.RunningMoments(), lambda x: x)
+        out = vars(ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, ppo.RunningMoments(), lambda x: x))
         mask, last, scores = out["mask"], out["last_index"], out["scores"]
         assert (out["kl"] == 0).all()
         # the RM's per-token readings (B, Tq + T) of query + truncated response; [i, j] reads tokens 0..j
@@ -347,9 +354,9 @@ def test_shared_reference_equals_frozen_sft_copy(accelerator, tmp_path, mode):
 
 
 def test_frozen_actor_takes_no_adamw_step(accelerator):
-    """--ppo.freeze_actor_updates (OpenRLHF), done as the PPO loop does it (actor lr 0, policy loss x 0, then
-    skip_frozen_actor_step before each step): the frozen updates leave the actor's weights and AdamW state
-    exactly as they were, and the actor's steps after the freeze equal those of a run that never froze (critic
+    """--ppo.freeze_actor_updates (OpenRLHF), done as ppo_update does it with ActorFreeze (actor lr 0, policy loss
+    x 0, then ActorFreeze.before_step drops the actor's gradients before each step): the frozen updates leave the
+    actor's weights and AdamW state exactly as they were, and the actor's steps after the freeze equal those of a run that never froze (critic
     aside: it trained meanwhile, but the policy loss does not depend on it), so their size ratio is 1."""
     torch.manual_seed(0)
     policy, critic = GPTNeoXForCausalLM(tiny_config()), GPTNeoXForSequenceClassification(tiny_config())
@@ -358,7 +365,7 @@ def test_frozen_actor_takes_no_adamw_step(accelerator):
     reward_model = GPTNeoXForSequenceClassification(tiny_config()).eval()
     ref = GPTNeoXForCausalLM(tiny_config()).eval()
     _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, ref)
-    out = ppo.shape_rewards(make_args(), data, EOS, PAD, 0.05, ppo.RunningMoments(), lambda x: x)
+    out = vars(ppo.shape_rewards(make_args(), data, EOS, PAD, 0.05, ppo.RunningMoments(), lambda x: x))
     steps_per_update = 2
 
     def train(frozen_updates: int, unfrozen_updates: int):
@@ -368,19 +375,20 @@ def test_frozen_actor_takes_no_adamw_step(accelerator):
         model = ppo.PolicyAndValue(policy, critic).train()
         actor = [p for p in policy.parameters() if p.requires_grad]
         critic_params = [p for p in critic.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW([{"params": actor}, {"params": critic_params}], lr=1e-3, eps=1e-5,
-                                      weight_decay=0.01)  # the two groups of main()
+        optimizer = torch.optim.AdamW([{"params": actor, "name": "actor"}, {"params": critic_params, "name": "critic"}],
+                                      lr=1e-3, eps=1e-5, weight_decay=0.01)  # the two groups of main()
+        freeze = ppo.ActorFreeze(frozen_updates, actor, deepspeed=False)
         after_steps = []
         for update in range(1, frozen_updates + unfrozen_updates + 1):
             frozen = update <= frozen_updates
-            optimizer.param_groups[0]["lr"] = 0.0 if frozen else 1e-3
+            freeze.set_lr(optimizer, update, 1e-3)
+            assert [g["lr"] for g in optimizer.param_groups] == [0.0 if frozen else 1e-3, 1e-3]
             for _ in range(steps_per_update):
                 new_logprobs, _, vpred, _ = ppo.policy_value_forward(model, data["query_responses"], 5, 0.7, PAD)
                 pg_loss, vf_loss, _ = ppo.ppo_losses(new_logprobs, data["logprobs"], out["advantages"], vpred,
                                                      out["values"], out["returns"], out["mask"], 0.2, 0.2)
-                ((0.0 if frozen else 1.0) * pg_loss + 0.1 * vf_loss).backward()
-                if frozen:
-                    ppo.skip_frozen_actor_step(actor)
+                (freeze.policy_loss_weight(update) * pg_loss + 0.1 * vf_loss).backward()
+                freeze.before_step(update)
                 optimizer.step()
                 optimizer.zero_grad()
                 if not frozen:
@@ -458,7 +466,7 @@ def check_run(tmp_path):
     for key in ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                 "objective/scores", "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg", "ppo/loss/policy_avg",
                 "ppo/loss/value_avg", "ppo/val/clipfrac_avg", "ppo/val/ratio", "ppo/val/ratio_var",
-                "ppo/val/num_eos_tokens", "lr", "episode", "episodes_per_second"):
+                "ppo/val/num_eos_tokens", "train/lr", "episode", "episodes_per_second"):
         assert key in train[0], key
     import pandas as pd
 
@@ -555,7 +563,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_m
         state.pop("wall_time_s"), state.pop("totals")
         state["metrics"] = without_timing(state["metrics"])
     assert states[0] == states[1]
-    assert states[0]["query_batches_drawn"] == 4 and states[0]["ptx_batches_drawn"] == 4 * 8
+    assert states[0]["update"] == 4 and states[0]["metrics"]["episode"] == 4 * 8
 
     full_metrics, resumed_metrics = read_metrics(full_dir), read_metrics(run_dir)
     assert len(full_metrics) == 5 + 1 + 1  # 5 updates, the evaluation at update 3, the final evaluation
@@ -589,9 +597,9 @@ def test_nan_reward_model_stops_before_any_step(synthetic_task, tiny_models, tmp
     checkpoints = sorted(os.listdir(tmp_path / "runs" / "smoke" / "checkpoints"))
     assert checkpoints == ["update_000000"]
     last_good = tmp_path / "runs" / "smoke" / "checkpoints" / "update_000000"
-    # the poisoned rollout is not part of the last good state: no data drawn, and the sampling RNG as it was
+    # the poisoned rollout is not part of the last good state: no update's metrics, and the sampling RNG as it was
     # seeded (ppo.py seeds process 0 with --seed 1), not as the rollout's sampling left it
-    assert json.load(open(last_good / "trainer_state.json"))["query_batches_drawn"] == 0
+    assert json.load(open(last_good / "trainer_state.json"))["metrics"] == {}
     rng = torch.load(last_good / "random_states_0.pkl", weights_only=False)
     assert torch.equal(rng["torch_manual_seed"], torch.Generator().manual_seed(1).get_state())
     assert not (tmp_path / "runs" / "smoke" / "summary.json").exists()

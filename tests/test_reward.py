@@ -238,6 +238,12 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
         assert (run_dir / name).exists(), name
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3, 4]
+    # the pairwise metrics carry dpo.py's names (one vocabulary across the scripts)
+    train = next(m for m in metrics if "train/loss" in m)
+    assert {"train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",
+            "train/lr", "train/epoch", "train/tokens_per_s"} <= set(train), sorted(train)
+    assert train["train/rewards/margins"] == pytest.approx(train["train/rewards/chosen"] - train["train/rewards/rejected"])
+    assert not {"lr", "epoch", "tokens_per_s", "train/accuracy", "train/chosen_rewards"} & set(train)
     samples = pd.read_csv(run_dir / "samples.csv")
     assert {"query", "response", "reference", "score", "response_token_len", "has_eos"} <= set(samples.columns)
     assert samples["has_eos"].all()  # every preference response of the prepared data ends with EOS
@@ -370,7 +376,7 @@ def test_output_dir_of_another_run_is_refused(synthetic_task, short_preference, 
     accepted = subprocess.run(command + ["--overwrite_output_dir"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                               timeout=300)
     assert accepted.returncode == 0, accepted.stderr[-3000:]
-    assert json.loads((output_dir / "run.json").read_text()) == {"run_name": "mine"}
+    assert json.loads((output_dir / "run.json").read_text()) == {"run_name": "mine", "complete": True}
     from transformers import AutoModelForSequenceClassification
 
     assert AutoModelForSequenceClassification.from_pretrained(str(output_dir)).config.num_labels == 1

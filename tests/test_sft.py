@@ -5,8 +5,10 @@ from conftest import (ENV, assert_last_good_checkpoint, assert_same_safetensors,
                       run_ok, tiny_causal_lm, without_timing)
 import json
 import os
+import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -99,13 +101,13 @@ def test_fixed_length_sampling_keeps_going_past_eos():
         model.gpt_neox.final_layer_norm.bias.fill_(1.0)
         model.get_output_embeddings().weight[EOS] = 0.1  # logit 3.2: EOS has p ~ 0.6 at every step
     length = 12
-    config = sft.make_generation_config(length, temperature=1.0, pad_token_id=PAD)
+    config = sft.sampling_config(SimpleNamespace(response_length=length), SimpleNamespace(pad_token_id=PAD), 1.0)
     queries = torch.tensor([[PAD, PAD, 5, 6, 7], [4, 5, 6, 7, 8]] * 8)  # left-padded
     torch.manual_seed(0)
-    query_responses, logits = sft.generate(model, queries, PAD, config)
+    query_responses = sft.generate(model, queries, PAD, config)
     assert query_responses.shape == (16, 5 + length)
-    assert logits.shape == (16, length, 16)
     responses = query_responses[:, 5:]
+    assert not (responses == PAD).any()  # [PAD] is never sampled
     assert torch.equal(query_responses[:, :5], queries)
     # EOS was sampled somewhere before the last position, and sampling went on after it
     eos_positions = sft.first_true_indices(responses == EOS)
@@ -120,9 +122,33 @@ def test_fixed_length_sampling_keeps_going_past_eos():
 
 
 def test_generation_config_does_not_inherit_eos_stopping():
-    config = sft.make_generation_config(7, temperature=0.01, pad_token_id=PAD)
+    config = sft.sampling_config(SimpleNamespace(response_length=7), SimpleNamespace(pad_token_id=PAD), 0.01)
     assert config.eos_token_id == [] and config.min_new_tokens is None
     assert config.max_new_tokens == 7 and config.do_sample and config.top_k == 0 and config.top_p == 1.0
+    assert config.temperature == 0.01 and config.pad_token_id == PAD and config.suppress_tokens == [PAD]
+
+
+def test_gradient_accumulation_flag_is_checked_against_the_batch_sizes():
+    """--gradient_accumulation_steps checks the batch arithmetic and never overrides it: None takes the derived
+    value, the same value passes, another one is refused with the arithmetic that gives the right one."""
+    args = SimpleNamespace(gradient_accumulation_steps=None, total_batch_size=128, local_micro_batch_size=16)
+    sft.check_gradient_accumulation(args, 4, 2)
+    args.gradient_accumulation_steps = 4
+    sft.check_gradient_accumulation(args, 4, 2)
+    args.gradient_accumulation_steps = 8
+    with pytest.raises(ValueError, match=re.escape("--gradient_accumulation_steps 8 does not match total_batch_size "
+                                                   "128 / (2 processes x 1 minibatches x 16 micro batch) = 4")):
+        sft.check_gradient_accumulation(args, 4, 2)
+
+
+def test_count_updates_uses_full_batches_only():
+    args = SimpleNamespace(total_episodes=None, num_train_epochs=2, total_batch_size=16)
+    assert sft.count_updates(args, 40) == 5  # two passes over 40 rows: 80 rows, 5 full batches of 16
+    args.total_episodes = 47
+    assert sft.count_updates(args, 40) == 2  # --total_episodes wins over the epochs; the last 15 rows are dropped
+    args.total_episodes = 15
+    with pytest.raises(ValueError, match="15 episodes give no full batch of 16"):
+        sft.count_updates(args, 40)
 
 
 def test_batch_arithmetic_is_exact():
@@ -312,6 +338,11 @@ def test_tokenizer_padding_with_eos_is_refused(synthetic_task, tmp_path):
 def test_batch_sizes_that_do_not_divide_are_refused(synthetic_task, tmp_path):
     message = failing_run(synthetic_task, tmp_path, local_micro_batch_size=6)
     assert message.startswith("ValueError:") and "16 is not divisible by 6" in message
+
+
+def test_gradient_accumulation_flag_that_contradicts_the_batch_sizes_is_refused(synthetic_task, tmp_path):
+    message = failing_run(synthetic_task, tmp_path, "--gradient_accumulation_steps", "3")
+    assert message.startswith("ValueError: --gradient_accumulation_steps 3 does not match total_batch_size 16"), message
 
 
 def test_output_dir_of_another_run_is_refused(synthetic_task, tmp_path):

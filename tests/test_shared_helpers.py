@@ -7,7 +7,7 @@ import os
 from collections import defaultdict
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py", "judge.py"]
+SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py", "judge.py", "rloo.py"]
 # Names that legitimately differ per script: each script has its own arguments and entry point.
 PER_SCRIPT = {"Args", "main"}
 
@@ -35,9 +35,10 @@ def test_shared_helpers_are_identical_across_scripts():
     assert not drifted, "helper copies differ between scripts (make them identical):\n" + "\n".join(drifted)
 
 
-TRAINING_SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py"]
+TRAINING_SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py", "rloo.py"]
 BANNER = "# RUN INFRASTRUCTURE: TRY NOT TO MODIFY."
-SHARED_BLOCK = "# ---- shared run infrastructure: identical in every training script"
+SHARED_BLOCK = "# ---- shared input checks: identical in every training script"
+RUN_BLOCK = "# ---- shared run infrastructure: identical in every training script"
 
 
 def calls_before(function: ast.FunctionDef, stop: str) -> list:
@@ -68,8 +69,9 @@ def test_every_training_script_checks_the_tokenizer_of_its_data_before_claiming_
 
 
 def test_every_training_script_reads_as_the_algorithm_first():
-    """STYLE.md 11: docstring -> Args -> the algorithm -> main -> one banner -> the run infrastructure, whose shared
-    part (the Run object and the helpers every script needs) is the same text in every training script."""
+    """Every training script reads top down: docstring -> Args -> the algorithm -> main -> one banner -> the run
+    infrastructure, whose shared part (the Run object and the helpers every script needs) is the same text in every
+    training script."""
     blocks = {}
     for script in TRAINING_SCRIPTS:
         source = open(os.path.join(REPO_ROOT, script)).read()
@@ -82,11 +84,33 @@ def test_every_training_script_reads_as_the_algorithm_first():
         assert args.lineno < main.lineno < banner, f"{script}: Args, then main, then the banner"
         assert ast.get_docstring(tree), f"{script}: the module docstring states the algorithm"
         below = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.lineno > banner}
-        assert {"Run", "check_finite", "save_checkpoint", "claim_output_dir", "start_processes"} <= below, script
+        assert {"Run", "check_finite", "take_lock", "check_data_tokenizer", "start_processes"} <= below, script
+        assert source.index(BANNER) < source.index(SHARED_BLOCK) < source.index(RUN_BLOCK), script
         start = source.index(SHARED_BLOCK)
         blocks[script] = source[start : source.index('\nif __name__ == "__main__":', start)]
     assert len(set(blocks.values())) == 1, "the shared run infrastructure differs between " + ", ".join(
         f"{a} and {b}" for a, b in zip(TRAINING_SCRIPTS, TRAINING_SCRIPTS[1:]) if blocks[a] != blocks[b])
+
+
+def test_data_preparation_has_its_own_copy_of_the_tokenizer_fingerprint():
+    """data/prepare.py writes the tokenizer fingerprint that every script's check_data_tokenizer compares with its
+    own: it keeps its own copy (it imports no training script), the same text as the scripts' copy."""
+    prepare = os.path.join(REPO_ROOT, "data", "prepare.py")
+    ours = top_level_definitions(prepare).get("tokenizer_fingerprint")
+    assert ours is not None, "data/prepare.py should define tokenizer_fingerprint itself"
+    theirs = {script: top_level_definitions(os.path.join(REPO_ROOT, script)).get("tokenizer_fingerprint")
+              for script in TRAINING_SCRIPTS}
+    assert all(theirs.values()), f"a training script lacks tokenizer_fingerprint: {sorted(s for s, t in theirs.items() if not t)}"
+    differ = sorted(script for script, text in theirs.items() if text != ours)
+    assert not differ, f"data/prepare.py's tokenizer_fingerprint differs from the copy in {differ}"
+    scripts = {s[:-3] for s in SCRIPTS}
+    for node in ast.walk(ast.parse(open(prepare).read())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module.split(".")[0]]
+        assert not set(names) & scripts, f"data/prepare.py imports a training script ({names}); data prep knows no trainer"
 
 
 def test_scripts_do_not_import_each_other():

@@ -62,6 +62,7 @@ RUNS = [
     ("ppo.py", "lora"),
     ("ppo.py", "hydra"),
     ("ppo.py", "offload"),
+    ("rloo.py", "plain"),
     ("ilql.py", "plain"),
     ("offline_rl.py", "plain"),
 ]
@@ -332,6 +333,10 @@ def script_flags(script: str, mode: str, args: Args, paths: dict, task: dict, ru
                    "--query_dataset", paths["sft_data"], *response, "--local_rollout_forward_batch_size", b,
                    "--ppo.num_ppo_epochs", "1", "--ppo.num_mini_batches", "1", "--eval_every", "0",
                    "--num_eval_samples", e, "--print_sample_every", "0"],
+        # RLOO's defaults (k = 2, one epoch over one minibatch): the same micro batch as PPO's, no critic
+        "rloo.py": ["--sft_model_path", paths["sft"], "--reward_model_path", paths["rm"],
+                    "--query_dataset", paths["sft_data"], *response, "--local_rollout_forward_batch_size", b,
+                    "--eval_every", "0", "--num_eval_samples", e, "--print_sample_every", "0"],
         "ilql.py": ["--init_from", "base", "--model_path", paths["sft"], "--preference_dataset", paths["preference"],
                     "--query_dataset", paths["sft_data"], *response, "--eval_every", "0", "--num_eval_samples", e,
                     "--local_eval_batch_size", b, "--eval_betas", "1", "--beta", "1", "--log_every", "1",

@@ -1,0 +1,1523 @@
+"""REINFORCE Leave-One-Out (RLOO; Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+Learning from Human Feedback in LLMs") for RLHF on TL;DR summarization, forked from ppo.py: no critic, no GAE.
+
+One update = one rollout of `total_batch_size` episodes, rloo_k per query, followed by K epochs over it:
+
+  rollout  1. sample left-padded queries from the SFT split, reshuffling after each pass (Detail 21), rloo_k times each
+           2. sample exactly `response_length` tokens at temperature 0.7, no early stop (Detail 23)
+           3. truncate each response after its first EOS, fill the rest with [PAD]   (Detail 23)
+           4. score query + truncated response with the RM, read at the EOS          (Details 12, 14)
+           5. EOS trick: no EOS in the response -> score = penalty_reward_value (-1)  (Detail 23)
+           6. sequence reward: the score - kl_coef * the KL summed over the response
+           7. advantage: the reward - the mean reward of the other rloo_k - 1 responses to the query
+  update   K epochs x num_mini_batches minibatches x gradient accumulation of micro batches;
+           REINFORCE on the probability of each whole response (rloo_loss), AdamW with linear decay.
+
+Single process:   python rloo.py --sft_model_path models/sft --reward_model_path models/rm
+Several:          accelerate launch --config_file zero2.yaml rloo.py ...
+After a crash:    the same command with --resume: it continues from the latest checkpoint in
+                  runs/{run_name}/checkpoints (policy, AdamW, KL controller, reward statistics, RNG
+                  states; the data position follows from the update number) and ends exactly like an uninterrupted
+                  run (--checkpoint_every sets how often).
+"""
+
+import contextlib
+import copy
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Optional
+
+import numpy as np
+import pandas as pd
+import pyarrow
+import pyarrow.compute
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from datasets import load_dataset, load_from_disk
+from peft import LoraConfig, get_peft_model
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class RlooHParams:
+    """RLOO knobs (the paper's; the others ppo.py's Table 7 values) and the trlX / OpenRLHF options without a critic."""
+
+    num_ppo_epochs: int = 1
+    """K: epochs over each rollout batch; 1 with one minibatch uses each response once, on-policy, as the paper
+    does; more reuse it under the clipped ratio of rloo_loss (TRL's RLOO trainer makes 4)"""
+    num_mini_batches: int = 1
+    """N_mb: minibatches per epoch; each is one optimizer step"""
+    cliprange: float = 0.2
+    """epsilon: policy ratio clipping (Table 7)"""
+    kl_coef: float = 0.05
+    """beta: per-token KL penalty coefficient (Table 7); the initial value with --rloo.adaptive_kl"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """per-token KL estimate in the penalty: k1 = log p - log p_ref (paper); k3 = r - 1 - log r, r = p_ref / p"""
+    adaptive_kl: bool = False
+    """trlX / Ziegler et al.: adapt kl_coef so that the KL of a rollout tracks --rloo.target_kl"""
+    target_kl: float = 6.0
+    """adaptive KL target (sum over the response, trlX Table 4 uses 6)"""
+    kl_horizon: int = 10000
+    """adaptive KL horizon in episodes: how fast kl_coef moves"""
+    scale_rewards: bool = False
+    """trlX: divide scores by a running standard deviation of all scores seen (no mean subtraction)"""
+    reward_clip: Optional[float] = None
+    """trlX / OpenRLHF: clip scores to [-reward_clip, reward_clip] (after --rloo.scale_rewards); None = off"""
+    ptx_coef: float = 0.0
+    """PPO-ptx (InstructGPT, OpenRLHF): add ptx_coef x the SFT loss on reference summaries; 0 = off"""
+
+
+@dataclass
+class Args:
+    # common
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of weights and data order on every rank (sampling uses seed + process_index * 100003)"""
+    run_name: Optional[str] = None
+    """None -> {exp_name}__{seed}__{unix time}; outputs go to {run_dir_root}/{run_name}"""
+    track: bool = False
+    """log to Weights & Biases (mirrors TensorBoard)"""
+    wandb_project_name: str = "tldr_summarize"
+    """the W&B project"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team)"""
+    push_to_hub: bool = False
+    """upload the final policy to the Hugging Face hub"""
+    hub_model_id: Optional[str] = None
+    """hub repository id for --push_to_hub (None -> run_name)"""
+    output_dir: str = "models/rloo"
+    """where the final policy and its tokenizer are saved"""
+    run_dir_root: str = "runs"
+    """root folder of run outputs (args, metrics, TensorBoard, sample tables)"""
+    overwrite_output_dir: bool = False
+    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
+    checkpoint_every: int = 100
+    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
+    runs/{run_name}/checkpoints every this many updates (0 = never)"""
+    checkpoint_keep: int = 1
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
+    the resumed run ends with the same weights and metrics as one that was never interrupted"""
+
+    # models
+    sft_model_path: str = "models/sft"
+    """the SFT policy: initial policy, reference policy, and the tokenizer"""
+    reward_model_path: str = "models/rm"
+    """the reward model (saved by reward.py with the Detail 15 normalisation folded in)"""
+    trust_remote_code: bool = False
+    """passed to from_pretrained"""
+
+    # data
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """processed SFT dataset (hub name, or a local save_to_disk folder); queries are left-padded"""
+    train_split: str = "train"
+    """split the rollout queries (and the ptx data) come from"""
+    eval_split: str = "validation"
+    """split used for evaluation sample tables"""
+
+    # sampling
+    rloo_k: int = 2
+    """k: responses sampled per query; each one's baseline is the mean reward of the other k - 1 (the paper's
+    default; it also ran 4)"""
+    response_length: int = 53
+    """tokens sampled per response, always exactly this many (Detail 23)"""
+    temperature: float = 0.7
+    """sampling temperature of rollouts; logprobs of policy and reference use it too (Table 7)"""
+    eval_temperature: float = 0.01
+    """sampling temperature of evaluation samples (near greedy, as the reference)"""
+    non_eos_penalty: bool = True
+    """Detail 23 (EOS trick): a response without EOS gets --penalty_reward_value as its score"""
+    penalty_reward_value: float = -1.0
+    """Detail 23 (EOS trick): score given to a response that never emits EOS"""
+
+    # optimisation
+    total_episodes: int = 1_000_000
+    """episodes (sampled responses) in the whole run (Table 7)"""
+    total_batch_size: int = 512
+    """episodes per update across all processes (Table 7)"""
+    local_micro_batch_size: int = 8
+    """episodes per forward/backward pass on one process"""
+    gradient_accumulation_steps: Optional[int] = None
+    """micro batches per optimizer step; None = derived from the batch sizes, else checked against them"""
+    local_rollout_forward_batch_size: int = 64
+    """episodes per generation / scoring chunk on one process (memory knob; no effect on results)"""
+    lr: float = 3e-6
+    """AdamW learning rate (Table 7)"""
+    eps: float = 1e-5
+    """AdamW epsilon (Table 7)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (torch's default, which the reference implementation uses)"""
+    scheduler: Literal["linear", "constant"] = "linear"
+    """learning-rate schedule over updates (Table 7: linear decay to 0)"""
+    disable_dropout: bool = True
+    """Detail 7: no dropout in policy, reference and RM, so that the first ratio is exactly 1"""
+    bf16: Optional[bool] = None
+    """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
+    runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+
+    # memory and speed (trlX / OpenRLHF)
+    num_layers_unfrozen: int = -1
+    """Hydra (trlX): the policy trains only its top N layers and the reference shares the frozen trunk; -1 = off"""
+    lora_rank: int = 0
+    """LoRA rank of the policy adapters (peft); the reference is the policy with adapters disabled; 0 = off"""
+    lora_alpha: float = 16.0
+    """LoRA scaling alpha (read only when --lora_rank > 0)"""
+    offload: bool = False
+    """keep the reference and reward models on CPU between uses (GPU runs; with ZeRO-3, DeepSpeed param offload)"""
+
+    # evaluation and logging
+    eval_every: int = 20
+    """updates between evaluations (sample tables); 0 = only the final evaluation"""
+    num_eval_samples: int = 256
+    """validation queries per evaluation"""
+    save_policy_every: int = 0
+    """updates between policy snapshots (save_pretrained, for evaluation; not resumable) in
+    {output_dir}/snapshots/update_N; 0 = only the final policy. Resumable checkpoints: --checkpoint_every"""
+    print_sample_every: int = 10
+    """updates between printed rollout samples; 0 = never"""
+
+    rloo: RlooHParams = field(default_factory=RlooHParams)
+    """RLOO hyperparameters"""
+
+
+# ---------------------------------------------------------------------------------------------
+# RLOO pieces (module-level so that tests can check each one against a hand computation)
+# ---------------------------------------------------------------------------------------------
+
+
+def shuffled_query_batch(num_rows: int, batch_size: int, seed: int, index: int, process_index: int, num_processes: int):
+    """Detail 21: this process's slice of global index batch number `index` (0, 1, 2, ...) of an endless stream.
+    Each pass over the split is a fresh permutation (seeded by seed + pass number: sampling without replacement);
+    the incomplete tail of a pass is dropped. Every rank draws the same permutation and takes its own slice of
+    each global batch. The batch depends on its arguments only, so a resumed run needs no replay of past draws."""
+    if num_rows < batch_size:
+        raise ValueError(f"the query split has {num_rows} rows, fewer than one batch of {batch_size}")
+    local_batch_size = exact_div(batch_size, num_processes, "total_batch_size across processes")
+    data_pass, batch_in_pass = divmod(index, num_rows // batch_size)
+    permutation = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + data_pass))
+    local_start = batch_in_pass * batch_size + process_index * local_batch_size
+    return permutation[local_start : local_start + local_batch_size]
+
+
+def action_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, pad_token_id: int):
+    """Log-probabilities (B, T) of `tokens` under temperature-scaled logits (B, T, V), and the
+    log-softmax itself. [PAD] is not an action: generation suppresses it, so it is removed here as
+    well (the reference implementation lets the policy sample [PAD]; we do not)."""
+    scaled = logits.float() / temperature
+    scaled[..., pad_token_id] = float("-inf")
+    all_logprobs = F.log_softmax(scaled, dim=-1)
+    return torch.gather(all_logprobs, 2, tokens.unsqueeze(-1)).squeeze(-1), all_logprobs
+
+
+def response_mask(truncated_responses: torch.Tensor, pad_token_id: int):
+    """Mask (B, T) of the response tokens up to and including the first EOS (all tokens when there
+    is none), and the index of the last kept token (B,), where the score goes."""
+    last_index = first_true_indices(truncated_responses == pad_token_id) - 1
+    positions = torch.arange(truncated_responses.size(1), device=truncated_responses.device).unsqueeze(0)
+    return positions <= last_index.unsqueeze(1), last_index
+
+
+def apply_eos_trick(scores: torch.Tensor, truncated_responses: torch.Tensor, eos_token_id: int, penalty: float):
+    """Detail 23 (EOS trick): a response that contains no EOS gets `penalty` as its score."""
+    contains_eos = (truncated_responses == eos_token_id).any(dim=1)
+    return torch.where(contains_eos, scores, torch.full_like(scores, penalty)), contains_eos
+
+
+def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy.
+    k1 = log p - log p_ref (unbiased, can be negative); k3 = (r - 1) - log r with r = p_ref / p
+    (unbiased, always >= 0, lower variance; Schulman's estimator used by OpenRLHF)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """Step 7: rewards (B,) in groups of k consecutive responses to one query; each one's baseline is the mean
+    reward of the other k - 1 of its group (independent of the response: the estimate stays unbiased)."""
+    grouped = rewards.view(-1, k)
+    return (grouped - (grouped.sum(1, keepdim=True) - grouped) / (k - 1)).flatten()
+
+
+def clipped_policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float):
+    """PPO's clipped surrogate: the masked mean of max(-A * r, -A * clip(r, 1 - eps, 1 + eps)) over the ratios
+    r = exp(log_ratio) of new to rollout probabilities, and its per-micro-batch stats."""
+    ratio = torch.exp(log_ratio)
+    pg_losses_unclipped = -advantages * ratio
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = masked_mean(torch.max(pg_losses_unclipped, pg_losses_clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
+            "pg_clipfrac": masked_mean((pg_losses_clipped > pg_losses_unclipped).float(), mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return pg_loss, stats
+
+
+def rloo_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
+    """The loss on the probability ratio r of each whole response (log r: the sum over its kept tokens), a mean
+    over responses. The paper treats a response as one action and uses plain REINFORCE, -A * grad log p(y|x),
+    unclipped. PPO's clipped surrogate on r is the same on a fresh batch, where r = 1 exactly (Detail 7) and the
+    clip is idle: the default (one epoch, one minibatch) is the paper's update, and the clip only guards a batch
+    that is reused. TRL's RLOO trainer instead clips every token's ratio, as PPO does."""
+    log_ratio = ((new_logprobs - old_logprobs) * mask).sum(1)  # (B,)
+    return clipped_policy_loss(log_ratio, advantages, torch.ones_like(log_ratio), cliprange)
+
+
+class PolicyModel(nn.Module):
+    """The policy in a module of its own, so that one forward serves the RLOO loss and the ptx loss."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, query_responses: torch.Tensor, pad_token_id: int, ptx_query_responses=None):
+        logits = forward(self.policy, query_responses, pad_token_id).logits  # (B, T, V)
+        ptx_logits = None
+        if ptx_query_responses is not None:
+            ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id).logits
+        return logits, ptx_logits
+
+    def policy_state_dict(self, state_dict: dict) -> dict:
+        """The policy's entries of a state dict of this module (e.g. the one accelerate gathers from ZeRO-3
+        shards), under the policy's own names; a missing entry is an error, not a silently incomplete model."""
+        return {name: state_dict[f"policy.{name}"] for name in self.policy.state_dict()}
+
+
+@dataclass
+class SequenceRewards:
+    """Steps 5-7 for a local rollout batch of B episodes; each (B, T) tensor is 0 after the EOS."""
+
+    mask: torch.Tensor  # (B, T) response tokens up to and including the EOS
+    last_index: torch.Tensor  # (B,) index of the EOS (the last token when there is none)
+    scores: torch.Tensor  # (B,) after the EOS trick and the optional scaling and clipping
+    contains_eos: torch.Tensor  # (B,)
+    kl: torch.Tensor  # (B, T) per-token KL estimate
+    non_score_reward: torch.Tensor  # (B, T) -kl_coef * kl
+    rewards: torch.Tensor  # (B,) the score plus the summed KL penalty
+    advantages: torch.Tensor  # (B,)
+
+
+def sequence_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coef: float, reward_moments, gather):
+    """Steps 5-7 on a local rollout batch: mask after the EOS, EOS trick, optional reward scaling and
+    clipping, the sequence reward with its summed KL penalty, the leave-one-out advantages. `gather` collects a
+    tensor across ranks (for the running reward statistics)."""
+    responses = data["responses"]
+    mask, last_index = response_mask(responses, pad_token_id)  # kept tokens: up to and including the EOS
+    scores = data["scores"]
+    contains_eos = (responses == eos_token_id).any(1)
+    if args.non_eos_penalty:  # 5. Detail 23: EOS trick
+        scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
+    if args.rloo.scale_rewards:  # trlX: running-std scaling, statistics over all ranks
+        reward_moments.update(gather(scores))
+        scores = scores / max(reward_moments.std, 1e-8)
+    if args.rloo.reward_clip is not None:
+        scores = torch.clamp(scores, -args.rloo.reward_clip, args.rloo.reward_clip)
+    # 6. the score minus the KL penalty summed over the kept tokens; 7. leave-one-out advantages
+    kl = kl_per_token(data["logprobs"], data["ref_logprobs"], args.rloo.kl_estimator) * mask
+    non_score_reward = -kl_coef * kl
+    rewards = scores + non_score_reward.sum(1)
+    advantages = rloo_advantages(rewards, args.rloo_k)
+    return SequenceRewards(mask, last_index, scores, contains_eos, kl, non_score_reward, rewards, advantages)
+
+
+def policy_forward(model, query_responses, context_length: int, temperature: float, pad_token_id: int,
+                   ptx_query_responses=None):
+    """The training-time forward: temperature-scaled logprobs of the responses (B, T), the full
+    log-softmax (B, T, V) and the ptx logits."""
+    logits, ptx_logits = model(query_responses, pad_token_id, ptx_query_responses)
+    new_logprobs, all_logprobs = action_logprobs(
+        logits[:, context_length - 1 : -1], query_responses[:, context_length:], temperature, pad_token_id
+    )
+    return new_logprobs, all_logprobs, ptx_logits
+
+
+def reference_logits(ref_policy, policy, query_responses, pad_token_id):
+    """Reference policy logits: a separate (or Hydra) frozen model, or the LoRA policy with its adapters off."""
+    if ref_policy is None:
+        with policy.disable_adapter():
+            return forward(policy, query_responses, pad_token_id).logits
+    return forward(ref_policy, query_responses, pad_token_id).logits
+
+
+@torch.no_grad()
+def rollout(args, accelerator, model, ref_policy, reward_model, queries, tokenizer, generation_config, timers,
+            offload_by_hand: bool):
+    """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size. Returns the raw
+    (untruncated) query_responses, the truncated responses, temperature-scaled logprobs of policy and
+    reference and RM scores (B,) before the EOS trick. offload_by_hand: move the
+    frozen models to the device around each use (--offload, see place_frozen_models)."""
+    unwrapped = accelerator.unwrap_model(model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    context_length = queries.size(1)
+    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "scores")}
+    for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
+        query = queries[start : start + args.local_rollout_forward_batch_size]
+        t0 = time.time()
+        # 2. fixed-length sampling with the KV cache; EOS can be sampled but never stops generation
+        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
+        t1 = time.time()
+        response = query_response[:, context_length:]  # (b, T)
+        # temperature-scaled logprobs from a full forward pass: the same computation as the update,
+        # so the first ratio is exactly 1 without dropout (Detail 7)
+        logits = forward(unwrapped.policy, query_response, pad_id).logits[:, context_length - 1 : -1]
+        logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
+        del logits
+        ref_model = ref_policy if ref_policy is not None else unwrapped.policy
+        with placed_on(ref_model, accelerator.device, offload_by_hand and ref_policy is not None):
+            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id)
+        ref_logprob, _ = action_logprobs(ref_logits[:, context_length - 1 : -1], response, args.temperature, pad_id)
+        del ref_logits
+        # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
+        truncated = truncate_response(eos_id, pad_id, response)
+        with placed_on(reward_model, accelerator.device, offload_by_hand):
+            _, score, _ = get_reward(reward_model, torch.cat((query, truncated), 1), pad_id, context_length)
+        timers["generation"] += t1 - t0
+        timers["scoring"] += time.time() - t1
+        out["query_responses"].append(query_response)
+        out["responses"].append(truncated)
+        out["logprobs"].append(logprob)
+        out["ref_logprobs"].append(ref_logprob)
+        out["scores"].append(score.float())
+    return {k: torch.cat(v, 0) for k, v in out.items()}
+
+
+def rloo_update(args, accelerator, model, optimizer, data: dict, shaped, update: int, run, ptx,
+                pad_token_id: int) -> dict:
+    """The update: K epochs over the local rollout batch, each a fresh permutation cut into micro batches; every
+    gradient_accumulation_steps of them make a minibatch and one optimizer step. Returns this process's
+    statistics of each micro batch, (K, num_mini_batches, gradient_accumulation_steps) tensors. ptx (PtxData) is
+    the option that acts inside the update; off, it changes nothing."""
+    local_batch_size, response_length = data["responses"].shape
+    context_length = data["query_responses"].size(1) - response_length
+    micro = args.local_micro_batch_size
+    K, nmb = args.rloo.num_ppo_epochs, args.rloo.num_mini_batches
+    ga = local_batch_size // nmb // micro
+    device = accelerator.device
+    names = ("approxkl", "pg_clipfrac", "pg_loss", "entropy", "ratio", "ptx_loss")
+    stats = {name: torch.zeros((K, nmb, ga), device=device) for name in names}
+    model.train()
+    for epoch in range(K):
+        permutation = torch.randperm(local_batch_size, device=device)
+        for step in range(nmb * ga):  # micro batch `step` of this epoch is micro batch `micro_index` of minibatch `mb`
+            mb, micro_index = divmod(step, ga)
+            idx = permutation[step * micro : (step + 1) * micro]
+            with accelerator.accumulate(model):
+                ptx_tokens, ptx_labels = ptx.batch(update, epoch * nmb * ga + step, device)
+                new_logprobs, all_logprobs, ptx_logits = policy_forward(
+                    model, data["query_responses"][idx], context_length, args.temperature, pad_token_id, ptx_tokens
+                )
+                pg_loss, mb_stats = rloo_loss(new_logprobs, data["logprobs"][idx], shaped.advantages[idx],
+                                              shaped.mask[idx], args.rloo.cliprange)
+                ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
+                loss = pg_loss + ptx.coef * ptx_loss
+                # non-finite guard: checked before backward, so the optimizer never applies it
+                run.guard(update, **{f"rloo/loss (epoch {epoch + 1}, minibatch {mb + 1})": loss})
+                accelerator.backward(loss)
+                optimizer.step()  # a no-op until the last micro batch of the minibatch
+                optimizer.zero_grad()
+            with torch.no_grad():
+                probs = all_logprobs.exp()
+                token_entropy = -(probs * torch.where(probs > 0, all_logprobs, 0.0)).sum(-1)
+                mb_stats.update(pg_loss=pg_loss.detach(), ptx_loss=ptx_loss.detach(),
+                                entropy=masked_mean(token_entropy, shaped.mask[idx]))
+                for name, value in mb_stats.items():
+                    stats[name][epoch, mb, micro_index] = value
+    return stats
+
+
+def rloo_metrics(stats: dict, num_eos_tokens: torch.Tensor) -> dict:
+    """The RLOO statistics of an update (gathered from every process), averaged over its micro batches."""
+    return {
+        "rloo/policy/approxkl_avg": stats["approxkl"].mean().item(),
+        "rloo/policy/clipfrac_avg": stats["pg_clipfrac"].mean().item(),
+        "rloo/policy/entropy_avg": stats["entropy"].mean().item(),
+        "rloo/loss/policy_avg": stats["pg_loss"].mean().item(),
+        "rloo/loss/ptx_avg": stats["ptx_loss"].mean().item(),
+        "rloo/val/ratio": stats["ratio"].mean().item(),
+        "rloo/val/ratio_var": stats["ratio"].var(unbiased=False).item(),
+        "rloo/val/num_eos_tokens": num_eos_tokens.item(),
+    }
+
+
+def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, data: dict, shaped, stats: dict,
+                   timers: dict, eos_token_id: int, algorithm_metrics) -> dict:
+    """The update's metrics: rollout sums per episode, the statistics of the update's micro batches (named by
+    `algorithm_metrics`), each averaged over the global batch (gathered across processes), and the shares of the
+    update's time."""
+    gather = accelerator.gather
+    kl_sum, non_score_sum = gather(shaped.kl.sum(1)), gather(shaped.non_score_reward.sum(1))
+    entropy_sum, scores = gather((-data["logprobs"] * shaped.mask).sum(1)), gather(shaped.scores)
+    stats = {name: gather(value) for name, value in stats.items()}
+    num_eos_tokens = gather((data["responses"] == eos_token_id).sum().unsqueeze(0)).sum()
+    return {
+        "episode": update * args.total_batch_size,
+        "train/lr": lr,
+        "objective/kl": kl_sum.mean().item(),
+        "objective/kl_coef": kl_coef,
+        "objective/entropy": entropy_sum.mean().item(),
+        "objective/non_score_reward": non_score_sum.mean().item(),
+        "objective/rlhf_reward": non_score_sum.mean().item() + scores.mean().item(),
+        "objective/scores": scores.mean().item(),
+        "objective/eos_rate": gather(shaped.contains_eos.float()).mean().item(),
+        **algorithm_metrics(stats, num_eos_tokens),
+        "episodes_per_second": args.total_batch_size / timers["wall"],
+        "time/generation_share": timers["generation"] / timers["wall"],
+        "time/scoring_share": timers["scoring"] / timers["wall"],
+        "time/training_share": timers["training"] / timers["wall"],
+    }
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    start_processes()  # first: the batch arithmetic below depends on the number of processes
+    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
+    # ---------------- batch arithmetic (fails loudly) ----------------
+    num_processes = accelerator.num_processes
+    local_batch_size = exact_div(args.total_batch_size, num_processes, "total_batch_size across processes")
+    local_mini_batch_size = exact_div(local_batch_size, args.rloo.num_mini_batches, "local batch across minibatches")
+    gradient_accumulation_steps = exact_div(local_mini_batch_size, args.local_micro_batch_size, "local minibatch")
+    accelerator.gradient_accumulation_steps = gradient_accumulation_steps
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    num_updates = args.total_episodes // args.total_batch_size
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
+    check_flags(args, num_processes, args.rloo.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
+    if args.rloo_k < 2 or local_batch_size % args.rloo_k:  # each process holds whole groups of rloo_k responses
+        raise ValueError(f"--rloo_k {args.rloo_k} must be at least 2 and divide the local batch {local_batch_size}")
+    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+
+    # ---------------- tokenizer and models ----------------
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
+    # Hydra and LoRA enter here: they decide what the reference policy is (None with LoRA)
+    policy, _, reward_model, ref_policy = load_models(args, tokenizer, bf16, critic_path=None)
+    model = PolicyModel(policy)
+    adamw = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
+                              weight_decay=args.weight_decay)
+    model, optimizer = accelerator.prepare(model, adamw)
+    device = accelerator.device
+    # the frozen models need no optimizer state (Detail 8); --offload decides where they live between uses
+    reward_model, ref_policy, offload_by_hand = place_frozen_models(args, accelerator, reward_model, ref_policy, zero3)
+
+    # ---------------- data ----------------
+    train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=args.rloo.ptx_coef > 0)
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+    query_tokens = torch.tensor(train_dataset["query_token"])  # (N, query_length), left-padded
+    draws_per_update = args.rloo.num_ppo_epochs * args.rloo.num_mini_batches * gradient_accumulation_steps
+    ptx = PtxData(args.rloo.ptx_coef, args, train_dataset, accelerator.process_index, num_processes, draws_per_update)
+    # sampling seed is set after the models exist, so model init stays identical across ranks
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    generation_config = sampling_config(args, tokenizer, args.temperature)
+    eval_generation_config = sampling_config(args, tokenizer, args.eval_temperature)
+
+    # ---------------- stateful RLOO pieces and resume ----------------
+    kl_controller = AdaptiveKLController(args.rloo.kl_coef, args.rloo.target_kl, args.rloo.kl_horizon, args.rloo.adaptive_kl)
+    reward_moments = RunningMoments()
+    # saved and restored with the models, the optimizer and the RNG states. The data position and the learning
+    # rate need no entry: both are functions of the update number (see the loop)
+    accelerator.register_for_checkpointing(kl_controller, reward_moments)
+    last_good = LastGoodState(run, accelerator, adamw, kl_controller, reward_moments)  # the non-finite guard's fallback
+    # the trainer state: time totals and the last metrics, for the summary
+    state = run.start({"update": 0, "wall_time_s": 0.0, "metrics": {},
+                       "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}},
+                      num_updates=num_updates, total_batch_size=args.total_batch_size)
+    start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
+    accelerator.print(
+        f"RLOO: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} processes x {local_batch_size}); "
+        f"{args.rloo.num_ppo_epochs} epochs x {args.rloo.num_mini_batches} minibatches x {gradient_accumulation_steps} "
+        f"micro batches of {args.local_micro_batch_size}"
+    )
+    progress = tqdm(range(state["update"] + 1, num_updates + 1), initial=state["update"], total=num_updates,
+                    disable=not accelerator.is_local_main_process)
+    for update in progress:
+        with last_good.kept(update, state):  # a non-finite rollout leaves the state after update - 1 as a checkpoint
+            update_start, timers = time.time(), {"generation": 0.0, "scoring": 0.0}
+            # linear decay to 0 over the run (Table 7)
+            lr = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
+            optimizer.param_groups[0]["lr"] = lr  # the one group: the policy's
+
+            # ---------------- rollout: steps 1-5 ----------------
+            model.eval()  # rollouts sample without dropout; with Detail 7 (dropout off) train() and eval() agree
+            rows = shuffled_query_batch(len(query_tokens), args.total_batch_size // args.rloo_k, args.seed, update - 1,
+                                        accelerator.process_index, num_processes)
+            queries = query_tokens[rows].repeat_interleave(args.rloo_k, 0).to(device)  # 1. Detail 21
+            with accelerator.autocast():
+                data = rollout(args, accelerator, model, ref_policy, reward_model, queries, tokenizer, generation_config,
+                               timers, offload_by_hand)
+
+            # ---------------- steps 5-7: EOS trick, sequence reward, leave-one-out advantage ----------------
+            t_shaping = time.time()
+            with torch.no_grad():
+                shaped = sequence_rewards(args, data, eos_id, pad_id, kl_controller.value, reward_moments, accelerator.gather)
+            # non-finite guard on the rollout, before any optimizer step uses it. The raw RM scores are checked
+            # themselves: the EOS trick would hide a NaN score of a response without EOS.
+            run.guard(update, **{"rollout/rm_scores": data["scores"], "rollout/rewards": shaped.rewards,
+                                 "rollout/advantages": shaped.advantages})
+            timers["scoring"] += time.time() - t_shaping
+
+            # ---------------- RLOO update: K epochs x minibatches x micro batches ----------------
+            t_train = time.time()
+            stats = rloo_update(args, accelerator, model, optimizer, data, shaped, update, run, ptx, pad_id)
+            timers["training"] = time.time() - t_train
+            timers["wall"] = time.time() - update_start
+
+            # ---------------- logging: whole-update averages gathered across ranks ----------------
+            metrics = update_metrics(args, accelerator, update, lr, kl_controller.value, data, shaped, stats, timers,
+                                     eos_id, rloo_metrics)
+            kl_controller.update(metrics["objective/kl"], args.total_batch_size)  # no-op without --rloo.adaptive_kl
+            run.log(update, metrics)
+            totals = {key: state["totals"][key] + timers[key] for key in state["totals"]}
+            state = {"wall_time_s": time.time() - start_time, "totals": totals, "metrics": metrics}
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                             eps=f"{metrics['episodes_per_second']:.1f}")
+        if due(args.print_sample_every, update):
+            accelerator.print(f"[update {update}] score {shaped.scores[0].item():.3f} | "
+                              + tokenizer.decode(data["responses"][0], skip_special_tokens=True))
+        del data, shaped, stats
+        if due(args.eval_every, update, num_updates):
+            eval_metrics, _ = evaluation(run, f"step_{update:06d}", evaluate(
+                args, accelerator, model, reward_model, eval_dataset, tokenizer, eval_generation_config, offload_by_hand))
+            run.log(update, {"episode": update * args.total_batch_size, **eval_metrics})
+        if due(args.save_policy_every, update, num_updates):
+            save_policy(accelerator, model, tokenizer, os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"),
+                        args.lora_rank > 0)
+        # resumable checkpoint, after this update's logging and evaluation: a resumed run starts with the next
+        # update, with the RNG states as they are now (not at the final update: the model is saved)
+        if due(args.checkpoint_every, update, num_updates):
+            run.checkpoint(update, state)
+    progress.close()
+
+    # ---------------- final evaluation and outputs ----------------
+    eval_metrics, table = evaluation(run, f"step_{num_updates:06d}", evaluate(
+        args, accelerator, model, reward_model, eval_dataset, tokenizer, eval_generation_config, offload_by_hand))
+    run.log(num_updates, {"episode": num_updates * args.total_batch_size, **eval_metrics})
+    save_policy(accelerator, model, tokenizer, args.output_dir, args.lora_rank > 0)
+    totals = state["totals"]
+    summary = {
+        **eval_metrics,
+        **{k: v for k, v in state["metrics"].items() if k.startswith("objective/")},
+        "episodes": num_updates * args.total_batch_size,
+        "episodes_per_second": num_updates * args.total_batch_size / totals["wall"],
+        "time/generation_share": totals["generation"] / totals["wall"],
+        "time/scoring_share": totals["scoring"] / totals["wall"],
+        "time/training_share": totals["training"] / totals["wall"],
+        "wall_time_s": time.time() - start_time,
+    }
+    run.save_table(table, "samples.csv")
+    run.finish(summary)
+    if accelerator.is_main_process and args.push_to_hub:
+        accelerator.unwrap_model(model).policy.push_to_hub(args.hub_model_id or args.run_name)
+        tokenizer.push_to_hub(args.hub_model_id or args.run_name)
+    accelerator.print(json.dumps(summary, indent=2))
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# The trlX / OpenRLHF options: each enters main at one place and does nothing when it is off
+# ---------------------------------------------------------------------------------------------
+
+
+class AdaptiveKLController:
+    """trlX / Ziegler et al. (2019): move kl_coef proportionally to the KL error, clipped to +-20%. With
+    adaptive=False (the adaptive_kl flag off) kl_coef stays at its initial value: update() is a no-op."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int, adaptive: bool = True):
+        self.value, self.target, self.horizon, self.adaptive = init_kl_coef, target, horizon, adaptive
+
+    def update(self, current_kl: float, num_episodes: int) -> None:
+        if not self.adaptive:
+            return
+        proportional_error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
+        self.value *= 1.0 + proportional_error * num_episodes / self.horizon
+
+    # state_dict / load_state_dict let accelerate save the coefficient in a checkpoint
+    # (register_for_checkpointing); target and horizon come from the flags
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class RunningMoments:
+    """trlX reward scaling: running mean / std of every score seen (parallel-variance merge).
+    Feed it globally gathered scores so that all ranks hold the same statistics."""
+
+    def __init__(self):
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-24
+
+    def update(self, values: torch.Tensor) -> None:
+        batch_mean = values.mean().item()
+        batch_var = values.var(unbiased=False).item()
+        batch_count = values.numel()
+        delta = batch_mean - self.mean
+        total = self.count + batch_count
+        self.mean += delta * batch_count / total
+        m2 = self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / total
+        self.var = m2 / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return max(self.var, 0.0) ** 0.5
+
+    # the statistics of every score seen so far go into checkpoints (register_for_checkpointing)
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
+
+
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """PPO-ptx: next-token NLL on the reference-summary tokens (labels are [PAD] elsewhere)."""
+    targets = labels[:, 1:]
+    logprobs = torch.gather(F.log_softmax(logits[:, :-1].float(), dim=-1), 2, targets.unsqueeze(-1)).squeeze(-1)
+    return -masked_mean(logprobs, targets != pad_token_id)
+
+
+class PtxData:
+    """PPO-ptx (InstructGPT, OpenRLHF; the ptx_coef flag): every micro batch adds ptx_coef x the SFT loss of a batch
+    of reference summaries, drawn like the queries (shuffled passes, Detail 21) with a seed of its own. With
+    ptx_coef 0 (off) there is no batch and the loss is 0."""
+
+    def __init__(self, ptx_coef: float, args, train_dataset, process_index: int, num_processes: int,
+                 draws_per_update: int):
+        self.coef, self.on = ptx_coef, ptx_coef > 0
+        self.seed, self.draws_per_update = args.seed + 7919, draws_per_update
+        self.process_index, self.num_processes = process_index, num_processes
+        self.batch_size = args.local_micro_batch_size * num_processes
+        if self.on:
+            self.tokens = torch.tensor(train_dataset["query_reference_response_token"])
+            self.labels = torch.tensor(train_dataset["query_reference_response_token_response_label"])
+
+    def batch(self, update: int, draw: int, device):
+        """Tokens and labels of the ptx batch of micro batch `draw` of `update` (None, None when off)."""
+        if not self.on:
+            return None, None
+        index = (update - 1) * self.draws_per_update + draw
+        rows = shuffled_query_batch(len(self.tokens), self.batch_size, self.seed, index, self.process_index,
+                                    self.num_processes)
+        return self.tokens[rows].to(device), self.labels[rows].to(device)
+
+    def loss(self, logits, labels, pad_token_id: int, device) -> torch.Tensor:
+        return torch.zeros((), device=device) if logits is None else sft_loss(logits, labels, pad_token_id)
+
+
+@torch.no_grad()
+def evaluate(args, accelerator, model, reward_model, eval_dataset, tokenizer, generation_config, offload_by_hand: bool):
+    """Sample the first num_eval_samples validation queries (split evenly across ranks so that every
+    rank runs the same number of generate calls), score them and return the rows of the sample table."""
+    unwrapped = accelerator.unwrap_model(model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    per_rank = min(args.num_eval_samples, len(eval_dataset)) // accelerator.num_processes
+    start_row = accelerator.process_index * per_rank
+    rows = []
+    for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
+        batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
+        query = torch.tensor(batch["query_token"], device=accelerator.device)
+        context_length = query.size(1)
+        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
+        truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
+        with placed_on(reward_model, accelerator.device, offload_by_hand):
+            _, score, _ = get_reward(reward_model, torch.cat((query, truncated), 1), pad_id, context_length)
+        _, last_index = response_mask(truncated, pad_id)
+        has_eos = (truncated == eos_id).any(1)
+        for i in range(query.size(0)):
+            rows.append(
+                {
+                    "query": tokenizer.decode(query[i][query[i] != pad_id], skip_special_tokens=True),
+                    "response": tokenizer.decode(truncated[i], skip_special_tokens=True).strip(),
+                    "reference": batch["reference_response"][i].strip(),
+                    "score": score[i].item(),
+                    "response_token_len": int(last_index[i].item()) + 1,
+                    "has_eos": bool(has_eos[i].item()),
+                }
+            )
+    return gather_object(rows)
+
+
+def evaluation(run, tag: str, rows: list):
+    """Save the rows of an evaluation as samples/{tag}.csv; return its metrics and the table."""
+    table = pd.DataFrame(rows)
+    run.save_table(table, f"samples/{tag}.csv")
+    return {"eval/score": float(table["score"].mean()), "eval/eos_rate": float(table["has_eos"].mean()),
+            "eval/response_token_len_mean": float(table["response_token_len"].mean())}, table
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
+    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
+    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
+    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+    )
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Reward of a (left-padded query + right-padded response) batch.
+
+    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
+    of the response (the last token when there is no pad). Returns the per-token reward
+    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
+    ).last_hidden_state  # (B, T, d)
+    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
+    return reward_logits, rewards, sequence_lengths
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the positions where mask is True."""
+    return (values * mask).sum() / mask.sum()
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, sum_over_processes=None) -> torch.Tensor:
+    """Normalise to unit variance over the masked positions (Details 24-25); optionally keep the mean.
+    `sum_over_processes` (a function that sums a tensor over every process) makes the mean and variance
+    those of the global batch; None uses this process's positions only."""
+    total = sum_over_processes or (lambda x: x)
+    count = total(mask.sum().float())
+    mean = total((values * mask).sum()) / count
+    var = total((((values - mean) ** 2) * mask).sum()) / count
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    return torch.cat((queries, sequences[:, context_length:]), dim=1)
+
+
+def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
+    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
+    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
+    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
+    if temperature < 0:
+        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
+        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
+    )
+
+
+# =============================================================================================
+# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
+# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
+# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
+# =============================================================================================
+
+
+def check_flags(args, num_processes: int, num_mini_batches: int, gradient_accumulation_steps: int, num_updates: int,
+                zero3: bool) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    check_gradient_accumulation(args, gradient_accumulation_steps, num_processes, num_mini_batches)
+    if num_updates < 1:
+        raise ValueError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
+    if args.lora_rank > 0 and args.num_layers_unfrozen >= 0:
+        raise ValueError("choose one of --lora_rank and --num_layers_unfrozen (each builds its own reference)")
+    if args.offload and args.num_layers_unfrozen >= 0:
+        raise ValueError("--offload cannot move a Hydra reference: it shares its trunk with the policy")
+    if zero3 and args.num_layers_unfrozen >= 0:
+        raise ValueError("Hydra shares modules between policy and reference, which ZeRO-3 cannot partition")
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
+        )
+    return tokenizer
+
+
+def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini_batches: int = 1) -> None:
+    """--gradient_accumulation_steps left out (None) takes `derived`, the micro batches per optimizer step that the
+    batch sizes give; a stated value must equal it (it checks the batch arithmetic, it never overrides it)."""
+    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps != derived:
+        raise ValueError(
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not match total_batch_size "
+            f"{args.total_batch_size} / ({num_processes} processes x {num_mini_batches} minibatches x "
+            f"{args.local_micro_batch_size} micro batch) = {derived}; leave it out or change the batch sizes"
+        )
+
+
+def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
+    """The models: the policy (from the SFT model), the critic (from critic_path; None = no critic), the frozen
+    reward model, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
+    frozen trunk; or None with LoRA, where the reference is the policy with its adapters off)."""
+    frozen_dtype = torch.bfloat16 if bf16 else torch.float32
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    critic = None if critic_path is None else AutoModelForSequenceClassification.from_pretrained(
+        critic_path, num_labels=1, trust_remote_code=args.trust_remote_code
+    )
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        args.reward_model_path, num_labels=1, dtype=frozen_dtype, trust_remote_code=args.trust_remote_code
+    )
+    loaded = [model for model in (policy, critic, reward_model) if model is not None]
+    for model in loaded:
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if model.config.vocab_size < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        for model in loaded:
+            disable_dropout(model)
+    reward_model.requires_grad_(False).eval()
+    if args.lora_rank > 0:
+        policy = get_peft_model(
+            policy,
+            LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear"),
+        )
+        ref_policy = None  # the reference is the policy with its adapters disabled
+    elif args.num_layers_unfrozen >= 0:
+        ref_policy = build_hydra_reference(policy, args.num_layers_unfrozen)
+    else:
+        ref_policy = AutoModelForCausalLM.from_pretrained(
+            args.sft_model_path, dtype=frozen_dtype, trust_remote_code=args.trust_remote_code
+        )
+        if ref_policy.config.vocab_size < len(tokenizer):
+            ref_policy.resize_token_embeddings(len(tokenizer))
+        disable_dropout(ref_policy)  # the reference never trains: its logprobs must be deterministic
+        ref_policy.requires_grad_(False).eval()
+    return policy, critic, reward_model, ref_policy
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of transformer blocks of a causal LM (GPT-NeoX `layers`, GPT-2 `h`, ...)."""
+    backbone = getattr(model, model.base_model_prefix)
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(backbone, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} for Hydra")
+
+
+def build_hydra_reference(policy: nn.Module, num_layers_unfrozen: int) -> nn.Module:
+    """Hydra (trlX): freeze the embeddings and the bottom layers of the policy, and build the reference
+    as a model that SHARES those frozen modules with the policy and owns frozen copies of the top
+    `num_layers_unfrozen` layers, the final norm and the LM head. The trunk exists once in memory.
+    (trlX also reuses the trunk's activations; here the reference recomputes them, which keeps the
+    code model-agnostic at the cost of compute, not memory.)"""
+    layers = decoder_layers(policy)
+    if not 1 <= num_layers_unfrozen <= len(layers):
+        raise ValueError(f"--num_layers_unfrozen must be in [1, {len(layers)}], got {num_layers_unfrozen}")
+    num_frozen = len(layers) - num_layers_unfrozen
+    shared = [policy.get_input_embeddings()] + list(layers[:num_frozen])
+    for module in shared:
+        module.requires_grad_(False)
+    # deepcopy with a memo that maps each shared module to itself: those are reused, not copied
+    memo = {id(module): module for module in shared}
+    reference = copy.deepcopy(policy, memo)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+@contextlib.contextmanager
+def placed_on(model: nn.Module, device: torch.device, offload: bool):
+    """--offload: keep a frozen model on CPU and bring it to the accelerator only while it is used."""
+    if offload:
+        model.to(device)
+    try:
+        yield model
+    finally:
+        if offload:
+            model.to("cpu")
+
+
+def load_query_data(args, tokenizer, ptx: bool):
+    """The query splits, checked for the columns this run reads and for the tokenizer that made them."""
+    train_dataset = load_split(args.query_dataset, args.train_split)
+    eval_dataset = load_split(args.query_dataset, args.eval_split)
+    ptx_columns = ["query_reference_response_token", "query_reference_response_token_response_label"]
+    check_columns(train_dataset, ["query_token"] + (ptx_columns if ptx else []),
+                  f"{args.query_dataset} split {args.train_split!r}")
+    check_columns(eval_dataset, ["query_token", "reference_response"],
+                  f"{args.query_dataset} split {args.eval_split!r}")
+    for split, dataset in ((args.train_split, train_dataset), (args.eval_split, eval_dataset)):
+        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
+    return train_dataset, eval_dataset
+
+
+def place_frozen_models(args, accelerator, reward_model, ref_policy, zero3: bool):
+    """The reward model and the reference policy: placed on the device, kept on the CPU between uses (--offload),
+    or under ZeRO-3 partitioned in a DeepSpeed inference engine that offloads them itself (Detail 8). Returns
+    them and offload_by_hand: whether rollout() and evaluate() move them to the device around each use (--offload
+    with an accelerator and without ZeRO-3)."""
+    device = accelerator.device
+    reward_model = prepare_frozen_model(accelerator, reward_model, offload=args.offload)
+    if args.num_layers_unfrozen >= 0:
+        ref_policy.to(device)  # Hydra: the reference shares the policy's frozen trunk
+    elif ref_policy is not None:
+        ref_policy = prepare_frozen_model(accelerator, ref_policy, offload=args.offload)
+    if args.offload and not zero3 and device.type == "cpu":
+        accelerator.print("--offload: no accelerator present, models already live on CPU")
+    return reward_model, ref_policy, args.offload and not zero3 and device.type != "cpu"
+
+
+def due(every: int, update: int, num_updates: Optional[int] = None) -> bool:
+    """Whether an action done every `every` updates (0 = never) falls on `update`; with num_updates, never on the
+    last update (the final evaluation and the final model cover it)."""
+    return every > 0 and update % every == 0 and (num_updates is None or update < num_updates)
+
+
+class LastGoodState:
+    """The non-finite guard's fallback. `with last_good.kept(update, state):` wraps one update and notes what a
+    checkpoint after update - 1 holds besides the weights and AdamW: the RNG states, the gradient accumulation
+    counter, the objects registered for checkpointing, the trainer state. When the guard (run.guard) raises in
+    the update before any optimizer step of it, the weights and AdamW are still those after update - 1: it puts
+    the rest back and saves it all as the last good checkpoint, without the poisoned rollout. After a step the
+    weights have changed, and nothing is saved."""
+
+    def __init__(self, run, accelerator, optimizer: torch.optim.Optimizer, *registered):
+        self.run, self.accelerator, self.registered = run, accelerator, registered
+        self.optimizer_steps = 0  # optimizer steps of the current update
+        optimizer.register_step_post_hook(self.count_step)
+
+    def count_step(self, *_) -> None:
+        self.optimizer_steps += 1
+
+    @contextlib.contextmanager
+    def kept(self, update: int, trainer_state: dict):
+        rng, accumulation_step = rng_states(), self.accelerator.step
+        registered = [obj.state_dict() for obj in self.registered]
+        self.optimizer_steps = 0
+        try:
+            yield
+        except NonFiniteError:
+            if self.optimizer_steps == 0:
+                set_rng_states(rng)
+                self.accelerator.step = accumulation_step
+                for obj, saved in zip(self.registered, registered):
+                    obj.load_state_dict(saved)
+                self.run.checkpoint(update - 1, trainer_state)
+                self.accelerator.print(f"non-finite value at update {update} before any optimizer step of it; "
+                                       f"last good checkpoint: {self.run.latest_checkpoint()}")
+            else:
+                self.accelerator.print(
+                    f"non-finite value at update {update} after {self.optimizer_steps} optimizer step(s) of it had "
+                    f"already changed the weights; those weights are NOT saved. Last good checkpoint: "
+                    f"{self.run.latest_checkpoint() or 'none (no --checkpoint_every checkpoint was written before it)'}"
+                )
+            raise
+
+
+def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
+    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
+    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
+    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(reward_model_path) and not any(
+        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
+    ):
+        raise ValueError(
+            f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
+            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
+            f"into that folder (tokenizer.save_pretrained), as reward.py does"
+        )
+    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
+    if rm_tokenizer.pad_token is None:
+        rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
+    problems = []
+    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
+    if policy_vocab != rm_vocab:
+        # name one token that differs, so the user sees what kind of mismatch it is
+        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
+        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
+        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
+    for name in ("pad_token_id", "eos_token_id"):
+        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
+            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
+    if problems:
+        raise ValueError(
+            f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
+            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
+            f"it was not trained on and score noise. Train the reward model from this SFT model "
+            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
+        )
+
+
+def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
+    """save_pretrained (safetensors) of the policy (LoRA adapters merged) and the tokenizer."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    if not accelerator.is_main_process:
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    if lora:
+        copy.deepcopy(unwrapped.policy).merge_and_unload().save_pretrained(path, safe_serialization=True)
+    else:
+        unwrapped.policy.save_pretrained(path, state_dict=unwrapped.policy_state_dict(state_dict), safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def rng_states() -> dict:
+    """The random states accelerate's save_state writes (Python, NumPy, torch CPU, CUDA), which LastGoodState
+    takes at the start of each update."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    """Put back the random states taken by rng_states()."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
+    and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+                         "make it with data/prepare.py, whose output has every column the scripts read")
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in (c for c in columns if pyarrow.types.is_list(table.schema.field(c).type) and table.num_rows):
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has "
+                             f"{int(lengths[0])}; every row must be padded to the same length (prepare the data again "
+                             "with data/prepare.py)")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
+    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
+    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
+    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+                  if theirs.get(k) != ours[k]]
+        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        if differ:
+            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
+                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
+                             f"other tokens. {fix}")
+        return
+    other = f"so the data was tokenized by another tokenizer. {fix}"
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
+            table.schema.field(c).type, "value_type", pyarrow.string()))):
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= size:
+            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
+                             f"has {size} tokens, {other}")
+    head = dataset.select(range(min(rows, len(dataset))))
+    for column in (c for c in columns if c + "_len" in dataset.column_names):
+        ends = []  # the last token of each response (the query column has none)
+        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
+            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
+            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
+            if wrong:
+                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
+                                 f"{model_path} pads with {pad}, {other}")
+            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
+                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
+
+
+# ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+class Run:
+    """Everything a training run keeps on disk besides the model, behind one small interface:
+
+        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
+        run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
+        state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
+        run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
+        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
+        run.save_table(frame, "samples.csv")  # a CSV in the run folder
+        run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files
+        run.finish(summary)                   # summary.json; marks --output_dir complete, last
+
+    `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
+    (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
+
+    def __init__(self, args, accelerator):
+        self.args, self.accelerator, self.main = args, accelerator, accelerator.is_main_process
+        root = args.run_dir_root
+        if args.run_name is None and args.resume:  # the newest run of this experiment and seed with a checkpoint
+            prefix = f"{args.exp_name}__{args.seed}__"
+            runs = [d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
+                    and os.path.isdir(os.path.join(root, d, "checkpoints"))]
+            if not runs:
+                raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
+            args.run_name = max(runs, key=lambda d: os.path.getmtime(os.path.join(root, d)))
+        name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+        broadcast_object_list(name)  # the clocks of the processes may disagree on the second
+        args.run_name = name[0]
+        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
+        self.lock = os.path.join(self.dir, "run.lock")
+        if self.main:  # one live run per folder: a second run into it stops here, naming the holder
+            os.makedirs(self.dir, exist_ok=True)
+            take_lock(self.lock)
+        self.resume_from = self.intact_checkpoint() if args.resume else None
+
+    def intact_checkpoint(self) -> str:
+        """--resume: the newest checkpoint whose files all match its manifest (sizes included, RNG states too),
+        written by as many processes and the same DeepSpeed stage as this run; checked before any model loads."""
+        root, stage = os.path.join(self.dir, "checkpoints"), getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+        names = sorted((d for d in os.listdir(root) if d.startswith("update_")), reverse=True) if os.path.isdir(root) else []
+        for path in (os.path.join(root, name) for name in names):
+            try:
+                manifest = json.load(open(os.path.join(path, "manifest.json")))
+                sizes = {os.path.join(path, f): (os.path.getsize(os.path.join(path, f)), n) for f, n in manifest["files"].items()}
+                problem = next((f"{f} has {got} bytes, not {n}" for f, (got, n) in sizes.items() if got != n), None)
+            except FileNotFoundError as error:
+                problem = f"{error.filename} is missing"
+            except (OSError, ValueError, KeyError) as error:
+                problem = f"{os.path.join(path, 'manifest.json')} is unreadable ({error!r})"
+            if problem is None:
+                break
+            self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
+        else:
+            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if names else ""))
+        for stale in (d for d in os.listdir(root) if d.startswith(".tmp_") and self.main):  # of killed or failed saves
+            shutil.rmtree(os.path.join(root, stale))
+        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, stage)
+        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
+            raise ValueError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
+                             f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
+        return path
+
+    def claim_output_dir(self) -> None:
+        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not yet
+        complete). A resumed run finds its own mark and goes on."""
+        out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
+        if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
+            owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+            if owner != self.args.run_name:
+                raise ValueError(
+                    f"--output_dir {out} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                    f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                    + (f", or --resume --run_name {owner} to continue that run" if owner else ""))
+        self.accelerator.wait_for_everyone()  # every process checked before the mark changes
+        if self.main:
+            os.makedirs(out, exist_ok=True)
+            json.dump({"run_name": self.args.run_name}, open(mark, "w"))
+
+    def start(self, state: dict, **shape) -> dict:
+        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`. A resumed run
+        drops what the interrupted run logged after its checkpoint, so its logs match an uninterrupted run's."""
+        self.shape = shape
+        if self.resume_from:
+            state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
+            found = {key: state.get(key) for key in shape}
+            if found != shape:
+                raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
+                                 "resume with the flags of the original run")
+            self.accelerator.load_state(self.resume_from)
+            self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
+        elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
+            shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
+        if self.main:
+            resumed_at = state["update"] if self.resume_from else 0
+            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+            config = asdict(self.args)  # with the derived fields filled in
+            json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
+            if self.args.track:
+                import wandb
+
+                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                           config=config, name=self.args.run_name, save_code=True)
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+                f"|{key}|{value}|" for key, value in config.items()))
+            metrics = os.path.join(self.dir, "metrics.jsonl")
+            kept = [line for line in open(metrics) if line.strip() and json.loads(line)["step"] <= resumed_at
+                    ] if resumed_at and os.path.exists(metrics) else []
+            open(metrics, "w").writelines(kept)
+        return state
+
+    def guard(self, update: int, **quantities: torch.Tensor) -> None:
+        check_finite(self.accelerator, update, **quantities)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.main:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        if self.main:
+            self.writer.add_text(tag, text, step)
+
+    def save_table(self, frame, name: str) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.dir, name), index=False)
+
+    def checkpoint(self, update: int, state: dict) -> str:
+        """Save what a resumed run needs after `update` (called on every process). Atomic: it is written to a
+        hidden temporary folder, its manifest (files and sizes) last, and renamed to update_N when complete, so a
+        kill during the save leaves the previous checkpoint as the newest. A full disk leaves no folder behind."""
+        root = os.path.join(self.dir, "checkpoints")
+        final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+        self.accelerator.wait_for_everyone()
+        try:  # (a temporary folder of a killed save is removed by the --resume that follows it)
+            self.accelerator.save_state(temporary)
+            self.accelerator.wait_for_everyone()
+            if self.main:
+                json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
+                files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
+                         for d, _, names in os.walk(temporary) for f in names}
+                stage = getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
+                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": stage},
+                          open(os.path.join(temporary, "manifest.json"), "w"))
+        except Exception as error:  # a full disk surfaces as OSError, SafetensorError or a torch writer error
+            if getattr(error, "errno", None) != 28 and shutil.disk_usage(self.dir).free > 2**24:
+                raise
+            shutil.rmtree(temporary, ignore_errors=True)
+            last = self.latest_checkpoint()
+            need = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs) if last else 0
+            raise OSError(28, f"no space left on the device while saving the checkpoint of update {update} to {root}; "
+                              + (f"it needs about {need / 2**20:.1f} MiB (the size of {last}, still the newest)" if last
+                                 else "no checkpoint was saved before") + ". Free space, then --resume") from error
+        if self.main:
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(temporary, final)
+            for name in sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-self.args.checkpoint_keep]:
+                shutil.rmtree(os.path.join(root, name))  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def latest_checkpoint(self) -> Optional[str]:
+        """The newest checkpoint folder, or None (a killed save never got its final name)."""
+        root = os.path.join(self.dir, "checkpoints")
+        done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
+        return os.path.join(root, done[-1]) if done else None
+
+    def finish(self, summary: dict) -> None:
+        """summary.json, then the mark that --output_dir is complete (written last: a folder without it is not)."""
+        if self.main:
+            json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
+            self.writer.close()
+            if self.args.track:
+                import wandb
+
+                wandb.finish()
+            json.dump({"run_name": self.args.run_name, "complete": True},
+                      open(os.path.join(self.args.output_dir, "run.json"), "w"))
+            os.remove(self.lock)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
+
+
+def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
+    """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
+    raise together). Called before the optimizer step that would use it: the weights on hand are the last good ones."""
+    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
+    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+    if bad:
+        raise NonFiniteError(
+            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
+
+
+def take_lock(path: str) -> None:
+    """One live run per folder: the lock file `path` holds the host and process id of its run. A lock whose process
+    is gone (a run killed on this host) is stale and taken over; a live holder stops this run."""
+    import psutil
+
+    me = {"host": os.uname().nodename, "pid": os.getpid()}
+    if os.path.exists(path):
+        holder = json.load(open(path))
+        if holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"])):
+            raise RuntimeError(f"{os.path.dirname(path)} is in use by the run of process {holder['pid']} on "
+                               f"{holder['host']} ({path}); wait for it to end, or pass another --run_name")
+        os.remove(path)
+    with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:  # two runs at once: one fails here
+        json.dump(me, f)
+
+
+def start_processes() -> PartialState:
+    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate
+    picks a backend by itself only for GPUs, so on the CPU we name it: gloo (plain `torchrun` ranks, or DeepSpeed
+    with DS_ACCELERATOR=cpu)."""
+    import atexit
+
+    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
+    if torch.cuda.is_available():
+        return PartialState()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return PartialState(backend="gloo")
+    return PartialState(cpu=True)
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) state what the script does where accelerate would fill
+    DeepSpeed's "auto" values otherwise: the micro batch per process, and no gradient clipping (the paper clips
+    none; accelerate's "auto" clips at 1.0)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
+            plugin.deepspeed_config["gradient_clipping"] = 0.0
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
