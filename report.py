@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from data import synthetic
+from judge import without_eos_text  # the text the judge reads: the same stripping for the gold win rate
 
 
 def _load(path: str) -> dict:
@@ -122,16 +123,6 @@ def kl_from_sft(p, label: str, samples_csv: str, tokenizer) -> float | None:
         return None
     df = pd.read_csv(samples_csv, keep_default_na=False).head(128)
     return float(np.mean(sequence_logprobs(model_dir, df, tokenizer) - sequence_logprobs(os.path.join(p.models, "sft"), df, tokenizer)))
-
-
-def without_eos_text(text: str, eos_text: str) -> str:
-    """What a human reader sees of a summary: the text without surrounding whitespace and without the EOS spelling
-    `eos_text` (every copy of it) at its end. The hub's processed TL;DR references end with `<|endoftext|>` as
-    text; the reference implementation strips it before judging, and so do we."""
-    text = str(text).strip()
-    while eos_text and text.endswith(eos_text):
-        text = text[: -len(eos_text)].rstrip()
-    return text
 
 
 def gold_win(query: str, response: str, reference: str) -> float:
