@@ -30,7 +30,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Literal, Optional
+from typing import Dict, List, Literal, Optional, Tuple
 
 import numpy as np
 import pandas as pd
@@ -105,6 +105,10 @@ class Args:
     larger keeps the policy closer to the reference"""
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     """sigmoid = DPO (eq. 4, with --label_smoothing for cDPO); ipo = IPO's squared loss; hinge = SLiC's hinge"""
+    ipo_average: bool = True
+    """--loss_type ipo only: average each response's log-probs over its tokens before regressing onto 1 / (2 beta),
+    the form the IPO authors ran (and TRL's); --no-ipo_average sums them as eq. 4 does, which puts the target on the
+    whole response instead of on each token"""
     label_smoothing: float = 0.0
     """conservative DPO (cDPO): assumed probability that a preference label is flipped; sigmoid loss only"""
     precompute_ref_logprobs: bool = False
@@ -180,6 +184,8 @@ def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: tor
     `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
     and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
     sum, not a mean: eq. 4 compares probabilities of whole sequences."""
+    cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same sums, less compute
+    query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
     logits = forward(model, query_responses, pad_token_id).logits[:, :-1]  # (B, T-1, V): predicts token t+1
     targets = response_labels[:, 1:]  # (B, T-1)
     mask = targets != pad_token_id
@@ -208,6 +214,7 @@ def dpo_loss(
     beta: float,
     loss_type: str,
     label_smoothing: float = 0.0,
+    token_counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ):
     """Per-pair losses (B,) and the implicit rewards of chosen and rejected (B,), (B,).
 
@@ -225,7 +232,11 @@ def dpo_loss(
     elif loss_type == "ipo":
         # IPO (Azar et al.): regress h onto the finite target 1 / (2 beta) instead of pushing it to infinity:
         #   L = (h - 1 / (2 * beta))^2
-        # Here h uses SUMMED log-probs as eq. 4 does; TRL's IPO averages them over response tokens.
+        # With token_counts (n_c, n_r) (--ipo_average, the default) each log-ratio is averaged over its response's
+        # tokens, as the IPO authors ran it:  h = (pi_c - ref_c) / n_c - (pi_r - ref_r) / n_r. Without them, h uses
+        # summed log-probs as eq. 4 does, and the target 1 / (2 beta) is a margin over the whole response.
+        if token_counts is not None:
+            h = (policy_chosen - ref_chosen) / token_counts[0] - (policy_rejected - ref_rejected) / token_counts[1]
         losses = (h - 1 / (2 * beta)) ** 2
     elif loss_type == "hinge":
         # hinge (SLiC-style), a margin of 1 on the reward difference:
@@ -236,6 +247,14 @@ def dpo_loss(
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
     return losses, chosen_rewards, rejected_rewards
+
+
+def ipo_token_counts(args, batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """The response tokens (with the EOS) of chosen and rejected, (B,) each, that IPO averages over
+    (--loss_type ipo with --ipo_average); None for every other loss."""
+    if args.loss_type != "ipo" or not args.ipo_average:
+        return None
+    return tuple((batch[f"query_{side}_token_response_label"] != pad_token_id).sum(1) for side in ("chosen", "rejected"))
 
 
 @torch.no_grad()
@@ -308,7 +327,8 @@ def evaluate_preferences(accelerator, model, ref_model, ref_tables, eval_dataset
                 policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
                 ref_chosen, ref_rejected = reference_logprobs(ref_model, ref_tables.get(split), batch, pad_token_id)
             losses, chosen_rewards, rejected_rewards = dpo_loss(
-                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing,
+                ipo_token_counts(args, batch, pad_token_id),
             )
             stats = torch.stack((losses, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected), 1).float()
             gathered.append(accelerator.gather_for_metrics((batch["row_index"], stats)))
@@ -330,6 +350,7 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
     rows_all, responses_all = [], []
     for batch in dataloader:
         queries = batch["query_token"]  # (B, Tq), left-padded
+        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
         with accelerator.autocast():
             query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
         responses = truncate_response(
@@ -531,6 +552,17 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 setattr(module, name, 0.0)
 
 
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
 def forward(model, query_responses: torch.Tensor, pad_token_id: int):
     """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
     left-padded query gets the same positions as an unpadded one (Detail 14)."""
@@ -663,7 +695,7 @@ def main(args: Args) -> dict:
                         ref_chosen, ref_rejected = reference_logprobs(ref_model, train_ref_table, batch, pad_token_id)
                     losses, chosen_rewards, rejected_rewards = dpo_loss(  # steps 4-5
                         policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
-                        args.label_smoothing,
+                        args.label_smoothing, ipo_token_counts(args, batch, pad_token_id),
                     )
                     loss = losses.mean()
                     # non-finite guard before backward: a NaN never reaches the gradients or the weights

@@ -273,7 +273,9 @@ def rm_rewards(accelerator: Accelerator, reward_model, trajectories, batch_size:
     for batch in tqdm(dataloader, desc="RM labelling", disable=not accelerator.is_local_main_process):
         with accelerator.autocast():
             # context_length 0: the query is unpadded, so the first [PAD] of the row follows the EOS
-            _, scores, _ = get_reward(reward_model, batch["query_response"], pad_token_id, 0)
+            query_responses = batch["query_response"]
+            query_responses = query_responses[:, real_columns(query_responses, pad_token_id)]  # shared padding cut
+            _, scores, _ = get_reward(reward_model, query_responses, pad_token_id, 0)
         rows, scores = accelerator.gather_for_metrics((batch["row_index"], scores.float()))
         table[rows.cpu()] = scores.cpu()
     if torch.isnan(table).any():
@@ -603,6 +605,7 @@ def ilql_sample_table(accelerator, model, reward_model, tokenizer, raw, dataset,
     rows_all, responses_all, scores_all = [], [], []
     for batch in dataloader:
         queries = batch["query_token"]  # (B, Tq), left-padded
+        queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
         context_length = queries.size(1)
         with accelerator.autocast():
             query_responses = ilql_generate(
@@ -611,7 +614,7 @@ def ilql_sample_table(accelerator, model, reward_model, tokenizer, raw, dataset,
         responses = truncate_response(eos_id, pad_id, query_responses[:, context_length:])  # (B, Tr)
         if reward_model is not None:
             with accelerator.autocast():
-                _, scores, _ = get_reward(reward_model, torch.cat((queries, responses), 1), pad_id, context_length)
+                scores = get_score(reward_model, queries, responses, pad_id)
             scores = scores.float()
         else:
             scores = torch.full((queries.size(0),), float("nan"), device=queries.device)
@@ -709,6 +712,17 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 setattr(module, name, 0.0)
 
 
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
 def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
     """Reward of a (left-padded query + right-padded response) batch.
 
@@ -726,6 +740,15 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
     sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
     return reward_logits, rewards, sequence_lengths
+
+
+def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """RM scores (B,) of left-padded queries (B, Tq) and right-padded responses (B, Tr), read at the EOS
+    (Detail 12), computed on the columns that hold a real token in some row."""
+    query_responses = torch.cat((queries, responses), 1)
+    cols = real_columns(query_responses, pad_token_id)
+    start = min(cols.start, queries.size(1))
+    return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
 
 
 def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
@@ -835,8 +858,10 @@ def main(args: Args) -> dict:
             update_tokens = 0
             for _ in range(args.gradient_accumulation_steps):
                 batch = next(micro_batches)
+                cols = real_columns(batch["query_response"], pad_token_id)  # the right padding every row shares is cut
+                query_responses = batch["query_response"][:, cols]  # (B, T)
                 # 3. the states, actions and per-action rewards of each trajectory
-                labels = batch["response_label"]  # (B, T): the response tokens, [PAD] elsewhere
+                labels = batch["response_label"][:, cols]  # (B, T): the response tokens, [PAD] elsewhere
                 positions, mask = action_positions(
                     batch["query_token_len"], (labels != pad_token_id).sum(1), labels.size(1)
                 )  # (B, Tr) states s_t and real-action mask
@@ -844,7 +869,7 @@ def main(args: Args) -> dict:
                 step_rewards = terminal_rewards(batch["reward"].float(), mask)  # (B, Tr)
                 with accelerator.accumulate(model):
                     with accelerator.autocast():  # 4. every output read at the action states only
-                        lm_logits, qs, target_qs, values = model(batch["query_response"], pad_token_id, positions)
+                        lm_logits, qs, target_qs, values = model(query_responses, pad_token_id, positions)
                     # 5. the ILQL loss
                     loss, stats = ilql_loss(lm_logits, qs, target_qs, values, actions, step_rewards, mask, args.ilql)
                     # non-finite guard: the total loss and every term, before backward, so no weight sees them
@@ -854,7 +879,7 @@ def main(args: Args) -> dict:
                     optimizer.zero_grad()
                 for key, value in stats.items():
                     update_stats.setdefault(f"train/{key}", []).append(value.float())
-                update_tokens += int((batch["query_response"] != pad_token_id).sum())
+                update_tokens += int((query_responses != pad_token_id).sum())
             if not accelerator.sync_gradients:
                 raise RuntimeError("gradient accumulation went out of step with the update loop")
             # 6. Polyak-average the target Q heads every steps_for_target_q_sync OPTIMIZER updates. The decision reads

@@ -229,6 +229,17 @@ def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
 
 
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
 def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
     """Reward of a (left-padded query + right-padded response) batch.
 
@@ -931,6 +942,7 @@ def reward_preferences(args: Args, dataset) -> tuple[np.ndarray, np.ndarray]:
         for key, out in (("query_chosen_token", chosen), ("query_rejected_token", rejected)):
             # unpadded query + response + EOS, right-padded: the reward sits before the first pad
             query_responses = torch.tensor(batch[key], device=device)  # (B, T)
+            query_responses = query_responses[:, real_columns(query_responses, tokenizer.pad_token_id)]  # shared pads cut
             _, rewards, _ = get_reward(model, query_responses, tokenizer.pad_token_id, 0)
             out.append(rewards.float().cpu())
     return torch.cat(chosen).numpy(), torch.cat(rejected).numpy()

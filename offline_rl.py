@@ -328,16 +328,6 @@ def best_of_n_select(scores: torch.Tensor, responses: torch.Tensor, n: int):
     return responses[rows], grouped.max(dim=1).values, best
 
 
-def trim_columns(queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int):
-    """Drop leading query columns and trailing response columns that are padding in every row (saves compute;
-    positions and masks come from the pads, so the loss and the rewards do not change)."""
-    query_real = (queries != pad_token_id).any(0)
-    first = int(first_true_indices(query_real.unsqueeze(0))[0]) if bool(query_real.any()) else queries.size(1)
-    response_real = (responses != pad_token_id).any(0)
-    last = int(response_real.nonzero().max()) + 1 if bool(response_real.any()) else 1
-    return queries[:, first:], responses[:, :last]
-
-
 @torch.no_grad()
 def sample_policy(accelerator, model, queries: torch.Tensor, generation_config, tokenizer, batch_size: int, desc: str):
     """Fixed-length responses (Detail 23) to left-padded queries (N, W), truncated after the first EOS:
@@ -350,7 +340,7 @@ def sample_policy(accelerator, model, queries: torch.Tensor, generation_config, 
     for start in tqdm(range(0, len(indices), batch_size), desc=desc, disable=not accelerator.is_main_process):
         rows = indices[start : start + batch_size]
         query = queries[rows]
-        query = query[:, int(first_true_indices((query != tokenizer.pad_token_id).any(0).unsqueeze(0))[0]) :]  # drop all-pad columns
+        query = query[:, real_columns(query, tokenizer.pad_token_id)]  # the left padding every query shares is cut
         query = query.to(accelerator.device)
         query_response = generate(unwrapped, query, tokenizer.pad_token_id, generation_config)
         response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, query_response[:, query.size(1) :])
@@ -367,9 +357,8 @@ def score_responses(accelerator, reward_model, queries: torch.Tensor, responses:
     pairs = []
     for start in tqdm(range(0, len(indices), batch_size), desc=desc, disable=not accelerator.is_main_process):
         rows = indices[start : start + batch_size]
-        query, response = trim_columns(queries[rows], responses[rows], pad_token_id)
-        query_response = torch.cat((query, response), 1).to(accelerator.device)
-        _, score, _ = get_reward(reward_model, query_response, pad_token_id, query.size(1))
+        score = get_score(reward_model, queries[rows].to(accelerator.device), responses[rows].to(accelerator.device),
+                          pad_token_id)
         pairs += list(zip(rows, score.float().cpu().tolist()))
     return torch.tensor(gather_rows(pairs, queries.size(0)), dtype=torch.float32)
 
@@ -723,6 +712,17 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 setattr(module, name, 0.0)
 
 
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
 def forward(model, query_responses: torch.Tensor, pad_token_id: int):
     """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
     left-padded query gets the same positions as an unpadded one (Detail 14)."""
@@ -761,6 +761,15 @@ def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Ten
     eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
     positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
     return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """RM scores (B,) of left-padded queries (B, Tq) and right-padded responses (B, Tr), read at the EOS
+    (Detail 12), computed on the columns that hold a real token in some row."""
+    query_responses = torch.cat((queries, responses), 1)
+    cols = real_columns(query_responses, pad_token_id)
+    start = min(cols.start, queries.size(1))
+    return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
 
 
 def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
@@ -879,9 +888,10 @@ def train_update(args: Args, accelerator, model, optimizer, run, update: int, qu
     stats = torch.zeros(2, device=accelerator.device)  # loss (its share of the batch mean), input tokens (non-pad)
     for micro in range(0, local_batch_size, args.local_micro_batch_size):
         micro_rows = local_batch[micro : micro + args.local_micro_batch_size]
-        query, response = trim_columns(queries[micro_rows], responses[micro_rows], pad_token_id)
-        query_responses = torch.cat((query, response), 1).to(accelerator.device)
-        labels = response_labels(query_responses, query.size(1), pad_token_id)  # the response tokens only
+        query_responses = torch.cat((queries[micro_rows], responses[micro_rows]), 1)
+        labels = response_labels(query_responses, queries.size(1), pad_token_id)  # the response tokens only
+        cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut
+        query_responses, labels = query_responses[:, cols].to(accelerator.device), labels[:, cols].to(accelerator.device)
         weights = local_weights[micro : micro + args.local_micro_batch_size].to(accelerator.device)
         with accelerator.accumulate(model):
             loss, _ = weighted_response_loss(model, query_responses, labels, weights, pad_token_id, batch_tokens)

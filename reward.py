@@ -249,12 +249,15 @@ def build_reward_model(args, tokenizer):
     return model, head_std
 
 
-def trim_trailing_padding(query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Drop the trailing columns that are [PAD] in every row. Pure speed (rows are padded to the
-    dataset's full length, often far beyond the longest row of a batch); no reward changes, because
-    each row keeps every token up to its EOS."""
-    last_real_column = int((query_responses != pad_token_id).any(dim=0).nonzero().max())
-    return query_responses[:, : last_real_column + 1]
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
 
 
 def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
@@ -274,12 +277,13 @@ def score_references(scorer, accelerator, dataset, pad_token_id: int, batch_size
     scorer.eval()
     for batch in loader:
         # right-padded: unpadded query + reference + EOS + pads; no pad before the response, so context 0
-        right_rows = trim_trailing_padding(batch["query_reference_response_token"], pad_token_id)
+        right_rows = batch["query_reference_response_token"]
+        right_rows = right_rows[:, real_columns(right_rows, pad_token_id)]
         _, right_scores, _ = scorer(right_rows, 0)
         # left-padded query (B, Tq) + right-padded reference (B, Tr): the layout PPO scores (Detail 14)
         query_responses = torch.cat((batch["query_token"], batch["reference_response_token"]), dim=1)
-        query_responses = trim_trailing_padding(query_responses, pad_token_id)
-        _, left_scores, _ = scorer(query_responses, batch["query_token"].size(1))
+        cols = real_columns(query_responses, pad_token_id)
+        _, left_scores, _ = scorer(query_responses[:, cols], batch["query_token"].size(1) - cols.start)
         right.append(accelerator.gather_for_metrics(right_scores.float()))
         left.append(accelerator.gather_for_metrics(left_scores.float()))
     return torch.cat(right).cpu().numpy(), torch.cat(left).cpu().numpy()
@@ -343,7 +347,7 @@ def score_preference_split(scorer, accelerator, dataset, pad_token_id: int, eos_
         b = batch["query_chosen_token"].size(0)
         # chosen and rejected in one forward pass; both are right-padded rows, so context length 0
         query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
-        query_responses = trim_trailing_padding(query_responses, pad_token_id)  # (2B, T)
+        query_responses = query_responses[:, real_columns(query_responses, pad_token_id)]  # (2B, T)
         reward_logits, rewards, eos_index = scorer(query_responses, 0)
         chosen.append(accelerator.gather_for_metrics(rewards[:b].float()))
         rejected.append(accelerator.gather_for_metrics(rewards[b:].float()))
@@ -648,7 +652,7 @@ def main(args: Args) -> dict:
                 with accelerator.accumulate(scorer):
                     b = batch["query_chosen_token"].size(0)
                     query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
-                    query_responses = trim_trailing_padding(query_responses, pad_id)  # (2B, T)
+                    query_responses = query_responses[:, real_columns(query_responses, pad_id)]  # (2B, T)
                     _, rewards, _ = scorer(query_responses, 0)  # (2B,), read at each EOS (Detail 12)
                     chosen_rewards, rejected_rewards = rewards[:b], rewards[b:]
                     loss = pairwise_loss(chosen_rewards, rejected_rewards)

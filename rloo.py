@@ -29,7 +29,7 @@ import random
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Optional
+from typing import List, Literal, Optional
 
 import numpy as np
 import pandas as pd
@@ -114,8 +114,14 @@ class Args:
     # models
     sft_model_path: str = "models/sft"
     """the SFT policy: initial policy, reference policy, and the tokenizer"""
-    reward_model_path: str = "models/rm"
-    """the reward model (saved by reward.py with the Detail 15 normalisation folded in)"""
+    reward_model_path: List[str] = field(default_factory=lambda: ["models/rm"])
+    """the reward model (saved by reward.py with the Detail 15 normalisation folded in); several paths make an
+    ensemble whose scores --reward_combine joins into one"""
+    reward_combine: Literal["mean", "sum", "min"] = "mean"
+    """how the scores of several reward models become one, each after its own scaling: mean, weighted sum
+    (--reward_weights) or min (the conservative ensemble of Coste et al. 2024); one reward model: its score"""
+    reward_weights: Optional[List[float]] = None
+    """--reward_combine sum: one weight per reward model; None = 1 each"""
     trust_remote_code: bool = False
     """passed to from_pretrained"""
 
@@ -232,7 +238,8 @@ def response_mask(truncated_responses: torch.Tensor, pad_token_id: int):
 def apply_eos_trick(scores: torch.Tensor, truncated_responses: torch.Tensor, eos_token_id: int, penalty: float):
     """Detail 23 (EOS trick): a response that contains no EOS gets `penalty` as its score."""
     contains_eos = (truncated_responses == eos_token_id).any(dim=1)
-    return torch.where(contains_eos, scores, torch.full_like(scores, penalty)), contains_eos
+    keep = contains_eos.unsqueeze(1) if scores.dim() == 2 else contains_eos  # (B, n) scores: every reward model's
+    return torch.where(keep, scores, torch.full_like(scores, penalty)), contains_eos
 
 
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -320,13 +327,15 @@ def sequence_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_
     tensor across ranks (for the running reward statistics)."""
     responses = data["responses"]
     mask, last_index = response_mask(responses, pad_token_id)  # kept tokens: up to and including the EOS
-    scores = data["scores"]
+    scores = data["scores"]  # (B, n): one column per reward model
     contains_eos = (responses == eos_token_id).any(1)
     if args.non_eos_penalty:  # 5. Detail 23: EOS trick
         scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
-    if args.rloo.scale_rewards:  # trlX: running-std scaling, statistics over all ranks
-        reward_moments.update(gather(scores))
-        scores = scores / max(reward_moments.std, 1e-8)
+    if args.rloo.scale_rewards:  # trlX: running-std scaling, statistics over all ranks, one per reward model
+        for column, moments in enumerate(reward_moments):
+            moments.update(gather(scores[:, column]))
+        scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
+    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,)
     if args.rloo.reward_clip is not None:
         scores = torch.clamp(scores, -args.rloo.reward_clip, args.rloo.reward_clip)
     # 6. the score minus the KL penalty summed over the kept tokens; 7. leave-one-out advantages
@@ -357,7 +366,7 @@ def reference_logits(ref_policy, policy, query_responses, pad_token_id):
 
 
 @torch.no_grad()
-def rollout(args, accelerator, model, ref_policy, reward_model, queries, tokenizer, generation_config, timers,
+def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config, timers,
             offload_by_hand: bool):
     """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size. Returns the raw
     (untruncated) query_responses, the truncated responses, temperature-scaled logprobs of policy and
@@ -365,6 +374,7 @@ def rollout(args, accelerator, model, ref_policy, reward_model, queries, tokeniz
     frozen models to the device around each use (--offload, see place_frozen_models)."""
     unwrapped = accelerator.unwrap_model(model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
     context_length = queries.size(1)
     out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "scores")}
     for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
@@ -386,16 +396,25 @@ def rollout(args, accelerator, model, ref_policy, reward_model, queries, tokeniz
         del ref_logits
         # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
         truncated = truncate_response(eos_id, pad_id, response)
-        with placed_on(reward_model, accelerator.device, offload_by_hand):
-            _, score, _ = get_reward(reward_model, torch.cat((query, truncated), 1), pad_id, context_length)
+        score = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
         timers["generation"] += t1 - t0
         timers["scoring"] += time.time() - t1
         out["query_responses"].append(query_response)
         out["responses"].append(truncated)
         out["logprobs"].append(logprob)
         out["ref_logprobs"].append(ref_logprob)
-        out["scores"].append(score.float())
+        out["scores"].append(score)
     return {k: torch.cat(v, 0) for k, v in out.items()}
+
+
+def trim_micro_batch(query_responses, responses, context_length: int, pad_token_id: int):
+    """The columns of a micro batch of rollouts that its training pass needs: from its longest query's first token
+    to its last kept response token. The raw samples go on after their EOS, but the loss masks those tokens and
+    causal attention keeps them out of every earlier position. Returns the cut query_responses, their context
+    length and how many response columns were kept."""
+    cols = real_columns(torch.cat((query_responses[:, :context_length], responses), 1), pad_token_id)
+    start, width = min(cols.start, context_length), max(cols.stop - context_length, 1)
+    return query_responses[:, start : context_length + width], context_length - start, width
 
 
 def rloo_update(args, accelerator, model, optimizer, data: dict, shaped, update: int, run, ptx,
@@ -419,12 +438,16 @@ def rloo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
             mb, micro_index = divmod(step, ga)
             idx = permutation[step * micro : (step + 1) * micro]
             with accelerator.accumulate(model):
-                ptx_tokens, ptx_labels = ptx.batch(update, epoch * nmb * ga + step, device)
-                new_logprobs, all_logprobs, ptx_logits = policy_forward(
-                    model, data["query_responses"][idx], context_length, args.temperature, pad_token_id, ptx_tokens
+                ptx_tokens, ptx_labels = ptx.batch(update, epoch * nmb * ga + step, device, pad_token_id)
+                query_responses, ctx, width = trim_micro_batch(
+                    data["query_responses"][idx], data["responses"][idx], context_length, pad_token_id
                 )
-                pg_loss, mb_stats = rloo_loss(new_logprobs, data["logprobs"][idx], shaped.advantages[idx],
-                                              shaped.mask[idx], args.rloo.cliprange)
+                new_logprobs, all_logprobs, ptx_logits = policy_forward(
+                    model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens
+                )
+                pg_loss, mb_stats = rloo_loss(new_logprobs, data["logprobs"][idx, :width],
+                                              shaped.advantages[idx], shaped.mask[idx, :width],
+                                              args.rloo.cliprange)
                 ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
                 loss = pg_loss + ptx.coef * ptx_loss
                 # non-finite guard: checked before backward, so the optimizer never applies it
@@ -436,7 +459,7 @@ def rloo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
                 probs = all_logprobs.exp()
                 token_entropy = -(probs * torch.where(probs > 0, all_logprobs, 0.0)).sum(-1)
                 mb_stats.update(pg_loss=pg_loss.detach(), ptx_loss=ptx_loss.detach(),
-                                entropy=masked_mean(token_entropy, shaped.mask[idx]))
+                                entropy=masked_mean(token_entropy, shaped.mask[idx, :width]))
                 for name, value in mb_stats.items():
                     stats[name][epoch, mb, micro_index] = value
     return stats
@@ -475,6 +498,8 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
         "objective/non_score_reward": non_score_sum.mean().item(),
         "objective/rlhf_reward": non_score_sum.mean().item() + scores.mean().item(),
         "objective/scores": scores.mean().item(),
+        **({f"objective/scores_rm{j}": gather(data["scores"][:, j]).mean().item()  # each reward model's raw score
+            for j in range(data["scores"].size(1))} if data["scores"].size(1) > 1 else {}),
         "objective/eos_rate": gather(shaped.contains_eos.float()).mean().item(),
         **algorithm_metrics(stats, num_eos_tokens),
         "episodes_per_second": args.total_batch_size / timers["wall"],
@@ -511,16 +536,17 @@ def main(args: Args) -> dict:
     # ---------------- tokenizer and models ----------------
     tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
+    for path in args.reward_model_path:
+        check_reward_tokenizer(tokenizer, args.sft_model_path, path, args.trust_remote_code)
     # Hydra and LoRA enter here: they decide what the reference policy is (None with LoRA)
-    policy, _, reward_model, ref_policy = load_models(args, tokenizer, bf16, critic_path=None)
+    policy, _, reward_models, ref_policy = load_models(args, tokenizer, bf16, critic_path=None)
     model = PolicyModel(policy)
     adamw = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
                               weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, adamw)
     device = accelerator.device
     # the frozen models need no optimizer state (Detail 8); --offload decides where they live between uses
-    reward_model, ref_policy, offload_by_hand = place_frozen_models(args, accelerator, reward_model, ref_policy, zero3)
+    reward_models, ref_policy, offload_by_hand = place_frozen_models(args, accelerator, reward_models, ref_policy, zero3)
 
     # ---------------- data ----------------
     train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=args.rloo.ptx_coef > 0)
@@ -537,11 +563,11 @@ def main(args: Args) -> dict:
 
     # ---------------- stateful RLOO pieces and resume ----------------
     kl_controller = AdaptiveKLController(args.rloo.kl_coef, args.rloo.target_kl, args.rloo.kl_horizon, args.rloo.adaptive_kl)
-    reward_moments = RunningMoments()
+    reward_moments = [RunningMoments() for _ in args.reward_model_path]  # one per reward model
     # saved and restored with the models, the optimizer and the RNG states. The data position and the learning
     # rate need no entry: both are functions of the update number (see the loop)
-    accelerator.register_for_checkpointing(kl_controller, reward_moments)
-    last_good = LastGoodState(run, accelerator, adamw, kl_controller, reward_moments)  # the non-finite guard's fallback
+    accelerator.register_for_checkpointing(kl_controller, *reward_moments)
+    last_good = LastGoodState(run, accelerator, adamw, kl_controller, *reward_moments)  # the non-finite guard's fallback
     # the trainer state: time totals and the last metrics, for the summary
     state = run.start({"update": 0, "wall_time_s": 0.0, "metrics": {},
                        "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}},
@@ -567,7 +593,7 @@ def main(args: Args) -> dict:
                                         accelerator.process_index, num_processes)
             queries = query_tokens[rows].repeat_interleave(args.rloo_k, 0).to(device)  # 1. Detail 21
             with accelerator.autocast():
-                data = rollout(args, accelerator, model, ref_policy, reward_model, queries, tokenizer, generation_config,
+                data = rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config,
                                timers, offload_by_hand)
 
             # ---------------- steps 5-7: EOS trick, sequence reward, leave-one-out advantage ----------------
@@ -601,7 +627,7 @@ def main(args: Args) -> dict:
         del data, shaped, stats
         if due(args.eval_every, update, num_updates):
             eval_metrics, _ = evaluation(run, f"step_{update:06d}", evaluate(
-                args, accelerator, model, reward_model, eval_dataset, tokenizer, eval_generation_config, offload_by_hand))
+                args, accelerator, model, reward_models, eval_dataset, tokenizer, eval_generation_config, offload_by_hand))
             run.log(update, {"episode": update * args.total_batch_size, **eval_metrics})
         if due(args.save_policy_every, update, num_updates):
             save_policy(accelerator, model, tokenizer, os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"),
@@ -614,7 +640,7 @@ def main(args: Args) -> dict:
 
     # ---------------- final evaluation and outputs ----------------
     eval_metrics, table = evaluation(run, f"step_{num_updates:06d}", evaluate(
-        args, accelerator, model, reward_model, eval_dataset, tokenizer, eval_generation_config, offload_by_hand))
+        args, accelerator, model, reward_models, eval_dataset, tokenizer, eval_generation_config, offload_by_hand))
     run.log(num_updates, {"episode": num_updates * args.total_batch_size, **eval_metrics})
     save_policy(accelerator, model, tokenizer, args.output_dir, args.lora_rank > 0)
     totals = state["totals"]
@@ -716,21 +742,23 @@ class PtxData:
             self.tokens = torch.tensor(train_dataset["query_reference_response_token"])
             self.labels = torch.tensor(train_dataset["query_reference_response_token_response_label"])
 
-    def batch(self, update: int, draw: int, device):
+    def batch(self, update: int, draw: int, device, pad_token_id: int):
         """Tokens and labels of the ptx batch of micro batch `draw` of `update` (None, None when off)."""
         if not self.on:
             return None, None
         index = (update - 1) * self.draws_per_update + draw
         rows = shuffled_query_batch(len(self.tokens), self.batch_size, self.seed, index, self.process_index,
                                     self.num_processes)
-        return self.tokens[rows].to(device), self.labels[rows].to(device)
+        tokens, labels = self.tokens[rows], self.labels[rows]
+        cols = real_columns(tokens, pad_token_id)  # the padding every row shares is cut
+        return tokens[:, cols].to(device), labels[:, cols].to(device)
 
     def loss(self, logits, labels, pad_token_id: int, device) -> torch.Tensor:
         return torch.zeros((), device=device) if logits is None else sft_loss(logits, labels, pad_token_id)
 
 
 @torch.no_grad()
-def evaluate(args, accelerator, model, reward_model, eval_dataset, tokenizer, generation_config, offload_by_hand: bool):
+def evaluate(args, accelerator, model, reward_models, eval_dataset, tokenizer, generation_config, offload_by_hand: bool):
     """Sample the first num_eval_samples validation queries (split evenly across ranks so that every
     rank runs the same number of generate calls), score them and return the rows of the sample table."""
     unwrapped = accelerator.unwrap_model(model)
@@ -741,11 +769,12 @@ def evaluate(args, accelerator, model, reward_model, eval_dataset, tokenizer, ge
     for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
         batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
         query = torch.tensor(batch["query_token"], device=accelerator.device)
+        query = query[:, real_columns(query, pad_id)]  # the left padding every query of the batch shares is cut
         context_length = query.size(1)
         query_response = generate(unwrapped.policy, query, pad_id, generation_config)
         truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
-        with placed_on(reward_model, accelerator.device, offload_by_hand):
-            _, score, _ = get_reward(reward_model, torch.cat((query, truncated), 1), pad_id, context_length)
+        scores = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
+        score = combine_scores(scores, args.reward_combine, args.reward_weights)  # raw: no EOS trick, no scaling
         _, last_index = response_mask(truncated, pad_id)
         has_eos = (truncated == eos_id).any(1)
         for i in range(query.size(0)):
@@ -757,6 +786,7 @@ def evaluate(args, accelerator, model, reward_model, eval_dataset, tokenizer, ge
                     "score": score[i].item(),
                     "response_token_len": int(last_index[i].item()) + 1,
                     "has_eos": bool(has_eos[i].item()),
+                    **({f"score_rm{j}": scores[i, j].item() for j in range(scores.size(1))} if scores.size(1) > 1 else {}),
                 }
             )
     return gather_object(rows)
@@ -834,6 +864,17 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 setattr(module, name, 0.0)
 
 
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
 def forward(model, query_responses: torch.Tensor, pad_token_id: int):
     """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
     left-padded query gets the same positions as an unpadded one (Detail 14)."""
@@ -893,6 +934,38 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
+def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """RM scores (B,) of left-padded queries (B, Tq) and right-padded responses (B, Tr), read at the EOS
+    (Detail 12), computed on the columns that hold a real token in some row."""
+    query_responses = torch.cat((queries, responses), 1)
+    cols = real_columns(query_responses, pad_token_id)
+    start = min(cols.start, queries.size(1))
+    return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
+
+
+def ensemble_scores(reward_models, queries, responses, pad_token_id: int, device, offload_by_hand: bool) -> torch.Tensor:
+    """Raw scores (B, n) of the responses under each of the n reward models, one column each (Detail 12)."""
+    columns = []
+    for reward_model in reward_models:
+        with placed_on(reward_model, device, offload_by_hand):
+            columns.append(get_score(reward_model, queries, responses, pad_token_id).float())
+    return torch.stack(columns, 1)
+
+
+def combine_scores(scores: torch.Tensor, rule: str, weights: Optional[List[float]]) -> torch.Tensor:
+    """One score per episode (B,) from the n reward models' scores (B, n): their mean; their weighted sum
+    sum_i w_i * s_i; or their min, the conservative ensemble of Coste et al. 2024 (an episode is worth what the
+    least impressed reward model gives it, so the policy gains only where every model agrees)."""
+    if rule == "mean":
+        return scores.mean(1)
+    if rule == "sum":
+        w = torch.ones(scores.size(1)) if weights is None else torch.tensor(weights, dtype=torch.float32)
+        return (scores * w.to(scores.device, scores.dtype)).sum(1)
+    if rule == "min":
+        return scores.min(1).values
+    raise ValueError(f"unknown --reward_combine {rule!r}")
+
+
 def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
     """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
     context_length = queries.size(1)
@@ -928,6 +1001,10 @@ def check_flags(args, num_processes: int, num_mini_batches: int, gradient_accumu
     check_gradient_accumulation(args, gradient_accumulation_steps, num_processes, num_mini_batches)
     if num_updates < 1:
         raise ValueError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
+    if args.reward_weights is not None and (args.reward_combine != "sum"
+                                            or len(args.reward_weights) != len(args.reward_model_path)):
+        raise ValueError(f"--reward_weights needs --reward_combine sum and one weight per --reward_model_path "
+                         f"({len(args.reward_model_path)}), got {args.reward_weights} with {args.reward_combine}")
     if args.lora_rank > 0 and args.num_layers_unfrozen >= 0:
         raise ValueError("choose one of --lora_rank and --num_layers_unfrozen (each builds its own reference)")
     if args.offload and args.num_layers_unfrozen >= 0:
@@ -977,10 +1054,10 @@ def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
     critic = None if critic_path is None else AutoModelForSequenceClassification.from_pretrained(
         critic_path, num_labels=1, trust_remote_code=args.trust_remote_code
     )
-    reward_model = AutoModelForSequenceClassification.from_pretrained(
-        args.reward_model_path, num_labels=1, dtype=frozen_dtype, trust_remote_code=args.trust_remote_code
-    )
-    loaded = [model for model in (policy, critic, reward_model) if model is not None]
+    reward_models = [AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=frozen_dtype, trust_remote_code=args.trust_remote_code
+    ) for path in args.reward_model_path]
+    loaded = [model for model in (policy, critic, *reward_models) if model is not None]
     for model in loaded:
         # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
         if model.config.vocab_size < len(tokenizer):
@@ -988,7 +1065,8 @@ def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
     if args.disable_dropout:  # Detail 7
         for model in loaded:
             disable_dropout(model)
-    reward_model.requires_grad_(False).eval()
+    for reward_model in reward_models:
+        reward_model.requires_grad_(False).eval()
     if args.lora_rank > 0:
         policy = get_peft_model(
             policy,
@@ -1005,7 +1083,7 @@ def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
             ref_policy.resize_token_embeddings(len(tokenizer))
         disable_dropout(ref_policy)  # the reference never trains: its logprobs must be deterministic
         ref_policy.requires_grad_(False).eval()
-    return policy, critic, reward_model, ref_policy
+    return policy, critic, reward_models, ref_policy
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -1064,20 +1142,20 @@ def load_query_data(args, tokenizer, ptx: bool):
     return train_dataset, eval_dataset
 
 
-def place_frozen_models(args, accelerator, reward_model, ref_policy, zero3: bool):
+def place_frozen_models(args, accelerator, reward_models, ref_policy, zero3: bool):
     """The reward model and the reference policy: placed on the device, kept on the CPU between uses (--offload),
     or under ZeRO-3 partitioned in a DeepSpeed inference engine that offloads them itself (Detail 8). Returns
     them and offload_by_hand: whether rollout() and evaluate() move them to the device around each use (--offload
     with an accelerator and without ZeRO-3)."""
     device = accelerator.device
-    reward_model = prepare_frozen_model(accelerator, reward_model, offload=args.offload)
+    reward_models = [prepare_frozen_model(accelerator, model, offload=args.offload) for model in reward_models]
     if args.num_layers_unfrozen >= 0:
         ref_policy.to(device)  # Hydra: the reference shares the policy's frozen trunk
     elif ref_policy is not None:
         ref_policy = prepare_frozen_model(accelerator, ref_policy, offload=args.offload)
     if args.offload and not zero3 and device.type == "cpu":
         accelerator.print("--offload: no accelerator present, models already live on CPU")
-    return reward_model, ref_policy, args.offload and not zero3 and device.type != "cpu"
+    return reward_models, ref_policy, args.offload and not zero3 and device.type != "cpu"
 
 
 def due(every: int, update: int, num_updates: Optional[int] = None) -> bool:

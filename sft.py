@@ -203,9 +203,13 @@ def next_token_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, 
     Token t is predicted from the logits at t - 1, so logits drop the last position and labels the
     first. Right padding only appends masked positions, which neither attend into the real tokens
     (causal attention) nor carry labels, so extra padding leaves the loss unchanged."""
+    cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same loss, less compute
+    query_responses, labels = query_responses[:, cols], labels[:, cols]
     logits = forward(model, query_responses, pad_token_id).logits  # (B, T, V)
     shifted_logits = logits[:, :-1].float()  # (B, T-1, V)
-    shifted_labels = labels[:, 1:]  # (B, T-1)
+    # a token whose input position is a [PAD] has no context to be predicted from (the first token of a
+    # left-padded query in the `sequence` mode): it is not a target
+    shifted_labels = labels[:, 1:].masked_fill(query_responses[:, :-1] == pad_token_id, -100)  # (B, T-1)
     num_targets = (shifted_labels != -100).sum()
     loss = F.cross_entropy(shifted_logits.flatten(0, 1), shifted_labels.flatten(), ignore_index=-100)
     return loss, num_targets
@@ -238,6 +242,7 @@ def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset
         num_targets += count
 
         queries = batch["query_token"].to(accelerator.device)  # (B, Tq), left-padded
+        queries = queries[:, real_columns(queries, pad_token_id)]  # the left padding every row shares is cut
         context_length = queries.size(1)
         query_sampled = generate(unwrapped, queries, pad_token_id, generation_config)
         responses = query_sampled[:, context_length:]  # (B, response_length)
@@ -319,6 +324,17 @@ def disable_dropout(model: torch.nn.Module) -> None:
         for name in ("attention_dropout", "attn_dropout"):
             if isinstance(getattr(module, name, None), float):
                 setattr(module, name, 0.0)
+
+
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
 
 
 def forward(model, query_responses: torch.Tensor, pad_token_id: int):

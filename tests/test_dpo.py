@@ -86,6 +86,28 @@ def test_ipo_loss_by_hand():
     assert losses.tolist() == pytest.approx([9.0, 64.0], rel=1e-6)
 
 
+def test_ipo_averages_log_probs_over_response_tokens_by_default():
+    """The IPO authors' form: policy chosen -10 over 10 tokens, rejected -20 over 20, reference -12 and -19,
+    beta 0.05 (target 1 / (2 beta) = 10). Summed: h = (-10 + 20) - (-12 + 19) = 3, loss (3 - 10)^2 = 49.
+    Averaged: h = (-10 + 12) / 10 - (-20 + 19) / 20 = 0.25, loss (0.25 - 10)^2 = 95.0625."""
+    logps = [torch.tensor([v]) for v in (-10.0, -20.0, -12.0, -19.0)]
+    args = dpo.Args(loss_type="ipo")
+    assert args.ipo_average  # the default
+    batch = {
+        "query_chosen_token_response_label": torch.tensor([[PAD] * 3 + [5] * 9 + [EOS] + [PAD] * 10]),
+        "query_rejected_token_response_label": torch.tensor([[PAD] * 3 + [6] * 19 + [EOS]]),
+    }
+    counts = dpo.ipo_token_counts(args, batch, PAD)
+    assert [int(c) for c in counts] == [10, 20]
+    averaged, _, _ = dpo.dpo_loss(*logps, beta=0.05, loss_type="ipo", token_counts=counts)
+    assert averaged.item() == pytest.approx(95.0625, rel=1e-6)
+    summed_args = dpo.Args(loss_type="ipo", ipo_average=False)
+    assert dpo.ipo_token_counts(summed_args, batch, PAD) is None
+    summed, _, _ = dpo.dpo_loss(*logps, beta=0.05, loss_type="ipo", token_counts=None)
+    assert summed.item() == pytest.approx(49.0, rel=1e-6)
+    assert dpo.ipo_token_counts(dpo.Args(loss_type="sigmoid"), batch, PAD) is None  # only IPO averages
+
+
 def test_hinge_loss_by_hand():
     losses, _, _ = dpo.dpo_loss(*made_up_logps(), beta=BETA, loss_type="hinge")
     # max(0, 1 - beta h): 1 - 0.2 = 0.8 and 1 + 0.3 = 1.3

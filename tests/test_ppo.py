@@ -73,9 +73,9 @@ def test_gae_matches_plain_loop_with_masks():
 def shaped_example(args, scores, responses, seed=0):
     torch.manual_seed(seed)
     B, T = responses.shape
-    data = {"responses": responses, "scores": scores, "logprobs": -torch.rand(B, T),
+    data = {"responses": responses, "scores": scores.unsqueeze(1), "logprobs": -torch.rand(B, T),
             "ref_logprobs": -torch.rand(B, T), "values": torch.randn(B, T)}
-    out = vars(ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, ppo.RunningMoments(), lambda x: x))
+    out = vars(ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, [ppo.RunningMoments()], lambda x: x))
     return data, out
 
 
@@ -215,9 +215,10 @@ def tiny_rollout(accelerator, policy, critic, reward_model, ref_policy, length=6
     timers = {"generation": 0.0, "scoring": 0.0}
     tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
     model.eval()
-    data = ppo.rollout(args, accelerator, model, ref_policy, reward_model, queries, tok, fixed_config(length), timers,
+    data = ppo.rollout(args, accelerator, model, ref_policy, [reward_model], queries, tok, fixed_config(length), timers,
                        offload_by_hand=False)
-    data["values"] = ppo.critic_values(args, accelerator, model, data["query_responses"], PAD, queries.size(1))
+    context_length = data["query_responses"].size(1) - data["responses"].size(1)
+    data["values"] = ppo.critic_values(args, accelerator, model, data["query_responses"], PAD, context_length)
     return model, queries, data
 
 
@@ -283,7 +284,7 @@ def test_detail22_values_and_eos_advantage_ppo_uses_at_init(accelerator, tmp_pat
                                                                     tmp_path / "rm", num_labels=1).eval()
         # the reference is the policy itself: KL 0, as at initialisation
         _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, policy)
-        out = vars(ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, ppo.RunningMoments(), lambda x: x))
+        out = vars(ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, [ppo.RunningMoments()], lambda x: x))
         mask, last, scores = out["mask"], out["last_index"], out["scores"]
         assert (out["kl"] == 0).all()
         # the RM's per-token readings (B, Tq + T) of query + truncated response; [i, j] reads tokens 0..j
@@ -300,7 +301,7 @@ def test_detail22_values_and_eos_advantage_ppo_uses_at_init(accelerator, tmp_pat
         # sits at value index last + 1, which PPO masks
         eos_value = out["values"][rows, last]
         torch.testing.assert_close(eos_value, rm_readings[rows, context_length + last - 1], atol=1e-5, rtol=0)
-        torch.testing.assert_close(rm_scores[contains_eos], data["scores"][contains_eos], atol=1e-5, rtol=0)
+        torch.testing.assert_close(rm_scores[contains_eos], data["scores"][contains_eos, 0], atol=1e-5, rtol=0)
         assert (eos_value - scores)[contains_eos].abs().min() > 1e-3
         assert (out["values"][rows[contains_eos], last[contains_eos] + 1] == 0).all()
         # gamma = lambda = 1, no KL: A_t = score - V_t on every kept token; the EOS action: score - V(before EOS)
@@ -365,7 +366,7 @@ def test_frozen_actor_takes_no_adamw_step(accelerator):
     reward_model = GPTNeoXForSequenceClassification(tiny_config()).eval()
     ref = GPTNeoXForCausalLM(tiny_config()).eval()
     _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, ref)
-    out = vars(ppo.shape_rewards(make_args(), data, EOS, PAD, 0.05, ppo.RunningMoments(), lambda x: x))
+    out = vars(ppo.shape_rewards(make_args(), data, EOS, PAD, 0.05, [ppo.RunningMoments()], lambda x: x))
     steps_per_update = 2
 
     def train(frozen_updates: int, unfrozen_updates: int):

@@ -63,13 +63,13 @@ def test_reward_index_right_padded_and_unpadded():
     assert not torch.allclose(logits[0, 3], logits[0, 5])
 
 
-def test_trim_trailing_padding_keeps_rewards():
+def test_real_columns_keep_rewards():
     model = tiny_rm()
     rows = torch.tensor([
         [5, 6, 7, 12, 13, EOS, PAD, PAD, PAD, PAD],
         [8, 9, 10, 11, 14, 15, EOS, PAD, PAD, PAD],
     ])
-    trimmed = reward.trim_trailing_padding(rows, PAD)
+    trimmed = rows[:, reward.real_columns(rows, PAD)]
     assert trimmed.shape == (2, 7)  # the longer row ends exactly at the new edge
     with torch.no_grad():
         _, full, full_index = reward.get_reward(model, rows, PAD, 0)

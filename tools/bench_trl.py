@@ -40,8 +40,8 @@ How the two sides are matched:
     `input_ids` + `labels` (-100 on the query), reward `chosen_ids` / `rejected_ids` (query + response), DPO
     `prompt_ids` / `chosen_ids` / `rejected_ids`, PPO `input_ids` (the query)), so no text is tokenized again and
     both sides read the same tokens of the same rows. No truncation on either side (TRL's max_length=None): every
-    row already fits the task's widths. Padding stays each side's own: our scripts read the data's fixed-width
-    rows (trimming what they trim), TRL's collators pad each batch to its longest row (PPO's queries on the left);
+    row already fits the task's widths. Padding stays each side's own: our scripts cut each batch of the data's
+    fixed-width rows to its columns that hold a real token (real_columns), TRL's collators pad each batch to its longest row (PPO's queries on the left);
   - the same batch and micro batch (TRL: per_device_train_batch_size = our micro batch, gradient accumulation =
     batch / micro batch), one epoch over the N rows, the same learning rate, AdamW epsilon 1e-5 and weight decay,
     the same schedule without warm-up (cosine; PPO linear on both sides), no gradient clipping (none of our scripts
