@@ -79,6 +79,18 @@ def reward_model(task: dict) -> str:
     return path
 
 
+def second_reward_model(task: dict) -> str:
+    """Another reward model for the ensemble runs: the base model with a scalar head from seed 1."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = os.path.join(task["root"], "mp_reward_model_2")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        torch.manual_seed(1)
+        AutoModelForSequenceClassification.from_pretrained(task["base_model"], num_labels=1).save_pretrained(path)
+        AutoTokenizer.from_pretrained(task["base_model"]).save_pretrained(path)
+    return path
+
+
 def ppo_flags(task: dict) -> list:
     # Rollouts are sampled with a different seed on each rank, so the 1-process run can only draw the same
     # responses when sampling is near greedy (--temperature 0.001). One minibatch per epoch keeps the
@@ -241,6 +253,23 @@ def test_two_processes_match_one_process(script, launcher, synthetic_task, tmp_p
         reference = loads_with_from_pretrained(script, one_dir).state_dict()
         for name, tensor in reference.items():
             torch.testing.assert_close(loaded[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{what}: loaded {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["ppo", "rloo"])
+def test_reward_model_ensemble_under_zero2_matches_one_process(script, synthetic_task, tmp_path):
+    """Two reward models joined by the min rule, each with its own running statistics for reward scaling (fed the
+    gathered batch): ZeRO-2 on 2 processes ends with the weights and metrics of 1 process."""
+    flags = SCRIPTS[script](synthetic_task)
+    i = flags.index("--reward_model_path")
+    flags = [*flags[: i + 2], second_reward_model(synthetic_task), "--reward_combine", "min", f"--{script}.scale_rewards",
+             *flags[i + 2 :]]
+    (one,), one_rows, _ = run_probe(script, flags, tmp_path, "one", 1, 0)
+    two, two_rows, _ = run_probe(script, flags, tmp_path, "two", 2, port_of(script, "zero2", offset=6), "zero2")
+    assert two[0]["zero_stage"] == 2 and set(two[0]["engines"]) == {"DeepSpeedEngine"}
+    train = [row for row in two_rows if "objective/scores_rm1" in row]
+    assert train and all(row["objective/scores_rm0"] != row["objective/scores_rm1"] for row in train)
+    assert_same_run(script, two, two_rows, one, one_rows, f"{script}, two reward models, under zero2")
 
 
 OFFLINE_METHODS = {"filter": [], "dt": ["--dt_eval_targets", "0"],

@@ -1,0 +1,131 @@
+"""Several reward models in ppo.py and rloo.py (--reward_model_path A B ..., --reward_combine): the combination
+rules by hand, each model's own running statistics for --*.scale_rewards, the single model unchanged, the flag
+checks, and a run with two reward models that resumes after a kill like an uninterrupted run."""
+
+from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok, without_timing
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ppo, rloo = load_script("ppo"), load_script("rloo")
+PAD, EOS = 19, 3
+SCRIPTS = {"ppo": ppo, "rloo": rloo}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_combination_rules_by_hand(name):
+    module = SCRIPTS[name]
+    scores = torch.tensor([[1.0, 3.0], [-2.0, 0.5]])
+    assert module.combine_scores(scores, "mean", None).tolist() == pytest.approx([2.0, -0.75])
+    assert module.combine_scores(scores, "sum", None).tolist() == pytest.approx([4.0, -1.5])
+    assert module.combine_scores(scores, "sum", [0.5, 2.0]).tolist() == pytest.approx([6.5, -0.0])
+    # Coste et al.'s conservative ensemble: the least impressed model decides
+    assert module.combine_scores(scores, "min", None).tolist() == pytest.approx([1.0, -2.0])
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+@pytest.mark.parametrize("rule", ["mean", "sum", "min"])
+def test_one_reward_model_keeps_its_score_exactly(name, rule):
+    scores = torch.randn(7, 1)
+    assert torch.equal(SCRIPTS[name].combine_scores(scores, rule, None), scores[:, 0])
+
+
+def ensemble_data(B: int = 6, T: int = 5):
+    torch.manual_seed(0)
+    raw = torch.randint(4, 18, (B, T))
+    raw[:4, 2] = EOS  # rows 4 and 5 never end: the EOS trick replaces their scores
+    responses = ppo.truncate_response(EOS, PAD, raw)
+    # two reward models on scales a hundred times apart
+    scores = torch.stack([torch.randn(B), 100 * torch.randn(B)], 1)
+    return {"responses": responses, "scores": scores, "logprobs": -torch.rand(B, T),
+            "ref_logprobs": -torch.rand(B, T), "values": torch.randn(B, T)}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_each_reward_model_is_scaled_by_its_own_statistics_before_the_rule(name):
+    module, data = SCRIPTS[name], ensemble_data()
+    args = module.Args(reward_model_path=["a", "b"], reward_combine="mean")
+    getattr(args, name).scale_rewards = True
+    moments = [module.RunningMoments(), module.RunningMoments()]
+    shape = module.shape_rewards if name == "ppo" else module.sequence_rewards
+    out = shape(args, data, EOS, PAD, 0.05, moments, lambda x: x)
+    # the EOS trick first (every model's score of an unfinished response is the penalty), then each column's own std
+    tricked = data["scores"].clone()
+    tricked[4:] = args.penalty_reward_value
+    stds = tricked.var(0, unbiased=False).sqrt()
+    assert [m.std for m in moments] == pytest.approx(stds.tolist(), rel=1e-5)
+    assert stds[1] > 10 * stds[0]  # the two models really are on different scales
+    expected = (tricked / stds).mean(1)
+    torch.testing.assert_close(out.scores, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_reward_weights_need_the_sum_rule_and_one_weight_per_model(name):
+    module = SCRIPTS[name]
+    for kwargs in ({"reward_combine": "mean", "reward_weights": [1.0, 2.0]},
+                   {"reward_combine": "sum", "reward_weights": [1.0]}):
+        args = module.Args(reward_model_path=["a", "b"], **kwargs)
+        with pytest.raises(ValueError, match="--reward_weights needs --reward_combine sum"):
+            module.check_flags(args, 1, 1, None, 1, False)
+
+
+@pytest.fixture(scope="module")
+def two_reward_models(synthetic_task, tmp_path_factory):
+    """Two RMs: the base model with scalar heads from seeds 0 and 1."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("ensemble_rms")
+    tokenizer = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
+    paths = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(synthetic_task["base_model"], num_labels=1)
+        model.save_pretrained(root / f"rm{seed}")
+        tokenizer.save_pretrained(root / f"rm{seed}")
+        paths.append(str(root / f"rm{seed}"))
+    return paths
+
+
+def ensemble_command(name, synthetic_task, rms, root, run_name, extra=()):
+    task = json.load(open(synthetic_task["task_json"]))
+    return [
+        os.path.join(REPO_ROOT, f"{name}.py"), "--sft_model_path", synthetic_task["base_model"],
+        "--reward_model_path", *rms, "--reward_combine", "min", f"--{name}.scale_rewards",
+        "--query_dataset", synthetic_task["sft"], "--response_length", str(task["sft_response_length"]),
+        "--total_episodes", "40", "--total_batch_size", "8", "--local_micro_batch_size", "4",
+        "--local_rollout_forward_batch_size", "8", "--num_eval_samples", "8", "--eval_every", "3",
+        "--checkpoint_every", "2", "--output_dir", str(root / f"policy_{run_name}"),
+        "--run_dir_root", str(root / "runs"), "--run_name", run_name, *extra,
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_two_reward_models_log_each_score_and_resume_like_an_uninterrupted_run(name, synthetic_task, two_reward_models,
+                                                                             tmp_path):
+    """5 updates against min(RM 0, RM 1) with per-model scaling; killed after the checkpoint of update 2 and resumed
+    (the two running statistics come back from the checkpoint), the run ends with the same weights and metrics."""
+    import sys
+
+    full = [sys.executable, *ensemble_command(name, synthetic_task, two_reward_models, tmp_path, "full")]
+    run_ok(full, cwd=REPO_ROOT, env=ENV)
+    rows = [json.loads(line) for line in open(tmp_path / "runs" / "full" / "metrics.jsonl")]
+    train = [row for row in rows if "objective/scores_rm0" in row]
+    assert len(train) == 5
+    for row in train:  # the combined score is the min of the two raw scores' scaled values: never above both
+        assert row["objective/scores_rm0"] != row["objective/scores_rm1"]
+    samples = pd.read_csv(tmp_path / "runs" / "full" / "samples.csv")
+    assert (samples["score"] <= samples[["score_rm0", "score_rm1"]].min(axis=1) + 1e-6).all()
+    assert (samples["score"] >= samples[["score_rm0", "score_rm1"]].min(axis=1) - 1e-6).all()
+
+    killed = [sys.executable, *ensemble_command(name, synthetic_task, two_reward_models, tmp_path, "killed")]
+    kill_after_checkpoint(killed, tmp_path / "runs" / "killed" / "checkpoints" / "update_000002", cwd=REPO_ROOT, env=ENV)
+    resumed = run_ok(killed + ["--resume"], cwd=REPO_ROOT, env=ENV)
+    assert "resumed from" in resumed.stdout, resumed.stdout[-2000:]
+    assert_same_safetensors(tmp_path / "policy_full" / "model.safetensors", tmp_path / "policy_killed" / "model.safetensors")
+    runs = [[without_timing(json.loads(line)) for line in open(tmp_path / "runs" / run / "metrics.jsonl")]
+            for run in ("full", "killed")]
+    assert runs[0] == runs[1]
