@@ -6,7 +6,8 @@ One update = one rollout of `total_batch_size` episodes followed by K PPO epochs
   rollout  1. sample left-padded queries from the SFT split, reshuffling after each pass (Detail 21)
            2. sample exactly `response_length` tokens at temperature 0.7, no early stop (Detail 23)
            3. truncate each response after its first EOS, fill the rest with [PAD]   (Detail 23)
-           4. score query + truncated response with the RM, read at the EOS          (Details 12, 14)
+           4. score query + truncated response with the RM, read at the EOS          (Details 12, 14);
+              several RMs: each scored, scaled on its own, then joined (--reward_combine)
            5. EOS trick: no EOS in the response -> score = penalty_reward_value (-1)  (Detail 23)
            6. per-token rewards: -kl_coef * KL on every token, the score at the EOS
            7. optional reward whitening (Detail 24)

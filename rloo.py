@@ -6,7 +6,8 @@ One update = one rollout of `total_batch_size` episodes, rloo_k per query, follo
   rollout  1. sample left-padded queries from the SFT split, reshuffling after each pass (Detail 21), rloo_k times each
            2. sample exactly `response_length` tokens at temperature 0.7, no early stop (Detail 23)
            3. truncate each response after its first EOS, fill the rest with [PAD]   (Detail 23)
-           4. score query + truncated response with the RM, read at the EOS          (Details 12, 14)
+           4. score query + truncated response with the RM, read at the EOS          (Details 12, 14);
+              several RMs: each scored, scaled on its own, then joined (--reward_combine)
            5. EOS trick: no EOS in the response -> score = penalty_reward_value (-1)  (Detail 23)
            6. sequence reward: the score - kl_coef * the KL summed over the response
            7. advantage: the reward - the mean reward of the other rloo_k - 1 responses to the query

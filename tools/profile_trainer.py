@@ -3,7 +3,8 @@ machine's matmul rate for comparison.
 
     python tools/profile_trainer.py --out artifacts/profile/reward -- reward.py --sft_model_path ... (the script's flags)
 
-It runs the script (the part after `--`, exactly as a user types it) three times, each in a fresh process:
+It runs the script (the part after `--`, exactly as a user types it; `{mode}` in it becomes plain, cprofile or
+flops, so that each run can have its own --run_name) three times, each in a fresh process:
   1. plainly, for its wall time;
   2. under cProfile, for the share of that time spent in the transformer's forward passes (GPTNeoXModel.forward and
      what it calls, wherever it is called from, including generation), in backward, in the optimizer step and in
@@ -125,7 +126,8 @@ def main(args: Args, argv: List[str]) -> None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
     for mode in ("plain", "cprofile", "flops"):
         print(f"[profile] {mode} run of {' '.join(argv)}", flush=True)
-        command = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--out", args.out, "--", *argv]
+        script_argv = [arg.replace("{mode}", mode) for arg in argv]  # e.g. --run_name prof_{mode}: a folder per run
+        command = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--out", args.out, "--", *script_argv]
         subprocess.run(command, cwd=REPO_ROOT, env=env, check=True)
     wall = json.load(open(os.path.join(args.out, "plain.json")))["wall"]
     flops = json.load(open(os.path.join(args.out, "flops.json")))["flops"]

@@ -1,0 +1,39 @@
+"""tools/profile_trainer.py on a tiny sft.py run: three runs end, and the report's shares, FLOPs and rates are
+measured values, not placeholders."""
+
+from conftest import ENV
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_profile_of_a_small_sft_run(synthetic_task, tmp_path):
+    task = json.load(open(synthetic_task["task_json"]))
+    out = tmp_path / "profile"
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "tools", "profile_trainer.py"), "--out", str(out), "--threads", "1",
+           "--", "sft.py", "--base_model", synthetic_task["base_model"], "--query_dataset", synthetic_task["sft"],
+           "--response_length", str(task["sft_response_length"]), "--total_episodes", "64", "--total_batch_size", "16",
+           "--local_micro_batch_size", "8", "--num_eval_samples", "8", "--local_eval_batch_size", "8",
+           "--run_dir_root", str(tmp_path / "runs"), "--run_name", "prof_{mode}",
+           "--output_dir", str(tmp_path / "sft_{mode}")]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads((out / "profile.json").read_text())
+    # each run had its own run folder ({mode} replaced)
+    assert sorted(os.listdir(tmp_path / "runs")) == ["prof_cprofile", "prof_flops", "prof_plain"]
+    shares = report["shares"]
+    # SFT trains (forward and backward take time) and samples its evaluation (generation)
+    for name in ("transformer forward passes", "backward", "optimizer step", "generation (holds forward passes)"):
+        assert 0 < shares[name] < 1, (name, shares)
+    assert shares["transformer forward passes"] + shares["backward"] < 1.2  # generation's forwards overlap, no more
+    # 4 updates of 16 rows, each row's matmuls at least 2 x params x tokens: far above zero
+    assert report["flops"] > 1e8
+    assert report["plain_seconds"] > 0 and report["achieved_gflops"] > 0
+    assert report["matmul_gflops_large"] > 0 and report["matmul_gflops_model_shape"] > 0
+    assert "GFLOP/s" in (out / "profile.md").read_text()
