@@ -67,25 +67,13 @@ def ilql_flags(task: dict) -> list:
             "--local_eval_batch_size", "4", "--eval_betas", "1"]
 
 
-def reward_model(task: dict) -> str:
-    """A reward model for the PPO run: the base model with a seeded scalar head (made once per task)."""
+def reward_model(task: dict, seed: int = 0) -> str:
+    """A reward model for the PPO run: the base model with a scalar head from `seed` (made once per task)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    path = os.path.join(task["root"], "mp_reward_model")
+    path = os.path.join(task["root"], "mp_reward_model" + (f"_seed{seed}" if seed else ""))
     if not os.path.exists(os.path.join(path, "model.safetensors")):
-        torch.manual_seed(0)
-        AutoModelForSequenceClassification.from_pretrained(task["base_model"], num_labels=1).save_pretrained(path)
-        AutoTokenizer.from_pretrained(task["base_model"]).save_pretrained(path)
-    return path
-
-
-def second_reward_model(task: dict) -> str:
-    """Another reward model for the ensemble runs: the base model with a scalar head from seed 1."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    path = os.path.join(task["root"], "mp_reward_model_2")
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        torch.manual_seed(1)
+        torch.manual_seed(seed)
         AutoModelForSequenceClassification.from_pretrained(task["base_model"], num_labels=1).save_pretrained(path)
         AutoTokenizer.from_pretrained(task["base_model"]).save_pretrained(path)
     return path
@@ -262,7 +250,7 @@ def test_reward_model_ensemble_under_zero2_matches_one_process(script, synthetic
     gathered batch): ZeRO-2 on 2 processes ends with the weights and metrics of 1 process."""
     flags = SCRIPTS[script](synthetic_task)
     i = flags.index("--reward_model_path")
-    flags = [*flags[: i + 2], second_reward_model(synthetic_task), "--reward_combine", "min", f"--{script}.scale_rewards",
+    flags = [*flags[: i + 2], reward_model(synthetic_task, seed=1), "--reward_combine", "min", f"--{script}.scale_rewards",
              *flags[i + 2 :]]
     (one,), one_rows, _ = run_probe(script, flags, tmp_path, "one", 1, 0)
     two, two_rows, _ = run_probe(script, flags, tmp_path, "two", 2, port_of(script, "zero2", offset=6), "zero2")
