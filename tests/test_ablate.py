@@ -18,6 +18,7 @@ if REPO_ROOT not in sys.path:
 import ablate  # noqa: E402
 
 
+@pytest.mark.slow  # the end-to-end runs: in the full suite, out of the quick `-m "not slow"` check
 def test_ablate_ci_rows_2_and_7_write_table_csv_and_plots(tmp_path):
     up, out = tmp_path / "upstream", tmp_path / "ablations"
     cmd = [sys.executable, os.path.join(REPO_ROOT, "ablate.py"), "--mode", "ci", "--rows", "2", "7", "--seeds", "1",

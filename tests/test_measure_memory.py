@@ -63,6 +63,7 @@ def test_unknown_script_or_mode_is_refused():
     assert runs == [("ppo.py", "plain"), ("ppo.py", "lora")]
 
 
+@pytest.mark.slow  # the end-to-end runs: in the full suite, out of the quick `-m "not slow"` check
 def test_tiny_model_table_and_csv(synthetic_task, tmp_path):
     """sft.py plain, ppo.py plain and ppo.py LoRA on a tiny model: one row per run, real figures."""
     out = tmp_path / "memory"

@@ -103,6 +103,7 @@ def ensemble_command(name, synthetic_task, rms, root, run_name, extra=()):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_two_reward_models_log_each_score_and_resume_like_an_uninterrupted_run(name, synthetic_task, two_reward_models,
                                                                              tmp_path):
