@@ -388,7 +388,7 @@ def shape_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coe
         for column, moments in enumerate(reward_moments):
             moments.update(gather(scores[:, column]))
         scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
-    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,)
+    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) J2: several reward models, one score
     if args.ppo.reward_clip is not None:
         scores = torch.clamp(scores, -args.ppo.reward_clip, args.ppo.reward_clip)
     # 6. per-token KL penalty and the score at the EOS; everything after the EOS is masked

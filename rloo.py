@@ -336,7 +336,7 @@ def sequence_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_
         for column, moments in enumerate(reward_moments):
             moments.update(gather(scores[:, column]))
         scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
-    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,)
+    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) J2: several reward models, one score
     if args.rloo.reward_clip is not None:
         scores = torch.clamp(scores, -args.rloo.reward_clip, args.rloo.reward_clip)
     # 6. the score minus the KL penalty summed over the kept tokens; 7. leave-one-out advantages
