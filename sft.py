@@ -25,6 +25,8 @@ After a crash:          the same command with --resume: it continues from the la
                         exactly like an uninterrupted run (--checkpoint_every sets how often).
 """
 
+import atexit
+import glob
 import json
 import os
 import shutil
@@ -34,6 +36,7 @@ from typing import Literal, Optional
 
 import numpy as np
 import pandas as pd
+import psutil
 import pyarrow
 import pyarrow.compute
 import torch
@@ -607,9 +610,9 @@ def write_sft_samples(run, args, split: str, prefix: str, step: int, final: bool
     if final:
         run.save_table(df, f"samples{suffix}.csv")
     table = df.head(args.num_table_samples)[["query", "response", "reference"]]
-    run.log_text(f"{prefix}/samples", frame_markdown(table), step)
     if not run.main:
         return
+    run.writer.add_text(f"{prefix}/samples", frame_markdown(table), step)  # TensorBoard's text tab
     if args.track:
         import wandb
 
@@ -744,64 +747,66 @@ class Run:
         run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
         state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
         run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
-        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track)
+        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track); run.writer
         run.save_table(frame, "samples.csv")  # a CSV in the run folder
         run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files
         run.finish(summary)                   # summary.json; marks --output_dir complete, last
-
     `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
     (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
 
     def __init__(self, args, accelerator):
-        self.args, self.accelerator, self.main = args, accelerator, accelerator.is_main_process
-        root = args.run_dir_root
-        if args.run_name is None and args.resume:  # the newest run of this experiment and seed with a checkpoint
-            prefix = f"{args.exp_name}__{args.seed}__"
-            runs = [d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith(prefix)
-                    and os.path.isdir(os.path.join(root, d, "checkpoints"))]
+        self.args, self.accelerator, self.main, root = args, accelerator, accelerator.is_main_process, args.run_dir_root
+        if args.run_name is None and args.resume:  # the run of this experiment and seed whose checkpoints are newest
+            runs = glob.glob(os.path.join(root, f"{args.exp_name}__{args.seed}__*", "checkpoints"))
             if not runs:
-                raise ValueError(f"--resume: no run {root}/{prefix}* has a checkpoint; pass --run_name of the run to resume")
-            args.run_name = max(runs, key=lambda d: os.path.getmtime(os.path.join(root, d)))
-        name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
-        broadcast_object_list(name)  # the clocks of the processes may disagree on the second
-        args.run_name = name[0]
+                raise ValueError(f"--resume: no run {root}/{args.exp_name}__{args.seed}__* has a checkpoint; pass --run_name")
+            args.run_name = os.path.basename(os.path.dirname(max(runs, key=os.path.getmtime)))
+        # one name for all processes: their clocks may disagree on the second
+        args.run_name = broadcast_object_list([args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
         self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
-        self.lock = os.path.join(self.dir, "run.lock")
-        if self.main:  # one live run per folder: a second run into it stops here, naming the holder
+        self.stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)  # None: no DeepSpeed
+        self.checkpoints, self.lock = os.path.join(self.dir, "checkpoints"), os.path.join(self.dir, "run.lock")
+        if self.main:  # one live run per folder: the lock holds its host and pid; a dead run's lock is taken over
             os.makedirs(self.dir, exist_ok=True)
-            take_lock(self.lock)
+            me = {"host": os.uname().nodename, "pid": os.getpid()}
+            holder = json.load(open(self.lock)) if os.path.exists(self.lock) else None
+            if holder and (holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"]))):
+                raise RuntimeError(f"{self.dir} is in use by the run of process {holder['pid']} on {holder['host']} "
+                                   f"({self.lock}); wait for it to end, or pass another --run_name")
+            with open(self.lock, "w" if holder else "x") as f:  # "x" creates it exclusively: of two runs at once, one fails
+                json.dump(me, f)
         self.resume_from = self.intact_checkpoint() if args.resume else None
+
+    def saved(self) -> list:  # the completed checkpoints, oldest first (a killed save never got its name update_N)
+        return sorted(glob.glob(os.path.join(self.checkpoints, "update_*")))
 
     def intact_checkpoint(self) -> str:
         """--resume: the newest checkpoint whose files all match its manifest (sizes included, RNG states too),
         written by as many processes and the same DeepSpeed stage as this run; checked before any model loads."""
-        root, stage = os.path.join(self.dir, "checkpoints"), getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
-        names = sorted((d for d in os.listdir(root) if d.startswith("update_")), reverse=True) if os.path.isdir(root) else []
-        for path in (os.path.join(root, name) for name in names):
+        root, saved = self.checkpoints, self.saved()
+        for path in reversed(saved):
             try:
                 manifest = json.load(open(os.path.join(path, "manifest.json")))
-                sizes = {os.path.join(path, f): (os.path.getsize(os.path.join(path, f)), n) for f, n in manifest["files"].items()}
-                problem = next((f"{f} has {got} bytes, not {n}" for f, (got, n) in sizes.items() if got != n), None)
-            except FileNotFoundError as error:
-                problem = f"{error.filename} is missing"
-            except (OSError, ValueError, KeyError) as error:
-                problem = f"{os.path.join(path, 'manifest.json')} is unreadable ({error!r})"
+                problem = next((f"{os.path.join(path, f)} has {os.path.getsize(os.path.join(path, f))} bytes, not {n}"
+                                for f, n in manifest["files"].items() if os.path.getsize(os.path.join(path, f)) != n), None)
+            except (OSError, ValueError, KeyError) as error:  # a missing file, or a manifest that is not one
+                missing = isinstance(error, FileNotFoundError)
+                problem = f"{error.filename} is missing" if missing else f"{path}/manifest.json is unreadable ({error!r})"
             if problem is None:
                 break
             self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
         else:
-            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if names else ""))
+            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if saved else ""))
         for stale in (d for d in os.listdir(root) if d.startswith(".tmp_") and self.main):  # of killed or failed saves
             shutil.rmtree(os.path.join(root, stale))
-        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, stage)
+        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, self.stage)
         if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
             raise ValueError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
                              f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
         return path
 
     def claim_output_dir(self) -> None:
-        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not yet
-        complete). A resumed run finds its own mark and goes on."""
+        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not complete)."""
         out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
         if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
             owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
@@ -816,40 +821,45 @@ class Run:
             json.dump({"run_name": self.args.run_name}, open(mark, "w"))
 
     def start(self, state: dict, **shape) -> dict:
-        """Returns the trainer state to go on from: the checkpoint's with --resume, else `state`. A resumed run
-        drops what the interrupted run logged after its checkpoint, so its logs match an uninterrupted run's."""
-        self.shape = shape
+        """The trainer state to go on from (the checkpoint's with --resume, else `state`); opens the logs."""
+        self.shape, resumed_at = shape, 0
         if self.resume_from:
             state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
-            found = {key: state.get(key) for key in shape}
-            if found != shape:
-                raise ValueError(f"--resume: the checkpoint belongs to a run with {found}, these flags give {shape}; "
-                                 "resume with the flags of the original run")
+            if {key: state.get(key) for key in shape} != shape:
+                raise ValueError(f"--resume: the checkpoint belongs to a run with {({k: state.get(k) for k in shape})}, "
+                                 f"these flags give {shape}; resume with the flags of the original run")
             self.accelerator.load_state(self.resume_from)
             self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
-        elif self.main and os.path.isdir(os.path.join(self.dir, "checkpoints")):
-            shutil.rmtree(os.path.join(self.dir, "checkpoints"))  # a fresh run of the same name starts over
+            resumed_at = state["update"]
+        elif self.main:
+            shutil.rmtree(self.checkpoints, ignore_errors=True)  # a fresh run of the same name starts over
         if self.main:
-            resumed_at = state["update"] if self.resume_from else 0
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
             config = asdict(self.args)  # with the derived fields filled in
             json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
             if self.args.track:
-                import wandb
-
+                import wandb  # only with --track; it mirrors TensorBoard
                 wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
                            config=config, name=self.args.run_name, save_code=True)
             self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-                f"|{key}|{value}|" for key, value in config.items()))
-            metrics = os.path.join(self.dir, "metrics.jsonl")
-            kept = [line for line in open(metrics) if line.strip() and json.loads(line)["step"] <= resumed_at
-                    ] if resumed_at and os.path.exists(metrics) else []
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
+            metrics, kept = os.path.join(self.dir, "metrics.jsonl"), []
+            if resumed_at and os.path.exists(metrics):  # what was logged after the checkpoint goes: logs as if never cut
+                kept = [line for line in open(metrics) if json.loads(line)["step"] <= resumed_at]
             open(metrics, "w").writelines(kept)
         return state
 
     def guard(self, update: int, **quantities: torch.Tensor) -> None:
-        check_finite(self.accelerator, update, **quantities)
+        """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
+        raise together). Called before the optimizer step that would use it: the weights on hand are the last good."""
+        flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+        flags = self.accelerator.reduce(flags.to(self.accelerator.device), reduction="sum")
+        bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+        if bad:
+            raise NonFiniteError(
+                f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+                "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+                "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
 
     def log(self, step: int, metrics: dict) -> None:
         if self.main:
@@ -858,20 +868,14 @@ class Run:
             with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
 
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        if self.main:
-            self.writer.add_text(tag, text, step)
-
     def save_table(self, frame, name: str) -> None:
         if self.main:
             frame.to_csv(os.path.join(self.dir, name), index=False)
 
     def checkpoint(self, update: int, state: dict) -> str:
-        """Save what a resumed run needs after `update` (called on every process). Atomic: it is written to a
-        hidden temporary folder, its manifest (files and sizes) last, and renamed to update_N when complete, so a
-        kill during the save leaves the previous checkpoint as the newest. A full disk leaves no folder behind."""
-        root = os.path.join(self.dir, "checkpoints")
-        final, temporary = os.path.join(root, f"update_{update:06d}"), os.path.join(root, f".tmp_update_{update:06d}")
+        """Save what a resumed run needs after `update` (on every process). Atomic: written to a temporary folder, its
+        manifest (files and sizes) last, then renamed to update_N, so a killed or failed save leaves the previous one."""
+        final, temporary = (os.path.join(self.checkpoints, f"{p}update_{update:06d}") for p in ("", ".tmp_"))
         self.accelerator.wait_for_everyone()
         try:  # (a temporary folder of a killed save is removed by the --resume that follows it)
             self.accelerator.save_state(temporary)
@@ -880,103 +884,55 @@ class Run:
                 json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
                 files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
                          for d, _, names in os.walk(temporary) for f in names}
-                stage = getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None)
-                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": stage},
+                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": self.stage},
                           open(os.path.join(temporary, "manifest.json"), "w"))
-        except Exception as error:  # a full disk surfaces as OSError, SafetensorError or a torch writer error
-            if getattr(error, "errno", None) != 28 and shutil.disk_usage(self.dir).free > 2**24:
-                raise
-            shutil.rmtree(temporary, ignore_errors=True)
-            last = self.latest_checkpoint()
-            need = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs) if last else 0
-            raise OSError(28, f"no space left on the device while saving the checkpoint of update {update} to {root}; "
-                              + (f"it needs about {need / 2**20:.1f} MiB (the size of {last}, still the newest)" if last
-                                 else "no checkpoint was saved before") + ". Free space, then --resume") from error
+        except Exception as error:  # e.g. a full disk: an OSError, a SafetensorError or a torch writer error
+            shutil.rmtree(temporary, ignore_errors=True)  # a failed save leaves no half-written folder behind
+            error.add_note(f"while saving the checkpoint of update {update} to {self.checkpoints}: the newest one is still "
+                           f"{self.latest_checkpoint()}. Free space if the disk is full, then --resume")
+            raise
         if self.main:
-            if os.path.isdir(final):
-                shutil.rmtree(final)
+            shutil.rmtree(final, ignore_errors=True)
             os.replace(temporary, final)
-            for name in sorted(d for d in os.listdir(root) if d.startswith("update_"))[:-self.args.checkpoint_keep]:
-                shutil.rmtree(os.path.join(root, name))  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+            for old in self.saved()[:-self.args.checkpoint_keep]:  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+                shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         return final
 
     def latest_checkpoint(self) -> Optional[str]:
-        """The newest checkpoint folder, or None (a killed save never got its final name)."""
-        root = os.path.join(self.dir, "checkpoints")
-        done = sorted(d for d in os.listdir(root) if d.startswith("update_")) if os.path.isdir(root) else []
-        return os.path.join(root, done[-1]) if done else None
+        return (self.saved() or [None])[-1]
 
     def finish(self, summary: dict) -> None:
         """summary.json, then the mark that --output_dir is complete (written last: a folder without it is not)."""
         if self.main:
             json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
-            self.writer.close()
-            if self.args.track:
-                import wandb
-
-                wandb.finish()
+            self.writer.close()  # (a W&B run ends with the process)
             json.dump({"run_name": self.args.run_name, "complete": True},
                       open(os.path.join(self.args.output_dir, "run.json"), "w"))
             os.remove(self.lock)
 
 
 class NonFiniteError(RuntimeError):
-    """A loss, reward, advantage or gradient norm became NaN or inf (raised by check_finite)."""
-
-
-def check_finite(accelerator, update: int, **quantities: torch.Tensor) -> None:
-    """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
-    raise together). Called before the optimizer step that would use it: the weights on hand are the last good ones."""
-    flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
-    flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum")
-    bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
-    if bad:
-        raise NonFiniteError(
-            f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
-            "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
-            "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
-
-
-def take_lock(path: str) -> None:
-    """One live run per folder: the lock file `path` holds the host and process id of its run. A lock whose process
-    is gone (a run killed on this host) is stale and taken over; a live holder stops this run."""
-    import psutil
-
-    me = {"host": os.uname().nodename, "pid": os.getpid()}
-    if os.path.exists(path):
-        holder = json.load(open(path))
-        if holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"])):
-            raise RuntimeError(f"{os.path.dirname(path)} is in use by the run of process {holder['pid']} on "
-                               f"{holder['host']} ({path}); wait for it to end, or pass another --run_name")
-        os.remove(path)
-    with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:  # two runs at once: one fails here
-        json.dump(me, f)
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by Run.guard)."""
 
 
 def start_processes() -> PartialState:
-    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate
-    picks a backend by itself only for GPUs, so on the CPU we name it: gloo (plain `torchrun` ranks, or DeepSpeed
-    with DS_ACCELERATOR=cpu)."""
-    import atexit
-
+    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate picks a
+    backend by itself only for GPUs; on the CPU we name gloo (`torchrun` ranks, or DeepSpeed with DS_ACCELERATOR=cpu)."""
     atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
     if torch.cuda.is_available():
         return PartialState()
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        return PartialState(backend="gloo")
-    return PartialState(cpu=True)
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return PartialState(backend="gloo") if deepspeed else PartialState(cpu=True)
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) state what the script does where accelerate would fill
-    DeepSpeed's "auto" values otherwise: the micro batch per process, and no gradient clipping (the paper clips
-    none; accelerate's "auto" clips at 1.0)."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None:
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-            plugin.deepspeed_config["gradient_clipping"] = 0.0
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
+    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
+    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
+    if config is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
 
 
 if __name__ == "__main__":

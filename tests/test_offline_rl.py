@@ -141,7 +141,8 @@ def test_the_gradient_of_an_update_does_not_depend_on_the_micro_batch_size():
         prepared, optimizer = accelerator.prepare(model, optimizer)
         prepared.train()
         args = SimpleNamespace(local_micro_batch_size=micro_batch_size, gradient_accumulation_steps=8 // micro_batch_size)
-        run = SimpleNamespace(guard=lambda update, **quantities: offline_rl.check_finite(accelerator, update, **quantities))
+        run = SimpleNamespace(accelerator=accelerator)
+        run.guard = lambda update, **quantities: offline_rl.Run.guard(run, update, **quantities)
         loss, tokens = offline_rl.train_update(args, accelerator, prepared, optimizer, run, 1, queries, responses, rows,
                                                weights, PAD)
         return loss, tokens, {name: p.detach().clone() for name, p in accelerator.unwrap_model(prepared).named_parameters()}

@@ -253,11 +253,10 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_leaves_nothing_behind(sy
                             timeout=300)
     assert result.returncode != 0
     checkpoints = tmp_path / "runs" / "full_disk" / "checkpoints"
-    need = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(checkpoints / "update_000003") for f in fs)
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"OSError: [Errno 28] no space left on the device while saving the checkpoint of update 6 to {checkpoints}; "
-        f"it needs about {need / 2**20:.1f} MiB (the size of {checkpoints / 'update_000003'}, still the newest). "
-        "Free space, then --resume")
+    assert result.stderr.strip().splitlines()[-2:] == [
+        "OSError: [Errno 28] No space left on device",
+        f"while saving the checkpoint of update 6 to {checkpoints}: the newest one is still "
+        f"{checkpoints / 'update_000003'}. Free space if the disk is full, then --resume"]
     assert os.listdir(checkpoints) == ["update_000003"]  # no temporary folder filling the disk
     assert json.load(open(tmp_path / "model_full_disk" / "run.json")) == {"run_name": "full_disk"}  # not complete
     run_ok([sys.executable, SFT, *args, "--resume"], cwd=tmp_path, env=ENV)
