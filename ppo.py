@@ -61,7 +61,7 @@ class PpoHParams:
     num_ppo_epochs: int = 4
     """K: PPO epochs over each rollout batch (Table 7)"""
     num_mini_batches: int = 1
-    """N_mb: minibatches per PPO epoch (Table 7); each is one optimizer step"""
+    """N_mb: minibatches per epoch (Table 7); each is one optimizer step"""
     cliprange: float = 0.2
     """epsilon: policy ratio clipping (Table 7)"""
     cliprange_value: float = 0.2
@@ -79,9 +79,8 @@ class PpoHParams:
     whiten_advantages: bool = True
     """Detail 25: whiten the advantages of each rollout batch"""
     whiten_across_processes: bool = True
-    """Details 24-25: the whitening mean and variance are those of the whole rollout batch over every process,
-    so N processes whiten exactly as one process would. Off: each process whitens its own share, as the
-    reference implementation did (its statistics then depend on the number of GPUs)"""
+    """Details 24-25: whiten with the mean and variance of the whole rollout batch over every process (N processes
+    whiten as one would); off: each process its own share, as the reference code did"""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """per-token KL estimate in the penalty: k1 = log p - log p_ref (paper); k3 = r - 1 - log r, r = p_ref / p"""
     adaptive_kl: bool = False
@@ -97,9 +96,8 @@ class PpoHParams:
     ptx_coef: float = 0.0
     """PPO-ptx (InstructGPT, OpenRLHF): add ptx_coef x the SFT loss on reference summaries; 0 = off"""
     freeze_actor_updates: int = 0
-    """OpenRLHF: for the first N updates only the critic learns; the actor takes no optimizer step, so its AdamW
-    state is untouched when it starts learning (under DeepSpeed: actor lr 0 and policy loss 0, its AdamW state
-    counting the frozen steps)"""
+    """OpenRLHF: for the first N updates only the critic learns; the actor takes no optimizer step (under DeepSpeed:
+    actor lr 0 and policy loss 0, its AdamW counting the frozen steps)"""
 
 
 @dataclass
@@ -192,7 +190,7 @@ class Args:
     scheduler: Literal["linear", "constant"] = "linear"
     """learning-rate schedule over updates (Table 7: linear decay to 0)"""
     disable_dropout: bool = True
-    """Detail 7: no dropout in policy, reference, critic and RM, so that the first PPO ratio is exactly 1"""
+    """Detail 7: no dropout in any model (policy, reference, RM, a critic), so that the first ratio is exactly 1"""
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
@@ -223,7 +221,7 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# PPO pieces (module-level so that tests can check each one against a hand computation)
+# The algorithm's pieces (module-level so that tests can check each one against a hand computation)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -283,13 +281,10 @@ def per_token_rewards(scores, kl, mask, last_index, kl_coef):
     token (the EOS, or the last token when there is none); zero after the EOS."""
     non_score_reward = -kl_coef * kl * mask
     rewards = non_score_reward.clone()
-    # Detail 22 / Figure 11: the score is the reward of the EOS action, the episode's last; the state after it
-    # is terminal (compute_gae masks its value to 0), so the critic's reading at the EOS itself is never used.
-    # The reference's final ppo.py puts the score one position later (EOS+1, the first [PAD]; the EOS when it
-    # is the last token) and keeps and trains V(EOS+1), the critic's reading at the EOS. We follow Figure 11:
-    # [PAD] is not an action, and nothing comes after the last one. At initialisation V(EOS+1) is the score
-    # (the critic is the RM), so both give the same advantages; later, with gamma 1, they differ at the EOS
-    # by (1 - lam) * (V(EOS+1) - score).
+    # Detail 22 / Figure 11: the score is the reward of the EOS action, the episode's last; the state after it is
+    # terminal (compute_gae masks its value to 0). Unlike the reference code, which puts the score one position later
+    # (the first [PAD]) and trains V there, we follow Figure 11: [PAD] is not an action. At initialisation (critic =
+    # RM) both give the same advantages; later, with gamma 1, they differ at the EOS by (1 - lam)(V(EOS+1) - score).
     rewards[torch.arange(rewards.size(0), device=rewards.device), last_index] += scores
     return rewards, non_score_reward
 
@@ -339,8 +334,8 @@ def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, return
 
 
 class PolicyAndValue(nn.Module):
-    """Policy and critic in one module, so that one `accelerator.prepare` (DDP / DeepSpeed) and one
-    optimizer hold both, and one forward serves the PPO loss (and the ptx loss)."""
+    """Policy and critic in one module, so that one `accelerator.prepare` (DDP / DeepSpeed) and one optimizer hold
+    both, and one forward serves the PPO loss (and the ptx loss). critic None: a method without one (rloo.py)."""
 
     def __init__(self, policy: nn.Module, critic: nn.Module):
         super().__init__()
@@ -349,7 +344,7 @@ class PolicyAndValue(nn.Module):
 
     def forward(self, query_responses: torch.Tensor, pad_token_id: int, context_length: int, ptx_query_responses=None):
         logits = forward(self.policy, query_responses, pad_token_id).logits  # (B, T, V)
-        values, _, _ = get_reward(self.critic, query_responses, pad_token_id, context_length)  # (B, T) per-token values
+        values = None if self.critic is None else get_reward(self.critic, query_responses, pad_token_id, context_length)[0]
         ptx_logits = None
         if ptx_query_responses is not None:
             ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id).logits
@@ -411,13 +406,13 @@ def shape_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coe
 
 def policy_value_forward(model, query_responses, context_length: int, temperature: float, pad_token_id: int,
                          ptx_query_responses=None):
-    """The training-time forward: temperature-scaled logprobs of the responses (B, T), the full
-    log-softmax (B, T, V), the values (B, T) of the state before each response token, ptx logits."""
-    logits, full_values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses)
+    """The training-time forward: temperature-scaled logprobs of the responses (B, T), the full log-softmax
+    (B, T, V), the critic's values (B, T) of the state before each response token (None without one), ptx logits."""
+    logits, values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses)
     new_logprobs, all_logprobs = action_logprobs(
         logits[:, context_length - 1 : -1], query_responses[:, context_length:], temperature, pad_token_id
     )
-    return new_logprobs, all_logprobs, full_values[:, context_length - 1 : -1].float(), ptx_logits
+    return new_logprobs, all_logprobs, None if values is None else values[:, context_length - 1 : -1].float(), ptx_logits
 
 
 def reference_logits(ref_policy, policy, query_responses, pad_token_id):
@@ -433,13 +428,14 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             offload_by_hand: bool):
     """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size. Returns the raw
     (untruncated) query_responses, the truncated responses, temperature-scaled logprobs of policy and
-    reference and RM scores (B,) before the EOS trick. offload_by_hand: move the
-    frozen models to the device around each use (--offload, see place_frozen_models)."""
+    reference, RM scores (B, n) before the EOS trick and, with a critic, its values (B, T) of the state before each
+    response token (Detail 22). offload_by_hand: move the frozen models to the device around each use (--offload,
+    see place_frozen_models)."""
     unwrapped = accelerator.unwrap_model(model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
     context_length = queries.size(1)
-    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "scores")}
+    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "scores", "values")}
     for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
         query = queries[start : start + args.local_rollout_forward_batch_size]
         t0 = time.time()
@@ -460,6 +456,9 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
         # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
         truncated = truncate_response(eos_id, pad_id, response)
         score = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
+        if unwrapped.critic is not None:  # the critic reads the raw samples; the EOS ends the episode in compute_gae
+            values = get_reward(unwrapped.critic, query_response, pad_id, context_length)[0]
+            out["values"].append(values[:, context_length - 1 : -1].float())
         timers["generation"] += t1 - t0
         timers["scoring"] += time.time() - t1
         out["query_responses"].append(query_response)
@@ -467,17 +466,7 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
         out["logprobs"].append(logprob)
         out["ref_logprobs"].append(ref_logprob)
         out["scores"].append(score)
-    return {k: torch.cat(v, 0) for k, v in out.items()}
-
-
-@torch.no_grad()
-def critic_values(args, accelerator, model, query_responses, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """The critic's values (B, T_response) of the rollout, V(state before each response token), in chunks of
-    local_rollout_forward_batch_size."""
-    critic, size = accelerator.unwrap_model(model).critic, args.local_rollout_forward_batch_size
-    chunks = [get_reward(critic, query_responses[i : i + size], pad_token_id, context_length)[0]
-              for i in range(0, query_responses.size(0), size)]
-    return torch.cat(chunks, 0)[:, context_length - 1 : -1].float()
+    return {k: torch.cat(v, 0) for k, v in out.items() if v}
 
 
 def trim_micro_batch(query_responses, responses, context_length: int, pad_token_id: int):
@@ -502,8 +491,7 @@ def ppo_update(args, accelerator, model, optimizer, data: dict, shaped, update: 
     K, nmb = args.ppo.num_ppo_epochs, args.ppo.num_mini_batches
     ga = local_batch_size // nmb // micro
     device = accelerator.device
-    names = ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio", "ptx_loss")
-    stats = {name: torch.zeros((K, nmb, ga), device=device) for name in names}
+    stats = {}  # name -> (K, nmb, ga)
     model.train()
     for epoch in range(K):
         permutation = torch.randperm(local_batch_size, device=device)
@@ -518,11 +506,10 @@ def ppo_update(args, accelerator, model, optimizer, data: dict, shaped, update: 
                 new_logprobs, all_logprobs, vpred, ptx_logits = policy_value_forward(
                     model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens
                 )
-                pg_loss, vf_loss, mb_stats = ppo_losses(
-                    new_logprobs, data["logprobs"][idx, :width], shaped.advantages[idx, :width], vpred,
-                    shaped.values[idx, :width], shaped.returns[idx, :width], shaped.mask[idx, :width],
-                    args.ppo.cliprange, args.ppo.cliprange_value,
-                )
+                pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, data["logprobs"][idx, :width],
+                                                        shaped.advantages[idx, :width], vpred, shaped.values[idx, :width],
+                                                        shaped.returns[idx, :width], shaped.mask[idx, :width],
+                                                        args.ppo.cliprange, args.ppo.cliprange_value)
                 ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
                 loss = actor_freeze.policy_loss_weight(update) * pg_loss + args.ppo.vf_coef * vf_loss
                 loss = loss + ptx.coef * ptx_loss
@@ -538,31 +525,18 @@ def ppo_update(args, accelerator, model, optimizer, data: dict, shaped, update: 
                 mb_stats.update(pg_loss=pg_loss.detach(), vf_loss=vf_loss.detach(), ptx_loss=ptx_loss.detach(),
                                 entropy=masked_mean(token_entropy, shaped.mask[idx, :width]))
                 for name, value in mb_stats.items():
-                    stats[name][epoch, mb, micro_index] = value
+                    stats.setdefault(name, torch.zeros((K, nmb, ga), device=device))[epoch, mb, micro_index] = value
     return stats
 
 
-def ppo_metrics(stats: dict, num_eos_tokens: torch.Tensor) -> dict:
-    """The PPO statistics of an update (gathered from every process), averaged over its micro batches."""
-    return {
-        "ppo/policy/approxkl_avg": stats["approxkl"].mean().item(),
-        "ppo/policy/clipfrac_avg": stats["pg_clipfrac"].mean().item(),
-        "ppo/policy/entropy_avg": stats["entropy"].mean().item(),
-        "ppo/loss/policy_avg": stats["pg_loss"].mean().item(),
-        "ppo/loss/value_avg": stats["vf_loss"].mean().item(),
-        "ppo/loss/ptx_avg": stats["ptx_loss"].mean().item(),
-        "ppo/val/clipfrac_avg": stats["vf_clipfrac"].mean().item(),
-        "ppo/val/ratio": stats["ratio"].mean().item(),
-        "ppo/val/ratio_var": stats["ratio"].var(unbiased=False).item(),
-        "ppo/val/num_eos_tokens": num_eos_tokens.item(),
-    }
-
-
 def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, data: dict, shaped, stats: dict,
-                   timers: dict, eos_token_id: int, algorithm_metrics) -> dict:
-    """The update's metrics: rollout sums per episode, the statistics of the update's micro batches (named by
-    `algorithm_metrics`), each averaged over the global batch (gathered across processes), and the shares of the
-    update's time."""
+                   timers: dict, eos_token_id: int, prefix: str) -> dict:
+    """The update's metrics: rollout sums per episode, the statistics of the update's micro batches (under the
+    algorithm's `prefix`, as the reference names them), each averaged over the global batch (gathered across
+    processes), and the shares of the update's time."""
+    names = {"approxkl": "policy/approxkl_avg", "pg_clipfrac": "policy/clipfrac_avg", "entropy": "policy/entropy_avg",
+             "pg_loss": "loss/policy_avg", "vf_loss": "loss/value_avg", "ptx_loss": "loss/ptx_avg",
+             "vf_clipfrac": "val/clipfrac_avg", "ratio": "val/ratio"}  # those a method has (no critic: no vf_*)
     gather = accelerator.gather
     kl_sum, non_score_sum = gather(shaped.kl.sum(1)), gather(shaped.non_score_reward.sum(1))
     entropy_sum, scores = gather((-data["logprobs"] * shaped.mask).sum(1)), gather(shaped.scores)
@@ -580,7 +554,9 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
         **({f"objective/scores_rm{j}": gather(data["scores"][:, j]).mean().item()  # each reward model's raw score
             for j in range(data["scores"].size(1))} if data["scores"].size(1) > 1 else {}),
         "objective/eos_rate": gather(shaped.contains_eos.float()).mean().item(),
-        **algorithm_metrics(stats, num_eos_tokens),
+        **{f"{prefix}/{name}": stats[key].mean().item() for key, name in names.items() if key in stats},
+        f"{prefix}/val/ratio_var": stats["ratio"].var(unbiased=False).item(),
+        f"{prefix}/val/num_eos_tokens": num_eos_tokens.item(),
         "episodes_per_second": args.total_batch_size / timers["wall"],
         "time/generation_share": timers["generation"] / timers["wall"],
         "time/scoring_share": timers["scoring"] / timers["wall"],
@@ -607,7 +583,7 @@ def main(args: Args) -> dict:
     run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
 
     # ---------------- seeding (labelled, deliberate) ----------------
-    set_seed(args.seed)  # weights (fresh critic head) and data order: identical on every rank
+    set_seed(args.seed)  # weights (any fresh head) and data order: identical on every rank
     local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
 
     # ---------------- tokenizer and models ----------------
@@ -644,7 +620,7 @@ def main(args: Args) -> dict:
     generation_config = sampling_config(args, tokenizer, args.temperature)
     eval_generation_config = sampling_config(args, tokenizer, args.eval_temperature)
 
-    # ---------------- stateful PPO pieces and resume ----------------
+    # ---------------- stateful pieces and resume ----------------
     kl_controller = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target_kl, args.ppo.kl_horizon, args.ppo.adaptive_kl)
     reward_moments = [RunningMoments() for _ in args.reward_model_path]  # one per reward model
     # saved and restored with the models, the optimizer and the RNG states. The data position and the learning
@@ -657,7 +633,7 @@ def main(args: Args) -> dict:
                       num_updates=num_updates, total_batch_size=args.total_batch_size)
     start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
     accelerator.print(
-        f"PPO: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} processes x {local_batch_size}); "
+        f"{args.exp_name}: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} processes x {local_batch_size}); "
         f"{args.ppo.num_ppo_epochs} epochs x {args.ppo.num_mini_batches} minibatches x {gradient_accumulation_steps} "
         f"micro batches of {args.local_micro_batch_size}"
     )
@@ -678,10 +654,6 @@ def main(args: Args) -> dict:
             with accelerator.autocast():
                 data = rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config,
                                timers, offload_by_hand)
-                t_values = time.time()  # the critic's values count as scoring time, as the RM's scores do
-                context_length = data["query_responses"].size(1) - data["responses"].size(1)  # after the rollout's trim
-                data["values"] = critic_values(args, accelerator, model, data["query_responses"], pad_id, context_length)
-            timers["scoring"] += time.time() - t_values
 
             # ---------------- steps 5-9: EOS trick, KL penalty, GAE, whitening ----------------
             t_shaping = time.time()
@@ -693,7 +665,7 @@ def main(args: Args) -> dict:
                                  "rollout/advantages": shaped.advantages})
             timers["scoring"] += time.time() - t_shaping
 
-            # ---------------- PPO update: K epochs x minibatches x micro batches ----------------
+            # ---------------- the update: K epochs x minibatches x micro batches ----------------
             t_train = time.time()
             stats = ppo_update(args, accelerator, model, optimizer, data, shaped, update, run, actor_freeze, ptx, pad_id)
             timers["training"] = time.time() - t_train
@@ -701,8 +673,8 @@ def main(args: Args) -> dict:
 
             # ---------------- logging: whole-update averages gathered across ranks ----------------
             metrics = update_metrics(args, accelerator, update, lr, kl_controller.value, data, shaped, stats, timers,
-                                     eos_id, ppo_metrics)
-            kl_controller.update(metrics["objective/kl"], args.total_batch_size)  # no-op without --ppo.adaptive_kl
+                                     eos_id, "ppo")
+            kl_controller.update(metrics["objective/kl"], args.total_batch_size)  # no-op without adaptive_kl
             run.log(update, metrics)
             totals = {key: state["totals"][key] + timers[key] for key in state["totals"]}
             state = {"wall_time_s": time.time() - start_time, "totals": totals, "metrics": metrics}
@@ -756,9 +728,12 @@ def main(args: Args) -> dict:
 
 
 class ActorFreeze:
-    """OpenRLHF (--ppo.freeze_actor_updates N): for the first N updates only the critic learns; with N = 0 every
-    method changes nothing. A frozen update gives the "actor" group of AdamW lr 0 and multiplies the policy loss
-    by 0 (not dropped, so that DDP still sees a gradient for every parameter)."""
+    """OpenRLHF (--ppo.freeze_actor_updates N): for the first N updates only the critic learns (N = 0: no-ops). A
+    frozen update gives the "actor" group of AdamW lr 0 and the policy loss weight 0 (kept, so that DDP sees a
+    gradient for every parameter); after backward the actor's gradients become None, and AdamW skips a parameter
+    without one (no step count, moments or decay), so its first real step is that of a run that never froze. Under
+    DeepSpeed the engine steps inside backward on its own weights: lr 0 and the zero gradient keep them, while its
+    AdamW counts the frozen steps."""
 
     def __init__(self, num_frozen_updates: int, actor_params: list, deepspeed: bool):
         self.num_frozen_updates, self.actor_params, self.deepspeed = num_frozen_updates, actor_params, deepspeed
@@ -771,10 +746,6 @@ class ActorFreeze:
         return 0.0 if update <= self.num_frozen_updates else 1.0
 
     def before_step(self, update: int) -> None:
-        """Called after backward: a frozen actor's gradients become None, and AdamW skips a parameter without one
-        (no step count, no moment update, no weight decay), so its first step after the freeze is the step of a
-        run that never froze. Under DeepSpeed the engine has stepped inside accelerator.backward, on its own copy
-        of the weights: there lr 0 and the zero policy gradient keep them, while AdamW counts the frozen steps."""
         if update <= self.num_frozen_updates and not self.deepspeed:
             for param in self.actor_params:
                 param.grad = None

@@ -60,7 +60,7 @@ class RlooHParams:
     """K: epochs over each rollout batch; 1 with one minibatch uses each response once, on-policy, as the paper
     does; more reuse it under the clipped ratio of rloo_loss (TRL's RLOO trainer makes 4)"""
     num_mini_batches: int = 1
-    """N_mb: minibatches per epoch; each is one optimizer step"""
+    """N_mb: minibatches per epoch (Table 7); each is one optimizer step"""
     cliprange: float = 0.2
     """epsilon: policy ratio clipping (Table 7)"""
     kl_coef: float = 0.05
@@ -172,7 +172,7 @@ class Args:
     scheduler: Literal["linear", "constant"] = "linear"
     """learning-rate schedule over updates (Table 7: linear decay to 0)"""
     disable_dropout: bool = True
-    """Detail 7: no dropout in policy, reference and RM, so that the first ratio is exactly 1"""
+    """Detail 7: no dropout in any model (policy, reference, RM, a critic), so that the first ratio is exactly 1"""
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
@@ -203,7 +203,7 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# RLOO pieces (module-level so that tests can check each one against a hand computation)
+# The algorithm's pieces (module-level so that tests can check each one against a hand computation)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -291,19 +291,22 @@ def rloo_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
     return clipped_policy_loss(log_ratio, advantages, torch.ones_like(log_ratio), cliprange)
 
 
-class PolicyModel(nn.Module):
-    """The policy in a module of its own, so that one forward serves the RLOO loss and the ptx loss."""
+class PolicyAndValue(nn.Module):
+    """Policy and critic in one module, so that one `accelerator.prepare` (DDP / DeepSpeed) and one optimizer hold
+    both, and one forward serves the PPO loss (and the ptx loss). critic None: a method without one (rloo.py)."""
 
-    def __init__(self, policy: nn.Module):
+    def __init__(self, policy: nn.Module, critic: nn.Module):
         super().__init__()
         self.policy = policy
+        self.critic = critic
 
-    def forward(self, query_responses: torch.Tensor, pad_token_id: int, ptx_query_responses=None):
+    def forward(self, query_responses: torch.Tensor, pad_token_id: int, context_length: int, ptx_query_responses=None):
         logits = forward(self.policy, query_responses, pad_token_id).logits  # (B, T, V)
+        values = None if self.critic is None else get_reward(self.critic, query_responses, pad_token_id, context_length)[0]
         ptx_logits = None
         if ptx_query_responses is not None:
             ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id).logits
-        return logits, ptx_logits
+        return logits, values, ptx_logits
 
     def policy_state_dict(self, state_dict: dict) -> dict:
         """The policy's entries of a state dict of this module (e.g. the one accelerate gathers from ZeRO-3
@@ -312,7 +315,7 @@ class PolicyModel(nn.Module):
 
 
 @dataclass
-class SequenceRewards:
+class ShapedRewards:
     """Steps 5-7 for a local rollout batch of B episodes; each (B, T) tensor is 0 after the EOS."""
 
     mask: torch.Tensor  # (B, T) response tokens up to and including the EOS
@@ -325,7 +328,7 @@ class SequenceRewards:
     advantages: torch.Tensor  # (B,)
 
 
-def sequence_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coef: float, reward_moments, gather):
+def shape_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coef: float, reward_moments, gather):
     """Steps 5-7 on a local rollout batch: mask after the EOS, EOS trick, optional reward scaling and
     clipping, the sequence reward with its summed KL penalty, the leave-one-out advantages. `gather` collects a
     tensor across ranks (for the running reward statistics)."""
@@ -347,18 +350,18 @@ def sequence_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_
     non_score_reward = -kl_coef * kl
     rewards = scores + non_score_reward.sum(1)
     advantages = rloo_advantages(rewards, args.rloo_k)
-    return SequenceRewards(mask, last_index, scores, contains_eos, kl, non_score_reward, rewards, advantages)
+    return ShapedRewards(mask, last_index, scores, contains_eos, kl, non_score_reward, rewards, advantages)
 
 
-def policy_forward(model, query_responses, context_length: int, temperature: float, pad_token_id: int,
-                   ptx_query_responses=None):
-    """The training-time forward: temperature-scaled logprobs of the responses (B, T), the full
-    log-softmax (B, T, V) and the ptx logits."""
-    logits, ptx_logits = model(query_responses, pad_token_id, ptx_query_responses)
+def policy_value_forward(model, query_responses, context_length: int, temperature: float, pad_token_id: int,
+                         ptx_query_responses=None):
+    """The training-time forward: temperature-scaled logprobs of the responses (B, T), the full log-softmax
+    (B, T, V), the critic's values (B, T) of the state before each response token (None without one), ptx logits."""
+    logits, values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses)
     new_logprobs, all_logprobs = action_logprobs(
         logits[:, context_length - 1 : -1], query_responses[:, context_length:], temperature, pad_token_id
     )
-    return new_logprobs, all_logprobs, ptx_logits
+    return new_logprobs, all_logprobs, None if values is None else values[:, context_length - 1 : -1].float(), ptx_logits
 
 
 def reference_logits(ref_policy, policy, query_responses, pad_token_id):
@@ -374,13 +377,14 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             offload_by_hand: bool):
     """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size. Returns the raw
     (untruncated) query_responses, the truncated responses, temperature-scaled logprobs of policy and
-    reference and RM scores (B,) before the EOS trick. offload_by_hand: move the
-    frozen models to the device around each use (--offload, see place_frozen_models)."""
+    reference, RM scores (B, n) before the EOS trick and, with a critic, its values (B, T) of the state before each
+    response token (Detail 22). offload_by_hand: move the frozen models to the device around each use (--offload,
+    see place_frozen_models)."""
     unwrapped = accelerator.unwrap_model(model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
     context_length = queries.size(1)
-    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "scores")}
+    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "scores", "values")}
     for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
         query = queries[start : start + args.local_rollout_forward_batch_size]
         t0 = time.time()
@@ -401,6 +405,9 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
         # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
         truncated = truncate_response(eos_id, pad_id, response)
         score = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
+        if unwrapped.critic is not None:  # the critic reads the raw samples; the EOS ends the episode in compute_gae
+            values = get_reward(unwrapped.critic, query_response, pad_id, context_length)[0]
+            out["values"].append(values[:, context_length - 1 : -1].float())
         timers["generation"] += t1 - t0
         timers["scoring"] += time.time() - t1
         out["query_responses"].append(query_response)
@@ -408,7 +415,7 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
         out["logprobs"].append(logprob)
         out["ref_logprobs"].append(ref_logprob)
         out["scores"].append(score)
-    return {k: torch.cat(v, 0) for k, v in out.items()}
+    return {k: torch.cat(v, 0) for k, v in out.items() if v}
 
 
 def trim_micro_batch(query_responses, responses, context_length: int, pad_token_id: int):
@@ -433,8 +440,7 @@ def rloo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
     K, nmb = args.rloo.num_ppo_epochs, args.rloo.num_mini_batches
     ga = local_batch_size // nmb // micro
     device = accelerator.device
-    names = ("approxkl", "pg_clipfrac", "pg_loss", "entropy", "ratio", "ptx_loss")
-    stats = {name: torch.zeros((K, nmb, ga), device=device) for name in names}
+    stats = {}  # name -> (K, nmb, ga)
     model.train()
     for epoch in range(K):
         permutation = torch.randperm(local_batch_size, device=device)
@@ -446,7 +452,7 @@ def rloo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
                 query_responses, ctx, width = trim_micro_batch(
                     data["query_responses"][idx], data["responses"][idx], context_length, pad_token_id
                 )
-                new_logprobs, all_logprobs, ptx_logits = policy_forward(
+                new_logprobs, all_logprobs, _, ptx_logits = policy_value_forward(
                     model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens
                 )
                 pg_loss, mb_stats = rloo_loss(new_logprobs, data["logprobs"][idx, :width],
@@ -465,29 +471,18 @@ def rloo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
                 mb_stats.update(pg_loss=pg_loss.detach(), ptx_loss=ptx_loss.detach(),
                                 entropy=masked_mean(token_entropy, shaped.mask[idx, :width]))
                 for name, value in mb_stats.items():
-                    stats[name][epoch, mb, micro_index] = value
+                    stats.setdefault(name, torch.zeros((K, nmb, ga), device=device))[epoch, mb, micro_index] = value
     return stats
 
 
-def rloo_metrics(stats: dict, num_eos_tokens: torch.Tensor) -> dict:
-    """The RLOO statistics of an update (gathered from every process), averaged over its micro batches."""
-    return {
-        "rloo/policy/approxkl_avg": stats["approxkl"].mean().item(),
-        "rloo/policy/clipfrac_avg": stats["pg_clipfrac"].mean().item(),
-        "rloo/policy/entropy_avg": stats["entropy"].mean().item(),
-        "rloo/loss/policy_avg": stats["pg_loss"].mean().item(),
-        "rloo/loss/ptx_avg": stats["ptx_loss"].mean().item(),
-        "rloo/val/ratio": stats["ratio"].mean().item(),
-        "rloo/val/ratio_var": stats["ratio"].var(unbiased=False).item(),
-        "rloo/val/num_eos_tokens": num_eos_tokens.item(),
-    }
-
-
 def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, data: dict, shaped, stats: dict,
-                   timers: dict, eos_token_id: int, algorithm_metrics) -> dict:
-    """The update's metrics: rollout sums per episode, the statistics of the update's micro batches (named by
-    `algorithm_metrics`), each averaged over the global batch (gathered across processes), and the shares of the
-    update's time."""
+                   timers: dict, eos_token_id: int, prefix: str) -> dict:
+    """The update's metrics: rollout sums per episode, the statistics of the update's micro batches (under the
+    algorithm's `prefix`, as the reference names them), each averaged over the global batch (gathered across
+    processes), and the shares of the update's time."""
+    names = {"approxkl": "policy/approxkl_avg", "pg_clipfrac": "policy/clipfrac_avg", "entropy": "policy/entropy_avg",
+             "pg_loss": "loss/policy_avg", "vf_loss": "loss/value_avg", "ptx_loss": "loss/ptx_avg",
+             "vf_clipfrac": "val/clipfrac_avg", "ratio": "val/ratio"}  # those a method has (no critic: no vf_*)
     gather = accelerator.gather
     kl_sum, non_score_sum = gather(shaped.kl.sum(1)), gather(shaped.non_score_reward.sum(1))
     entropy_sum, scores = gather((-data["logprobs"] * shaped.mask).sum(1)), gather(shaped.scores)
@@ -505,7 +500,9 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
         **({f"objective/scores_rm{j}": gather(data["scores"][:, j]).mean().item()  # each reward model's raw score
             for j in range(data["scores"].size(1))} if data["scores"].size(1) > 1 else {}),
         "objective/eos_rate": gather(shaped.contains_eos.float()).mean().item(),
-        **algorithm_metrics(stats, num_eos_tokens),
+        **{f"{prefix}/{name}": stats[key].mean().item() for key, name in names.items() if key in stats},
+        f"{prefix}/val/ratio_var": stats["ratio"].var(unbiased=False).item(),
+        f"{prefix}/val/num_eos_tokens": num_eos_tokens.item(),
         "episodes_per_second": args.total_batch_size / timers["wall"],
         "time/generation_share": timers["generation"] / timers["wall"],
         "time/scoring_share": timers["scoring"] / timers["wall"],
@@ -534,7 +531,7 @@ def main(args: Args) -> dict:
     run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
 
     # ---------------- seeding (labelled, deliberate) ----------------
-    set_seed(args.seed)  # weights and data order: identical on every rank
+    set_seed(args.seed)  # weights (any fresh head) and data order: identical on every rank
     local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
 
     # ---------------- tokenizer and models ----------------
@@ -544,7 +541,7 @@ def main(args: Args) -> dict:
         check_reward_tokenizer(tokenizer, args.sft_model_path, path, args.trust_remote_code)
     # Hydra and LoRA enter here: they decide what the reference policy is (None with LoRA)
     policy, _, reward_models, ref_policy = load_models(args, tokenizer, bf16, critic_path=None)
-    model = PolicyModel(policy)
+    model = PolicyAndValue(policy, critic=None)
     adamw = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
                               weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, adamw)
@@ -565,7 +562,7 @@ def main(args: Args) -> dict:
     generation_config = sampling_config(args, tokenizer, args.temperature)
     eval_generation_config = sampling_config(args, tokenizer, args.eval_temperature)
 
-    # ---------------- stateful RLOO pieces and resume ----------------
+    # ---------------- stateful pieces and resume ----------------
     kl_controller = AdaptiveKLController(args.rloo.kl_coef, args.rloo.target_kl, args.rloo.kl_horizon, args.rloo.adaptive_kl)
     reward_moments = [RunningMoments() for _ in args.reward_model_path]  # one per reward model
     # saved and restored with the models, the optimizer and the RNG states. The data position and the learning
@@ -578,7 +575,7 @@ def main(args: Args) -> dict:
                       num_updates=num_updates, total_batch_size=args.total_batch_size)
     start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
     accelerator.print(
-        f"RLOO: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} processes x {local_batch_size}); "
+        f"{args.exp_name}: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} processes x {local_batch_size}); "
         f"{args.rloo.num_ppo_epochs} epochs x {args.rloo.num_mini_batches} minibatches x {gradient_accumulation_steps} "
         f"micro batches of {args.local_micro_batch_size}"
     )
@@ -603,14 +600,14 @@ def main(args: Args) -> dict:
             # ---------------- steps 5-7: EOS trick, sequence reward, leave-one-out advantage ----------------
             t_shaping = time.time()
             with torch.no_grad():
-                shaped = sequence_rewards(args, data, eos_id, pad_id, kl_controller.value, reward_moments, accelerator.gather)
+                shaped = shape_rewards(args, data, eos_id, pad_id, kl_controller.value, reward_moments, accelerator.gather)
             # non-finite guard on the rollout, before any optimizer step uses it. The raw RM scores are checked
             # themselves: the EOS trick would hide a NaN score of a response without EOS.
             run.guard(update, **{"rollout/rm_scores": data["scores"], "rollout/rewards": shaped.rewards,
                                  "rollout/advantages": shaped.advantages})
             timers["scoring"] += time.time() - t_shaping
 
-            # ---------------- RLOO update: K epochs x minibatches x micro batches ----------------
+            # ---------------- the update: K epochs x minibatches x micro batches ----------------
             t_train = time.time()
             stats = rloo_update(args, accelerator, model, optimizer, data, shaped, update, run, ptx, pad_id)
             timers["training"] = time.time() - t_train
@@ -618,8 +615,8 @@ def main(args: Args) -> dict:
 
             # ---------------- logging: whole-update averages gathered across ranks ----------------
             metrics = update_metrics(args, accelerator, update, lr, kl_controller.value, data, shaped, stats, timers,
-                                     eos_id, rloo_metrics)
-            kl_controller.update(metrics["objective/kl"], args.total_batch_size)  # no-op without --rloo.adaptive_kl
+                                     eos_id, "rloo")
+            kl_controller.update(metrics["objective/kl"], args.total_batch_size)  # no-op without adaptive_kl
             run.log(update, metrics)
             totals = {key: state["totals"][key] + timers[key] for key in state["totals"]}
             state = {"wall_time_s": time.time() - start_time, "totals": totals, "metrics": metrics}

@@ -216,9 +216,7 @@ def tiny_rollout(accelerator, policy, critic, reward_model, ref_policy, length=6
     tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
     model.eval()
     data = ppo.rollout(args, accelerator, model, ref_policy, [reward_model], queries, tok, fixed_config(length), timers,
-                       offload_by_hand=False)
-    context_length = data["query_responses"].size(1) - data["responses"].size(1)
-    data["values"] = ppo.critic_values(args, accelerator, model, data["query_responses"], PAD, context_length)
+                       offload_by_hand=False)  # with a critic, the rollout holds its values too (Detail 22)
     return model, queries, data
 
 

@@ -51,7 +51,7 @@ def test_each_reward_model_is_scaled_by_its_own_statistics_before_the_rule(name)
     args = module.Args(reward_model_path=["a", "b"], reward_combine="mean")
     getattr(args, name).scale_rewards = True
     moments = [module.RunningMoments(), module.RunningMoments()]
-    shape = module.shape_rewards if name == "ppo" else module.sequence_rewards
+    shape = module.shape_rewards
     out = shape(args, data, EOS, PAD, 0.05, moments, lambda x: x)
     # the EOS trick first (every model's score of an unfinished response is the penalty), then each column's own std
     tricked = data["scores"].clone()

@@ -8,8 +8,9 @@ from collections import defaultdict
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py", "judge.py", "rloo.py"]
-# Names that legitimately differ per script: each script has its own arguments and entry point.
-PER_SCRIPT = {"Args", "main"}
+# Names that legitimately differ per script: each script has its own arguments and entry point, and a fork keeps the
+# name of the algorithm step it replaces (rloo.py's reward shaping is RLOO's, under ppo.py's name).
+PER_SCRIPT = {"Args", "main", "shape_rewards", "ShapedRewards"}
 
 
 def top_level_definitions(path: str) -> dict:
