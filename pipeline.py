@@ -4,6 +4,7 @@
     python pipeline.py --mode full     # adds ILQL and the four offline methods, on seeds 1 2 3
     python pipeline.py --mode ci       # a minimal run that checks every artefact is produced
     python pipeline.py --force ppo     # rerun one stage (and nothing else)
+    python pipeline.py --kto           # adds KTO (kto.py) on the pairs and on the raters' thumbs up / down
 
 Stages run the top-level scripts as subprocesses, exactly as a user would type them (each command is
 printed). A stage that finished leaves `<out>/stages/<name>.json`; it is skipped on the next run while its
@@ -56,6 +57,10 @@ class Args:
     all). Empty: --seed alone in quickstart and ci modes, 1 2 3 in full mode"""
     threads: int = 0
     """torch threads per stage (0 = all cores)"""
+    kto: bool = False
+    """also run KTO (kto.py): stage `unpaired` gives every compared summary of the task a thumb up or down from its
+    raters (data/prepare.py --unpaired_only), stage `kto` trains on the preference pairs as DPO does, `kto_unpaired`
+    on the thumbs; both are judged and reported with the other policies"""
 
 
 def flags_with(base: list[str], overrides: dict) -> list[str]:
@@ -115,6 +120,14 @@ SETTINGS = {
         "offline_best_of_n": OFFLINE + ["--n", "4", "--bon_num_prompts", "800", "--bon_temperature", "0.7"],
     },
 }
+# KTO (--kto) on DPO's pairs, with DPO's learning rate and beta: a pair gives two examples (chosen desirable, rejected
+# not), and 1920 of them in batches of 64 are as many responses and updates as DPO's 960 pairs in batches of 32. On
+# the thumbs up / down, as many rated summaries and updates; the raters give few thumbs up (about a third), so
+# lambda_D = 2 puts lambda_D n_D / (lambda_U n_U) inside the KTO paper's [1, 4/3] (kto.py warns otherwise)
+KTO = ["--lr", "3e-4", "--beta", "0.1", "--total_episodes", "1920", "--total_batch_size", "64", "--local_micro_batch_size",
+       "16", "--local_eval_batch_size", "32", "--eval_every", "0", "--num_eval_samples", "200", "--checkpoint_every", "10"]
+SETTINGS["quickstart"]["kto"] = KTO
+SETTINGS["quickstart"]["kto_unpaired"] = KTO + ["--desirable_weight", "2"]
 # full: the same sizes, but PPO runs twice as long, so the over-optimisation curve (RM score up, gold score
 # down) has room to show
 SETTINGS["full"] = {**SETTINGS["quickstart"], "ppo": flags_with(SETTINGS["quickstart"]["ppo"], {"--total_episodes": "3072"})}
@@ -140,13 +153,18 @@ SETTINGS["ci"] = {
     "offline_rwr": OFFLINE_CI,
     "offline_dt": OFFLINE_CI,
     "offline_best_of_n": OFFLINE_CI + ["--n", "2", "--bon_num_prompts", "16"],
+    "kto": ["--lr", "1e-4", "--total_batch_size", "16", "--local_micro_batch_size", "8", "--total_episodes", "32",
+            "--num_eval_samples", "32"],
 }
+SETTINGS["ci"]["kto_unpaired"] = SETTINGS["ci"]["kto"]
 
 QUICKSTART_STAGES = ["prep", "sft", "rm", "ppo", "dpo", "judge", "report"]
 FULL_STAGES = ["prep", "sft", "rm", "ppo", "rloo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt",
                "offline_best_of_n", "judge", "report"]
 # policies whose samples are judged: stage -> (label, samples CSV relative to the run dir)
-POLICY_STAGES = ["sft", "ppo", "rloo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n"]
+POLICY_STAGES = ["sft", "ppo", "rloo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n",
+                 "kto", "kto_unpaired"]
+KTO_STAGES = {"prep": ["unpaired"], "dpo": ["kto", "kto_unpaired"]}  # --kto: the stages that follow these
 
 
 def resolve_seeds(args: Args) -> list[int]:
@@ -173,6 +191,8 @@ class Pipeline:
         stages = FULL_STAGES if args.mode == "full" else QUICKSTART_STAGES
         if args.mode == "ci":
             stages = FULL_STAGES
+        if args.kto:
+            stages = [added for s in stages for added in [s, *KTO_STAGES.get(s, [])]]
         self.stages = [s for s in stages if s not in args.skip and self._script_exists(s)]
 
     def _script_exists(self, stage: str) -> bool:
@@ -181,7 +201,8 @@ class Pipeline:
 
     # ---------------------------------------------------------------- bookkeeping
     def marker(self, stage: str) -> str:
-        return os.path.join(self.shared_stage_dir if stage == "prep" else self.stage_dir, f"{stage}.json")
+        shared = stage in ("prep", "unpaired")  # the task's data: one for every seed
+        return os.path.join(self.shared_stage_dir if shared else self.stage_dir, f"{stage}.json")
 
     def done(self, stage: str) -> bool:
         """A stage is done when it left its marker and its outputs are complete (see incomplete), unless forced."""
@@ -200,6 +221,10 @@ class Pipeline:
             if os.path.exists(os.path.join(self.data, "task.json")):
                 return None
             return f"{self.data} is incomplete: it has no task.json (written last by data/prepare.py)"
+        if stage == "unpaired":
+            if os.path.exists(os.path.join(self.data, "unpaired_summary.json")):
+                return None
+            return f"{self.data} has no unpaired feedback (unpaired_summary.json, written last by data/prepare.py)"
         from report import missing_completion_mark
 
         return missing_completion_mark(os.path.join(self.models, stage))
@@ -257,6 +282,19 @@ class Pipeline:
                        "--preference_dataset", f"{self.data}/preference", "--query_dataset", f"{self.data}/sft",
                        "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/dpo",
                        *self.settings["dpo"])
+
+    def cmd_unpaired(self) -> list[str]:
+        return self.py("data/prepare.py", "--task", "synthetic", "--output_dir", self.data, "--seed", str(self.data_seed),
+                       "--unpaired_only")
+
+    def cmd_kto(self, stage: str = "kto", feedback: str = "pairs") -> list[str]:
+        return self.py("kto.py", *self.common(stage), "--feedback", feedback, "--sft_model_path", f"{self.models}/sft",
+                       "--preference_dataset", f"{self.data}/preference", "--unpaired_dataset", f"{self.data}/unpaired",
+                       "--query_dataset", f"{self.data}/sft", "--response_length", str(TASK["sft_response_length"]),
+                       "--output_dir", f"{self.models}/{stage}", *self.settings[stage])
+
+    def cmd_kto_unpaired(self) -> list[str]:
+        return self.cmd_kto("kto_unpaired", "unpaired")
 
     def cmd_ilql(self) -> list[str]:
         # trlX trained ILQL from the base model (see ilql.py --init_from); the settings say which one starts here

@@ -184,6 +184,10 @@ class Args:
     """LoRA rank of the policy adapters (peft); the reference is the policy with adapters disabled; 0 = off"""
     lora_alpha: float = 16.0
     """LoRA scaling alpha (read only when --lora_rank > 0)"""
+    load_in_4bit: bool = False
+    """QLoRA: the frozen base of the policy in 4-bit NF4 with double quantization (bitsandbytes), LoRA adapters trained
+    on top; needs --lora_rank. The settings are the QLoRA paper's (Dettmers et al. 2023); each 4-bit layer computes in
+    the run's dtype (bf16 with --bf16, else float32), and the saved model has the adapters merged in float32"""
     offload: bool = False
     """keep the reference and reward models on CPU between uses (GPU runs; with ZeRO-3, DeepSpeed param offload)"""
 
@@ -526,6 +530,7 @@ def main(args: Args) -> dict:
     deepspeed_plugin = accelerator.state.deepspeed_plugin
     zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
     check_flags(args, num_processes, args.rloo.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
+    check_qlora_flags(args, accelerator)
     if args.rloo_k < 2 or local_batch_size % args.rloo_k:  # each process holds whole groups of rloo_k responses
         raise ValueError(f"--rloo_k {args.rloo_k} must be at least 2 and divide the local batch {local_batch_size}")
     run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
@@ -989,6 +994,109 @@ def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
     )
 
 
+def quantized_loading(args, bf16: bool) -> dict:
+    """The policy's extra from_pretrained arguments: none without --load_in_4bit (the model loads as it always did);
+    with it, the QLoRA base, quantized as it loads and placed on this process's device (every data-parallel
+    process holds its own copy). bf16: whether the run computes in bf16 (--bf16)."""
+    if not args.load_in_4bit:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    # QLoRA: the settings of Dettmers et al. (2023). The frozen weights of every linear layer stored in 4-bit
+    # NormalFloat (NF4), their per-block scales quantized a second time (double quantization), each layer dequantized
+    # on the fly to the compute dtype, the run's: bf16 with --bf16, else float32. The embeddings, layer norms and
+    # output layer stay unquantized, and the LoRA adapters train in float32 on top
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float32)
+    return {"quantization_config": config, "device_map": {"": PartialState().device}}
+
+
+def lora_policy(model, args):
+    """LoRA (--lora_rank): adapters of rank --lora_rank on every linear layer of the policy (peft), the only weights
+    that train; the base stays frozen (in 4-bit with --load_in_4bit). The reference policy of a LoRA run is this
+    model with its adapters disabled."""
+
+    def load_quant_state(layer, state_dict, prefix, *_):
+        # --resume: a checkpoint holds each 4-bit layer's packed weight and, beside it, its quantization state (block
+        # scales, code book), which bitsandbytes writes but does not read back: taken out here and put in place
+        from bitsandbytes.functional import QuantState
+
+        stored = {key[len(f"{prefix}weight."):]: state_dict.pop(key) for key in list(state_dict)
+                  if key.startswith(f"{prefix}weight.")}
+        if stored:
+            layer.weight.quant_state = layer.quant_state = QuantState.from_dict(stored, device=layer.weight.device)
+
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # a 4-bit layer of bitsandbytes (QLoRA)
+            # On a CPU with AVX-512 BF16, bitsandbytes moves a 4-bit layer to a bf16 inference kernel (with a weight
+            # layout of its own) at its first forward in eval mode without gradients. That kernel computes other
+            # numbers than training does, and a training forward after it fails: every forward keeps the one path
+            # (dequantize to the compute dtype, then multiply)
+            module.support_avx512bf16_for_cpu = False
+            module.register_load_state_dict_pre_hook(load_quant_state)
+    return get_peft_model(
+        model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear")
+    )
+
+
+def merged_policy(policy) -> torch.nn.Module:
+    """A LoRA policy (peft) as the plain transformers model it computes: every adapted layer's weight becomes
+    W + delta, delta = peft's get_delta_weight (B A scaled by alpha / rank), in float32 and CPU memory, with no
+    quantization config, so that the saved folder loads with a plain from_pretrained (judge.py, report.py, the next
+    stage). A 4-bit base layer (QLoRA) is first dequantized to the very weights its forward used while the adapters
+    trained. (peft's merge_and_unload would quantize W + delta back to 4 bits: a second rounding, which moves the
+    merged model away from the one trained.) The policy itself is left as it is."""
+    from accelerate import init_empty_weights
+    from peft.tuners.lora import LoraLayer
+
+    try:
+        from bitsandbytes.functional import dequantize_4bit
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:  # plain LoRA needs no bitsandbytes: none of its layers is 4-bit
+        Linear4bit = ()
+
+    def on_cpu(tensor: torch.Tensor) -> torch.Tensor:  # a float32 copy, never a view of the policy's tensors
+        return tensor.detach().to("cpu", torch.float32, copy=True)
+
+    def weight_of(layer) -> torch.Tensor:  # the weight a linear layer computes with
+        if isinstance(layer, Linear4bit):
+            return on_cpu(dequantize_4bit(layer.weight.data, layer.weight.quant_state))
+        return on_cpu(layer.weight)
+
+    model = policy.get_base_model()  # the transformers model, its linear layers wrapped by peft's LoRA layers
+    adapted = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    state = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if any(name.startswith(f"{outer}.") for outer in adapted):
+            continue  # the inside of an adapted layer (its base layer and adapters), folded in below
+        if name in adapted:
+            base, weight = module.get_base_layer(), weight_of(module.get_base_layer())
+            for adapter in module.active_adapters:
+                if adapter not in module.merged_adapters:
+                    weight = weight + on_cpu(module.get_delta_weight(adapter))  # W + delta
+            state[prefix + "weight"] = weight
+            if base.bias is not None:
+                state[prefix + "bias"] = on_cpu(base.bias)
+            continue
+        for key, tensor in module.named_parameters(recurse=False):
+            quantized = isinstance(module, Linear4bit) and key == "weight"
+            state[prefix + key] = weight_of(module) if quantized else on_cpu(tensor)
+        for key, tensor in module.named_buffers(recurse=False):
+            state[prefix + key] = tensor.detach().to("cpu", copy=True)
+    config = copy.deepcopy(model.config)
+    config.__dict__.pop("quantization_config", None)  # a plain float32 model, like every other stage's
+    with init_empty_weights():  # no random initialisation, nor a draw from the RNG: every weight comes from `state`
+        plain = type(model)(config)
+    missing = set(plain.state_dict()) - set(state)
+    if missing:
+        raise RuntimeError(f"merged_policy: no weights for {sorted(missing)[:5]} in {type(model).__name__}")
+    plain.load_state_dict({key: state[key] for key in plain.state_dict()}, assign=True)
+    plain.tie_weights()
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    return plain.eval()
+
+
 # =============================================================================================
 # RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
 # being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
@@ -1051,7 +1159,8 @@ def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
     reward model, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
     frozen trunk; or None with LoRA, where the reference is the policy with its adapters off)."""
     frozen_dtype = torch.bfloat16 if bf16 else torch.float32
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code,
+                                                  **quantized_loading(args, bf16))  # QLoRA: a 4-bit base
     critic = None if critic_path is None else AutoModelForSequenceClassification.from_pretrained(
         critic_path, num_labels=1, trust_remote_code=args.trust_remote_code
     )
@@ -1069,10 +1178,7 @@ def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
     for reward_model in reward_models:
         reward_model.requires_grad_(False).eval()
     if args.lora_rank > 0:
-        policy = get_peft_model(
-            policy,
-            LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear"),
-        )
+        policy = lora_policy(policy, args)
         ref_policy = None  # the reference is the policy with its adapters disabled
     elif args.num_layers_unfrozen >= 0:
         ref_policy = build_hydra_reference(policy, args.num_layers_unfrozen)
@@ -1242,13 +1348,14 @@ def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: st
 
 
 def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
-    """save_pretrained (safetensors) of the policy (LoRA adapters merged) and the tokenizer."""
+    """save_pretrained (safetensors) of the policy and the tokenizer; with LoRA the plain float32 model it computes
+    (merged_policy: every adapter folded into its base layer, a 4-bit base dequantized first)."""
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
     if not accelerator.is_main_process:
         return
     unwrapped = accelerator.unwrap_model(model)
     if lora:
-        copy.deepcopy(unwrapped.policy).merge_and_unload().save_pretrained(path, safe_serialization=True)
+        merged_policy(unwrapped.policy).save_pretrained(path, safe_serialization=True)
     else:
         unwrapped.policy.save_pretrained(path, state_dict=unwrapped.policy_state_dict(state_dict), safe_serialization=True)
     tokenizer.save_pretrained(path)
@@ -1270,6 +1377,28 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     if "cuda" in states:
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def check_qlora_flags(args, accelerator) -> None:
+    """--load_in_4bit (QLoRA): what it needs, checked before any model loads and before --output_dir is claimed."""
+    if not args.load_in_4bit:
+        return
+    if args.lora_rank <= 0:
+        raise ValueError("--load_in_4bit (QLoRA) stores the frozen base of a LoRA policy in 4 bits and trains the LoRA "
+                         "adapters on top: it needs --lora_rank > 0 (e.g. --lora_rank 8); 4-bit weights cannot be "
+                         "trained themselves")
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+        raise ValueError("--load_in_4bit cannot run under DeepSpeed ZeRO-3: ZeRO-3 partitions every weight across "
+                         "the processes and gathers it for each forward, and bitsandbytes' packed 4-bit weights, with "
+                         "their quantization state beside them, cannot be split and gathered that way. Use zero2.yaml "
+                         "(each process keeps the small 4-bit base whole, the LoRA weights' gradients and optimizer "
+                         "states are partitioned) or plain data parallel (torchrun, or accelerate launch without "
+                         "DeepSpeed)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise ImportError("--load_in_4bit needs the bitsandbytes package, which quantizes the base to 4 bits and "
+                          "computes with it: pip install bitsandbytes") from error
 
 
 # ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----

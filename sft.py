@@ -20,12 +20,15 @@ Single process:         python sft.py --base_model ... --query_dataset ...
 Several GPU processes:  accelerate launch [--config_file zero2.yaml] sft.py ...
 Several CPU processes:  torchrun --nproc_per_node 2 sft.py ...   (gloo; `accelerate launch --cpu` starts only one)
 Built-in task (CPU):    pipeline.py's SETTINGS hold the paths and the small sizes it passes.
+LoRA / QLoRA:           ... --lora_rank 8 [--load_in_4bit]: adapters on a frozen (4-bit) base; saved merged, float32.
 After a crash:          the same command with --resume: it continues from the latest checkpoint in
                         runs/{run_name}/checkpoints (model, AdamW, schedule, data position, RNG states) and ends
                         exactly like an uninterrupted run (--checkpoint_every sets how often).
 """
 
 import atexit
+import contextlib
+import copy
 import glob
 import json
 import os
@@ -45,6 +48,7 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from datasets import load_dataset, load_from_disk
+from peft import LoraConfig, get_peft_model
 from rouge_score import rouge_scorer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
@@ -135,6 +139,16 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
 
+    # ---- memory: LoRA and QLoRA ----
+    lora_rank: int = 0
+    """LoRA rank of the adapters (peft) trained on the frozen base model; 0 = off (full fine-tuning)"""
+    lora_alpha: float = 16.0
+    """LoRA scaling alpha (read only when --lora_rank > 0)"""
+    load_in_4bit: bool = False
+    """QLoRA: the frozen base of the policy in 4-bit NF4 with double quantization (bitsandbytes), LoRA adapters trained
+    on top; needs --lora_rank. The settings are the QLoRA paper's (Dettmers et al. 2023); each 4-bit layer computes in
+    the run's dtype (bf16 with --bf16, else float32), and the saved model has the adapters merged in float32"""
+
     # ---- evaluation ----
     eval_every: int = 0
     """evaluate every this many optimizer updates (0 = only after training)"""
@@ -179,15 +193,19 @@ def sft_batch_indices(num_rows: int, total_batch_size: int, local_micro_batch_si
 def load_sft_model(args, tokenizer) -> torch.nn.Module:
     """The base model to fine-tune, with an embedding row for the tokenizer's [PAD] (Detail 3) and no dropout
     (Detail 7). Float32 master weights (transformers v5 would otherwise keep the checkpoint's dtype, float16 for
-    Pythia); --bf16 computes in bf16 through accelerate's autocast."""
+    Pythia); --bf16 computes in bf16 through accelerate's autocast. With --lora_rank only LoRA adapters train on the
+    frozen model, whose linear layers --load_in_4bit stores in 4 bits (QLoRA)."""
     model = AutoModelForCausalLM.from_pretrained(
-        args.base_model, trust_remote_code=args.trust_remote_code, dtype=torch.float32
+        args.base_model, trust_remote_code=args.trust_remote_code, dtype=torch.float32,
+        **quantized_loading(args, args.bf16),
     )
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > model.config.vocab_size:
         model.resize_token_embeddings(len(tokenizer))
     if args.disable_dropout:
         disable_dropout(model)
+    if args.lora_rank > 0:
+        model = lora_policy(model, args)
     return model
 
 
@@ -383,6 +401,109 @@ def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
     )
 
 
+def quantized_loading(args, bf16: bool) -> dict:
+    """The policy's extra from_pretrained arguments: none without --load_in_4bit (the model loads as it always did);
+    with it, the QLoRA base, quantized as it loads and placed on this process's device (every data-parallel
+    process holds its own copy). bf16: whether the run computes in bf16 (--bf16)."""
+    if not args.load_in_4bit:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    # QLoRA: the settings of Dettmers et al. (2023). The frozen weights of every linear layer stored in 4-bit
+    # NormalFloat (NF4), their per-block scales quantized a second time (double quantization), each layer dequantized
+    # on the fly to the compute dtype, the run's: bf16 with --bf16, else float32. The embeddings, layer norms and
+    # output layer stay unquantized, and the LoRA adapters train in float32 on top
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float32)
+    return {"quantization_config": config, "device_map": {"": PartialState().device}}
+
+
+def lora_policy(model, args):
+    """LoRA (--lora_rank): adapters of rank --lora_rank on every linear layer of the policy (peft), the only weights
+    that train; the base stays frozen (in 4-bit with --load_in_4bit). The reference policy of a LoRA run is this
+    model with its adapters disabled."""
+
+    def load_quant_state(layer, state_dict, prefix, *_):
+        # --resume: a checkpoint holds each 4-bit layer's packed weight and, beside it, its quantization state (block
+        # scales, code book), which bitsandbytes writes but does not read back: taken out here and put in place
+        from bitsandbytes.functional import QuantState
+
+        stored = {key[len(f"{prefix}weight."):]: state_dict.pop(key) for key in list(state_dict)
+                  if key.startswith(f"{prefix}weight.")}
+        if stored:
+            layer.weight.quant_state = layer.quant_state = QuantState.from_dict(stored, device=layer.weight.device)
+
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # a 4-bit layer of bitsandbytes (QLoRA)
+            # On a CPU with AVX-512 BF16, bitsandbytes moves a 4-bit layer to a bf16 inference kernel (with a weight
+            # layout of its own) at its first forward in eval mode without gradients. That kernel computes other
+            # numbers than training does, and a training forward after it fails: every forward keeps the one path
+            # (dequantize to the compute dtype, then multiply)
+            module.support_avx512bf16_for_cpu = False
+            module.register_load_state_dict_pre_hook(load_quant_state)
+    return get_peft_model(
+        model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear")
+    )
+
+
+def merged_policy(policy) -> torch.nn.Module:
+    """A LoRA policy (peft) as the plain transformers model it computes: every adapted layer's weight becomes
+    W + delta, delta = peft's get_delta_weight (B A scaled by alpha / rank), in float32 and CPU memory, with no
+    quantization config, so that the saved folder loads with a plain from_pretrained (judge.py, report.py, the next
+    stage). A 4-bit base layer (QLoRA) is first dequantized to the very weights its forward used while the adapters
+    trained. (peft's merge_and_unload would quantize W + delta back to 4 bits: a second rounding, which moves the
+    merged model away from the one trained.) The policy itself is left as it is."""
+    from accelerate import init_empty_weights
+    from peft.tuners.lora import LoraLayer
+
+    try:
+        from bitsandbytes.functional import dequantize_4bit
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:  # plain LoRA needs no bitsandbytes: none of its layers is 4-bit
+        Linear4bit = ()
+
+    def on_cpu(tensor: torch.Tensor) -> torch.Tensor:  # a float32 copy, never a view of the policy's tensors
+        return tensor.detach().to("cpu", torch.float32, copy=True)
+
+    def weight_of(layer) -> torch.Tensor:  # the weight a linear layer computes with
+        if isinstance(layer, Linear4bit):
+            return on_cpu(dequantize_4bit(layer.weight.data, layer.weight.quant_state))
+        return on_cpu(layer.weight)
+
+    model = policy.get_base_model()  # the transformers model, its linear layers wrapped by peft's LoRA layers
+    adapted = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    state = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if any(name.startswith(f"{outer}.") for outer in adapted):
+            continue  # the inside of an adapted layer (its base layer and adapters), folded in below
+        if name in adapted:
+            base, weight = module.get_base_layer(), weight_of(module.get_base_layer())
+            for adapter in module.active_adapters:
+                if adapter not in module.merged_adapters:
+                    weight = weight + on_cpu(module.get_delta_weight(adapter))  # W + delta
+            state[prefix + "weight"] = weight
+            if base.bias is not None:
+                state[prefix + "bias"] = on_cpu(base.bias)
+            continue
+        for key, tensor in module.named_parameters(recurse=False):
+            quantized = isinstance(module, Linear4bit) and key == "weight"
+            state[prefix + key] = weight_of(module) if quantized else on_cpu(tensor)
+        for key, tensor in module.named_buffers(recurse=False):
+            state[prefix + key] = tensor.detach().to("cpu", copy=True)
+    config = copy.deepcopy(model.config)
+    config.__dict__.pop("quantization_config", None)  # a plain float32 model, like every other stage's
+    with init_empty_weights():  # no random initialisation, nor a draw from the RNG: every weight comes from `state`
+        plain = type(model)(config)
+    missing = set(plain.state_dict()) - set(state)
+    if missing:
+        raise RuntimeError(f"merged_policy: no weights for {sorted(missing)[:5]} in {type(model).__name__}")
+    plain.load_state_dict({key: state[key] for key in plain.state_dict()}, assign=True)
+    plain.tie_weights()
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    return plain.eval()
+
+
 def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic and precision ----------------
@@ -397,6 +518,7 @@ def main(args: Args) -> dict:
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
     )
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    check_qlora_flags(args, accelerator)
     run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
 
     # ---------------- seeding ----------------
@@ -419,8 +541,10 @@ def main(args: Args) -> dict:
 
     # ---------------- optimizer, schedule and the data order ----------------
     args.num_updates = count_updates(args, len(train_dataset))
-    # the reference uses torch's AdamW with its default weight decay (0.01); so do we
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps)
+    # the reference uses torch's AdamW with its default weight decay (0.01); so do we. It holds the weights that train:
+    # all of them, or the LoRA adapters alone (--lora_rank)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps)
     # the schedule is not passed to accelerator.prepare, which would step it once per process
     scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -515,7 +639,10 @@ def main(args: Args) -> dict:
             "wall_time_s": time.time() - start_time,
         }
     )
-    save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)
+    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
+        save_merged_policy(accelerator, model, tokenizer, args.output_dir)
+    else:
+        save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)
     if args.push_to_hub and accelerator.is_main_process:
         upload_to_hub(args)
     run.finish(summary)
@@ -654,6 +781,45 @@ def frame_markdown(df: pd.DataFrame) -> str:
     lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
+
+
+def check_qlora_flags(args, accelerator) -> None:
+    """--load_in_4bit (QLoRA): what it needs, checked before any model loads and before --output_dir is claimed."""
+    if not args.load_in_4bit:
+        return
+    if args.lora_rank <= 0:
+        raise ValueError("--load_in_4bit (QLoRA) stores the frozen base of a LoRA policy in 4 bits and trains the LoRA "
+                         "adapters on top: it needs --lora_rank > 0 (e.g. --lora_rank 8); 4-bit weights cannot be "
+                         "trained themselves")
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+        raise ValueError("--load_in_4bit cannot run under DeepSpeed ZeRO-3: ZeRO-3 partitions every weight across "
+                         "the processes and gathers it for each forward, and bitsandbytes' packed 4-bit weights, with "
+                         "their quantization state beside them, cannot be split and gathered that way. Use zero2.yaml "
+                         "(each process keeps the small 4-bit base whole, the LoRA weights' gradients and optimizer "
+                         "states are partitioned) or plain data parallel (torchrun, or accelerate launch without "
+                         "DeepSpeed)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise ImportError("--load_in_4bit needs the bitsandbytes package, which quantizes the base to 4 bits and "
+                          "computes with it: pip install bitsandbytes") from error
+
+
+def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
+    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
+    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
+    gathering the partitioned weights; the main process saves."""
+    unwrapped = accelerator.unwrap_model(wrapped)
+    gathered = contextlib.nullcontext()
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
+    accelerator.wait_for_everyone()
+    with gathered:
+        if accelerator.is_main_process:
+            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
+            tokenizer.save_pretrained(output_dir)
 
 
 # ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----

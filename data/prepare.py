@@ -9,6 +9,7 @@ implementation, so every training script reads TL;DR, HH and the synthetic task 
 
     <output_dir>/sft/          train / validation / test      (SFT, PPO prompts)
     <output_dir>/preference/   train / validation / validation_cnndm   (RM, DPO, ILQL)
+    <output_dir>/unpaired/     train / validation   (KTO's thumbs up / down, with --unpaired or --unpaired_only)
     <output_dir>/plots/        token-length histograms (Figures 9-10 of the paper)
     <output_dir>/prep_summary.json
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -60,6 +62,19 @@ class Args:
     """hub name of the preference data (TL;DR), config `comparisons`"""
     hh_dataset_name: str = "Anthropic/hh-rlhf"
     """hub name of the HH data"""
+    unpaired: bool = False
+    """also prepare unpaired binary feedback (KTO) into <output_dir>/unpaired: rows of `prompt`, `completion` and a
+    boolean `label` (true = desirable) from --unpaired_data or the hub's --unpaired_dataset_name; with --task
+    synthetic, the built-in raters' thumbs up / down on every compared summary (written to <output_dir>/raw/feedback)"""
+    unpaired_only: bool = False
+    """prepare the unpaired feedback alone (as --unpaired) with the tokenizer of --base_model, leaving the other
+    splits as they are; --task synthetic: of the task already prepared in --output_dir, whose comparisons are rated"""
+    unpaired_data: Optional[str] = None
+    """local folder with `<split>.jsonl` / `.parquet` files in the layout of the hub's KTO data sets (prompt,
+    completion, label); None = load --unpaired_dataset_name"""
+    unpaired_dataset_name: str = "trl-lib/kto-mix-14k"
+    """hub name of unpaired feedback in the KTO layout (prompts and completions as text, or as chat messages, which
+    are written as HH dialogues)"""
     truncation: Literal["paragraph", "token"] = "paragraph"
     """Detail 2: `paragraph` cuts the post at its last newline until the query fits; `token` cuts the
     post's tokens at the limit, mid-sentence (the ablation)"""
@@ -460,6 +475,164 @@ def hh_sft_row(row: dict, tokenizer, args: Args, where: str) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# Unpaired binary feedback (KTO): prompt, completion, label -> one query and one labelled response
+# --------------------------------------------------------------------------------------------
+FEEDBACK_FIX = ("every row of unpaired feedback needs `prompt` (text), `completion` (non-empty text) and `label` "
+                "(true = desirable, false = undesirable, as JSON booleans); fix the row or remove it from the file")
+
+
+def feedback_sources(args: Args) -> dict:
+    """{split: (where its rows come from, [(where a row is, the row)])} of the unpaired feedback: the local files of
+    --unpaired_data (a .jsonl file is read line by line, so a bad row is named by its line, not by a type error of
+    the loader), else the hub's --unpaired_dataset_name."""
+    if args.unpaired_data is None:
+        from datasets import load_dataset
+
+        return {split: (f"{args.unpaired_dataset_name} split {split!r}", [
+            (f"{args.unpaired_dataset_name} split {split!r} row {i}", row) for i, row in enumerate(ds.to_list())])
+            for split, ds in load_dataset(args.unpaired_dataset_name).items()}
+    if not os.path.isdir(args.unpaired_data):
+        raise FileNotFoundError(f"{args.unpaired_data} is not a folder; pass a folder holding <split>.jsonl files")
+    sources = {}
+    for name in sorted(os.listdir(args.unpaired_data)):
+        path, (split, ext) = os.path.join(args.unpaired_data, name), os.path.splitext(name)
+        if ext == ".jsonl":
+            rows = []
+            with open(path) as f:
+                for line_number, line in enumerate(f, 1):
+                    if line.strip():
+                        where = f"{path} row {len(rows)} (line {line_number})"
+                        try:
+                            rows.append((where, json.loads(line)))
+                        except json.JSONDecodeError as error:
+                            raise ValueError(f"{where}: not a JSON object ({error}); {FEEDBACK_FIX}") from None
+            sources[split] = (path, rows)
+        elif ext == ".parquet":
+            import pyarrow.parquet
+
+            sources[split] = (path, [(f"{path} row {i}", row)
+                                     for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())])
+    if not sources:
+        raise FileNotFoundError(f"{args.unpaired_data} holds no <split>.jsonl or <split>.parquet file")
+    return sources
+
+
+def as_text(value, field: str, where: str, prompt: bool):
+    """A prompt or completion as text; chat messages ([{"role", "content"}, ...], the conversational layout) become
+    an HH dialogue ("\n\nHuman: ...\n\nAssistant: ..."), a prompt ending with "\n\nAssistant:"."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value):
+        names = {"user": "Human", "assistant": "Assistant"}
+        if not prompt:
+            return " ".join(m["content"] for m in value)
+        return "".join(f"\n\n{names.get(m.get('role'), str(m.get('role')).capitalize())}: {m['content']}"
+                       for m in value) + ASSISTANT
+    raise ValueError(f"{where}: {field!r} is {type(value).__name__}, not text (or a list of chat messages); {FEEDBACK_FIX}")
+
+
+def check_feedback_row(row, where: str) -> tuple[str, str, bool]:
+    """(prompt, completion, label) of one row of unpaired feedback, or a clear error naming the row and the fix."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}; {FEEDBACK_FIX}")
+    missing = [field for field in ("prompt", "completion", "label") if row.get(field) is None]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(map(repr, missing))} (the row has {sorted(row)}); {FEEDBACK_FIX}")
+    if not isinstance(row["label"], bool):
+        raise ValueError(f"{where}: label is {row['label']!r} ({type(row['label']).__name__}), not a boolean; write it "
+                         f"as true (desirable) or false (undesirable)")
+    prompt, completion = as_text(row["prompt"], "prompt", where, True), as_text(row["completion"], "completion", where, False)
+    if not completion.strip():
+        raise ValueError(f"{where}: the completion is empty; a rated response cannot be empty: {FEEDBACK_FIX}")
+    return prompt, completion, row["label"]
+
+
+TLDR_FIELDS = re.compile(r"SUBREDDIT: r/(?P<subreddit>.*?)\n\nTITLE: (?P<title>.*?)\n\nPOST: (?P<post>.*)\n\nTL;DR:", re.S)
+
+
+def process_feedback_row(prompt: str, completion: str, label: bool, tokenizer, args: Args, where: str) -> dict:
+    """One labelled completion -> the query left-padded to --query_length (Detail 5) and the completion as
+    " " + text + EOS (Detail 3) right-padded to --rm_response_length, as the preference responses are. A prompt in
+    the TL;DR query format is cut at its post's last paragraph (Detail 2, as the SFT and preference queries are); an
+    HH dialogue loses its oldest turns; any other prompt is cut at its last paragraph too."""
+    pad = tokenizer.pad_token_id
+    tldr = TLDR_FIELDS.fullmatch(prompt)
+    if tldr:
+        query, q_tokens, truncated = build_query(tokenizer, tldr.groupdict(), TLDR_FORMAT, "post", args.query_length,
+                                                 args.truncation, where)
+    elif prompt.startswith(HUMAN) and prompt.endswith(ASSISTANT):
+        query, q_tokens, truncated = truncate_hh_query(tokenizer, prompt, args.query_length, where)
+    else:
+        query, q_tokens, truncated = build_query(tokenizer, {"prompt": prompt}, "{prompt}", "prompt", args.query_length,
+                                                 args.truncation, where)
+    c_tokens = response_tokens(tokenizer, completion)
+    too_long = len(c_tokens) > args.rm_response_length
+    if too_long and args.long_response_policy == "error":
+        raise ValueError(f"{where}: the completion is {len(c_tokens)} tokens > --rm_response_length "
+                         f"{args.rm_response_length}; raise the length or use --long_response_policy drop")
+    c_tokens = c_tokens[: args.rm_response_length]  # only rows flagged too_long are affected, and they are dropped
+    return {
+        "prompt": prompt, "completion": " " + completion.strip(), "label": label,
+        "query": query, "query_token": left_pad(q_tokens, args.query_length, pad), "query_token_len": len(q_tokens),
+        "query_truncated": truncated, "completion_token": right_pad(c_tokens, args.rm_response_length, pad),
+        "completion_token_len": len(c_tokens), "response_too_long": too_long,
+    }
+
+
+def prepare_unpaired(args: Args, tokenizer) -> dict:
+    """Every split of the unpaired feedback, checked row by row, tokenized (process_feedback_row), rows whose
+    completion is too long dropped; returns {"unpaired": DatasetDict, "report": counts}."""
+    from datasets import Dataset, DatasetDict
+
+    report: dict = {}
+    spellings = special_spellings(tokenizer)
+    out = {}
+    for split, (where, rows) in feedback_sources(args).items():
+        check_not_empty(f"unpaired/{split} ({where})", len(rows), len(rows), {})
+        checked = [(row_where, check_feedback_row(row, row_where)) for row_where, row in rows]
+        count_special_spelling_rows(([p, c] for _, (p, c, _) in checked), spellings, f"unpaired/{split}", report)
+        ds = Dataset.from_list([process_feedback_row(*row, tokenizer, args, row_where) for row_where, row in checked])
+        report[f"unpaired/{split}_truncated_queries"] = int(sum(ds["query_truncated"]))
+        ds = drop_long(ds, f"unpaired/{split}", report)
+        check_not_empty(f"unpaired/{split} ({where})", len(ds), len(rows),
+                        {LONG.format(flag="rm_response_length"): report[f"unpaired/{split}_dropped_long_response"]})
+        report[f"unpaired/{split}_desirable_share"] = round(sum(ds["label"]) / len(ds), 4)
+        out[split] = ds
+    return {"unpaired": DatasetDict(out), "report": report}
+
+
+def build_synthetic_feedback(args: Args) -> dict:
+    """--task synthetic with --unpaired: the built-in raters' thumbs on every summary of the task's comparisons
+    (raw/comparisons), written in the hub's KTO layout to raw/feedback and read from there like any local data."""
+    from data import synthetic
+
+    raw_dir = os.path.join(args.output_dir, "raw")
+    info = synthetic.generate_feedback(os.path.join(raw_dir, "comparisons"), os.path.join(raw_dir, "feedback"),
+                                       TLDR_FORMAT, seed=args.seed)
+    args.unpaired_data = os.path.join(raw_dir, "feedback")
+    return info
+
+
+def save_unpaired(args: Args, tokenizer, feedback_info: dict) -> dict:
+    """Prepare the unpaired feedback, save it to <output_dir>/unpaired with the tokenizer's fingerprint (as every
+    split) and write <output_dir>/unpaired_summary.json."""
+    result = prepare_unpaired(args, tokenizer)
+    record = json.dumps({"prepared_by": "data/prepare.py", "task": args.task,
+                         "tokenizer": {"name_or_path": args.base_model, **tokenizer_fingerprint(tokenizer)}})
+    for dataset in result["unpaired"].values():
+        dataset.info.description = record
+    result["unpaired"].save_to_disk(os.path.join(args.output_dir, "unpaired"))
+    summary = {"source": args.unpaired_data or args.unpaired_dataset_name,
+               "rows": {f"unpaired/{split}": len(ds) for split, ds in result["unpaired"].items()},
+               "report": result["report"], "built_in_raters": feedback_info}
+    with open(os.path.join(args.output_dir, "unpaired_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    for key, value in {**summary["rows"], **summary["report"]}.items():
+        print(f"  {key:40s} {value}")
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------
 def load_tokenizer(args: Args):
@@ -749,9 +922,12 @@ def main(args: Args) -> dict:
     t0 = time.time()
     resolve_lengths(args)
     os.makedirs(args.output_dir, exist_ok=True)
+    if args.unpaired_only:
+        return main_unpaired_only(args)
     task_info: dict = {}
     if args.task == "synthetic":
         task_info = build_synthetic(args)
+        feedback_info = build_synthetic_feedback(args) if args.unpaired else {}
     tokenizer = load_tokenizer(args)
     if tokenizer.pad_token_id == tokenizer.eos_token_id and args.pad_token == "pad":
         raise ValueError("the tokenizer's pad token equals EOS; Detail 3 needs a distinct [PAD]")
@@ -786,6 +962,8 @@ def main(args: Args) -> dict:
     }
     if args.plots:
         summary["plot"] = plot_lengths(result, args.output_dir, args)
+    if args.unpaired:  # before task.json, the mark of a finished task
+        summary["unpaired"] = save_unpaired(args, tokenizer, feedback_info if args.task == "synthetic" else {})["rows"]
     summary["prep_seconds"] = round(time.time() - t0, 1)
     with open(os.path.join(args.output_dir, "prep_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -803,6 +981,22 @@ def main(args: Args) -> dict:
             result[name].push_to_hub(f"{prefix}{args.task}_{name}_{int(t0)}")
     print_summary(summary)
     return summary
+
+
+def main_unpaired_only(args: Args) -> dict:
+    """--unpaired_only: the unpaired feedback alone, tokenized by --base_model's tokenizer. With --task synthetic the
+    task in --output_dir must be complete (task.json): its raw comparisons are rated and its base model's tokenizer
+    is the one its other splits were written with."""
+    feedback_info: dict = {}
+    if args.task == "synthetic":
+        if not os.path.exists(os.path.join(args.output_dir, "task.json")):
+            raise FileNotFoundError(f"--unpaired_only: {args.output_dir} holds no prepared built-in task (task.json); "
+                                    "prepare it first (python data/prepare.py --task synthetic --output_dir ...), or "
+                                    "in one go with --unpaired instead of --unpaired_only")
+        args.base_model = os.path.join(args.output_dir, "base_model")
+        feedback_info = build_synthetic_feedback(args)
+    print(f"\n== unpaired feedback for {args.task} ==")
+    return save_unpaired(args, load_tokenizer(args), feedback_info)
 
 
 def print_summary(summary: dict) -> None:

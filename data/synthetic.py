@@ -13,6 +13,9 @@ PPO / DPO / ... -> judge) runs on 2 CPU cores in minutes, with a *known* right a
   config `comparisons`), so `data/prepare.py` runs the real TL;DR code path on them.
 * Preference labels are the gold verdict flipped with a known, confidence-dependent
   probability, so the best accuracy any reward model can reach (the ceiling) is known.
+* Thumbs up / down for KTO (`generate_feedback`, opt-in: `data/prepare.py --unpaired`): every compared summary
+  gets a thumb of its own from the same raters, up when its gold score clears a bar, with the same
+  confidence-dependent noise, written in the layout of the hub's KTO data sets (prompt, completion, label).
 * The human references are good but beatable: most open with a chatty habit word that the gold judge
   counts as filler. SFT imitates the habit; the preference pairs show raters disliking it, so RLHF has
   something to fix, as in the paper, where PPO's summaries beat the human references more often than SFT's.
@@ -392,6 +395,55 @@ def generate_raw(out_dir: str, seed: int = 0, num_sft_train: int = 4000, num_sft
         agree += int(g == r["choice"])
     ceiling["validation_realised"] = agree / max(1, len(tldr_rows))
     return {"counts": counts, "ceiling": ceiling}
+
+
+# --------------------------------------------------------------------------------------------
+# Unpaired binary feedback (KTO): the raters' thumbs up or down on every summary they compared.
+# --------------------------------------------------------------------------------------------
+# A thumbs up needs a summary the gold judge finds flawless or nearly so: every key fact, nothing invented, no
+# filler word and one finished sentence score 3 minus 0.02 a word; any one of those defects costs a whole point or
+# more, and so does a missing fact of three. A rater's verdict on one summary is noisy as a comparison is: the
+# nearer its gold score lies to this bar, the lower the rater's confidence and the likelier a wrong thumb
+# (confidence_of and flip_probability, with the distance to the bar in place of the gap between two summaries).
+DESIRABLE_SCORE = 2.0
+
+
+def thumbs_up(post: str, summary: str, rng: random.Random) -> tuple[bool, bool]:
+    """A rater's thumb on one summary of `post`: (the thumb, whether it agrees with the gold judge's)."""
+    score = gold_score(post, summary)
+    gold = score >= DESIRABLE_SCORE
+    flipped = rng.random() < flip_probability(confidence_of(abs(score - DESIRABLE_SCORE)))
+    return gold != flipped, not flipped
+
+
+def generate_feedback(comparisons_dir: str, out_dir: str, prompt_format: str, seed: int = 0) -> dict:
+    """Unpaired feedback in the layout of the hub's KTO data sets (one JSON object a line: `prompt`, the formatted
+    query; `completion`, the summary; `label`, true for a thumbs up): every summary of the TL;DR comparisons in
+    `comparisons_dir/{train,validation}.jsonl` (generate_raw's) gets a thumb of its own, written to
+    `out_dir/{train,validation}.jsonl`. The CNN/DM validation rows are left out (their queries have another format).
+    The thumbs draw on their own random stream, so the comparisons and every other file stay as they were. Returns
+    the rows written, the desirable share and the thumbs' agreement with the gold judge per split."""
+    rng = random.Random(seed + 15485863)
+    os.makedirs(out_dir, exist_ok=True)
+    info: dict = {}
+    for split in ("train", "validation"):
+        rows, agree = [], 0
+        with open(os.path.join(comparisons_dir, f"{split}.jsonl")) as f:
+            comparisons = [json.loads(line) for line in f if line.strip()]
+        for comparison in comparisons:
+            post = comparison["info"]
+            if post.get("post") is None:  # a CNN/DM article
+                continue
+            prompt = prompt_format.format(subreddit=post["subreddit"], title=post["title"], post=post["post"])
+            for summary in comparison["summaries"]:
+                label, agrees = thumbs_up(post["post"], summary["text"], rng)
+                rows.append({"prompt": prompt, "completion": summary["text"].strip(), "label": label})
+                agree += agrees
+        with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        info[split] = {"rows": len(rows), "desirable_share": sum(r["label"] for r in rows) / max(1, len(rows)),
+                       "agreement_with_gold": agree / max(1, len(rows))}
+    return info
 
 
 def pretraining_documents(num: int, seed: int, min_chars: int = 600) -> list[str]:

@@ -58,18 +58,28 @@ def test_unknown_script_or_mode_is_refused():
     with pytest.raises(SystemExit, match="unknown --scripts"):
         measure_memory.select_runs(measure_memory.Args(scripts=["judge.py"]))
     with pytest.raises(SystemExit, match="unknown --modes"):
-        measure_memory.select_runs(measure_memory.Args(modes=["qlora"]))
+        measure_memory.select_runs(measure_memory.Args(modes=["int8"]))
     runs = measure_memory.select_runs(measure_memory.Args(scripts=["ppo"], modes=["plain", "lora"]))
     assert runs == [("ppo.py", "plain"), ("ppo.py", "lora")]
 
 
+def test_lora_and_qlora_modes_of_sft_dpo_and_ppo():
+    args = measure_memory.Args(lora_rank=4)
+    runs = measure_memory.select_runs(measure_memory.Args(scripts=["sft", "dpo", "ppo", "reward"], modes=["qlora"]))
+    assert runs == [("sft.py", "qlora"), ("dpo.py", "qlora"), ("ppo.py", "qlora")]  # reward.py has no LoRA
+    for script, _ in runs:
+        assert measure_memory.mode_flags(script, "lora", args) == ["--lora_rank", "4"]
+        assert measure_memory.mode_flags(script, "qlora", args) == ["--lora_rank", "4", "--load_in_4bit"]
+        assert measure_memory.script_has_flag(script, "load_in_4bit")
+
+
 @pytest.mark.slow  # the end-to-end runs: in the full suite, out of the quick `-m "not slow"` check
 def test_tiny_model_table_and_csv(synthetic_task, tmp_path):
-    """sft.py plain, ppo.py plain and ppo.py LoRA on a tiny model: one row per run, real figures."""
+    """sft.py and ppo.py, each plain, LoRA and QLoRA, on a tiny model: one row per run, real figures."""
     out = tmp_path / "memory"
     cmd = [sys.executable, os.path.join(REPO_ROOT, "tools", "measure_memory.py"), "--task_dir", synthetic_task["root"],
            "--output_dir", str(out), "--hidden_size", "64", "--num_layers", "2", "--num_heads", "4",
-           "--scripts", "sft.py", "ppo.py", "--modes", "plain", "lora",
+           "--scripts", "sft.py", "ppo.py", "--modes", "plain", "lora", "qlora",
            "--updates", "1", "--micro_batch_size", "4", "--num_eval_samples", "4"]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -78,12 +88,12 @@ def test_tiny_model_table_and_csv(synthetic_task, tmp_path):
     header = table.splitlines()[0]
     assert f"{os.cpu_count()} CPUs" in header and "GPT-NeoX hidden 64, 2 layers, 4 heads" in header
     rows_md = [line for line in table.splitlines() if line.startswith(("| sft.py", "| ppo.py"))]
-    assert len(rows_md) == 3
+    assert len(rows_md) == 6
     assert "## Worked example: PPO at Pythia-6.9B on 8 GPUs (an estimate, not a measurement)" in table
 
     with open(out / "memory.csv") as f:
         rows = {(r["script"], r["mode"]): r for r in csv.DictReader(f)}
-    assert set(rows) == {("sft.py", "plain"), ("ppo.py", "plain"), ("ppo.py", "lora")}
+    assert set(rows) == {(script, mode) for script in ("sft.py", "ppo.py") for mode in ("plain", "lora", "qlora")}
     for row in rows.values():
         assert row["status"] == "ok"
         peak, own, before = float(row["peak_rss_mib"]), float(row["own_peak_rss_mib"]), float(row["rss_before_main_mib"])
@@ -102,3 +112,8 @@ def test_tiny_model_table_and_csv(synthetic_task, tmp_path):
     assert int(plain["optimizer_params"]) > int(plain["policy_trainable_params"])
     assert int(rows[("sft.py", "plain")]["optimizer_params"]) == model_params
     assert "--lora_rank 8" in lora["command"] and "--checkpoint_every 0" in lora["command"]
+    qlora = rows[("ppo.py", "qlora")]
+    assert "--lora_rank 8 --load_in_4bit" in qlora["command"]
+    assert int(qlora["policy_trainable_params"]) == int(lora["policy_trainable_params"])  # the same adapters
+    assert int(qlora["policy_params"]) < int(lora["policy_params"])  # 4-bit weights are packed two per byte
+    assert "packs two 4-bit weights" in table

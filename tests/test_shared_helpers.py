@@ -7,7 +7,8 @@ import os
 from collections import defaultdict
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py", "judge.py", "rloo.py"]
+SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py", "judge.py", "rloo.py", "kto.py",
+           "online_dpo.py"]
 # Names that legitimately differ per script: each script has its own arguments and entry point, and a fork keeps the
 # name of the algorithm step it replaces (rloo.py's reward shaping is RLOO's, under ppo.py's name).
 PER_SCRIPT = {"Args", "main", "shape_rewards", "ShapedRewards"}
@@ -36,7 +37,8 @@ def test_shared_helpers_are_identical_across_scripts():
     assert not drifted, "helper copies differ between scripts (make them identical):\n" + "\n".join(drifted)
 
 
-TRAINING_SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py", "rloo.py"]
+TRAINING_SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py", "rloo.py", "kto.py",
+                    "online_dpo.py"]
 BANNER = "# RUN INFRASTRUCTURE: TRY NOT TO MODIFY."
 SHARED_BLOCK = "# ---- shared input checks: identical in every training script"
 RUN_BLOCK = "# ---- shared run infrastructure: identical in every training script"

@@ -2,6 +2,7 @@
 
     python tools/measure_memory.py                                  # everything, defaults below (~15 min on 2 CPUs)
     python tools/measure_memory.py --scripts ppo.py --modes lora hydra
+    python tools/measure_memory.py --scripts sft.py dpo.py ppo.py --modes plain lora qlora   # LoRA vs QLoRA
     python tools/measure_memory.py --hidden_size 1024 --num_layers 16 --output_dir artifacts/memory_1024
     python tools/measure_memory.py --task_dir artifacts/quickstart/data   # an already prepared task
 
@@ -48,18 +49,24 @@ CHILD_FLAG = "--_child"  # internal: `measure_memory.py --_child script result.j
 BUILD_FLAG = "--_build"  # internal: `measure_memory.py --_build spec.json result.json`
 
 # Every memory mode of every script: (script, mode) -> the flags that select the mode. "plain" is each
-# script's default. The other modes are the memory options the scripts have (grep for lora / offload /
-# unfrozen / precompute): PPO's LoRA, Hydra and offload (trlX / OpenRLHF), and DPO's precomputed reference
-# log-probs (the reference model is freed before training). sft.py, reward.py, ilql.py and offline_rl.py
-# have no memory option. offline_rl.py runs its default method (dt).
+# script's default. The other modes are the memory options the scripts have (grep for lora / load_in_4bit /
+# offload / unfrozen / precompute): LoRA on a float32 base and QLoRA (LoRA on a 4-bit NF4 base) in sft.py,
+# dpo.py and ppo.py, PPO's Hydra and offload (trlX / OpenRLHF), and DPO's precomputed reference log-probs (the
+# reference model is freed before training). reward.py, ilql.py and offline_rl.py have no memory option.
+# offline_rl.py runs its default method (dt).
 # The values of --lora_rank and --num_layers_unfrozen come from this tool's flags (see mode_flags).
 RUNS = [
     ("sft.py", "plain"),
+    ("sft.py", "lora"),
+    ("sft.py", "qlora"),
     ("reward.py", "plain"),
     ("dpo.py", "plain"),
     ("dpo.py", "precompute_ref"),
+    ("dpo.py", "lora"),
+    ("dpo.py", "qlora"),
     ("ppo.py", "plain"),
     ("ppo.py", "lora"),
+    ("ppo.py", "qlora"),
     ("ppo.py", "hydra"),
     ("ppo.py", "offload"),
     ("rloo.py", "plain"),
@@ -83,7 +90,7 @@ class Args:
     scripts: list[str] = field(default_factory=lambda: list(SCRIPTS))
     """scripts to measure (names with or without .py)"""
     modes: Optional[list[str]] = None
-    """memory modes to measure (plain, lora, hydra, offload, precompute_ref); None = every mode of each script"""
+    """memory modes to measure (plain, lora, qlora, hydra, offload, precompute_ref); None = every mode of each script"""
 
     # ---- the model (GPT-NeoX, Pythia's architecture; the rest of the config comes from the task's base model) ----
     hidden_size: int = 512
@@ -103,7 +110,7 @@ class Args:
     num_eval_samples: int = 8
     """rows of each (final, minimal) evaluation"""
     lora_rank: int = 8
-    """ppo.py --lora_rank of the lora mode"""
+    """--lora_rank of the lora and qlora modes"""
     num_layers_unfrozen: int = 2
     """ppo.py --num_layers_unfrozen of the hydra mode (at most --num_layers)"""
     threads: int = 0
@@ -302,8 +309,9 @@ def mode_flags(script: str, mode: str, args: Args) -> list:
     """The flags that select a memory mode."""
     if mode == "plain":
         return []
+    if mode in ("lora", "qlora"):  # LoRA on the float32 base, or on the 4-bit base (QLoRA)
+        return ["--lora_rank", str(args.lora_rank)] + (["--load_in_4bit"] if mode == "qlora" else [])
     return {
-        ("ppo.py", "lora"): ["--lora_rank", str(args.lora_rank)],
         ("ppo.py", "hydra"): ["--num_layers_unfrozen", str(min(args.num_layers_unfrozen, args.num_layers))],
         ("ppo.py", "offload"): ["--offload"],
         ("dpo.py", "precompute_ref"): ["--precompute_ref_logprobs"],
@@ -395,6 +403,9 @@ def write_outputs(args: Args, rows: list, header: str, estimate: str) -> str:
         "AdamW params: everything the optimizer updates (PPO: policy + critic). Wall s: the whole child process "
         "(main() s: the call alone, without the imports).",
     ]
+    if any(r["mode"] == "qlora" for r in rows):
+        notes.append("QLoRA's total counts stored elements: bitsandbytes packs two 4-bit weights into each byte of a "
+                     "4-bit layer, so such a layer counts half its weights.")
     inherited = [f"{r['script']} {r['mode']}" for r in rows if r["status"] == "ok" and r.get("own_peak_rss_kib")
                  and r["peak_rss_kib"] > 1.05 * r["own_peak_rss_kib"]]
     if inherited:  # see the module docstring: the launcher's own peak leaks into ru_maxrss

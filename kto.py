@@ -1,0 +1,1337 @@
+"""Kahneman-Tversky Optimization (KTO) on TL;DR: "KTO: Model Alignment as Prospect Theoretic Optimization"
+(Ethayarajh et al. 2024), forked from dpo.py. KTO needs one bit per response, desirable or not, so it trains on
+preference pairs cut in two or on unpaired thumbs-up / thumbs-down feedback (--feedback).
+
+The policy and a frozen reference both start from the SFT model. One update = `total_batch_size` examples
+(x, y, desirable or not), in micro batches with gradient accumulation. --feedback pairs splits each preference pair
+(x, y_c, y_r) into the desirable example (x, y_c) and the undesirable example (x, y_r); --feedback unpaired reads
+rows of prompt, completion and a boolean label (the layout of the hub's KTO data sets):
+
+  1. the reference point z0, before any gradient: every prompt of a micro batch is paired with the completion of
+     the example before it in that micro batch (a mismatched pair, y'), and
+        z0 = max(0, mean of log pi(y'|x) - log ref(y'|x) over the update's whole batch, every process included),
+     an estimate of KL(pi || ref) that is a constant of the update (no gradient flows through it)
+  2. log pi(y|x) = the SUM of the response tokens' log-probs of every example, as in dpo.py
+  3. the same under the frozen reference; r = log pi(y|x) - log ref(y|x), the log-ratio (beta * r is the implicit
+     reward, as in DPO)
+  4. the value of an example, a prospect-theory value function: gains and losses are measured from the reference
+     point z0, and the sigmoid flattens both far gains and far losses:
+        desirable:   v = lambda_D * sigmoid(beta * (r - z0))
+        undesirable: v = lambda_U * sigmoid(beta * (z0 - r))
+     loss per example lambda_y - v, i.e. lambda_D * (1 - sigmoid(beta * (r - z0))) for a desirable one and
+     lambda_U * (1 - sigmoid(beta * (z0 - r))) for an undesirable one; the mean over the examples
+  5. AdamW step, cosine learning-rate schedule (dpo.py's Table 6 settings)
+Measuring r against z0 rather than 0 means the loss only pays for a response moving relative to how far the policy
+has drifted from the reference as a whole: raising every response's probability at once raises z0 as much.
+Evaluation as in dpo.py: the implicit reward beta * log(pi / pi_ref) ranks the validation preference pairs (the
+Detail 19 table; a pair's loss is the mean of its two examples' at the last update's z0); samples of the policy go
+to samples.csv.
+
+Single process:   python kto.py --sft_model_path models/sft --output_dir models/kto
+Thumbs up / down: python kto.py --feedback unpaired --unpaired_dataset data/processed/tldr/unpaired (made by
+                  data/prepare.py --unpaired; the validation pairs of --preference_dataset are still evaluated)
+Several GPUs:     accelerate launch --config_file zero2.yaml kto.py --sft_model_path models/sft
+After a crash:    the same command with --resume (and --run_name of the run, if it is not the newest): it continues
+                  from the latest checkpoint in runs/{run_name}/checkpoints (policy, AdamW, schedule, data position,
+                  open logging interval, RNG states) and ends exactly like an uninterrupted run (--checkpoint_every
+                  sets how often). A NaN or inf loss or log-prob stops the run before it reaches the weights, keeping
+                  the last good checkpoint.
+"""
+import atexit
+import glob
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Literal, Optional, Tuple
+
+import numpy as np
+import pandas as pd
+import psutil
+import pyarrow
+import pyarrow.compute
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator, PartialState, skip_first_batches
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
+from datasets import concatenate_datasets
+from datasets import get_dataset_split_names, load_dataset, load_from_disk
+from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+
+
+@dataclass
+class Args:
+    # experiment bookkeeping
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (the script's file stem)"""
+    seed: int = 1
+    """seed of weights and data order (every rank); sampling uses seed + process_index * 100003"""
+    run_name: Optional[str] = None
+    """run name; None -> f"{exp_name}__{seed}__{int(time.time())}"; outputs go to {run_dir_root}/{run_name}"""
+    run_dir_root: str = "runs"
+    """folder that holds the run folders (args.json, metrics.jsonl, TensorBoard, samples, summary)"""
+    track: bool = False
+    """mirror the TensorBoard logs to Weights & Biases"""
+    wandb_project_name: str = "tldr_summarize"
+    """W&B project (with --track)"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (with --track); None = your default entity"""
+    push_to_hub: bool = False
+    """upload the trained policy and tokenizer to the Hugging Face hub"""
+    hub_model_id: Optional[str] = None
+    """hub repository id for --push_to_hub; None -> the run name"""
+    output_dir: str = "models/kto"
+    """where the trained policy and its tokenizer are saved (safetensors)"""
+    overwrite_output_dir: bool = False
+    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
+    checkpoint_every: int = 100
+    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
+    runs/{run_name}/checkpoints every this many updates (0 = never)"""
+    checkpoint_keep: int = 1
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
+    the resumed run ends with the same weights and metrics as one that was never interrupted"""
+
+    # models and data
+    sft_model_path: str = "models/sft"
+    """the SFT model (local folder written by sft.py, or a hub name): the policy's start AND the reference"""
+    trust_remote_code: bool = False
+    """passed to from_pretrained for models with custom code"""
+    preference_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
+    """processed preference pairs (hub name, or a local save_to_disk folder from data/prepare.py): the training data
+    with --feedback pairs, and the validation pairs of the implicit-reward table with either feedback"""
+    feedback: Literal["pairs", "unpaired"] = "pairs"
+    """pairs: each preference pair of --preference_dataset gives one desirable (chosen) and one undesirable (rejected)
+    example; unpaired: the binary feedback of --unpaired_dataset, one labelled completion per row"""
+    unpaired_dataset: Optional[str] = None
+    """--feedback unpaired: processed unpaired feedback (a local save_to_disk folder written by data/prepare.py
+    --unpaired from rows of prompt, completion and a boolean label, e.g. the hub's trl-lib/kto-mix-14k)"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """processed SFT dataset whose validation queries are sampled for the generation table"""
+    train_split: str = "train"
+    """split to train on (of --preference_dataset, or of --unpaired_dataset with --feedback unpaired)"""
+    eval_splits: Optional[List[str]] = None
+    """preference splits for the implicit-reward accuracy table; None = every split whose name starts
+    with "validation" (TL;DR: validation and validation_cnndm)"""
+    eval_split: str = "validation"
+    """split of --query_dataset whose queries are sampled for samples.csv"""
+
+    # KTO hyperparameters (the paper's recommended setting); the optimizer and batch follow dpo.py's Table 6
+    beta: float = 0.1
+    """KTO's beta, 0.1 by default as the KTO paper recommends: how steeply the value of an example saturates in its
+    log-ratio measured from z0; larger keeps the policy closer to the reference"""
+    desirable_weight: float = 1.0
+    """lambda_D, the weight of a desirable example's loss (1.0, the paper's default). The paper's guidance: choose the
+    weights so that lambda_D n_D / (lambda_U n_U) lies in [1, 4/3], with n_D and n_U the desirable and undesirable
+    examples; a run whose data fall outside prints a warning at start (and trains anyway)"""
+    undesirable_weight: float = 1.0
+    """lambda_U, the weight of an undesirable example's loss (1.0, the paper's default); see --desirable_weight"""
+    num_train_epochs: int = 1
+    """Table 6: 1 epoch"""
+    total_episodes: Optional[int] = None
+    """number of examples to train on (a preference pair gives two); None = num_train_epochs x the train examples"""
+    lr: float = 3e-6
+    """Table 6: AdamW learning rate"""
+    eps: float = 1e-5
+    """Table 6: AdamW epsilon"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    scheduler: str = "cosine"
+    """Table 6: learning-rate schedule (any name transformers.get_scheduler knows)"""
+    warmup_steps: int = 0
+    """learning-rate warm-up, in optimizer updates"""
+    total_batch_size: int = 64
+    """examples per optimizer update over all processes (z0 is estimated over them all) = local_micro_batch_size x
+    gradient accumulation steps x number of processes (dpo.py's Table 6 value, counted in examples here)"""
+    local_micro_batch_size: int = 8
+    """examples per forward/backward pass on one process (at least 2: a mismatched pair borrows the completion of
+    another example of the micro batch)"""
+    gradient_accumulation_steps: Optional[int] = None
+    """micro batches per optimizer step; None = derived from the batch sizes, else checked against them"""
+    local_eval_batch_size: int = 8
+    """pairs (or queries for sampling) per forward pass during evaluation"""
+    disable_dropout: bool = True
+    """Detail 7: turn dropout off in the policy (the reference always runs with dropout off)"""
+    bf16: Optional[bool] = None
+    """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
+    runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+
+    # evaluation, sampling and logging
+    eval_every: int = 500
+    """run the evaluation every N optimizer updates (0 = only after training)"""
+    num_eval_samples: Optional[int] = None
+    """use only the first N rows of each evaluation split (preference and sampling); None = all"""
+    response_length: int = 53
+    """number of new tokens sampled per query (TL;DR SFT response length 53; the built-in task uses 24)"""
+    eval_temperature: float = 0.01
+    """sampling temperature of the evaluation samples (0.01 = near-greedy, as in sft.py)"""
+    log_every: int = 10
+    """log training metrics every N optimizer updates, averaged over every micro batch since the last log"""
+    print_sample_every: int = 1
+    """updates between printed samples: an evaluation at a multiple of it prints a few (the final one always);
+    0 = never"""
+
+    # derived at run time (not flags)
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    """number of processes"""
+    num_updates: tyro.conf.Suppress[Optional[int]] = None
+    """optimizer updates of the whole run"""
+
+
+# ---------------------------------------------------------------------------------------------
+# KTO pieces (module-level so that tests can check each one against a hand computation)
+# ---------------------------------------------------------------------------------------------
+
+
+PAIR_COLUMNS = [  # the processed preference schema: query + response, and the response as labels
+    "query_chosen_token",
+    "query_rejected_token",
+    "query_chosen_token_response_label",
+    "query_rejected_token_response_label",
+]
+
+
+EXAMPLE_COLUMNS = [  # one KTO example: the left-padded query, the right-padded completion, desirable or not
+    "query_token",
+    "completion_token",
+    "label",
+]
+
+
+def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int):
+    """log pi(y | x) = SUM over the response tokens of log pi(y_t | x, y_<t)  -> (B,)
+
+    `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
+    and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
+    sum, not a mean: eq. 4 compares probabilities of whole sequences."""
+    cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same sums, less compute
+    query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
+    logits = forward(model, query_responses, pad_token_id).logits[:, :-1]  # (B, T-1, V): predicts token t+1
+    targets = response_labels[:, 1:]  # (B, T-1)
+    mask = targets != pad_token_id
+    token_logps = torch.gather(
+        F.log_softmax(logits.float(), dim=-1), 2, torch.masked_fill(targets, ~mask, 0).unsqueeze(-1)
+    ).squeeze(-1)  # (B, T-1)
+    return (token_logps * mask).sum(1)
+
+
+def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
+    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
+    labels = torch.cat(
+        (batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]), dim=0
+    )  # (2B, T)
+    logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
+    num_pairs = batch["query_chosen_token"].size(0)
+    return logps[:num_pairs], logps[num_pairs:]
+
+
+def example_logprobs(model, query_tokens: torch.Tensor, completion_tokens: torch.Tensor, pad_token_id: int):
+    """log pi(y | x) of every example (B,): the left-padded query (B, Tq) and the right-padded completion (B, Tr)
+    side by side form one row whose padding lies at its two ends only (Detail 5), so any completion can follow any
+    query (the mismatched pairs of the KL estimate); the query's tokens are masked out of the sum."""
+    query_responses = torch.cat((query_tokens, completion_tokens), dim=1)  # (B, Tq + Tr)
+    labels = torch.cat((torch.full_like(query_tokens, pad_token_id), completion_tokens), dim=1)
+    return sequence_logprobs(model, query_responses, labels, pad_token_id)
+
+
+def reference_point(kl_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point z0 = max(0, kl_sum / count): the mean log-ratio log pi(y'|x) - log ref(y'|x) of `count`
+    mismatched pairs, a sample estimate of KL(pi || ref). Clamped at 0, since a KL is never negative (a negative
+    estimate is noise), and detached: z0 is a constant of the update, never trained through."""
+    return (kl_sum / count).clamp(min=0).detach()
+
+
+def kto_loss(
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    z0: torch.Tensor,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+):
+    """Per-example losses (B,) and implicit rewards beta * r (B,).
+
+    With r = log pi(y|x) - log ref(y|x) (sequence log-probs) and the reference point z0:
+        desirable:   lambda_D * (1 - sigmoid(beta * (r - z0)))   # a gain over z0 lowers it, down to 0
+        undesirable: lambda_U * (1 - sigmoid(beta * (z0 - r)))   # a loss below z0 lowers it, down to 0
+    Each is lambda_y minus the example's value; neither gives a gradient through z0 (detached here as well)."""
+    log_ratios = policy_logps - ref_logps
+    z0 = z0.detach()
+    losses = torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (log_ratios - z0))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (z0 - log_ratios))),
+    )
+    return losses, beta * log_ratios.detach()
+
+
+@torch.no_grad()
+def kl_estimate(accelerator, policy, ref_model, batches: List[Dict[str, torch.Tensor]], pad_token_id: int):
+    """Step 1: the KL estimate of the update and its reference point z0, before any gradient is taken. Each prompt
+    of a micro batch gets the completion of the example before it in the same micro batch (a roll by one: the first
+    takes the last's), so the mismatched pairs are the same however the update's micro batches are spread over
+    processes. The mean runs over every micro batch of the update on every process (summed, then all-reduced with
+    the count): one z0 for the whole update, whatever its micro batches and processes, so 2 processes train as 1
+    process with twice the accumulation (to float rounding). An estimate per micro batch would be noisier, and it
+    would change with the micro batch size and the number of processes. Returns (the estimate, z0), scalars."""
+    totals = torch.zeros(2, device=accelerator.device)  # [sum of the log-ratios, number of pairs]
+    for batch in batches:
+        query, mismatched = batch["query_token"], batch["completion_token"].roll(1, dims=0)
+        with accelerator.autocast():
+            log_ratios = example_logprobs(policy, query, mismatched, pad_token_id) - example_logprobs(
+                ref_model, query, mismatched, pad_token_id)
+        totals += torch.stack((log_ratios.float().sum(), torch.tensor(float(len(query)), device=totals.device)))
+    kl_sum, count = accelerator.reduce(totals, reduction="sum")
+    return kl_sum / count, reference_point(kl_sum, count)
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """The frozen reference's (chosen, rejected) sequence log-probs: looked up in the precomputed
+    table (N, 2) by row index when there is one, else computed live."""
+    if ref_table is not None:
+        rows = ref_table[batch["row_index"].cpu()].to(batch["query_chosen_token"].device)  # (B, 2)
+        return rows[:, 0], rows[:, 1]
+    return concatenated_logprobs(ref_model, batch, pad_token_id)
+
+
+def with_row_index(dataset, columns: List[str]):
+    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
+    The index travels with every batch so that results gathered from several processes (and the
+    precomputed reference log-probs) can be matched back to their rows."""
+    dataset = dataset.add_column("row_index", list(range(len(dataset))))
+    return dataset.with_format("torch", columns=columns + ["row_index"])
+
+
+def examples_from_pairs(pairs):
+    """--feedback pairs: every preference pair (x, y_c, y_r) becomes two KTO examples, (x, y_c) desirable and
+    (x, y_r) undesirable, in the columns of EXAMPLE_COLUMNS (the shuffle of training mixes them)."""
+    pairs = pairs.select_columns(["query_token", "chosen_token", "rejected_token"])
+    sides = [pairs.select_columns(["query_token", f"{side}_token"]).rename_column(f"{side}_token", "completion_token")
+             for side in ("chosen", "rejected")]
+    return concatenate_datasets([sides[0].add_column("label", [True] * len(pairs)),
+                                 sides[1].add_column("label", [False] * len(pairs))])
+
+
+def feedback_balance(args, labels) -> Tuple[float, Optional[str]]:
+    """lambda_D n_D / (lambda_U n_U) of the training examples, and a warning when it lies outside [1, 4/3], the
+    range the KTO paper advises choosing the weights for (the warning names a --desirable_weight that brings the
+    ratio to 1). Only a warning: the run trains as asked."""
+    n_desirable = int(torch.as_tensor(labels).sum())
+    n_undesirable = len(labels) - n_desirable
+    desirable, undesirable = args.desirable_weight * n_desirable, args.undesirable_weight * n_undesirable
+    ratio = desirable / undesirable if undesirable else float("inf")
+    if 1.0 <= ratio <= 4 / 3:
+        return ratio, None
+    fix = (f"--desirable_weight {undesirable / n_desirable:.3g} would bring it to 1" if n_desirable and n_undesirable
+           else "the data hold one kind of example only")
+    return ratio, (f"WARNING: lambda_D n_D / (lambda_U n_U) = {args.desirable_weight:g} x {n_desirable} / "
+                   f"({args.undesirable_weight:g} x {n_undesirable}) = {ratio:.3f} lies outside [1, 4/3], the KTO "
+                   f"paper's advice; {fix} (training goes on as asked)")
+
+
+def check_kto_flags(args) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    if args.feedback == "unpaired" and args.unpaired_dataset is None:
+        raise ValueError("--feedback unpaired reads --unpaired_dataset (a folder from data/prepare.py --unpaired); "
+                         "pass it, or train on preference pairs with --feedback pairs")
+    if args.local_micro_batch_size < 2:
+        raise ValueError("--local_micro_batch_size must be at least 2: the KL estimate pairs each prompt with the "
+                         "completion of another example of its micro batch")
+    if min(args.desirable_weight, args.undesirable_weight) <= 0 or args.beta <= 0:
+        raise ValueError("--beta, --desirable_weight and --undesirable_weight must be positive")
+
+
+def load_kto_data(args, tokenizer):
+    """The training examples (EXAMPLE_COLUMNS with row_index), and as in dpo.py every evaluation split of the
+    preference pairs and the SFT validation queries sampled for the sample table. Every split is checked for the
+    columns read from it and for the tokenizer that made it before any work; --num_eval_samples shortens the
+    evaluation splits."""
+    if args.feedback == "pairs":
+        source, columns = args.preference_dataset, ["query_token", "chosen_token", "rejected_token"]
+    else:
+        source, columns = args.unpaired_dataset, EXAMPLE_COLUMNS
+    train_raw = load_split(source, args.train_split)
+    check_columns(train_raw, columns, f"{source} split {args.train_split!r}")
+    check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{source} split {args.train_split!r}")
+    examples = examples_from_pairs(train_raw) if args.feedback == "pairs" else train_raw
+    train_dataset = with_row_index(examples, EXAMPLE_COLUMNS)
+    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
+    eval_datasets = {}
+    for split in eval_split_names:
+        raw = load_split(args.preference_dataset, split)
+        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
+        check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
+        if args.num_eval_samples is not None:
+            raw = raw.select(range(min(args.num_eval_samples, len(raw))))
+        eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
+    sample_raw = load_split(args.query_dataset, args.eval_split)
+    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
+    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.eval_split!r}")
+    if args.num_eval_samples is not None:
+        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
+    return train_dataset, eval_datasets, sample_raw, with_row_index(sample_raw, ["query_token"])
+
+
+def load_policy_and_reference(args, accelerator, tokenizer):
+    """The two models of DPO, both the SFT model: the policy, with float32 master weights (bf16 is autocast), and
+    the frozen reference, which may live in bf16 and never drops out (it must give the same log-probs every time).
+    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (prepare_frozen_model)."""
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    for model in (policy, ref_model):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if len(tokenizer) > model.config.vocab_size:
+            model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(policy)
+    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
+    return policy, prepare_frozen_model(accelerator, ref_model)
+
+
+@torch.no_grad()
+def evaluate_implicit_rewards(accelerator, model, ref_model, z0, eval_datasets, args: Args, pad_token_id: int):
+    """Detail 19: KTO as a reward model, as dpo.py evaluates DPO. For every pair of every evaluation split: its loss
+    (the mean of the KTO losses of chosen as desirable and rejected as undesirable, at the reference point z0 of the
+    last update), the implicit rewards beta * log(pi / pi_ref) of chosen and rejected (the pair is ranked right when
+    chosen's is higher) and the policy's sequence log-probs, gathered from every process. Returns {split: per-pair
+    frame, rows matched by row_index}."""
+    model.eval()
+    frames = {}
+    for split, (_, dataset) in eval_datasets.items():
+        dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+        gathered = []
+        for batch in dataloader:
+            with accelerator.autocast():
+                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
+                ref_chosen, ref_rejected = reference_logprobs(ref_model, None, batch, pad_token_id)
+            desirable = torch.arange(2 * len(policy_chosen), device=policy_chosen.device) < len(policy_chosen)
+            losses, rewards = kto_loss(torch.cat((policy_chosen, policy_rejected)), torch.cat((ref_chosen, ref_rejected)),
+                                       desirable, z0, args.beta, args.desirable_weight, args.undesirable_weight)
+            losses, (chosen_rewards, rejected_rewards) = losses.view(2, -1).mean(0), rewards.view(2, -1)
+            stats = torch.stack((losses, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected), 1).float()
+            gathered.append(accelerator.gather_for_metrics((batch["row_index"], stats)))
+        stats = torch.cat([g[1] for g in gathered]).cpu().numpy()
+        frame = pd.DataFrame(stats, columns=["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"])
+        frame["row_index"] = torch.cat([g[0] for g in gathered]).cpu().numpy()
+        frames[split] = frame
+    model.train()
+    return frames
+
+
+@torch.no_grad()
+def sample_responses(accelerator, model, tokenizer, dataset, generation_config, args: Args):
+    """Detail 23 sampling on the SFT validation queries: exactly response_length new tokens, then truncate
+    after the first EOS. Returns the row index (N,) of each query and its truncated response (N, Tr)."""
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+    rows_all, responses_all = [], []
+    for batch in dataloader:
+        queries = batch["query_token"]  # (B, Tq), left-padded
+        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
+        with accelerator.autocast():
+            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+        responses = truncate_response(
+            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
+        )  # (B, Tr)
+        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
+        rows_all.append(rows.cpu())
+        responses_all.append(responses.cpu())
+    model.train()
+    return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
+
+
+TRAIN_STATS = [  # per micro batch, logged as means over the logging interval; sums and counts become per-example means
+    "train/loss", "train/kl", "train/z0", "train/sum/rewards/desirable", "train/sum/rewards/undesirable",
+    "train/sum/logps/desirable", "train/sum/logps/undesirable", "train/count/desirable", "train/count/undesirable",
+]
+
+
+def per_example_means(means: Dict[str, float]) -> Dict[str, float]:
+    """The logged means of an interval: a micro batch may hold few or no examples of a kind, so rewards and log-probs
+    are logged as sums and counts and divided here (the ratio of the interval's totals), with the margin between
+    the kinds and the desirable share of the examples."""
+    out = {key: value for key, value in means.items() if not key.startswith(("train/sum/", "train/count/"))}
+    counts = {kind: means[f"train/count/{kind}"] for kind in ("desirable", "undesirable")}
+    for name, kind in ((f"{what}/{kind}", kind) for what in ("rewards", "logps") for kind in counts):
+        out[f"train/{name}"] = means[f"train/sum/{name}"] / counts[kind] if counts[kind] else float("nan")
+    out["train/rewards/margins"] = out["train/rewards/desirable"] - out["train/rewards/undesirable"]
+    out["train/desirable_share"] = counts["desirable"] / (counts["desirable"] + counts["undesirable"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Detail 19: KTO as a reward model (the Table 5 analogue of dpo.py) and its samples
+# ---------------------------------------------------------------------------------------------
+
+
+def preference_report(pairs: Dict[str, pd.DataFrame], eval_datasets):
+    """The per-pair frames of evaluate_preferences with each pair's annotation batch, confidence and comparison
+    split, as flat metrics (reward.py's names), the rows of the accuracy table and one frame of every pair."""
+    metrics, frames, table_rows = {}, [], []
+    for split, frame in pairs.items():
+        raw, rows = eval_datasets[split][0], frame["row_index"]
+        batches, confidences, comparison_splits = raw["batch"], raw["confidence"], raw["split"]
+        frame["batch"] = [batches[int(i)] for i in rows]
+        frame["confidence"] = [int(confidences[int(i)]) for i in rows]
+        frame["split"] = [comparison_splits[int(i)] for i in rows]
+        frame["correct"] = frame["chosen_reward"] > frame["rejected_reward"]
+        frame["dataset_split"] = split
+        frames.append(frame)
+        split_rows = implicit_reward_breakdown(frame, split)
+        table_rows.extend(split_rows)
+        for r in split_rows:
+            # the same metric names as reward.py: eval/{split}/accuracy, eval/{split}/accuracy/batch/batch10, ...
+            if r["group"] == "accuracy":
+                metrics[f"eval/{split}/accuracy"] = r["value"]
+            else:
+                group = r["group"].replace("accuracy by ", "accuracy/")
+                metrics[f"eval/{split}/{group}/{r['key']}"] = r["value"]
+        metrics[f"eval/{split}/loss"] = float(frame["loss"].mean())
+        metrics[f"eval/{split}/rewards/chosen"] = float(frame["chosen_reward"].mean())
+        metrics[f"eval/{split}/rewards/rejected"] = float(frame["rejected_reward"].mean())
+        metrics[f"eval/{split}/rewards/margins"] = float((frame["chosen_reward"] - frame["rejected_reward"]).mean())
+        metrics[f"eval/{split}/logps/chosen"] = float(frame["chosen_logp"].mean())
+        metrics[f"eval/{split}/logps/rejected"] = float(frame["rejected_logp"].mean())
+    # as in reward.py: the headline accuracy is the first split's (TL;DR "validation"); all pairs pooled too
+    metrics["eval/accuracy"] = metrics[f"eval/{next(iter(pairs))}/accuracy"]
+    frame = pd.concat(frames, ignore_index=True)
+    metrics["eval/accuracy_all_splits"] = float(frame["correct"].mean())
+    return metrics, table_rows, frame
+
+
+def implicit_reward_breakdown(frame: pd.DataFrame, split_name: str) -> List[dict]:
+    """Detail 19: the Table 5 analogue of reward.py, row for row, with DPO's implicit reward
+    beta * log(pi / pi_ref) as the score: reward statistics, then accuracy overall, by annotation
+    batch, by confidence and by the comparisons' own `split` column (Detail 16)."""
+    scores = np.concatenate([frame["chosen_reward"].to_numpy(), frame["rejected_reward"].to_numpy()])
+    rows = [{"dataset_split": split_name, "group": "reward", "key": k, "value": float(v), "n": len(scores)}
+            for k, v in (("max", scores.max()), ("mean", scores.mean()), ("min", scores.min()), ("std", scores.std()))]
+    rows.append({"dataset_split": split_name, "group": "accuracy", "key": "overall",
+                 "value": float(frame["correct"].mean()), "n": len(frame)})
+    for group in ("batch", "confidence", "split"):
+        for key, part in frame.groupby(group, sort=True):
+            rows.append({"dataset_split": split_name, "group": f"accuracy by {group}", "key": str(key),
+                         "value": float(part["correct"].mean()), "n": len(part)})
+    return rows
+
+
+def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
+    """The samples table (the columns every policy script writes) of sample_responses' rows (N,) and truncated
+    responses (N, Tr), and its metrics: the EOS rate and the mean response length."""
+    has_eos = (responses == tokenizer.eos_token_id).any(1)
+    # tokens up to and including the first EOS (all of them when there is none)
+    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(1))
+    query_tokens, references = raw["query_token"], raw["reference_response"]
+    records = []
+    for i, row in enumerate(rows.tolist()):
+        query = query_tokens[row]
+        records.append({
+            "query": tokenizer.decode([t for t in query if t != tokenizer.pad_token_id], skip_special_tokens=True),
+            "response": tokenizer.decode(
+                [t for t in responses[i].tolist() if t != tokenizer.pad_token_id], skip_special_tokens=True
+            ),
+            "reference": references[row],
+            "score": None,  # no reward model in DPO
+            "response_token_len": int(token_len[i]),
+            "has_eos": bool(has_eos[i]),
+        })
+    table = pd.DataFrame(records, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
+    metrics = {
+        "eval/eos_rate": float(has_eos.float().mean()),
+        "eval/response_token_len_mean": float(token_len.float().mean()),
+    }
+    return table, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
+    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
+    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
+    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+    )
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    return torch.cat((queries, sequences[:, context_length:]), dim=1)
+
+
+def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
+    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
+    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
+    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
+    if temperature < 0:
+        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
+        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
+    )
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    check_kto_flags(args)
+    # ---------------- batch arithmetic (64 examples per update), processes, run folder ----------------
+    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
+    accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
+                             "total_batch_size / (local_micro_batch_size * world_size)")
+    check_gradient_accumulation(args, accumulation, args.world_size)
+    args.gradient_accumulation_steps = accumulation  # recorded in args.json
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = make_dpo_accelerator(args)  # gradient accumulation, a resumable data order, bf16 autocast
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+
+    # ---------------- tokenizer and data ----------------
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+    pad_token_id = tokenizer.pad_token_id
+    train_dataset, eval_datasets, sample_raw, sample_dataset = load_kto_data(args, tokenizer)
+    args.num_updates = num_updates = count_updates(args, len(train_dataset))
+    balance, warning = feedback_balance(args, train_dataset["label"])  # the paper's advice: lambda_D n_D / (lambda_U n_U)
+    if warning:
+        accelerator.print(warning)
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+
+    # ---------------- models: the policy and the frozen reference, both the SFT model ----------------
+    policy, ref_model = load_policy_and_reference(args, accelerator, tokenizer)
+    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
+    # the reference runs live: the mismatched pairs of the KL estimate are drawn by each update's batch
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
+    # accelerate's wrapper would step it once per process)
+    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    # the data order comes from its own generator (reseeded with seed + epoch by the seedable sampler), so
+    # neither sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    policy, optimizer, train_dataloader = accelerator.prepare(policy, optimizer, train_dataloader)
+    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
+    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+
+    # ---------------- resume and logs ----------------
+    # the trainer state: the update reached and the open logging interval. The frozen reference is not saved: it is
+    # the SFT model, loaded again
+    state = run.start({"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0,
+                       "last_train_metrics": {}}, num_updates=num_updates)
+    start_update = state["update"]
+    # accelerate counts micro batches to decide when to step: restart the count at the update boundary of the
+    # checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
+    accelerator.step = start_update * args.gradient_accumulation_steps
+    interval = DpoLoggingInterval(state)  # training metrics since the last log, carried by checkpoints
+    # the data position: every update reads gradient_accumulation_steps micro batches on each process
+    micro_batches = resumable_micro_batches(train_dataloader, start_update * args.gradient_accumulation_steps)
+
+    def run_evaluation(update: int, final: bool = False) -> dict:
+        """Detail 19: KTO's implicit reward model on the preference splits; samples of the policy."""
+        pairs = evaluate_implicit_rewards(accelerator, policy, ref_model, z0, eval_datasets, args, pad_token_id)
+        sampled = sample_responses(accelerator, policy, tokenizer, sample_dataset, generation_config, args)
+        metrics = write_dpo_evaluation(run, args, update, final, pairs, eval_datasets, sampled, sample_raw, tokenizer)
+        run.log(update, {"episode": update * args.total_batch_size, **metrics})
+        return metrics
+
+    # ---------------- training: one optimizer update per total_batch_size examples ----------------
+    accelerator.print(
+        f"KTO ({args.feedback}, beta {args.beta}, lambda_D {args.desirable_weight}, lambda_U {args.undesirable_weight}, "
+        f"lambda_D n_D / (lambda_U n_U) = {balance:.3f}): {num_updates} updates of {args.total_batch_size} examples, "
+        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
+        f"{args.local_micro_batch_size} examples"
+    )
+    policy.train()
+    progress = tqdm(total=num_updates, initial=start_update, desc="kto", disable=not accelerator.is_local_main_process)
+    update = start_update
+    try:
+        for update in range(start_update + 1, num_updates + 1):
+            micro_stats, tokens = [], 0
+            # step 1 first, without gradients: z0 is the KL estimate of the update's whole batch (every micro batch on
+            # every process), so each micro batch's loss below is measured from the same reference point
+            batches = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
+            kl, z0 = kl_estimate(accelerator, policy, ref_model, batches, pad_token_id)
+            for batch in batches:
+                desirable = batch["label"].bool()
+                with accelerator.accumulate(policy):
+                    with accelerator.autocast():  # steps 2-3: sequence log-probs (B,) of the examples
+                        policy_logps = example_logprobs(policy, batch["query_token"], batch["completion_token"], pad_token_id)
+                        ref_logps = example_logprobs(ref_model, batch["query_token"], batch["completion_token"], pad_token_id)
+                    losses, rewards = kto_loss(  # step 4
+                        policy_logps, ref_logps, desirable, z0, args.beta, args.desirable_weight, args.undesirable_weight
+                    )
+                    loss = losses.mean()
+                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
+                    run.guard(update, **{
+                        "train/loss": loss, "train/logps": policy_logps, "train/ref_logps": ref_logps, "train/kl": kl,
+                    })
+                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+                    optimizer.step()  # step 5; a no-op until the last micro batch of the update
+                    optimizer.zero_grad()
+                logps = policy_logps.detach()
+                micro_stats.append(torch.stack([  # in the order of TRAIN_STATS
+                    loss.detach(), kl, z0, rewards[desirable].sum(), rewards[~desirable].sum(), logps[desirable].sum(),
+                    logps[~desirable].sum(), desirable.sum(), (~desirable).sum(),
+                ]).float())
+                tokens += int(
+                    (batch["query_token"] != pad_token_id).sum() + (batch["completion_token"] != pad_token_id).sum()
+                )
+            if not accelerator.sync_gradients:
+                raise RuntimeError("gradient accumulation went out of step with the update loop")
+            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+            lr_scheduler.step()
+
+            # ---------------- logging: means over updates, micro batches and processes ----------------
+            interval.add(accelerator.reduce(torch.stack(micro_stats).mean(0), reduction="mean").tolist(),
+                         int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")))
+            episode = update * args.total_batch_size
+            progress.update(1)
+            if update % args.log_every == 0 or update == num_updates:
+                means = per_example_means(interval.close(update_lr, episode / len(train_dataset)))
+                run.log(update, {"episode": episode, **means})
+                progress.set_postfix(loss=f"{means['train/loss']:.4f}", kl=f"{means['train/kl']:.3f}",
+                                     tok_s=f"{means['train/tokens_per_s']:.0f}")
+            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
+                run_evaluation(update)
+                interval.restart_clock()  # evaluation time is not training throughput
+            # after the update's logging and evaluation, so a resumed run repeats neither
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < num_updates:
+                run.checkpoint(update, interval.state())
+    except NonFiniteError:
+        # the guard runs before backward and before the update's optimizer step, so the weights on hand are
+        # still those after update - 1: keep them as the last good checkpoint (never the poisoned ones)
+        progress.close()  # so that the error is the last line of the output
+        run.checkpoint(update - 1, interval.state())
+        accelerator.print(f"non-finite value in update {update}; last good checkpoint: {run.latest_checkpoint()}")
+        raise
+    progress.close()
+
+    # ---------------- final evaluation and outputs ----------------
+    metrics = run_evaluation(num_updates, final=True)
+    summary = {**metrics, **per_example_means(interval.last_means),  # the last logging interval's training means
+               "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
+               "wall_time_s": time.time() - start_time}
+    save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
+    if args.push_to_hub and accelerator.is_main_process:
+        upload_to_hub(args)
+    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
+    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    return summary
+
+
+# =============================================================================================
+# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
+# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
+# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
+# =============================================================================================
+
+
+def check_dpo_flags(args) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
+        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
+
+
+def make_dpo_accelerator(args) -> Accelerator:
+    """The run's Accelerator: gradient accumulation over args.gradient_accumulation_steps micro batches, a data
+    order that a resumed run can find its place in, and bf16 autocast with --bf16."""
+    return Accelerator(
+        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        # the shuffle of epoch e depends on (seed, e) alone, so a resumed run finds its place in the data
+        # (see resumable_micro_batches)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        mixed_precision="bf16" if args.bf16 else "no",
+    )
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
+        )
+    return tokenizer
+
+
+def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini_batches: int = 1) -> None:
+    """--gradient_accumulation_steps left out (None) takes `derived`, the micro batches per optimizer step that the
+    batch sizes give; a stated value must equal it (it checks the batch arithmetic, it never overrides it)."""
+    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps != derived:
+        raise ValueError(
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not match total_batch_size "
+            f"{args.total_batch_size} / ({num_processes} processes x {num_mini_batches} minibatches x "
+            f"{args.local_micro_batch_size} micro batch) = {derived}; leave it out or change the batch sizes"
+        )
+
+
+def count_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
+    train data) in full batches of total_batch_size; a last partial batch is dropped."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = total_episodes // args.total_batch_size
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+    return num_updates
+
+
+def load_dpo_data(args, tokenizer):
+    """The preference pairs to train on, every evaluation split of them and the SFT validation queries sampled for
+    the sample table. Every split is checked for the columns read from it and for the tokenizer that made it before
+    any work. Returns the train split (tensors with row_index), {split: (raw rows, tensors)} for evaluation, and the
+    sample queries (raw rows, tensors); --num_eval_samples shortens the evaluation splits."""
+    train_raw = load_split(args.preference_dataset, args.train_split)
+    check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
+    check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {args.train_split!r}")
+    train_dataset = with_row_index(train_raw, PAIR_COLUMNS)
+    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
+    eval_datasets = {}
+    for split in eval_split_names:
+        raw = load_split(args.preference_dataset, split)
+        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
+        check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
+        if args.num_eval_samples is not None:
+            raw = raw.select(range(min(args.num_eval_samples, len(raw))))
+        eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
+    sample_raw = load_split(args.query_dataset, args.eval_split)
+    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
+    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.eval_split!r}")
+    if args.num_eval_samples is not None:
+        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
+    return train_dataset, eval_datasets, sample_raw, with_row_index(sample_raw, ["query_token"])
+
+
+def preference_eval_splits(path: str) -> List[str]:
+    """Every split of the preference dataset whose name starts with "validation" (Detail 6: the
+    TL;DR validation set has out-of-distribution policy pairs and a CNN/DM split)."""
+    names = list(load_from_disk(path).keys()) if os.path.isdir(path) else get_dataset_split_names(path)
+    splits = sorted(name for name in names if name.startswith("validation"))
+    if not splits:
+        raise ValueError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
+    return splits
+
+
+class DpoLoggingInterval:
+    """The training metrics since the last log: one row of TRAIN_STATS per update (already averaged over micro
+    batches and processes, so every process holds the same rows and a checkpoint can carry them), the tokens
+    trained on and the time taken. Built from the trainer state (an empty interval, or a checkpoint's)."""
+
+    def __init__(self, state: dict):
+        self.rows, self.tokens = state["interval"], state["interval_tokens"]
+        self.start = time.time() - state["interval_time"]
+        self.last_means = state["last_train_metrics"]  # the last logged means, for the summary
+
+    def add(self, row: List[float], tokens: int) -> None:
+        self.rows.append(row)
+        self.tokens += tokens
+
+    def close(self, lr: float, epoch: float) -> Dict[str, float]:
+        """The interval's means (and throughput, learning rate, epoch); a new interval starts."""
+        means = dict(zip(TRAIN_STATS, np.mean(self.rows, axis=0).tolist()))
+        means["train/tokens_per_s"] = self.tokens / (time.time() - self.start)
+        means["train/lr"] = lr
+        means["train/epoch"] = epoch
+        self.last_means = means
+        self.rows, self.tokens, self.start = [], 0, time.time()
+        return means
+
+    def restart_clock(self) -> None:
+        self.start = time.time()
+
+    def state(self) -> dict:
+        return {"interval": self.rows, "interval_tokens": self.tokens, "interval_time": time.time() - self.start,
+                "last_train_metrics": self.last_means}
+
+
+def resumable_micro_batches(loader, skip: int):
+    """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
+    the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
+
+    The loader must come from an Accelerator made with DataLoaderConfiguration(use_seedable_sampler=True,
+    data_seed=seed): its shuffle of epoch e is then drawn from a generator seeded with seed + e, so it
+    depends on e alone and not on how many epochs this process has iterated before. A resumed run can
+    therefore set epoch e directly and drop the micro batches of it already trained on; skip_first_batches
+    drops them from the index lists (no row is read). Every process skips its own share the same way."""
+    per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
+    if per_epoch == 0:
+        raise ValueError("the train split is smaller than one micro batch per process; "
+                         "lower --local_micro_batch_size or use more data")
+    epoch, skip = divmod(skip, per_epoch)
+    while True:
+        loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
+        yield from (skip_first_batches(loader, skip) if skip else loader)
+        epoch, skip = epoch + 1, 0
+
+
+def write_dpo_evaluation(run, args, update: int, final: bool, pairs: Dict[str, pd.DataFrame], eval_datasets,
+                         sampled, sample_raw, tokenizer) -> Dict[str, float]:
+    """An evaluation's metrics and outputs: samples/step_N.csv and the TensorBoard text tabs; after training also
+    samples.csv, the accuracy table (eval_table.csv, eval_table.md, printed) and every scored pair (eval_pairs.csv)."""
+    metrics, table_rows, frame = preference_report(pairs, eval_datasets)
+    samples, sample_metrics = sample_table(tokenizer, sample_raw, *sampled)
+    metrics.update(sample_metrics)
+    run.save_table(samples, f"samples/step_{update:06d}.csv")
+    if not run.main:
+        return metrics
+    run.writer.add_text("eval/accuracy_table", breakdown_markdown(table_rows), update)  # TensorBoard's text tab
+    run.writer.add_text("eval/samples", frame_markdown(samples.head(8)), update)
+    if final:
+        run.save_table(samples, "samples.csv")
+        run.save_table(pd.DataFrame(table_rows), "eval_table.csv")
+        with open(os.path.join(run.dir, "eval_table.md"), "w") as f:
+            f.write(breakdown_markdown(table_rows) + "\n")
+        run.save_table(frame, "eval_pairs.csv")
+        print(breakdown_markdown(table_rows))
+    if args.print_sample_every > 0 and (final or update % args.print_sample_every == 0):
+        for row in samples.head(2).itertuples():
+            print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\nREFERENCE: {row.reference}")
+    return metrics
+
+
+def breakdown_markdown(rows: List[dict]) -> str:
+    """The accuracy table as Markdown, in reward.py's layout so the RM and DPO tables sit side by side."""
+    lines = ["| dataset split | metric | key | value | n |", "| --- | --- | --- | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
+    return "\n".join(lines)
+
+
+def frame_markdown(df: pd.DataFrame) -> str:
+    """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
+
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def save_pretrained_model(accelerator, wrapped, model, tokenizer, output_dir: str, prefix: str = "") -> None:
+    """save_pretrained (safetensors) of `model` and its tokenizer in output_dir. The weights are those of
+    accelerator.get_state_dict(wrapped), which every process calls (ZeRO-3 gathers the shards); `prefix` is the
+    name of `model` inside the wrapper (reward.py's "rm."), dropped from the saved names."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(wrapped)
+    if accelerator.is_main_process:
+        state_dict = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+def upload_to_hub(args) -> None:
+    """--push_to_hub: upload --output_dir (the model and its tokenizer) to the hub repository --hub_model_id
+    (None: the run name). Main process only, after save_pretrained_model."""
+    from huggingface_hub import HfApi
+
+    hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
+    api = HfApi()
+    api.create_repo(hub_model_id, exist_ok=True)
+    api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+
+
+# ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
+    and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+                         "make it with data/prepare.py, whose output has every column the scripts read")
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in (c for c in columns if pyarrow.types.is_list(table.schema.field(c).type) and table.num_rows):
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has "
+                             f"{int(lengths[0])}; every row must be padded to the same length (prepare the data again "
+                             "with data/prepare.py)")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
+    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
+    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
+    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+                  if theirs.get(k) != ours[k]]
+        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        if differ:
+            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
+                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
+                             f"other tokens. {fix}")
+        return
+    other = f"so the data was tokenized by another tokenizer. {fix}"
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
+            table.schema.field(c).type, "value_type", pyarrow.string()))):
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= size:
+            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
+                             f"has {size} tokens, {other}")
+    head = dataset.select(range(min(rows, len(dataset))))
+    for column in (c for c in columns if c + "_len" in dataset.column_names):
+        ends = []  # the last token of each response (the query column has none)
+        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
+            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
+            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
+            if wrong:
+                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
+                                 f"{model_path} pads with {pad}, {other}")
+            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
+                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
+
+
+# ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+class Run:
+    """Everything a training run keeps on disk besides the model, behind one small interface:
+
+        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
+        run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
+        state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
+        run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
+        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track); run.writer
+        run.save_table(frame, "samples.csv")  # a CSV in the run folder
+        run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files
+        run.finish(summary)                   # summary.json; marks --output_dir complete, last
+    `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
+    (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
+
+    def __init__(self, args, accelerator):
+        self.args, self.accelerator, self.main, root = args, accelerator, accelerator.is_main_process, args.run_dir_root
+        if args.run_name is None and args.resume:  # the run of this experiment and seed whose checkpoints are newest
+            runs = glob.glob(os.path.join(root, f"{args.exp_name}__{args.seed}__*", "checkpoints"))
+            if not runs:
+                raise ValueError(f"--resume: no run {root}/{args.exp_name}__{args.seed}__* has a checkpoint; pass --run_name")
+            args.run_name = os.path.basename(os.path.dirname(max(runs, key=os.path.getmtime)))
+        # one name for all processes: their clocks may disagree on the second
+        args.run_name = broadcast_object_list([args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
+        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
+        self.stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)  # None: no DeepSpeed
+        self.checkpoints, self.lock = os.path.join(self.dir, "checkpoints"), os.path.join(self.dir, "run.lock")
+        if self.main:  # one live run per folder: the lock holds its host and pid; a dead run's lock is taken over
+            os.makedirs(self.dir, exist_ok=True)
+            me = {"host": os.uname().nodename, "pid": os.getpid()}
+            holder = json.load(open(self.lock)) if os.path.exists(self.lock) else None
+            if holder and (holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"]))):
+                raise RuntimeError(f"{self.dir} is in use by the run of process {holder['pid']} on {holder['host']} "
+                                   f"({self.lock}); wait for it to end, or pass another --run_name")
+            with open(self.lock, "w" if holder else "x") as f:  # "x" creates it exclusively: of two runs at once, one fails
+                json.dump(me, f)
+        self.resume_from = self.intact_checkpoint() if args.resume else None
+
+    def saved(self) -> list:  # the completed checkpoints, oldest first (a killed save never got its name update_N)
+        return sorted(glob.glob(os.path.join(self.checkpoints, "update_*")))
+
+    def intact_checkpoint(self) -> str:
+        """--resume: the newest checkpoint whose files all match its manifest (sizes included, RNG states too),
+        written by as many processes and the same DeepSpeed stage as this run; checked before any model loads."""
+        root, saved = self.checkpoints, self.saved()
+        for path in reversed(saved):
+            try:
+                manifest = json.load(open(os.path.join(path, "manifest.json")))
+                problem = next((f"{os.path.join(path, f)} has {os.path.getsize(os.path.join(path, f))} bytes, not {n}"
+                                for f, n in manifest["files"].items() if os.path.getsize(os.path.join(path, f)) != n), None)
+            except (OSError, ValueError, KeyError) as error:  # a missing file, or a manifest that is not one
+                missing = isinstance(error, FileNotFoundError)
+                problem = f"{error.filename} is missing" if missing else f"{path}/manifest.json is unreadable ({error!r})"
+            if problem is None:
+                break
+            self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
+        else:
+            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if saved else ""))
+        for stale in (d for d in os.listdir(root) if d.startswith(".tmp_") and self.main):  # of killed or failed saves
+            shutil.rmtree(os.path.join(root, stale))
+        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, self.stage)
+        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
+            raise ValueError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
+                             f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
+        return path
+
+    def claim_output_dir(self) -> None:
+        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not complete)."""
+        out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
+        if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
+            owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+            if owner != self.args.run_name:
+                raise ValueError(
+                    f"--output_dir {out} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                    f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                    + (f", or --resume --run_name {owner} to continue that run" if owner else ""))
+        self.accelerator.wait_for_everyone()  # every process checked before the mark changes
+        if self.main:
+            os.makedirs(out, exist_ok=True)
+            json.dump({"run_name": self.args.run_name}, open(mark, "w"))
+
+    def start(self, state: dict, **shape) -> dict:
+        """The trainer state to go on from (the checkpoint's with --resume, else `state`); opens the logs."""
+        self.shape, resumed_at = shape, 0
+        if self.resume_from:
+            state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
+            if {key: state.get(key) for key in shape} != shape:
+                raise ValueError(f"--resume: the checkpoint belongs to a run with {({k: state.get(k) for k in shape})}, "
+                                 f"these flags give {shape}; resume with the flags of the original run")
+            self.accelerator.load_state(self.resume_from)
+            self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
+            resumed_at = state["update"]
+        elif self.main:
+            shutil.rmtree(self.checkpoints, ignore_errors=True)  # a fresh run of the same name starts over
+        if self.main:
+            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+            config = asdict(self.args)  # with the derived fields filled in
+            json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
+            if self.args.track:
+                import wandb  # only with --track; it mirrors TensorBoard
+                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                           config=config, name=self.args.run_name, save_code=True)
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
+            metrics, kept = os.path.join(self.dir, "metrics.jsonl"), []
+            if resumed_at and os.path.exists(metrics):  # what was logged after the checkpoint goes: logs as if never cut
+                kept = [line for line in open(metrics) if json.loads(line)["step"] <= resumed_at]
+            open(metrics, "w").writelines(kept)
+        return state
+
+    def guard(self, update: int, **quantities: torch.Tensor) -> None:
+        """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
+        raise together). Called before the optimizer step that would use it: the weights on hand are the last good."""
+        flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+        flags = self.accelerator.reduce(flags.to(self.accelerator.device), reduction="sum")
+        bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+        if bad:
+            raise NonFiniteError(
+                f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+                "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+                "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.main:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def save_table(self, frame, name: str) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.dir, name), index=False)
+
+    def checkpoint(self, update: int, state: dict) -> str:
+        """Save what a resumed run needs after `update` (on every process). Atomic: written to a temporary folder, its
+        manifest (files and sizes) last, then renamed to update_N, so a killed or failed save leaves the previous one."""
+        final, temporary = (os.path.join(self.checkpoints, f"{p}update_{update:06d}") for p in ("", ".tmp_"))
+        self.accelerator.wait_for_everyone()
+        try:  # (a temporary folder of a killed save is removed by the --resume that follows it)
+            self.accelerator.save_state(temporary)
+            self.accelerator.wait_for_everyone()
+            if self.main:
+                json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
+                files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
+                         for d, _, names in os.walk(temporary) for f in names}
+                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": self.stage},
+                          open(os.path.join(temporary, "manifest.json"), "w"))
+        except Exception as error:  # e.g. a full disk: an OSError, a SafetensorError or a torch writer error
+            shutil.rmtree(temporary, ignore_errors=True)  # a failed save leaves no half-written folder behind
+            error.add_note(f"while saving the checkpoint of update {update} to {self.checkpoints}: the newest one is still "
+                           f"{self.latest_checkpoint()}. Free space if the disk is full, then --resume")
+            raise
+        if self.main:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(temporary, final)
+            for old in self.saved()[:-self.args.checkpoint_keep]:  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def latest_checkpoint(self) -> Optional[str]:
+        return (self.saved() or [None])[-1]
+
+    def finish(self, summary: dict) -> None:
+        """summary.json, then the mark that --output_dir is complete (written last: a folder without it is not)."""
+        if self.main:
+            json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
+            self.writer.close()  # (a W&B run ends with the process)
+            json.dump({"run_name": self.args.run_name, "complete": True},
+                      open(os.path.join(self.args.output_dir, "run.json"), "w"))
+            os.remove(self.lock)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by Run.guard)."""
+
+
+def start_processes() -> PartialState:
+    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate picks a
+    backend by itself only for GPUs; on the CPU we name gloo (`torchrun` ranks, or DeepSpeed with DS_ACCELERATOR=cpu)."""
+    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
+    if torch.cuda.is_available():
+        return PartialState()
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return PartialState(backend="gloo") if deepspeed else PartialState(cpu=True)
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
+    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
+    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
+    if config is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,1993 @@
+"""Online (iterative) DPO: DPO on pairs the policy itself samples, labelled by a judge while it trains
+(Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"; OpenRLHF, Appendix A.6). A fork of
+dpo.py: the loss, its variants and the evaluation are dpo.py's; what changes is where the pairs come from.
+
+The policy starts from the SFT model. The run is a sequence of rounds; round r (of pairs_per_round prompts,
+pairs_per_round / total_batch_size optimizer updates) is:
+
+  1. draw pairs_per_round prompts from the query split (a fresh permutation each pass, Detail 21)
+  2. sample TWO responses per prompt from the current policy at --temperature: exactly response_length tokens, then
+     truncated after the first EOS (Detail 23). Each response's randomness comes from its own generator, seeded by
+     (seed, prompt batch, prompt index, 0 or 1), so the samples do not depend on the batch or the number of processes
+     (the prompt batch is the round's number until a dropped pair has been replaced, see step 3)
+  3. a judge labels each pair: a response without EOS loses to one with EOS (--non_eos_penalty); otherwise the
+     reward model (score at the EOS, Detail 12) or an OpenAI-compatible judge with the paper's prompt (Appendix I)
+     picks the chosen one. Ties, identical responses and unparseable answers are dropped, counted, and replaced by
+     pairs of further prompts (at most --max_draws_per_round prompt batches per round)
+  4. the reference's sequence log-probs of the round's pairs, computed once: the SFT model (--reference sft), or the
+     policy as it is now, i.e. at the end of the last round (--reference last_round)
+  5. DPO updates on the round's pairs, each pair once, in the order drawn: steps 1-6 of dpo.py (a slot left empty
+     after the last prompt batch weighs 0; each update averages over the pairs it holds)
+With pairs_per_round = total_batch_size (the default) every update samples its own pairs (fully online, as Guo et
+al.); larger rounds sample less often, with the policy of the round's start (iterative DPO).
+Evaluation is dpo.py's: DPO's implicit reward model r(x, y) = beta * log(pi(y|x) / pi_sft(y|x)) (eq. 5) on the
+validation preference pairs (Detail 19), and samples of the policy in samples.csv.
+
+Single process:   python online_dpo.py --sft_model_path models/sft --reward_model_path models/rm
+Gold judge:       python data/gold_judge_server.py --port 8011 &   (prints its URL and model id)
+                  python online_dpo.py --judge endpoint --endpoint.base_url http://127.0.0.1:8011/v1 \
+                      --endpoint.model gold-judge-<digest>   (a real API: OPENAI_API_KEY from the environment)
+Several GPUs:     accelerate launch --config_file zero2.yaml online_dpo.py --sft_model_path models/sft
+After a crash:    the same command with --resume (and --run_name): it continues from the latest checkpoint in
+                  runs/{run_name}/checkpoints (policy, AdamW, schedule, the current round's judged pairs and
+                  reference log-probs, the running counts, open logging interval, RNG states) and ends exactly like
+                  an uninterrupted run (--checkpoint_every sets how often). A NaN or inf loss, log-prob or reward-model
+                  score stops the run before it reaches the weights, keeping the last good checkpoint.
+"""
+import asyncio
+import atexit
+import glob
+import hashlib
+import ipaddress
+import json
+import os
+import random
+import re
+import shutil
+import sqlite3
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Literal, Optional, Tuple
+
+import numpy as np
+import openai
+import pandas as pd
+import psutil
+import pyarrow
+import pyarrow.compute
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
+from datasets import Dataset, get_dataset_split_names, load_dataset, load_from_disk
+from openai import AsyncOpenAI
+from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig,
+                          LogitsProcessor, LogitsProcessorList, get_scheduler)
+
+
+@dataclass
+class EndpointArgs:
+    """--judge endpoint: an OpenAI-compatible chat endpoint asked with the paper's pairwise prompt (judge.py's client
+    and flags; the API key is read from OPENAI_API_KEY only, never from a flag, and never logged or saved)"""
+
+    model: str = "gpt-3.5-turbo-0125"
+    """judge model (the paper's reference code: gpt-3.5-turbo-0125; the built-in task: gold-judge-<digest>)"""
+    base_url: Optional[str] = None
+    """the endpoint's /v1 root, e.g. the built-in gold judge's; None -> the openai default"""
+    system_prompt: str = "You are a helpful assistant."
+    """system message sent before the judge prompt (the reference code's)"""
+    temperature: Optional[float] = None
+    """sampling temperature of the judge; None sends none (the API default)"""
+    max_parallel_requests: int = 8
+    """requests in flight at once"""
+    max_tries: int = 6
+    """tries per request on 429, 5xx, timeouts and connection errors (then the pair is invalid and dropped)"""
+    backoff_base_s: float = 1.0
+    """first retry waits about this long; each further retry doubles it (with jitter)"""
+    backoff_max_s: float = 60.0
+    """upper bound on one backoff wait"""
+    timeout_s: float = 120.0
+    """per-request timeout of the client"""
+    max_parse_tries: int = 3
+    """asks per pair when the reply has no parseable verdict (then the pair is invalid and dropped)"""
+    cache_path: Optional[str] = None
+    """sqlite file caching every reply (judge.py's cache); None -> runs/{run_name}/judge_cache.sqlite, so a resumed
+    run asks nothing twice"""
+    strip_eos_text: str = "<|endoftext|>"
+    """an EOS spelling removed from the end of each response before the judge reads it ("" keeps it)"""
+
+
+@dataclass
+class Args:
+    # experiment bookkeeping
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (the script's file stem)"""
+    seed: int = 1
+    """seed of weights, prompt order and of each prompt's two responses (from seed, round and prompt index, the same
+    on any number of processes); the evaluation samples use seed + process_index * 100003"""
+    run_name: Optional[str] = None
+    """run name; None -> f"{exp_name}__{seed}__{int(time.time())}"; outputs go to {run_dir_root}/{run_name}"""
+    run_dir_root: str = "runs"
+    """folder that holds the run folders (args.json, metrics.jsonl, TensorBoard, samples, summary)"""
+    track: bool = False
+    """mirror the TensorBoard logs to Weights & Biases"""
+    wandb_project_name: str = "tldr_summarize"
+    """W&B project (with --track)"""
+    wandb_entity: Optional[str] = None
+    """W&B entity (with --track); None = your default entity"""
+    push_to_hub: bool = False
+    """upload the trained policy and tokenizer to the Hugging Face hub"""
+    hub_model_id: Optional[str] = None
+    """hub repository id for --push_to_hub; None -> the run name"""
+    output_dir: str = "models/online_dpo"
+    """where the trained policy and its tokenizer are saved (safetensors)"""
+    overwrite_output_dir: bool = False
+    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
+    checkpoint_every: int = 100
+    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
+    runs/{run_name}/checkpoints every this many updates (0 = never)"""
+    checkpoint_keep: int = 1
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
+    the resumed run ends with the same weights and metrics as one that was never interrupted"""
+
+    # models and data
+    sft_model_path: str = "models/sft"
+    """the SFT model (local folder written by sft.py, or a hub name): the policy's start, the reference of
+    --reference sft and of the evaluation"""
+    trust_remote_code: bool = False
+    """passed to from_pretrained for models with custom code"""
+    preference_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
+    """processed preference pairs (hub name, or a local save_to_disk folder from data/prepare.py), read for the
+    evaluation only (Detail 19): the training pairs are sampled and judged during the run"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """processed SFT dataset: its --train_split queries are the prompts, its --eval_split queries are sampled for
+    the generation table"""
+    train_split: str = "train"
+    """split of --query_dataset whose queries are the prompts (Detail 21: reused, reshuffled each pass)"""
+
+    # online pairs: sampling, judging, reference
+    judge: Literal["rm", "endpoint"] = "rm"
+    """who labels each sampled pair: the reward model (the higher score at the EOS, Detail 12) or an OpenAI-compatible
+    judge with the paper's prompt (--endpoint.*; the built-in task's gold judge, or an LLM)"""
+    reward_model_path: str = "models/rm"
+    """--judge rm: the reward model (saved by reward.py), trained with the policy's tokenizer"""
+    endpoint: EndpointArgs = field(default_factory=EndpointArgs)
+    """--judge endpoint: the judge's endpoint, model and retry policy"""
+    reference: Literal["sft", "last_round"] = "sft"
+    """the reference pi_ref of the loss: the SFT model, or the policy as it was at the end of the last round (iterative
+    DPO; the first round's is the SFT model). The evaluation's implicit reward is always measured against SFT"""
+    pairs_per_round: Optional[int] = None
+    """prompts sampled (one candidate pair each) per round, a multiple of total_batch_size; the round's pairs are
+    trained on once, in pairs_per_round / total_batch_size updates. None = total_batch_size: fresh pairs for every
+    update (fully online)"""
+    temperature: float = 1.0
+    """sampling temperature of the two responses (1 = the policy itself, as the online DPO objective assumes); > 0"""
+    non_eos_penalty: bool = True
+    """Detail 23 (EOS trick) for pairs: a response without EOS loses to one with EOS whatever the judge would say, and
+    two responses without EOS are a tie (dropped), as ppo.py's --non_eos_penalty gives both the same penalty score;
+    off: every pair goes to the judge"""
+    max_draws_per_round: int = 4
+    """prompt batches (of pairs_per_round prompts each) a round may sample: a dropped pair is replaced by one of the
+    next batch, so that every update trains on total_batch_size pairs; the slots still empty after this many batches
+    weigh 0 in the loss. 1 = never replace (an update then averages over the pairs it kept)"""
+    local_rollout_forward_batch_size: int = 64
+    """prompts per generation / scoring chunk on one process (memory knob; the samples do not depend on it)"""
+    eval_splits: Optional[List[str]] = None
+    """preference splits for the implicit-reward accuracy table; None = every split whose name starts
+    with "validation" (TL;DR: validation and validation_cnndm)"""
+    eval_split: str = "validation"
+    """split of --query_dataset whose queries are sampled for samples.csv"""
+
+    # Table 6 hyperparameters
+    beta: float = 0.05
+    """Table 6: beta, the KL coefficient of the implicit RLHF objective (the same 0.05 as PPO's --ppo.kl_coef);
+    larger keeps the policy closer to the reference"""
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """sigmoid = DPO (eq. 4, with --label_smoothing for cDPO); ipo = IPO's squared loss; hinge = SLiC's hinge"""
+    ipo_average: bool = True
+    """--loss_type ipo only: average each response's log-probs over its tokens before regressing onto 1 / (2 beta),
+    the form the IPO authors ran (and TRL's); --no-ipo_average sums them as eq. 4 does, which puts the target on the
+    whole response instead of on each token"""
+    label_smoothing: float = 0.0
+    """conservative DPO (cDPO): assumed probability that a preference label is flipped; sigmoid loss only"""
+    num_train_epochs: int = 1
+    """passes over the prompts of --train_split (with --total_episodes None)"""
+    total_episodes: Optional[int] = None
+    """number of pairs to train on, one per prompt (a dropped pair is replaced by one of a further prompt, see
+    --max_draws_per_round); None = num_train_epochs x the prompt split"""
+    lr: float = 3e-6
+    """Table 6: AdamW learning rate"""
+    eps: float = 1e-5
+    """Table 6: AdamW epsilon"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    scheduler: str = "cosine"
+    """Table 6: learning-rate schedule (any name transformers.get_scheduler knows)"""
+    warmup_steps: int = 0
+    """learning-rate warm-up, in optimizer updates"""
+    total_batch_size: int = 64
+    """Table 6: pairs per optimizer update over all processes = local_micro_batch_size x gradient
+    accumulation steps x number of processes"""
+    local_micro_batch_size: int = 8
+    """pairs per forward/backward pass on one process (each pair is two sequences: chosen and rejected)"""
+    gradient_accumulation_steps: Optional[int] = None
+    """micro batches per optimizer step; None = derived from the batch sizes, else checked against them"""
+    local_eval_batch_size: int = 8
+    """pairs (or queries for sampling) per forward pass during evaluation and for the round's reference log-probs"""
+    disable_dropout: bool = True
+    """Detail 7: turn dropout off in the policy (the reference always runs with dropout off)"""
+    bf16: Optional[bool] = None
+    """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
+    runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+
+    # evaluation, sampling and logging
+    eval_every: int = 500
+    """run the evaluation every N optimizer updates (0 = only after training)"""
+    num_eval_samples: Optional[int] = None
+    """use only the first N rows of each evaluation split (preference and sampling); None = all"""
+    response_length: int = 53
+    """number of new tokens sampled per query (TL;DR SFT response length 53; the built-in task uses 24)"""
+    eval_temperature: float = 0.01
+    """sampling temperature of the evaluation samples (0.01 = near-greedy, as in sft.py)"""
+    log_every: int = 10
+    """log training metrics every N optimizer updates, averaged over every micro batch since the last log"""
+    print_sample_every: int = 1
+    """updates between printed samples: an evaluation at a multiple of it prints a few (the final one always);
+    0 = never"""
+
+    # derived at run time (not flags)
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    """number of processes"""
+    num_updates: tyro.conf.Suppress[Optional[int]] = None
+    """optimizer updates of the whole run"""
+
+
+# ---------------------------------------------------------------------------------------------
+# DPO pieces (module-level so that tests can check each one against a hand computation)
+# ---------------------------------------------------------------------------------------------
+
+
+PAIR_COLUMNS = [  # the processed preference schema: query + response, and the response as labels
+    "query_chosen_token",
+    "query_rejected_token",
+    "query_chosen_token_response_label",
+    "query_rejected_token_response_label",
+]
+
+
+def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int):
+    """log pi(y | x) = SUM over the response tokens of log pi(y_t | x, y_<t)  -> (B,)
+
+    `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
+    and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
+    sum, not a mean: eq. 4 compares probabilities of whole sequences."""
+    cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same sums, less compute
+    query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
+    logits = forward(model, query_responses, pad_token_id).logits[:, :-1]  # (B, T-1, V): predicts token t+1
+    targets = response_labels[:, 1:]  # (B, T-1)
+    mask = targets != pad_token_id
+    token_logps = torch.gather(
+        F.log_softmax(logits.float(), dim=-1), 2, torch.masked_fill(targets, ~mask, 0).unsqueeze(-1)
+    ).squeeze(-1)  # (B, T-1)
+    return (token_logps * mask).sum(1)
+
+
+def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
+    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
+    labels = torch.cat(
+        (batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]), dim=0
+    )  # (2B, T)
+    logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
+    num_pairs = batch["query_chosen_token"].size(0)
+    return logps[:num_pairs], logps[num_pairs:]
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float = 0.0,
+    token_counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+):
+    """Per-pair losses (B,) and the implicit rewards of chosen and rejected (B,), (B,).
+
+    With pi = policy sequence log-probs and ref = reference sequence log-probs:
+        h = (pi_c - pi_r) - (ref_c - ref_r)   # difference of the two log-ratios
+        r_c = beta * (pi_c - ref_c),  r_r = beta * (pi_r - ref_r)   # eq. 5, so beta * h = r_c - r_r
+    """
+    if label_smoothing != 0.0 and loss_type != "sigmoid":
+        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {loss_type}")
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if loss_type == "sigmoid":
+        # DPO (eq. 4) with cDPO's label smoothing eps (the label is flipped with probability eps):
+        #   L = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        # IPO (Azar et al.): regress h onto the finite target 1 / (2 beta) instead of pushing it to infinity:
+        #   L = (h - 1 / (2 * beta))^2
+        # With token_counts (n_c, n_r) (--ipo_average, the default) each log-ratio is averaged over its response's
+        # tokens, as the IPO authors ran it:  h = (pi_c - ref_c) / n_c - (pi_r - ref_r) / n_r. Without them, h uses
+        # summed log-probs as eq. 4 does, and the target 1 / (2 beta) is a margin over the whole response.
+        if token_counts is not None:
+            h = (policy_chosen - ref_chosen) / token_counts[0] - (policy_rejected - ref_rejected) / token_counts[1]
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        # hinge (SLiC-style), a margin of 1 on the reward difference:
+        #   L = max(0, 1 - beta * h)
+        losses = torch.relu(1 - beta * h)
+    else:
+        raise ValueError(f"unknown --loss_type {loss_type!r}")
+    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
+    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+def ipo_token_counts(args, batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """The response tokens (with the EOS) of chosen and rejected, (B,) each, that IPO averages over
+    (--loss_type ipo with --ipo_average); None for every other loss."""
+    if args.loss_type != "ipo" or not args.ipo_average:
+        return None
+    return tuple((batch[f"query_{side}_token_response_label"] != pad_token_id).sum(1) for side in ("chosen", "rejected"))
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """The frozen reference's (chosen, rejected) sequence log-probs: looked up in the precomputed
+    table (N, 2) by row index when there is one, else computed live."""
+    if ref_table is not None:
+        rows = ref_table[batch["row_index"].cpu()].to(batch["query_chosen_token"].device)  # (B, 2)
+        return rows[:, 0], rows[:, 1]
+    return concatenated_logprobs(ref_model, batch, pad_token_id)
+
+
+@torch.no_grad()
+def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int):
+    """One pass of the reference over `dataset` (made by with_row_index) -> table (N, 2) of
+    [chosen, rejected] sequence log-probs, indexed by row. Rows are split across processes and
+    gathered back by row index."""
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False))
+    table = torch.full((len(dataset), 2), float("nan"))
+    for batch in tqdm(dataloader, desc="reference log-probs", disable=not accelerator.is_local_main_process):
+        with accelerator.autocast():
+            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id)
+        rows, chosen, rejected = accelerator.gather_for_metrics((batch["row_index"], chosen, rejected))
+        table[rows.cpu()] = torch.stack((chosen, rejected), dim=1).float().cpu()
+    if torch.isnan(table).any():
+        raise RuntimeError("some rows got no reference log-prob; the gathered row indices do not cover the dataset")
+    return table
+
+
+def with_row_index(dataset, columns: List[str]):
+    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
+    The index travels with every batch so that results gathered from several processes (and the
+    precomputed reference log-probs) can be matched back to their rows."""
+    dataset = dataset.add_column("row_index", list(range(len(dataset))))
+    return dataset.with_format("torch", columns=columns + ["row_index"])
+
+
+def load_policy_and_reference(args, accelerator, tokenizer):
+    """The two models of DPO, both the SFT model: the policy, with float32 master weights (bf16 is autocast), and
+    the frozen reference, which may live in bf16 and never drops out (it must give the same log-probs every time).
+    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (prepare_frozen_model)."""
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    for model in (policy, ref_model):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if len(tokenizer) > model.config.vocab_size:
+            model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(policy)
+    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
+    return policy, prepare_frozen_model(accelerator, ref_model)
+
+
+@torch.no_grad()
+def evaluate_preferences(accelerator, model, ref_model, ref_tables, eval_datasets, args: Args, pad_token_id: int):
+    """Detail 19: DPO as a reward model. For every pair of every evaluation split: its loss, the implicit rewards
+    beta * log(pi / pi_ref) of chosen and rejected (the pair is ranked right when chosen's is higher) and the policy's
+    sequence log-probs, gathered from every process. Returns {split: per-pair frame, rows matched by row_index}."""
+    model.eval()
+    frames = {}
+    for split, (_, dataset) in eval_datasets.items():
+        dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+        gathered = []
+        for batch in dataloader:
+            with accelerator.autocast():
+                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
+                ref_chosen, ref_rejected = reference_logprobs(ref_model, ref_tables.get(split), batch, pad_token_id)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing,
+                ipo_token_counts(args, batch, pad_token_id),
+            )
+            stats = torch.stack((losses, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected), 1).float()
+            gathered.append(accelerator.gather_for_metrics((batch["row_index"], stats)))
+        stats = torch.cat([g[1] for g in gathered]).cpu().numpy()
+        frame = pd.DataFrame(stats, columns=["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"])
+        frame["row_index"] = torch.cat([g[0] for g in gathered]).cpu().numpy()
+        frames[split] = frame
+    model.train()
+    return frames
+
+
+@torch.no_grad()
+def sample_responses(accelerator, model, tokenizer, dataset, generation_config, args: Args):
+    """Detail 23 sampling on the SFT validation queries: exactly response_length new tokens, then truncate
+    after the first EOS. Returns the row index (N,) of each query and its truncated response (N, Tr)."""
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+    rows_all, responses_all = [], []
+    for batch in dataloader:
+        queries = batch["query_token"]  # (B, Tq), left-padded
+        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
+        with accelerator.autocast():
+            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+        responses = truncate_response(
+            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
+        )  # (B, Tr)
+        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
+        rows_all.append(rows.cpu())
+        responses_all.append(responses.cpu())
+    model.train()
+    return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Online pairs: each prompt's two responses, the judge's labels, the round's pairs and reference log-probs
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_seed(seed: int, draw: int, prompt_index: int, k: int) -> int:
+    """The seed of response k (0 or 1) to row `prompt_index` of the prompt split in prompt batch number `draw` (the
+    round's number as long as no dropped pair has been replaced; a prompt appears at most once in a batch): 63 bits of
+    a digest of the four numbers, so it depends on nothing else (not the batch, not the process that samples it)."""
+    digest = hashlib.sha256(f"{seed}/{draw}/{prompt_index}/{k}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class GumbelSampler(LogitsProcessor):
+    """Sampling from softmax(logits / T), each row with its own torch.Generator, inside a greedy generate.
+
+    HF generate draws the tokens of every row from the one global RNG, so the tokens a row gets depend on the rows
+    sampled before it: on the batch, and on how the prompts are split across processes. The Gumbel-max trick puts
+    the randomness into the scores instead: with G_v independent standard Gumbel noise (G = -log(-log U), U uniform
+    on (0, 1)), argmax_v (logits_v / T + G_v) is a draw from softmax(logits / T). Each row's noise comes from its own
+    generator and generate picks the argmax (greedy decoding), so a row's tokens depend only on its seed and on its
+    own logits. Banned tokens ([PAD]) stay at -inf."""
+
+    def __init__(self, generators: List[torch.Generator], temperature: float):
+        self.generators, self.temperature = generators, temperature
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # one draw of V uniforms per row and step; U = 0 (-log(-log 0) = -inf) is moved to the smallest float
+        uniform = torch.stack([torch.rand(scores.size(1), generator=g) for g in self.generators])  # (B, V)
+        gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
+        return scores.float() / self.temperature + gumbel.to(scores.device)
+
+
+@torch.no_grad()
+def sample_pairs(lm, queries: torch.Tensor, prompt_indices: torch.Tensor, seed: int, draw: int, temperature: float,
+                 generation_config, tokenizer) -> torch.Tensor:
+    """Step 2: two responses (B, 2, Tr) to each left-padded query (B, Tq). Detail 23: exactly response_length new
+    tokens (generation_config: greedy, no stop at EOS, [PAD] banned), then truncated after the first EOS. Response k
+    to the prompt in row prompt_indices[i] draws its noise from sample_seed(seed, draw, prompt_indices[i], k)."""
+    pad_token_id = tokenizer.pad_token_id
+    queries = queries.repeat_interleave(2, dim=0)  # rows 2i and 2i + 1: the two responses to prompt i
+    queries = queries[:, real_columns(queries, pad_token_id)]  # the left padding every row shares is cut
+    generators = [torch.Generator().manual_seed(sample_seed(seed, draw, int(p), k))
+                  for p in prompt_indices.tolist() for k in (0, 1)]
+    attention_mask = queries != pad_token_id
+    sequences = lm.generate(
+        input_ids=torch.masked_fill(queries, ~attention_mask, 0), attention_mask=attention_mask,
+        generation_config=generation_config, logits_processor=LogitsProcessorList([GumbelSampler(generators, temperature)]),
+    )
+    responses = truncate_response(tokenizer.eos_token_id, pad_token_id, sequences[:, queries.size(1):])  # (2B, Tr)
+    return responses.view(-1, 2, responses.size(1))
+
+
+TIE, INVALID = -1, -2  # judge verdicts besides 0 (the first response is better) and 1 (the second is)
+
+
+def judged_pairs(has_eos: torch.Tensor, identical: torch.Tensor, non_eos_penalty: bool):
+    """Which pairs the EOS rule decides (B,), which it drops (B,: neither response has an EOS) and which go to the
+    judge (B,), from has_eos (B, 2) and identical (B,). Identical responses are a tie that no judge is asked about
+    (their DPO gradient is 0 anyway)."""
+    if not non_eos_penalty:
+        nobody = torch.zeros_like(identical)
+        return nobody, nobody, ~identical
+    by_eos = (has_eos[:, 0] != has_eos[:, 1]) & ~identical  # Detail 23: the response with an EOS wins
+    no_eos = ~has_eos.any(1) & ~identical  # both get ppo.py's penalty score: no preference
+    return by_eos, no_eos, ~identical & ~by_eos & ~no_eos
+
+
+def label_pairs(verdicts: torch.Tensor, has_eos: torch.Tensor, identical: torch.Tensor, non_eos_penalty: bool):
+    """Step 3: the index (0 or 1) of the chosen response of each pair (B,), which pairs are kept (B,) and the counts
+    of the round. The judge's verdicts (B,) are read only for the pairs judged_pairs sends it: 0 or 1 is its choice,
+    TIE (equal scores) and INVALID (no parseable answer) drop the pair. A dropped pair is counted, never a coin flip."""
+    by_eos, no_eos, asked = judged_pairs(has_eos, identical, non_eos_penalty)
+    chosen = torch.where(by_eos, has_eos[:, 1].long(), (verdicts == 1).long())
+    keep = by_eos | (asked & (verdicts >= 0))
+    counts = {
+        "pairs": int(identical.numel()), "pairs_kept": int(keep.sum()), "decided_by_eos": int(by_eos.sum()),
+        "dropped_ties": int((identical | (asked & (verdicts == TIE))).sum()),
+        "dropped_invalid": int((asked & (verdicts == INVALID)).sum()), "dropped_no_eos": int(no_eos.sum()),
+    }
+    return chosen, keep, counts
+
+
+def rm_verdicts(scores: torch.Tensor) -> torch.Tensor:
+    """--judge rm: the verdict of each pair from its two reward-model scores (B, 2): the higher wins, equal is a TIE."""
+    return torch.where(scores[:, 0] > scores[:, 1], 0, torch.where(scores[:, 1] > scores[:, 0], 1, TIE))
+
+
+def endpoint_verdicts(judge_args, cache_path: str, posts: List[str], firsts: List[str], seconds: List[str],
+                      asked: torch.Tensor):
+    """--judge endpoint: the verdicts (B,) of the asked pairs, and the client's counts. Each asked pair gets the
+    paper's prompt (Appendix I) with its two responses in an order drawn from the pair's texts (pair_order: the
+    judge's position bias cannot favour response 0), through judge.py's client: concurrent requests, retries with
+    backoff, re-asks of an unparseable reply, and the reply cache. A reply that never parses, or a request that failed
+    for good, is INVALID; two texts that read the same are a TIE, not asked. Pairs not asked stay TIE."""
+    verdicts, jobs, asked_rows = torch.full((len(posts),), TIE), [], []
+    for i in asked.nonzero().flatten().tolist():
+        first, second = (without_eos_text(text, judge_args.strip_eos_text) for text in (firsts[i], seconds[i]))
+        if first == second:
+            continue
+        swap = pair_order(judge_args.seed, posts[i], first, second)  # 1: the second response is Summary A
+        jobs.append((pairwise_prompt(posts[i], *((second, first) if swap else (first, second))), parse_verdict))
+        asked_rows.append((i, swap))
+    cache = ReplyCache(cache_path)
+    try:
+        outcomes, stats = run_jobs(judge_args, jobs, lambda i, outcome: None, cache)
+    finally:
+        cache.close()
+    for (i, swap), outcome in zip(asked_rows, outcomes):
+        verdicts[i] = INVALID if outcome.status != "ok" else int((outcome.parsed[0] == "B") != bool(swap))
+    return verdicts, stats
+
+
+def pair_columns(queries: torch.Tensor, responses: torch.Tensor, chosen: torch.Tensor, pad_token_id: int):
+    """The round's pairs in the processed preference schema that dpo.py trains on (PAIR_COLUMNS): left-padded query
+    (N, Tq) + right-padded chosen or rejected response (N, 2, Tr), and the same with the query as [PAD] (labels)."""
+    rows = torch.arange(queries.size(0))
+    columns = {}
+    for side, index in (("chosen", chosen), ("rejected", 1 - chosen)):
+        response = responses[rows, index]  # (N, Tr)
+        columns[f"query_{side}_token"] = torch.cat((queries, response), 1)
+        columns[f"query_{side}_token_response_label"] = torch.cat((torch.full_like(queries, pad_token_id), response), 1)
+    return columns
+
+
+class OnlineRounds:
+    """The pairs of the current round (sampled from the policy of the round's start, so a resumed run could not draw
+    them again) with their kept mask and reference log-probs, the number of prompt batches drawn so far and the counts
+    summed over the rounds. Registered for checkpointing: state_dict returns the state as of the last commit() (after
+    every completed update), so a checkpoint written inside an update (the non-finite guard) holds the state after
+    the last good one."""
+
+    def __init__(self):
+        self.index, self.draws, self.pairs, self.keep, self.ref_table, self.totals = 0, 0, None, None, None, {}
+        self.commit()
+
+    def start(self, index: int, draws: int, pairs: Dict[str, torch.Tensor], keep: torch.Tensor, ref_table: torch.Tensor,
+              counts: Dict[str, int]) -> None:
+        self.index, self.draws, self.pairs, self.keep, self.ref_table = index, draws, pairs, keep, ref_table
+        self.totals = {key: self.totals.get(key, 0) + value for key, value in counts.items()}
+
+    def commit(self) -> None:
+        self.saved = {"index": self.index, "draws": self.draws, "pairs": self.pairs, "keep": self.keep,
+                      "ref_table": self.ref_table, "totals": dict(self.totals)}
+
+    def state_dict(self) -> dict:
+        return dict(self.saved)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index, self.draws, self.pairs = state["index"], state["draws"], state["pairs"]
+        self.keep, self.ref_table, self.totals = state["keep"], state["ref_table"], dict(state["totals"])
+        self.commit()
+
+
+@torch.no_grad()
+def draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer, generation_config, draw: int,
+               update: int):
+    """Steps 1-3 for prompt batch number `draw` (1, 2, ... over the run): pairs_per_round prompts, two responses to
+    each, the labels. Every process samples its share and ends with the whole batch, in the order of the global
+    prompt batch: queries (N, Tq), responses (N, 2, Tr), chosen (N,), keep (N,), the counts, and the RM scores (N, 2)
+    (None with --judge endpoint)."""
+    pad_token_id, device = tokenizer.pad_token_id, accelerator.device
+    # 1. this process's share of the prompts (Detail 21: every process draws the same permutation)
+    rows = shuffled_query_batch(len(prompts), args.pairs_per_round, args.seed, draw - 1, accelerator.process_index,
+                                accelerator.num_processes)
+    queries = prompts[rows.tolist()]["query_token"]  # (n, Tq), left-padded
+    # 2. two responses per prompt from the current policy; --judge rm scores them here, on the same chunks
+    policy.eval()
+    responses, scores = [], []
+    for chunk in torch.arange(rows.numel()).split(args.local_rollout_forward_batch_size):
+        chunk_queries = queries[chunk].to(device)
+        with accelerator.autocast():
+            pair = sample_pairs(accelerator.unwrap_model(policy), chunk_queries, rows[chunk], args.seed, draw,
+                                args.temperature, generation_config, tokenizer)  # (b, 2, Tr)
+            if reward_model is not None:  # Detail 12: the score at the EOS
+                scores.append(get_score(reward_model, chunk_queries.repeat_interleave(2, 0), pair.flatten(0, 1),
+                                        pad_token_id).float().view(-1, 2))
+        responses.append(pair)
+    policy.train()
+    gathered = accelerator.gather((queries.to(device), torch.cat(responses)) + ((torch.cat(scores),) if scores else ()))
+    queries, responses = gathered[0].cpu(), gathered[1].cpu()  # (N, Tq), (N, 2, Tr)
+    has_eos = (responses == tokenizer.eos_token_id).any(2)  # (N, 2)
+    identical = (responses[:, 0] == responses[:, 1]).all(1)  # (N,)
+    # 3. the judge's verdicts, then the labels (Detail 23 first: a response without EOS loses)
+    scores = gathered[2].cpu() if reward_model is not None else None  # (N, 2)
+    if scores is not None:
+        run.guard(update, **{"online/scores": scores})  # a NaN score would decide a label
+        verdicts = rm_verdicts(scores)
+    else:
+        verdicts = judge_on_main(args, accelerator, run, queries, responses, has_eos, identical, tokenizer)
+    chosen, keep, counts = label_pairs(verdicts, has_eos, identical, args.non_eos_penalty)
+    return queries, responses, chosen, keep, counts, scores
+
+
+def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model, reward_model, prompts, tokenizer,
+                 generation_config, round_index: int, update: int) -> None:
+    """Steps 1-4 of round `round_index`, whose first update is `update`, into `rounds` (on every process): prompt
+    batches are drawn until pairs_per_round pairs are kept (at most --max_draws_per_round batches; a dropped pair is
+    replaced by a pair of the next batch), the kept pairs in the order drawn, then the reference's log-probs of them."""
+    start_time, draws, counts, drawn = time.time(), rounds.draws, {}, []
+    while True:
+        draws += 1
+        drawn.append(draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer, generation_config,
+                                draws, update))
+        counts = {key: counts.get(key, 0) + value for key, value in drawn[-1][4].items()}
+        if counts["pairs_kept"] >= args.pairs_per_round or draws - rounds.draws == args.max_draws_per_round:
+            break
+    queries, responses, chosen, keep = (torch.cat([d[i] for d in drawn]) for i in range(4))
+    # the first pairs_per_round kept pairs; when too few were kept, dropped ones fill the round with weight 0
+    order = torch.cat((keep.nonzero().flatten(), (~keep).nonzero().flatten()))[: args.pairs_per_round]
+    queries, responses, chosen, keep = queries[order], responses[order], chosen[order], keep[order]
+    # 4. the pairs in dpo.py's schema and the reference's log-probs of them: the SFT model, or the policy as it is now
+    pairs = pair_columns(queries, responses, chosen, tokenizer.pad_token_id)
+    dataset = with_row_index(Dataset.from_dict({name: column.tolist() for name, column in pairs.items()}), PAIR_COLUMNS)
+    reference = policy if args.reference == "last_round" else ref_model
+    policy.eval()
+    ref_table = precompute_reference_logprobs(accelerator, reference, dataset, args.local_eval_batch_size,
+                                              tokenizer.pad_token_id)
+    policy.train()
+    counts.update({"draws": draws - rounds.draws, "pairs_trained": int(keep.sum())})
+    rounds.start(round_index, draws, pairs, keep, ref_table, counts)
+
+    has_eos = (responses == tokenizer.eos_token_id).any(2)  # of the round's pairs
+    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(2))
+    metrics = {f"online/{key}": value for key, value in counts.items()}
+    metrics.update({"online/round": round_index, "online/eos_rate": float(has_eos.float().mean()),
+                    "online/response_token_len_mean": float(token_len.float().mean()),
+                    "online/round_s": time.time() - start_time})
+    if reward_model is not None and keep.any():
+        scores = torch.cat([d[5] for d in drawn])[order][keep]  # (kept, 2)
+        metrics["online/scores_chosen"] = float(scores.gather(1, chosen[keep].unsqueeze(1)).mean())
+        metrics["online/scores_rejected"] = float(scores.gather(1, 1 - chosen[keep].unsqueeze(1)).mean())
+    # logged at the round's first update: after any checkpoint taken before the round, so a resumed run neither keeps
+    # a stale copy of this line nor writes it twice
+    run.log(update, metrics)
+    if counts["pairs_kept"] < counts["pairs"]:
+        accelerator.print(
+            f"round {round_index}: {counts['pairs'] - counts['pairs_kept']} of {counts['pairs']} pairs dropped (ties "
+            f"{counts['dropped_ties']}, invalid {counts['dropped_invalid']}, no EOS in either {counts['dropped_no_eos']})"
+            f"; {counts['draws']} prompt batch(es) drawn, {counts['pairs_trained']} of {args.pairs_per_round} slots filled")
+
+
+def judge_on_main(args, accelerator, run, queries, responses, has_eos, identical, tokenizer) -> torch.Tensor:
+    """--judge endpoint: the main process asks the judge about the pairs (one client, one cache file) and sends the
+    verdicts (N,) to the others. A judge that cannot be used at all stops every process with the same error."""
+    payload = [None]
+    if accelerator.is_main_process:
+        pad_token_id = tokenizer.pad_token_id
+        posts = [tokenizer.decode(q[q != pad_token_id], skip_special_tokens=True).strip() for q in queries]
+        texts = [[tokenizer.decode(r[r != pad_token_id], skip_special_tokens=True) for r in pair] for pair in responses]
+        _, _, asked = judged_pairs(has_eos, identical, args.non_eos_penalty)
+        judge_args = SimpleNamespace(**asdict(args.endpoint), seed=args.seed)
+        cache_path = args.endpoint.cache_path or os.path.join(run.dir, "judge_cache.sqlite")
+        try:
+            verdicts, stats = endpoint_verdicts(judge_args, cache_path, posts, [t[0] for t in texts],
+                                                [t[1] for t in texts], asked)
+            payload = [verdicts.tolist()]
+            if stats["retries"] or stats["api_errors"]:  # the client's trouble, shown (the dropped pairs are counted)
+                print(f"judge: {stats['requests']} requests, {stats['retries']} retries, {stats['api_errors']} failed")
+        except JudgeUnavailableError as error:
+            payload = [str(error)]
+    payload = broadcast_object_list(payload)
+    if isinstance(payload[0], str):
+        raise JudgeUnavailableError(payload[0])
+    return torch.tensor(payload[0])
+
+
+TRAIN_STATS = [  # per update: means over its kept pairs (and their count), logged as means over the logging interval
+    "train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",
+    "train/logps/chosen", "train/logps/rejected", "train/pairs",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Detail 19: DPO as a reward model (the Table 5 analogue), its samples
+# ---------------------------------------------------------------------------------------------
+
+
+def preference_report(pairs: Dict[str, pd.DataFrame], eval_datasets):
+    """The per-pair frames of evaluate_preferences with each pair's annotation batch, confidence and comparison
+    split, as flat metrics (reward.py's names), the rows of the accuracy table and one frame of every pair."""
+    metrics, frames, table_rows = {}, [], []
+    for split, frame in pairs.items():
+        raw, rows = eval_datasets[split][0], frame["row_index"]
+        batches, confidences, comparison_splits = raw["batch"], raw["confidence"], raw["split"]
+        frame["batch"] = [batches[int(i)] for i in rows]
+        frame["confidence"] = [int(confidences[int(i)]) for i in rows]
+        frame["split"] = [comparison_splits[int(i)] for i in rows]
+        frame["correct"] = frame["chosen_reward"] > frame["rejected_reward"]
+        frame["dataset_split"] = split
+        frames.append(frame)
+        split_rows = implicit_reward_breakdown(frame, split)
+        table_rows.extend(split_rows)
+        for r in split_rows:
+            # the same metric names as reward.py: eval/{split}/accuracy, eval/{split}/accuracy/batch/batch10, ...
+            if r["group"] == "accuracy":
+                metrics[f"eval/{split}/accuracy"] = r["value"]
+            else:
+                group = r["group"].replace("accuracy by ", "accuracy/")
+                metrics[f"eval/{split}/{group}/{r['key']}"] = r["value"]
+        metrics[f"eval/{split}/loss"] = float(frame["loss"].mean())
+        metrics[f"eval/{split}/rewards/chosen"] = float(frame["chosen_reward"].mean())
+        metrics[f"eval/{split}/rewards/rejected"] = float(frame["rejected_reward"].mean())
+        metrics[f"eval/{split}/rewards/margins"] = float((frame["chosen_reward"] - frame["rejected_reward"]).mean())
+        metrics[f"eval/{split}/logps/chosen"] = float(frame["chosen_logp"].mean())
+        metrics[f"eval/{split}/logps/rejected"] = float(frame["rejected_logp"].mean())
+    # as in reward.py: the headline accuracy is the first split's (TL;DR "validation"); all pairs pooled too
+    metrics["eval/accuracy"] = metrics[f"eval/{next(iter(pairs))}/accuracy"]
+    frame = pd.concat(frames, ignore_index=True)
+    metrics["eval/accuracy_all_splits"] = float(frame["correct"].mean())
+    return metrics, table_rows, frame
+
+
+def implicit_reward_breakdown(frame: pd.DataFrame, split_name: str) -> List[dict]:
+    """Detail 19: the Table 5 analogue of reward.py, row for row, with DPO's implicit reward
+    beta * log(pi / pi_ref) as the score: reward statistics, then accuracy overall, by annotation
+    batch, by confidence and by the comparisons' own `split` column (Detail 16)."""
+    scores = np.concatenate([frame["chosen_reward"].to_numpy(), frame["rejected_reward"].to_numpy()])
+    rows = [{"dataset_split": split_name, "group": "reward", "key": k, "value": float(v), "n": len(scores)}
+            for k, v in (("max", scores.max()), ("mean", scores.mean()), ("min", scores.min()), ("std", scores.std()))]
+    rows.append({"dataset_split": split_name, "group": "accuracy", "key": "overall",
+                 "value": float(frame["correct"].mean()), "n": len(frame)})
+    for group in ("batch", "confidence", "split"):
+        for key, part in frame.groupby(group, sort=True):
+            rows.append({"dataset_split": split_name, "group": f"accuracy by {group}", "key": str(key),
+                         "value": float(part["correct"].mean()), "n": len(part)})
+    return rows
+
+
+def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
+    """The samples table (the columns every policy script writes) of sample_responses' rows (N,) and truncated
+    responses (N, Tr), and its metrics: the EOS rate and the mean response length."""
+    has_eos = (responses == tokenizer.eos_token_id).any(1)
+    # tokens up to and including the first EOS (all of them when there is none)
+    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(1))
+    query_tokens, references = raw["query_token"], raw["reference_response"]
+    records = []
+    for i, row in enumerate(rows.tolist()):
+        query = query_tokens[row]
+        records.append({
+            "query": tokenizer.decode([t for t in query if t != tokenizer.pad_token_id], skip_special_tokens=True),
+            "response": tokenizer.decode(
+                [t for t in responses[i].tolist() if t != tokenizer.pad_token_id], skip_special_tokens=True
+            ),
+            "reference": references[row],
+            "score": None,  # no reward model in DPO
+            "response_token_len": int(token_len[i]),
+            "has_eos": bool(has_eos[i]),
+        })
+    table = pd.DataFrame(records, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
+    metrics = {
+        "eval/eos_rate": float(has_eos.float().mean()),
+        "eval/response_token_len_mean": float(token_len.float().mean()),
+    }
+    return table, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
+    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
+    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
+    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+    )
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def shuffled_query_batch(num_rows: int, batch_size: int, seed: int, index: int, process_index: int, num_processes: int):
+    """Detail 21: this process's slice of global index batch number `index` (0, 1, 2, ...) of an endless stream.
+    Each pass over the split is a fresh permutation (seeded by seed + pass number: sampling without replacement);
+    the incomplete tail of a pass is dropped. Every rank draws the same permutation and takes its own slice of
+    each global batch. The batch depends on its arguments only, so a resumed run needs no replay of past draws."""
+    if num_rows < batch_size:
+        raise ValueError(f"the query split has {num_rows} rows, fewer than one batch of {batch_size}")
+    local_batch_size = exact_div(batch_size, num_processes, "total_batch_size across processes")
+    data_pass, batch_in_pass = divmod(index, num_rows // batch_size)
+    permutation = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + data_pass))
+    local_start = batch_in_pass * batch_size + process_index * local_batch_size
+    return permutation[local_start : local_start + local_batch_size]
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Reward of a (left-padded query + right-padded response) batch.
+
+    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
+    of the response (the last token when there is no pad). Returns the per-token reward
+    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
+    ).last_hidden_state  # (B, T, d)
+    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
+    return reward_logits, rewards, sequence_lengths
+
+
+def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """RM scores (B,) of left-padded queries (B, Tq) and right-padded responses (B, Tr), read at the EOS
+    (Detail 12), computed on the columns that hold a real token in some row."""
+    query_responses = torch.cat((queries, responses), 1)
+    cols = real_columns(query_responses, pad_token_id)
+    start = min(cols.start, queries.size(1))
+    return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
+
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    return torch.cat((queries, sequences[:, context_length:]), dim=1)
+
+
+def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
+    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
+    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
+    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
+    if temperature < 0:
+        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
+        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The judge's client, copied from judge.py (identical copies; tests/test_shared_helpers.py): the paper's prompt
+# (Appendix I), the order of the two responses, the verdict parser, the API key, the reply cache, retries
+# ---------------------------------------------------------------------------------------------
+
+
+PAIRWISE_JUDGE_TEMPLATE = """Which of the following summaries does a better job of summarizing the most important points in the given forum post, without including unimportant or irrelevant details? Judge based on accuracy, coverage, and coherence.
+
+Post:
+{post}
+
+Summary A:
+{summary_a}
+
+Summary B:
+{summary_b}
+
+FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. SECOND, on a new line, state only "A" or "B" to indicate your choice. Your response should use the format:
+
+Comparison: <one-sentence comparison and explanation>
+Preferred: <"A" or "B">"""
+
+
+_PLACEHOLDER_RE = re.compile(r"\{(post|summary_a|summary_b|num_assistants|assistant_names|question|answers|name|answer)\}")
+
+
+def fill_template(template: str, **values: str) -> str:
+    """Substitute the `{name}` placeholders in one pass, so a post that itself contains
+    `{summary_a}` (or any brace) is inserted verbatim and never re-substituted."""
+    return _PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], template)
+
+
+def pairwise_prompt(post: str, summary_a: str, summary_b: str) -> str:
+    return fill_template(PAIRWISE_JUDGE_TEMPLATE, post=post, summary_a=summary_a, summary_b=summary_b)
+
+
+def pair_order(seed: int, *texts: str) -> int:
+    """0 or 1, derived from the seed and the pair's own texts: reproducible across reruns, row
+    orders and CSV files, and independent between pairs (Appendix I: the order of the summaries
+    is randomised to remove the judge's position bias)."""
+    digest = hashlib.sha256("\x00".join((str(seed),) + texts).encode()).digest()
+    return digest[0] & 1
+
+
+def without_eos_text(text: str, eos_text: str) -> str:
+    """What a human reader sees of a summary: the text without surrounding whitespace and without the EOS spelling
+    `eos_text` (every copy of it) at its end. The hub's processed TL;DR references end with `<|endoftext|>` as
+    text; the reference implementation strips it before judging, and so do we."""
+    text = str(text).strip()
+    while eos_text and text.endswith(eos_text):
+        text = text[: -len(eos_text)].rstrip()
+    return text
+
+
+_PREFERRED_RE = re.compile(
+    r'^[ \t]*[*_]*preferred[*_]*(?::[*_]*)?(?:[ \t]*\n)*[ \t]*[*_]*[ \t]*["\'(\[]?(?:summary[ \t]+)?([ab])["\')\]]?[*_]*\.?[*_]*[ \t]*$',
+    re.MULTILINE | re.IGNORECASE)
+
+
+_COMPARISON_RE = re.compile(r"^[ \t]*\**Comparison:?\**:?[ \t]*(.*?)[ \t]*$", re.MULTILINE)
+
+
+def parse_verdict(reply: str) -> Optional[tuple[str, str]]:
+    """("A" or "B", explanation) from a reply in the paper's format; None when there is no
+    unambiguous `Preferred:` line."""
+    verdicts = {verdict.upper() for verdict in _PREFERRED_RE.findall(reply)}
+    if len(verdicts) != 1:
+        return None
+    comparison = _COMPARISON_RE.search(reply)
+    return verdicts.pop(), (comparison.group(1) if comparison else "")
+
+
+LOOPBACK_PLACEHOLDER_KEY = "sk-loopback-placeholder"
+
+
+def is_loopback_url(url: Optional[str]) -> bool:
+    if not url:
+        return False
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_api_key(base_url: Optional[str]) -> str:
+    """The key comes from the environment only. A loopback endpoint (the built-in gold judge)
+    needs none, so a placeholder is used there when the variable is unset."""
+    key = os.environ.get("OPENAI_API_KEY")
+    if key:
+        return key
+    if is_loopback_url(base_url):
+        return LOOPBACK_PLACEHOLDER_KEY
+    raise SystemExit("set OPENAI_API_KEY in the environment (the key is never read from flags or files)")
+
+
+def public_url(url: Optional[str]) -> Optional[str]:
+    """The base URL without any user:password part, for the summary file."""
+    if url is None:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+class ReplyCache:
+    """Every reply the judge paid for, in sqlite. The key is a hash of the model, the endpoint (its URL without
+    credentials: two servers that serve one model name never share replies), system prompt, prompt, temperature,
+    the seed when the judge samples (a temperature above 0, or none sent, which leaves the API's default; a rerun
+    with another --seed asks afresh) and the ask index (0 for the first ask; 1, 2 ... for re-asks after an
+    unparseable reply), so a rerun replays the same sequence of replies without any request.
+    Only replies are cached; a request that failed (429/5xx after all tries) is asked again.
+
+    One race no client can close: a process killed after the server has answered a request but
+    before the reply is committed here (the reply in flight on the wire, or between its arrival
+    and `put`) has paid for that request without keeping the reply, and the rerun asks it again.
+    At most the requests in flight at the kill (--max_parallel_requests) are paid for twice."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.db = sqlite3.connect(path)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, model TEXT, reply TEXT, created REAL)")
+        self.db.commit()
+
+    @staticmethod
+    def key(model: str, endpoint: str, system_prompt: str, prompt: str, temperature: Optional[float], seed: int,
+            ask_index: int) -> str:
+        sampled_with = None if temperature == 0 else seed  # a greedy judge answers alike whatever the seed
+        fields = [model, endpoint, system_prompt, prompt, temperature, sampled_with, ask_index]
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
+
+    def get(self, key: str) -> Optional[str]:
+        row = self.db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def put(self, key: str, model: str, reply: str) -> None:
+        # committed at once, so an interrupted run keeps every reply it received
+        self.db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?, ?)", (key, model, reply, time.time()))
+        self.db.commit()
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class JudgeAPIError(Exception):
+    """A request that failed for good (non-retryable status, or retryable ones past --max_tries)."""
+
+
+class JudgeUnavailableError(RuntimeError):
+    """The judge cannot be used at all: its endpoint cannot be reached or keeps failing before it has
+    answered a single request, it refuses the API key, or every request of the run failed. Asking the
+    remaining rows would only mark each one invalid (after its own --max_tries), so the run stops."""
+
+
+@dataclass
+class Outcome:
+    status: str  # "ok", "unparseable" or "api_error"
+    parsed: object  # parse_fn's result when status == "ok"
+    reply: str  # the last reply ("" for api_error)
+    asks: int  # how many replies were asked for (cached or not)
+    error: str = ""
+
+
+class Judge:
+    """The async client, its concurrency limit, the retry policy and the cache."""
+
+    RETRYABLE = (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError, openai.APIConnectionError)
+
+    def __init__(self, args: Args, cache: ReplyCache):
+        self.args, self.cache = args, cache
+        self._api_key = resolve_api_key(args.base_url)
+        # max_retries=0: the retry policy below is the only one, so tries are bounded and counted
+        self.client = AsyncOpenAI(api_key=self._api_key, base_url=args.base_url, max_retries=0, timeout=args.timeout_s)
+        self.semaphore = asyncio.Semaphore(args.max_parallel_requests)
+        self.jitter = random.Random(args.seed)
+        self.stats = {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0}
+        self.answered = 0  # requests the server answered in this run (cache hits not counted)
+
+    def redact(self, text: str) -> str:
+        """Belt and braces: no error text we keep may contain the key."""
+        return text.replace(self._api_key, "[REDACTED]") if self._api_key else text
+
+    def unavailable(self, what: str, cause: str, fix: str) -> JudgeUnavailableError:
+        """The error that stops the run: the URL (without credentials), what went wrong, the cause and the fix."""
+        url = public_url(self.args.base_url or str(self.client.base_url))
+        return JudgeUnavailableError(self.redact(f"the judge at {url} {what} ({cause}); {fix}"))
+
+    def backoff_s(self, attempt: int) -> float:
+        """Exponential backoff with jitter: half the doubled delay fixed, half uniform."""
+        cap = min(self.args.backoff_max_s, self.args.backoff_base_s * 2**attempt)
+        return cap / 2 + self.jitter.uniform(0, cap / 2)
+
+    async def request(self, prompt: str) -> str:
+        messages = [{"role": "system", "content": self.args.system_prompt}, {"role": "user", "content": prompt}]
+        extra = {} if self.args.temperature is None else {"temperature": self.args.temperature}
+        # the slot is held through the backoff waits too: a rate-limited API gets fewer requests
+        async with self.semaphore:
+            for attempt in range(self.args.max_tries):
+                self.stats["requests"] += 1
+                try:
+                    response = await self.client.chat.completions.create(model=self.args.model, messages=messages, **extra)
+                    self.answered += 1
+                    return response.choices[0].message.content or ""
+                except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
+                    # 401 / 403: a refused key is refused for every row, so the run stops here
+                    fix = "check the key in OPENAI_API_KEY (it is read from the environment only)"
+                    raise self.unavailable("refused the API key", f"{type(e).__name__}: {e}", fix) from None
+                except self.RETRYABLE as e:
+                    last_error, unreachable = f"{type(e).__name__}: {e}", isinstance(e, openai.APIConnectionError)
+                except openai.APIStatusError as e:  # 400, 404 ...: asking again will not help
+                    error = f"{type(e).__name__}: {e}"
+                    if isinstance(e, openai.NotFoundError) and not self.answered:  # an unknown model or path
+                        fix = (f"check that it serves the model {self.args.model!r} (--model) and that --base_url is "
+                               "its /v1 root")
+                        raise self.unavailable("failed before answering any request", error, fix) from None
+                    raise JudgeAPIError(self.redact(error)) from None  # this prompt only (e.g. too long)
+                if attempt + 1 < self.args.max_tries:
+                    self.stats["retries"] += 1
+                    await asyncio.sleep(self.backoff_s(attempt))  # never a blocking sleep in async code
+            error = f"gave up after {self.args.max_tries} tries; last error {last_error}"
+            if not self.answered:  # unreachable, or failing since the start: no row would be judged
+                if unreachable:
+                    fix = "check that the server is running and that --base_url points at it"
+                    raise self.unavailable("cannot be reached", error, fix)
+                fix = "try again later, or raise --max_tries"
+                raise self.unavailable("failed before answering any request", error, fix)
+            raise JudgeAPIError(self.redact(error))
+
+    async def ask(self, prompt: str, parse_fn: Callable[[str], object]) -> Outcome:
+        """Ask until parse_fn accepts the reply, at most --max_parse_tries times."""
+        reply = ""
+        endpoint = public_url(str(self.client.base_url))  # the URL actually asked (--base_url or the client's default)
+        for ask_index in range(self.args.max_parse_tries):
+            key = ReplyCache.key(self.args.model, endpoint, self.args.system_prompt, prompt, self.args.temperature,
+                                 self.args.seed, ask_index)
+            cached = self.cache.get(key)
+            if cached is not None:
+                self.stats["cache_hits"] += 1
+                reply = cached
+            else:
+                try:
+                    reply = await self.request(prompt)
+                except JudgeAPIError as e:
+                    self.stats["api_errors"] += 1
+                    return Outcome("api_error", None, "", ask_index, str(e))
+                self.cache.put(key, self.args.model, reply)
+            parsed = parse_fn(reply)
+            if parsed is not None:
+                return Outcome("ok", parsed, reply, ask_index + 1)
+            if ask_index + 1 < self.args.max_parse_tries:
+                self.stats["reasks"] += 1
+        return Outcome("unparseable", None, reply, self.args.max_parse_tries)
+
+    async def ask_all(self, jobs: list[tuple[str, Callable[[str], object]]], on_done: Callable[[int, Outcome], None]) -> list[Outcome]:
+        """Run every (prompt, parse_fn) job concurrently; on_done(index, outcome) as each finishes."""
+
+        async def run(i: int, prompt: str, parse_fn) -> tuple[int, Outcome]:
+            return i, await self.ask(prompt, parse_fn)
+
+        outcomes: list[Optional[Outcome]] = [None] * len(jobs)
+        tasks = [asyncio.ensure_future(run(i, p, f)) for i, (p, f) in enumerate(jobs)]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                i, outcome = await next_done
+                outcomes[i] = outcome
+                on_done(i, outcome)
+            failed = [o for o in outcomes if o.status == "api_error"]
+            if failed and len(failed) == len(outcomes):  # e.g. every prompt refused with a 400
+                cause = f"all {len(failed)} failed; the first: {failed[0].error}"
+                fix = "check --model, --temperature and the prompts it refuses"
+                raise self.unavailable("refused every request", cause, fix)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # collect the cancelled ones (no "never retrieved")
+            await self.client.close()
+        return outcomes
+
+
+def run_jobs(args: Args, jobs: list[tuple[str, Callable[[str], object]]], on_done, cache: ReplyCache) -> tuple[list[Outcome], dict]:
+    if not jobs:  # e.g. every pair a tie: nothing to ask
+        return [], {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0, "judging_s": 0.0}
+
+    async def go():
+        judge = Judge(args, cache)
+        start = time.time()
+        outcomes = await judge.ask_all(jobs, on_done)
+        judge.stats["judging_s"] = time.time() - start  # the requests alone, without loading or plotting
+        return outcomes, judge.stats
+
+    return asyncio.run(go())
+
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    check_online_flags(args)
+    # ---------------- batch arithmetic (Table 6: 64 pairs per update), processes, run folder ----------------
+    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
+    accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
+                             "total_batch_size / (local_micro_batch_size * world_size)")
+    check_gradient_accumulation(args, accumulation, args.world_size)
+    args.gradient_accumulation_steps = accumulation  # recorded in args.json
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = make_dpo_accelerator(args)  # gradient accumulation, bf16 autocast
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # evaluation sampling differs per rank
+
+    # ---------------- tokenizer and data ----------------
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+    pad_token_id = tokenizer.pad_token_id
+    prompts, eval_datasets, sample_raw, sample_dataset = load_online_data(args, tokenizer)
+    args.num_updates = num_updates = count_updates(args, len(prompts))
+    updates_per_round = check_rounds(args, num_updates, len(prompts))
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+
+    # ---------------- models: the policy and the frozen reference, both the SFT model; the reward model ----------------
+    policy, ref_model = load_policy_and_reference(args, accelerator, tokenizer)
+    reward_model = load_judge_reward_model(args, accelerator, tokenizer)  # None with --judge endpoint
+    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
+    # the pairs: greedy decoding of scores that GumbelSampler has made a sample at --temperature (Detail 23 as well)
+    pair_config = sampling_config(args, tokenizer, 0.0)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
+    # accelerate's wrapper would step it once per process)
+    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
+    rounds = OnlineRounds()  # the current round's pairs and the running counts; a checkpoint carries them
+    accelerator.register_for_checkpointing(rounds)
+    torch.manual_seed(local_seed)  # evaluation samples differ across ranks (each pair's responses have their own seeds)
+
+    # ---------------- resume and logs ----------------
+    # the trainer state: the update reached and the open logging interval. The frozen reference is not saved: it is
+    # the SFT model, loaded again; --reference last_round's log-probs of the current round travel with its pairs
+    state = run.start({"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0,
+                       "last_train_metrics": {}}, num_updates=num_updates, pairs_per_round=args.pairs_per_round,
+                      judge=args.judge, reference=args.reference)
+    start_update = state["update"]
+    # accelerate counts micro batches to decide when to step: restart the count at the update boundary of the
+    # checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
+    accelerator.step = start_update * args.gradient_accumulation_steps
+    interval = DpoLoggingInterval(state)  # training metrics since the last log, carried by checkpoints
+
+    def run_evaluation(update: int, final: bool = False) -> dict:
+        """Detail 19: DPO's implicit reward model on the preference splits; samples of the policy."""
+        pairs = evaluate_preferences(accelerator, policy, ref_model, {}, eval_datasets, args, pad_token_id)
+        sampled = sample_responses(accelerator, policy, tokenizer, sample_dataset, generation_config, args)
+        metrics = write_dpo_evaluation(run, args, update, final, pairs, eval_datasets, sampled, sample_raw, tokenizer)
+        run.log(update, {"episode": update * args.total_batch_size, **metrics})
+        return metrics
+
+    # ---------------- training: rounds of pairs, one optimizer update per total_batch_size of them ----------------
+    accelerator.print(
+        f"online DPO ({args.loss_type}, beta {args.beta}, judge {args.judge}, reference {args.reference}): "
+        f"{num_updates} updates of {args.total_batch_size} pairs in rounds of {args.pairs_per_round}, "
+        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
+        f"{args.local_micro_batch_size} pairs"
+    )
+    policy.train()
+    progress = tqdm(total=num_updates, initial=start_update, desc="online_dpo", disable=not accelerator.is_local_main_process)
+    update = start_update
+    local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    try:
+        for update in range(start_update + 1, num_updates + 1):
+            round_index, first = divmod(update - 1, updates_per_round)
+            round_index, first = round_index + 1, first * args.total_batch_size  # the update's first pair in its round
+            if first == 0:  # steps 1-4: a new round of pairs, sampled from the policy as it is now
+                online_round(args, accelerator, run, rounds, policy, ref_model, reward_model, prompts, tokenizer,
+                             pair_config, round_index, update)
+            elif rounds.index != round_index:
+                raise RuntimeError(f"update {update} belongs to round {round_index}, but the pairs on hand are round "
+                                   f"{rounds.index}'s")
+            kept = int(rounds.keep[first : first + args.total_batch_size].sum())  # the update's pairs, all processes
+            sums, tokens = torch.zeros(len(TRAIN_STATS) - 1, device=accelerator.device), 0
+            for micro in range(args.gradient_accumulation_steps):
+                start = first + accelerator.process_index * local_batch_size + micro * args.local_micro_batch_size
+                rows = torch.arange(start, start + args.local_micro_batch_size)  # this process's share, in order
+                batch = {name: rounds.pairs[name][rows].to(accelerator.device) for name in PAIR_COLUMNS}
+                batch["row_index"] = rows
+                weights = rounds.keep[rows].float().to(accelerator.device)  # a dropped pair weighs 0
+                with accelerator.accumulate(policy):
+                    with accelerator.autocast():  # steps 1-3 of dpo.py: sequence log-probs (B,) of chosen and rejected
+                        policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
+                        ref_chosen, ref_rejected = reference_logprobs(None, rounds.ref_table, batch, pad_token_id)
+                    losses, chosen_rewards, rejected_rewards = dpo_loss(  # steps 4-5
+                        policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
+                        args.label_smoothing, ipo_token_counts(args, batch, pad_token_id),
+                    )
+                    # the mean over the update's kept pairs on every process: backward divides by the accumulation
+                    # steps and the gradient average by the processes, so the sum is scaled up by both first
+                    loss = (losses * weights).sum() * (args.gradient_accumulation_steps * accelerator.num_processes) / max(kept, 1)
+                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
+                    run.guard(update, **{
+                        "train/loss": loss, "train/logps/chosen": policy_chosen, "train/logps/rejected": policy_rejected,
+                        "train/ref_logps/chosen": ref_chosen, "train/ref_logps/rejected": ref_rejected,
+                    })
+                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+                    optimizer.step()  # step 6; a no-op until the last micro batch of the update
+                    optimizer.zero_grad()
+                sums += torch.stack([  # in the order of TRAIN_STATS, summed over the kept pairs
+                    losses.detach(), chosen_rewards, rejected_rewards, chosen_rewards - rejected_rewards,
+                    (chosen_rewards > rejected_rewards).float(), policy_chosen.detach(), policy_rejected.detach(),
+                ]).float() @ weights
+                tokens += int(
+                    (batch["query_chosen_token"] != pad_token_id).sum() + (batch["query_rejected_token"] != pad_token_id).sum()
+                )
+            if not accelerator.sync_gradients:
+                raise RuntimeError("gradient accumulation went out of step with the update loop")
+            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+            lr_scheduler.step()
+
+            # ---------------- logging: means over the update's kept pairs (NaN if it kept none), then over updates ----
+            interval.add((accelerator.reduce(sums, reduction="sum") / kept).tolist() + [kept],
+                         int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")))
+            episode = update * args.total_batch_size
+            progress.update(1)
+            if update % args.log_every == 0 or update == num_updates:
+                means = interval.close(update_lr, episode / len(prompts))
+                run.log(update, {"episode": episode, **means})
+                progress.set_postfix(loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
+                                     tok_s=f"{means['train/tokens_per_s']:.0f}")
+            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
+                run_evaluation(update)
+                interval.restart_clock()  # evaluation time is not training throughput
+            rounds.commit()  # the round state a checkpoint saves: as of this completed update
+            # after the update's logging and evaluation, so a resumed run repeats neither
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < num_updates:
+                run.checkpoint(update, interval.state())
+    except NonFiniteError:
+        # the guard runs before backward and before the update's optimizer step, so the weights on hand are
+        # still those after update - 1: keep them as the last good checkpoint (never the poisoned ones)
+        progress.close()  # so that the error is the last line of the output
+        run.checkpoint(update - 1, interval.state())
+        accelerator.print(f"non-finite value in update {update}; last good checkpoint: {run.latest_checkpoint()}")
+        raise
+    progress.close()
+
+    # ---------------- final evaluation and outputs ----------------
+    metrics = run_evaluation(num_updates, final=True)
+    summary = {**metrics, **interval.last_means,  # the last logging interval's training means
+               **{f"online/{key}_total": value for key, value in rounds.totals.items()},  # every round's counts
+               "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
+               "wall_time_s": time.time() - start_time}
+    save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
+    if args.push_to_hub and accelerator.is_main_process:
+        upload_to_hub(args)
+    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
+    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    return summary
+
+
+# =============================================================================================
+# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
+# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
+# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
+# =============================================================================================
+
+
+def check_dpo_flags(args) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
+        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
+
+
+def check_online_flags(args) -> None:
+    """dpo.py's flag checks, and those of the online pairs; --judge endpoint finds its API key in the environment
+    (or talks to a loopback endpoint) before anything is loaded."""
+    check_dpo_flags(args)
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature must be > 0: at 0 both responses to a prompt are the same (got {args.temperature})")
+    if args.max_draws_per_round < 1:
+        raise ValueError(f"--max_draws_per_round must be >= 1 (1 = never replace a dropped pair), got {args.max_draws_per_round}")
+    if args.pairs_per_round is None:
+        args.pairs_per_round = args.total_batch_size  # recorded in args.json
+    if args.judge == "endpoint":
+        resolve_api_key(args.endpoint.base_url)  # raises when OPENAI_API_KEY is unset; the key itself is not kept
+
+
+def check_rounds(args, num_updates: int, num_prompts: int) -> int:
+    """The updates per round: --pairs_per_round in whole batches, the run in whole rounds, a round within the prompts."""
+    updates_per_round = exact_div(args.pairs_per_round, args.total_batch_size, "pairs_per_round / total_batch_size")
+    exact_div(num_updates, updates_per_round, f"the run's {num_updates} updates / {updates_per_round} updates per round")
+    if args.pairs_per_round > num_prompts:
+        raise ValueError(f"--pairs_per_round {args.pairs_per_round} is more than the {num_prompts} prompts of "
+                         f"{args.query_dataset} split {args.train_split!r}")
+    return updates_per_round
+
+
+def load_judge_reward_model(args, accelerator, tokenizer):
+    """--judge rm: the frozen reward model, checked to read the policy's token ids, placed like the reference
+    (Detail 8: under ZeRO-3 an inference engine); None with --judge endpoint."""
+    if args.judge != "rm":
+        return None
+    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        trust_remote_code=args.trust_remote_code,
+    )
+    if reward_model.config.vocab_size < len(tokenizer):
+        reward_model.resize_token_embeddings(len(tokenizer))
+    disable_dropout(reward_model)  # frozen: the same score every time
+    return prepare_frozen_model(accelerator, reward_model)
+
+
+def make_dpo_accelerator(args) -> Accelerator:
+    """The run's Accelerator: gradient accumulation over args.gradient_accumulation_steps micro batches, a data
+    order that a resumed run can find its place in, and bf16 autocast with --bf16."""
+    return Accelerator(
+        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        # the shuffle of epoch e depends on (seed, e) alone, so a resumed run finds its place in the data
+        # (see resumable_micro_batches)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        mixed_precision="bf16" if args.bf16 else "no",
+    )
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
+        )
+    return tokenizer
+
+
+def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini_batches: int = 1) -> None:
+    """--gradient_accumulation_steps left out (None) takes `derived`, the micro batches per optimizer step that the
+    batch sizes give; a stated value must equal it (it checks the batch arithmetic, it never overrides it)."""
+    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps != derived:
+        raise ValueError(
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not match total_batch_size "
+            f"{args.total_batch_size} / ({num_processes} processes x {num_mini_batches} minibatches x "
+            f"{args.local_micro_batch_size} micro batch) = {derived}; leave it out or change the batch sizes"
+        )
+
+
+def count_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
+    train data) in full batches of total_batch_size; a last partial batch is dropped."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = total_episodes // args.total_batch_size
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+    return num_updates
+
+
+def load_online_data(args, tokenizer):
+    """The prompts (--train_split of --query_dataset), every evaluation split of the preference pairs and the SFT
+    validation queries sampled for the sample table, each checked for the columns read from it and for the tokenizer
+    that made it before any work. Returns the prompts (tensors with row_index), {split: (raw rows, tensors)} for
+    evaluation, and the sample queries (raw rows, tensors); --num_eval_samples shortens the evaluation splits."""
+    prompts_raw = load_split(args.query_dataset, args.train_split)
+    check_columns(prompts_raw, ["query_token"], f"{args.query_dataset} split {args.train_split!r}")
+    check_data_tokenizer(prompts_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.train_split!r}")
+    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
+    eval_datasets = {}
+    for split in eval_split_names:
+        raw = load_split(args.preference_dataset, split)
+        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
+        check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
+        if args.num_eval_samples is not None:
+            raw = raw.select(range(min(args.num_eval_samples, len(raw))))
+        eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
+    sample_raw = load_split(args.query_dataset, args.eval_split)
+    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
+    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.eval_split!r}")
+    if args.num_eval_samples is not None:
+        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
+    return (with_row_index(prompts_raw, ["query_token"]), eval_datasets, sample_raw,
+            with_row_index(sample_raw, ["query_token"]))
+
+
+def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
+    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
+    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
+    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(reward_model_path) and not any(
+        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
+    ):
+        raise ValueError(
+            f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
+            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
+            f"into that folder (tokenizer.save_pretrained), as reward.py does"
+        )
+    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
+    if rm_tokenizer.pad_token is None:
+        rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
+    problems = []
+    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
+    if policy_vocab != rm_vocab:
+        # name one token that differs, so the user sees what kind of mismatch it is
+        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
+        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
+        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
+    for name in ("pad_token_id", "eos_token_id"):
+        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
+            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
+    if problems:
+        raise ValueError(
+            f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
+            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
+            f"it was not trained on and score noise. Train the reward model from this SFT model "
+            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
+        )
+
+
+
+def preference_eval_splits(path: str) -> List[str]:
+    """Every split of the preference dataset whose name starts with "validation" (Detail 6: the
+    TL;DR validation set has out-of-distribution policy pairs and a CNN/DM split)."""
+    names = list(load_from_disk(path).keys()) if os.path.isdir(path) else get_dataset_split_names(path)
+    splits = sorted(name for name in names if name.startswith("validation"))
+    if not splits:
+        raise ValueError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
+    return splits
+
+
+class DpoLoggingInterval:
+    """The training metrics since the last log: one row of TRAIN_STATS per update (already averaged over micro
+    batches and processes, so every process holds the same rows and a checkpoint can carry them), the tokens
+    trained on and the time taken. Built from the trainer state (an empty interval, or a checkpoint's)."""
+
+    def __init__(self, state: dict):
+        self.rows, self.tokens = state["interval"], state["interval_tokens"]
+        self.start = time.time() - state["interval_time"]
+        self.last_means = state["last_train_metrics"]  # the last logged means, for the summary
+
+    def add(self, row: List[float], tokens: int) -> None:
+        self.rows.append(row)
+        self.tokens += tokens
+
+    def close(self, lr: float, epoch: float) -> Dict[str, float]:
+        """The interval's means (and throughput, learning rate, epoch); a new interval starts."""
+        means = dict(zip(TRAIN_STATS, np.mean(self.rows, axis=0).tolist()))
+        means["train/tokens_per_s"] = self.tokens / (time.time() - self.start)
+        means["train/lr"] = lr
+        means["train/epoch"] = epoch
+        self.last_means = means
+        self.rows, self.tokens, self.start = [], 0, time.time()
+        return means
+
+    def restart_clock(self) -> None:
+        self.start = time.time()
+
+    def state(self) -> dict:
+        return {"interval": self.rows, "interval_tokens": self.tokens, "interval_time": time.time() - self.start,
+                "last_train_metrics": self.last_means}
+
+
+def write_dpo_evaluation(run, args, update: int, final: bool, pairs: Dict[str, pd.DataFrame], eval_datasets,
+                         sampled, sample_raw, tokenizer) -> Dict[str, float]:
+    """An evaluation's metrics and outputs: samples/step_N.csv and the TensorBoard text tabs; after training also
+    samples.csv, the accuracy table (eval_table.csv, eval_table.md, printed) and every scored pair (eval_pairs.csv)."""
+    metrics, table_rows, frame = preference_report(pairs, eval_datasets)
+    samples, sample_metrics = sample_table(tokenizer, sample_raw, *sampled)
+    metrics.update(sample_metrics)
+    run.save_table(samples, f"samples/step_{update:06d}.csv")
+    if not run.main:
+        return metrics
+    run.writer.add_text("eval/accuracy_table", breakdown_markdown(table_rows), update)  # TensorBoard's text tab
+    run.writer.add_text("eval/samples", frame_markdown(samples.head(8)), update)
+    if final:
+        run.save_table(samples, "samples.csv")
+        run.save_table(pd.DataFrame(table_rows), "eval_table.csv")
+        with open(os.path.join(run.dir, "eval_table.md"), "w") as f:
+            f.write(breakdown_markdown(table_rows) + "\n")
+        run.save_table(frame, "eval_pairs.csv")
+        print(breakdown_markdown(table_rows))
+    if args.print_sample_every > 0 and (final or update % args.print_sample_every == 0):
+        for row in samples.head(2).itertuples():
+            print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\nREFERENCE: {row.reference}")
+    return metrics
+
+
+def breakdown_markdown(rows: List[dict]) -> str:
+    """The accuracy table as Markdown, in reward.py's layout so the RM and DPO tables sit side by side."""
+    lines = ["| dataset split | metric | key | value | n |", "| --- | --- | --- | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
+    return "\n".join(lines)
+
+
+def frame_markdown(df: pd.DataFrame) -> str:
+    """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
+
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def save_pretrained_model(accelerator, wrapped, model, tokenizer, output_dir: str, prefix: str = "") -> None:
+    """save_pretrained (safetensors) of `model` and its tokenizer in output_dir. The weights are those of
+    accelerator.get_state_dict(wrapped), which every process calls (ZeRO-3 gathers the shards); `prefix` is the
+    name of `model` inside the wrapper (reward.py's "rm."), dropped from the saved names."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(wrapped)
+    if accelerator.is_main_process:
+        state_dict = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+def upload_to_hub(args) -> None:
+    """--push_to_hub: upload --output_dir (the model and its tokenizer) to the hub repository --hub_model_id
+    (None: the run name). Main process only, after save_pretrained_model."""
+    from huggingface_hub import HfApi
+
+    hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
+    api = HfApi()
+    api.create_repo(hub_model_id, exist_ok=True)
+    api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+
+
+# ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+def check_columns(dataset, columns: list, where: str) -> None:
+    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
+    and every token column has one length in all rows (processed data is padded to fixed lengths)."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
+                         "make it with data/prepare.py, whose output has every column the scripts read")
+    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
+    for column in (c for c in columns if pyarrow.types.is_list(table.schema.field(c).type) and table.num_rows):
+        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != lengths[0])
+        if bad.size:
+            raise ValueError(f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has "
+                             f"{int(lengths[0])}; every row must be padded to the same length (prepare the data again "
+                             "with data/prepare.py)")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
+    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
+    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return {
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
+    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
+    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
+    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
+    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
+    ours = tokenizer_fingerprint(tokenizer)
+    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
+    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
+           "(with the task's other flags)")
+    try:
+        theirs = json.loads(dataset.info.description)["tokenizer"]
+    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
+        theirs = None
+    if theirs is not None:
+        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+                  if theirs.get(k) != ours[k]]
+        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        if differ:
+            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
+                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
+                             f"other tokens. {fix}")
+        return
+    other = f"so the data was tokenized by another tokenizer. {fix}"
+    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
+            table.schema.field(c).type, "value_type", pyarrow.string()))):
+        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
+        if highest is not None and highest >= size:
+            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
+                             f"has {size} tokens, {other}")
+    head = dataset.select(range(min(rows, len(dataset))))
+    for column in (c for c in columns if c + "_len" in dataset.column_names):
+        ends = []  # the last token of each response (the query column has none)
+        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
+            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
+            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
+            if wrong:
+                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
+                                 f"{model_path} pads with {pad}, {other}")
+            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
+        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
+            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
+                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
+
+
+# ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
+
+
+class Run:
+    """Everything a training run keeps on disk besides the model, behind one small interface:
+
+        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
+        run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
+        state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
+        run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
+        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track); run.writer
+        run.save_table(frame, "samples.csv")  # a CSV in the run folder
+        run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files
+        run.finish(summary)                   # summary.json; marks --output_dir complete, last
+    `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
+    (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
+
+    def __init__(self, args, accelerator):
+        self.args, self.accelerator, self.main, root = args, accelerator, accelerator.is_main_process, args.run_dir_root
+        if args.run_name is None and args.resume:  # the run of this experiment and seed whose checkpoints are newest
+            runs = glob.glob(os.path.join(root, f"{args.exp_name}__{args.seed}__*", "checkpoints"))
+            if not runs:
+                raise ValueError(f"--resume: no run {root}/{args.exp_name}__{args.seed}__* has a checkpoint; pass --run_name")
+            args.run_name = os.path.basename(os.path.dirname(max(runs, key=os.path.getmtime)))
+        # one name for all processes: their clocks may disagree on the second
+        args.run_name = broadcast_object_list([args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
+        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
+        self.stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)  # None: no DeepSpeed
+        self.checkpoints, self.lock = os.path.join(self.dir, "checkpoints"), os.path.join(self.dir, "run.lock")
+        if self.main:  # one live run per folder: the lock holds its host and pid; a dead run's lock is taken over
+            os.makedirs(self.dir, exist_ok=True)
+            me = {"host": os.uname().nodename, "pid": os.getpid()}
+            holder = json.load(open(self.lock)) if os.path.exists(self.lock) else None
+            if holder and (holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"]))):
+                raise RuntimeError(f"{self.dir} is in use by the run of process {holder['pid']} on {holder['host']} "
+                                   f"({self.lock}); wait for it to end, or pass another --run_name")
+            with open(self.lock, "w" if holder else "x") as f:  # "x" creates it exclusively: of two runs at once, one fails
+                json.dump(me, f)
+        self.resume_from = self.intact_checkpoint() if args.resume else None
+
+    def saved(self) -> list:  # the completed checkpoints, oldest first (a killed save never got its name update_N)
+        return sorted(glob.glob(os.path.join(self.checkpoints, "update_*")))
+
+    def intact_checkpoint(self) -> str:
+        """--resume: the newest checkpoint whose files all match its manifest (sizes included, RNG states too),
+        written by as many processes and the same DeepSpeed stage as this run; checked before any model loads."""
+        root, saved = self.checkpoints, self.saved()
+        for path in reversed(saved):
+            try:
+                manifest = json.load(open(os.path.join(path, "manifest.json")))
+                problem = next((f"{os.path.join(path, f)} has {os.path.getsize(os.path.join(path, f))} bytes, not {n}"
+                                for f, n in manifest["files"].items() if os.path.getsize(os.path.join(path, f)) != n), None)
+            except (OSError, ValueError, KeyError) as error:  # a missing file, or a manifest that is not one
+                missing = isinstance(error, FileNotFoundError)
+                problem = f"{error.filename} is missing" if missing else f"{path}/manifest.json is unreadable ({error!r})"
+            if problem is None:
+                break
+            self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
+        else:
+            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if saved else ""))
+        for stale in (d for d in os.listdir(root) if d.startswith(".tmp_") and self.main):  # of killed or failed saves
+            shutil.rmtree(os.path.join(root, stale))
+        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, self.stage)
+        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
+            raise ValueError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
+                             f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
+        return path
+
+    def claim_output_dir(self) -> None:
+        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not complete)."""
+        out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
+        if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
+            owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
+            if owner != self.args.run_name:
+                raise ValueError(
+                    f"--output_dir {out} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                    f"pass a new --output_dir, or --overwrite_output_dir to replace it"
+                    + (f", or --resume --run_name {owner} to continue that run" if owner else ""))
+        self.accelerator.wait_for_everyone()  # every process checked before the mark changes
+        if self.main:
+            os.makedirs(out, exist_ok=True)
+            json.dump({"run_name": self.args.run_name}, open(mark, "w"))
+
+    def start(self, state: dict, **shape) -> dict:
+        """The trainer state to go on from (the checkpoint's with --resume, else `state`); opens the logs."""
+        self.shape, resumed_at = shape, 0
+        if self.resume_from:
+            state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
+            if {key: state.get(key) for key in shape} != shape:
+                raise ValueError(f"--resume: the checkpoint belongs to a run with {({k: state.get(k) for k in shape})}, "
+                                 f"these flags give {shape}; resume with the flags of the original run")
+            self.accelerator.load_state(self.resume_from)
+            self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
+            resumed_at = state["update"]
+        elif self.main:
+            shutil.rmtree(self.checkpoints, ignore_errors=True)  # a fresh run of the same name starts over
+        if self.main:
+            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+            config = asdict(self.args)  # with the derived fields filled in
+            json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
+            if self.args.track:
+                import wandb  # only with --track; it mirrors TensorBoard
+                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
+                           config=config, name=self.args.run_name, save_code=True)
+            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
+            metrics, kept = os.path.join(self.dir, "metrics.jsonl"), []
+            if resumed_at and os.path.exists(metrics):  # what was logged after the checkpoint goes: logs as if never cut
+                kept = [line for line in open(metrics) if json.loads(line)["step"] <= resumed_at]
+            open(metrics, "w").writelines(kept)
+        return state
+
+    def guard(self, update: int, **quantities: torch.Tensor) -> None:
+        """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
+        raise together). Called before the optimizer step that would use it: the weights on hand are the last good."""
+        flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
+        flags = self.accelerator.reduce(flags.to(self.accelerator.device), reduction="sum")
+        bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
+        if bad:
+            raise NonFiniteError(
+                f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
+                "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
+                "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.main:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def save_table(self, frame, name: str) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.dir, name), index=False)
+
+    def checkpoint(self, update: int, state: dict) -> str:
+        """Save what a resumed run needs after `update` (on every process). Atomic: written to a temporary folder, its
+        manifest (files and sizes) last, then renamed to update_N, so a killed or failed save leaves the previous one."""
+        final, temporary = (os.path.join(self.checkpoints, f"{p}update_{update:06d}") for p in ("", ".tmp_"))
+        self.accelerator.wait_for_everyone()
+        try:  # (a temporary folder of a killed save is removed by the --resume that follows it)
+            self.accelerator.save_state(temporary)
+            self.accelerator.wait_for_everyone()
+            if self.main:
+                json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
+                files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
+                         for d, _, names in os.walk(temporary) for f in names}
+                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": self.stage},
+                          open(os.path.join(temporary, "manifest.json"), "w"))
+        except Exception as error:  # e.g. a full disk: an OSError, a SafetensorError or a torch writer error
+            shutil.rmtree(temporary, ignore_errors=True)  # a failed save leaves no half-written folder behind
+            error.add_note(f"while saving the checkpoint of update {update} to {self.checkpoints}: the newest one is still "
+                           f"{self.latest_checkpoint()}. Free space if the disk is full, then --resume")
+            raise
+        if self.main:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(temporary, final)
+            for old in self.saved()[:-self.args.checkpoint_keep]:  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def latest_checkpoint(self) -> Optional[str]:
+        return (self.saved() or [None])[-1]
+
+    def finish(self, summary: dict) -> None:
+        """summary.json, then the mark that --output_dir is complete (written last: a folder without it is not)."""
+        if self.main:
+            json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
+            self.writer.close()  # (a W&B run ends with the process)
+            json.dump({"run_name": self.args.run_name, "complete": True},
+                      open(os.path.join(self.args.output_dir, "run.json"), "w"))
+            os.remove(self.lock)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or inf (raised by Run.guard)."""
+
+
+def start_processes() -> PartialState:
+    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate picks a
+    backend by itself only for GPUs; on the CPU we name gloo (`torchrun` ranks, or DeepSpeed with DS_ACCELERATOR=cpu)."""
+    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
+    if torch.cuda.is_available():
+        return PartialState()
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return PartialState(backend="gloo") if deepspeed else PartialState(cpu=True)
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
+    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
+    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
+    if config is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
