@@ -475,7 +475,9 @@ def rloo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
                 mb_stats.update(pg_loss=pg_loss.detach(), ptx_loss=ptx_loss.detach(),
                                 entropy=masked_mean(token_entropy, shaped.mask[idx, :width]))
                 for name, value in mb_stats.items():
-                    stats.setdefault(name, torch.zeros((K, nmb, ga), device=device))[epoch, mb, micro_index] = value
+                    if name not in stats:  # allocated once, at the first micro batch
+                        stats[name] = torch.zeros((K, nmb, ga), device=device)
+                    stats[name][epoch, mb, micro_index] = value
     return stats
 
 
