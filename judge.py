@@ -175,6 +175,13 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     }
 
 
+def tokenizer_difference(theirs: dict, ours: dict) -> list:
+    """What differs between two tokenizer fingerprints (theirs vs ours), for an error message; [] = the same."""
+    differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+              if theirs.get(k) != ours[k]]
+    return differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+
+
 def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
     """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
     refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
@@ -189,9 +196,7 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
     except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
         theirs = None
     if theirs is not None:
-        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
-                  if theirs.get(k) != ours[k]]
-        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        differ = tokenizer_difference(theirs, ours)
         if differ:
             raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
                              f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "

@@ -31,6 +31,8 @@ Single process:   python kto.py --sft_model_path models/sft --output_dir models/
 Thumbs up / down: python kto.py --feedback unpaired --unpaired_dataset data/processed/tldr/unpaired (made by
                   data/prepare.py --unpaired; the validation pairs of --preference_dataset are still evaluated)
 Several GPUs:     accelerate launch --config_file zero2.yaml kto.py --sft_model_path models/sft
+LoRA / QLoRA:     ... --lora_rank 8 [--load_in_4bit]: the reference is the policy with its adapters off; the saved
+                  policy has them merged (float32)
 After a crash:    the same command with --resume (and --run_name of the run, if it is not the newest): it continues
                   from the latest checkpoint in runs/{run_name}/checkpoints (policy, AdamW, schedule, data position,
                   open logging interval, RNG states) and ends exactly like an uninterrupted run (--checkpoint_every
@@ -38,6 +40,8 @@ After a crash:    the same command with --resume (and --run_name of the run, if 
                   the last good checkpoint.
 """
 import atexit
+import contextlib
+import copy
 import glob
 import json
 import os
@@ -58,6 +62,7 @@ from accelerate import Accelerator, PartialState, skip_first_batches
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
 from datasets import concatenate_datasets
 from datasets import get_dataset_split_names, load_dataset, load_from_disk
+from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
@@ -161,6 +166,16 @@ class Args:
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+
+    # memory: LoRA and QLoRA
+    lora_rank: int = 0
+    """LoRA rank of the policy adapters (peft); the reference is the policy with adapters disabled; 0 = off"""
+    lora_alpha: float = 16.0
+    """LoRA scaling alpha (read only when --lora_rank > 0)"""
+    load_in_4bit: bool = False
+    """QLoRA: the frozen base of the policy in 4-bit NF4 with double quantization (bitsandbytes), LoRA adapters trained
+    on top; needs --lora_rank. The settings are the QLoRA paper's (Dettmers et al. 2023); each 4-bit layer computes in
+    the run's dtype (bf16 with --bf16, else float32), and the saved model has the adapters merged in float32"""
 
     # evaluation, sampling and logging
     eval_every: int = 500
@@ -399,6 +414,46 @@ def load_policy_and_reference(args, accelerator, tokenizer):
         disable_dropout(policy)
     disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
     return policy, prepare_frozen_model(accelerator, ref_model)
+
+
+class AdaptersOff:
+    """The reference of a LoRA run: the policy itself with its adapters disabled, which computes the SFT model it
+    started from. Called like a model (by forward()), always in eval mode (no dropout), whatever mode the policy is
+    in. It holds the peft model, not the wrapper accelerator.prepare makes of it: the reference needs no gradients."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, **inputs):
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            with self.policy.disable_adapter():
+                return self.policy(**inputs)
+        finally:
+            self.policy.train(training)
+
+
+def load_lora_policy_and_reference(args, accelerator, tokenizer):
+    """--lora_rank: the policy is the SFT model with LoRA adapters (lora_policy), and the reference is the same model
+    with its adapters off (AdaptersOff), so the weights exist once. With --load_in_4bit (QLoRA) the reference is
+    therefore the 4-bit base the adapters train on, and the log-ratios of the policy and the reference are exactly 0
+    at initialisation (LoRA's B starts at zero). A separate float32 reference would differ from the 4-bit policy by
+    the rounding of every weight: its log-ratios would start away from 0, a quantization bias in the implicit reward
+    (eq. 5) that the loss would spend its first updates on."""
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
+        **quantized_loading(args, args.bf16),
+    )
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > policy.config.vocab_size:
+        policy.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(policy)
+    policy = lora_policy(policy, args)
+    if not args.load_in_4bit:  # on the device already for --precompute_ref_logprobs (a 4-bit model loads there)
+        policy.to(accelerator.device)
+    return policy, AdaptersOff(policy)
 
 
 @torch.no_grad()
@@ -675,6 +730,109 @@ def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
     )
 
 
+def quantized_loading(args, bf16: bool) -> dict:
+    """The policy's extra from_pretrained arguments: none without --load_in_4bit (the model loads as it always did);
+    with it, the QLoRA base, quantized as it loads and placed on this process's device (every data-parallel
+    process holds its own copy). bf16: whether the run computes in bf16 (--bf16)."""
+    if not args.load_in_4bit:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    # QLoRA: the settings of Dettmers et al. (2023). The frozen weights of every linear layer stored in 4-bit
+    # NormalFloat (NF4), their per-block scales quantized a second time (double quantization), each layer dequantized
+    # on the fly to the compute dtype, the run's: bf16 with --bf16, else float32. The embeddings, layer norms and
+    # output layer stay unquantized, and the LoRA adapters train in float32 on top
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float32)
+    return {"quantization_config": config, "device_map": {"": PartialState().device}}
+
+
+def lora_policy(model, args):
+    """LoRA (--lora_rank): adapters of rank --lora_rank on every linear layer of the policy (peft), the only weights
+    that train; the base stays frozen (in 4-bit with --load_in_4bit). The reference policy of a LoRA run is this
+    model with its adapters disabled."""
+
+    def load_quant_state(layer, state_dict, prefix, *_):
+        # --resume: a checkpoint holds each 4-bit layer's packed weight and, beside it, its quantization state (block
+        # scales, code book), which bitsandbytes writes but does not read back: taken out here and put in place
+        from bitsandbytes.functional import QuantState
+
+        stored = {key[len(f"{prefix}weight."):]: state_dict.pop(key) for key in list(state_dict)
+                  if key.startswith(f"{prefix}weight.")}
+        if stored:
+            layer.weight.quant_state = layer.quant_state = QuantState.from_dict(stored, device=layer.weight.device)
+
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # a 4-bit layer of bitsandbytes (QLoRA)
+            # On a CPU with AVX-512 BF16, bitsandbytes moves a 4-bit layer to a bf16 inference kernel (with a weight
+            # layout of its own) at its first forward in eval mode without gradients. That kernel computes other
+            # numbers than training does, and a training forward after it fails: every forward keeps the one path
+            # (dequantize to the compute dtype, then multiply)
+            module.support_avx512bf16_for_cpu = False
+            module.register_load_state_dict_pre_hook(load_quant_state)
+    return get_peft_model(
+        model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear")
+    )
+
+
+def merged_policy(policy) -> torch.nn.Module:
+    """A LoRA policy (peft) as the plain transformers model it computes: every adapted layer's weight becomes
+    W + delta, delta = peft's get_delta_weight (B A scaled by alpha / rank), in float32 and CPU memory, with no
+    quantization config, so that the saved folder loads with a plain from_pretrained (judge.py, report.py, the next
+    stage). A 4-bit base layer (QLoRA) is first dequantized to the very weights its forward used while the adapters
+    trained. (peft's merge_and_unload would quantize W + delta back to 4 bits: a second rounding, which moves the
+    merged model away from the one trained.) The policy itself is left as it is."""
+    from accelerate import init_empty_weights
+    from peft.tuners.lora import LoraLayer
+
+    try:
+        from bitsandbytes.functional import dequantize_4bit
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:  # plain LoRA needs no bitsandbytes: none of its layers is 4-bit
+        Linear4bit = ()
+
+    def on_cpu(tensor: torch.Tensor) -> torch.Tensor:  # a float32 copy, never a view of the policy's tensors
+        return tensor.detach().to("cpu", torch.float32, copy=True)
+
+    def weight_of(layer) -> torch.Tensor:  # the weight a linear layer computes with
+        if isinstance(layer, Linear4bit):
+            return on_cpu(dequantize_4bit(layer.weight.data, layer.weight.quant_state))
+        return on_cpu(layer.weight)
+
+    model = policy.get_base_model()  # the transformers model, its linear layers wrapped by peft's LoRA layers
+    adapted = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    state = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if any(name.startswith(f"{outer}.") for outer in adapted):
+            continue  # the inside of an adapted layer (its base layer and adapters), folded in below
+        if name in adapted:
+            base, weight = module.get_base_layer(), weight_of(module.get_base_layer())
+            for adapter in module.active_adapters:
+                if adapter not in module.merged_adapters:
+                    weight = weight + on_cpu(module.get_delta_weight(adapter))  # W + delta
+            state[prefix + "weight"] = weight
+            if base.bias is not None:
+                state[prefix + "bias"] = on_cpu(base.bias)
+            continue
+        for key, tensor in module.named_parameters(recurse=False):
+            quantized = isinstance(module, Linear4bit) and key == "weight"
+            state[prefix + key] = weight_of(module) if quantized else on_cpu(tensor)
+        for key, tensor in module.named_buffers(recurse=False):
+            state[prefix + key] = tensor.detach().to("cpu", copy=True)
+    config = copy.deepcopy(model.config)
+    config.__dict__.pop("quantization_config", None)  # a plain float32 model, like every other stage's
+    with init_empty_weights():  # no random initialisation, nor a draw from the RNG: every weight comes from `state`
+        plain = type(model)(config)
+    missing = set(plain.state_dict()) - set(state)
+    if missing:
+        raise RuntimeError(f"merged_policy: no weights for {sorted(missing)[:5]} in {type(model).__name__}")
+    plain.load_state_dict({key: state[key] for key in plain.state_dict()}, assign=True)
+    plain.tie_weights()
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    return plain.eval()
+
+
 def main(args: Args) -> dict:
     start_time = time.time()
     check_kto_flags(args)
@@ -688,6 +846,7 @@ def main(args: Args) -> dict:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     accelerator = make_dpo_accelerator(args)  # gradient accumulation, a resumable data order, bf16 autocast
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    check_qlora_flags(args, accelerator)
     run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
 
     # ---------------- seeding (labelled, deliberate) ----------------
@@ -705,10 +864,13 @@ def main(args: Args) -> dict:
     run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
 
     # ---------------- models: the policy and the frozen reference, both the SFT model ----------------
-    policy, ref_model = load_policy_and_reference(args, accelerator, tokenizer)
+    # with LoRA (--lora_rank) the reference is the policy with its adapters off (QLoRA: the same 4-bit base)
+    policy, ref_model = (load_lora_policy_and_reference(args, accelerator, tokenizer) if args.lora_rank > 0
+                         else load_policy_and_reference(args, accelerator, tokenizer))
     generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
     # the reference runs live: the mismatched pairs of the KL estimate are drawn by each update's batch
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or the LoRA adapters alone
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
     # accelerate's wrapper would step it once per process)
     lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
@@ -820,7 +982,10 @@ def main(args: Args) -> dict:
     summary = {**metrics, **per_example_means(interval.last_means),  # the last logging interval's training means
                "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
                "wall_time_s": time.time() - start_time}
-    save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
+    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
+        save_merged_policy(accelerator, policy, tokenizer, args.output_dir)
+    else:
+        save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
     if args.push_to_hub and accelerator.is_main_process:
         upload_to_hub(args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
@@ -1054,6 +1219,43 @@ def upload_to_hub(args) -> None:
     api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
 
 
+def check_qlora_flags(args, accelerator) -> None:
+    """--load_in_4bit (QLoRA): what it needs, checked before any model loads and before --output_dir is claimed."""
+    if not args.load_in_4bit:
+        return
+    if args.lora_rank <= 0:
+        raise ValueError("--load_in_4bit (QLoRA) stores the frozen base of a LoRA policy in 4 bits and trains the LoRA "
+                         "adapters on top: it needs --lora_rank > 0 (e.g. --lora_rank 8); 4-bit weights cannot be "
+                         "trained themselves")
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+        raise ValueError("--load_in_4bit cannot run under DeepSpeed ZeRO-3: it splits every weight across the "
+                         "processes, and bitsandbytes' packed 4-bit weights cannot be split. Use zero2.yaml (each process "
+                         "keeps the small 4-bit base whole) or plain data parallel (torchrun)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise ImportError("--load_in_4bit needs the bitsandbytes package, which quantizes the base to 4 bits and "
+                          "computes with it: pip install bitsandbytes") from error
+
+
+def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
+    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
+    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
+    gathering the partitioned weights; the main process saves."""
+    unwrapped = accelerator.unwrap_model(wrapped)
+    gathered = contextlib.nullcontext()
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
+    accelerator.wait_for_everyone()
+    with gathered:
+        if accelerator.is_main_process:
+            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
+            tokenizer.save_pretrained(output_dir)
+
+
+
 # ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----
 
 
@@ -1089,6 +1291,13 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     }
 
 
+def tokenizer_difference(theirs: dict, ours: dict) -> list:
+    """What differs between two tokenizer fingerprints (theirs vs ours), for an error message; [] = the same."""
+    differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+              if theirs.get(k) != ours[k]]
+    return differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+
+
 def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
     """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
     refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
@@ -1103,9 +1312,7 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
     except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
         theirs = None
     if theirs is not None:
-        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
-                  if theirs.get(k) != ours[k]]
-        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        differ = tokenizer_difference(theirs, ours)
         if differ:
             raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
                              f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "

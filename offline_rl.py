@@ -1166,38 +1166,26 @@ def check_preference_columns(preference, args: Args) -> None:
 
 
 def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
-    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
-    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
-    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
+    """Bad input: the reward model (and a critic made from it, Detail 22) reads the policy's token ids, so it must have
+    been trained with the policy's tokenizer (the same fingerprint). A mismatch raises no error anywhere else, it only
+    makes every score meaningless, so it is checked before any weights load."""
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if os.path.isdir(reward_model_path) and not any(
-        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
-    ):
+    if os.path.isdir(reward_model_path) and not any(os.path.exists(os.path.join(reward_model_path, name))
+                                                    for name in tokenizer_files):
         raise ValueError(
             f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
             f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
-            f"into that folder (tokenizer.save_pretrained), as reward.py does"
-        )
+            f"into that folder (tokenizer.save_pretrained), as reward.py does")
     rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
     if rm_tokenizer.pad_token is None:
         rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
-    problems = []
-    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
-    if policy_vocab != rm_vocab:
-        # name one token that differs, so the user sees what kind of mismatch it is
-        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
-        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
-        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
-    for name in ("pad_token_id", "eos_token_id"):
-        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
-            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
-    if problems:
+    differ = tokenizer_difference(tokenizer_fingerprint(tokenizer), tokenizer_fingerprint(rm_tokenizer))
+    if differ:
         raise ValueError(
             f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
-            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
+            f"{sft_model_path}: {'; '.join(differ)} (policy vs reward model). The reward model would read token ids "
             f"it was not trained on and score noise. Train the reward model from this SFT model "
-            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
-        )
+            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from")
 
 
 def check_round_size(args: Args, samples_per_round: int, episodes_per_round: int, updates_per_round: int,
@@ -1449,6 +1437,13 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     }
 
 
+def tokenizer_difference(theirs: dict, ours: dict) -> list:
+    """What differs between two tokenizer fingerprints (theirs vs ours), for an error message; [] = the same."""
+    differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+              if theirs.get(k) != ours[k]]
+    return differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+
+
 def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
     """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
     refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
@@ -1463,9 +1458,7 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
     except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
         theirs = None
     if theirs is not None:
-        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
-                  if theirs.get(k) != ours[k]]
-        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        differ = tokenizer_difference(theirs, ours)
         if differ:
             raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
                              f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "

@@ -771,8 +771,7 @@ class AdaptiveKLController:
         proportional_error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
         self.value *= 1.0 + proportional_error * num_episodes / self.horizon
 
-    # state_dict / load_state_dict let accelerate save the coefficient in a checkpoint
-    # (register_for_checkpointing); target and horizon come from the flags
+    # a checkpoint holds the coefficient (register_for_checkpointing); target and horizon come from the flags
     def state_dict(self) -> dict:
         return {"value": self.value}
 
@@ -781,28 +780,23 @@ class AdaptiveKLController:
 
 
 class RunningMoments:
-    """trlX reward scaling: running mean / std of every score seen (parallel-variance merge).
-    Feed it globally gathered scores so that all ranks hold the same statistics."""
+    """trlX reward scaling: running mean / std of every score seen (parallel-variance merge). Feed it globally
+    gathered scores so that all ranks hold the same statistics; a checkpoint holds them (register_for_checkpointing)."""
 
     def __init__(self):
         self.mean, self.var, self.count = 0.0, 1.0, 1e-24
 
     def update(self, values: torch.Tensor) -> None:
-        batch_mean = values.mean().item()
-        batch_var = values.var(unbiased=False).item()
-        batch_count = values.numel()
-        delta = batch_mean - self.mean
-        total = self.count + batch_count
+        batch_mean, batch_var, batch_count = values.mean().item(), values.var(unbiased=False).item(), values.numel()
+        delta, total = batch_mean - self.mean, self.count + batch_count
         self.mean += delta * batch_count / total
-        m2 = self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / total
-        self.var = m2 / total
+        self.var = (self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / total) / total
         self.count = total
 
     @property
     def std(self) -> float:
         return max(self.var, 0.0) ** 0.5
 
-    # the statistics of every score seen so far go into checkpoints (register_for_checkpointing)
     def state_dict(self) -> dict:
         return {"mean": self.mean, "var": self.var, "count": self.count}
 
@@ -1240,40 +1234,30 @@ def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini
 
 def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
     """The models: the policy (from the SFT model), the critic (from critic_path; None = no critic), the frozen
-    reward model, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
+    reward models, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
     frozen trunk; or None with LoRA, where the reference is the policy with its adapters off)."""
-    frozen_dtype = torch.bfloat16 if bf16 else torch.float32
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code,
+    frozen_dtype, remote = torch.bfloat16 if bf16 else torch.float32, args.trust_remote_code
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=remote,
                                                   **quantized_loading(args, bf16))  # QLoRA: a 4-bit base
     critic = None if critic_path is None else AutoModelForSequenceClassification.from_pretrained(
-        critic_path, num_labels=1, trust_remote_code=args.trust_remote_code
-    )
+        critic_path, num_labels=1, trust_remote_code=remote)
     reward_models = [AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=frozen_dtype, trust_remote_code=args.trust_remote_code
-    ) for path in args.reward_model_path]
-    loaded = [model for model in (policy, critic, *reward_models) if model is not None]
-    for model in loaded:
+        path, num_labels=1, dtype=frozen_dtype, trust_remote_code=remote) for path in args.reward_model_path]
+    ref_policy = None  # with LoRA: the policy with its adapters disabled
+    if args.lora_rank <= 0 and args.num_layers_unfrozen < 0:  # a frozen copy of the SFT model
+        ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=frozen_dtype, trust_remote_code=remote)
+    for model in (m for m in (policy, critic, *reward_models, ref_policy) if m is not None):
         # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
         if model.config.vocab_size < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
-    if args.disable_dropout:  # Detail 7
-        for model in loaded:
+        if args.disable_dropout or model is ref_policy:  # Detail 7; the reference never trains: deterministic
             disable_dropout(model)
-    for reward_model in reward_models:
-        reward_model.requires_grad_(False).eval()
+    for frozen in (m for m in (*reward_models, ref_policy) if m is not None):
+        frozen.requires_grad_(False).eval()
     if args.lora_rank > 0:
         policy = lora_policy(policy, args)
-        ref_policy = None  # the reference is the policy with its adapters disabled
     elif args.num_layers_unfrozen >= 0:
         ref_policy = build_hydra_reference(policy, args.num_layers_unfrozen)
-    else:
-        ref_policy = AutoModelForCausalLM.from_pretrained(
-            args.sft_model_path, dtype=frozen_dtype, trust_remote_code=args.trust_remote_code
-        )
-        if ref_policy.config.vocab_size < len(tokenizer):
-            ref_policy.resize_token_embeddings(len(tokenizer))
-        disable_dropout(ref_policy)  # the reference never trains: its logprobs must be deterministic
-        ref_policy.requires_grad_(False).eval()
     return policy, critic, reward_models, ref_policy
 
 
@@ -1356,16 +1340,14 @@ def due(every: int, update: int, num_updates: Optional[int] = None) -> bool:
 
 
 class LastGoodState:
-    """The non-finite guard's fallback. `with last_good.kept(update, state):` wraps one update and notes what a
-    checkpoint after update - 1 holds besides the weights and AdamW: the RNG states, the gradient accumulation
-    counter, the objects registered for checkpointing, the trainer state. When the guard (run.guard) raises in
-    the update before any optimizer step of it, the weights and AdamW are still those after update - 1: it puts
-    the rest back and saves it all as the last good checkpoint, without the poisoned rollout. After a step the
-    weights have changed, and nothing is saved."""
+    """The non-finite guard's fallback. `with last_good.kept(update, state):` wraps one update. When run.guard raises
+    in it before any optimizer step of it (a poisoned rollout), the weights and AdamW are still those after update - 1:
+    the RNG states, the gradient accumulation counter and the objects registered for checkpointing are put back as
+    they were, and all of it is saved as the last good checkpoint. After a step the weights have changed: nothing is
+    saved."""
 
     def __init__(self, run, accelerator, optimizer: torch.optim.Optimizer, *registered):
-        self.run, self.accelerator, self.registered = run, accelerator, registered
-        self.optimizer_steps = 0  # optimizer steps of the current update
+        self.run, self.accelerator, self.registered, self.optimizer_steps = run, accelerator, registered, 0
         optimizer.register_step_post_hook(self.count_step)
 
     def count_step(self, *_) -> None:
@@ -1373,62 +1355,53 @@ class LastGoodState:
 
     @contextlib.contextmanager
     def kept(self, update: int, trainer_state: dict):
-        rng, accumulation_step = rng_states(), self.accelerator.step
-        registered = [obj.state_dict() for obj in self.registered]
-        self.optimizer_steps = 0
+        # the random states accelerate's save_state writes (Python, NumPy, torch, CUDA), as the update starts
+        python_rng, numpy_rng, torch_rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        step, registered, self.optimizer_steps = self.accelerator.step, [o.state_dict() for o in self.registered], 0
         try:
             yield
         except NonFiniteError:
             if self.optimizer_steps == 0:
-                set_rng_states(rng)
-                self.accelerator.step = accumulation_step
+                random.setstate(python_rng)
+                np.random.set_state(numpy_rng)
+                torch.set_rng_state(torch_rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state_all(cuda_rng)
+                self.accelerator.step = step
                 for obj, saved in zip(self.registered, registered):
                     obj.load_state_dict(saved)
                 self.run.checkpoint(update - 1, trainer_state)
-                self.accelerator.print(f"non-finite value at update {update} before any optimizer step of it; "
-                                       f"last good checkpoint: {self.run.latest_checkpoint()}")
+                what = "before any optimizer step of it"
             else:
-                self.accelerator.print(
-                    f"non-finite value at update {update} after {self.optimizer_steps} optimizer step(s) of it had "
-                    f"already changed the weights; those weights are NOT saved. Last good checkpoint: "
-                    f"{self.run.latest_checkpoint() or 'none (no --checkpoint_every checkpoint was written before it)'}"
-                )
+                what = (f"after {self.optimizer_steps} optimizer step(s) of it had already changed the weights; those "
+                        "weights are NOT saved")
+            self.accelerator.print(f"non-finite value at update {update} {what}. Last good checkpoint: "
+                                   f"{self.run.latest_checkpoint() or 'none (no --checkpoint_every checkpoint yet)'}")
             raise
 
 
 def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
-    """Bad input: the reward model (and the critic, Detail 22) reads the policy's token ids, so it must have
-    been trained with the policy's tokenizer: the same vocabulary and the same [PAD] and EOS ids. A mismatch
-    raises no error anywhere else, it only makes every score meaningless, so we check before loading weights."""
+    """Bad input: the reward model (and a critic made from it, Detail 22) reads the policy's token ids, so it must have
+    been trained with the policy's tokenizer (the same fingerprint). A mismatch raises no error anywhere else, it only
+    makes every score meaningless, so it is checked before any weights load."""
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if os.path.isdir(reward_model_path) and not any(
-        os.path.exists(os.path.join(reward_model_path, name)) for name in tokenizer_files
-    ):
+    if os.path.isdir(reward_model_path) and not any(os.path.exists(os.path.join(reward_model_path, name))
+                                                    for name in tokenizer_files):
         raise ValueError(
             f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
             f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
-            f"into that folder (tokenizer.save_pretrained), as reward.py does"
-        )
+            f"into that folder (tokenizer.save_pretrained), as reward.py does")
     rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
     if rm_tokenizer.pad_token is None:
         rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
-    problems = []
-    policy_vocab, rm_vocab = tokenizer.get_vocab(), rm_tokenizer.get_vocab()
-    if policy_vocab != rm_vocab:
-        # name one token that differs, so the user sees what kind of mismatch it is
-        differing = sorted(set(policy_vocab.items()) ^ set(rm_vocab.items()), key=lambda item: item[1])[:1]
-        example = f", e.g. {differing[0][0]!r} (id {differing[0][1]})" if differing else ""
-        problems.append(f"the vocabularies differ ({len(policy_vocab)} vs {len(rm_vocab)} tokens{example})")
-    for name in ("pad_token_id", "eos_token_id"):
-        if getattr(tokenizer, name) != getattr(rm_tokenizer, name):
-            problems.append(f"{name} {getattr(tokenizer, name)} vs {getattr(rm_tokenizer, name)}")
-    if problems:
+    differ = tokenizer_difference(tokenizer_fingerprint(tokenizer), tokenizer_fingerprint(rm_tokenizer))
+    if differ:
         raise ValueError(
             f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
-            f"{sft_model_path}: {'; '.join(problems)} (policy vs reward model). The reward model would read token ids "
+            f"{sft_model_path}: {'; '.join(differ)} (policy vs reward model). The reward model would read token ids "
             f"it was not trained on and score noise. Train the reward model from this SFT model "
-            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from"
-        )
+            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from")
 
 
 def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
@@ -1445,24 +1418,6 @@ def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
     tokenizer.save_pretrained(path)
 
 
-def rng_states() -> dict:
-    """The random states accelerate's save_state writes (Python, NumPy, torch CPU, CUDA), which LastGoodState
-    takes at the start of each update."""
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    """Put back the random states taken by rng_states()."""
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
 def check_qlora_flags(args, accelerator) -> None:
     """--load_in_4bit (QLoRA): what it needs, checked before any model loads and before --output_dir is claimed."""
     if not args.load_in_4bit:
@@ -1472,12 +1427,9 @@ def check_qlora_flags(args, accelerator) -> None:
                          "adapters on top: it needs --lora_rank > 0 (e.g. --lora_rank 8); 4-bit weights cannot be "
                          "trained themselves")
     if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
-        raise ValueError("--load_in_4bit cannot run under DeepSpeed ZeRO-3: ZeRO-3 partitions every weight across "
-                         "the processes and gathers it for each forward, and bitsandbytes' packed 4-bit weights, with "
-                         "their quantization state beside them, cannot be split and gathered that way. Use zero2.yaml "
-                         "(each process keeps the small 4-bit base whole, the LoRA weights' gradients and optimizer "
-                         "states are partitioned) or plain data parallel (torchrun, or accelerate launch without "
-                         "DeepSpeed)")
+        raise ValueError("--load_in_4bit cannot run under DeepSpeed ZeRO-3: it splits every weight across the "
+                         "processes, and bitsandbytes' packed 4-bit weights cannot be split. Use zero2.yaml (each process "
+                         "keeps the small 4-bit base whole) or plain data parallel (torchrun)")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as error:
@@ -1520,6 +1472,13 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     }
 
 
+def tokenizer_difference(theirs: dict, ours: dict) -> list:
+    """What differs between two tokenizer fingerprints (theirs vs ours), for an error message; [] = the same."""
+    differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
+              if theirs.get(k) != ours[k]]
+    return differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+
+
 def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
     """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
     refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
@@ -1534,9 +1493,7 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
     except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
         theirs = None
     if theirs is not None:
-        differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
-                  if theirs.get(k) != ours[k]]
-        differ = differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
+        differ = tokenizer_difference(theirs, ours)
         if differ:
             raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
                              f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "

@@ -638,6 +638,6 @@ def test_reward_model_with_another_tokenizer_is_refused(synthetic_task, tiny_mod
     assert error.startswith("ValueError: the reward model"), result.stderr[-3000:]
     assert str(tmp_path / "rm") in error and tiny_models["sft"] in error  # both paths
     assert f"reward.py --sft_model_path {tiny_models['sft']}" in error  # the fix
-    assert ("vocabularies differ" in error) == (mismatch == "vocabulary")
+    assert ("vocab_size" in error) == (mismatch == "vocabulary")
     assert ("pad_token_id" in error) == (mismatch == "pad_id")
     assert not (tmp_path / "policy").exists()  # refused before the output folder is claimed

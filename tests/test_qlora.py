@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, EOS = 1, 2
 
-sft, dpo, ppo = load_script("sft"), load_script("dpo"), load_script("ppo")
+sft, dpo, kto, ppo = load_script("sft"), load_script("dpo"), load_script("kto"), load_script("ppo")
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +223,7 @@ def test_check_qlora_flags():
 SCRIPT_FLAGS = {  # just enough for main() to reach its flag checks; no data is read before them
     "sft": ["--base_model", "unused"],
     "dpo": ["--sft_model_path", "unused"],
+    "kto": ["--sft_model_path", "unused"],
     "ppo": ["--sft_model_path", "unused", "--reward_model_path", "unused"],
 }
 
@@ -232,7 +233,7 @@ SCRIPT_FLAGS = {  # just enough for main() to reach its flag checks; no data is 
 def test_qlora_errors_come_before_anything_is_loaded_or_written(script, problem, tmp_path, monkeypatch):
     import tyro
 
-    module = {"sft": sft, "dpo": dpo, "ppo": ppo}[script]
+    module = {"sft": sft, "dpo": dpo, "kto": kto, "ppo": ppo}[script]
     monkeypatch.setitem(sys.modules, script, module)  # tyro reads the docstrings of nested dataclasses through it
     flags = [*SCRIPT_FLAGS[script], "--load_in_4bit", "--output_dir", str(tmp_path / "out"),
              "--run_dir_root", str(tmp_path / "runs")]
@@ -260,7 +261,7 @@ def test_the_command_line_refuses_4bit_without_lora(tmp_path):
 
 
 def test_every_script_has_the_flags_with_the_same_defaults():
-    for module in (sft, dpo, ppo):
+    for module in (sft, dpo, kto, ppo):
         args = module.Args()
         assert (args.lora_rank, args.lora_alpha, args.load_in_4bit) == (0, 16.0, False), module.__name__
 
@@ -295,6 +296,10 @@ def smoke_flags(script: str, task: dict, reward_model: str, root) -> list:
                 "--query_dataset", task["sft"], "--total_episodes", "32", "--total_batch_size", "16",
                 "--local_micro_batch_size", "8", "--lr", "1e-3", "--beta", "0.1", "--eval_every", "1",
                 "--log_every", "1", "--num_eval_samples", "8", "--local_eval_batch_size", "8"],
+        "kto": ["--sft_model_path", task["base_model"], "--preference_dataset", task["preference"],
+                "--query_dataset", task["sft"], "--total_episodes", "32", "--total_batch_size", "16",
+                "--local_micro_batch_size", "8", "--lr", "1e-3", "--eval_every", "1", "--log_every", "1",
+                "--num_eval_samples", "8", "--local_eval_batch_size", "8"],
         "ppo": ["--sft_model_path", task["base_model"], "--reward_model_path", reward_model, "--query_dataset",
                 task["sft"], "--total_episodes", "16", "--total_batch_size", "8", "--local_micro_batch_size", "2",
                 "--local_rollout_forward_batch_size", "8", "--ppo.num_ppo_epochs", "2", "--ppo.num_mini_batches", "2",
@@ -306,7 +311,7 @@ def smoke_flags(script: str, task: dict, reward_model: str, root) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["sft", "dpo", "ppo", "rloo"])
+@pytest.mark.parametrize("script", ["sft", "dpo", "kto", "ppo", "rloo"])
 def test_qlora_run_saves_a_plain_float32_model(script, synthetic_task, reward_model, tmp_path):
     from safetensors.torch import load_file
 
@@ -331,6 +336,10 @@ def test_qlora_run_saves_a_plain_float32_model(script, synthetic_task, reward_mo
         first = next(row for row in rows if "train/loss" in row)
         assert first["train/rewards/chosen"] == first["train/rewards/rejected"] == 0.0
         assert first["train/loss"] == pytest.approx(0.6931471805599453, abs=1e-7)
+    if script == "kto":  # the same reference: every log-ratio and z0 start at 0, each example's loss at 1 - sigmoid(0)
+        first = next(row for row in rows if "train/loss" in row)
+        assert first["train/z0"] == first["train/kl"] == 0.0
+        assert first["train/loss"] == pytest.approx(0.5, abs=1e-7)
     if script in ("ppo", "rloo"):  # the reference is the policy with its adapters off: KL 0 at the first rollout
         assert next(row for row in rows if "objective/kl" in row)["objective/kl"] == 0.0
 
