@@ -3,7 +3,8 @@ hand, the KL estimate on mismatched pairs, the paper's weight guidance, unpaired
 prepared split (and the errors a bad row raises), the built-in raters' thumbs up / down, tiny end-to-end runs on
 the built-in task with both kinds of feedback, and DeepSpeed ZeRO-2 on 2 CPU processes against 1 process."""
 
-from conftest import ENV, REPO_ROOT, load_script, tiny_causal_lm
+from conftest import (ENV, REPO_ROOT, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok,
+                      tiny_causal_lm, without_timing)
 import json
 import math
 import os
@@ -340,6 +341,33 @@ def test_smoke_run_on_builtin_task(feedback, synthetic_task, unpaired_task, tmp_
     assert all(0.0 < row["train/desirable_share"] < 1.0 for row in train)
     assert (run_dir / "samples.csv").exists() and (run_dir / "eval_table.md").exists()
     assert (tmp_path / "model" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, unpaired_task, tmp_path):
+    """SIGKILL after the update-2 checkpoint, then --resume: the policy, metrics.jsonl (z0 included: each update's
+    reference point is estimated again on the same examples), summary.json and the sampled responses equal those of
+    an uninterrupted run."""
+    # 4 updates of 16 examples; checkpoints and evaluations at updates 2 and 4 (the last one: the final evaluation)
+    flags = kto_flags(synthetic_task, os.path.join(unpaired_task, "unpaired"), "--checkpoint_every", "2",
+                      "--eval_every", "2", "--eval_temperature", "1.0")  # temperature 1: the samples depend on the RNG
+    runs, script = tmp_path / "runs", [sys.executable, os.path.join(REPO_ROOT, "kto.py"), *flags]
+    command = {name: script + ["--output_dir", str(tmp_path / name), "--run_dir_root", str(runs), "--run_name", name]
+               for name in ("full", "cut")}
+    run_ok(command["full"], cwd=REPO_ROOT, env=ENV)
+    kill_after_checkpoint(command["cut"], runs / "cut" / "checkpoints" / "update_000002", cwd=REPO_ROOT, env=ENV,
+                          timeout=240)
+    assert not (tmp_path / "cut" / "model.safetensors").exists()  # killed before its final save
+    resumed = run_ok(command["cut"] + ["--resume"], cwd=REPO_ROOT, env=ENV)
+    assert "cut/checkpoints/update_000002 (update 2)" in resumed.stdout + resumed.stderr
+
+    assert_same_safetensors(tmp_path / "full" / "model.safetensors", tmp_path / "cut" / "model.safetensors")
+    rows = {name: [without_timing(json.loads(line)) for line in open(runs / name / "metrics.jsonl")] for name in command}
+    assert [row["step"] for row in rows["full"] if "train/z0" in row] == [1, 2, 3, 4]
+    assert rows["cut"] == rows["full"]
+    summaries = {name: without_timing(json.load(open(runs / name / "summary.json"))) for name in command}
+    assert summaries["cut"] == summaries["full"]
+    assert (runs / "cut" / "samples.csv").read_text() == (runs / "full" / "samples.csv").read_text()
 
 
 @pytest.mark.slow
