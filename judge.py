@@ -39,16 +39,12 @@ Usage:
         --model gold-judge-<digest> --tokenizer_path artifacts/synthetic/base_model
 """
 
-import asyncio
 import hashlib
-import ipaddress
 import json
 import os
 import random
 import re
-import sqlite3
 import time
-import urllib.parse
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal, Optional
 
@@ -57,16 +53,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-import openai  # noqa: E402
 import pandas as pd  # noqa: E402
-import pyarrow  # noqa: E402
-import pyarrow.compute  # noqa: E402
 import torch  # noqa: E402
 import tyro  # noqa: E402
 from datasets import load_dataset, load_from_disk  # noqa: E402
-from openai import AsyncOpenAI  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
+
+from run_infra import Outcome, ReplyCache, check_data_tokenizer, public_url, run_jobs  # decides no number (run_infra.py)
 
 
 @dataclass
@@ -158,72 +152,6 @@ def load_split(path: str, split: str):
             raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
-    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
-    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
-    import hashlib
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
-    return {
-        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-
-
-def tokenizer_difference(theirs: dict, ours: dict) -> list:
-    """What differs between two tokenizer fingerprints (theirs vs ours), for an error message; [] = the same."""
-    differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
-              if theirs.get(k) != ours[k]]
-    return differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
-
-
-def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
-    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
-    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
-    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
-    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
-    ours = tokenizer_fingerprint(tokenizer)
-    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
-    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
-           "(with the task's other flags)")
-    try:
-        theirs = json.loads(dataset.info.description)["tokenizer"]
-    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
-        theirs = None
-    if theirs is not None:
-        differ = tokenizer_difference(theirs, ours)
-        if differ:
-            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
-                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
-                             f"other tokens. {fix}")
-        return
-    other = f"so the data was tokenized by another tokenizer. {fix}"
-    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
-    table = dataset.select_columns(columns).with_format("arrow")[:]
-    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
-            table.schema.field(c).type, "value_type", pyarrow.string()))):
-        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
-        if highest is not None and highest >= size:
-            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
-                             f"has {size} tokens, {other}")
-    head = dataset.select(range(min(rows, len(dataset))))
-    for column in (c for c in columns if c + "_len" in dataset.column_names):
-        ends = []  # the last token of each response (the query column has none)
-        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
-            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
-            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
-            if wrong:
-                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
-                                 f"{model_path} pads with {pad}, {other}")
-            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
-        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
-            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
-                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -417,232 +345,6 @@ def none_if_nan(x: float) -> Optional[float]:
 # ----------------------------------------------------------------------------------------------
 # 4. The client: API key, cache, retries.
 # ----------------------------------------------------------------------------------------------
-LOOPBACK_PLACEHOLDER_KEY = "sk-loopback-placeholder"
-
-
-def is_loopback_url(url: Optional[str]) -> bool:
-    if not url:
-        return False
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def resolve_api_key(base_url: Optional[str]) -> str:
-    """The key comes from the environment only. A loopback endpoint (the built-in gold judge)
-    needs none, so a placeholder is used there when the variable is unset."""
-    key = os.environ.get("OPENAI_API_KEY")
-    if key:
-        return key
-    if is_loopback_url(base_url):
-        return LOOPBACK_PLACEHOLDER_KEY
-    raise SystemExit("set OPENAI_API_KEY in the environment (the key is never read from flags or files)")
-
-
-def public_url(url: Optional[str]) -> Optional[str]:
-    """The base URL without any user:password part, for the summary file."""
-    if url is None:
-        return None
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-class ReplyCache:
-    """Every reply the judge paid for, in sqlite. The key is a hash of the model, the endpoint (its URL without
-    credentials: two servers that serve one model name never share replies), system prompt, prompt, temperature,
-    the seed when the judge samples (a temperature above 0, or none sent, which leaves the API's default; a rerun
-    with another --seed asks afresh) and the ask index (0 for the first ask; 1, 2 ... for re-asks after an
-    unparseable reply), so a rerun replays the same sequence of replies without any request.
-    Only replies are cached; a request that failed (429/5xx after all tries) is asked again.
-
-    One race no client can close: a process killed after the server has answered a request but
-    before the reply is committed here (the reply in flight on the wire, or between its arrival
-    and `put`) has paid for that request without keeping the reply, and the rerun asks it again.
-    At most the requests in flight at the kill (--max_parallel_requests) are paid for twice."""
-
-    def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.db = sqlite3.connect(path)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, model TEXT, reply TEXT, created REAL)")
-        self.db.commit()
-
-    @staticmethod
-    def key(model: str, endpoint: str, system_prompt: str, prompt: str, temperature: Optional[float], seed: int,
-            ask_index: int) -> str:
-        sampled_with = None if temperature == 0 else seed  # a greedy judge answers alike whatever the seed
-        fields = [model, endpoint, system_prompt, prompt, temperature, sampled_with, ask_index]
-        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
-
-    def get(self, key: str) -> Optional[str]:
-        row = self.db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row[0]
-
-    def put(self, key: str, model: str, reply: str) -> None:
-        # committed at once, so an interrupted run keeps every reply it received
-        self.db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?, ?)", (key, model, reply, time.time()))
-        self.db.commit()
-
-    def close(self) -> None:
-        self.db.close()
-
-
-class JudgeAPIError(Exception):
-    """A request that failed for good (non-retryable status, or retryable ones past --max_tries)."""
-
-
-class JudgeUnavailableError(RuntimeError):
-    """The judge cannot be used at all: its endpoint cannot be reached or keeps failing before it has
-    answered a single request, it refuses the API key, or every request of the run failed. Asking the
-    remaining rows would only mark each one invalid (after its own --max_tries), so the run stops."""
-
-
-@dataclass
-class Outcome:
-    status: str  # "ok", "unparseable" or "api_error"
-    parsed: object  # parse_fn's result when status == "ok"
-    reply: str  # the last reply ("" for api_error)
-    asks: int  # how many replies were asked for (cached or not)
-    error: str = ""
-
-
-class Judge:
-    """The async client, its concurrency limit, the retry policy and the cache."""
-
-    RETRYABLE = (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError, openai.APIConnectionError)
-
-    def __init__(self, args: Args, cache: ReplyCache):
-        self.args, self.cache = args, cache
-        self._api_key = resolve_api_key(args.base_url)
-        # max_retries=0: the retry policy below is the only one, so tries are bounded and counted
-        self.client = AsyncOpenAI(api_key=self._api_key, base_url=args.base_url, max_retries=0, timeout=args.timeout_s)
-        self.semaphore = asyncio.Semaphore(args.max_parallel_requests)
-        self.jitter = random.Random(args.seed)
-        self.stats = {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0}
-        self.answered = 0  # requests the server answered in this run (cache hits not counted)
-
-    def redact(self, text: str) -> str:
-        """Belt and braces: no error text we keep may contain the key."""
-        return text.replace(self._api_key, "[REDACTED]") if self._api_key else text
-
-    def unavailable(self, what: str, cause: str, fix: str) -> JudgeUnavailableError:
-        """The error that stops the run: the URL (without credentials), what went wrong, the cause and the fix."""
-        url = public_url(self.args.base_url or str(self.client.base_url))
-        return JudgeUnavailableError(self.redact(f"the judge at {url} {what} ({cause}); {fix}"))
-
-    def backoff_s(self, attempt: int) -> float:
-        """Exponential backoff with jitter: half the doubled delay fixed, half uniform."""
-        cap = min(self.args.backoff_max_s, self.args.backoff_base_s * 2**attempt)
-        return cap / 2 + self.jitter.uniform(0, cap / 2)
-
-    async def request(self, prompt: str) -> str:
-        messages = [{"role": "system", "content": self.args.system_prompt}, {"role": "user", "content": prompt}]
-        extra = {} if self.args.temperature is None else {"temperature": self.args.temperature}
-        # the slot is held through the backoff waits too: a rate-limited API gets fewer requests
-        async with self.semaphore:
-            for attempt in range(self.args.max_tries):
-                self.stats["requests"] += 1
-                try:
-                    response = await self.client.chat.completions.create(model=self.args.model, messages=messages, **extra)
-                    self.answered += 1
-                    return response.choices[0].message.content or ""
-                except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
-                    # 401 / 403: a refused key is refused for every row, so the run stops here
-                    fix = "check the key in OPENAI_API_KEY (it is read from the environment only)"
-                    raise self.unavailable("refused the API key", f"{type(e).__name__}: {e}", fix) from None
-                except self.RETRYABLE as e:
-                    last_error, unreachable = f"{type(e).__name__}: {e}", isinstance(e, openai.APIConnectionError)
-                except openai.APIStatusError as e:  # 400, 404 ...: asking again will not help
-                    error = f"{type(e).__name__}: {e}"
-                    if isinstance(e, openai.NotFoundError) and not self.answered:  # an unknown model or path
-                        fix = (f"check that it serves the model {self.args.model!r} (--model) and that --base_url is "
-                               "its /v1 root")
-                        raise self.unavailable("failed before answering any request", error, fix) from None
-                    raise JudgeAPIError(self.redact(error)) from None  # this prompt only (e.g. too long)
-                if attempt + 1 < self.args.max_tries:
-                    self.stats["retries"] += 1
-                    await asyncio.sleep(self.backoff_s(attempt))  # never a blocking sleep in async code
-            error = f"gave up after {self.args.max_tries} tries; last error {last_error}"
-            if not self.answered:  # unreachable, or failing since the start: no row would be judged
-                if unreachable:
-                    fix = "check that the server is running and that --base_url points at it"
-                    raise self.unavailable("cannot be reached", error, fix)
-                fix = "try again later, or raise --max_tries"
-                raise self.unavailable("failed before answering any request", error, fix)
-            raise JudgeAPIError(self.redact(error))
-
-    async def ask(self, prompt: str, parse_fn: Callable[[str], object]) -> Outcome:
-        """Ask until parse_fn accepts the reply, at most --max_parse_tries times."""
-        reply = ""
-        endpoint = public_url(str(self.client.base_url))  # the URL actually asked (--base_url or the client's default)
-        for ask_index in range(self.args.max_parse_tries):
-            key = ReplyCache.key(self.args.model, endpoint, self.args.system_prompt, prompt, self.args.temperature,
-                                 self.args.seed, ask_index)
-            cached = self.cache.get(key)
-            if cached is not None:
-                self.stats["cache_hits"] += 1
-                reply = cached
-            else:
-                try:
-                    reply = await self.request(prompt)
-                except JudgeAPIError as e:
-                    self.stats["api_errors"] += 1
-                    return Outcome("api_error", None, "", ask_index, str(e))
-                self.cache.put(key, self.args.model, reply)
-            parsed = parse_fn(reply)
-            if parsed is not None:
-                return Outcome("ok", parsed, reply, ask_index + 1)
-            if ask_index + 1 < self.args.max_parse_tries:
-                self.stats["reasks"] += 1
-        return Outcome("unparseable", None, reply, self.args.max_parse_tries)
-
-    async def ask_all(self, jobs: list[tuple[str, Callable[[str], object]]], on_done: Callable[[int, Outcome], None]) -> list[Outcome]:
-        """Run every (prompt, parse_fn) job concurrently; on_done(index, outcome) as each finishes."""
-
-        async def run(i: int, prompt: str, parse_fn) -> tuple[int, Outcome]:
-            return i, await self.ask(prompt, parse_fn)
-
-        outcomes: list[Optional[Outcome]] = [None] * len(jobs)
-        tasks = [asyncio.ensure_future(run(i, p, f)) for i, (p, f) in enumerate(jobs)]
-        try:
-            for next_done in asyncio.as_completed(tasks):
-                i, outcome = await next_done
-                outcomes[i] = outcome
-                on_done(i, outcome)
-            failed = [o for o in outcomes if o.status == "api_error"]
-            if failed and len(failed) == len(outcomes):  # e.g. every prompt refused with a 400
-                cause = f"all {len(failed)} failed; the first: {failed[0].error}"
-                fix = "check --model, --temperature and the prompts it refuses"
-                raise self.unavailable("refused every request", cause, fix)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)  # collect the cancelled ones (no "never retrieved")
-            await self.client.close()
-        return outcomes
-
-
-def run_jobs(args: Args, jobs: list[tuple[str, Callable[[str], object]]], on_done, cache: ReplyCache) -> tuple[list[Outcome], dict]:
-    if not jobs:  # e.g. every pair a tie: nothing to ask
-        return [], {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0, "judging_s": 0.0}
-
-    async def go():
-        judge = Judge(args, cache)
-        start = time.time()
-        outcomes = await judge.ask_all(jobs, on_done)
-        judge.stats["judging_s"] = time.time() - start  # the requests alone, without loading or plotting
-        return outcomes, judge.stats
-
-    return asyncio.run(go())
-
-
 # ----------------------------------------------------------------------------------------------
 # 5. Pairwise mode: win rates, length control, comparison table.
 # ----------------------------------------------------------------------------------------------

@@ -24,34 +24,32 @@ After a crash:    the same command with --resume: it continues from the latest c
                   run (--checkpoint_every sets how often).
 """
 
-import atexit
 import contextlib
 import copy
-import glob
 import json
 import os
 import random
-import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import List, Literal, Optional
 
 import numpy as np
 import pandas as pd
-import psutil
-import pyarrow
-import pyarrow.compute
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from accelerate.utils import gather_object, set_seed
 from datasets import load_dataset, load_from_disk
 from peft import LoraConfig, get_peft_model
-from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+
+from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
+    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, check_qlora_flags,
+    check_reward_tokenizer, due, start_processes,
+)
 
 
 @dataclass
@@ -1221,17 +1219,6 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
     return tokenizer
 
 
-def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini_batches: int = 1) -> None:
-    """--gradient_accumulation_steps left out (None) takes `derived`, the micro batches per optimizer step that the
-    batch sizes give; a stated value must equal it (it checks the batch arithmetic, it never overrides it)."""
-    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps != derived:
-        raise ValueError(
-            f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not match total_batch_size "
-            f"{args.total_batch_size} / ({num_processes} processes x {num_mini_batches} minibatches x "
-            f"{args.local_micro_batch_size} micro batch) = {derived}; leave it out or change the batch sizes"
-        )
-
-
 def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
     """The models: the policy (from the SFT model), the critic (from critic_path; None = no critic), the frozen
     reward models, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
@@ -1333,77 +1320,6 @@ def place_frozen_models(args, accelerator, reward_models, ref_policy, zero3: boo
     return reward_models, ref_policy, args.offload and not zero3 and device.type != "cpu"
 
 
-def due(every: int, update: int, num_updates: Optional[int] = None) -> bool:
-    """Whether an action done every `every` updates (0 = never) falls on `update`; with num_updates, never on the
-    last update (the final evaluation and the final model cover it)."""
-    return every > 0 and update % every == 0 and (num_updates is None or update < num_updates)
-
-
-class LastGoodState:
-    """The non-finite guard's fallback. `with last_good.kept(update, state):` wraps one update. When run.guard raises
-    in it before any optimizer step of it (a poisoned rollout), the weights and AdamW are still those after update - 1:
-    the RNG states, the gradient accumulation counter and the objects registered for checkpointing are put back as
-    they were, and all of it is saved as the last good checkpoint. After a step the weights have changed: nothing is
-    saved."""
-
-    def __init__(self, run, accelerator, optimizer: torch.optim.Optimizer, *registered):
-        self.run, self.accelerator, self.registered, self.optimizer_steps = run, accelerator, registered, 0
-        optimizer.register_step_post_hook(self.count_step)
-
-    def count_step(self, *_) -> None:
-        self.optimizer_steps += 1
-
-    @contextlib.contextmanager
-    def kept(self, update: int, trainer_state: dict):
-        # the random states accelerate's save_state writes (Python, NumPy, torch, CUDA), as the update starts
-        python_rng, numpy_rng, torch_rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        step, registered, self.optimizer_steps = self.accelerator.step, [o.state_dict() for o in self.registered], 0
-        try:
-            yield
-        except NonFiniteError:
-            if self.optimizer_steps == 0:
-                random.setstate(python_rng)
-                np.random.set_state(numpy_rng)
-                torch.set_rng_state(torch_rng)
-                if cuda_rng is not None:
-                    torch.cuda.set_rng_state_all(cuda_rng)
-                self.accelerator.step = step
-                for obj, saved in zip(self.registered, registered):
-                    obj.load_state_dict(saved)
-                self.run.checkpoint(update - 1, trainer_state)
-                what = "before any optimizer step of it"
-            else:
-                what = (f"after {self.optimizer_steps} optimizer step(s) of it had already changed the weights; those "
-                        "weights are NOT saved")
-            self.accelerator.print(f"non-finite value at update {update} {what}. Last good checkpoint: "
-                                   f"{self.run.latest_checkpoint() or 'none (no --checkpoint_every checkpoint yet)'}")
-            raise
-
-
-def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
-    """Bad input: the reward model (and a critic made from it, Detail 22) reads the policy's token ids, so it must have
-    been trained with the policy's tokenizer (the same fingerprint). A mismatch raises no error anywhere else, it only
-    makes every score meaningless, so it is checked before any weights load."""
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if os.path.isdir(reward_model_path) and not any(os.path.exists(os.path.join(reward_model_path, name))
-                                                    for name in tokenizer_files):
-        raise ValueError(
-            f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
-            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
-            f"into that folder (tokenizer.save_pretrained), as reward.py does")
-    rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
-    if rm_tokenizer.pad_token is None:
-        rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
-    differ = tokenizer_difference(tokenizer_fingerprint(tokenizer), tokenizer_fingerprint(rm_tokenizer))
-    if differ:
-        raise ValueError(
-            f"the reward model {reward_model_path} was trained with a different tokenizer than the policy "
-            f"{sft_model_path}: {'; '.join(differ)} (policy vs reward model). The reward model would read token ids "
-            f"it was not trained on and score noise. Train the reward model from this SFT model "
-            f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from")
-
-
 def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
     """save_pretrained (safetensors) of the policy and the tokenizer; with LoRA the plain float32 model it computes
     (merged_policy: every adapter folded into its base layer, a 4-bit base dequantized first)."""
@@ -1416,300 +1332,6 @@ def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
     else:
         unwrapped.policy.save_pretrained(path, state_dict=unwrapped.policy_state_dict(state_dict), safe_serialization=True)
     tokenizer.save_pretrained(path)
-
-
-def check_qlora_flags(args, accelerator) -> None:
-    """--load_in_4bit (QLoRA): what it needs, checked before any model loads and before --output_dir is claimed."""
-    if not args.load_in_4bit:
-        return
-    if args.lora_rank <= 0:
-        raise ValueError("--load_in_4bit (QLoRA) stores the frozen base of a LoRA policy in 4 bits and trains the LoRA "
-                         "adapters on top: it needs --lora_rank > 0 (e.g. --lora_rank 8); 4-bit weights cannot be "
-                         "trained themselves")
-    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
-        raise ValueError("--load_in_4bit cannot run under DeepSpeed ZeRO-3: it splits every weight across the "
-                         "processes, and bitsandbytes' packed 4-bit weights cannot be split. Use zero2.yaml (each process "
-                         "keeps the small 4-bit base whole) or plain data parallel (torchrun)")
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as error:
-        raise ImportError("--load_in_4bit needs the bitsandbytes package, which quantizes the base to 4 bits and "
-                          "computes with it: pip install bitsandbytes") from error
-
-
-# ---- shared input checks: identical in every training script (tests/test_shared_helpers.py) ----
-
-
-def check_columns(dataset, columns: list, where: str) -> None:
-    """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
-    and every token column has one length in all rows (processed data is padded to fixed lengths)."""
-    missing = [c for c in columns if c not in dataset.column_names]
-    if missing:
-        raise ValueError(f"{where} lacks the column(s) {missing} (it has {dataset.column_names}); "
-                         "make it with data/prepare.py, whose output has every column the scripts read")
-    table = dataset.select_columns(list(columns)).with_format("arrow")[:]
-    for column in (c for c in columns if pyarrow.types.is_list(table.schema.field(c).type) and table.num_rows):
-        lengths = pyarrow.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
-        bad = np.flatnonzero(lengths != lengths[0])
-        if bad.size:
-            raise ValueError(f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has "
-                             f"{int(lengths[0])}; every row must be padded to the same length (prepare the data again "
-                             "with data/prepare.py)")
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
-    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
-    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
-    import hashlib
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
-    return {
-        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-
-
-def tokenizer_difference(theirs: dict, ours: dict) -> list:
-    """What differs between two tokenizer fingerprints (theirs vs ours), for an error message; [] = the same."""
-    differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
-              if theirs.get(k) != ours[k]]
-    return differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
-
-
-def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
-    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
-    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
-    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
-    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
-    ours = tokenizer_fingerprint(tokenizer)
-    pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
-    fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
-           "(with the task's other flags)")
-    try:
-        theirs = json.loads(dataset.info.description)["tokenizer"]
-    except (TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
-        theirs = None
-    if theirs is not None:
-        differ = tokenizer_difference(theirs, ours)
-        if differ:
-            raise ValueError(f"{where} was tokenized by the tokenizer of {theirs.get('name_or_path')}, not by the one "
-                             f"of {model_path}: {'; '.join(differ)} (data vs model); its token ids would be read as "
-                             f"other tokens. {fix}")
-        return
-    other = f"so the data was tokenized by another tokenizer. {fix}"
-    columns = [c for c in dataset.column_names if c.endswith(("_token", "_token_response_label"))]
-    table = dataset.select_columns(columns).with_format("arrow")[:]
-    for column in (c for c in columns if table.num_rows and pyarrow.types.is_integer(getattr(
-            table.schema.field(c).type, "value_type", pyarrow.string()))):
-        highest = pyarrow.compute.max(pyarrow.compute.list_flatten(table.column(column))).as_py()
-        if highest is not None and highest >= size:
-            raise ValueError(f"{where}: {column!r} holds the token id {highest}, but the tokenizer of {model_path} "
-                             f"has {size} tokens, {other}")
-    head = dataset.select(range(min(rows, len(dataset))))
-    for column in (c for c in columns if c + "_len" in dataset.column_names):
-        ends = []  # the last token of each response (the query column has none)
-        for i, (ids, n) in enumerate(zip(head[column], head[column + "_len"])):
-            left = column == "query_token"  # queries are left-padded, responses right-padded (Detail 5)
-            wrong = [t for t in (ids[: len(ids) - n] if left else ids[n:]) if t != pad] if n <= len(ids) else []
-            if wrong:
-                raise ValueError(f"{where} row {i}: {column!r} is padded with the id {wrong[0]}, but the tokenizer of "
-                                 f"{model_path} pads with {pad}, {other}")
-            ends += [ids[n - 1]] if not left and 0 < n <= len(ids) else []
-        if ends and eos not in ends:  # every response ends with EOS (Detail 3); not one does here
-            raise ValueError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
-                             f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
-
-
-# ---- shared run infrastructure: identical in every training script (tests/test_shared_helpers.py) ----
-
-
-class Run:
-    """Everything a training run keeps on disk besides the model, behind one small interface:
-
-        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
-        run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
-        state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
-        run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
-        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track); run.writer
-        run.save_table(frame, "samples.csv")  # a CSV in the run folder
-        run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files
-        run.finish(summary)                   # summary.json; marks --output_dir complete, last
-    `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
-    (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
-
-    def __init__(self, args, accelerator):
-        self.args, self.accelerator, self.main, root = args, accelerator, accelerator.is_main_process, args.run_dir_root
-        if args.run_name is None and args.resume:  # the run of this experiment and seed whose checkpoints are newest
-            runs = glob.glob(os.path.join(root, f"{args.exp_name}__{args.seed}__*", "checkpoints"))
-            if not runs:
-                raise ValueError(f"--resume: no run {root}/{args.exp_name}__{args.seed}__* has a checkpoint; pass --run_name")
-            args.run_name = os.path.basename(os.path.dirname(max(runs, key=os.path.getmtime)))
-        # one name for all processes: their clocks may disagree on the second
-        args.run_name = broadcast_object_list([args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
-        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
-        self.stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)  # None: no DeepSpeed
-        self.checkpoints, self.lock = os.path.join(self.dir, "checkpoints"), os.path.join(self.dir, "run.lock")
-        if self.main:  # one live run per folder: the lock holds its host and pid; a dead run's lock is taken over
-            os.makedirs(self.dir, exist_ok=True)
-            me = {"host": os.uname().nodename, "pid": os.getpid()}
-            holder = json.load(open(self.lock)) if os.path.exists(self.lock) else None
-            if holder and (holder["host"] != me["host"] or (holder["pid"] != me["pid"] and psutil.pid_exists(holder["pid"]))):
-                raise RuntimeError(f"{self.dir} is in use by the run of process {holder['pid']} on {holder['host']} "
-                                   f"({self.lock}); wait for it to end, or pass another --run_name")
-            with open(self.lock, "w" if holder else "x") as f:  # "x" creates it exclusively: of two runs at once, one fails
-                json.dump(me, f)
-        self.resume_from = self.intact_checkpoint() if args.resume else None
-
-    def saved(self) -> list:  # the completed checkpoints, oldest first (a killed save never got its name update_N)
-        return sorted(glob.glob(os.path.join(self.checkpoints, "update_*")))
-
-    def intact_checkpoint(self) -> str:
-        """--resume: the newest checkpoint whose files all match its manifest (sizes included, RNG states too),
-        written by as many processes and the same DeepSpeed stage as this run; checked before any model loads."""
-        root, saved = self.checkpoints, self.saved()
-        for path in reversed(saved):
-            try:
-                manifest = json.load(open(os.path.join(path, "manifest.json")))
-                problem = next((f"{os.path.join(path, f)} has {os.path.getsize(os.path.join(path, f))} bytes, not {n}"
-                                for f, n in manifest["files"].items() if os.path.getsize(os.path.join(path, f)) != n), None)
-            except (OSError, ValueError, KeyError) as error:  # a missing file, or a manifest that is not one
-                missing = isinstance(error, FileNotFoundError)
-                problem = f"{error.filename} is missing" if missing else f"{path}/manifest.json is unreadable ({error!r})"
-            if problem is None:
-                break
-            self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
-        else:
-            raise ValueError(f"--resume: no intact checkpoint in {root}" + (f": {problem}" if saved else ""))
-        for stale in (d for d in os.listdir(root) if d.startswith(".tmp_") and self.main):  # of killed or failed saves
-            shutil.rmtree(os.path.join(root, stale))
-        theirs, ours = (manifest["num_processes"], manifest["deepspeed_stage"]), (self.accelerator.num_processes, self.stage)
-        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
-            raise ValueError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
-                             f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
-        return path
-
-    def claim_output_dir(self) -> None:
-        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not complete)."""
-        out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
-        if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
-            owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
-            if owner != self.args.run_name:
-                raise ValueError(
-                    f"--output_dir {out} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
-                    f"pass a new --output_dir, or --overwrite_output_dir to replace it"
-                    + (f", or --resume --run_name {owner} to continue that run" if owner else ""))
-        self.accelerator.wait_for_everyone()  # every process checked before the mark changes
-        if self.main:
-            os.makedirs(out, exist_ok=True)
-            json.dump({"run_name": self.args.run_name}, open(mark, "w"))
-
-    def start(self, state: dict, **shape) -> dict:
-        """The trainer state to go on from (the checkpoint's with --resume, else `state`); opens the logs."""
-        self.shape, resumed_at = shape, 0
-        if self.resume_from:
-            state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
-            if {key: state.get(key) for key in shape} != shape:
-                raise ValueError(f"--resume: the checkpoint belongs to a run with {({k: state.get(k) for k in shape})}, "
-                                 f"these flags give {shape}; resume with the flags of the original run")
-            self.accelerator.load_state(self.resume_from)
-            self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
-            resumed_at = state["update"]
-        elif self.main:
-            shutil.rmtree(self.checkpoints, ignore_errors=True)  # a fresh run of the same name starts over
-        if self.main:
-            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
-            config = asdict(self.args)  # with the derived fields filled in
-            json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
-            if self.args.track:
-                import wandb  # only with --track; it mirrors TensorBoard
-                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
-                           config=config, name=self.args.run_name, save_code=True)
-            self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
-            metrics, kept = os.path.join(self.dir, "metrics.jsonl"), []
-            if resumed_at and os.path.exists(metrics):  # what was logged after the checkpoint goes: logs as if never cut
-                kept = [line for line in open(metrics) if json.loads(line)["step"] <= resumed_at]
-            open(metrics, "w").writelines(kept)
-        return state
-
-    def guard(self, update: int, **quantities: torch.Tensor) -> None:
-        """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
-        raise together). Called before the optimizer step that would use it: the weights on hand are the last good."""
-        flags = torch.stack([(~torch.isfinite(value.detach().float())).any() for value in quantities.values()]).float()
-        flags = self.accelerator.reduce(flags.to(self.accelerator.device), reduction="sum")
-        bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
-        if bad:
-            raise NonFiniteError(
-                f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
-                "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
-                "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
-
-    def log(self, step: int, metrics: dict) -> None:
-        if self.main:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, value, step)
-            with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
-
-    def save_table(self, frame, name: str) -> None:
-        if self.main:
-            frame.to_csv(os.path.join(self.dir, name), index=False)
-
-    def checkpoint(self, update: int, state: dict) -> str:
-        """Save what a resumed run needs after `update` (on every process). Atomic: written to a temporary folder, its
-        manifest (files and sizes) last, then renamed to update_N, so a killed or failed save leaves the previous one."""
-        final, temporary = (os.path.join(self.checkpoints, f"{p}update_{update:06d}") for p in ("", ".tmp_"))
-        self.accelerator.wait_for_everyone()
-        try:  # (a temporary folder of a killed save is removed by the --resume that follows it)
-            self.accelerator.save_state(temporary)
-            self.accelerator.wait_for_everyone()
-            if self.main:
-                json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
-                files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
-                         for d, _, names in os.walk(temporary) for f in names}
-                json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": self.stage},
-                          open(os.path.join(temporary, "manifest.json"), "w"))
-        except Exception as error:  # e.g. a full disk: an OSError, a SafetensorError or a torch writer error
-            shutil.rmtree(temporary, ignore_errors=True)  # a failed save leaves no half-written folder behind
-            error.add_note(f"while saving the checkpoint of update {update} to {self.checkpoints}: the newest one is still "
-                           f"{self.latest_checkpoint()}. Free space if the disk is full, then --resume")
-            raise
-        if self.main:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(temporary, final)
-            for old in self.saved()[:-self.args.checkpoint_keep]:  # --checkpoint_keep 0 keeps all ([:-0] is empty)
-                shutil.rmtree(old)
-        self.accelerator.wait_for_everyone()
-        return final
-
-    def latest_checkpoint(self) -> Optional[str]:
-        return (self.saved() or [None])[-1]
-
-    def finish(self, summary: dict) -> None:
-        """summary.json, then the mark that --output_dir is complete (written last: a folder without it is not)."""
-        if self.main:
-            json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
-            self.writer.close()  # (a W&B run ends with the process)
-            json.dump({"run_name": self.args.run_name, "complete": True},
-                      open(os.path.join(self.args.output_dir, "run.json"), "w"))
-            os.remove(self.lock)
-
-
-class NonFiniteError(RuntimeError):
-    """A loss, reward, advantage or gradient norm became NaN or inf (raised by Run.guard)."""
-
-
-def start_processes() -> PartialState:
-    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate picks a
-    backend by itself only for GPUs; on the CPU we name gloo (`torchrun` ranks, or DeepSpeed with DS_ACCELERATOR=cpu)."""
-    atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
-    if torch.cuda.is_available():
-        return PartialState()
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    return PartialState(backend="gloo") if deepspeed else PartialState(cpu=True)
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:

@@ -25,6 +25,7 @@ from data import gold_judge_server as gjs  # noqa: E402
 from data.synthetic import gold_prefer, make_post, policy_summary, reference_summary  # noqa: E402
 
 judge = load_script("judge")
+import run_infra  # noqa: E402  (the run infrastructure the scripts import)
 
 POLICIES = ["good", "drop", "short", "filler", "runon", "invent", "title", "ref"]
 
@@ -167,15 +168,15 @@ def test_order_randomisation_balanced_and_reproducible():
 
 
 def test_api_key_resolution(monkeypatch):
-    assert judge.resolve_api_key("http://127.0.0.1:1/v1") == judge.LOOPBACK_PLACEHOLDER_KEY
-    assert judge.resolve_api_key("http://localhost:1/v1") == judge.LOOPBACK_PLACEHOLDER_KEY
+    assert run_infra.resolve_api_key("http://127.0.0.1:1/v1") == run_infra.LOOPBACK_PLACEHOLDER_KEY
+    assert run_infra.resolve_api_key("http://localhost:1/v1") == run_infra.LOOPBACK_PLACEHOLDER_KEY
     with pytest.raises(SystemExit, match="OPENAI_API_KEY"):
-        judge.resolve_api_key("https://api.example.com/v1")
+        run_infra.resolve_api_key("https://api.example.com/v1")
     with pytest.raises(SystemExit):
-        judge.resolve_api_key(None)
+        run_infra.resolve_api_key(None)
     monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
-    assert judge.resolve_api_key("https://api.example.com/v1") == "sk-from-env"
-    assert judge.public_url("http://user:pw@127.0.0.1:8/v1") == "http://127.0.0.1:8/v1"
+    assert run_infra.resolve_api_key("https://api.example.com/v1") == "sk-from-env"
+    assert run_infra.public_url("http://user:pw@127.0.0.1:8/v1") == "http://127.0.0.1:8/v1"
 
 
 def test_length_bins_by_hand():
@@ -329,7 +330,7 @@ def test_unreachable_endpoint_is_one_error_and_a_failed_exit(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"JudgeUnavailableError: the judge at {url} cannot be reached (gave up after 2 tries; last error "
+        f"run_infra.JudgeUnavailableError: the judge at {url} cannot be reached (gave up after 2 tries; last error "
         "APIConnectionError: Connection error.); check that the server is running and that --base_url points at it")
     assert not (tmp_path / "out" / "judge_summary.json").exists() and not (tmp_path / "out" / "a_judged.csv").exists()
 
@@ -338,7 +339,7 @@ def test_failing_endpoint_stops_after_one_pair_of_tries(tmp_path):
     make_samples(tmp_path / "a.csv", 40, seed=17)
     with gjs.serve_in_thread(fail_rate=1.0, seed=1) as server:
         server.handle_error = lambda request, client_address: None  # replies to a client that has gone: no traceback
-        with pytest.raises(judge.JudgeUnavailableError, match=r"failed before answering any request \(gave up after 3 tries") as err:
+        with pytest.raises(run_infra.JudgeUnavailableError, match=r"failed before answering any request \(gave up after 3 tries") as err:
             judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3, max_parallel_requests=2))
         # not 40 pairs x 3 tries: it stopped once the first pair had used its tries. Bound: the two pairs in flight,
         # 3 tries each, plus the first try of a pair that took a freed slot before the run was stopped
@@ -351,7 +352,7 @@ def test_failing_endpoint_stops_after_one_pair_of_tries(tmp_path):
 def test_unknown_model_is_one_error_without_retries(tmp_path):
     make_samples(tmp_path / "a.csv", 6, seed=14)
     with gjs.serve_in_thread() as server:
-        with pytest.raises(judge.JudgeUnavailableError, match="NotFoundError") as err:
+        with pytest.raises(run_infra.JudgeUnavailableError, match="NotFoundError") as err:
             judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], model="gold-judge-stale"))
         assert server.request_count <= 6  # a 404 is final: no retries
     assert "'gold-judge-stale' (--model)" in str(err.value) and server.base_url in str(err.value)
@@ -371,7 +372,7 @@ def test_refused_key_or_every_prompt_refused_is_one_error(tmp_path, monkeypatch)
     monkeypatch.setattr(gjs._Handler, "do_POST", refuse)
     with gjs.serve_in_thread() as server:
         server.handle_error = lambda request, client_address: None  # replies to a client that has gone: no traceback
-        with pytest.raises(judge.JudgeUnavailableError, match="refused the API key") as err:
+        with pytest.raises(run_infra.JudgeUnavailableError, match="refused the API key") as err:
             judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3, max_parallel_requests=4))
         # at once, not 40 refusals: no retries; the 4 requests in flight, and at most one more per slot they freed
         assert server.request_count <= 2 * 4
@@ -379,7 +380,7 @@ def test_refused_key_or_every_prompt_refused_is_one_error(tmp_path, monkeypatch)
         assert "AuthenticationError" in message and server.base_url in message and "OPENAI_API_KEY" in message
         assert secret not in message and "[REDACTED]" in message
         status["code"] = 400  # every prompt refused: each pair is invalid, and together they are one error
-        with pytest.raises(judge.JudgeUnavailableError, match="refused every request \\(all 40 failed; the first: BadRequestError"):
+        with pytest.raises(run_infra.JudgeUnavailableError, match="refused every request \\(all 40 failed; the first: BadRequestError"):
             judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3))
 
 
@@ -564,7 +565,7 @@ def test_api_key_never_in_outputs(tmp_path, monkeypatch, capfd):
     make_samples(tmp_path / "a.csv", 20, seed=10)
     make_samples(tmp_path / "b.csv", 20, seed=10, policies=["drop", "good"])
     with gjs.serve_in_thread(fail_rate=0.3, garbage_rate=0.2, seed=4) as server:
-        j = judge.Judge(judge_args(tmp_path, server), judge.ReplyCache(str(tmp_path / "probe.sqlite")))
+        j = run_infra.Judge(judge_args(tmp_path, server), run_infra.ReplyCache(str(tmp_path / "probe.sqlite")))
         assert j.client.api_key == secret  # the key from the environment is the one used
         judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=2))
         judge.main(judge_args(tmp_path, server, mode="multi", csv=[str(tmp_path / "a.csv"), str(tmp_path / "b.csv")],
@@ -634,7 +635,7 @@ def test_multi_mode_query_with_identical_answers_is_a_tie_never_asked(tmp_path):
 
 
 def test_cache_key_holds_the_endpoint_and_the_seed_of_a_sampling_judge(tmp_path):
-    key = judge.ReplyCache.key
+    key = run_infra.ReplyCache.key
     args = ("gold", "http://127.0.0.1:8011/v1/", "sys", "prompt")
     assert key(*args, None, 1, 0) != key("gold", "http://127.0.0.1:8012/v1/", "sys", "prompt", None, 1, 0)
     assert key(*args, 0.7, 1, 0) != key(*args, 0.7, 2, 0) and key(*args, None, 1, 0) != key(*args, None, 2, 0)

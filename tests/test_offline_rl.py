@@ -18,6 +18,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPTN
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 offline_rl = load_script("offline_rl")
+import run_infra  # noqa: E402  (the run infrastructure the scripts import)
 
 PAD, EOS, VOCAB = 1, 0, 32
 
@@ -142,7 +143,7 @@ def test_the_gradient_of_an_update_does_not_depend_on_the_micro_batch_size():
         prepared.train()
         args = SimpleNamespace(local_micro_batch_size=micro_batch_size, gradient_accumulation_steps=8 // micro_batch_size)
         run = SimpleNamespace(accelerator=accelerator)
-        run.guard = lambda update, **quantities: offline_rl.Run.guard(run, update, **quantities)
+        run.guard = lambda update, **quantities: run_infra.Run.guard(run, update, **quantities)
         loss, tokens = offline_rl.train_update(args, accelerator, prepared, optimizer, run, 1, queries, responses, rows,
                                                weights, PAD)
         return loss, tokens, {name: p.detach().clone() for name, p in accelerator.unwrap_model(prepared).named_parameters()}
@@ -420,7 +421,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(smoke_setup, tmp_pa
     result = subprocess.run(resumable_command(smoke_setup, tmp_path, "poisoned", "--lr", "1e30"), cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
-    assert "NonFiniteError: update 2: train/loss is not finite" in result.stderr
+    assert "run_infra.NonFiniteError: update 2: train/loss is not finite" in result.stderr
     assert_last_good_checkpoint(tmp_path / "runs" / "poisoned" / "checkpoints", 1)
     assert not (tmp_path / "model_poisoned" / "model.safetensors").exists()
 

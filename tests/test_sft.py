@@ -25,6 +25,7 @@ PAD, EOS = 1, 2
 
 
 sft = load_script("sft")
+import run_infra  # noqa: E402  (the run infrastructure the scripts import)
 
 
 
@@ -132,13 +133,13 @@ def test_gradient_accumulation_flag_is_checked_against_the_batch_sizes():
     """--gradient_accumulation_steps checks the batch arithmetic and never overrides it: None takes the derived
     value, the same value passes, another one is refused with the arithmetic that gives the right one."""
     args = SimpleNamespace(gradient_accumulation_steps=None, total_batch_size=128, local_micro_batch_size=16)
-    sft.check_gradient_accumulation(args, 4, 2)
+    run_infra.check_gradient_accumulation(args, 4, 2)
     args.gradient_accumulation_steps = 4
-    sft.check_gradient_accumulation(args, 4, 2)
+    run_infra.check_gradient_accumulation(args, 4, 2)
     args.gradient_accumulation_steps = 8
     with pytest.raises(ValueError, match=re.escape("--gradient_accumulation_steps 8 does not match total_batch_size "
                                                    "128 / (2 processes x 1 minibatches x 16 micro batch) = 4")):
-        sft.check_gradient_accumulation(args, 4, 2)
+        run_infra.check_gradient_accumulation(args, 4, 2)
 
 
 def test_count_updates_uses_full_batches_only():
@@ -284,7 +285,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthe
     )
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("NonFiniteError: update 2: train/loss is not finite"), last_line
+    assert last_line.startswith("run_infra.NonFiniteError: update 2: train/loss is not finite"), last_line
     assert not (tmp_path / "model" / "model.safetensors").exists()
     assert assert_last_good_checkpoint(tmp_path / "runs" / "nan" / "checkpoints", 1)["num_updates"] == 4
 
