@@ -25,7 +25,8 @@ After a crash:    the same command with --resume (and --run_name of the run, if 
                   from the latest checkpoint in runs/{run_name}/checkpoints (policy, AdamW, schedule, data position,
                   open logging interval, RNG states; precomputed reference log-probs are read back from the run
                   folder) and ends exactly like an uninterrupted run (--checkpoint_every sets how often). A NaN or inf
-                  loss or log-prob stops the run before it reaches the weights, keeping the last good checkpoint.
+                  loss or log-prob stops the run before it reaches the weights, and the state after the last good
+                  update is saved as a checkpoint to resume from.
 """
 import contextlib
 import copy
@@ -48,7 +49,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    NonFiniteError, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, check_qlora_flags,
+    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, check_qlora_flags, due,
     frame_markdown, save_pretrained_model, start_processes, upload_to_hub,
 )
 
@@ -181,7 +182,170 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# DPO pieces (module-level so that tests can check each one against a hand computation)
+# The update: the docstring's steps on one batch (the pieces it shares with the forks follow main)
+# ---------------------------------------------------------------------------------------------
+
+
+TRAIN_STATS = [  # per micro batch, logged as means over the logging interval
+    "train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",
+    "train/logps/chosen", "train/logps/rejected",
+]
+
+
+def dpo_update(args, accelerator, run, policy, optimizer, ref_model, train_ref_table, micro_batches, update: int,
+               pad_token_id: int):
+    """Steps 1-6 of one update, on this process's next gradient_accumulation_steps micro batches: the loss of each
+    and its gradient (accumulated; the non-finite guard checks the loss before each backward pass), then one AdamW
+    step after the last micro batch. Returns the means over the micro batches of this process's TRAIN_STATS and
+    the number of tokens trained on."""
+    micro_stats, tokens = [], 0
+    for _ in range(args.gradient_accumulation_steps):
+        batch = next(micro_batches)
+        with accelerator.accumulate(policy):
+            with accelerator.autocast():  # steps 1-3: sequence log-probs (B,) of chosen and rejected
+                policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
+                ref_chosen, ref_rejected = reference_logprobs(ref_model, train_ref_table, batch, pad_token_id)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(  # steps 4-5
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
+                args.label_smoothing, ipo_token_counts(args, batch, pad_token_id),
+            )
+            loss = losses.mean()
+            # non-finite guard before backward: a NaN never reaches the gradients or the weights
+            run.guard(update, **{
+                "train/loss": loss, "train/logps/chosen": policy_chosen, "train/logps/rejected": policy_rejected,
+                "train/ref_logps/chosen": ref_chosen, "train/ref_logps/rejected": ref_rejected,
+            })
+            accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+            optimizer.step()  # step 6; a no-op until the last micro batch of the update
+            optimizer.zero_grad()
+        micro_stats.append(torch.stack([  # in the order of TRAIN_STATS
+            loss.detach(), chosen_rewards.mean(), rejected_rewards.mean(),
+            (chosen_rewards - rejected_rewards).mean(), (chosen_rewards > rejected_rewards).float().mean(),
+            policy_chosen.detach().mean(), policy_rejected.detach().mean(),
+        ]).float())
+        tokens += int(
+            (batch["query_chosen_token"] != pad_token_id).sum() + (batch["query_rejected_token"] != pad_token_id).sum()
+        )
+    if not accelerator.sync_gradients:
+        raise RuntimeError("gradient accumulation went out of step with the update loop")
+    return torch.stack(micro_stats).mean(0), tokens
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    check_dpo_flags(args)
+    # ---------------- processes, batch arithmetic (Table 6: 64 pairs per update), run folder ----------------
+    accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
+    check_qlora_flags(args, accelerator)
+    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+
+    # ---------------- tokenizer and data ----------------
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+    pad_token_id = tokenizer.pad_token_id
+    train_dataset, eval_datasets, sample_raw, sample_dataset = load_dpo_data(args, tokenizer)
+    args.num_updates = num_updates = count_updates(args, len(train_dataset))
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+
+    # ---------------- models: the policy and the frozen reference, both the SFT model ----------------
+    # with LoRA (--lora_rank) the reference is the policy with its adapters off (QLoRA: the same 4-bit base)
+    policy, ref_model = (load_lora_policy_and_reference(args, accelerator, tokenizer) if args.lora_rank > 0
+                         else load_policy_and_reference(args, accelerator, tokenizer))
+    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
+    # --precompute_ref_logprobs: the reference's log-probs of every pair, computed once; then the reference is freed
+    train_ref_table, ref_tables = reference_logprob_tables(args, accelerator, run, ref_model, train_dataset,
+                                                           eval_datasets, pad_token_id)
+    if args.precompute_ref_logprobs:
+        ref_model = None
+    trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or the LoRA adapters alone
+    adamw = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
+    # accelerate's wrapper would step it once per process)
+    lr_scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    # the data order comes from its own generator (reseeded with seed + epoch by the seedable sampler), so
+    # neither sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    policy, optimizer, train_dataloader = accelerator.prepare(policy, adamw, train_dataloader)
+    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
+    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+
+    # ---------------- resume and logs ----------------
+    last_good = LastGoodState(run, accelerator, adamw, lr_scheduler)  # the non-finite guard's fallback
+    # the trainer state: the update reached and the open logging interval. The frozen reference is not saved: it is
+    # the SFT model, loaded again (or its log-probs read back from the run folder)
+    state = run.start({"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0,
+                       "last_train_metrics": {}}, num_updates=num_updates)
+    start_update = state["update"]
+    accelerator.step = start_update * args.gradient_accumulation_steps  # accelerate's count of micro batches
+    interval = LoggingInterval(state)  # training metrics since the last log, carried by checkpoints
+    # the data position: every update reads gradient_accumulation_steps micro batches on each process
+    micro_batches = resumable_micro_batches(train_dataloader, start_update * args.gradient_accumulation_steps)
+
+    def run_evaluation(update: int, final: bool = False) -> dict:
+        """Detail 19: the implicit reward model on the preference splits; samples of the policy."""
+        pairs = evaluate_preferences(accelerator, policy, ref_model, ref_tables, eval_datasets, args, pad_token_id)
+        sampled = sample_responses(accelerator, policy, tokenizer, sample_dataset, generation_config, args)
+        metrics = write_evaluation(run, args, update, final, pairs, eval_datasets, sampled, sample_raw, tokenizer)
+        run.log(update, {"episode": update * args.total_batch_size, **metrics})
+        return metrics
+
+    # ---------------- training: one optimizer update per total_batch_size pairs ----------------
+    accelerator.print(
+        f"DPO ({args.loss_type}, beta {args.beta}): {num_updates} updates of {args.total_batch_size} pairs, "
+        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
+        f"{args.local_micro_batch_size} pairs"
+    )
+    policy.train()
+    progress = tqdm(total=num_updates, initial=start_update, desc=args.exp_name, disable=not accelerator.is_local_main_process)
+    with progress:  # closed before an error's message, which stays the last line of the output
+        for update in range(start_update + 1, num_updates + 1):
+            with last_good.kept(update, interval.state()):  # a non-finite value: the state after update - 1 is saved
+                stats, tokens = dpo_update(args, accelerator, run, policy, optimizer, ref_model, train_ref_table,
+                                           micro_batches, update, pad_token_id)  # steps 1-6
+            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+            lr_scheduler.step()
+
+            # ---------------- logging: means over updates, micro batches and processes ----------------
+            interval.add(accelerator.reduce(stats, reduction="mean").tolist(),
+                         int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")))
+            episode = update * args.total_batch_size
+            progress.update(1)
+            if update % args.log_every == 0 or update == num_updates:
+                means = interval.close(update_lr, episode / len(train_dataset))
+                run.log(update, {"episode": episode, **means})
+                progress.set_postfix(loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
+                                     tok_s=f"{means['train/tokens_per_s']:.0f}")
+            if due(args.eval_every, update, num_updates):
+                run_evaluation(update)
+                interval.restart_clock()  # evaluation time is not training throughput
+            # after the update's logging and evaluation, so a resumed run repeats neither
+            if due(args.checkpoint_every, update, num_updates):
+                run.checkpoint(update, interval.state())
+
+    # ---------------- final evaluation and outputs ----------------
+    metrics = run_evaluation(num_updates, final=True)
+    summary = {**metrics, **interval.last_means,  # the last logging interval's training means
+               "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
+               "wall_time_s": time.time() - start_time}
+    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
+        save_merged_policy(accelerator, policy, tokenizer, args.output_dir)
+    else:
+        save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
+    if args.push_to_hub and accelerator.is_main_process:
+        upload_to_hub(args)
+    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
+    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# What the update and the evaluation call, shared by dpo.py and its forks
 # ---------------------------------------------------------------------------------------------
 
 
@@ -282,89 +446,9 @@ def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict
     return concatenated_logprobs(ref_model, batch, pad_token_id)
 
 
-@torch.no_grad()
-def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int):
-    """One pass of the reference over `dataset` (made by with_row_index) -> table (N, 2) of
-    [chosen, rejected] sequence log-probs, indexed by row. Rows are split across processes and
-    gathered back by row index."""
-    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False))
-    table = torch.full((len(dataset), 2), float("nan"))
-    for batch in tqdm(dataloader, desc="reference log-probs", disable=not accelerator.is_local_main_process):
-        with accelerator.autocast():
-            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id)
-        rows, chosen, rejected = accelerator.gather_for_metrics((batch["row_index"], chosen, rejected))
-        table[rows.cpu()] = torch.stack((chosen, rejected), dim=1).float().cpu()
-    if torch.isnan(table).any():
-        raise RuntimeError("some rows got no reference log-prob; the gathered row indices do not cover the dataset")
-    return table
-
-
-def with_row_index(dataset, columns: List[str]):
-    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
-    The index travels with every batch so that results gathered from several processes (and the
-    precomputed reference log-probs) can be matched back to their rows."""
-    dataset = dataset.add_column("row_index", list(range(len(dataset))))
-    return dataset.with_format("torch", columns=columns + ["row_index"])
-
-
-def load_policy_and_reference(args, accelerator, tokenizer):
-    """The two models of DPO, both the SFT model: the policy, with float32 master weights (bf16 is autocast), and
-    the frozen reference, which may live in bf16 and never drops out (it must give the same log-probs every time).
-    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (prepare_frozen_model)."""
-    policy = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
-    )
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
-    )
-    for model in (policy, ref_model):
-        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-        if len(tokenizer) > model.config.vocab_size:
-            model.resize_token_embeddings(len(tokenizer))
-    if args.disable_dropout:  # Detail 7
-        disable_dropout(policy)
-    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
-    return policy, prepare_frozen_model(accelerator, ref_model)
-
-
-class AdaptersOff:
-    """The reference of a LoRA run: the policy itself with its adapters disabled, which computes the SFT model it
-    started from. Called like a model (by forward()), always in eval mode (no dropout), whatever mode the policy is
-    in. It holds the peft model, not the wrapper accelerator.prepare makes of it: the reference needs no gradients."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def __call__(self, **inputs):
-        training = self.policy.training
-        self.policy.eval()
-        try:
-            with self.policy.disable_adapter():
-                return self.policy(**inputs)
-        finally:
-            self.policy.train(training)
-
-
-def load_lora_policy_and_reference(args, accelerator, tokenizer):
-    """--lora_rank: the policy is the SFT model with LoRA adapters (lora_policy), and the reference is the same model
-    with its adapters off (AdaptersOff), so the weights exist once. With --load_in_4bit (QLoRA) the reference is
-    therefore the 4-bit base the adapters train on, and the log-ratios of the policy and the reference are exactly 0
-    at initialisation (LoRA's B starts at zero). A separate float32 reference would differ from the 4-bit policy by
-    the rounding of every weight: its log-ratios would start away from 0, a quantization bias in the implicit reward
-    (eq. 5) that the loss would spend its first updates on."""
-    policy = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
-        **quantized_loading(args, args.bf16),
-    )
-    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-    if len(tokenizer) > policy.config.vocab_size:
-        policy.resize_token_embeddings(len(tokenizer))
-    if args.disable_dropout:  # Detail 7
-        disable_dropout(policy)
-    policy = lora_policy(policy, args)
-    if not args.load_in_4bit:  # on the device already for --precompute_ref_logprobs (a 4-bit model loads there)
-        policy.to(accelerator.device)
-    return policy, AdaptersOff(policy)
+# ---------------------------------------------------------------------------------------------
+# Detail 19: the implicit reward model (the Table 5 analogue), and samples of the policy
+# ---------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -393,75 +477,6 @@ def evaluate_preferences(accelerator, model, ref_model, ref_tables, eval_dataset
         frames[split] = frame
     model.train()
     return frames
-
-
-@torch.no_grad()
-def sample_responses(accelerator, model, tokenizer, dataset, generation_config, args: Args):
-    """Detail 23 sampling on the SFT validation queries: exactly response_length new tokens, then truncate
-    after the first EOS. Returns the row index (N,) of each query and its truncated response (N, Tr)."""
-    model.eval()
-    unwrapped = accelerator.unwrap_model(model)
-    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
-    rows_all, responses_all = [], []
-    for batch in dataloader:
-        queries = batch["query_token"]  # (B, Tq), left-padded
-        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
-        with accelerator.autocast():
-            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
-        responses = truncate_response(
-            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
-        )  # (B, Tr)
-        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
-        rows_all.append(rows.cpu())
-        responses_all.append(responses.cpu())
-    model.train()
-    return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
-
-
-TRAIN_STATS = [  # per micro batch, logged as means over the logging interval
-    "train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",
-    "train/logps/chosen", "train/logps/rejected",
-]
-
-
-# ---------------------------------------------------------------------------------------------
-# Detail 19: DPO as a reward model (the Table 5 analogue), its samples, the reference's log-prob tables
-# ---------------------------------------------------------------------------------------------
-
-
-def reference_logprob_tables(args, accelerator, run, ref_model, train_dataset, eval_datasets, pad_token_id: int):
-    """--precompute_ref_logprobs: the reference's sequence log-probs of every train and evaluation pair
-    (precompute_reference_logprobs), as a train table (N_train, 2) and {evaluation split: table (N, 2)}. The tables
-    are kept in the run folder: a resumed run reads the very numbers the interrupted run trained with (and skips
-    the pass over the data) instead of trusting a second pass to repeat them bit for bit. Without the flag the
-    reference runs live: (None, {}), and a fresh run deletes an older run's tables."""
-    ref_cache = os.path.join(run.dir, "reference_logprobs.pt")
-    if not args.precompute_ref_logprobs:
-        if not args.resume and accelerator.is_main_process and os.path.exists(ref_cache):
-            os.remove(ref_cache)  # an older run's tables; this run computes the reference live
-        return None, {}
-    sizes = {"train": len(train_dataset), "eval": {split: len(raw) for split, (raw, _) in eval_datasets.items()}}
-    if args.resume and os.path.exists(ref_cache):
-        cached = torch.load(ref_cache)
-        found = {"train": len(cached["train"]), "eval": {split: len(t) for split, t in cached["eval"].items()}}
-        if found != sizes:
-            raise ValueError(f"--resume: {ref_cache} holds reference log-probs of {found} rows, these flags read "
-                             f"{sizes}; resume with the data flags of the original run")
-        accelerator.print(f"reference log-probs of the interrupted run read from {ref_cache}")
-        return cached["train"], cached["eval"]
-    train_ref_table = precompute_reference_logprobs(
-        accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id
-    )
-    ref_tables = {}
-    for split, (_, dataset) in eval_datasets.items():
-        ref_tables[split] = precompute_reference_logprobs(
-            accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id
-        )
-    if accelerator.is_main_process:  # written whole, then renamed: never half a file under the name
-        os.makedirs(run.dir, exist_ok=True)
-        torch.save({"train": train_ref_table, "eval": ref_tables}, ref_cache + ".tmp")
-        os.replace(ref_cache + ".tmp", ref_cache)
-    return train_ref_table, ref_tables
 
 
 def preference_report(pairs: Dict[str, pd.DataFrame], eval_datasets):
@@ -515,6 +530,29 @@ def implicit_reward_breakdown(frame: pd.DataFrame, split_name: str) -> List[dict
     return rows
 
 
+@torch.no_grad()
+def sample_responses(accelerator, model, tokenizer, dataset, generation_config, args: Args):
+    """Detail 23 sampling on the SFT validation queries: exactly response_length new tokens, then truncate
+    after the first EOS. Returns the row index (N,) of each query and its truncated response (N, Tr)."""
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+    rows_all, responses_all = [], []
+    for batch in dataloader:
+        queries = batch["query_token"]  # (B, Tq), left-padded
+        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
+        with accelerator.autocast():
+            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+        responses = truncate_response(
+            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
+        )  # (B, Tr)
+        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
+        rows_all.append(rows.cpu())
+        responses_all.append(responses.cpu())
+    model.train()
+    return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
+
+
 def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
     """The samples table (the columns every policy script writes) of sample_responses' rows (N,) and truncated
     responses (N, Tr), and its metrics: the EOS rate and the mean response length."""
@@ -544,121 +582,100 @@ def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# The options main switches on: the reference's log-probs computed once, LoRA and QLoRA
 # ---------------------------------------------------------------------------------------------
 
 
-def exact_div(a: int, b: int, what: str = "batch size") -> int:
-    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
-    q = a // b
-    if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
-    return q
+@torch.no_grad()
+def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int):
+    """One pass of the reference over `dataset` (made by with_row_index) -> table (N, 2) of
+    [chosen, rejected] sequence log-probs, indexed by row. Rows are split across processes and
+    gathered back by row index."""
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False))
+    table = torch.full((len(dataset), 2), float("nan"))
+    for batch in tqdm(dataloader, desc="reference log-probs", disable=not accelerator.is_local_main_process):
+        with accelerator.autocast():
+            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id)
+        rows, chosen, rejected = accelerator.gather_for_metrics((batch["row_index"], chosen, rejected))
+        table[rows.cpu()] = torch.stack((chosen, rejected), dim=1).float().cpu()
+    if torch.isnan(table).any():
+        raise RuntimeError("some rows got no reference log-prob; the gathered row indices do not cover the dataset")
+    return table
 
 
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
-        dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
-    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
-    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
-    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
-
-
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Per row, the index of the first True; the row length when the row has no True."""
-    row_len = bools.size(-1)
-    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
-    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
-    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
-    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
-    functionally from a float attribute of the attention module; those are zeroed too."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "attn_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
-    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
-    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
-    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
-    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
-    real = (query_responses != pad_token_id).any(0).nonzero()
-    if real.numel() == 0:
-        return slice(0, query_responses.size(1))
-    return slice(int(real[0]), int(real[-1]) + 1)
-
-
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
-    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
-    left-padded query gets the same positions as an unpadded one (Detail 14)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        return_dict=True,
+def reference_logprob_tables(args, accelerator, run, ref_model, train_dataset, eval_datasets, pad_token_id: int):
+    """--precompute_ref_logprobs: the reference's sequence log-probs of every train and evaluation pair
+    (precompute_reference_logprobs), as a train table (N_train, 2) and {evaluation split: table (N, 2)}. The tables
+    are kept in the run folder: a resumed run reads the very numbers the interrupted run trained with (and skips
+    the pass over the data) instead of trusting a second pass to repeat them bit for bit. Without the flag the
+    reference runs live: (None, {}), and a fresh run deletes an older run's tables."""
+    ref_cache = os.path.join(run.dir, "reference_logprobs.pt")
+    if not args.precompute_ref_logprobs:
+        if not args.resume and accelerator.is_main_process and os.path.exists(ref_cache):
+            os.remove(ref_cache)  # an older run's tables; this run computes the reference live
+        return None, {}
+    sizes = {"train": len(train_dataset), "eval": {split: len(raw) for split, (raw, _) in eval_datasets.items()}}
+    if args.resume and os.path.exists(ref_cache):
+        cached = torch.load(ref_cache)
+        found = {"train": len(cached["train"]), "eval": {split: len(t) for split, t in cached["eval"].items()}}
+        if found != sizes:
+            raise ValueError(f"--resume: {ref_cache} holds reference log-probs of {found} rows, these flags read "
+                             f"{sizes}; resume with the data flags of the original run")
+        accelerator.print(f"reference log-probs of the interrupted run read from {ref_cache}")
+        return cached["train"], cached["eval"]
+    train_ref_table = precompute_reference_logprobs(
+        accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id
     )
+    ref_tables = {}
+    for split, (_, dataset) in eval_datasets.items():
+        ref_tables[split] = precompute_reference_logprobs(
+            accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id
+        )
+    if accelerator.is_main_process:  # written whole, then renamed: never half a file under the name
+        os.makedirs(run.dir, exist_ok=True)
+        torch.save({"train": train_ref_table, "eval": ref_tables}, ref_cache + ".tmp")
+        os.replace(ref_cache + ".tmp", ref_cache)
+    return train_ref_table, ref_tables
 
 
-def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
-    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
-    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
-    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
-    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
-
-
-def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
-    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
-    context_length = queries.size(1)
-    attention_mask = queries != pad_token_id
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
-    return torch.cat((queries, sequences[:, context_length:]), dim=1)
-
-
-def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
-    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
-    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
-    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
-    if temperature < 0:
-        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
-    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
-    return GenerationConfig(
-        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
-        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
+def load_lora_policy_and_reference(args, accelerator, tokenizer):
+    """--lora_rank: the policy is the SFT model with LoRA adapters (lora_policy), and the reference is the same model
+    with its adapters off (AdaptersOff), so the weights exist once. With --load_in_4bit (QLoRA) the reference is
+    therefore the 4-bit base the adapters train on, and the log-ratios of the policy and the reference are exactly 0
+    at initialisation (LoRA's B starts at zero). A separate float32 reference would differ from the 4-bit policy by
+    the rounding of every weight: its log-ratios would start away from 0, a quantization bias in the implicit reward
+    (eq. 5) that the loss would spend its first updates on."""
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
+        **quantized_loading(args, args.bf16),
     )
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > policy.config.vocab_size:
+        policy.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(policy)
+    policy = lora_policy(policy, args)
+    if not args.load_in_4bit:  # on the device already for --precompute_ref_logprobs (a 4-bit model loads there)
+        policy.to(accelerator.device)
+    return policy, AdaptersOff(policy)
+
+
+class AdaptersOff:
+    """The reference of a LoRA run: the policy itself with its adapters disabled, which computes the SFT model it
+    started from. Called like a model (by forward()), always in eval mode (no dropout), whatever mode the policy is
+    in. It holds the peft model, not the wrapper accelerator.prepare makes of it: the reference needs no gradients."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, **inputs):
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            with self.policy.disable_adapter():
+                return self.policy(**inputs)
+        finally:
+            self.policy.train(training)
 
 
 def quantized_loading(args, bf16: bool) -> dict:
@@ -764,169 +781,26 @@ def merged_policy(policy) -> torch.nn.Module:
     return plain.eval()
 
 
-def main(args: Args) -> dict:
-    start_time = time.time()
-    check_dpo_flags(args)
-    # ---------------- batch arithmetic (Table 6: 64 pairs per update), processes, run folder ----------------
-    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
-    accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
-                             "total_batch_size / (local_micro_batch_size * world_size)")
-    check_gradient_accumulation(args, accumulation, args.world_size)
-    args.gradient_accumulation_steps = accumulation  # recorded in args.json
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = make_dpo_accelerator(args)  # gradient accumulation, a resumable data order, bf16 autocast
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    check_qlora_flags(args, accelerator)
-    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
+    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
+    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
+    gathering the partitioned weights; the main process saves."""
+    unwrapped = accelerator.unwrap_model(wrapped)
+    gathered = contextlib.nullcontext()
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+        import deepspeed
 
-    # ---------------- seeding (labelled, deliberate) ----------------
-    set_seed(args.seed)  # weights and data order: identical on every rank
-    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
-
-    # ---------------- tokenizer and data ----------------
-    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
-    pad_token_id = tokenizer.pad_token_id
-    train_dataset, eval_datasets, sample_raw, sample_dataset = load_dpo_data(args, tokenizer)
-    args.num_updates = num_updates = count_updates(args, len(train_dataset))
-    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
-
-    # ---------------- models: the policy and the frozen reference, both the SFT model ----------------
-    # with LoRA (--lora_rank) the reference is the policy with its adapters off (QLoRA: the same 4-bit base)
-    policy, ref_model = (load_lora_policy_and_reference(args, accelerator, tokenizer) if args.lora_rank > 0
-                         else load_policy_and_reference(args, accelerator, tokenizer))
-    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
-    # --precompute_ref_logprobs: the reference's log-probs of every pair, computed once; then the reference is freed
-    train_ref_table, ref_tables = reference_logprob_tables(args, accelerator, run, ref_model, train_dataset,
-                                                           eval_datasets, pad_token_id)
-    if args.precompute_ref_logprobs:
-        ref_model = None
-    trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or the LoRA adapters alone
-    optimizer = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
-    # accelerate's wrapper would step it once per process)
-    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-    # the data order comes from its own generator (reseeded with seed + epoch by the seedable sampler), so
-    # neither sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG
-    train_dataloader = DataLoader(
-        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
-    policy, optimizer, train_dataloader = accelerator.prepare(policy, optimizer, train_dataloader)
-    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
-    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
-
-    # ---------------- resume and logs ----------------
-    # the trainer state: the update reached and the open logging interval. The frozen reference is not saved: it is
-    # the SFT model, loaded again (or its log-probs read back from the run folder)
-    state = run.start({"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0,
-                       "last_train_metrics": {}}, num_updates=num_updates)
-    start_update = state["update"]
-    # accelerate counts micro batches to decide when to step: restart the count at the update boundary of the
-    # checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
-    accelerator.step = start_update * args.gradient_accumulation_steps
-    interval = DpoLoggingInterval(state)  # training metrics since the last log, carried by checkpoints
-    # the data position: every update reads gradient_accumulation_steps micro batches on each process
-    micro_batches = resumable_micro_batches(train_dataloader, start_update * args.gradient_accumulation_steps)
-
-    def run_evaluation(update: int, final: bool = False) -> dict:
-        """Detail 19: DPO's implicit reward model on the preference splits; samples of the policy."""
-        pairs = evaluate_preferences(accelerator, policy, ref_model, ref_tables, eval_datasets, args, pad_token_id)
-        sampled = sample_responses(accelerator, policy, tokenizer, sample_dataset, generation_config, args)
-        metrics = write_dpo_evaluation(run, args, update, final, pairs, eval_datasets, sampled, sample_raw, tokenizer)
-        run.log(update, {"episode": update * args.total_batch_size, **metrics})
-        return metrics
-
-    # ---------------- training: one optimizer update per total_batch_size pairs ----------------
-    accelerator.print(
-        f"DPO ({args.loss_type}, beta {args.beta}): {num_updates} updates of {args.total_batch_size} pairs, "
-        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
-        f"{args.local_micro_batch_size} pairs"
-    )
-    policy.train()
-    progress = tqdm(total=num_updates, initial=start_update, desc="dpo", disable=not accelerator.is_local_main_process)
-    update = start_update
-    try:
-        for update in range(start_update + 1, num_updates + 1):
-            micro_stats, tokens = [], 0
-            for _ in range(args.gradient_accumulation_steps):
-                batch = next(micro_batches)
-                with accelerator.accumulate(policy):
-                    with accelerator.autocast():  # steps 1-3: sequence log-probs (B,) of chosen and rejected
-                        policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
-                        ref_chosen, ref_rejected = reference_logprobs(ref_model, train_ref_table, batch, pad_token_id)
-                    losses, chosen_rewards, rejected_rewards = dpo_loss(  # steps 4-5
-                        policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
-                        args.label_smoothing, ipo_token_counts(args, batch, pad_token_id),
-                    )
-                    loss = losses.mean()
-                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
-                    run.guard(update, **{
-                        "train/loss": loss, "train/logps/chosen": policy_chosen, "train/logps/rejected": policy_rejected,
-                        "train/ref_logps/chosen": ref_chosen, "train/ref_logps/rejected": ref_rejected,
-                    })
-                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
-                    optimizer.step()  # step 6; a no-op until the last micro batch of the update
-                    optimizer.zero_grad()
-                micro_stats.append(torch.stack([  # in the order of TRAIN_STATS
-                    loss.detach(), chosen_rewards.mean(), rejected_rewards.mean(),
-                    (chosen_rewards - rejected_rewards).mean(), (chosen_rewards > rejected_rewards).float().mean(),
-                    policy_chosen.detach().mean(), policy_rejected.detach().mean(),
-                ]).float())
-                tokens += int(
-                    (batch["query_chosen_token"] != pad_token_id).sum() + (batch["query_rejected_token"] != pad_token_id).sum()
-                )
-            if not accelerator.sync_gradients:
-                raise RuntimeError("gradient accumulation went out of step with the update loop")
-            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
-            lr_scheduler.step()
-
-            # ---------------- logging: means over updates, micro batches and processes ----------------
-            interval.add(accelerator.reduce(torch.stack(micro_stats).mean(0), reduction="mean").tolist(),
-                         int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")))
-            episode = update * args.total_batch_size
-            progress.update(1)
-            if update % args.log_every == 0 or update == num_updates:
-                means = interval.close(update_lr, episode / len(train_dataset))
-                run.log(update, {"episode": episode, **means})
-                progress.set_postfix(loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
-                                     tok_s=f"{means['train/tokens_per_s']:.0f}")
-            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-                run_evaluation(update)
-                interval.restart_clock()  # evaluation time is not training throughput
-            # after the update's logging and evaluation, so a resumed run repeats neither
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < num_updates:
-                run.checkpoint(update, interval.state())
-    except NonFiniteError:
-        # the guard runs before backward and before the update's optimizer step, so the weights on hand are
-        # still those after update - 1: keep them as the last good checkpoint (never the poisoned ones)
-        progress.close()  # so that the error is the last line of the output
-        run.checkpoint(update - 1, interval.state())
-        accelerator.print(f"non-finite value in update {update}; last good checkpoint: {run.latest_checkpoint()}")
-        raise
-    progress.close()
-
-    # ---------------- final evaluation and outputs ----------------
-    metrics = run_evaluation(num_updates, final=True)
-    summary = {**metrics, **interval.last_means,  # the last logging interval's training means
-               "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
-               "wall_time_s": time.time() - start_time}
-    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
-        save_merged_policy(accelerator, policy, tokenizer, args.output_dir)
-    else:
-        save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
-    if args.push_to_hub and accelerator.is_main_process:
-        upload_to_hub(args)
-    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
-    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
-    return summary
+        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
+    accelerator.wait_for_everyone()
+    with gathered:
+        if accelerator.is_main_process:
+            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
+            tokenizer.save_pretrained(output_dir)
 
 
-# =============================================================================================
-# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
-# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
-# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
-# =============================================================================================
+# ---------------------------------------------------------------------------------------------
+# The setup that decides numbers: flags, processes and batches, tokenizer, data, models
+# ---------------------------------------------------------------------------------------------
 
 
 def check_dpo_flags(args) -> None:
@@ -935,10 +809,19 @@ def check_dpo_flags(args) -> None:
         raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
 
 
-def make_dpo_accelerator(args) -> Accelerator:
-    """The run's Accelerator: gradient accumulation over args.gradient_accumulation_steps micro batches, a data
-    order that a resumed run can find its place in, and bf16 autocast with --bf16."""
-    return Accelerator(
+def make_accelerator(args) -> Accelerator:
+    """The run's processes and Accelerator, and the batch arithmetic that depends on their number: gradient
+    accumulation over args.gradient_accumulation_steps micro batches (derived from the batch sizes), a data order
+    that a resumed run can find its place in, bf16 autocast with --bf16 (None: where CUDA supports it), and under
+    DeepSpeed the micro batch and the gradient clipping (configure_deepspeed)."""
+    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
+    accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
+                             "total_batch_size / (local_micro_batch_size * world_size)")
+    check_gradient_accumulation(args, accumulation, args.world_size)
+    args.gradient_accumulation_steps = accumulation  # recorded in args.json
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(
         # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
@@ -948,6 +831,17 @@ def make_dpo_accelerator(args) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         mixed_precision="bf16" if args.bf16 else "no",
     )
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    return accelerator
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
+    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
+    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
+    if config is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
@@ -969,17 +863,6 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
             "purpose; the later stages refuse its model)"
         )
     return tokenizer
-
-
-def count_updates(args, num_rows: int) -> int:
-    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
-    train data) in full batches of total_batch_size; a last partial batch is dropped."""
-    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
-    num_updates = total_episodes // args.total_batch_size
-    if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
-                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
-    return num_updates
 
 
 def load_dpo_data(args, tokenizer):
@@ -1008,6 +891,14 @@ def load_dpo_data(args, tokenizer):
     return train_dataset, eval_datasets, sample_raw, with_row_index(sample_raw, ["query_token"])
 
 
+def with_row_index(dataset, columns: List[str]):
+    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
+    The index travels with every batch so that results gathered from several processes (and the
+    precomputed reference log-probs) can be matched back to their rows."""
+    dataset = dataset.add_column("row_index", list(range(len(dataset))))
+    return dataset.with_format("torch", columns=columns + ["row_index"])
+
+
 def preference_eval_splits(path: str) -> List[str]:
     """Every split of the preference dataset whose name starts with "validation" (Detail 6: the
     TL;DR validation set has out-of-distribution policy pairs and a CNN/DM split)."""
@@ -1018,7 +909,156 @@ def preference_eval_splits(path: str) -> List[str]:
     return splits
 
 
-class DpoLoggingInterval:
+def count_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
+    train data) in full batches of total_batch_size; a last partial batch is dropped."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = total_episodes // args.total_batch_size
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+    return num_updates
+
+
+def load_policy_and_reference(args, accelerator, tokenizer):
+    """The two models of DPO, both the SFT model: the policy, with float32 master weights (bf16 is autocast), and
+    the frozen reference, which may live in bf16 and never drops out (it must give the same log-probs every time).
+    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (prepare_frozen_model)."""
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    for model in (policy, ref_model):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if len(tokenizer) > model.config.vocab_size:
+            model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(policy)
+    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
+    return policy, prepare_frozen_model(accelerator, ref_model)
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
+    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
+    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
+    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+    )
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    return torch.cat((queries, sequences[:, context_length:]), dim=1)
+
+
+def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
+    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
+    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
+    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
+    if temperature < 0:
+        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
+        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
+    )
+
+
+class LoggingInterval:
     """The training metrics since the last log: one row of TRAIN_STATS per update (already averaged over micro
     batches and processes, so every process holds the same rows and a checkpoint can carry them), the tokens
     trained on and the time taken. Built from the trainer state (an empty interval, or a checkpoint's)."""
@@ -1070,8 +1110,8 @@ def resumable_micro_batches(loader, skip: int):
         epoch, skip = epoch + 1, 0
 
 
-def write_dpo_evaluation(run, args, update: int, final: bool, pairs: Dict[str, pd.DataFrame], eval_datasets,
-                         sampled, sample_raw, tokenizer) -> Dict[str, float]:
+def write_evaluation(run, args, update: int, final: bool, pairs: Dict[str, pd.DataFrame], eval_datasets, sampled,
+                     sample_raw, tokenizer) -> Dict[str, float]:
     """An evaluation's metrics and outputs: samples/step_N.csv and the TensorBoard text tabs; after training also
     samples.csv, the accuracy table (eval_table.csv, eval_table.md, printed) and every scored pair (eval_pairs.csv)."""
     metrics, table_rows, frame = preference_report(pairs, eval_datasets)
@@ -1101,32 +1141,6 @@ def breakdown_markdown(rows: List[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
     return "\n".join(lines)
-
-
-def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
-    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
-    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
-    gathering the partitioned weights; the main process saves."""
-    unwrapped = accelerator.unwrap_model(wrapped)
-    gathered = contextlib.nullcontext()
-    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
-    accelerator.wait_for_everyone()
-    with gathered:
-        if accelerator.is_main_process:
-            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
-            tokenizer.save_pretrained(output_dir)
-
-
-def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
-    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
-    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
-    if config is not None:
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
 
 
 if __name__ == "__main__":

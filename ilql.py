@@ -35,7 +35,8 @@ the base model cannot learn to summarise from the offline data in the run's budg
 Checkpoints: every --checkpoint_every updates, runs/{run_name}/checkpoints/update_N holds the LM with all its heads
 (V, Q and the Polyak-averaged target Q), optimizer, schedule, RNG states, the data position and the running counters
 (target syncs, the open logging interval); `--resume --run_name NAME` continues from the newest one and ends with the
-weights and metrics of an uninterrupted run. A NaN/inf loss term stops the run and keeps the last good checkpoint.
+weights and metrics of an uninterrupted run. A NaN/inf loss term stops the run before any weight sees it and saves the
+state after the last good update as its checkpoint, which --resume continues from like any other.
 
 Single process:   python ilql.py --init_from base --model_path EleutherAI/pythia-1b-deduped --output_dir models/ilql
 Several GPUs:     accelerate launch --config_file zero2.yaml ilql.py --seed 1
@@ -66,8 +67,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    NonFiniteError, Run, check_columns, check_data_tokenizer, check_gradient_accumulation,
-    check_reward_tokenizer, start_processes,
+    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation,
+    check_reward_tokenizer, due, start_processes,
 )
 
 
@@ -230,10 +231,13 @@ DEFAULT_MODEL_PATHS = {"base": "EleutherAI/pythia-1b-deduped", "sft": "models/sf
 
 
 TRAJECTORY_COLUMNS = ["query_response", "response_label", "query_token_len"]
-# the columns of a preference split that `flatten_pairs` reads (checked by check_columns before it runs)
-PAIR_COLUMNS = [
-    "query_chosen_token", "query_chosen_token_response_label",
-    "query_rejected_token", "query_rejected_token_response_label", "query_token_len",
+# the columns of a preference split that `flatten_pairs` reads are these and query_token_len (checked by
+# check_columns before it runs)
+PAIR_COLUMNS = [  # the processed preference schema: query + response, and the response as labels
+    "query_chosen_token",
+    "query_rejected_token",
+    "query_chosen_token_response_label",
+    "query_rejected_token_response_label",
 ]
 
 
@@ -414,32 +418,6 @@ class ILQLModel(nn.Module):
         return lm_logits, qs, target_qs, values
 
 
-def load_ilql_models(args, accelerator, tokenizer):
-    """The two models of ILQL: the LM with fresh V, Q and target-Q heads (the only model that trains), and the
-    frozen reward model when --reward_model_path is given (it labels the data with --reward_source rm and scores
-    the evaluation samples; None otherwise)."""
-    lm = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
-    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-    if len(tokenizer) > lm.config.vocab_size:
-        lm.resize_token_embeddings(len(tokenizer))
-    model = ILQLModel(lm, args.ilql.two_qs)
-    if args.disable_dropout:  # Detail 7
-        disable_dropout(model)
-    reward_model = None
-    if args.reward_model_path is not None:
-        # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
-        check_reward_tokenizer(tokenizer, args.model_path, args.reward_model_path, args.trust_remote_code)
-        reward_model = AutoModelForSequenceClassification.from_pretrained(
-            args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-            trust_remote_code=args.trust_remote_code,
-        )
-        if len(tokenizer) > reward_model.config.vocab_size:
-            reward_model.resize_token_embeddings(len(tokenizer))
-        disable_dropout(reward_model)  # frozen and deterministic whatever --disable_dropout says
-        reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
-    return model, reward_model
-
-
 # ---------------------------------------------------------------------------------------------
 # The ILQL loss
 # ---------------------------------------------------------------------------------------------
@@ -531,6 +509,47 @@ def should_sync_target(update: int, steps_for_target_q_sync: int) -> bool:
     """True after optimizer update number `update` (1-based) when the target Q heads are synced: every
     steps_for_target_q_sync optimizer updates, independent of epochs."""
     return update % steps_for_target_q_sync == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# One optimizer update: steps 3-5 on gradient_accumulation_steps micro batches
+# ---------------------------------------------------------------------------------------------
+
+
+def ilql_update(args: Args, accelerator, model, optimizer, run, update: int, micro_batches, pad_token_id: int):
+    """Steps 3-5 of optimizer update `update`: gradient_accumulation_steps micro batches of this process, whose
+    gradients accumulate into one AdamW step on the last of them; every loss term is checked by the non-finite
+    guard before its backward. Returns this process's statistics of every micro batch (name -> list) and its input
+    tokens (non-pad)."""
+    update_stats: Dict[str, List[torch.Tensor]] = {}  # this process's micro batch statistics
+    update_tokens = 0
+    for _ in range(args.gradient_accumulation_steps):
+        batch = next(micro_batches)
+        cols = real_columns(batch["query_response"], pad_token_id)  # the right padding every row shares is cut
+        query_responses = batch["query_response"][:, cols]  # (B, T)
+        # 3. the states, actions and per-action rewards of each trajectory
+        labels = batch["response_label"][:, cols]  # (B, T): the response tokens, [PAD] elsewhere
+        positions, mask = action_positions(
+            batch["query_token_len"], (labels != pad_token_id).sum(1), labels.size(1)
+        )  # (B, Tr) states s_t and real-action mask
+        actions = labels.gather(1, positions + 1).masked_fill(~mask, pad_token_id)  # (B, Tr): a_t
+        step_rewards = terminal_rewards(batch["reward"].float(), mask)  # (B, Tr)
+        with accelerator.accumulate(model):
+            with accelerator.autocast():  # 4. every output read at the action states only
+                lm_logits, qs, target_qs, values = model(query_responses, pad_token_id, positions)
+            # 5. the ILQL loss
+            loss, stats = ilql_loss(lm_logits, qs, target_qs, values, actions, step_rewards, mask, args.ilql)
+            # non-finite guard: the total loss and every term, before backward, so no weight sees them
+            run.guard(update, **{f"train/{key}": stats[key] for key in ILQL_LOSS_TERMS})
+            accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+            optimizer.step()  # a no-op until the last micro batch of the update
+            optimizer.zero_grad()
+        for key, value in stats.items():
+            update_stats.setdefault(f"train/{key}", []).append(value.float())
+        update_tokens += int((query_responses != pad_token_id).sum())
+    if not accelerator.sync_gradients:
+        raise RuntimeError("gradient accumulation went out of step with the update loop")
+    return update_stats, update_tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -649,6 +668,375 @@ def ilql_sample_table(accelerator, model, reward_model, tokenizer, raw, dataset,
     return table, metrics
 
 
+def main(args: Args) -> dict:
+    start_time = time.time()
+    # ---------------- processes, batch arithmetic (fails loudly), accelerator, run folder ----------------
+    accelerator = make_ilql_accelerator(args)
+    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights (the fresh heads) and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+
+    # ---------------- tokenizer and models ----------------
+    if args.model_path is None:
+        args.model_path = DEFAULT_MODEL_PATHS[args.init_from]  # --init_from picks the starting model
+    tokenizer = load_tokenizer(args.model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+    pad_token_id = tokenizer.pad_token_id
+    model, reward_model = load_ilql_models(args, accelerator, tokenizer)
+
+    # ---------------- data: steps 1-2 ----------------
+    train_raw, eval_raw = load_data(args, tokenizer)
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+    trajectories = flatten_pairs(train_raw)  # 1. the (query, chosen) rows, then the (query, rejected) rows
+    if args.reward_source == "labels":  # 2. trlX: +1 / -1
+        raw_rewards = label_rewards(len(train_raw))
+    else:  # 2. the RM's score of each trajectory
+        raw_rewards = rm_rewards(accelerator, reward_model, trajectories, args.local_eval_batch_size, pad_token_id)
+    rewards = normalize_rewards(raw_rewards)
+    data_metrics = reward_statistics(raw_rewards, rewards, len(train_raw))
+    trajectories = trajectories.add_column("reward", rewards.tolist())
+    train_dataset = trajectories.with_format("torch", columns=TRAJECTORY_COLUMNS + ["reward"])
+    eval_raw, eval_dataset = evaluation_queries(args, eval_raw)
+    args.num_updates = num_updates = count_updates(args, len(trajectories))
+
+    # ---------------- optimizer, schedule, data order ----------------
+    # the target heads are not optimised: only parameters that require gradients go to AdamW
+    adamw = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps, weight_decay=args.weight_decay
+    )
+    # counts optimizer updates, stepped by hand once per update (accelerate's wrapper would step per process)
+    lr_scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    model, optimizer, train_dataloader = accelerator.prepare(model, adamw, train_dataloader)
+    heads = accelerator.unwrap_model(model).heads
+    # saved and restored with the model (LM, V, Q and target-Q heads) and the optimizer: the schedule, and the
+    # float32 Polyak copies of low-precision targets
+    accelerator.register_for_checkpointing(lr_scheduler)
+    accelerator.register_for_checkpointing(TargetCopies(heads))
+    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+
+    # ---------------- resume: a killed run loses at most --checkpoint_every updates ----------------
+    # the non-finite guard's fallback. The target heads' float32 copies change only after an update's guards (and are
+    # big): they are not snapshot before every update
+    last_good = LastGoodState(run, accelerator, adamw, lr_scheduler)
+    # the trainer state: running counters and the open logging interval. The flags that fix the data order, the
+    # schedule and the target syncs (the shape) must be those of the checkpoint's run
+    counters = IlqlCounters(run.start(
+        IlqlCounters.fresh(), num_updates=num_updates, total_batch_size=args.total_batch_size,
+        world_size=args.world_size, steps_for_target_q_sync=args.ilql.steps_for_target_q_sync))
+    if counters.update == 0:
+        run.log(0, {"episode": 0, **data_metrics})  # a resumed run kept this line of metrics.jsonl
+    evaluate = functools.partial(evaluate_and_save, run, accelerator, model, reward_model, tokenizer, eval_raw,
+                                 eval_dataset, args)
+
+    # ---------------- training: one optimizer update per total_batch_size trajectories ----------------
+    accelerator.print(
+        f"ILQL ({args.reward_source} rewards, from {args.init_from}): {num_updates} updates of "
+        f"{args.total_batch_size} trajectories, {accelerator.num_processes} process(es) x "
+        f"{args.gradient_accumulation_steps} accumulation x {args.local_micro_batch_size}"
+    )
+    model.train()
+    progress = tqdm(total=num_updates, initial=counters.update, desc="ilql", disable=not accelerator.is_local_main_process)
+    # the data position is the update number itself (update x gradient_accumulation_steps micro batches)
+    micro_batches = resumable_micro_batches(train_dataloader, counters.update * args.gradient_accumulation_steps)
+    for update in range(counters.update + 1, num_updates + 1):
+        update_start = time.time()
+        with last_good.kept(update, counters.state()):  # a non-finite loss leaves the state after update - 1 saved
+            update_stats, update_tokens = ilql_update(args, accelerator, model, optimizer, run, update, micro_batches,
+                                                      pad_token_id)  # steps 3-5
+        # 6. Polyak-average the target Q heads every steps_for_target_q_sync OPTIMIZER updates. The decision reads
+        # the global update number only, so a resumed run syncs on exactly the updates the uninterrupted one does
+        if should_sync_target(update, args.ilql.steps_for_target_q_sync):
+            heads.sync_target_q_heads(args.ilql.alpha)
+            counters.num_target_syncs += 1
+        counters.interval_tokens += add_update_means(accelerator, update_stats, update_tokens, counters.interval_stats)
+        update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+        lr_scheduler.step()
+        counters.end_update(update, args.total_batch_size, time.time() - update_start)
+        progress.update(1)
+        # ---------------- logging: averages over the interval since the last log ----------------
+        if update % args.log_every == 0 or update == num_updates:
+            metrics = counters.close_interval(update_lr, len(trajectories))
+            run.log(update, {"episode": counters.episode, **metrics})
+            progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", awac=f"{metrics['train/loss_awac']:.3f}",
+                                 tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+        if due(args.eval_every, update, num_updates):
+            evaluate(update, counters.episode, [args.beta], final=False)
+            counters.interval_start = time.time()  # evaluation time is not training throughput
+        if due(args.checkpoint_every, update, num_updates):
+            run.checkpoint(update, counters.state())
+    progress.close()
+
+    # ---------------- final evaluation (7. the beta sweep) and outputs ----------------
+    final_betas = list(dict.fromkeys(list(args.eval_betas) + [args.beta]))
+    metrics = evaluate(counters.update, counters.episode, final_betas, final=True)
+    summary = {**metrics, **counters.last_train_metrics, **data_metrics, **counters.totals(),
+               "wall_time_s": time.time() - start_time}
+    accelerator.wait_for_everyone()
+    save_model(accelerator, model, tokenizer, args)
+    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
+    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# The setup main runs on: processes and batch arithmetic, inputs, models, counters, evaluation, saving
+# ---------------------------------------------------------------------------------------------
+
+
+def make_ilql_accelerator(args: Args) -> Accelerator:
+    """Join the processes, do the batch arithmetic (a batch that does not divide fails here) and make the
+    accelerator: gradient accumulation over total_batch_size / (local_micro_batch_size x world_size) micro batches,
+    the seeded data order, bf16 when asked (or available), and DeepSpeed's micro batch and clipping (Detail 8)."""
+    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
+    gradient_accumulation_steps = exact_div(
+        args.total_batch_size, args.local_micro_batch_size * args.world_size,
+        "total_batch_size / (local_micro_batch_size x world_size)",
+    )
+    check_ilql_flags(args, gradient_accumulation_steps)
+    args.gradient_accumulation_steps = gradient_accumulation_steps  # args.json records the value used
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(
+        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        # the shuffled order of pass e over the data is a function of (seed, e) alone, so a resumed run can
+        # rebuild the pass it was in and skip the micro batches already used (see resumable_micro_batches)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        mixed_precision="bf16" if args.bf16 else "no",
+    )
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    return accelerator
+
+
+def check_ilql_flags(args, gradient_accumulation_steps: int) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded. gradient_accumulation_steps: the value
+    the batch sizes give, total_batch_size / (local_micro_batch_size x world_size)."""
+    check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
+    if args.eval_temperature <= 0:
+        raise ValueError(f"--eval_temperature must be positive, got {args.eval_temperature}")
+    if args.ilql.steps_for_target_q_sync < 1:
+        raise ValueError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
+    if args.reward_source == "rm" and args.reward_model_path is None:
+        raise ValueError("--reward_source rm needs --reward_model_path")
+
+
+def load_data(args, tokenizer):
+    """The preference split to train on and the query split to sample, checked for the columns this run reads, for
+    the tokenizer that made them and (the train split) for responses that start where query_token_len says."""
+    train_raw = load_split(args.preference_dataset, args.train_split)
+    check_columns(train_raw, PAIR_COLUMNS + ["query_token_len"],
+                  f"{args.preference_dataset} split {args.train_split!r}")
+    check_data_tokenizer(train_raw, tokenizer, args.model_path, f"{args.preference_dataset} split {args.train_split!r}")
+    check_response_starts(train_raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {args.train_split!r}")
+    eval_raw = load_split(args.query_dataset, args.eval_split)
+    check_columns(eval_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
+    check_data_tokenizer(eval_raw, tokenizer, args.model_path, f"{args.query_dataset} split {args.eval_split!r}")
+    return train_raw, eval_raw
+
+
+def load_ilql_models(args, accelerator, tokenizer):
+    """The two models of ILQL: the LM with fresh V, Q and target-Q heads (the only model that trains), and the
+    frozen reward model when --reward_model_path is given (it labels the data with --reward_source rm and scores
+    the evaluation samples; None otherwise)."""
+    lm = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > lm.config.vocab_size:
+        lm.resize_token_embeddings(len(tokenizer))
+    model = ILQLModel(lm, args.ilql.two_qs)
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(model)
+    reward_model = None
+    if args.reward_model_path is not None:
+        # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
+        check_reward_tokenizer(tokenizer, args.model_path, args.reward_model_path, args.trust_remote_code)
+        reward_model = AutoModelForSequenceClassification.from_pretrained(
+            args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+            trust_remote_code=args.trust_remote_code,
+        )
+        if len(tokenizer) > reward_model.config.vocab_size:
+            reward_model.resize_token_embeddings(len(tokenizer))
+        disable_dropout(reward_model)  # frozen and deterministic whatever --disable_dropout says
+        reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
+    return model, reward_model
+
+
+def reward_statistics(raw_rewards: torch.Tensor, rewards: torch.Tensor, num_pairs: int) -> dict:
+    """The data/ metrics of the trajectory rewards (raw, and z-normalised by side of the pair)."""
+    return {
+        "data/raw_reward_mean": float(raw_rewards.mean()), "data/raw_reward_std": float(raw_rewards.std()),
+        "data/reward_chosen_mean": float(rewards[:num_pairs].mean()),
+        "data/reward_rejected_mean": float(rewards[num_pairs:].mean()),
+        # how often the rewards respect the human label r_chosen > r_rejected (1 for +-1 labels; trlX's
+        # explanation of why the labels beat RM scores)
+        "data/pair_order_agreement": float((rewards[:num_pairs] > rewards[num_pairs:]).float().mean()),
+    }
+
+
+def evaluation_queries(args, eval_raw):
+    """The first --num_eval_samples rows of the query split, and the same rows with their row index as a torch
+    dataset (ilql_sample_table gathers its rows back in that order)."""
+    if args.num_eval_samples is not None:
+        eval_raw = eval_raw.select(range(min(args.num_eval_samples, len(eval_raw))))
+    eval_dataset = eval_raw.add_column("row_index", list(range(len(eval_raw))))
+    return eval_raw, eval_dataset.with_format("torch", columns=["query_token", "row_index"])
+
+
+def add_update_means(accelerator, update_stats: dict, update_tokens: int, interval_stats: dict) -> int:
+    """Append the update's statistics over every process to the logging interval; returns the update's tokens on all
+    processes. Every process has the same number of micro batches, so the mean of these per-update means over an
+    interval is the mean over all its micro batches."""
+    keys = list(update_stats)
+    update_means = accelerator.reduce(torch.stack([torch.stack(update_stats[k]).mean() for k in keys]), reduction="mean")
+    for key, value in zip(keys, update_means.tolist()):
+        interval_stats.setdefault(key, []).append(value)
+    return int(accelerator.reduce(torch.tensor(update_tokens, device=accelerator.device), reduction="sum"))
+
+
+def interval_means(interval_stats: dict, interval_tokens: int, interval_start: float, lr: float, epoch: float,
+                   num_target_syncs: int) -> dict:
+    """The training metrics of a logging interval: each statistic's mean over the interval, and throughput,
+    learning rate, epoch and target syncs at its end."""
+    means = {key: sum(values) / len(values) for key, values in interval_stats.items()}
+    means["train/tokens_per_s"] = interval_tokens / (time.time() - interval_start)
+    means["train/lr"] = lr
+    means["train/epoch"] = epoch
+    means["train/num_target_syncs"] = num_target_syncs
+    return means
+
+
+class IlqlCounters:
+    """The running counters of training, which a checkpoint saves in trainer_state.json next to accelerate's state
+    (models, optimizer, schedule, RNG): completed updates (the data position: update x gradient_accumulation_steps
+    micro batches), episodes, target syncs, training seconds, the last logged training means, and the open logging
+    interval: per update, each statistic averaged over every micro batch of every process, and the tokens of all
+    processes. Already reduced, they are the same on every process, so the main process's copy in the checkpoint is
+    every process's (and JSON keeps the floats exactly)."""
+
+    @staticmethod
+    def fresh() -> dict:
+        """The trainer state of a run that starts from the first update."""
+        return {"update": 0, "episode": 0, "num_target_syncs": 0, "train_time": 0.0, "last_train_metrics": {},
+                "interval_stats": {}, "interval_tokens": 0}
+
+    def __init__(self, state: dict):
+        self.update, self.episode, self.num_target_syncs = state["update"], state["episode"], state["num_target_syncs"]
+        self.train_time = state["train_time"]  # optimisation only (no evaluation, no RM labelling)
+        self.last_train_metrics: Dict[str, float] = state["last_train_metrics"]
+        self.interval_stats: Dict[str, List[float]] = state["interval_stats"]
+        self.interval_tokens, self.interval_start = state["interval_tokens"], time.time()
+
+    def end_update(self, update: int, batch_size: int, seconds: float) -> None:
+        self.update = update
+        self.episode += batch_size
+        self.train_time += seconds
+
+    def close_interval(self, lr: float, num_trajectories: int) -> dict:
+        """The training means of the logging interval that ends here (interval_means); a new interval opens."""
+        self.last_train_metrics = interval_means(self.interval_stats, self.interval_tokens, self.interval_start, lr,
+                                                 self.episode / num_trajectories, self.num_target_syncs)
+        self.interval_stats, self.interval_tokens, self.interval_start = {}, 0, time.time()
+        return self.last_train_metrics
+
+    def state(self) -> dict:
+        """The trainer state a checkpoint saves (taken between updates): a copy, so later updates leave it as it is."""
+        return {"update": self.update, "episode": self.episode, "num_target_syncs": self.num_target_syncs,
+                "train_time": self.train_time, "last_train_metrics": self.last_train_metrics,
+                "interval_tokens": self.interval_tokens,
+                "interval_stats": {key: list(values) for key, values in self.interval_stats.items()}}
+
+    def totals(self) -> dict:
+        """The counters the summary reports."""
+        return {"num_updates": self.update, "episodes": self.episode, "num_target_syncs": self.num_target_syncs,
+                "train_time_s": self.train_time}
+
+
+def evaluate_and_save(run, accelerator, model, reward_model, tokenizer, eval_raw, eval_dataset, args,
+                      update: int, episode: int, betas: List[float], final: bool) -> dict:
+    """Sample the evaluation queries at each beta (ilql_sample_table) and log the metrics; the table of --beta
+    becomes samples/step_N.csv (and samples.csv at the end), each swept beta samples_beta{b}.csv."""
+    metrics, tables = {}, {}
+    for beta in betas:
+        table, beta_metrics = ilql_sample_table(accelerator, model, reward_model, tokenizer, eval_raw, eval_dataset,
+                                                beta, args)
+        tables[beta] = table
+        metrics.update({f"eval/beta_{beta_name(beta)}/{k}": v for k, v in beta_metrics.items()})
+        if beta == args.beta:
+            metrics.update({f"eval/{k}": v for k, v in beta_metrics.items()})
+    default_table = tables[args.beta]
+    run.save_table(default_table, f"samples/step_{update:06d}.csv")
+    if final:
+        run.save_table(default_table, "samples.csv")
+        for beta in args.eval_betas:
+            run.save_table(tables[beta], f"samples_beta{beta_name(beta)}.csv")
+    printing = args.print_sample_every > 0 and (final or update % args.print_sample_every == 0)
+    if accelerator.is_main_process and printing:
+        for row in default_table.head(2).itertuples():
+            print(f"--- update {update}, beta {args.beta}\nQUERY: {row.query[-200:]}\n"
+                  f"RESPONSE: {row.response}\nREFERENCE: {row.reference}")
+    run.log(update, {"episode": episode, **metrics})
+    return metrics
+
+
+def beta_name(beta: float) -> str:
+    """0.0 -> "0", 4.0 -> "4", 0.5 -> "0.5": the suffix of samples_beta{b}.csv and of the metric names."""
+    return f"{beta:g}"
+
+
+class TargetCopies:
+    """The float32 copies of low-precision target heads (ILQLHeads.target_fp32) as an object that accelerate's
+    save_state / load_state can carry (register_for_checkpointing needs state_dict and load_state_dict).
+
+    The target heads themselves are parameters of the prepared model and travel with it; the float32 copies are
+    plain tensors that no module owns, and under bf16 they hold the precise Polyak average. Without them a
+    resumed bf16 run would restart the average from the rounded targets and drift from the uninterrupted run.
+    In float32 (CPU, or DDP without DeepSpeed) there are no copies and the state is just None."""
+
+    def __init__(self, heads: ILQLHeads):
+        self.heads = heads
+
+    def state_dict(self) -> dict:
+        copies = self.heads.target_fp32
+        return {"target_fp32": None if copies is None else [c.detach().cpu() for c in copies]}
+
+    def load_state_dict(self, state: dict) -> None:
+        copies = state["target_fp32"]
+        targets = list(self.heads.target_q_heads.parameters())
+        self.heads.target_fp32 = None if copies is None else [c.to(t.device) for c, t in zip(copies, targets)]
+
+
+def save_model(accelerator, model, tokenizer, args) -> None:
+    """The LM (safetensors) and its tokenizer in --output_dir, the V, Q and target-Q heads next to it in
+    ilql_heads.safetensors with the sampling settings in ilql_heads.json; --push_to_hub uploads them."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    if not accelerator.is_main_process:
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    lm_state = {k[len("lm."):]: v for k, v in state_dict.items() if k.startswith("lm.")}
+    heads_state = {k[len("heads."):]: v.contiguous() for k, v in state_dict.items() if k.startswith("heads.")}
+    # transformers v5 always writes safetensors; the heads go next to the LM in their own file
+    unwrapped.lm.save_pretrained(args.output_dir, state_dict=lm_state)
+    tokenizer.save_pretrained(args.output_dir)
+    heads_path = os.path.join(args.output_dir, "ilql_heads.safetensors")
+    save_file(heads_state, heads_path)
+    with open(os.path.join(args.output_dir, "ilql_heads.json"), "w") as f:
+        json.dump({"hidden_size": unwrapped.lm.config.hidden_size, "two_qs": args.ilql.two_qs,
+                   "beta": args.beta, "top_k": args.top_k, "temperature": args.eval_temperature}, f, indent=2)
+    if args.push_to_hub:
+        from huggingface_hub import HfApi
+
+        hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
+        unwrapped.lm.push_to_hub(hub_model_id)
+        tokenizer.push_to_hub(hub_model_id)
+        HfApi().upload_file(path_or_fileobj=heads_path, path_in_repo="ilql_heads.safetensors", repo_id=hub_model_id)
+
+
 # ---------------------------------------------------------------------------------------------
 # Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
 # ---------------------------------------------------------------------------------------------
@@ -759,193 +1147,6 @@ def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Ten
     return torch.masked_fill(responses, positions > eos_index, pad_token_id)
 
 
-def main(args: Args) -> dict:
-    start_time = time.time()
-    # ---------------- batch arithmetic (fails loudly), accelerator, run folder ----------------
-    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
-    gradient_accumulation_steps = exact_div(
-        args.total_batch_size, args.local_micro_batch_size * args.world_size,
-        "total_batch_size / (local_micro_batch_size x world_size)",
-    )
-    check_ilql_flags(args, gradient_accumulation_steps)
-    args.gradient_accumulation_steps = gradient_accumulation_steps  # args.json records the value used
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(
-        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        # the shuffled order of pass e over the data is a function of (seed, e) alone, so a resumed run can
-        # rebuild the pass it was in and skip the micro batches already used (see resumable_micro_batches)
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        mixed_precision="bf16" if args.bf16 else "no",
-    )
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
-
-    # ---------------- seeding (labelled, deliberate) ----------------
-    set_seed(args.seed)  # weights (the fresh heads) and data order: identical on every rank
-    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
-
-    # ---------------- tokenizer and models ----------------
-    if args.model_path is None:
-        args.model_path = DEFAULT_MODEL_PATHS[args.init_from]  # --init_from picks the starting model
-    tokenizer = load_tokenizer(args.model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
-    pad_token_id = tokenizer.pad_token_id
-    model, reward_model = load_ilql_models(args, accelerator, tokenizer)
-
-    # ---------------- data: steps 1-2 ----------------
-    train_raw, eval_raw = load_data(args, tokenizer)
-    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
-    trajectories = flatten_pairs(train_raw)  # 1. the (query, chosen) rows, then the (query, rejected) rows
-    if args.reward_source == "labels":  # 2. trlX: +1 / -1
-        raw_rewards = label_rewards(len(train_raw))
-    else:  # 2. the RM's score of each trajectory
-        raw_rewards = rm_rewards(accelerator, reward_model, trajectories, args.local_eval_batch_size, pad_token_id)
-    rewards = normalize_rewards(raw_rewards)
-    data_metrics = reward_statistics(raw_rewards, rewards, len(train_raw))
-    trajectories = trajectories.add_column("reward", rewards.tolist())
-    train_dataset = trajectories.with_format("torch", columns=TRAJECTORY_COLUMNS + ["reward"])
-    eval_raw, eval_dataset = evaluation_queries(args, eval_raw)
-    args.num_updates = num_updates = count_updates(args, len(trajectories))
-
-    # ---------------- optimizer, schedule, data order ----------------
-    # the target heads are not optimised: only parameters that require gradients go to AdamW
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps, weight_decay=args.weight_decay
-    )
-    # counts optimizer updates, stepped by hand once per update (accelerate's wrapper would step per process)
-    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-    train_dataloader = DataLoader(
-        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
-    model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
-    heads = accelerator.unwrap_model(model).heads
-    # saved and restored with the model (LM, V, Q and target-Q heads) and the optimizer: the schedule, and the
-    # float32 Polyak copies of low-precision targets
-    accelerator.register_for_checkpointing(lr_scheduler)
-    accelerator.register_for_checkpointing(TargetCopies(heads))
-    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
-
-    # ---------------- resume: a killed run loses at most --checkpoint_every updates ----------------
-    # the trainer state: running counters and the open logging interval. The flags that fix the data order, the
-    # schedule and the target syncs (the shape) must be those of the checkpoint's run
-    counters = IlqlCounters(run.start(
-        {"update": 0, "episode": 0, "num_target_syncs": 0, "train_time": 0.0, "last_train_metrics": {},
-         "interval_stats": {}, "interval_tokens": 0},
-        num_updates=num_updates, total_batch_size=args.total_batch_size, world_size=args.world_size,
-        steps_for_target_q_sync=args.ilql.steps_for_target_q_sync))
-    if counters.update == 0:
-        run.log(0, {"episode": 0, **data_metrics})  # a resumed run kept this line of metrics.jsonl
-    evaluate = functools.partial(evaluate_and_save, run, accelerator, model, reward_model, tokenizer, eval_raw,
-                                 eval_dataset, args)
-
-    # ---------------- training: one optimizer update per total_batch_size trajectories ----------------
-    accelerator.print(
-        f"ILQL ({args.reward_source} rewards, from {args.init_from}): {num_updates} updates of "
-        f"{args.total_batch_size} trajectories, {accelerator.num_processes} process(es) x "
-        f"{args.gradient_accumulation_steps} accumulation x {args.local_micro_batch_size}"
-    )
-    model.train()
-    progress = tqdm(total=num_updates, initial=counters.update, desc="ilql", disable=not accelerator.is_local_main_process)
-    # the data position is the update number itself (update x gradient_accumulation_steps micro batches)
-    micro_batches = resumable_micro_batches(train_dataloader, counters.update * args.gradient_accumulation_steps)
-    with keep_last_good_checkpoint(run, accelerator, counters):  # the non-finite guard stops with the last good state
-        for update in range(counters.update + 1, num_updates + 1):
-            update_start = time.time()
-            update_stats: Dict[str, List[torch.Tensor]] = {}  # this process's micro batch statistics
-            update_tokens = 0
-            for _ in range(args.gradient_accumulation_steps):
-                batch = next(micro_batches)
-                cols = real_columns(batch["query_response"], pad_token_id)  # the right padding every row shares is cut
-                query_responses = batch["query_response"][:, cols]  # (B, T)
-                # 3. the states, actions and per-action rewards of each trajectory
-                labels = batch["response_label"][:, cols]  # (B, T): the response tokens, [PAD] elsewhere
-                positions, mask = action_positions(
-                    batch["query_token_len"], (labels != pad_token_id).sum(1), labels.size(1)
-                )  # (B, Tr) states s_t and real-action mask
-                actions = labels.gather(1, positions + 1).masked_fill(~mask, pad_token_id)  # (B, Tr): a_t
-                step_rewards = terminal_rewards(batch["reward"].float(), mask)  # (B, Tr)
-                with accelerator.accumulate(model):
-                    with accelerator.autocast():  # 4. every output read at the action states only
-                        lm_logits, qs, target_qs, values = model(query_responses, pad_token_id, positions)
-                    # 5. the ILQL loss
-                    loss, stats = ilql_loss(lm_logits, qs, target_qs, values, actions, step_rewards, mask, args.ilql)
-                    # non-finite guard: the total loss and every term, before backward, so no weight sees them
-                    run.guard(update, **{f"train/{key}": stats[key] for key in ILQL_LOSS_TERMS})
-                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
-                    optimizer.step()  # a no-op until the last micro batch of the update
-                    optimizer.zero_grad()
-                for key, value in stats.items():
-                    update_stats.setdefault(f"train/{key}", []).append(value.float())
-                update_tokens += int((query_responses != pad_token_id).sum())
-            if not accelerator.sync_gradients:
-                raise RuntimeError("gradient accumulation went out of step with the update loop")
-            # 6. Polyak-average the target Q heads every steps_for_target_q_sync OPTIMIZER updates. The decision reads
-            # the global update number only, so a resumed run syncs on exactly the updates the uninterrupted one does
-            if should_sync_target(update, args.ilql.steps_for_target_q_sync):
-                heads.sync_target_q_heads(args.ilql.alpha)
-                counters.num_target_syncs += 1
-            counters.interval_tokens += add_update_means(accelerator, update_stats, update_tokens, counters.interval_stats)
-            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
-            lr_scheduler.step()
-            counters.end_update(update, args.total_batch_size, time.time() - update_start)
-            progress.update(1)
-            # ---------------- logging: averages over the interval since the last log ----------------
-            if update % args.log_every == 0 or update == num_updates:
-                metrics = counters.close_interval(update_lr, len(trajectories))
-                run.log(update, {"episode": counters.episode, **metrics})
-                progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", awac=f"{metrics['train/loss_awac']:.3f}",
-                                     tok_s=f"{metrics['train/tokens_per_s']:.0f}")
-            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-                evaluate(update, counters.episode, [args.beta], final=False)
-                counters.interval_start = time.time()  # evaluation time is not training throughput
-            counters.commit()  # the state a checkpoint saves: as of this completed update
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
-                run.checkpoint(update, counters.last_good)
-    progress.close()
-
-    # ---------------- final evaluation (7. the beta sweep) and outputs ----------------
-    final_betas = list(dict.fromkeys(list(args.eval_betas) + [args.beta]))
-    metrics = evaluate(counters.update, counters.episode, final_betas, final=True)
-    summary = {
-        **metrics,
-        **counters.last_train_metrics,  # the last logging interval's training means
-        **data_metrics,
-        "num_updates": counters.update,
-        "episodes": counters.episode,
-        "num_target_syncs": counters.num_target_syncs,
-        "train_time_s": counters.train_time,
-        "wall_time_s": time.time() - start_time,
-    }
-    accelerator.wait_for_everyone()
-    save_model(accelerator, model, tokenizer, args)
-    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
-    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
-    return summary
-
-
-# =============================================================================================
-# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
-# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
-# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
-# =============================================================================================
-
-
-def check_ilql_flags(args, gradient_accumulation_steps: int) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded. gradient_accumulation_steps: the value
-    the batch sizes give, total_batch_size / (local_micro_batch_size x world_size)."""
-    check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
-    if args.eval_temperature <= 0:
-        raise ValueError(f"--eval_temperature must be positive, got {args.eval_temperature}")
-    if args.ilql.steps_for_target_q_sync < 1:
-        raise ValueError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
-    if args.reward_source == "rm" and args.reward_model_path is None:
-        raise ValueError("--reward_source rm needs --reward_model_path")
-
-
 def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
     """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
     masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
@@ -965,40 +1166,6 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
             "purpose; the later stages refuse its model)"
         )
     return tokenizer
-
-
-def load_data(args, tokenizer):
-    """The preference split to train on and the query split to sample, checked for the columns this run reads, for
-    the tokenizer that made them and (the train split) for responses that start where query_token_len says."""
-    train_raw = load_split(args.preference_dataset, args.train_split)
-    check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
-    check_data_tokenizer(train_raw, tokenizer, args.model_path, f"{args.preference_dataset} split {args.train_split!r}")
-    check_response_starts(train_raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {args.train_split!r}")
-    eval_raw = load_split(args.query_dataset, args.eval_split)
-    check_columns(eval_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
-    check_data_tokenizer(eval_raw, tokenizer, args.model_path, f"{args.query_dataset} split {args.eval_split!r}")
-    return train_raw, eval_raw
-
-
-def reward_statistics(raw_rewards: torch.Tensor, rewards: torch.Tensor, num_pairs: int) -> dict:
-    """The data/ metrics of the trajectory rewards (raw, and z-normalised by side of the pair)."""
-    return {
-        "data/raw_reward_mean": float(raw_rewards.mean()), "data/raw_reward_std": float(raw_rewards.std()),
-        "data/reward_chosen_mean": float(rewards[:num_pairs].mean()),
-        "data/reward_rejected_mean": float(rewards[num_pairs:].mean()),
-        # how often the rewards respect the human label r_chosen > r_rejected (1 for +-1 labels; trlX's
-        # explanation of why the labels beat RM scores)
-        "data/pair_order_agreement": float((rewards[:num_pairs] > rewards[num_pairs:]).float().mean()),
-    }
-
-
-def evaluation_queries(args, eval_raw):
-    """The first --num_eval_samples rows of the query split, and the same rows with their row index as a torch
-    dataset (ilql_sample_table gathers its rows back in that order)."""
-    if args.num_eval_samples is not None:
-        eval_raw = eval_raw.select(range(min(args.num_eval_samples, len(eval_raw))))
-    eval_dataset = eval_raw.add_column("row_index", list(range(len(eval_raw))))
-    return eval_raw, eval_dataset.with_format("torch", columns=["query_token", "row_index"])
 
 
 def count_updates(args, num_rows: int) -> int:
@@ -1032,113 +1199,6 @@ def resumable_micro_batches(loader, skip: int):
         epoch, skip = epoch + 1, 0
 
 
-def add_update_means(accelerator, update_stats: dict, update_tokens: int, interval_stats: dict) -> int:
-    """Append the update's statistics over every process to the logging interval; returns the update's tokens on all
-    processes. Every process has the same number of micro batches, so the mean of these per-update means over an
-    interval is the mean over all its micro batches."""
-    keys = list(update_stats)
-    update_means = accelerator.reduce(torch.stack([torch.stack(update_stats[k]).mean() for k in keys]), reduction="mean")
-    for key, value in zip(keys, update_means.tolist()):
-        interval_stats.setdefault(key, []).append(value)
-    return int(accelerator.reduce(torch.tensor(update_tokens, device=accelerator.device), reduction="sum"))
-
-
-def interval_means(interval_stats: dict, interval_tokens: int, interval_start: float, lr: float, epoch: float,
-                   num_target_syncs: int) -> dict:
-    """The training metrics of a logging interval: each statistic's mean over the interval, and throughput,
-    learning rate, epoch and target syncs at its end."""
-    means = {key: sum(values) / len(values) for key, values in interval_stats.items()}
-    means["train/tokens_per_s"] = interval_tokens / (time.time() - interval_start)
-    means["train/lr"] = lr
-    means["train/epoch"] = epoch
-    means["train/num_target_syncs"] = num_target_syncs
-    return means
-
-
-def evaluate_and_save(run, accelerator, model, reward_model, tokenizer, eval_raw, eval_dataset, args,
-                      update: int, episode: int, betas: List[float], final: bool) -> dict:
-    """Sample the evaluation queries at each beta (ilql_sample_table) and log the metrics; the table of --beta
-    becomes samples/step_N.csv (and samples.csv at the end), each swept beta samples_beta{b}.csv."""
-    metrics, tables = {}, {}
-    for beta in betas:
-        table, beta_metrics = ilql_sample_table(accelerator, model, reward_model, tokenizer, eval_raw, eval_dataset,
-                                                beta, args)
-        tables[beta] = table
-        metrics.update({f"eval/beta_{beta_name(beta)}/{k}": v for k, v in beta_metrics.items()})
-        if beta == args.beta:
-            metrics.update({f"eval/{k}": v for k, v in beta_metrics.items()})
-    default_table = tables[args.beta]
-    run.save_table(default_table, f"samples/step_{update:06d}.csv")
-    if final:
-        run.save_table(default_table, "samples.csv")
-        for beta in args.eval_betas:
-            run.save_table(tables[beta], f"samples_beta{beta_name(beta)}.csv")
-    printing = args.print_sample_every > 0 and (final or update % args.print_sample_every == 0)
-    if accelerator.is_main_process and printing:
-        for row in default_table.head(2).itertuples():
-            print(f"--- update {update}, beta {args.beta}\nQUERY: {row.query[-200:]}\n"
-                  f"RESPONSE: {row.response}\nREFERENCE: {row.reference}")
-    run.log(update, {"episode": episode, **metrics})
-    return metrics
-
-
-def beta_name(beta: float) -> str:
-    """0.0 -> "0", 4.0 -> "4", 0.5 -> "0.5": the suffix of samples_beta{b}.csv and of the metric names."""
-    return f"{beta:g}"
-
-
-class IlqlCounters:
-    """The running counters of training, which a checkpoint saves in trainer_state.json next to accelerate's state
-    (models, optimizer, schedule, RNG): completed updates (the data position: update x gradient_accumulation_steps
-    micro batches), episodes, target syncs, training seconds, the last logged training means, and the open logging
-    interval: per update, each statistic averaged over every micro batch of every process, and the tokens of all
-    processes. Already reduced, they are the same on every process, so the main process's copy in the checkpoint is
-    every process's (and JSON keeps the floats exactly). `last_good` is a copy as of the last completed update
-    (commit): what a checkpoint holds, also when the non-finite guard stops an update."""
-
-    def __init__(self, state: dict):
-        self.update, self.episode, self.num_target_syncs = state["update"], state["episode"], state["num_target_syncs"]
-        self.train_time = state["train_time"]  # optimisation only (no evaluation, no RM labelling)
-        self.last_train_metrics: Dict[str, float] = state["last_train_metrics"]
-        self.interval_stats: Dict[str, List[float]] = state["interval_stats"]
-        self.interval_tokens, self.interval_start = state["interval_tokens"], time.time()
-        self.commit()
-
-    def end_update(self, update: int, batch_size: int, seconds: float) -> None:
-        self.update = update
-        self.episode += batch_size
-        self.train_time += seconds
-
-    def close_interval(self, lr: float, num_trajectories: int) -> dict:
-        """The training means of the logging interval that ends here (interval_means); a new interval opens."""
-        self.last_train_metrics = interval_means(self.interval_stats, self.interval_tokens, self.interval_start, lr,
-                                                 self.episode / num_trajectories, self.num_target_syncs)
-        self.interval_stats, self.interval_tokens, self.interval_start = {}, 0, time.time()
-        return self.last_train_metrics
-
-    def commit(self) -> None:
-        self.last_good = {"update": self.update, "episode": self.episode, "num_target_syncs": self.num_target_syncs,
-                          "train_time": self.train_time, "last_train_metrics": self.last_train_metrics,
-                          "interval_tokens": self.interval_tokens,
-                          "interval_stats": {key: list(values) for key, values in self.interval_stats.items()}}
-
-
-@contextlib.contextmanager
-def keep_last_good_checkpoint(run, accelerator, counters):
-    """The non-finite guard's exit: when a run.guard of the training loop raises NonFiniteError, save the last good
-    state as a checkpoint and raise on. Every guard runs before the backward / optimizer step that would use the
-    value, so the weights on hand (and any state changed only after an update) are those after the last completed
-    update; they are saved with counters.last_good, the counters of that update (commit), so the poisoned update is
-    never applied or saved."""
-    try:
-        yield
-    except NonFiniteError:
-        update = counters.last_good["update"]
-        run.checkpoint(update, counters.last_good)
-        accelerator.print(f"non-finite value at update {update + 1}; last good checkpoint: {run.latest_checkpoint()}")
-        raise
-
-
 def whole_parameters(params: list):
     """A context in which `params` (None entries skipped) are whole tensors that may be changed in place. Under
     ZeRO-3 (zero3.yaml) each process holds only a slice of each weight: the slices are gathered on entry and
@@ -1149,54 +1209,6 @@ def whole_parameters(params: list):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-
-
-class TargetCopies:
-    """The float32 copies of low-precision target heads (ILQLHeads.target_fp32) as an object that accelerate's
-    save_state / load_state can carry (register_for_checkpointing needs state_dict and load_state_dict).
-
-    The target heads themselves are parameters of the prepared model and travel with it; the float32 copies are
-    plain tensors that no module owns, and under bf16 they hold the precise Polyak average. Without them a
-    resumed bf16 run would restart the average from the rounded targets and drift from the uninterrupted run.
-    In float32 (CPU, or DDP without DeepSpeed) there are no copies and the state is just None."""
-
-    def __init__(self, heads: ILQLHeads):
-        self.heads = heads
-
-    def state_dict(self) -> dict:
-        copies = self.heads.target_fp32
-        return {"target_fp32": None if copies is None else [c.detach().cpu() for c in copies]}
-
-    def load_state_dict(self, state: dict) -> None:
-        copies = state["target_fp32"]
-        targets = list(self.heads.target_q_heads.parameters())
-        self.heads.target_fp32 = None if copies is None else [c.to(t.device) for c, t in zip(copies, targets)]
-
-
-def save_model(accelerator, model, tokenizer, args) -> None:
-    """The LM (safetensors) and its tokenizer in --output_dir, the V, Q and target-Q heads next to it in
-    ilql_heads.safetensors with the sampling settings in ilql_heads.json; --push_to_hub uploads them."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
-    if not accelerator.is_main_process:
-        return
-    unwrapped = accelerator.unwrap_model(model)
-    lm_state = {k[len("lm."):]: v for k, v in state_dict.items() if k.startswith("lm.")}
-    heads_state = {k[len("heads."):]: v.contiguous() for k, v in state_dict.items() if k.startswith("heads.")}
-    # transformers v5 always writes safetensors; the heads go next to the LM in their own file
-    unwrapped.lm.save_pretrained(args.output_dir, state_dict=lm_state)
-    tokenizer.save_pretrained(args.output_dir)
-    heads_path = os.path.join(args.output_dir, "ilql_heads.safetensors")
-    save_file(heads_state, heads_path)
-    with open(os.path.join(args.output_dir, "ilql_heads.json"), "w") as f:
-        json.dump({"hidden_size": unwrapped.lm.config.hidden_size, "two_qs": args.ilql.two_qs,
-                   "beta": args.beta, "top_k": args.top_k, "temperature": args.eval_temperature}, f, indent=2)
-    if args.push_to_hub:
-        from huggingface_hub import HfApi
-
-        hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
-        unwrapped.lm.push_to_hub(hub_model_id)
-        tokenizer.push_to_hub(hub_model_id)
-        HfApi().upload_file(path_or_fileobj=heads_path, path_in_repo="ilql_heads.safetensors", repo_id=hub_model_id)
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:

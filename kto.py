@@ -35,9 +35,10 @@ LoRA / QLoRA:     ... --lora_rank 8 [--load_in_4bit]: the reference is the polic
                   policy has them merged (float32)
 After a crash:    the same command with --resume (and --run_name of the run, if it is not the newest): it continues
                   from the latest checkpoint in runs/{run_name}/checkpoints (policy, AdamW, schedule, data position,
-                  open logging interval, RNG states) and ends exactly like an uninterrupted run (--checkpoint_every
-                  sets how often). A NaN or inf loss or log-prob stops the run before it reaches the weights, keeping
-                  the last good checkpoint.
+                  open logging interval, RNG states; the reference point z0 of the last update is kept in the checkpoint
+                  folder) and ends exactly like an uninterrupted run (--checkpoint_every sets how often). A NaN or inf
+                  loss or log-prob stops the run before it reaches the weights, and the state after the last good
+                  update is saved as a checkpoint to resume from.
 """
 import contextlib
 import copy
@@ -61,7 +62,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    NonFiniteError, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, check_qlora_flags,
+    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, check_qlora_flags, due,
     frame_markdown, save_pretrained_model, start_processes, upload_to_hub,
 )
 
@@ -201,47 +202,11 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 
 
-PAIR_COLUMNS = [  # the processed preference schema: query + response, and the response as labels
-    "query_chosen_token",
-    "query_rejected_token",
-    "query_chosen_token_response_label",
-    "query_rejected_token_response_label",
-]
-
-
 EXAMPLE_COLUMNS = [  # one KTO example: the left-padded query, the right-padded completion, desirable or not
     "query_token",
     "completion_token",
     "label",
 ]
-
-
-def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int):
-    """log pi(y | x) = SUM over the response tokens of log pi(y_t | x, y_<t)  -> (B,)
-
-    `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
-    and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
-    sum, not a mean: eq. 4 compares probabilities of whole sequences."""
-    cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same sums, less compute
-    query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
-    logits = forward(model, query_responses, pad_token_id).logits[:, :-1]  # (B, T-1, V): predicts token t+1
-    targets = response_labels[:, 1:]  # (B, T-1)
-    mask = targets != pad_token_id
-    token_logps = torch.gather(
-        F.log_softmax(logits.float(), dim=-1), 2, torch.masked_fill(targets, ~mask, 0).unsqueeze(-1)
-    ).squeeze(-1)  # (B, T-1)
-    return (token_logps * mask).sum(1)
-
-
-def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
-    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
-    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
-    labels = torch.cat(
-        (batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]), dim=0
-    )  # (2B, T)
-    logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
-    num_pairs = batch["query_chosen_token"].size(0)
-    return logps[:num_pairs], logps[num_pairs:]
 
 
 def example_logprobs(model, query_tokens: torch.Tensor, completion_tokens: torch.Tensor, pad_token_id: int):
@@ -305,24 +270,6 @@ def kl_estimate(accelerator, policy, ref_model, batches: List[Dict[str, torch.Te
     return kl_sum / count, reference_point(kl_sum, count)
 
 
-@torch.no_grad()
-def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int):
-    """The frozen reference's (chosen, rejected) sequence log-probs: looked up in the precomputed
-    table (N, 2) by row index when there is one, else computed live."""
-    if ref_table is not None:
-        rows = ref_table[batch["row_index"].cpu()].to(batch["query_chosen_token"].device)  # (B, 2)
-        return rows[:, 0], rows[:, 1]
-    return concatenated_logprobs(ref_model, batch, pad_token_id)
-
-
-def with_row_index(dataset, columns: List[str]):
-    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
-    The index travels with every batch so that results gathered from several processes (and the
-    precomputed reference log-probs) can be matched back to their rows."""
-    dataset = dataset.add_column("row_index", list(range(len(dataset))))
-    return dataset.with_format("torch", columns=columns + ["row_index"])
-
-
 def examples_from_pairs(pairs):
     """--feedback pairs: every preference pair (x, y_c, y_r) becomes two KTO examples, (x, y_c) desirable and
     (x, y_r) undesirable, in the columns of EXAMPLE_COLUMNS (the shuffle of training mixes them)."""
@@ -350,160 +297,9 @@ def feedback_balance(args, labels) -> Tuple[float, Optional[str]]:
                    f"paper's advice; {fix} (training goes on as asked)")
 
 
-def check_kto_flags(args) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded."""
-    if args.feedback == "unpaired" and args.unpaired_dataset is None:
-        raise ValueError("--feedback unpaired reads --unpaired_dataset (a folder from data/prepare.py --unpaired); "
-                         "pass it, or train on preference pairs with --feedback pairs")
-    if args.local_micro_batch_size < 2:
-        raise ValueError("--local_micro_batch_size must be at least 2: the KL estimate pairs each prompt with the "
-                         "completion of another example of its micro batch")
-    if min(args.desirable_weight, args.undesirable_weight) <= 0 or args.beta <= 0:
-        raise ValueError("--beta, --desirable_weight and --undesirable_weight must be positive")
-
-
-def load_kto_data(args, tokenizer):
-    """The training examples (EXAMPLE_COLUMNS with row_index), and as in dpo.py every evaluation split of the
-    preference pairs and the SFT validation queries sampled for the sample table. Every split is checked for the
-    columns read from it and for the tokenizer that made it before any work; --num_eval_samples shortens the
-    evaluation splits."""
-    if args.feedback == "pairs":
-        source, columns = args.preference_dataset, ["query_token", "chosen_token", "rejected_token"]
-    else:
-        source, columns = args.unpaired_dataset, EXAMPLE_COLUMNS
-    train_raw = load_split(source, args.train_split)
-    check_columns(train_raw, columns, f"{source} split {args.train_split!r}")
-    check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{source} split {args.train_split!r}")
-    examples = examples_from_pairs(train_raw) if args.feedback == "pairs" else train_raw
-    train_dataset = with_row_index(examples, EXAMPLE_COLUMNS)
-    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
-    eval_datasets = {}
-    for split in eval_split_names:
-        raw = load_split(args.preference_dataset, split)
-        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
-        check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
-        if args.num_eval_samples is not None:
-            raw = raw.select(range(min(args.num_eval_samples, len(raw))))
-        eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
-    sample_raw = load_split(args.query_dataset, args.eval_split)
-    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
-    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.eval_split!r}")
-    if args.num_eval_samples is not None:
-        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
-    return train_dataset, eval_datasets, sample_raw, with_row_index(sample_raw, ["query_token"])
-
-
-def load_policy_and_reference(args, accelerator, tokenizer):
-    """The two models of DPO, both the SFT model: the policy, with float32 master weights (bf16 is autocast), and
-    the frozen reference, which may live in bf16 and never drops out (it must give the same log-probs every time).
-    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (prepare_frozen_model)."""
-    policy = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
-    )
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
-    )
-    for model in (policy, ref_model):
-        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-        if len(tokenizer) > model.config.vocab_size:
-            model.resize_token_embeddings(len(tokenizer))
-    if args.disable_dropout:  # Detail 7
-        disable_dropout(policy)
-    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
-    return policy, prepare_frozen_model(accelerator, ref_model)
-
-
-class AdaptersOff:
-    """The reference of a LoRA run: the policy itself with its adapters disabled, which computes the SFT model it
-    started from. Called like a model (by forward()), always in eval mode (no dropout), whatever mode the policy is
-    in. It holds the peft model, not the wrapper accelerator.prepare makes of it: the reference needs no gradients."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def __call__(self, **inputs):
-        training = self.policy.training
-        self.policy.eval()
-        try:
-            with self.policy.disable_adapter():
-                return self.policy(**inputs)
-        finally:
-            self.policy.train(training)
-
-
-def load_lora_policy_and_reference(args, accelerator, tokenizer):
-    """--lora_rank: the policy is the SFT model with LoRA adapters (lora_policy), and the reference is the same model
-    with its adapters off (AdaptersOff), so the weights exist once. With --load_in_4bit (QLoRA) the reference is
-    therefore the 4-bit base the adapters train on, and the log-ratios of the policy and the reference are exactly 0
-    at initialisation (LoRA's B starts at zero). A separate float32 reference would differ from the 4-bit policy by
-    the rounding of every weight: its log-ratios would start away from 0, a quantization bias in the implicit reward
-    (eq. 5) that the loss would spend its first updates on."""
-    policy = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
-        **quantized_loading(args, args.bf16),
-    )
-    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-    if len(tokenizer) > policy.config.vocab_size:
-        policy.resize_token_embeddings(len(tokenizer))
-    if args.disable_dropout:  # Detail 7
-        disable_dropout(policy)
-    policy = lora_policy(policy, args)
-    if not args.load_in_4bit:  # on the device already for --precompute_ref_logprobs (a 4-bit model loads there)
-        policy.to(accelerator.device)
-    return policy, AdaptersOff(policy)
-
-
-@torch.no_grad()
-def evaluate_implicit_rewards(accelerator, model, ref_model, z0, eval_datasets, args: Args, pad_token_id: int):
-    """Detail 19: KTO as a reward model, as dpo.py evaluates DPO. For every pair of every evaluation split: its loss
-    (the mean of the KTO losses of chosen as desirable and rejected as undesirable, at the reference point z0 of the
-    last update), the implicit rewards beta * log(pi / pi_ref) of chosen and rejected (the pair is ranked right when
-    chosen's is higher) and the policy's sequence log-probs, gathered from every process. Returns {split: per-pair
-    frame, rows matched by row_index}."""
-    model.eval()
-    frames = {}
-    for split, (_, dataset) in eval_datasets.items():
-        dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
-        gathered = []
-        for batch in dataloader:
-            with accelerator.autocast():
-                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
-                ref_chosen, ref_rejected = reference_logprobs(ref_model, None, batch, pad_token_id)
-            desirable = torch.arange(2 * len(policy_chosen), device=policy_chosen.device) < len(policy_chosen)
-            losses, rewards = kto_loss(torch.cat((policy_chosen, policy_rejected)), torch.cat((ref_chosen, ref_rejected)),
-                                       desirable, z0, args.beta, args.desirable_weight, args.undesirable_weight)
-            losses, (chosen_rewards, rejected_rewards) = losses.view(2, -1).mean(0), rewards.view(2, -1)
-            stats = torch.stack((losses, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected), 1).float()
-            gathered.append(accelerator.gather_for_metrics((batch["row_index"], stats)))
-        stats = torch.cat([g[1] for g in gathered]).cpu().numpy()
-        frame = pd.DataFrame(stats, columns=["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"])
-        frame["row_index"] = torch.cat([g[0] for g in gathered]).cpu().numpy()
-        frames[split] = frame
-    model.train()
-    return frames
-
-
-@torch.no_grad()
-def sample_responses(accelerator, model, tokenizer, dataset, generation_config, args: Args):
-    """Detail 23 sampling on the SFT validation queries: exactly response_length new tokens, then truncate
-    after the first EOS. Returns the row index (N,) of each query and its truncated response (N, Tr)."""
-    model.eval()
-    unwrapped = accelerator.unwrap_model(model)
-    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
-    rows_all, responses_all = [], []
-    for batch in dataloader:
-        queries = batch["query_token"]  # (B, Tq), left-padded
-        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
-        with accelerator.autocast():
-            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
-        responses = truncate_response(
-            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
-        )  # (B, Tr)
-        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
-        rows_all.append(rows.cpu())
-        responses_all.append(responses.cpu())
-    model.train()
-    return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
+# ---------------------------------------------------------------------------------------------
+# The update: the docstring's steps on one batch (the pieces it shares with the forks follow main)
+# ---------------------------------------------------------------------------------------------
 
 
 TRAIN_STATS = [  # per micro batch, logged as means over the logging interval; sums and counts become per-example means
@@ -525,9 +321,246 @@ def per_example_means(means: Dict[str, float]) -> Dict[str, float]:
     return out
 
 
+def kto_update(args, accelerator, run, policy, optimizer, ref_model, micro_batches, update: int,
+               pad_token_id: int):
+    """Steps 1-5 of one update, on this process's next gradient_accumulation_steps micro batches: the loss of each
+    and its gradient (accumulated; the non-finite guard checks the loss before each backward pass), then one AdamW
+    step after the last micro batch. Returns the means over the micro batches of this process's TRAIN_STATS and
+    the number of tokens trained on, and the update's reference point z0 (step 1: a float, the same everywhere)."""
+    micro_stats, tokens = [], 0
+    # step 1 first, without gradients: z0 is the KL estimate of the update's whole batch (every micro batch on every
+    # process), so each micro batch's loss below is measured from the same reference point
+    batches = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
+    kl, z0 = kl_estimate(accelerator, policy, ref_model, batches, pad_token_id)
+    for batch in batches:
+        desirable = batch["label"].bool()
+        with accelerator.accumulate(policy):
+            with accelerator.autocast():  # steps 2-3: sequence log-probs (B,) of the examples
+                policy_logps = example_logprobs(policy, batch["query_token"], batch["completion_token"], pad_token_id)
+                ref_logps = example_logprobs(ref_model, batch["query_token"], batch["completion_token"], pad_token_id)
+            losses, rewards = kto_loss(  # step 4
+                policy_logps, ref_logps, desirable, z0, args.beta, args.desirable_weight, args.undesirable_weight
+            )
+            loss = losses.mean()
+            # non-finite guard before backward: a NaN never reaches the gradients or the weights
+            run.guard(update, **{
+                "train/loss": loss, "train/logps": policy_logps, "train/ref_logps": ref_logps, "train/kl": kl,
+            })
+            accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+            optimizer.step()  # step 5; a no-op until the last micro batch of the update
+            optimizer.zero_grad()
+        logps = policy_logps.detach()
+        micro_stats.append(torch.stack([  # in the order of TRAIN_STATS
+            loss.detach(), kl, z0, rewards[desirable].sum(), rewards[~desirable].sum(), logps[desirable].sum(),
+            logps[~desirable].sum(), desirable.sum(), (~desirable).sum(),
+        ]).float())
+        tokens += int(
+            (batch["query_token"] != pad_token_id).sum() + (batch["completion_token"] != pad_token_id).sum()
+        )
+    if not accelerator.sync_gradients:
+        raise RuntimeError("gradient accumulation went out of step with the update loop")
+    return torch.stack(micro_stats).mean(0), tokens, z0.item()
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    check_kto_flags(args)
+    # ---------------- processes, batch arithmetic (64 examples per update), run folder ----------------
+    accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
+    check_qlora_flags(args, accelerator)
+    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+
+    # ---------------- tokenizer and data ----------------
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+    pad_token_id = tokenizer.pad_token_id
+    train_dataset, eval_datasets, sample_raw, sample_dataset = load_kto_data(args, tokenizer)
+    args.num_updates = num_updates = count_updates(args, len(train_dataset))
+    balance, warning = feedback_balance(args, train_dataset["label"])  # the paper's advice: lambda_D n_D / (lambda_U n_U)
+    if warning:
+        accelerator.print(warning)
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+
+    # ---------------- models: the policy and the frozen reference, both the SFT model ----------------
+    # with LoRA (--lora_rank) the reference is the policy with its adapters off (QLoRA: the same 4-bit base)
+    policy, ref_model = (load_lora_policy_and_reference(args, accelerator, tokenizer) if args.lora_rank > 0
+                         else load_policy_and_reference(args, accelerator, tokenizer))
+    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
+    # the reference runs live: the mismatched pairs of the KL estimate are drawn by each update's batch
+    trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or the LoRA adapters alone
+    adamw = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
+    # accelerate's wrapper would step it once per process)
+    lr_scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    # the data order comes from its own generator (reseeded with seed + epoch by the seedable sampler), so
+    # neither sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    policy, optimizer, train_dataloader = accelerator.prepare(policy, adamw, train_dataloader)
+    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
+    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+
+    # ---------------- resume and logs ----------------
+    last_good = LastGoodState(run, accelerator, adamw, lr_scheduler)  # the non-finite guard's fallback
+    # the trainer state: the update reached and the open logging interval. The frozen reference is not saved: it is
+    # the SFT model, loaded again. z0: the reference point of that update, which the evaluation measures from
+    state = run.start({"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0,
+                       "last_train_metrics": {}, "z0": None}, num_updates=num_updates)
+    start_update = state["update"]
+    z0 = state.get("z0")  # None before the first update
+    accelerator.step = start_update * args.gradient_accumulation_steps  # accelerate's count of micro batches
+    interval = LoggingInterval(state)  # training metrics since the last log, carried by checkpoints
+    # the data position: every update reads gradient_accumulation_steps micro batches on each process
+    micro_batches = resumable_micro_batches(train_dataloader, start_update * args.gradient_accumulation_steps)
+
+    def run_evaluation(update: int, z0: float, final: bool = False) -> dict:
+        """Detail 19: the implicit reward model on the preference splits; samples of the policy."""
+        pairs = evaluate_implicit_rewards(accelerator, policy, ref_model, z0, eval_datasets, args, pad_token_id)
+        sampled = sample_responses(accelerator, policy, tokenizer, sample_dataset, generation_config, args)
+        metrics = write_evaluation(run, args, update, final, pairs, eval_datasets, sampled, sample_raw, tokenizer)
+        run.log(update, {"episode": update * args.total_batch_size, **metrics})
+        return metrics
+
+    # ---------------- training: one optimizer update per total_batch_size examples ----------------
+    accelerator.print(
+        f"KTO ({args.feedback}, beta {args.beta}, lambda_D {args.desirable_weight}, lambda_U {args.undesirable_weight}, "
+        f"lambda_D n_D / (lambda_U n_U) = {balance:.3f}): {num_updates} updates of {args.total_batch_size} examples, "
+        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
+        f"{args.local_micro_batch_size} examples"
+    )
+    policy.train()
+    progress = tqdm(total=num_updates, initial=start_update, desc=args.exp_name, disable=not accelerator.is_local_main_process)
+    with progress:  # closed before an error's message, which stays the last line of the output
+        for update in range(start_update + 1, num_updates + 1):
+            with last_good.kept(update, {**interval.state(), "z0": z0}):  # a non-finite value: update - 1's is saved
+                stats, tokens, z0 = kto_update(args, accelerator, run, policy, optimizer, ref_model, micro_batches,
+                                               update, pad_token_id)  # steps 1-5
+            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+            lr_scheduler.step()
+
+            # ---------------- logging: means over updates, micro batches and processes ----------------
+            interval.add(accelerator.reduce(stats, reduction="mean").tolist(),
+                         int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")))
+            episode = update * args.total_batch_size
+            progress.update(1)
+            if update % args.log_every == 0 or update == num_updates:
+                means = per_example_means(interval.close(update_lr, episode / len(train_dataset)))
+                run.log(update, {"episode": episode, **means})
+                progress.set_postfix(loss=f"{means['train/loss']:.4f}", kl=f"{means['train/kl']:.3f}",
+                                     tok_s=f"{means['train/tokens_per_s']:.0f}")
+            if due(args.eval_every, update, num_updates):
+                run_evaluation(update, z0)
+                interval.restart_clock()  # evaluation time is not training throughput
+            # after the update's logging and evaluation, so a resumed run repeats neither
+            if due(args.checkpoint_every, update, num_updates):
+                run.checkpoint(update, {**interval.state(), "z0": z0})
+
+    # ---------------- final evaluation and outputs ----------------
+    metrics = run_evaluation(num_updates, z0, final=True)  # at the last update's z0 (with --resume, the checkpoint's)
+    summary = {**metrics, **per_example_means(interval.last_means),  # the last logging interval's training means
+               "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
+               "wall_time_s": time.time() - start_time}
+    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
+        save_merged_policy(accelerator, policy, tokenizer, args.output_dir)
+    else:
+        save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
+    if args.push_to_hub and accelerator.is_main_process:
+        upload_to_hub(args)
+    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
+    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    return summary
+
+
 # ---------------------------------------------------------------------------------------------
-# Detail 19: KTO as a reward model (the Table 5 analogue of dpo.py) and its samples
+# What the update and the evaluation call, shared by dpo.py and its forks
 # ---------------------------------------------------------------------------------------------
+
+
+PAIR_COLUMNS = [  # the processed preference schema: query + response, and the response as labels
+    "query_chosen_token",
+    "query_rejected_token",
+    "query_chosen_token_response_label",
+    "query_rejected_token_response_label",
+]
+
+
+def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int):
+    """log pi(y | x) = SUM over the response tokens of log pi(y_t | x, y_<t)  -> (B,)
+
+    `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
+    and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
+    sum, not a mean: eq. 4 compares probabilities of whole sequences."""
+    cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same sums, less compute
+    query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
+    logits = forward(model, query_responses, pad_token_id).logits[:, :-1]  # (B, T-1, V): predicts token t+1
+    targets = response_labels[:, 1:]  # (B, T-1)
+    mask = targets != pad_token_id
+    token_logps = torch.gather(
+        F.log_softmax(logits.float(), dim=-1), 2, torch.masked_fill(targets, ~mask, 0).unsqueeze(-1)
+    ).squeeze(-1)  # (B, T-1)
+    return (token_logps * mask).sum(1)
+
+
+def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
+    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
+    labels = torch.cat(
+        (batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]), dim=0
+    )  # (2B, T)
+    logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
+    num_pairs = batch["query_chosen_token"].size(0)
+    return logps[:num_pairs], logps[num_pairs:]
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int):
+    """The frozen reference's (chosen, rejected) sequence log-probs: looked up in the precomputed
+    table (N, 2) by row index when there is one, else computed live."""
+    if ref_table is not None:
+        rows = ref_table[batch["row_index"].cpu()].to(batch["query_chosen_token"].device)  # (B, 2)
+        return rows[:, 0], rows[:, 1]
+    return concatenated_logprobs(ref_model, batch, pad_token_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Detail 19: the implicit reward model (the Table 5 analogue), and samples of the policy
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate_implicit_rewards(accelerator, model, ref_model, z0, eval_datasets, args: Args, pad_token_id: int):
+    """Detail 19: KTO as a reward model, as dpo.py evaluates DPO. For every pair of every evaluation split: its loss
+    (the mean of the KTO losses of chosen as desirable and rejected as undesirable, at the reference point z0 of the
+    last update, a float), the implicit rewards beta * log(pi / pi_ref) of chosen and rejected (the pair is ranked right when
+    chosen's is higher) and the policy's sequence log-probs, gathered from every process. Returns {split: per-pair
+    frame, rows matched by row_index}."""
+    z0 = torch.tensor(z0, device=accelerator.device)  # the float of the trainer state, as kto_loss takes it
+    model.eval()
+    frames = {}
+    for split, (_, dataset) in eval_datasets.items():
+        dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+        gathered = []
+        for batch in dataloader:
+            with accelerator.autocast():
+                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
+                ref_chosen, ref_rejected = reference_logprobs(ref_model, None, batch, pad_token_id)
+            desirable = torch.arange(2 * len(policy_chosen), device=policy_chosen.device) < len(policy_chosen)
+            losses, rewards = kto_loss(torch.cat((policy_chosen, policy_rejected)), torch.cat((ref_chosen, ref_rejected)),
+                                       desirable, z0, args.beta, args.desirable_weight, args.undesirable_weight)
+            losses, (chosen_rewards, rejected_rewards) = losses.view(2, -1).mean(0), rewards.view(2, -1)
+            stats = torch.stack((losses, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected), 1).float()
+            gathered.append(accelerator.gather_for_metrics((batch["row_index"], stats)))
+        stats = torch.cat([g[1] for g in gathered]).cpu().numpy()
+        frame = pd.DataFrame(stats, columns=["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"])
+        frame["row_index"] = torch.cat([g[0] for g in gathered]).cpu().numpy()
+        frames[split] = frame
+    model.train()
+    return frames
 
 
 def preference_report(pairs: Dict[str, pd.DataFrame], eval_datasets):
@@ -581,6 +614,29 @@ def implicit_reward_breakdown(frame: pd.DataFrame, split_name: str) -> List[dict
     return rows
 
 
+@torch.no_grad()
+def sample_responses(accelerator, model, tokenizer, dataset, generation_config, args: Args):
+    """Detail 23 sampling on the SFT validation queries: exactly response_length new tokens, then truncate
+    after the first EOS. Returns the row index (N,) of each query and its truncated response (N, Tr)."""
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+    rows_all, responses_all = [], []
+    for batch in dataloader:
+        queries = batch["query_token"]  # (B, Tq), left-padded
+        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
+        with accelerator.autocast():
+            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+        responses = truncate_response(
+            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
+        )  # (B, Tr)
+        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
+        rows_all.append(rows.cpu())
+        responses_all.append(responses.cpu())
+    model.train()
+    return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
+
+
 def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
     """The samples table (the columns every policy script writes) of sample_responses' rows (N,) and truncated
     responses (N, Tr), and its metrics: the EOS rate and the mean response length."""
@@ -610,121 +666,48 @@ def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# The options main switches on: LoRA and QLoRA
 # ---------------------------------------------------------------------------------------------
 
 
-def exact_div(a: int, b: int, what: str = "batch size") -> int:
-    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
-    q = a // b
-    if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
-    return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
-        dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
-    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
-    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
-    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
-
-
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Per row, the index of the first True; the row length when the row has no True."""
-    row_len = bools.size(-1)
-    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
-    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
-    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
-    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
-    functionally from a float attribute of the attention module; those are zeroed too."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "attn_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
-    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
-    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
-    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
-    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
-    real = (query_responses != pad_token_id).any(0).nonzero()
-    if real.numel() == 0:
-        return slice(0, query_responses.size(1))
-    return slice(int(real[0]), int(real[-1]) + 1)
-
-
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
-    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
-    left-padded query gets the same positions as an unpadded one (Detail 14)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        return_dict=True,
+def load_lora_policy_and_reference(args, accelerator, tokenizer):
+    """--lora_rank: the policy is the SFT model with LoRA adapters (lora_policy), and the reference is the same model
+    with its adapters off (AdaptersOff), so the weights exist once. With --load_in_4bit (QLoRA) the reference is
+    therefore the 4-bit base the adapters train on, and the log-ratios of the policy and the reference are exactly 0
+    at initialisation (LoRA's B starts at zero). A separate float32 reference would differ from the 4-bit policy by
+    the rounding of every weight: its log-ratios would start away from 0, a quantization bias in the implicit reward
+    (eq. 5) that the loss would spend its first updates on."""
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
+        **quantized_loading(args, args.bf16),
     )
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > policy.config.vocab_size:
+        policy.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(policy)
+    policy = lora_policy(policy, args)
+    if not args.load_in_4bit:  # on the device already for --precompute_ref_logprobs (a 4-bit model loads there)
+        policy.to(accelerator.device)
+    return policy, AdaptersOff(policy)
 
 
-def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
-    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
-    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
-    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
-    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+class AdaptersOff:
+    """The reference of a LoRA run: the policy itself with its adapters disabled, which computes the SFT model it
+    started from. Called like a model (by forward()), always in eval mode (no dropout), whatever mode the policy is
+    in. It holds the peft model, not the wrapper accelerator.prepare makes of it: the reference needs no gradients."""
 
+    def __init__(self, policy):
+        self.policy = policy
 
-def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
-    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
-    context_length = queries.size(1)
-    attention_mask = queries != pad_token_id
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
-    return torch.cat((queries, sequences[:, context_length:]), dim=1)
-
-
-def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
-    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
-    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
-    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
-    if temperature < 0:
-        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
-    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
-    return GenerationConfig(
-        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
-        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
-    )
+    def __call__(self, **inputs):
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            with self.policy.disable_adapter():
+                return self.policy(**inputs)
+        finally:
+            self.policy.train(training)
 
 
 def quantized_loading(args, bf16: bool) -> dict:
@@ -830,10 +813,45 @@ def merged_policy(policy) -> torch.nn.Module:
     return plain.eval()
 
 
-def main(args: Args) -> dict:
-    start_time = time.time()
-    check_kto_flags(args)
-    # ---------------- batch arithmetic (64 examples per update), processes, run folder ----------------
+def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
+    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
+    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
+    gathering the partitioned weights; the main process saves."""
+    unwrapped = accelerator.unwrap_model(wrapped)
+    gathered = contextlib.nullcontext()
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
+    accelerator.wait_for_everyone()
+    with gathered:
+        if accelerator.is_main_process:
+            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
+            tokenizer.save_pretrained(output_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# The setup that decides numbers: flags, processes and batches, tokenizer, data, models
+# ---------------------------------------------------------------------------------------------
+
+
+def check_kto_flags(args) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    if args.feedback == "unpaired" and args.unpaired_dataset is None:
+        raise ValueError("--feedback unpaired reads --unpaired_dataset (a folder from data/prepare.py --unpaired); "
+                         "pass it, or train on preference pairs with --feedback pairs")
+    if args.local_micro_batch_size < 2:
+        raise ValueError("--local_micro_batch_size must be at least 2: the KL estimate pairs each prompt with the "
+                         "completion of another example of its micro batch")
+    if min(args.desirable_weight, args.undesirable_weight) <= 0 or args.beta <= 0:
+        raise ValueError("--beta, --desirable_weight and --undesirable_weight must be positive")
+
+
+def make_accelerator(args) -> Accelerator:
+    """The run's processes and Accelerator, and the batch arithmetic that depends on their number: gradient
+    accumulation over args.gradient_accumulation_steps micro batches (derived from the batch sizes), a data order
+    that a resumed run can find its place in, bf16 autocast with --bf16 (None: where CUDA supports it), and under
+    DeepSpeed the micro batch and the gradient clipping (configure_deepspeed)."""
     args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
                              "total_batch_size / (local_micro_batch_size * world_size)")
@@ -841,172 +859,7 @@ def main(args: Args) -> dict:
     args.gradient_accumulation_steps = accumulation  # recorded in args.json
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = make_dpo_accelerator(args)  # gradient accumulation, a resumable data order, bf16 autocast
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    check_qlora_flags(args, accelerator)
-    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
-
-    # ---------------- seeding (labelled, deliberate) ----------------
-    set_seed(args.seed)  # weights and data order: identical on every rank
-    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
-
-    # ---------------- tokenizer and data ----------------
-    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
-    pad_token_id = tokenizer.pad_token_id
-    train_dataset, eval_datasets, sample_raw, sample_dataset = load_kto_data(args, tokenizer)
-    args.num_updates = num_updates = count_updates(args, len(train_dataset))
-    balance, warning = feedback_balance(args, train_dataset["label"])  # the paper's advice: lambda_D n_D / (lambda_U n_U)
-    if warning:
-        accelerator.print(warning)
-    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
-
-    # ---------------- models: the policy and the frozen reference, both the SFT model ----------------
-    # with LoRA (--lora_rank) the reference is the policy with its adapters off (QLoRA: the same 4-bit base)
-    policy, ref_model = (load_lora_policy_and_reference(args, accelerator, tokenizer) if args.lora_rank > 0
-                         else load_policy_and_reference(args, accelerator, tokenizer))
-    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
-    # the reference runs live: the mismatched pairs of the KL estimate are drawn by each update's batch
-    trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or the LoRA adapters alone
-    optimizer = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
-    # accelerate's wrapper would step it once per process)
-    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-    # the data order comes from its own generator (reseeded with seed + epoch by the seedable sampler), so
-    # neither sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG
-    train_dataloader = DataLoader(
-        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
-    policy, optimizer, train_dataloader = accelerator.prepare(policy, optimizer, train_dataloader)
-    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
-    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
-
-    # ---------------- resume and logs ----------------
-    # the trainer state: the update reached and the open logging interval. The frozen reference is not saved: it is
-    # the SFT model, loaded again
-    state = run.start({"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0,
-                       "last_train_metrics": {}}, num_updates=num_updates)
-    start_update = state["update"]
-    # accelerate counts micro batches to decide when to step: restart the count at the update boundary of the
-    # checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
-    accelerator.step = start_update * args.gradient_accumulation_steps
-    interval = DpoLoggingInterval(state)  # training metrics since the last log, carried by checkpoints
-    # the data position: every update reads gradient_accumulation_steps micro batches on each process
-    micro_batches = resumable_micro_batches(train_dataloader, start_update * args.gradient_accumulation_steps)
-
-    def run_evaluation(update: int, final: bool = False) -> dict:
-        """Detail 19: KTO's implicit reward model on the preference splits; samples of the policy."""
-        pairs = evaluate_implicit_rewards(accelerator, policy, ref_model, z0, eval_datasets, args, pad_token_id)
-        sampled = sample_responses(accelerator, policy, tokenizer, sample_dataset, generation_config, args)
-        metrics = write_dpo_evaluation(run, args, update, final, pairs, eval_datasets, sampled, sample_raw, tokenizer)
-        run.log(update, {"episode": update * args.total_batch_size, **metrics})
-        return metrics
-
-    # ---------------- training: one optimizer update per total_batch_size examples ----------------
-    accelerator.print(
-        f"KTO ({args.feedback}, beta {args.beta}, lambda_D {args.desirable_weight}, lambda_U {args.undesirable_weight}, "
-        f"lambda_D n_D / (lambda_U n_U) = {balance:.3f}): {num_updates} updates of {args.total_batch_size} examples, "
-        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
-        f"{args.local_micro_batch_size} examples"
-    )
-    policy.train()
-    progress = tqdm(total=num_updates, initial=start_update, desc="kto", disable=not accelerator.is_local_main_process)
-    update = start_update
-    try:
-        for update in range(start_update + 1, num_updates + 1):
-            micro_stats, tokens = [], 0
-            # step 1 first, without gradients: z0 is the KL estimate of the update's whole batch (every micro batch on
-            # every process), so each micro batch's loss below is measured from the same reference point
-            batches = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
-            kl, z0 = kl_estimate(accelerator, policy, ref_model, batches, pad_token_id)
-            for batch in batches:
-                desirable = batch["label"].bool()
-                with accelerator.accumulate(policy):
-                    with accelerator.autocast():  # steps 2-3: sequence log-probs (B,) of the examples
-                        policy_logps = example_logprobs(policy, batch["query_token"], batch["completion_token"], pad_token_id)
-                        ref_logps = example_logprobs(ref_model, batch["query_token"], batch["completion_token"], pad_token_id)
-                    losses, rewards = kto_loss(  # step 4
-                        policy_logps, ref_logps, desirable, z0, args.beta, args.desirable_weight, args.undesirable_weight
-                    )
-                    loss = losses.mean()
-                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
-                    run.guard(update, **{
-                        "train/loss": loss, "train/logps": policy_logps, "train/ref_logps": ref_logps, "train/kl": kl,
-                    })
-                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
-                    optimizer.step()  # step 5; a no-op until the last micro batch of the update
-                    optimizer.zero_grad()
-                logps = policy_logps.detach()
-                micro_stats.append(torch.stack([  # in the order of TRAIN_STATS
-                    loss.detach(), kl, z0, rewards[desirable].sum(), rewards[~desirable].sum(), logps[desirable].sum(),
-                    logps[~desirable].sum(), desirable.sum(), (~desirable).sum(),
-                ]).float())
-                tokens += int(
-                    (batch["query_token"] != pad_token_id).sum() + (batch["completion_token"] != pad_token_id).sum()
-                )
-            if not accelerator.sync_gradients:
-                raise RuntimeError("gradient accumulation went out of step with the update loop")
-            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
-            lr_scheduler.step()
-
-            # ---------------- logging: means over updates, micro batches and processes ----------------
-            interval.add(accelerator.reduce(torch.stack(micro_stats).mean(0), reduction="mean").tolist(),
-                         int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")))
-            episode = update * args.total_batch_size
-            progress.update(1)
-            if update % args.log_every == 0 or update == num_updates:
-                means = per_example_means(interval.close(update_lr, episode / len(train_dataset)))
-                run.log(update, {"episode": episode, **means})
-                progress.set_postfix(loss=f"{means['train/loss']:.4f}", kl=f"{means['train/kl']:.3f}",
-                                     tok_s=f"{means['train/tokens_per_s']:.0f}")
-            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-                run_evaluation(update)
-                interval.restart_clock()  # evaluation time is not training throughput
-            # after the update's logging and evaluation, so a resumed run repeats neither
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < num_updates:
-                run.checkpoint(update, interval.state())
-    except NonFiniteError:
-        # the guard runs before backward and before the update's optimizer step, so the weights on hand are
-        # still those after update - 1: keep them as the last good checkpoint (never the poisoned ones)
-        progress.close()  # so that the error is the last line of the output
-        run.checkpoint(update - 1, interval.state())
-        accelerator.print(f"non-finite value in update {update}; last good checkpoint: {run.latest_checkpoint()}")
-        raise
-    progress.close()
-
-    # ---------------- final evaluation and outputs ----------------
-    metrics = run_evaluation(num_updates, final=True)
-    summary = {**metrics, **per_example_means(interval.last_means),  # the last logging interval's training means
-               "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
-               "wall_time_s": time.time() - start_time}
-    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
-        save_merged_policy(accelerator, policy, tokenizer, args.output_dir)
-    else:
-        save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
-    if args.push_to_hub and accelerator.is_main_process:
-        upload_to_hub(args)
-    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
-    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
-    return summary
-
-
-# =============================================================================================
-# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
-# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
-# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
-# =============================================================================================
-
-
-def check_dpo_flags(args) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded."""
-    if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
-        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
-
-
-def make_dpo_accelerator(args) -> Accelerator:
-    """The run's Accelerator: gradient accumulation over args.gradient_accumulation_steps micro batches, a data
-    order that a resumed run can find its place in, and bf16 autocast with --bf16."""
-    return Accelerator(
+    accelerator = Accelerator(
         # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
@@ -1016,6 +869,17 @@ def make_dpo_accelerator(args) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         mixed_precision="bf16" if args.bf16 else "no",
     )
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    return accelerator
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
+    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
+    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
+    if config is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
@@ -1039,26 +903,20 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
     return tokenizer
 
 
-def count_updates(args, num_rows: int) -> int:
-    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
-    train data) in full batches of total_batch_size; a last partial batch is dropped."""
-    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
-    num_updates = total_episodes // args.total_batch_size
-    if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
-                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
-    return num_updates
-
-
-def load_dpo_data(args, tokenizer):
-    """The preference pairs to train on, every evaluation split of them and the SFT validation queries sampled for
-    the sample table. Every split is checked for the columns read from it and for the tokenizer that made it before
-    any work. Returns the train split (tensors with row_index), {split: (raw rows, tensors)} for evaluation, and the
-    sample queries (raw rows, tensors); --num_eval_samples shortens the evaluation splits."""
-    train_raw = load_split(args.preference_dataset, args.train_split)
-    check_columns(train_raw, PAIR_COLUMNS, f"{args.preference_dataset} split {args.train_split!r}")
-    check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {args.train_split!r}")
-    train_dataset = with_row_index(train_raw, PAIR_COLUMNS)
+def load_kto_data(args, tokenizer):
+    """The training examples (EXAMPLE_COLUMNS with row_index), and as in dpo.py every evaluation split of the
+    preference pairs and the SFT validation queries sampled for the sample table. Every split is checked for the
+    columns read from it and for the tokenizer that made it before any work; --num_eval_samples shortens the
+    evaluation splits."""
+    if args.feedback == "pairs":
+        source, columns = args.preference_dataset, ["query_token", "chosen_token", "rejected_token"]
+    else:
+        source, columns = args.unpaired_dataset, EXAMPLE_COLUMNS
+    train_raw = load_split(source, args.train_split)
+    check_columns(train_raw, columns, f"{source} split {args.train_split!r}")
+    check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{source} split {args.train_split!r}")
+    examples = examples_from_pairs(train_raw) if args.feedback == "pairs" else train_raw
+    train_dataset = with_row_index(examples, EXAMPLE_COLUMNS)
     eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
     eval_datasets = {}
     for split in eval_split_names:
@@ -1076,6 +934,14 @@ def load_dpo_data(args, tokenizer):
     return train_dataset, eval_datasets, sample_raw, with_row_index(sample_raw, ["query_token"])
 
 
+def with_row_index(dataset, columns: List[str]):
+    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
+    The index travels with every batch so that results gathered from several processes (and the
+    precomputed reference log-probs) can be matched back to their rows."""
+    dataset = dataset.add_column("row_index", list(range(len(dataset))))
+    return dataset.with_format("torch", columns=columns + ["row_index"])
+
+
 def preference_eval_splits(path: str) -> List[str]:
     """Every split of the preference dataset whose name starts with "validation" (Detail 6: the
     TL;DR validation set has out-of-distribution policy pairs and a CNN/DM split)."""
@@ -1086,7 +952,156 @@ def preference_eval_splits(path: str) -> List[str]:
     return splits
 
 
-class DpoLoggingInterval:
+def count_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
+    train data) in full batches of total_batch_size; a last partial batch is dropped."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = total_episodes // args.total_batch_size
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+    return num_updates
+
+
+def load_policy_and_reference(args, accelerator, tokenizer):
+    """The two models of DPO, both the SFT model: the policy, with float32 master weights (bf16 is autocast), and
+    the frozen reference, which may live in bf16 and never drops out (it must give the same log-probs every time).
+    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (prepare_frozen_model)."""
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    for model in (policy, ref_model):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if len(tokenizer) > model.config.vocab_size:
+            model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(policy)
+    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
+    return policy, prepare_frozen_model(accelerator, ref_model)
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
+    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
+    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
+    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+    )
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    return torch.cat((queries, sequences[:, context_length:]), dim=1)
+
+
+def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
+    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
+    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
+    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
+    if temperature < 0:
+        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
+        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
+    )
+
+
+class LoggingInterval:
     """The training metrics since the last log: one row of TRAIN_STATS per update (already averaged over micro
     batches and processes, so every process holds the same rows and a checkpoint can carry them), the tokens
     trained on and the time taken. Built from the trainer state (an empty interval, or a checkpoint's)."""
@@ -1138,8 +1153,8 @@ def resumable_micro_batches(loader, skip: int):
         epoch, skip = epoch + 1, 0
 
 
-def write_dpo_evaluation(run, args, update: int, final: bool, pairs: Dict[str, pd.DataFrame], eval_datasets,
-                         sampled, sample_raw, tokenizer) -> Dict[str, float]:
+def write_evaluation(run, args, update: int, final: bool, pairs: Dict[str, pd.DataFrame], eval_datasets, sampled,
+                     sample_raw, tokenizer) -> Dict[str, float]:
     """An evaluation's metrics and outputs: samples/step_N.csv and the TensorBoard text tabs; after training also
     samples.csv, the accuracy table (eval_table.csv, eval_table.md, printed) and every scored pair (eval_pairs.csv)."""
     metrics, table_rows, frame = preference_report(pairs, eval_datasets)
@@ -1169,33 +1184,6 @@ def breakdown_markdown(rows: List[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
     return "\n".join(lines)
-
-
-def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
-    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
-    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
-    gathering the partitioned weights; the main process saves."""
-    unwrapped = accelerator.unwrap_model(wrapped)
-    gathered = contextlib.nullcontext()
-    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
-    accelerator.wait_for_everyone()
-    with gathered:
-        if accelerator.is_main_process:
-            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
-            tokenizer.save_pretrained(output_dir)
-
-
-
-def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
-    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
-    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
-    if config is not None:
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
 
 
 if __name__ == "__main__":

@@ -29,14 +29,14 @@ sampling) and A.8 (conditional SFT).
 Checkpoints: every --checkpoint_every updates of step 2, runs/{run_name}/checkpoints/update_N holds the policy,
 optimizer, schedule, RNG states and the data position (the shuffle generator, the current permutation and, for
 best_of_n, the current round's selected samples); `--resume --run_name NAME` continues from the newest one and ends
-with the weights and metrics of an uninterrupted run. A NaN/inf loss, RWR weight or RM score stops the run and
-keeps the last good checkpoint.
+with the weights and metrics of an uninterrupted run. A NaN/inf loss, RWR weight or RM score stops the run before
+any weight sees it and saves the state after the last good update as its checkpoint, which --resume continues from
+like any other.
 
 Single process:   python offline_rl.py --method dt --sft_model_path models/sft --reward_model_path models/rm
 Several:          accelerate launch [--config_file zero2.yaml] offline_rl.py ...
 """
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -61,8 +61,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    NonFiniteError, Run, check_columns, check_data_tokenizer, check_gradient_accumulation,
-    check_reward_tokenizer, frame_markdown, save_pretrained_model, start_processes,
+    LastGoodState, NonFiniteError, Run, check_columns, check_data_tokenizer, check_gradient_accumulation,
+    check_reward_tokenizer, due, frame_markdown, save_pretrained_model, start_processes,
 )
 
 
@@ -213,22 +213,9 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Offline-RL pieces (module-level so that tests can check each one against a hand computation; names kept
-# unique to this script)
+# The algorithm's pieces: step 1 (the labelled mixture), step 2 (loss weights, the loss, the data order, one
+# update) and step 3 (evaluation)
 # ---------------------------------------------------------------------------------------------
-
-
-def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
-    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
-    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
-    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
-    if temperature < 0:
-        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
-    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
-    return GenerationConfig(
-        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
-        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
-    )
 
 
 def offline_lr_schedule(optimizer, kind: str, num_updates: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -567,17 +554,13 @@ class OfflineDataOrder:
     `permutation` and `position` say which update batches of the current pass are used. For best-of-n the
     round's samples themselves are kept too: they were sampled from the policy of that moment, so after a
     resume they could not be drawn again; the mixture methods rebuild theirs from the cached mixture.
-
-    state_dict returns the state as of the last `commit()` (called after every completed update), so a
-    checkpoint written while an update is under way (the non-finite guard) holds the position after the last
-    good update, not the batch of the update that failed."""
+    Its tensors are replaced, never changed in place, so a state_dict stays as it was taken."""
 
     def __init__(self, seed: int, num_prompts: int):
         self.generator = torch.Generator().manual_seed(seed)
         self.prompt_order, self.prompt_cursor = torch.randperm(num_prompts, generator=self.generator), 0
         self.permutation, self.position = None, 0
         self.round_samples = None  # best-of-n: (queries, responses, rewards) of the current round
-        self.commit()
 
     def next_prompts(self, count: int) -> list:
         """Best-of-n: the next `count` prompt rows; a new pass over the prompts is reshuffled."""
@@ -600,23 +583,18 @@ class OfflineDataOrder:
         self.position += 1
         return batch
 
-    def commit(self) -> None:
-        """Mark the current position as the one a checkpoint records (tensors are never changed in place)."""
-        self.saved = {
+    def state_dict(self) -> dict:
+        return {
             "generator": self.generator.get_state(), "prompt_order": self.prompt_order,
             "prompt_cursor": self.prompt_cursor, "permutation": self.permutation, "position": self.position,
             "round_samples": self.round_samples,
         }
-
-    def state_dict(self) -> dict:
-        return dict(self.saved)
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
         self.prompt_order, self.prompt_cursor = state["prompt_order"], state["prompt_cursor"]
         self.permutation, self.position = state["permutation"], state["position"]
         self.round_samples = state["round_samples"]
-        self.commit()
 
 
 @torch.no_grad()
@@ -652,156 +630,6 @@ def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eva
     if reward_stats is not None:
         metrics["score_normalized"] = float(((scores - reward_stats[0]) / reward_stats[1]).mean())
     return metrics, df
-
-
-# ---------------------------------------------------------------------------------------------
-# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
-# ---------------------------------------------------------------------------------------------
-
-
-def exact_div(a: int, b: int, what: str = "batch size") -> int:
-    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
-    q = a // b
-    if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
-    return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
-        dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
-    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
-    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
-    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
-
-
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Per row, the index of the first True; the row length when the row has no True."""
-    row_len = bools.size(-1)
-    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
-    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
-    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
-    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
-    functionally from a float attribute of the attention module; those are zeroed too."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "attn_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
-    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
-    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
-    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
-    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
-    real = (query_responses != pad_token_id).any(0).nonzero()
-    if real.numel() == 0:
-        return slice(0, query_responses.size(1))
-    return slice(int(real[0]), int(real[-1]) + 1)
-
-
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
-    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
-    left-padded query gets the same positions as an unpadded one (Detail 14)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        return_dict=True,
-    )
-
-
-def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
-    """Reward of a (left-padded query + right-padded response) batch.
-
-    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
-    of the response (the last token when there is no pad). Returns the per-token reward
-    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
-    ).last_hidden_state  # (B, T, d)
-    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
-    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
-    return reward_logits, rewards, sequence_lengths
-
-
-def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
-    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
-    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
-    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
-    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
-
-
-def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """RM scores (B,) of left-padded queries (B, Tq) and right-padded responses (B, Tr), read at the EOS
-    (Detail 12), computed on the columns that hold a real token in some row."""
-    query_responses = torch.cat((queries, responses), 1)
-    cols = real_columns(query_responses, pad_token_id)
-    start = min(cols.start, queries.size(1))
-    return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
-
-
-def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
-    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
-    context_length = queries.size(1)
-    attention_mask = queries != pad_token_id
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
-    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
-    return torch.cat((queries, sequences[:, context_length:]), dim=1)
-
-
-def load_offline_models(args: Args, tokenizer):
-    """The two models: the policy (the SFT model, which also writes the mixture's new responses) and the frozen
-    reward model that labels every sample. There is no reference model: none of these losses has a KL term."""
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(
-        args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        trust_remote_code=args.trust_remote_code,
-    )
-    for model in (policy, reward_model):
-        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-        if model.config.vocab_size < len(tokenizer):
-            model.resize_token_embeddings(len(tokenizer))
-        if args.disable_dropout:
-            disable_dropout(model)
-    return policy, reward_model
 
 
 def alignment_data(args: Args, accelerator, model, reward_model, tokenizer, costs: dict):
@@ -941,21 +769,8 @@ def offline_evaluation(args: Args, run, accelerator, model, reward_model, tokeni
 def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic and precision ----------------
-    args.world_size = start_processes().num_processes  # first: the accumulation steps depend on the number of processes
-    gradient_accumulation_steps = exact_div(
-        args.total_batch_size,
-        args.local_micro_batch_size * args.world_size,
-        "total_batch_size / (local_micro_batch_size * world_size)",
-    )
-    check_offline_flags(args, gradient_accumulation_steps)
-    args.gradient_accumulation_steps = gradient_accumulation_steps  # args.json records the value used
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
-    )
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+    accelerator = make_offline_accelerator(args)
+    run = Run(args, accelerator)  # run name and folder (run_infra.py)
 
     # ---------------- seeding (labelled, deliberate) ----------------
     set_seed(args.seed)  # mixture draw, weights and data order: the same on every process
@@ -970,8 +785,8 @@ def main(args: Args) -> dict:
     reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
     # the policy samples the mixture before it trains: it goes through accelerator.prepare first, because under
     # ZeRO-3 its weights are already partitioned and only a DeepSpeed engine gathers them for a forward
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps)
-    model, optimizer = accelerator.prepare(policy, optimizer)
+    adamw = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps)
+    model, optimizer = accelerator.prepare(policy, adamw)
     torch.manual_seed(local_seed)  # generation (mixture, best-of-n, evaluation) differs across processes
 
     # ---------------- data ----------------
@@ -991,11 +806,11 @@ def main(args: Args) -> dict:
     # saved and restored with the model and optimizer: the schedule and the data position
     accelerator.register_for_checkpointing(scheduler)
     accelerator.register_for_checkpointing(data_order)
+    last_good = LastGoodState(run, accelerator, adamw, scheduler, data_order)  # the non-finite guard's fallback
     # the running counters; --resume takes them from the checkpoint, whose run must share the flags that fix the
     # number of updates and the data order
     counters = OfflineCounters(run.start(
-        {"update": 0, "train_tokens": 0, "last_loss": float("nan"), "costs": costs, "round_summary": {}},
-        num_updates=num_updates, method=args.method, iterations=args.iterations,
+        OfflineCounters.fresh(costs), num_updates=num_updates, method=args.method, iterations=args.iterations,
         total_batch_size=args.total_batch_size, world_size=args.world_size))
     if mixture_stats and counters.update == 0:
         log_offline(run, args, 0, mixture_stats)  # a resumed run kept this line of metrics.jsonl
@@ -1009,8 +824,8 @@ def main(args: Args) -> dict:
     progress = tqdm(total=num_updates, initial=counters.update, disable=not accelerator.is_main_process,
                     desc=f"offline_rl {args.method}")
     samples = None
-    with keep_last_good_checkpoint(run, accelerator, counters):  # the non-finite guard stops with the last good state
-        for update in range(counters.update + 1, num_updates + 1):
+    for update in range(counters.update + 1, num_updates + 1):
+        with last_good.kept(update, counters.state()):  # a non-finite value leaves the state after update - 1 saved
             # (a) a round's samples (queries (N, W) left-padded, responses (N, Tr) right-padded, rewards (N,)) at its
             # first update; a run resumed in the middle of a round goes on with that round's samples and permutation
             if samples is None or (update - 1) % updates_per_round == 0:
@@ -1027,24 +842,22 @@ def main(args: Args) -> dict:
             update_start = time.time()
             loss, tokens = train_update(args, accelerator, model, optimizer, run, update, queries, responses,
                                         global_batch, batch_weights, pad_token_id)
-            scheduler.step()
-            counters.add_update(loss, tokens, time.time() - update_start)
-            metrics = {
-                "train/loss": loss,
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/tokens_per_s": counters.train_tokens / counters.costs["training_s"],
-                "train/weight_max": batch_weights.max().item(),
-                "train/reward_mean": rewards[global_batch].mean().item(),
-            }
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
-            log_offline(run, args, update, metrics)
-            if args.eval_every > 0 and update % args.eval_every == 0 and update != num_updates:
-                evaluate(update, final=False)
-            data_order.commit()
-            counters.commit()  # the state a checkpoint saves: as of this completed update
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != num_updates:
-                run.checkpoint(update, counters.last_good)
+        scheduler.step()
+        counters.add_update(loss, tokens, time.time() - update_start)
+        metrics = {
+            "train/loss": loss,
+            "train/lr": scheduler.get_last_lr()[0],
+            "train/tokens_per_s": counters.train_tokens / counters.costs["training_s"],
+            "train/weight_max": batch_weights.max().item(),
+            "train/reward_mean": rewards[global_batch].mean().item(),
+        }
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+        log_offline(run, args, update, metrics)
+        if due(args.eval_every, update, num_updates):
+            evaluate(update, final=False)
+        if due(args.checkpoint_every, update, num_updates):
+            run.checkpoint(update, counters.state())
     progress.close()
 
     # ---------------- step 3: final evaluation, costs (Table 3), model ----------------
@@ -1074,11 +887,31 @@ def main(args: Args) -> dict:
     return summary
 
 
-# =============================================================================================
-# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
-# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
-# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
-# =============================================================================================
+# ---------------------------------------------------------------------------------------------
+# The setup main runs on: processes and batch arithmetic, models, inputs, the cached mixture, rows per
+# process, evaluation tables, counters, the upload
+# ---------------------------------------------------------------------------------------------
+
+
+def make_offline_accelerator(args: Args) -> Accelerator:
+    """Join the processes, do the batch arithmetic (a batch that does not divide fails here) and make the
+    accelerator: gradient accumulation over total_batch_size / (local_micro_batch_size * world_size) micro batches,
+    bf16 when asked (or available), and DeepSpeed's micro batch and clipping (Detail 8)."""
+    args.world_size = start_processes().num_processes  # first: the accumulation steps depend on the number of processes
+    gradient_accumulation_steps = exact_div(
+        args.total_batch_size,
+        args.local_micro_batch_size * args.world_size,
+        "total_batch_size / (local_micro_batch_size * world_size)",
+    )
+    check_offline_flags(args, gradient_accumulation_steps)
+    args.gradient_accumulation_steps = gradient_accumulation_steps  # args.json records the value used
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
+    )
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    return accelerator
 
 
 def check_offline_flags(args: Args, gradient_accumulation_steps: int) -> None:
@@ -1098,25 +931,21 @@ def check_offline_flags(args: Args, gradient_accumulation_steps: int) -> None:
         raise ValueError(f"--dt_eval_percentiles and --dt_target_percentile are percentiles in [0, 100], got {percentiles}")
 
 
-def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
-    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
-    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
-    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
-    ablation); otherwise a tokenizer that already pads with EOS is refused."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    if pad_token == "eos":
-        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
-    elif tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
-    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
-            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
-            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
-            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
-            "purpose; the later stages refuse its model)"
-        )
-    return tokenizer
+def load_offline_models(args: Args, tokenizer):
+    """The two models: the policy (the SFT model, which also writes the mixture's new responses) and the frozen
+    reward model that labels every sample. There is no reference model: none of these losses has a KL term."""
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        trust_remote_code=args.trust_remote_code,
+    )
+    for model in (policy, reward_model):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if model.config.vocab_size < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+        if args.disable_dropout:
+            disable_dropout(model)
+    return policy, reward_model
 
 
 def load_offline_data(args: Args, tokenizer):
@@ -1295,13 +1124,16 @@ def count_offline_updates(args: Args, mixture, num_prompts: int) -> Tuple[int, i
 class OfflineCounters:
     """The running counters of step 2, which a checkpoint saves in trainer_state.json next to accelerate's state
     (models, optimizer, schedule, data order, RNG): completed updates, input tokens trained on, the last update's
-    loss, the wall seconds per stage (Table 3) and best-of-n's per-round metrics. `last_good` is a copy as of the
-    last completed update (commit): what a checkpoint holds, also when the non-finite guard stops an update."""
+    loss, the wall seconds per stage (Table 3) and best-of-n's per-round metrics."""
+
+    @staticmethod
+    def fresh(costs: dict) -> dict:
+        """The trainer state of a run that starts from the first update, with the seconds step 1 took (`costs`)."""
+        return {"update": 0, "train_tokens": 0, "last_loss": float("nan"), "costs": costs, "round_summary": {}}
 
     def __init__(self, state: dict):
         self.update, self.train_tokens, self.last_loss = state["update"], state["train_tokens"], state["last_loss"]
         self.costs, self.round_summary = state["costs"], state["round_summary"]
-        self.commit()
 
     def add_update(self, loss: float, tokens: int, seconds: float) -> None:
         self.update += 1
@@ -1309,25 +1141,10 @@ class OfflineCounters:
         self.last_loss = loss
         self.costs["training_s"] += seconds
 
-    def commit(self) -> None:
-        self.last_good = {"update": self.update, "train_tokens": self.train_tokens, "last_loss": self.last_loss,
-                          "costs": dict(self.costs), "round_summary": dict(self.round_summary)}
-
-
-@contextlib.contextmanager
-def keep_last_good_checkpoint(run, accelerator, counters):
-    """The non-finite guard's exit: when a run.guard of the training loop raises NonFiniteError, save the last good
-    state as a checkpoint and raise on. Every guard runs before the backward / optimizer step that would use the
-    value, so the weights on hand (and any state changed only after an update) are those after the last completed
-    update; they are saved with counters.last_good, the counters of that update (commit), so the poisoned update is
-    never applied or saved."""
-    try:
-        yield
-    except NonFiniteError:
-        update = counters.last_good["update"]
-        run.checkpoint(update, counters.last_good)
-        accelerator.print(f"non-finite value at update {update + 1}; last good checkpoint: {run.latest_checkpoint()}")
-        raise
+    def state(self) -> dict:
+        """The trainer state a checkpoint saves (taken between updates): a copy, so later updates leave it as it is."""
+        return {"update": self.update, "train_tokens": self.train_tokens, "last_loss": self.last_loss,
+                "costs": dict(self.costs), "round_summary": dict(self.round_summary)}
 
 
 def log_offline(run, args: Args, step: int, metrics: dict) -> None:
@@ -1343,6 +1160,173 @@ def push_offline_model(args: Args) -> None:
     api = HfApi()
     api.create_repo(hub_model_id, exist_ok=True)
     api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
+    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
+    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
+    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to("cpu" if offload else accelerator.device)
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
+        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
+    }
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    engine.eval()
+    return engine.module
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
+def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+    """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
+    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        return_dict=True,
+    )
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Reward of a (left-padded query + right-padded response) batch.
+
+    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
+    of the response (the last token when there is no pad). Returns the per-token reward
+    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
+    ).last_hidden_state  # (B, T, d)
+    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
+    return reward_logits, rewards, sequence_lengths
+
+
+def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
+    eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.size(1), device=responses.device).unsqueeze(0)  # (1, T)
+    return torch.masked_fill(responses, positions > eos_index, pad_token_id)
+
+
+def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """RM scores (B,) of left-padded queries (B, Tq) and right-padded responses (B, Tr), read at the EOS
+    (Detail 12), computed on the columns that hold a real token in some row."""
+    query_responses = torch.cat((queries, responses), 1)
+    cols = real_columns(query_responses, pad_token_id)
+    start = min(cols.start, queries.size(1))
+    return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
+
+
+def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
+    """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
+    context_length = queries.size(1)
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    sequences = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
+    return torch.cat((queries, sequences[:, context_length:]), dim=1)
+
+
+def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
+    """Detail 23: exactly response_length tokens. eos_token_id=[] removes the stop criterion while EOS stays a
+    normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
+    `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
+    if temperature < 0:
+        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
+        eos_token_id=[], pad_token_id=tokenizer.pad_token_id, suppress_tokens=[tokenizer.pad_token_id],
+    )
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
+        )
+    return tokenizer
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:

@@ -1,64 +1,70 @@
-"""Online (iterative) DPO: DPO on pairs the policy itself samples, labelled by a judge while it trains
-(Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"; OpenRLHF, Appendix A.6). A fork of
-dpo.py: the loss, its variants and the evaluation are dpo.py's; what changes is where the pairs come from.
+"""Online (iterative) DPO: DPO on pairs the policy itself samples, labelled by a judge while it trains (Guo et al.
+2024, "Direct Language Model Alignment from Online AI Feedback"; OpenRLHF, Appendix A.6). A fork of dpo.py: the loss,
+its variants and the evaluation are dpo.py's; what changes is where the pairs come from.
 
-The policy starts from the SFT model. The run is a sequence of rounds; round r (of pairs_per_round prompts,
-pairs_per_round / total_batch_size optimizer updates) is:
+The policy and a frozen reference both start from the SFT model. The run is a sequence of rounds of pairs_per_round
+prompts each (pairs_per_round / total_batch_size optimizer updates); round r is:
 
-  1. draw pairs_per_round prompts from the query split (a fresh permutation each pass, Detail 21)
-  2. sample TWO responses per prompt from the current policy at --temperature: exactly response_length tokens, then
-     truncated after the first EOS (Detail 23). Each response's randomness comes from its own generator, seeded by
-     (seed, prompt batch, prompt index, 0 or 1), so the samples do not depend on the batch or the number of processes
-     (the prompt batch is the round's number until a dropped pair has been replaced, see step 3)
-  3. a judge labels each pair: a response without EOS loses to one with EOS (--non_eos_penalty); otherwise the
-     reward model (score at the EOS, Detail 12) or an OpenAI-compatible judge with the paper's prompt (Appendix I)
-     picks the chosen one. Ties, identical responses and unparseable answers are dropped, counted, and replaced by
-     pairs of further prompts (at most --max_draws_per_round prompt batches per round)
+  1. pairs_per_round prompts of the query split (a fresh permutation each pass, Detail 21)
+  2. TWO responses to each prompt sampled from the current policy at --temperature: exactly response_length tokens,
+     truncated after the first EOS (Detail 23). Each response's noise has a seed of its own (seed, prompt batch,
+     prompt index, 0 or 1): the samples depend neither on the batch nor on the number of processes
+  3. a judge labels each pair: a response without EOS loses to one with EOS (--non_eos_penalty); otherwise the reward
+     model (the score at the EOS, Detail 12) or an OpenAI-compatible judge with the paper's prompt (Appendix I) picks
+     the chosen one. Ties, identical responses and unparseable answers are dropped, counted, and replaced by pairs of
+     the next prompt batch (at most --max_draws_per_round batches per round)
   4. the reference's sequence log-probs of the round's pairs, computed once: the SFT model (--reference sft), or the
-     policy as it is now, i.e. at the end of the last round (--reference last_round)
+     policy as it is now, at the end of the last round (--reference last_round)
   5. DPO updates on the round's pairs, each pair once, in the order drawn: steps 1-6 of dpo.py (a slot left empty
-     after the last prompt batch weighs 0; each update averages over the pairs it holds)
+     after the last prompt batch weighs 0)
 With pairs_per_round = total_batch_size (the default) every update samples its own pairs (fully online, as Guo et
 al.); larger rounds sample less often, with the policy of the round's start (iterative DPO).
-Evaluation is dpo.py's: DPO's implicit reward model r(x, y) = beta * log(pi(y|x) / pi_sft(y|x)) (eq. 5) on the
-validation preference pairs (Detail 19), and samples of the policy in samples.csv.
+Evaluation: the log-ratios give DPO's implicit reward model r(x, y) = beta * log(pi(y|x) / pi_ref(y|x)) (eq. 5),
+whose accuracy on the validation pairs goes in the same table as reward.py's (Detail 19); samples of the policy
+go to samples.csv.
 
 Single process:   python online_dpo.py --sft_model_path models/sft --reward_model_path models/rm
 Gold judge:       python data/gold_judge_server.py --port 8011 &   (prints its URL and model id)
                   python online_dpo.py --judge endpoint --endpoint.base_url http://127.0.0.1:8011/v1 \
                       --endpoint.model gold-judge-<digest>   (a real API: OPENAI_API_KEY from the environment)
 Several GPUs:     accelerate launch --config_file zero2.yaml online_dpo.py --sft_model_path models/sft
-After a crash:    the same command with --resume (and --run_name): it continues from the latest checkpoint in
-                  runs/{run_name}/checkpoints (policy, AdamW, schedule, the current round's judged pairs and
-                  reference log-probs, the running counts, open logging interval, RNG states) and ends exactly like
-                  an uninterrupted run (--checkpoint_every sets how often). A NaN or inf loss, log-prob or reward-model
-                  score stops the run before it reaches the weights, keeping the last good checkpoint.
+LoRA / QLoRA:     ... --lora_rank 8 [--load_in_4bit]: the SFT reference is the policy with its adapters off; the saved
+                  policy has them merged (float32)
+After a crash:    the same command with --resume (and --run_name of the run, if it is not the newest): it continues
+                  from the latest checkpoint in runs/{run_name}/checkpoints (policy, AdamW, schedule, data position,
+                  open logging interval, RNG states; the current round's judged pairs and their reference log-probs)
+                  and ends exactly like an uninterrupted run (--checkpoint_every sets how often). A NaN or inf loss,
+                  log-prob or reward-model score stops the run before it reaches the weights, and the state after the
+                  last good update is saved as a checkpoint to resume from.
 """
+import contextlib
+import copy
 import hashlib
 import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
-from typing import Dict, List, Literal, Optional, Tuple
+from typing import Dict, List, Literal, NamedTuple, Optional, Tuple
 
 import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
 from datasets import Dataset, get_dataset_split_names, load_dataset, load_from_disk
+from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig,
                           LogitsProcessor, LogitsProcessorList, get_scheduler)
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    JudgeUnavailableError, NonFiniteError, ReplyCache, Run, check_columns, check_data_tokenizer,
-    check_gradient_accumulation, check_reward_tokenizer, frame_markdown, resolve_api_key, run_jobs,
-    save_pretrained_model, start_processes, upload_to_hub,
+    JudgeUnavailableError, LastGoodState, ReplyCache, Run, check_columns, check_data_tokenizer,
+    check_gradient_accumulation, check_qlora_flags, check_reward_tokenizer, due, frame_markdown, resolve_api_key,
+    run_jobs, save_pretrained_model, start_processes, upload_to_hub,
 )
 
 
@@ -143,6 +149,11 @@ class Args:
     the generation table"""
     train_split: str = "train"
     """split of --query_dataset whose queries are the prompts (Detail 21: reused, reshuffled each pass)"""
+    eval_splits: Optional[List[str]] = None
+    """preference splits for the implicit-reward accuracy table; None = every split whose name starts
+    with "validation" (TL;DR: validation and validation_cnndm)"""
+    eval_split: str = "validation"
+    """split of --query_dataset whose queries are sampled for samples.csv"""
 
     # online pairs: sampling, judging, reference
     judge: Literal["rm", "endpoint"] = "rm"
@@ -156,26 +167,19 @@ class Args:
     """the reference pi_ref of the loss: the SFT model, or the policy as it was at the end of the last round (iterative
     DPO; the first round's is the SFT model). The evaluation's implicit reward is always measured against SFT"""
     pairs_per_round: Optional[int] = None
-    """prompts sampled (one candidate pair each) per round, a multiple of total_batch_size; the round's pairs are
-    trained on once, in pairs_per_round / total_batch_size updates. None = total_batch_size: fresh pairs for every
-    update (fully online)"""
+    """prompts sampled (one candidate pair each) per round, a multiple of total_batch_size, whose pairs are trained on
+    once, in pairs_per_round / total_batch_size updates; None = total_batch_size: fresh pairs every update (online)"""
     temperature: float = 1.0
     """sampling temperature of the two responses (1 = the policy itself, as the online DPO objective assumes); > 0"""
     non_eos_penalty: bool = True
-    """Detail 23 (EOS trick) for pairs: a response without EOS loses to one with EOS whatever the judge would say, and
-    two responses without EOS are a tie (dropped), as ppo.py's --non_eos_penalty gives both the same penalty score;
-    off: every pair goes to the judge"""
+    """Detail 23 (EOS trick) for pairs: a response without EOS loses to one with EOS whatever the judge says, two without
+    EOS are a tie (dropped), as ppo.py's --non_eos_penalty scores both alike; off: every pair goes to the judge"""
     max_draws_per_round: int = 4
     """prompt batches (of pairs_per_round prompts each) a round may sample: a dropped pair is replaced by one of the
     next batch, so that every update trains on total_batch_size pairs; the slots still empty after this many batches
     weigh 0 in the loss. 1 = never replace (an update then averages over the pairs it kept)"""
     local_rollout_forward_batch_size: int = 64
     """prompts per generation / scoring chunk on one process (memory knob; the samples do not depend on it)"""
-    eval_splits: Optional[List[str]] = None
-    """preference splits for the implicit-reward accuracy table; None = every split whose name starts
-    with "validation" (TL;DR: validation and validation_cnndm)"""
-    eval_split: str = "validation"
-    """split of --query_dataset whose queries are sampled for samples.csv"""
 
     # Table 6 hyperparameters
     beta: float = 0.05
@@ -219,6 +223,17 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
 
+    # memory: LoRA and QLoRA
+    lora_rank: int = 0
+    """LoRA rank of the policy adapters (peft); the SFT reference (--reference sft, and the evaluation's) is the policy
+    with adapters disabled; 0 = off"""
+    lora_alpha: float = 16.0
+    """LoRA scaling alpha (read only when --lora_rank > 0)"""
+    load_in_4bit: bool = False
+    """QLoRA: the frozen base of the policy in 4-bit NF4 with double quantization (bitsandbytes), LoRA adapters trained
+    on top; needs --lora_rank. The settings are the QLoRA paper's (Dettmers et al. 2023); each 4-bit layer computes in
+    the run's dtype (bf16 with --bf16, else float32), and the saved model has the adapters merged in float32"""
+
     # evaluation, sampling and logging
     eval_every: int = 500
     """run the evaluation every N optimizer updates (0 = only after training)"""
@@ -242,7 +257,436 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# DPO pieces (module-level so that tests can check each one against a hand computation)
+# Steps 1-4, the online pairs: two responses to each prompt, the judge's labels, the round's pairs and their
+# reference log-probs
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_seed(seed: int, draw: int, prompt_index: int, k: int) -> int:
+    """The seed of response k (0 or 1) to row `prompt_index` of the prompt split in prompt batch number `draw` (the
+    round's number as long as no dropped pair has been replaced; a prompt appears at most once in a batch): 63 bits of
+    a digest of the four numbers, so it depends on nothing else (not the batch, not the process that samples it)."""
+    digest = hashlib.sha256(f"{seed}/{draw}/{prompt_index}/{k}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class GumbelSampler(LogitsProcessor):
+    """Sampling from softmax(logits / T) inside a greedy generate, each row with its own torch.Generator. HF generate
+    draws every row's tokens from the one global RNG, so a row's tokens would depend on the rows sampled before it: on
+    the batch, and on how the prompts are split across processes. The Gumbel-max trick puts the randomness into the
+    scores instead: with G_v = -log(-log U_v), U_v uniform on (0, 1), argmax_v (logits_v / T + G_v) is a draw from
+    softmax(logits / T), and greedy decoding picks that argmax. So a row's tokens depend only on its seed and on its
+    own logits. Banned tokens ([PAD]) stay at -inf."""
+
+    def __init__(self, generators: List[torch.Generator], temperature: float):
+        self.generators, self.temperature = generators, temperature
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # one draw of V uniforms per row and step; U = 0 (-log(-log 0) = -inf) is moved to the smallest float
+        uniform = torch.stack([torch.rand(scores.size(1), generator=g) for g in self.generators])  # (B, V)
+        gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
+        return scores.float() / self.temperature + gumbel.to(scores.device)
+
+
+@torch.no_grad()
+def sample_pairs(args, lm, queries: torch.Tensor, prompt_indices: torch.Tensor, draw: int, tokenizer) -> torch.Tensor:
+    """Step 2: two responses (B, 2, Tr) at --temperature to each left-padded query (B, Tq). Detail 23: exactly
+    response_length new tokens ([PAD] banned, no stop at EOS), then truncated after the first EOS. Response k to the
+    prompt in row prompt_indices[i] draws its noise from sample_seed(args.seed, draw, prompt_indices[i], k)."""
+    pad_token_id = tokenizer.pad_token_id
+    queries = queries.repeat_interleave(2, dim=0)  # rows 2i and 2i + 1: the two responses to prompt i
+    queries = queries[:, real_columns(queries, pad_token_id)]  # the left padding every row shares is cut
+    generators = [torch.Generator().manual_seed(sample_seed(args.seed, draw, int(p), k))
+                  for p in prompt_indices.tolist() for k in (0, 1)]
+    attention_mask = queries != pad_token_id
+    sequences = lm.generate(  # decoding greedily the scores GumbelSampler made noisy: a draw at --temperature
+        input_ids=torch.masked_fill(queries, ~attention_mask, 0), attention_mask=attention_mask,
+        generation_config=sampling_config(args, tokenizer, 0.0),
+        logits_processor=LogitsProcessorList([GumbelSampler(generators, args.temperature)]),
+    )
+    responses = truncate_response(tokenizer.eos_token_id, pad_token_id, sequences[:, queries.size(1):])  # (2B, Tr)
+    return responses.view(-1, 2, responses.size(1))
+
+
+TIE, INVALID = -1, -2  # judge verdicts besides 0 (the first response is better) and 1 (the second is)
+
+
+def judged_pairs(has_eos: torch.Tensor, identical: torch.Tensor, non_eos_penalty: bool):
+    """Which pairs the EOS rule decides (B,), which it drops (B,: neither response has an EOS) and which go to the
+    judge (B,), from has_eos (B, 2) and identical (B,). Identical responses are a tie that no judge is asked about
+    (their DPO gradient is 0 anyway)."""
+    if not non_eos_penalty:
+        nobody = torch.zeros_like(identical)
+        return nobody, nobody, ~identical
+    by_eos = (has_eos[:, 0] != has_eos[:, 1]) & ~identical  # Detail 23: the response with an EOS wins
+    no_eos = ~has_eos.any(1) & ~identical  # both get ppo.py's penalty score: no preference
+    return by_eos, no_eos, ~identical & ~by_eos & ~no_eos
+
+
+def label_pairs(verdicts: torch.Tensor, has_eos: torch.Tensor, identical: torch.Tensor, non_eos_penalty: bool):
+    """Step 3: the index (0 or 1) of the chosen response of each pair (B,), which pairs are kept (B,) and the counts
+    of the round. The judge's verdicts (B,) are read only for the pairs judged_pairs sends it: 0 or 1 is its choice,
+    TIE (equal scores) and INVALID (no parseable answer) drop the pair. A dropped pair is counted, never a coin flip."""
+    by_eos, no_eos, asked = judged_pairs(has_eos, identical, non_eos_penalty)
+    chosen = torch.where(by_eos, has_eos[:, 1].long(), (verdicts == 1).long())
+    keep = by_eos | (asked & (verdicts >= 0))
+    counts = {
+        "pairs": int(identical.numel()), "pairs_kept": int(keep.sum()), "decided_by_eos": int(by_eos.sum()),
+        "dropped_ties": int((identical | (asked & (verdicts == TIE))).sum()),
+        "dropped_invalid": int((asked & (verdicts == INVALID)).sum()), "dropped_no_eos": int(no_eos.sum()),
+    }
+    return chosen, keep, counts
+
+
+def rm_verdicts(scores: torch.Tensor) -> torch.Tensor:
+    """--judge rm: the verdict of each pair from its two reward-model scores (B, 2): the higher wins, equal is a TIE."""
+    return torch.where(scores[:, 0] > scores[:, 1], 0, torch.where(scores[:, 1] > scores[:, 0], 1, TIE))
+
+
+def endpoint_verdicts(judge_args, cache_path: str, posts: List[str], firsts: List[str], seconds: List[str],
+                      asked: torch.Tensor):
+    """--judge endpoint: the verdicts (B,) of the asked pairs, and the client's counts. Each asked pair gets the
+    paper's prompt (Appendix I) with its two responses in an order drawn from the pair's texts (pair_order: the
+    judge's position bias cannot favour response 0), through the judge's client (run_infra.run_jobs): concurrent
+    requests, retries with backoff, re-asks of an unparseable reply, and the reply cache. A reply that never parses,
+    or a request that failed for good, is INVALID; two texts that read the same are a TIE, not asked. Pairs not asked
+    stay TIE."""
+    verdicts, jobs, asked_rows = torch.full((len(posts),), TIE), [], []
+    for i in asked.nonzero().flatten().tolist():
+        first, second = (without_eos_text(text, judge_args.strip_eos_text) for text in (firsts[i], seconds[i]))
+        if first == second:
+            continue
+        swap = pair_order(judge_args.seed, posts[i], first, second)  # 1: the second response is Summary A
+        jobs.append((pairwise_prompt(posts[i], *((second, first) if swap else (first, second))), parse_verdict))
+        asked_rows.append((i, swap))
+    cache = ReplyCache(cache_path)
+    try:
+        outcomes, stats = run_jobs(judge_args, jobs, lambda i, outcome: None, cache)
+    finally:
+        cache.close()
+    for (i, swap), outcome in zip(asked_rows, outcomes):
+        verdicts[i] = INVALID if outcome.status != "ok" else int((outcome.parsed[0] == "B") != bool(swap))
+    return verdicts, stats
+
+
+def judge_on_main(args, accelerator, run, queries, responses, has_eos, identical, tokenizer) -> torch.Tensor:
+    """--judge endpoint: the main process asks the judge about the pairs (one client, one cache file) and sends the
+    verdicts (N,) to the others. A judge that cannot be used at all stops every process with the same error."""
+    payload = [None]
+    if accelerator.is_main_process:
+        pad_token_id = tokenizer.pad_token_id
+        posts = [tokenizer.decode(q[q != pad_token_id], skip_special_tokens=True).strip() for q in queries]
+        texts = [[tokenizer.decode(r[r != pad_token_id], skip_special_tokens=True) for r in pair] for pair in responses]
+        _, _, asked = judged_pairs(has_eos, identical, args.non_eos_penalty)
+        judge_args = SimpleNamespace(**asdict(args.endpoint), seed=args.seed)
+        cache_path = args.endpoint.cache_path or os.path.join(run.dir, "judge_cache.sqlite")
+        try:
+            verdicts, stats = endpoint_verdicts(judge_args, cache_path, posts, [t[0] for t in texts],
+                                                [t[1] for t in texts], asked)
+            payload = [verdicts.tolist()]
+            if stats["retries"] or stats["api_errors"]:  # the client's trouble, shown (the dropped pairs are counted)
+                print(f"judge: {stats['requests']} requests, {stats['retries']} retries, {stats['api_errors']} failed")
+        except JudgeUnavailableError as error:
+            payload = [str(error)]
+    payload = broadcast_object_list(payload)
+    if isinstance(payload[0], str):
+        raise JudgeUnavailableError(payload[0])
+    return torch.tensor(payload[0])
+
+
+class JudgedPairs(NamedTuple):
+    """One prompt batch after steps 1-3, whole on every process, in the order of the global prompt batch."""
+    queries: torch.Tensor  # (N, Tq), left-padded
+    responses: torch.Tensor  # (N, 2, Tr), truncated after the first EOS
+    chosen: torch.Tensor  # (N,): the index (0 or 1) of the chosen response
+    keep: torch.Tensor  # (N,): False for a dropped pair
+    counts: Dict[str, int]  # label_pairs' counts
+    scores: Optional[torch.Tensor]  # (N, 2): the reward model's scores; None with --judge endpoint
+
+
+@torch.no_grad()
+def draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer, draw: int, update: int) -> JudgedPairs:
+    """Steps 1-3 for prompt batch number `draw` (1, 2, ... over the run): pairs_per_round prompts, two responses to
+    each, the labels. Every process samples its share and ends with the whole batch."""
+    pad_token_id, device = tokenizer.pad_token_id, accelerator.device
+    # 1. this process's share of the prompts (Detail 21: every process draws the same permutation)
+    rows = shuffled_query_batch(len(prompts), args.pairs_per_round, args.seed, draw - 1, accelerator.process_index,
+                                accelerator.num_processes)
+    queries = prompts[rows.tolist()]["query_token"]  # (n, Tq), left-padded
+    # 2. two responses per prompt from the current policy; --judge rm scores them here, on the same chunks
+    policy.eval()
+    responses, scores = [], []
+    for chunk in torch.arange(rows.numel()).split(args.local_rollout_forward_batch_size):
+        chunk_queries = queries[chunk].to(device)
+        with accelerator.autocast():
+            pair = sample_pairs(args, accelerator.unwrap_model(policy), chunk_queries, rows[chunk], draw, tokenizer)
+            if reward_model is not None:  # Detail 12: the score at the EOS
+                scores.append(get_score(reward_model, chunk_queries.repeat_interleave(2, 0), pair.flatten(0, 1),
+                                        pad_token_id).float().view(-1, 2))
+        responses.append(pair)
+    policy.train()
+    gathered = accelerator.gather((queries.to(device), torch.cat(responses)) + ((torch.cat(scores),) if scores else ()))
+    queries, responses = gathered[0].cpu(), gathered[1].cpu()  # (N, Tq), (N, 2, Tr)
+    has_eos = (responses == tokenizer.eos_token_id).any(2)  # (N, 2)
+    identical = (responses[:, 0] == responses[:, 1]).all(1)  # (N,)
+    # 3. the judge's verdicts, then the labels (Detail 23 first: a response without EOS loses)
+    scores = gathered[2].cpu() if reward_model is not None else None  # (N, 2)
+    if scores is not None:
+        run.guard(update, **{"online/scores": scores})  # a NaN score would decide a label
+        verdicts = rm_verdicts(scores)
+    else:
+        verdicts = judge_on_main(args, accelerator, run, queries, responses, has_eos, identical, tokenizer)
+    return JudgedPairs(queries, responses, *label_pairs(verdicts, has_eos, identical, args.non_eos_penalty), scores)
+
+
+def pair_columns(queries: torch.Tensor, responses: torch.Tensor, chosen: torch.Tensor, pad_token_id: int):
+    """The round's pairs in the processed preference schema that dpo.py trains on (PAIR_COLUMNS): left-padded query
+    (N, Tq) + right-padded chosen or rejected response (N, 2, Tr), and the same with the query as [PAD] (labels)."""
+    rows = torch.arange(queries.size(0))
+    columns = {}
+    for side, index in (("chosen", chosen), ("rejected", 1 - chosen)):
+        response = responses[rows, index]  # (N, Tr)
+        columns[f"query_{side}_token"] = torch.cat((queries, response), 1)
+        columns[f"query_{side}_token_response_label"] = torch.cat((torch.full_like(queries, pad_token_id), response), 1)
+    return columns
+
+
+class OnlineRounds:
+    """The round on hand: its pairs in PAIR_COLUMNS (sampled by the policy of the round's start, which a resumed run no
+    longer has), which of them are kept, their reference log-probs (N, 2); the prompt batches drawn so far in the run
+    and the counts summed over the rounds. Registered for checkpointing, and with the non-finite fallback."""
+
+    def __init__(self):
+        self.index, self.draws, self.pairs, self.keep, self.ref_table, self.totals = 0, 0, None, None, None, {}
+
+    def start(self, index: int, draws: int, pairs: Dict[str, torch.Tensor], keep: torch.Tensor, ref_table: torch.Tensor,
+              counts: Dict[str, int]) -> None:
+        self.index, self.draws, self.pairs, self.keep, self.ref_table = index, draws, pairs, keep, ref_table
+        self.totals = {key: self.totals.get(key, 0) + value for key, value in counts.items()}
+
+    def state_dict(self) -> dict:
+        return {**vars(self), "totals": dict(self.totals)}  # (start replaces the tensors, never writes into them)
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
+
+
+def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model, reward_model, prompts, tokenizer,
+                 round_index: int, update: int) -> None:
+    """Steps 1-4 of round `round_index`, whose first update is `update`, into `rounds` (on every process): prompt
+    batches are drawn until pairs_per_round pairs are kept (at most --max_draws_per_round batches; a dropped pair is
+    replaced by a pair of the next batch), the kept pairs in the order drawn, then the reference's log-probs of them."""
+    start_time, draws, counts, batches = time.time(), rounds.draws, {}, []
+    while True:
+        draws += 1
+        batches.append(draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer, draws, update))
+        counts = {key: counts.get(key, 0) + value for key, value in batches[-1].counts.items()}
+        if counts["pairs_kept"] >= args.pairs_per_round or draws - rounds.draws == args.max_draws_per_round:
+            break
+    queries, responses, chosen, keep = (torch.cat([getattr(batch, name) for batch in batches])
+                                        for name in ("queries", "responses", "chosen", "keep"))
+    # the first pairs_per_round kept pairs; when too few were kept, dropped ones fill the round with weight 0
+    order = torch.cat((keep.nonzero().flatten(), (~keep).nonzero().flatten()))[: args.pairs_per_round]
+    queries, responses, chosen, keep = queries[order], responses[order], chosen[order], keep[order]
+    # 4. the pairs in dpo.py's schema and the reference's log-probs of them: the SFT model, or the policy as it is now
+    pairs = pair_columns(queries, responses, chosen, tokenizer.pad_token_id)
+    dataset = with_row_index(Dataset.from_dict({name: column.tolist() for name, column in pairs.items()}), PAIR_COLUMNS)
+    reference = policy if args.reference == "last_round" else ref_model
+    policy.eval()
+    ref_table = precompute_reference_logprobs(accelerator, reference, dataset, args.local_eval_batch_size,
+                                              tokenizer.pad_token_id)
+    policy.train()
+    counts.update({"draws": draws - rounds.draws, "pairs_trained": int(keep.sum())})
+    rounds.start(round_index, draws, pairs, keep, ref_table, counts)
+
+    has_eos = (responses == tokenizer.eos_token_id).any(2)  # of the round's pairs
+    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(2))
+    metrics = {f"online/{key}": value for key, value in counts.items()}
+    metrics.update({"online/round": round_index, "online/eos_rate": float(has_eos.float().mean()),
+                    "online/response_token_len_mean": float(token_len.float().mean()),
+                    "online/round_s": time.time() - start_time})
+    if reward_model is not None and keep.any():
+        scores = torch.cat([batch.scores for batch in batches])[order][keep]  # (kept, 2)
+        metrics["online/scores_chosen"] = float(scores.gather(1, chosen[keep].unsqueeze(1)).mean())
+        metrics["online/scores_rejected"] = float(scores.gather(1, 1 - chosen[keep].unsqueeze(1)).mean())
+    # logged at the round's first update: after any checkpoint taken before the round, so a resumed run neither keeps
+    # a stale copy of this line nor writes it twice
+    run.log(update, metrics)
+    if counts["pairs_kept"] < counts["pairs"]:
+        accelerator.print(
+            f"round {round_index}: {counts['pairs'] - counts['pairs_kept']} of {counts['pairs']} pairs dropped (ties "
+            f"{counts['dropped_ties']}, invalid {counts['dropped_invalid']}, no EOS in either {counts['dropped_no_eos']})"
+            f"; {counts['draws']} prompt batch(es) drawn, {counts['pairs_trained']} of {args.pairs_per_round} slots filled")
+
+
+# ---------------------------------------------------------------------------------------------
+# The update: the docstring's steps on one batch (the pieces it shares with the forks follow main)
+# ---------------------------------------------------------------------------------------------
+
+
+TRAIN_STATS = [  # per update: means over its kept pairs (and their count), logged as means over the logging interval
+    "train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",
+    "train/logps/chosen", "train/logps/rejected", "train/pairs",
+]
+
+
+def online_dpo_update(args, accelerator, run, policy, optimizer, rounds, first: int, update: int, pad_token_id: int):
+    """Step 5: steps 1-6 of dpo.py on the round's pairs first, first + 1, ..., first + total_batch_size - 1, of which
+    this process takes its share in gradient_accumulation_steps micro batches: each one's loss and its gradient
+    (accumulated), checked by the non-finite guard before its backward pass, then one AdamW step after the last.
+    Returns the sums of TRAIN_STATS (all but the last) over this process's kept pairs, the number of pairs the update
+    kept on all processes, and the tokens trained on."""
+    kept = int(rounds.keep[first : first + args.total_batch_size].sum())
+    sums, tokens = torch.zeros(len(TRAIN_STATS) - 1, device=accelerator.device), 0
+    for micro in range(args.gradient_accumulation_steps):
+        start = first + (accelerator.process_index * args.gradient_accumulation_steps + micro) * args.local_micro_batch_size
+        rows = torch.arange(start, start + args.local_micro_batch_size)  # in the order drawn
+        batch = {**{name: rounds.pairs[name][rows].to(accelerator.device) for name in PAIR_COLUMNS}, "row_index": rows}
+        weights = rounds.keep[rows].float().to(accelerator.device)  # a dropped pair weighs 0
+        with accelerator.accumulate(policy):
+            with accelerator.autocast():  # steps 1-3: sequence log-probs (B,) of chosen and rejected
+                policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
+                ref_chosen, ref_rejected = reference_logprobs(None, rounds.ref_table, batch, pad_token_id)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(  # steps 4-5
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
+                args.label_smoothing, ipo_token_counts(args, batch, pad_token_id),
+            )
+            # the mean over the update's kept pairs on every process: backward divides by the accumulation steps and
+            # the gradient average by the processes, so the sum is scaled up by both first
+            loss = (losses * weights).sum() * (args.gradient_accumulation_steps * accelerator.num_processes) / max(kept, 1)
+            # non-finite guard before backward: a NaN never reaches the gradients or the weights
+            run.guard(update, **{
+                "train/loss": loss, "train/logps/chosen": policy_chosen, "train/logps/rejected": policy_rejected,
+                "train/ref_logps/chosen": ref_chosen, "train/ref_logps/rejected": ref_rejected,
+            })
+            accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+            optimizer.step()  # step 6; a no-op until the last micro batch of the update
+            optimizer.zero_grad()
+        sums += torch.stack([  # in the order of TRAIN_STATS, summed over the kept pairs
+            losses.detach(), chosen_rewards, rejected_rewards, chosen_rewards - rejected_rewards,
+            (chosen_rewards > rejected_rewards).float(), policy_chosen.detach(), policy_rejected.detach(),
+        ]).float() @ weights
+        tokens += int(
+            (batch["query_chosen_token"] != pad_token_id).sum() + (batch["query_rejected_token"] != pad_token_id).sum()
+        )
+    if not accelerator.sync_gradients:
+        raise RuntimeError("gradient accumulation went out of step with the update loop")
+    return sums, kept, tokens
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    check_online_flags(args)
+    # ---------------- processes, batch arithmetic (Table 6: 64 pairs per update), run folder ----------------
+    accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
+    check_qlora_flags(args, accelerator)
+    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+
+    # ---------------- tokenizer and data ----------------
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+    pad_token_id = tokenizer.pad_token_id
+    train_dataset, eval_datasets, sample_raw, sample_dataset = load_online_data(args, tokenizer)  # train: prompts
+    args.num_updates = num_updates = count_updates(args, len(train_dataset))
+    updates_per_round = check_rounds(args, num_updates, len(train_dataset))
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+
+    # ---------------- models: the policy and the frozen reference, both the SFT model ----------------
+    # with LoRA (--lora_rank) the reference is the policy with its adapters off (QLoRA: the same 4-bit base)
+    policy, ref_model = (load_lora_policy_and_reference(args, accelerator, tokenizer) if args.lora_rank > 0
+                         else load_policy_and_reference(args, accelerator, tokenizer))
+    reward_model = load_judge_reward_model(args, accelerator, tokenizer)  # the judge of --judge rm (else None)
+    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
+    trained = [p for p in policy.parameters() if p.requires_grad]  # all of them, or the LoRA adapters alone
+    adamw = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
+    # accelerate's wrapper would step it once per process)
+    lr_scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    policy, optimizer = accelerator.prepare(policy, adamw)
+    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
+    rounds = OnlineRounds()  # the round's pairs (their responses have seeds of their own) and the running counts
+    accelerator.register_for_checkpointing(rounds)
+    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+
+    # ---------------- resume and logs ----------------
+    last_good = LastGoodState(run, accelerator, adamw, lr_scheduler, rounds)  # the non-finite guard's fallback
+    # the trainer state: the update reached and the open logging interval. The frozen reference is not saved: it is
+    # the SFT model, loaded again; --reference last_round's log-probs of the current round travel with its pairs
+    state = run.start({"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0,
+                       "last_train_metrics": {}}, num_updates=num_updates, pairs_per_round=args.pairs_per_round,
+                      judge=args.judge, reference=args.reference)
+    start_update = state["update"]
+    accelerator.step = start_update * args.gradient_accumulation_steps  # accelerate's count of micro batches
+    interval = LoggingInterval(state)  # training metrics since the last log, carried by checkpoints
+
+    def run_evaluation(update: int, final: bool = False) -> dict:
+        """Detail 19: the implicit reward model on the preference splits; samples of the policy."""
+        pairs = evaluate_preferences(accelerator, policy, ref_model, {}, eval_datasets, args, pad_token_id)
+        sampled = sample_responses(accelerator, policy, tokenizer, sample_dataset, generation_config, args)
+        metrics = write_evaluation(run, args, update, final, pairs, eval_datasets, sampled, sample_raw, tokenizer)
+        run.log(update, {"episode": update * args.total_batch_size, **metrics})
+        return metrics
+
+    # ---------------- training: one optimizer update per total_batch_size pairs ----------------
+    accelerator.print(
+        f"online DPO ({args.loss_type}, beta {args.beta}, judge {args.judge}, reference {args.reference}): "
+        f"{num_updates} updates of {args.total_batch_size} pairs in rounds of {args.pairs_per_round}, "
+        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
+        f"{args.local_micro_batch_size} pairs"
+    )
+    policy.train()
+    progress = tqdm(total=num_updates, initial=start_update, desc=args.exp_name, disable=not accelerator.is_local_main_process)
+    with progress:  # closed before an error's message, which stays the last line of the output
+        for update in range(start_update + 1, num_updates + 1):
+            with last_good.kept(update, interval.state()):  # a non-finite value: the state after update - 1 is saved
+                round_index, first = divmod(update - 1, updates_per_round)  # first: the update's place in its round
+                if first == 0:  # steps 1-4: a new round of pairs, sampled from the policy as it is now
+                    online_round(args, accelerator, run, rounds, policy, ref_model, reward_model, train_dataset,
+                                 tokenizer, round_index + 1, update)
+                sums, kept, tokens = online_dpo_update(args, accelerator, run, policy, optimizer, rounds,
+                                                       first * args.total_batch_size, update, pad_token_id)  # step 5
+            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
+            lr_scheduler.step()
+
+            # ---------------- logging: means over the update's kept pairs (NaN if it kept none), then over updates ----
+            interval.add((accelerator.reduce(sums, reduction="sum") / kept).tolist() + [kept],
+                         int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")))
+            episode = update * args.total_batch_size
+            progress.update(1)
+            if update % args.log_every == 0 or update == num_updates:
+                means = interval.close(update_lr, episode / len(train_dataset))
+                run.log(update, {"episode": episode, **means})
+                progress.set_postfix(loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
+                                     tok_s=f"{means['train/tokens_per_s']:.0f}")
+            if due(args.eval_every, update, num_updates):
+                run_evaluation(update)
+                interval.restart_clock()  # evaluation time is not training throughput
+            # after the update's logging and evaluation, so a resumed run repeats neither
+            if due(args.checkpoint_every, update, num_updates):
+                run.checkpoint(update, interval.state())
+
+    # ---------------- final evaluation and outputs ----------------
+    metrics = run_evaluation(num_updates, final=True)
+    summary = {**metrics, **interval.last_means,  # the last logging interval's training means
+               **{f"online/{key}_total": value for key, value in rounds.totals.items()},  # every round's counts
+               "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
+               "wall_time_s": time.time() - start_time}
+    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
+        save_merged_policy(accelerator, policy, tokenizer, args.output_dir)
+    else:
+        save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
+    if args.push_to_hub and accelerator.is_main_process:
+        upload_to_hub(args)
+    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
+    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# What the update and the evaluation call, shared by dpo.py and its forks
 # ---------------------------------------------------------------------------------------------
 
 
@@ -343,49 +787,9 @@ def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict
     return concatenated_logprobs(ref_model, batch, pad_token_id)
 
 
-@torch.no_grad()
-def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int):
-    """One pass of the reference over `dataset` (made by with_row_index) -> table (N, 2) of
-    [chosen, rejected] sequence log-probs, indexed by row. Rows are split across processes and
-    gathered back by row index."""
-    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False))
-    table = torch.full((len(dataset), 2), float("nan"))
-    for batch in tqdm(dataloader, desc="reference log-probs", disable=not accelerator.is_local_main_process):
-        with accelerator.autocast():
-            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id)
-        rows, chosen, rejected = accelerator.gather_for_metrics((batch["row_index"], chosen, rejected))
-        table[rows.cpu()] = torch.stack((chosen, rejected), dim=1).float().cpu()
-    if torch.isnan(table).any():
-        raise RuntimeError("some rows got no reference log-prob; the gathered row indices do not cover the dataset")
-    return table
-
-
-def with_row_index(dataset, columns: List[str]):
-    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
-    The index travels with every batch so that results gathered from several processes (and the
-    precomputed reference log-probs) can be matched back to their rows."""
-    dataset = dataset.add_column("row_index", list(range(len(dataset))))
-    return dataset.with_format("torch", columns=columns + ["row_index"])
-
-
-def load_policy_and_reference(args, accelerator, tokenizer):
-    """The two models of DPO, both the SFT model: the policy, with float32 master weights (bf16 is autocast), and
-    the frozen reference, which may live in bf16 and never drops out (it must give the same log-probs every time).
-    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (prepare_frozen_model)."""
-    policy = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
-    )
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
-    )
-    for model in (policy, ref_model):
-        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-        if len(tokenizer) > model.config.vocab_size:
-            model.resize_token_embeddings(len(tokenizer))
-    if args.disable_dropout:  # Detail 7
-        disable_dropout(policy)
-    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
-    return policy, prepare_frozen_model(accelerator, ref_model)
+# ---------------------------------------------------------------------------------------------
+# Detail 19: the implicit reward model (the Table 5 analogue), and samples of the policy
+# ---------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -414,307 +818,6 @@ def evaluate_preferences(accelerator, model, ref_model, ref_tables, eval_dataset
         frames[split] = frame
     model.train()
     return frames
-
-
-@torch.no_grad()
-def sample_responses(accelerator, model, tokenizer, dataset, generation_config, args: Args):
-    """Detail 23 sampling on the SFT validation queries: exactly response_length new tokens, then truncate
-    after the first EOS. Returns the row index (N,) of each query and its truncated response (N, Tr)."""
-    model.eval()
-    unwrapped = accelerator.unwrap_model(model)
-    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
-    rows_all, responses_all = [], []
-    for batch in dataloader:
-        queries = batch["query_token"]  # (B, Tq), left-padded
-        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
-        with accelerator.autocast():
-            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
-        responses = truncate_response(
-            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
-        )  # (B, Tr)
-        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
-        rows_all.append(rows.cpu())
-        responses_all.append(responses.cpu())
-    model.train()
-    return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
-
-
-# ---------------------------------------------------------------------------------------------
-# Online pairs: each prompt's two responses, the judge's labels, the round's pairs and reference log-probs
-# ---------------------------------------------------------------------------------------------
-
-
-def sample_seed(seed: int, draw: int, prompt_index: int, k: int) -> int:
-    """The seed of response k (0 or 1) to row `prompt_index` of the prompt split in prompt batch number `draw` (the
-    round's number as long as no dropped pair has been replaced; a prompt appears at most once in a batch): 63 bits of
-    a digest of the four numbers, so it depends on nothing else (not the batch, not the process that samples it)."""
-    digest = hashlib.sha256(f"{seed}/{draw}/{prompt_index}/{k}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-class GumbelSampler(LogitsProcessor):
-    """Sampling from softmax(logits / T), each row with its own torch.Generator, inside a greedy generate.
-
-    HF generate draws the tokens of every row from the one global RNG, so the tokens a row gets depend on the rows
-    sampled before it: on the batch, and on how the prompts are split across processes. The Gumbel-max trick puts
-    the randomness into the scores instead: with G_v independent standard Gumbel noise (G = -log(-log U), U uniform
-    on (0, 1)), argmax_v (logits_v / T + G_v) is a draw from softmax(logits / T). Each row's noise comes from its own
-    generator and generate picks the argmax (greedy decoding), so a row's tokens depend only on its seed and on its
-    own logits. Banned tokens ([PAD]) stay at -inf."""
-
-    def __init__(self, generators: List[torch.Generator], temperature: float):
-        self.generators, self.temperature = generators, temperature
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        # one draw of V uniforms per row and step; U = 0 (-log(-log 0) = -inf) is moved to the smallest float
-        uniform = torch.stack([torch.rand(scores.size(1), generator=g) for g in self.generators])  # (B, V)
-        gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
-        return scores.float() / self.temperature + gumbel.to(scores.device)
-
-
-@torch.no_grad()
-def sample_pairs(lm, queries: torch.Tensor, prompt_indices: torch.Tensor, seed: int, draw: int, temperature: float,
-                 generation_config, tokenizer) -> torch.Tensor:
-    """Step 2: two responses (B, 2, Tr) to each left-padded query (B, Tq). Detail 23: exactly response_length new
-    tokens (generation_config: greedy, no stop at EOS, [PAD] banned), then truncated after the first EOS. Response k
-    to the prompt in row prompt_indices[i] draws its noise from sample_seed(seed, draw, prompt_indices[i], k)."""
-    pad_token_id = tokenizer.pad_token_id
-    queries = queries.repeat_interleave(2, dim=0)  # rows 2i and 2i + 1: the two responses to prompt i
-    queries = queries[:, real_columns(queries, pad_token_id)]  # the left padding every row shares is cut
-    generators = [torch.Generator().manual_seed(sample_seed(seed, draw, int(p), k))
-                  for p in prompt_indices.tolist() for k in (0, 1)]
-    attention_mask = queries != pad_token_id
-    sequences = lm.generate(
-        input_ids=torch.masked_fill(queries, ~attention_mask, 0), attention_mask=attention_mask,
-        generation_config=generation_config, logits_processor=LogitsProcessorList([GumbelSampler(generators, temperature)]),
-    )
-    responses = truncate_response(tokenizer.eos_token_id, pad_token_id, sequences[:, queries.size(1):])  # (2B, Tr)
-    return responses.view(-1, 2, responses.size(1))
-
-
-TIE, INVALID = -1, -2  # judge verdicts besides 0 (the first response is better) and 1 (the second is)
-
-
-def judged_pairs(has_eos: torch.Tensor, identical: torch.Tensor, non_eos_penalty: bool):
-    """Which pairs the EOS rule decides (B,), which it drops (B,: neither response has an EOS) and which go to the
-    judge (B,), from has_eos (B, 2) and identical (B,). Identical responses are a tie that no judge is asked about
-    (their DPO gradient is 0 anyway)."""
-    if not non_eos_penalty:
-        nobody = torch.zeros_like(identical)
-        return nobody, nobody, ~identical
-    by_eos = (has_eos[:, 0] != has_eos[:, 1]) & ~identical  # Detail 23: the response with an EOS wins
-    no_eos = ~has_eos.any(1) & ~identical  # both get ppo.py's penalty score: no preference
-    return by_eos, no_eos, ~identical & ~by_eos & ~no_eos
-
-
-def label_pairs(verdicts: torch.Tensor, has_eos: torch.Tensor, identical: torch.Tensor, non_eos_penalty: bool):
-    """Step 3: the index (0 or 1) of the chosen response of each pair (B,), which pairs are kept (B,) and the counts
-    of the round. The judge's verdicts (B,) are read only for the pairs judged_pairs sends it: 0 or 1 is its choice,
-    TIE (equal scores) and INVALID (no parseable answer) drop the pair. A dropped pair is counted, never a coin flip."""
-    by_eos, no_eos, asked = judged_pairs(has_eos, identical, non_eos_penalty)
-    chosen = torch.where(by_eos, has_eos[:, 1].long(), (verdicts == 1).long())
-    keep = by_eos | (asked & (verdicts >= 0))
-    counts = {
-        "pairs": int(identical.numel()), "pairs_kept": int(keep.sum()), "decided_by_eos": int(by_eos.sum()),
-        "dropped_ties": int((identical | (asked & (verdicts == TIE))).sum()),
-        "dropped_invalid": int((asked & (verdicts == INVALID)).sum()), "dropped_no_eos": int(no_eos.sum()),
-    }
-    return chosen, keep, counts
-
-
-def rm_verdicts(scores: torch.Tensor) -> torch.Tensor:
-    """--judge rm: the verdict of each pair from its two reward-model scores (B, 2): the higher wins, equal is a TIE."""
-    return torch.where(scores[:, 0] > scores[:, 1], 0, torch.where(scores[:, 1] > scores[:, 0], 1, TIE))
-
-
-def endpoint_verdicts(judge_args, cache_path: str, posts: List[str], firsts: List[str], seconds: List[str],
-                      asked: torch.Tensor):
-    """--judge endpoint: the verdicts (B,) of the asked pairs, and the client's counts. Each asked pair gets the
-    paper's prompt (Appendix I) with its two responses in an order drawn from the pair's texts (pair_order: the
-    judge's position bias cannot favour response 0), through judge.py's client: concurrent requests, retries with
-    backoff, re-asks of an unparseable reply, and the reply cache. A reply that never parses, or a request that failed
-    for good, is INVALID; two texts that read the same are a TIE, not asked. Pairs not asked stay TIE."""
-    verdicts, jobs, asked_rows = torch.full((len(posts),), TIE), [], []
-    for i in asked.nonzero().flatten().tolist():
-        first, second = (without_eos_text(text, judge_args.strip_eos_text) for text in (firsts[i], seconds[i]))
-        if first == second:
-            continue
-        swap = pair_order(judge_args.seed, posts[i], first, second)  # 1: the second response is Summary A
-        jobs.append((pairwise_prompt(posts[i], *((second, first) if swap else (first, second))), parse_verdict))
-        asked_rows.append((i, swap))
-    cache = ReplyCache(cache_path)
-    try:
-        outcomes, stats = run_jobs(judge_args, jobs, lambda i, outcome: None, cache)
-    finally:
-        cache.close()
-    for (i, swap), outcome in zip(asked_rows, outcomes):
-        verdicts[i] = INVALID if outcome.status != "ok" else int((outcome.parsed[0] == "B") != bool(swap))
-    return verdicts, stats
-
-
-def pair_columns(queries: torch.Tensor, responses: torch.Tensor, chosen: torch.Tensor, pad_token_id: int):
-    """The round's pairs in the processed preference schema that dpo.py trains on (PAIR_COLUMNS): left-padded query
-    (N, Tq) + right-padded chosen or rejected response (N, 2, Tr), and the same with the query as [PAD] (labels)."""
-    rows = torch.arange(queries.size(0))
-    columns = {}
-    for side, index in (("chosen", chosen), ("rejected", 1 - chosen)):
-        response = responses[rows, index]  # (N, Tr)
-        columns[f"query_{side}_token"] = torch.cat((queries, response), 1)
-        columns[f"query_{side}_token_response_label"] = torch.cat((torch.full_like(queries, pad_token_id), response), 1)
-    return columns
-
-
-class OnlineRounds:
-    """The pairs of the current round (sampled from the policy of the round's start, so a resumed run could not draw
-    them again) with their kept mask and reference log-probs, the number of prompt batches drawn so far and the counts
-    summed over the rounds. Registered for checkpointing: state_dict returns the state as of the last commit() (after
-    every completed update), so a checkpoint written inside an update (the non-finite guard) holds the state after
-    the last good one."""
-
-    def __init__(self):
-        self.index, self.draws, self.pairs, self.keep, self.ref_table, self.totals = 0, 0, None, None, None, {}
-        self.commit()
-
-    def start(self, index: int, draws: int, pairs: Dict[str, torch.Tensor], keep: torch.Tensor, ref_table: torch.Tensor,
-              counts: Dict[str, int]) -> None:
-        self.index, self.draws, self.pairs, self.keep, self.ref_table = index, draws, pairs, keep, ref_table
-        self.totals = {key: self.totals.get(key, 0) + value for key, value in counts.items()}
-
-    def commit(self) -> None:
-        self.saved = {"index": self.index, "draws": self.draws, "pairs": self.pairs, "keep": self.keep,
-                      "ref_table": self.ref_table, "totals": dict(self.totals)}
-
-    def state_dict(self) -> dict:
-        return dict(self.saved)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.index, self.draws, self.pairs = state["index"], state["draws"], state["pairs"]
-        self.keep, self.ref_table, self.totals = state["keep"], state["ref_table"], dict(state["totals"])
-        self.commit()
-
-
-@torch.no_grad()
-def draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer, generation_config, draw: int,
-               update: int):
-    """Steps 1-3 for prompt batch number `draw` (1, 2, ... over the run): pairs_per_round prompts, two responses to
-    each, the labels. Every process samples its share and ends with the whole batch, in the order of the global
-    prompt batch: queries (N, Tq), responses (N, 2, Tr), chosen (N,), keep (N,), the counts, and the RM scores (N, 2)
-    (None with --judge endpoint)."""
-    pad_token_id, device = tokenizer.pad_token_id, accelerator.device
-    # 1. this process's share of the prompts (Detail 21: every process draws the same permutation)
-    rows = shuffled_query_batch(len(prompts), args.pairs_per_round, args.seed, draw - 1, accelerator.process_index,
-                                accelerator.num_processes)
-    queries = prompts[rows.tolist()]["query_token"]  # (n, Tq), left-padded
-    # 2. two responses per prompt from the current policy; --judge rm scores them here, on the same chunks
-    policy.eval()
-    responses, scores = [], []
-    for chunk in torch.arange(rows.numel()).split(args.local_rollout_forward_batch_size):
-        chunk_queries = queries[chunk].to(device)
-        with accelerator.autocast():
-            pair = sample_pairs(accelerator.unwrap_model(policy), chunk_queries, rows[chunk], args.seed, draw,
-                                args.temperature, generation_config, tokenizer)  # (b, 2, Tr)
-            if reward_model is not None:  # Detail 12: the score at the EOS
-                scores.append(get_score(reward_model, chunk_queries.repeat_interleave(2, 0), pair.flatten(0, 1),
-                                        pad_token_id).float().view(-1, 2))
-        responses.append(pair)
-    policy.train()
-    gathered = accelerator.gather((queries.to(device), torch.cat(responses)) + ((torch.cat(scores),) if scores else ()))
-    queries, responses = gathered[0].cpu(), gathered[1].cpu()  # (N, Tq), (N, 2, Tr)
-    has_eos = (responses == tokenizer.eos_token_id).any(2)  # (N, 2)
-    identical = (responses[:, 0] == responses[:, 1]).all(1)  # (N,)
-    # 3. the judge's verdicts, then the labels (Detail 23 first: a response without EOS loses)
-    scores = gathered[2].cpu() if reward_model is not None else None  # (N, 2)
-    if scores is not None:
-        run.guard(update, **{"online/scores": scores})  # a NaN score would decide a label
-        verdicts = rm_verdicts(scores)
-    else:
-        verdicts = judge_on_main(args, accelerator, run, queries, responses, has_eos, identical, tokenizer)
-    chosen, keep, counts = label_pairs(verdicts, has_eos, identical, args.non_eos_penalty)
-    return queries, responses, chosen, keep, counts, scores
-
-
-def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model, reward_model, prompts, tokenizer,
-                 generation_config, round_index: int, update: int) -> None:
-    """Steps 1-4 of round `round_index`, whose first update is `update`, into `rounds` (on every process): prompt
-    batches are drawn until pairs_per_round pairs are kept (at most --max_draws_per_round batches; a dropped pair is
-    replaced by a pair of the next batch), the kept pairs in the order drawn, then the reference's log-probs of them."""
-    start_time, draws, counts, drawn = time.time(), rounds.draws, {}, []
-    while True:
-        draws += 1
-        drawn.append(draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer, generation_config,
-                                draws, update))
-        counts = {key: counts.get(key, 0) + value for key, value in drawn[-1][4].items()}
-        if counts["pairs_kept"] >= args.pairs_per_round or draws - rounds.draws == args.max_draws_per_round:
-            break
-    queries, responses, chosen, keep = (torch.cat([d[i] for d in drawn]) for i in range(4))
-    # the first pairs_per_round kept pairs; when too few were kept, dropped ones fill the round with weight 0
-    order = torch.cat((keep.nonzero().flatten(), (~keep).nonzero().flatten()))[: args.pairs_per_round]
-    queries, responses, chosen, keep = queries[order], responses[order], chosen[order], keep[order]
-    # 4. the pairs in dpo.py's schema and the reference's log-probs of them: the SFT model, or the policy as it is now
-    pairs = pair_columns(queries, responses, chosen, tokenizer.pad_token_id)
-    dataset = with_row_index(Dataset.from_dict({name: column.tolist() for name, column in pairs.items()}), PAIR_COLUMNS)
-    reference = policy if args.reference == "last_round" else ref_model
-    policy.eval()
-    ref_table = precompute_reference_logprobs(accelerator, reference, dataset, args.local_eval_batch_size,
-                                              tokenizer.pad_token_id)
-    policy.train()
-    counts.update({"draws": draws - rounds.draws, "pairs_trained": int(keep.sum())})
-    rounds.start(round_index, draws, pairs, keep, ref_table, counts)
-
-    has_eos = (responses == tokenizer.eos_token_id).any(2)  # of the round's pairs
-    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(2))
-    metrics = {f"online/{key}": value for key, value in counts.items()}
-    metrics.update({"online/round": round_index, "online/eos_rate": float(has_eos.float().mean()),
-                    "online/response_token_len_mean": float(token_len.float().mean()),
-                    "online/round_s": time.time() - start_time})
-    if reward_model is not None and keep.any():
-        scores = torch.cat([d[5] for d in drawn])[order][keep]  # (kept, 2)
-        metrics["online/scores_chosen"] = float(scores.gather(1, chosen[keep].unsqueeze(1)).mean())
-        metrics["online/scores_rejected"] = float(scores.gather(1, 1 - chosen[keep].unsqueeze(1)).mean())
-    # logged at the round's first update: after any checkpoint taken before the round, so a resumed run neither keeps
-    # a stale copy of this line nor writes it twice
-    run.log(update, metrics)
-    if counts["pairs_kept"] < counts["pairs"]:
-        accelerator.print(
-            f"round {round_index}: {counts['pairs'] - counts['pairs_kept']} of {counts['pairs']} pairs dropped (ties "
-            f"{counts['dropped_ties']}, invalid {counts['dropped_invalid']}, no EOS in either {counts['dropped_no_eos']})"
-            f"; {counts['draws']} prompt batch(es) drawn, {counts['pairs_trained']} of {args.pairs_per_round} slots filled")
-
-
-def judge_on_main(args, accelerator, run, queries, responses, has_eos, identical, tokenizer) -> torch.Tensor:
-    """--judge endpoint: the main process asks the judge about the pairs (one client, one cache file) and sends the
-    verdicts (N,) to the others. A judge that cannot be used at all stops every process with the same error."""
-    payload = [None]
-    if accelerator.is_main_process:
-        pad_token_id = tokenizer.pad_token_id
-        posts = [tokenizer.decode(q[q != pad_token_id], skip_special_tokens=True).strip() for q in queries]
-        texts = [[tokenizer.decode(r[r != pad_token_id], skip_special_tokens=True) for r in pair] for pair in responses]
-        _, _, asked = judged_pairs(has_eos, identical, args.non_eos_penalty)
-        judge_args = SimpleNamespace(**asdict(args.endpoint), seed=args.seed)
-        cache_path = args.endpoint.cache_path or os.path.join(run.dir, "judge_cache.sqlite")
-        try:
-            verdicts, stats = endpoint_verdicts(judge_args, cache_path, posts, [t[0] for t in texts],
-                                                [t[1] for t in texts], asked)
-            payload = [verdicts.tolist()]
-            if stats["retries"] or stats["api_errors"]:  # the client's trouble, shown (the dropped pairs are counted)
-                print(f"judge: {stats['requests']} requests, {stats['retries']} retries, {stats['api_errors']} failed")
-        except JudgeUnavailableError as error:
-            payload = [str(error)]
-    payload = broadcast_object_list(payload)
-    if isinstance(payload[0], str):
-        raise JudgeUnavailableError(payload[0])
-    return torch.tensor(payload[0])
-
-
-TRAIN_STATS = [  # per update: means over its kept pairs (and their count), logged as means over the logging interval
-    "train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",
-    "train/logps/chosen", "train/logps/rejected", "train/pairs",
-]
-
-
-# ---------------------------------------------------------------------------------------------
-# Detail 19: DPO as a reward model (the Table 5 analogue), its samples
-# ---------------------------------------------------------------------------------------------
 
 
 def preference_report(pairs: Dict[str, pd.DataFrame], eval_datasets):
@@ -768,6 +871,29 @@ def implicit_reward_breakdown(frame: pd.DataFrame, split_name: str) -> List[dict
     return rows
 
 
+@torch.no_grad()
+def sample_responses(accelerator, model, tokenizer, dataset, generation_config, args: Args):
+    """Detail 23 sampling on the SFT validation queries: exactly response_length new tokens, then truncate
+    after the first EOS. Returns the row index (N,) of each query and its truncated response (N, Tr)."""
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
+    rows_all, responses_all = [], []
+    for batch in dataloader:
+        queries = batch["query_token"]  # (B, Tq), left-padded
+        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
+        with accelerator.autocast():
+            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+        responses = truncate_response(
+            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
+        )  # (B, Tr)
+        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
+        rows_all.append(rows.cpu())
+        responses_all.append(responses.cpu())
+    model.train()
+    return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
+
+
 def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
     """The samples table (the columns every policy script writes) of sample_responses' rows (N,) and truncated
     responses (N, Tr), and its metrics: the EOS rate and the mean response length."""
@@ -797,26 +923,367 @@ def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# The options main switches on: the reference's log-probs computed once, LoRA and QLoRA
 # ---------------------------------------------------------------------------------------------
 
 
-def exact_div(a: int, b: int, what: str = "batch size") -> int:
-    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
-    q = a // b
-    if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
-    return q
+@torch.no_grad()
+def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int):
+    """One pass of the reference over `dataset` (made by with_row_index) -> table (N, 2) of
+    [chosen, rejected] sequence log-probs, indexed by row. Rows are split across processes and
+    gathered back by row index."""
+    dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False))
+    table = torch.full((len(dataset), 2), float("nan"))
+    for batch in tqdm(dataloader, desc="reference log-probs", disable=not accelerator.is_local_main_process):
+        with accelerator.autocast():
+            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id)
+        rows, chosen, rejected = accelerator.gather_for_metrics((batch["row_index"], chosen, rejected))
+        table[rows.cpu()] = torch.stack((chosen, rejected), dim=1).float().cpu()
+    if torch.isnan(table).any():
+        raise RuntimeError("some rows got no reference log-prob; the gathered row indices do not cover the dataset")
+    return table
 
 
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
-        dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
+def load_lora_policy_and_reference(args, accelerator, tokenizer):
+    """--lora_rank: the policy is the SFT model with LoRA adapters (lora_policy), and the reference is the same model
+    with its adapters off (AdaptersOff), so the weights exist once. With --load_in_4bit (QLoRA) the reference is
+    therefore the 4-bit base the adapters train on, and the log-ratios of the policy and the reference are exactly 0
+    at initialisation (LoRA's B starts at zero). A separate float32 reference would differ from the 4-bit policy by
+    the rounding of every weight: its log-ratios would start away from 0, a quantization bias in the implicit reward
+    (eq. 5) that the loss would spend its first updates on."""
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
+        **quantized_loading(args, args.bf16),
+    )
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > policy.config.vocab_size:
+        policy.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(policy)
+    policy = lora_policy(policy, args)
+    if not args.load_in_4bit:  # on the device already for --precompute_ref_logprobs (a 4-bit model loads there)
+        policy.to(accelerator.device)
+    return policy, AdaptersOff(policy)
+
+
+class AdaptersOff:
+    """The reference of a LoRA run: the policy itself with its adapters disabled, which computes the SFT model it
+    started from. Called like a model (by forward()), always in eval mode (no dropout), whatever mode the policy is
+    in. It holds the peft model, not the wrapper accelerator.prepare makes of it: the reference needs no gradients."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, **inputs):
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            with self.policy.disable_adapter():
+                return self.policy(**inputs)
+        finally:
+            self.policy.train(training)
+
+
+def quantized_loading(args, bf16: bool) -> dict:
+    """The policy's extra from_pretrained arguments: none without --load_in_4bit (the model loads as it always did);
+    with it, the QLoRA base, quantized as it loads and placed on this process's device (every data-parallel
+    process holds its own copy). bf16: whether the run computes in bf16 (--bf16)."""
+    if not args.load_in_4bit:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    # QLoRA: the settings of Dettmers et al. (2023). The frozen weights of every linear layer stored in 4-bit
+    # NormalFloat (NF4), their per-block scales quantized a second time (double quantization), each layer dequantized
+    # on the fly to the compute dtype, the run's: bf16 with --bf16, else float32. The embeddings, layer norms and
+    # output layer stay unquantized, and the LoRA adapters train in float32 on top
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float32)
+    return {"quantization_config": config, "device_map": {"": PartialState().device}}
+
+
+def lora_policy(model, args):
+    """LoRA (--lora_rank): adapters of rank --lora_rank on every linear layer of the policy (peft), the only weights
+    that train; the base stays frozen (in 4-bit with --load_in_4bit). The reference policy of a LoRA run is this
+    model with its adapters disabled."""
+
+    def load_quant_state(layer, state_dict, prefix, *_):
+        # --resume: a checkpoint holds each 4-bit layer's packed weight and, beside it, its quantization state (block
+        # scales, code book), which bitsandbytes writes but does not read back: taken out here and put in place
+        from bitsandbytes.functional import QuantState
+
+        stored = {key[len(f"{prefix}weight."):]: state_dict.pop(key) for key in list(state_dict)
+                  if key.startswith(f"{prefix}weight.")}
+        if stored:
+            layer.weight.quant_state = layer.quant_state = QuantState.from_dict(stored, device=layer.weight.device)
+
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # a 4-bit layer of bitsandbytes (QLoRA)
+            # On a CPU with AVX-512 BF16, bitsandbytes moves a 4-bit layer to a bf16 inference kernel (with a weight
+            # layout of its own) at its first forward in eval mode without gradients. That kernel computes other
+            # numbers than training does, and a training forward after it fails: every forward keeps the one path
+            # (dequantize to the compute dtype, then multiply)
+            module.support_avx512bf16_for_cpu = False
+            module.register_load_state_dict_pre_hook(load_quant_state)
+    return get_peft_model(
+        model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear")
+    )
+
+
+def merged_policy(policy) -> torch.nn.Module:
+    """A LoRA policy (peft) as the plain transformers model it computes: every adapted layer's weight becomes
+    W + delta, delta = peft's get_delta_weight (B A scaled by alpha / rank), in float32 and CPU memory, with no
+    quantization config, so that the saved folder loads with a plain from_pretrained (judge.py, report.py, the next
+    stage). A 4-bit base layer (QLoRA) is first dequantized to the very weights its forward used while the adapters
+    trained. (peft's merge_and_unload would quantize W + delta back to 4 bits: a second rounding, which moves the
+    merged model away from the one trained.) The policy itself is left as it is."""
+    from accelerate import init_empty_weights
+    from peft.tuners.lora import LoraLayer
+
+    try:
+        from bitsandbytes.functional import dequantize_4bit
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:  # plain LoRA needs no bitsandbytes: none of its layers is 4-bit
+        Linear4bit = ()
+
+    def on_cpu(tensor: torch.Tensor) -> torch.Tensor:  # a float32 copy, never a view of the policy's tensors
+        return tensor.detach().to("cpu", torch.float32, copy=True)
+
+    def weight_of(layer) -> torch.Tensor:  # the weight a linear layer computes with
+        if isinstance(layer, Linear4bit):
+            return on_cpu(dequantize_4bit(layer.weight.data, layer.weight.quant_state))
+        return on_cpu(layer.weight)
+
+    model = policy.get_base_model()  # the transformers model, its linear layers wrapped by peft's LoRA layers
+    adapted = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    state = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if any(name.startswith(f"{outer}.") for outer in adapted):
+            continue  # the inside of an adapted layer (its base layer and adapters), folded in below
+        if name in adapted:
+            base, weight = module.get_base_layer(), weight_of(module.get_base_layer())
+            for adapter in module.active_adapters:
+                if adapter not in module.merged_adapters:
+                    weight = weight + on_cpu(module.get_delta_weight(adapter))  # W + delta
+            state[prefix + "weight"] = weight
+            if base.bias is not None:
+                state[prefix + "bias"] = on_cpu(base.bias)
+            continue
+        for key, tensor in module.named_parameters(recurse=False):
+            quantized = isinstance(module, Linear4bit) and key == "weight"
+            state[prefix + key] = weight_of(module) if quantized else on_cpu(tensor)
+        for key, tensor in module.named_buffers(recurse=False):
+            state[prefix + key] = tensor.detach().to("cpu", copy=True)
+    config = copy.deepcopy(model.config)
+    config.__dict__.pop("quantization_config", None)  # a plain float32 model, like every other stage's
+    with init_empty_weights():  # no random initialisation, nor a draw from the RNG: every weight comes from `state`
+        plain = type(model)(config)
+    missing = set(plain.state_dict()) - set(state)
+    if missing:
+        raise RuntimeError(f"merged_policy: no weights for {sorted(missing)[:5]} in {type(model).__name__}")
+    plain.load_state_dict({key: state[key] for key in plain.state_dict()}, assign=True)
+    plain.tie_weights()
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    return plain.eval()
+
+
+def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
+    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
+    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
+    gathering the partitioned weights; the main process saves."""
+    unwrapped = accelerator.unwrap_model(wrapped)
+    gathered = contextlib.nullcontext()
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
+    accelerator.wait_for_everyone()
+    with gathered:
+        if accelerator.is_main_process:
+            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
+            tokenizer.save_pretrained(output_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# The setup that decides numbers: flags, processes and batches, tokenizer, data, models
+# ---------------------------------------------------------------------------------------------
+
+
+def check_dpo_flags(args) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
+        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
+
+
+def check_online_flags(args) -> None:
+    """dpo.py's flag checks, and those of the online pairs; --judge endpoint finds its API key in the environment
+    (or talks to a loopback endpoint) before anything is loaded."""
+    check_dpo_flags(args)
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature must be > 0: at 0 both responses to a prompt are the same (got {args.temperature})")
+    if args.max_draws_per_round < 1:
+        raise ValueError(f"--max_draws_per_round must be >= 1 (1 = never replace a dropped pair), got {args.max_draws_per_round}")
+    if args.pairs_per_round is None:
+        args.pairs_per_round = args.total_batch_size  # recorded in args.json
+    if args.judge == "endpoint":
+        resolve_api_key(args.endpoint.base_url)  # raises when OPENAI_API_KEY is unset; the key itself is not kept
+
+
+def check_rounds(args, num_updates: int, num_prompts: int) -> int:
+    """The updates per round: --pairs_per_round in whole batches, the run in whole rounds, a round within the prompts."""
+    updates_per_round = exact_div(args.pairs_per_round, args.total_batch_size, "pairs_per_round / total_batch_size")
+    exact_div(num_updates, updates_per_round, f"the run's {num_updates} updates / {updates_per_round} updates per round")
+    if args.pairs_per_round > num_prompts:
+        raise ValueError(f"--pairs_per_round {args.pairs_per_round} is more than the {num_prompts} prompts of "
+                         f"{args.query_dataset} split {args.train_split!r}")
+    return updates_per_round
+
+
+def make_accelerator(args) -> Accelerator:
+    """The run's processes and Accelerator, and the batch arithmetic that depends on their number: gradient
+    accumulation over args.gradient_accumulation_steps micro batches (derived from the batch sizes), a data order
+    that a resumed run can find its place in, bf16 autocast with --bf16 (None: where CUDA supports it), and under
+    DeepSpeed the micro batch and the gradient clipping (configure_deepspeed)."""
+    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
+    accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
+                             "total_batch_size / (local_micro_batch_size * world_size)")
+    check_gradient_accumulation(args, accumulation, args.world_size)
+    args.gradient_accumulation_steps = accumulation  # recorded in args.json
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(
+        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        # the shuffle of epoch e depends on (seed, e) alone, so a resumed run finds its place in the data
+        # (see resumable_micro_batches)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        mixed_precision="bf16" if args.bf16 else "no",
+    )
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    return accelerator
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
+    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
+    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
+    if config is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
+        )
+    return tokenizer
+
+
+def load_online_data(args, tokenizer):
+    """The prompts to train on, every evaluation split of preference pairs and the SFT validation queries sampled for
+    the sample table. Every split is checked for the columns read from it and for the tokenizer that made it before
+    any work. Returns the train split (tensors with row_index), {split: (raw rows, tensors)} for evaluation, and the
+    sample queries (raw rows, tensors); --num_eval_samples shortens the evaluation splits."""
+    train_raw = load_split(args.query_dataset, args.train_split)
+    check_columns(train_raw, ["query_token"], f"{args.query_dataset} split {args.train_split!r}")
+    check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.train_split!r}")
+    train_dataset = with_row_index(train_raw, ["query_token"])
+    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
+    eval_datasets = {}
+    for split in eval_split_names:
+        raw = load_split(args.preference_dataset, split)
+        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
+        check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
+        if args.num_eval_samples is not None:
+            raw = raw.select(range(min(args.num_eval_samples, len(raw))))
+        eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
+    sample_raw = load_split(args.query_dataset, args.eval_split)
+    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
+    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.eval_split!r}")
+    if args.num_eval_samples is not None:
+        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
+    return train_dataset, eval_datasets, sample_raw, with_row_index(sample_raw, ["query_token"])
+
+
+def with_row_index(dataset, columns: List[str]):
+    """Keep only `columns` (as torch tensors) plus `row_index`, the row's position in `dataset`.
+    The index travels with every batch so that results gathered from several processes (and the
+    precomputed reference log-probs) can be matched back to their rows."""
+    dataset = dataset.add_column("row_index", list(range(len(dataset))))
+    return dataset.with_format("torch", columns=columns + ["row_index"])
+
+
+def preference_eval_splits(path: str) -> List[str]:
+    """Every split of the preference dataset whose name starts with "validation" (Detail 6: the
+    TL;DR validation set has out-of-distribution policy pairs and a CNN/DM split)."""
+    names = list(load_from_disk(path).keys()) if os.path.isdir(path) else get_dataset_split_names(path)
+    splits = sorted(name for name in names if name.startswith("validation"))
+    if not splits:
+        raise ValueError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
+    return splits
+
+
+def count_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
+    train data) in full batches of total_batch_size; a last partial batch is dropped."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = total_episodes // args.total_batch_size
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+    return num_updates
+
+
+def load_policy_and_reference(args, accelerator, tokenizer):
+    """The two models of DPO, both the SFT model: the policy, with float32 master weights (bf16 is autocast), and
+    the frozen reference, which may live in bf16 and never drops out (it must give the same log-probs every time).
+    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (prepare_frozen_model)."""
+    policy = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
+    )
+    for model in (policy, ref_model):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if len(tokenizer) > model.config.vocab_size:
+            model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:  # Detail 7
+        disable_dropout(policy)
+    disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
+    return policy, prepare_frozen_model(accelerator, ref_model)
+
+
+def load_judge_reward_model(args, accelerator, tokenizer):
+    """--judge rm: the frozen reward model, checked to read the policy's token ids, placed like the reference
+    (Detail 8: under ZeRO-3 an inference engine); None with --judge endpoint."""
+    if args.judge != "rm":
+        return None
+    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        trust_remote_code=args.trust_remote_code,
+    )
+    if reward_model.config.vocab_size < len(tokenizer):
+        reward_model.resize_token_embeddings(len(tokenizer))
+    disable_dropout(reward_model)  # frozen: the same score every time
+    return prepare_frozen_model(accelerator, reward_model)
 
 
 def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
@@ -838,6 +1305,29 @@ def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = Fa
     engine = deepspeed.initialize(model=model, config=config)[0]
     engine.eval()
     return engine.module
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -934,7 +1424,6 @@ def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_
     return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
 
 
-
 def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
     """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
     context_length = queries.size(1)
@@ -957,9 +1446,74 @@ def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
     )
 
 
+class LoggingInterval:
+    """The training metrics since the last log: one row of TRAIN_STATS per update (already averaged over micro
+    batches and processes, so every process holds the same rows and a checkpoint can carry them), the tokens
+    trained on and the time taken. Built from the trainer state (an empty interval, or a checkpoint's)."""
+
+    def __init__(self, state: dict):
+        self.rows, self.tokens = state["interval"], state["interval_tokens"]
+        self.start = time.time() - state["interval_time"]
+        self.last_means = state["last_train_metrics"]  # the last logged means, for the summary
+
+    def add(self, row: List[float], tokens: int) -> None:
+        self.rows.append(row)
+        self.tokens += tokens
+
+    def close(self, lr: float, epoch: float) -> Dict[str, float]:
+        """The interval's means (and throughput, learning rate, epoch); a new interval starts."""
+        means = dict(zip(TRAIN_STATS, np.mean(self.rows, axis=0).tolist()))
+        means["train/tokens_per_s"] = self.tokens / (time.time() - self.start)
+        means["train/lr"] = lr
+        means["train/epoch"] = epoch
+        self.last_means = means
+        self.rows, self.tokens, self.start = [], 0, time.time()
+        return means
+
+    def restart_clock(self) -> None:
+        self.start = time.time()
+
+    def state(self) -> dict:
+        return {"interval": self.rows, "interval_tokens": self.tokens, "interval_time": time.time() - self.start,
+                "last_train_metrics": self.last_means}
+
+
+def write_evaluation(run, args, update: int, final: bool, pairs: Dict[str, pd.DataFrame], eval_datasets, sampled,
+                     sample_raw, tokenizer) -> Dict[str, float]:
+    """An evaluation's metrics and outputs: samples/step_N.csv and the TensorBoard text tabs; after training also
+    samples.csv, the accuracy table (eval_table.csv, eval_table.md, printed) and every scored pair (eval_pairs.csv)."""
+    metrics, table_rows, frame = preference_report(pairs, eval_datasets)
+    samples, sample_metrics = sample_table(tokenizer, sample_raw, *sampled)
+    metrics.update(sample_metrics)
+    run.save_table(samples, f"samples/step_{update:06d}.csv")
+    if not run.main:
+        return metrics
+    run.writer.add_text("eval/accuracy_table", breakdown_markdown(table_rows), update)  # TensorBoard's text tab
+    run.writer.add_text("eval/samples", frame_markdown(samples.head(8)), update)
+    if final:
+        run.save_table(samples, "samples.csv")
+        run.save_table(pd.DataFrame(table_rows), "eval_table.csv")
+        with open(os.path.join(run.dir, "eval_table.md"), "w") as f:
+            f.write(breakdown_markdown(table_rows) + "\n")
+        run.save_table(frame, "eval_pairs.csv")
+        print(breakdown_markdown(table_rows))
+    if args.print_sample_every > 0 and (final or update % args.print_sample_every == 0):
+        for row in samples.head(2).itertuples():
+            print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\nREFERENCE: {row.reference}")
+    return metrics
+
+
+def breakdown_markdown(rows: List[dict]) -> str:
+    """The accuracy table as Markdown, in reward.py's layout so the RM and DPO tables sit side by side."""
+    lines = ["| dataset split | metric | key | value | n |", "| --- | --- | --- | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
-# The judge's client, copied from judge.py (identical copies; tests/test_shared_helpers.py): the paper's prompt
-# (Appendix I), the order of the two responses, the verdict parser, the API key, the reply cache, retries
+# Shared with judge.py (identical copies; tests/test_shared_helpers.py): the paper's prompt (Appendix I), the order of
+# the two responses, the verdict parser. They decide the labels
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1027,379 +1581,6 @@ def parse_verdict(reply: str) -> Optional[tuple[str, str]]:
         return None
     comparison = _COMPARISON_RE.search(reply)
     return verdicts.pop(), (comparison.group(1) if comparison else "")
-
-
-def main(args: Args) -> dict:
-    start_time = time.time()
-    check_online_flags(args)
-    # ---------------- batch arithmetic (Table 6: 64 pairs per update), processes, run folder ----------------
-    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
-    accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
-                             "total_batch_size / (local_micro_batch_size * world_size)")
-    check_gradient_accumulation(args, accumulation, args.world_size)
-    args.gradient_accumulation_steps = accumulation  # recorded in args.json
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = make_dpo_accelerator(args)  # gradient accumulation, bf16 autocast
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
-
-    # ---------------- seeding (labelled, deliberate) ----------------
-    set_seed(args.seed)  # weights and data order: identical on every rank
-    local_seed = args.seed + accelerator.process_index * 100003  # evaluation sampling differs per rank
-
-    # ---------------- tokenizer and data ----------------
-    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
-    pad_token_id = tokenizer.pad_token_id
-    prompts, eval_datasets, sample_raw, sample_dataset = load_online_data(args, tokenizer)
-    args.num_updates = num_updates = count_updates(args, len(prompts))
-    updates_per_round = check_rounds(args, num_updates, len(prompts))
-    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
-
-    # ---------------- models: the policy and the frozen reference, both the SFT model; the reward model ----------------
-    policy, ref_model = load_policy_and_reference(args, accelerator, tokenizer)
-    reward_model = load_judge_reward_model(args, accelerator, tokenizer)  # None with --judge endpoint
-    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
-    # the pairs: greedy decoding of scores that GumbelSampler has made a sample at --temperature (Detail 23 as well)
-    pair_config = sampling_config(args, tokenizer, 0.0)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
-    # accelerate's wrapper would step it once per process)
-    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-    policy, optimizer = accelerator.prepare(policy, optimizer)
-    accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
-    rounds = OnlineRounds()  # the current round's pairs and the running counts; a checkpoint carries them
-    accelerator.register_for_checkpointing(rounds)
-    torch.manual_seed(local_seed)  # evaluation samples differ across ranks (each pair's responses have their own seeds)
-
-    # ---------------- resume and logs ----------------
-    # the trainer state: the update reached and the open logging interval. The frozen reference is not saved: it is
-    # the SFT model, loaded again; --reference last_round's log-probs of the current round travel with its pairs
-    state = run.start({"update": 0, "interval": [], "interval_tokens": 0, "interval_time": 0.0,
-                       "last_train_metrics": {}}, num_updates=num_updates, pairs_per_round=args.pairs_per_round,
-                      judge=args.judge, reference=args.reference)
-    start_update = state["update"]
-    # accelerate counts micro batches to decide when to step: restart the count at the update boundary of the
-    # checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
-    accelerator.step = start_update * args.gradient_accumulation_steps
-    interval = DpoLoggingInterval(state)  # training metrics since the last log, carried by checkpoints
-
-    def run_evaluation(update: int, final: bool = False) -> dict:
-        """Detail 19: DPO's implicit reward model on the preference splits; samples of the policy."""
-        pairs = evaluate_preferences(accelerator, policy, ref_model, {}, eval_datasets, args, pad_token_id)
-        sampled = sample_responses(accelerator, policy, tokenizer, sample_dataset, generation_config, args)
-        metrics = write_dpo_evaluation(run, args, update, final, pairs, eval_datasets, sampled, sample_raw, tokenizer)
-        run.log(update, {"episode": update * args.total_batch_size, **metrics})
-        return metrics
-
-    # ---------------- training: rounds of pairs, one optimizer update per total_batch_size of them ----------------
-    accelerator.print(
-        f"online DPO ({args.loss_type}, beta {args.beta}, judge {args.judge}, reference {args.reference}): "
-        f"{num_updates} updates of {args.total_batch_size} pairs in rounds of {args.pairs_per_round}, "
-        f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
-        f"{args.local_micro_batch_size} pairs"
-    )
-    policy.train()
-    progress = tqdm(total=num_updates, initial=start_update, desc="online_dpo", disable=not accelerator.is_local_main_process)
-    update = start_update
-    local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
-    try:
-        for update in range(start_update + 1, num_updates + 1):
-            round_index, first = divmod(update - 1, updates_per_round)
-            round_index, first = round_index + 1, first * args.total_batch_size  # the update's first pair in its round
-            if first == 0:  # steps 1-4: a new round of pairs, sampled from the policy as it is now
-                online_round(args, accelerator, run, rounds, policy, ref_model, reward_model, prompts, tokenizer,
-                             pair_config, round_index, update)
-            elif rounds.index != round_index:
-                raise RuntimeError(f"update {update} belongs to round {round_index}, but the pairs on hand are round "
-                                   f"{rounds.index}'s")
-            kept = int(rounds.keep[first : first + args.total_batch_size].sum())  # the update's pairs, all processes
-            sums, tokens = torch.zeros(len(TRAIN_STATS) - 1, device=accelerator.device), 0
-            for micro in range(args.gradient_accumulation_steps):
-                start = first + accelerator.process_index * local_batch_size + micro * args.local_micro_batch_size
-                rows = torch.arange(start, start + args.local_micro_batch_size)  # this process's share, in order
-                batch = {name: rounds.pairs[name][rows].to(accelerator.device) for name in PAIR_COLUMNS}
-                batch["row_index"] = rows
-                weights = rounds.keep[rows].float().to(accelerator.device)  # a dropped pair weighs 0
-                with accelerator.accumulate(policy):
-                    with accelerator.autocast():  # steps 1-3 of dpo.py: sequence log-probs (B,) of chosen and rejected
-                        policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
-                        ref_chosen, ref_rejected = reference_logprobs(None, rounds.ref_table, batch, pad_token_id)
-                    losses, chosen_rewards, rejected_rewards = dpo_loss(  # steps 4-5
-                        policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
-                        args.label_smoothing, ipo_token_counts(args, batch, pad_token_id),
-                    )
-                    # the mean over the update's kept pairs on every process: backward divides by the accumulation
-                    # steps and the gradient average by the processes, so the sum is scaled up by both first
-                    loss = (losses * weights).sum() * (args.gradient_accumulation_steps * accelerator.num_processes) / max(kept, 1)
-                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
-                    run.guard(update, **{
-                        "train/loss": loss, "train/logps/chosen": policy_chosen, "train/logps/rejected": policy_rejected,
-                        "train/ref_logps/chosen": ref_chosen, "train/ref_logps/rejected": ref_rejected,
-                    })
-                    accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
-                    optimizer.step()  # step 6; a no-op until the last micro batch of the update
-                    optimizer.zero_grad()
-                sums += torch.stack([  # in the order of TRAIN_STATS, summed over the kept pairs
-                    losses.detach(), chosen_rewards, rejected_rewards, chosen_rewards - rejected_rewards,
-                    (chosen_rewards > rejected_rewards).float(), policy_chosen.detach(), policy_rejected.detach(),
-                ]).float() @ weights
-                tokens += int(
-                    (batch["query_chosen_token"] != pad_token_id).sum() + (batch["query_rejected_token"] != pad_token_id).sum()
-                )
-            if not accelerator.sync_gradients:
-                raise RuntimeError("gradient accumulation went out of step with the update loop")
-            update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
-            lr_scheduler.step()
-
-            # ---------------- logging: means over the update's kept pairs (NaN if it kept none), then over updates ----
-            interval.add((accelerator.reduce(sums, reduction="sum") / kept).tolist() + [kept],
-                         int(accelerator.reduce(torch.tensor(tokens, device=accelerator.device), reduction="sum")))
-            episode = update * args.total_batch_size
-            progress.update(1)
-            if update % args.log_every == 0 or update == num_updates:
-                means = interval.close(update_lr, episode / len(prompts))
-                run.log(update, {"episode": episode, **means})
-                progress.set_postfix(loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
-                                     tok_s=f"{means['train/tokens_per_s']:.0f}")
-            if args.eval_every > 0 and update % args.eval_every == 0 and update < num_updates:
-                run_evaluation(update)
-                interval.restart_clock()  # evaluation time is not training throughput
-            rounds.commit()  # the round state a checkpoint saves: as of this completed update
-            # after the update's logging and evaluation, so a resumed run repeats neither
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < num_updates:
-                run.checkpoint(update, interval.state())
-    except NonFiniteError:
-        # the guard runs before backward and before the update's optimizer step, so the weights on hand are
-        # still those after update - 1: keep them as the last good checkpoint (never the poisoned ones)
-        progress.close()  # so that the error is the last line of the output
-        run.checkpoint(update - 1, interval.state())
-        accelerator.print(f"non-finite value in update {update}; last good checkpoint: {run.latest_checkpoint()}")
-        raise
-    progress.close()
-
-    # ---------------- final evaluation and outputs ----------------
-    metrics = run_evaluation(num_updates, final=True)
-    summary = {**metrics, **interval.last_means,  # the last logging interval's training means
-               **{f"online/{key}_total": value for key, value in rounds.totals.items()},  # every round's counts
-               "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
-               "wall_time_s": time.time() - start_time}
-    save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
-    if args.push_to_hub and accelerator.is_main_process:
-        upload_to_hub(args)
-    run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
-    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
-    return summary
-
-
-# =============================================================================================
-# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
-# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
-# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
-# =============================================================================================
-
-
-def check_dpo_flags(args) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded."""
-    if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
-        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
-
-
-def check_online_flags(args) -> None:
-    """dpo.py's flag checks, and those of the online pairs; --judge endpoint finds its API key in the environment
-    (or talks to a loopback endpoint) before anything is loaded."""
-    check_dpo_flags(args)
-    if args.temperature <= 0:
-        raise ValueError(f"--temperature must be > 0: at 0 both responses to a prompt are the same (got {args.temperature})")
-    if args.max_draws_per_round < 1:
-        raise ValueError(f"--max_draws_per_round must be >= 1 (1 = never replace a dropped pair), got {args.max_draws_per_round}")
-    if args.pairs_per_round is None:
-        args.pairs_per_round = args.total_batch_size  # recorded in args.json
-    if args.judge == "endpoint":
-        resolve_api_key(args.endpoint.base_url)  # raises when OPENAI_API_KEY is unset; the key itself is not kept
-
-
-def check_rounds(args, num_updates: int, num_prompts: int) -> int:
-    """The updates per round: --pairs_per_round in whole batches, the run in whole rounds, a round within the prompts."""
-    updates_per_round = exact_div(args.pairs_per_round, args.total_batch_size, "pairs_per_round / total_batch_size")
-    exact_div(num_updates, updates_per_round, f"the run's {num_updates} updates / {updates_per_round} updates per round")
-    if args.pairs_per_round > num_prompts:
-        raise ValueError(f"--pairs_per_round {args.pairs_per_round} is more than the {num_prompts} prompts of "
-                         f"{args.query_dataset} split {args.train_split!r}")
-    return updates_per_round
-
-
-def load_judge_reward_model(args, accelerator, tokenizer):
-    """--judge rm: the frozen reward model, checked to read the policy's token ids, placed like the reference
-    (Detail 8: under ZeRO-3 an inference engine); None with --judge endpoint."""
-    if args.judge != "rm":
-        return None
-    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(
-        args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        trust_remote_code=args.trust_remote_code,
-    )
-    if reward_model.config.vocab_size < len(tokenizer):
-        reward_model.resize_token_embeddings(len(tokenizer))
-    disable_dropout(reward_model)  # frozen: the same score every time
-    return prepare_frozen_model(accelerator, reward_model)
-
-
-def make_dpo_accelerator(args) -> Accelerator:
-    """The run's Accelerator: gradient accumulation over args.gradient_accumulation_steps micro batches, a data
-    order that a resumed run can find its place in, and bf16 autocast with --bf16."""
-    return Accelerator(
-        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        # the shuffle of epoch e depends on (seed, e) alone, so a resumed run finds its place in the data
-        # (see resumable_micro_batches)
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        mixed_precision="bf16" if args.bf16 else "no",
-    )
-
-
-def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
-    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
-    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
-    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
-    ablation); otherwise a tokenizer that already pads with EOS is refused."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    if pad_token == "eos":
-        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
-    elif tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
-    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
-            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
-            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
-            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
-            "purpose; the later stages refuse its model)"
-        )
-    return tokenizer
-
-
-def count_updates(args, num_rows: int) -> int:
-    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
-    train data) in full batches of total_batch_size; a last partial batch is dropped."""
-    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
-    num_updates = total_episodes // args.total_batch_size
-    if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
-                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
-    return num_updates
-
-
-def load_online_data(args, tokenizer):
-    """The prompts (--train_split of --query_dataset), every evaluation split of the preference pairs and the SFT
-    validation queries sampled for the sample table, each checked for the columns read from it and for the tokenizer
-    that made it before any work. Returns the prompts (tensors with row_index), {split: (raw rows, tensors)} for
-    evaluation, and the sample queries (raw rows, tensors); --num_eval_samples shortens the evaluation splits."""
-    prompts_raw = load_split(args.query_dataset, args.train_split)
-    check_columns(prompts_raw, ["query_token"], f"{args.query_dataset} split {args.train_split!r}")
-    check_data_tokenizer(prompts_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.train_split!r}")
-    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
-    eval_datasets = {}
-    for split in eval_split_names:
-        raw = load_split(args.preference_dataset, split)
-        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
-        check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
-        if args.num_eval_samples is not None:
-            raw = raw.select(range(min(args.num_eval_samples, len(raw))))
-        eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
-    sample_raw = load_split(args.query_dataset, args.eval_split)
-    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
-    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.eval_split!r}")
-    if args.num_eval_samples is not None:
-        sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
-    return (with_row_index(prompts_raw, ["query_token"]), eval_datasets, sample_raw,
-            with_row_index(sample_raw, ["query_token"]))
-
-
-def preference_eval_splits(path: str) -> List[str]:
-    """Every split of the preference dataset whose name starts with "validation" (Detail 6: the
-    TL;DR validation set has out-of-distribution policy pairs and a CNN/DM split)."""
-    names = list(load_from_disk(path).keys()) if os.path.isdir(path) else get_dataset_split_names(path)
-    splits = sorted(name for name in names if name.startswith("validation"))
-    if not splits:
-        raise ValueError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
-    return splits
-
-
-class DpoLoggingInterval:
-    """The training metrics since the last log: one row of TRAIN_STATS per update (already averaged over micro
-    batches and processes, so every process holds the same rows and a checkpoint can carry them), the tokens
-    trained on and the time taken. Built from the trainer state (an empty interval, or a checkpoint's)."""
-
-    def __init__(self, state: dict):
-        self.rows, self.tokens = state["interval"], state["interval_tokens"]
-        self.start = time.time() - state["interval_time"]
-        self.last_means = state["last_train_metrics"]  # the last logged means, for the summary
-
-    def add(self, row: List[float], tokens: int) -> None:
-        self.rows.append(row)
-        self.tokens += tokens
-
-    def close(self, lr: float, epoch: float) -> Dict[str, float]:
-        """The interval's means (and throughput, learning rate, epoch); a new interval starts."""
-        means = dict(zip(TRAIN_STATS, np.mean(self.rows, axis=0).tolist()))
-        means["train/tokens_per_s"] = self.tokens / (time.time() - self.start)
-        means["train/lr"] = lr
-        means["train/epoch"] = epoch
-        self.last_means = means
-        self.rows, self.tokens, self.start = [], 0, time.time()
-        return means
-
-    def restart_clock(self) -> None:
-        self.start = time.time()
-
-    def state(self) -> dict:
-        return {"interval": self.rows, "interval_tokens": self.tokens, "interval_time": time.time() - self.start,
-                "last_train_metrics": self.last_means}
-
-
-def write_dpo_evaluation(run, args, update: int, final: bool, pairs: Dict[str, pd.DataFrame], eval_datasets,
-                         sampled, sample_raw, tokenizer) -> Dict[str, float]:
-    """An evaluation's metrics and outputs: samples/step_N.csv and the TensorBoard text tabs; after training also
-    samples.csv, the accuracy table (eval_table.csv, eval_table.md, printed) and every scored pair (eval_pairs.csv)."""
-    metrics, table_rows, frame = preference_report(pairs, eval_datasets)
-    samples, sample_metrics = sample_table(tokenizer, sample_raw, *sampled)
-    metrics.update(sample_metrics)
-    run.save_table(samples, f"samples/step_{update:06d}.csv")
-    if not run.main:
-        return metrics
-    run.writer.add_text("eval/accuracy_table", breakdown_markdown(table_rows), update)  # TensorBoard's text tab
-    run.writer.add_text("eval/samples", frame_markdown(samples.head(8)), update)
-    if final:
-        run.save_table(samples, "samples.csv")
-        run.save_table(pd.DataFrame(table_rows), "eval_table.csv")
-        with open(os.path.join(run.dir, "eval_table.md"), "w") as f:
-            f.write(breakdown_markdown(table_rows) + "\n")
-        run.save_table(frame, "eval_pairs.csv")
-        print(breakdown_markdown(table_rows))
-    if args.print_sample_every > 0 and (final or update % args.print_sample_every == 0):
-        for row in samples.head(2).itertuples():
-            print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\nREFERENCE: {row.reference}")
-    return metrics
-
-
-def breakdown_markdown(rows: List[dict]) -> str:
-    """The accuracy table as Markdown, in reward.py's layout so the RM and DPO tables sit side by side."""
-    lines = ["| dataset split | metric | key | value | n |", "| --- | --- | --- | ---: | ---: |"]
-    for r in rows:
-        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
-    return "\n".join(lines)
-
-
-def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
-    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
-    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
-    if config is not None:
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ After a crash:    the same command with --resume: it continues from the latest c
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import random
@@ -190,8 +191,8 @@ class Args:
     disable_dropout: bool = True
     """Detail 7: no dropout in any model (policy, reference, RM, a critic), so that the first ratio is exactly 1"""
     bf16: Optional[bool] = None
-    """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
-    runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+    """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. On the CPU
+    the run computes in float32 unless --bf16 asks for bf16 (slow)"""
 
     # memory and speed (trlX / OpenRLHF)
     num_layers_unfrozen: int = -1
@@ -223,7 +224,287 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# The algorithm's pieces (module-level so that tests can check each one against a hand computation)
+# PPO's own pieces: the per-token rewards, GAE (steps 6-9), the losses and the update
+# ---------------------------------------------------------------------------------------------
+
+
+def per_token_rewards(scores, kl, mask, last_index, kl_coef):
+    """Step 6: -kl_coef * KL on every kept response token, plus the sequence score at the last kept
+    token (the EOS, or the last token when there is none); zero after the EOS."""
+    non_score_reward = -kl_coef * kl * mask
+    rewards = non_score_reward.clone()
+    # Detail 22 / Figure 11: the score is the reward of the EOS action, the episode's last; the state after it is
+    # terminal (compute_gae masks its value to 0). Unlike the reference code, which puts the score one position later
+    # (the first [PAD]) and trains V there, we follow Figure 11: [PAD] is not an action. At initialisation (critic =
+    # RM) both give the same advantages; later, with gamma 1, they differ at the EOS by (1 - lam)(V(EOS+1) - score).
+    rewards[torch.arange(rewards.size(0), device=rewards.device), last_index] += scores
+    return rewards, non_score_reward
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """Generalised advantage estimation over the response tokens, vectorised over the batch.
+    Rewards and values after the EOS are zeroed, so the episode ends at the EOS: the token after it
+    contributes no bootstrap value. Returns (advantages, returns), both zero after the EOS."""
+    rewards, values = rewards * mask, values * mask
+    num_steps = rewards.size(1)
+    last_gae = torch.zeros_like(rewards[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(num_steps)):
+        next_values = values[:, t + 1] if t + 1 < num_steps else torch.zeros_like(values[:, t])
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        last_gae = delta + gamma * lam * last_gae
+        advantages_reversed.append(last_gae)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1) * mask
+    return advantages, advantages + values
+
+
+def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, returns, mask, cliprange, cliprange_value):
+    """Clipped policy loss and clipped value loss (both masked means over the tokens), and per-micro-batch stats."""
+    pg_loss, stats = clipped_policy_loss(new_logprobs - old_logprobs, advantages, mask, cliprange)
+    vpred_clipped = old_values + torch.clamp(vpred - old_values, -cliprange_value, cliprange_value)
+    vf_losses_unclipped = (vpred - returns) ** 2
+    vf_losses_clipped = (vpred_clipped - returns) ** 2
+    vf_loss = 0.5 * masked_mean(torch.max(vf_losses_unclipped, vf_losses_clipped), mask)
+    stats["vf_clipfrac"] = masked_mean((vf_losses_clipped > vf_losses_unclipped).float(), mask).detach()
+    return pg_loss, vf_loss, stats
+
+
+@dataclass
+class RewardsAndAdvantages:
+    """Steps 5-9 for a local rollout batch of B episodes; each (B, T) tensor is 0 after the EOS."""
+
+    mask: torch.Tensor  # (B, T) response tokens up to and including the EOS
+    last_index: torch.Tensor  # (B,) index of the EOS (the last token when there is none)
+    scores: torch.Tensor  # (B,) after the EOS trick and the optional scaling and clipping
+    contains_eos: torch.Tensor  # (B,)
+    kl: torch.Tensor  # (B, T) per-token KL estimate
+    non_score_reward: torch.Tensor  # (B, T) -kl_coef * kl
+    rewards: torch.Tensor  # (B, T) the KL penalty plus the score at the EOS
+    values: torch.Tensor  # (B, T) the critic's values from the rollout
+    advantages: torch.Tensor  # (B, T)
+    returns: torch.Tensor  # (B, T)
+
+
+@torch.no_grad()
+def rewards_and_advantages(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coef: float, reward_moments,
+                           gather):
+    """From the reward models' scores to what the update trains on, for a local rollout batch: the mask after the
+    EOS, 5. the EOS trick, optional reward scaling and clipping (trlX), then 6. the per-token KL penalty with the
+    score at the EOS, 7. optional reward whitening, 8. GAE (advantages and returns), 9. advantage whitening.
+    `gather` collects a tensor across ranks (for the running reward statistics and the whitening)."""
+    responses = data["responses"]
+    mask, last_index = response_mask(responses, pad_token_id)  # kept tokens: up to and including the EOS
+    scores = data["rm_scores"]  # (B, n): one column per reward model
+    contains_eos = (responses == eos_token_id).any(1)
+    if args.non_eos_penalty:  # 5. Detail 23: EOS trick
+        scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
+    if args.ppo.scale_rewards:  # trlX: running-std scaling, statistics over all ranks, one per reward model
+        for column, moments in enumerate(reward_moments):
+            moments.update(gather(scores[:, column]))
+        scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
+    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) J2: several reward models, one score
+    if args.ppo.reward_clip is not None:
+        scores = torch.clamp(scores, -args.ppo.reward_clip, args.ppo.reward_clip)
+    # 6. per-token KL penalty and the score at the EOS; everything after the EOS is masked
+    kl = kl_per_token(data["logprobs"], data["ref_logprobs"], args.ppo.kl_estimator) * mask
+    rewards, non_score_reward = per_token_rewards(scores, kl, mask, last_index, kl_coef)
+    # whitening statistics of the global rollout batch: summing over processes = summing the gathered copies
+    sum_over_processes = (lambda x: gather(x.reshape(1)).sum()) if args.ppo.whiten_across_processes else None
+    if args.ppo.whiten_rewards:  # 7. Detail 24 (optional)
+        rewards = masked_whiten(rewards, mask, shift_mean=False, sum_over_processes=sum_over_processes)
+    values = data["values"] * mask
+    advantages, returns = compute_gae(rewards, values, mask, args.ppo.gamma, args.ppo.lam)  # 8.
+    if args.ppo.whiten_advantages:  # 9. Detail 25
+        advantages = masked_whiten(advantages, mask, sum_over_processes=sum_over_processes)
+    return RewardsAndAdvantages(mask, last_index, scores, contains_eos, kl, non_score_reward, rewards, values,
+                                advantages, returns)
+
+
+def ppo_update(args, accelerator, model, optimizer, data: dict, shaped, update: int, guard,
+               actor_freeze, ptx, pad_token_id: int) -> dict:
+    """The update: K epochs over the local rollout batch, each a fresh permutation cut into micro batches; every
+    gradient_accumulation_steps of them make a minibatch and one optimizer step. Returns this process's
+    statistics of each micro batch, (K, num_mini_batches, gradient_accumulation_steps) tensors. guard(update,
+    **tensors) is the non-finite guard (run.guard), checked on each loss before its backward. The options that act
+    inside the update, each a no-op when off: actor_freeze (ActorFreeze) and ptx (PtxData)."""
+    local_batch_size, response_length = data["responses"].shape
+    context_length = data["query_responses"].size(1) - response_length
+    micro = args.local_micro_batch_size
+    K, nmb = args.ppo.num_ppo_epochs, args.ppo.num_mini_batches
+    ga = local_batch_size // nmb // micro
+    device = accelerator.device
+    stats = {}  # name -> (K, nmb, ga)
+    model.train()
+    for epoch in range(K):
+        permutation = torch.randperm(local_batch_size, device=device)
+        for step in range(nmb * ga):  # micro batch `step` of this epoch is micro batch `micro_index` of minibatch `mb`
+            mb, micro_index = divmod(step, ga)
+            idx = permutation[step * micro : (step + 1) * micro]
+            with accelerator.accumulate(model):
+                ptx_tokens, ptx_labels = ptx.batch(update, epoch * nmb * ga + step, device, pad_token_id)
+                query_responses, ctx, width = trim_micro_batch(
+                    data["query_responses"][idx], data["responses"][idx], context_length, pad_token_id
+                )
+                new_logprobs, all_logprobs, vpred, ptx_logits = training_logprobs_and_values(
+                    model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens
+                )
+                pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, data["logprobs"][idx, :width],
+                                                        shaped.advantages[idx, :width], vpred, shaped.values[idx, :width],
+                                                        shaped.returns[idx, :width], shaped.mask[idx, :width],
+                                                        args.ppo.cliprange, args.ppo.cliprange_value)
+                ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
+                loss = actor_freeze.policy_loss_weight(update) * pg_loss + args.ppo.vf_coef * vf_loss
+                loss = loss + ptx.coef * ptx_loss
+                # non-finite guard: checked before backward, so the optimizer never applies it
+                guard(update, **{f"ppo/loss (epoch {epoch + 1}, minibatch {mb + 1})": loss})
+                accelerator.backward(loss)
+                actor_freeze.before_step(update)
+                optimizer.step()  # a no-op until the last micro batch of the minibatch
+                optimizer.zero_grad()
+            with torch.no_grad():
+                probs = all_logprobs.exp()
+                token_entropy = -(probs * torch.where(probs > 0, all_logprobs, 0.0)).sum(-1)
+                mb_stats.update(pg_loss=pg_loss.detach(), vf_loss=vf_loss.detach(), ptx_loss=ptx_loss.detach(),
+                                entropy=masked_mean(token_entropy, shaped.mask[idx, :width]))
+                for name, value in mb_stats.items():
+                    if name not in stats:  # allocated once, at the first micro batch
+                        stats[name] = torch.zeros((K, nmb, ga), device=device)
+                    stats[name][epoch, mb, micro_index] = value
+    return stats
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    start_processes()  # first: the batch arithmetic below depends on the number of processes
+    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
+    hparams = args.ppo  # the algorithm's knobs, --ppo.*
+    num_processes, device = accelerator.num_processes, accelerator.device
+    local_batch_size, gradient_accumulation_steps, num_updates, zero3 = batch_arithmetic(args, accelerator,
+                                                                                         hparams.num_mini_batches)
+    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+
+    # ---------------- seeding (labelled, deliberate) ----------------
+    set_seed(args.seed)  # weights (any fresh head) and data order: identical on every rank
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
+
+    # ---------------- tokenizer and models ----------------
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    for path in args.reward_model_path:
+        check_reward_tokenizer(tokenizer, args.sft_model_path, path, args.trust_remote_code)
+    # Detail 22: the critic starts as the reward model (a per-token RM); "sft" gets a fresh scalar head
+    critic_path = args.reward_model_path[0] if args.critic_init == "reward" else args.sft_model_path
+    # Hydra and LoRA enter here: they decide what the reference policy is (None with LoRA)
+    policy, critic, reward_models, ref_policy = load_models(args, tokenizer, bf16, critic_path)
+    model = PolicyAndValue(policy, critic)
+    adamw, actor_params = actor_critic_optimizer(args, policy, critic)
+    model, optimizer = accelerator.prepare(model, adamw)
+    # the frozen models need no optimizer state (Detail 8); --offload decides where they live between uses
+    reward_models, ref_policy, offload_by_hand = place_frozen_models(args, accelerator, reward_models, ref_policy, zero3)
+    actor_freeze = ActorFreeze(hparams.freeze_actor_updates, actor_params,
+                               deepspeed=accelerator.state.deepspeed_plugin is not None)
+
+    # ---------------- data ----------------
+    train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=hparams.ptx_coef > 0)
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+    query_tokens = torch.tensor(train_dataset["query_token"])  # (N, query_length), left-padded
+    draws_per_update = hparams.num_ppo_epochs * hparams.num_mini_batches * gradient_accumulation_steps
+    ptx = PtxData(hparams.ptx_coef, args, train_dataset, accelerator.process_index, num_processes, draws_per_update)
+    seed_sampling(local_seed)  # after the models exist, so that model init stays identical across ranks
+    generation_config = sampling_config(args, tokenizer, args.temperature)
+    eval_generation_config = sampling_config(args, tokenizer, args.eval_temperature)
+    eval_rows = functools.partial(eval_samples, args, accelerator, model, reward_models, eval_dataset, tokenizer,
+                                  eval_generation_config, offload_by_hand)
+
+    # ---------------- stateful pieces and resume ----------------
+    kl_controller = AdaptiveKLController(hparams.kl_coef, hparams.target_kl, hparams.kl_horizon, hparams.adaptive_kl)
+    reward_moments = [RunningMoments() for _ in args.reward_model_path]  # one per reward model
+    # saved and restored with the models, the optimizer and the RNG states. The data position and the learning
+    # rate need no entry: both are functions of the update number (see the loop)
+    accelerator.register_for_checkpointing(kl_controller, *reward_moments)
+    last_good = LastGoodState(run, accelerator, adamw, kl_controller, *reward_moments)  # the non-finite guard's fallback
+    state = run.start(fresh_trainer_state(), num_updates=num_updates, total_batch_size=args.total_batch_size)
+    start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
+    accelerator.print(f"{args.exp_name}: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} "
+                      f"processes x {local_batch_size}); {hparams.num_ppo_epochs} epochs x {hparams.num_mini_batches} "
+                      f"minibatches x {gradient_accumulation_steps} micro batches of {args.local_micro_batch_size}")
+    progress = tqdm(range(state["update"] + 1, num_updates + 1), initial=state["update"], total=num_updates,
+                    disable=not accelerator.is_local_main_process)
+    for update in progress:
+        with last_good.kept(update, state):  # a non-finite rollout leaves the state after update - 1 as a checkpoint
+            update_start, timers = time.time(), {"generation": 0.0, "scoring": 0.0}
+            # linear decay to 0 over the run (Table 7); a frozen actor (OpenRLHF) gets lr 0
+            lr = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
+            actor_freeze.set_lr(optimizer, update, lr)
+
+            # ---------------- rollout: steps 1-5 ----------------
+            model.eval()  # rollouts sample without dropout; with Detail 7 (dropout off) train() and eval() agree
+            rows = shuffled_query_batch(len(query_tokens), args.total_batch_size, args.seed, update - 1,
+                                        accelerator.process_index, num_processes)
+            queries = query_tokens[rows].to(device)  # 1. Detail 21
+            with accelerator.autocast():
+                data = rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config,
+                               timers, offload_by_hand)
+
+            # ---------------- steps 5-9: EOS trick, KL penalty, GAE, whitening ----------------
+            t_shaping = time.time()
+            shaped = rewards_and_advantages(args, data, eos_id, pad_id, kl_controller.value, reward_moments,
+                                            accelerator.gather)
+            # non-finite guard on the rollout, before any optimizer step uses it. The raw RM scores are checked
+            # themselves: the EOS trick would hide a NaN score of a response without EOS.
+            run.guard(update, **{"rollout/rm_scores": data["rm_scores"], "rollout/rewards": shaped.rewards,
+                                 "rollout/advantages": shaped.advantages})
+            timers["scoring"] += time.time() - t_shaping
+
+            # ---------------- the update: K epochs x minibatches x micro batches ----------------
+            t_train = time.time()
+            stats = ppo_update(args, accelerator, model, optimizer, data, shaped, update, run.guard, actor_freeze, ptx,
+                               pad_id)
+            timers["training"] = time.time() - t_train
+            timers["wall"] = time.time() - update_start
+
+            # ---------------- logging: whole-update averages gathered across ranks ----------------
+            metrics = update_metrics(args, accelerator, update, lr, kl_controller.value, data, shaped, stats, timers,
+                                     eos_id, "ppo")
+            # the rollout's KL (summed over each response, averaged over the global batch); no-op without adaptive_kl
+            kl_controller.update(accelerator.gather(shaped.kl.sum(1)).mean().item(), args.total_batch_size)
+            run.log(update, metrics)
+            totals = {key: state["totals"][key] + timers[key] for key in state["totals"]}
+            state = {"wall_time_s": time.time() - start_time, "totals": totals, "metrics": metrics}
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                             eps=f"{metrics['episodes_per_second']:.1f}")
+        if due(args.print_sample_every, update):
+            accelerator.print(f"[update {update}] score {shaped.scores[0].item():.3f} | "
+                              + tokenizer.decode(data["responses"][0], skip_special_tokens=True))
+        del data, shaped, stats
+        if due(args.eval_every, update, num_updates):
+            log_evaluation(run, args, update, eval_rows())
+        if due(args.save_policy_every, update, num_updates):
+            save_policy(accelerator, model, tokenizer, os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"),
+                        args.lora_rank > 0)
+        # resumable checkpoint, after this update's logging and evaluation: a resumed run starts with the next
+        # update, with the RNG states as they are now (not at the final update: the model is saved)
+        if due(args.checkpoint_every, update, num_updates):
+            run.checkpoint(update, state)
+    progress.close()
+
+    # ---------------- final evaluation and outputs ----------------
+    eval_metrics, table = log_evaluation(run, args, num_updates, eval_rows())
+    save_policy(accelerator, model, tokenizer, args.output_dir, args.lora_rank > 0)
+    summary = run_summary(args, state, eval_metrics, num_updates, start_time)
+    run.save_table(table, "samples.csv")
+    run.finish(summary)
+    if accelerator.is_main_process and args.push_to_hub:
+        accelerator.unwrap_model(model).policy.push_to_hub(args.hub_model_id or args.run_name)
+        tokenizer.push_to_hub(args.hub_model_id or args.run_name)
+    accelerator.print(json.dumps(summary, indent=2))
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# The rollout and the rest of each update, the same text in ppo.py and rloo.py: steps 1-5, the training pass, the
+# metrics, the evaluation
 # ---------------------------------------------------------------------------------------------
 
 
@@ -278,36 +559,6 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def per_token_rewards(scores, kl, mask, last_index, kl_coef):
-    """Step 6: -kl_coef * KL on every kept response token, plus the sequence score at the last kept
-    token (the EOS, or the last token when there is none); zero after the EOS."""
-    non_score_reward = -kl_coef * kl * mask
-    rewards = non_score_reward.clone()
-    # Detail 22 / Figure 11: the score is the reward of the EOS action, the episode's last; the state after it is
-    # terminal (compute_gae masks its value to 0). Unlike the reference code, which puts the score one position later
-    # (the first [PAD]) and trains V there, we follow Figure 11: [PAD] is not an action. At initialisation (critic =
-    # RM) both give the same advantages; later, with gamma 1, they differ at the EOS by (1 - lam)(V(EOS+1) - score).
-    rewards[torch.arange(rewards.size(0), device=rewards.device), last_index] += scores
-    return rewards, non_score_reward
-
-
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
-    """Generalised advantage estimation over the response tokens, vectorised over the batch.
-    Rewards and values after the EOS are zeroed, so the episode ends at the EOS: the token after it
-    contributes no bootstrap value. Returns (advantages, returns), both zero after the EOS."""
-    rewards, values = rewards * mask, values * mask
-    num_steps = rewards.size(1)
-    last_gae = torch.zeros_like(rewards[:, 0])
-    advantages_reversed = []
-    for t in reversed(range(num_steps)):
-        next_values = values[:, t + 1] if t + 1 < num_steps else torch.zeros_like(values[:, t])
-        delta = rewards[:, t] + gamma * next_values - values[:, t]
-        last_gae = delta + gamma * lam * last_gae
-        advantages_reversed.append(last_gae)
-    advantages = torch.stack(advantages_reversed[::-1], dim=1) * mask
-    return advantages, advantages + values
-
-
 def clipped_policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float):
     """PPO's clipped surrogate: the masked mean of max(-A * r, -A * clip(r, 1 - eps, 1 + eps)) over the ratios
     r = exp(log_ratio) of new to rollout probabilities, and its per-micro-batch stats."""
@@ -322,17 +573,6 @@ def clipped_policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask:
             "ratio": masked_mean(ratio, mask),
         }
     return pg_loss, stats
-
-
-def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, returns, mask, cliprange, cliprange_value):
-    """Clipped policy loss and clipped value loss (both masked means over the tokens), and per-micro-batch stats."""
-    pg_loss, stats = clipped_policy_loss(new_logprobs - old_logprobs, advantages, mask, cliprange)
-    vpred_clipped = old_values + torch.clamp(vpred - old_values, -cliprange_value, cliprange_value)
-    vf_losses_unclipped = (vpred - returns) ** 2
-    vf_losses_clipped = (vpred_clipped - returns) ** 2
-    vf_loss = 0.5 * masked_mean(torch.max(vf_losses_unclipped, vf_losses_clipped), mask)
-    stats["vf_clipfrac"] = masked_mean((vf_losses_clipped > vf_losses_unclipped).float(), mask).detach()
-    return pg_loss, vf_loss, stats
 
 
 class PolicyAndValue(nn.Module):
@@ -358,58 +598,11 @@ class PolicyAndValue(nn.Module):
         return {name: state_dict[f"policy.{name}"] for name in self.policy.state_dict()}
 
 
-@dataclass
-class ShapedRewards:
-    """Steps 5-9 for a local rollout batch of B episodes; each (B, T) tensor is 0 after the EOS."""
-
-    mask: torch.Tensor  # (B, T) response tokens up to and including the EOS
-    last_index: torch.Tensor  # (B,) index of the EOS (the last token when there is none)
-    scores: torch.Tensor  # (B,) after the EOS trick and the optional scaling and clipping
-    contains_eos: torch.Tensor  # (B,)
-    kl: torch.Tensor  # (B, T) per-token KL estimate
-    non_score_reward: torch.Tensor  # (B, T) -kl_coef * kl
-    rewards: torch.Tensor  # (B, T) the KL penalty plus the score at the EOS
-    values: torch.Tensor  # (B, T) the critic's values from the rollout
-    advantages: torch.Tensor  # (B, T)
-    returns: torch.Tensor  # (B, T)
-
-
-def shape_rewards(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coef: float, reward_moments, gather):
-    """Steps 5-9 on a local rollout batch: mask after the EOS, EOS trick, optional reward scaling and
-    clipping, per-token KL penalty with the score at the EOS, optional reward whitening, GAE, then
-    advantage whitening. `gather` collects a tensor across ranks (for the running reward statistics)."""
-    responses = data["responses"]
-    mask, last_index = response_mask(responses, pad_token_id)  # kept tokens: up to and including the EOS
-    scores = data["scores"]  # (B, n): one column per reward model
-    contains_eos = (responses == eos_token_id).any(1)
-    if args.non_eos_penalty:  # 5. Detail 23: EOS trick
-        scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
-    if args.ppo.scale_rewards:  # trlX: running-std scaling, statistics over all ranks, one per reward model
-        for column, moments in enumerate(reward_moments):
-            moments.update(gather(scores[:, column]))
-        scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
-    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) J2: several reward models, one score
-    if args.ppo.reward_clip is not None:
-        scores = torch.clamp(scores, -args.ppo.reward_clip, args.ppo.reward_clip)
-    # 6. per-token KL penalty and the score at the EOS; everything after the EOS is masked
-    kl = kl_per_token(data["logprobs"], data["ref_logprobs"], args.ppo.kl_estimator) * mask
-    rewards, non_score_reward = per_token_rewards(scores, kl, mask, last_index, kl_coef)
-    # whitening statistics of the global rollout batch: summing over processes = summing the gathered copies
-    sum_over_processes = (lambda x: gather(x.reshape(1)).sum()) if args.ppo.whiten_across_processes else None
-    if args.ppo.whiten_rewards:  # 7. Detail 24 (optional)
-        rewards = masked_whiten(rewards, mask, shift_mean=False, sum_over_processes=sum_over_processes)
-    values = data["values"] * mask
-    advantages, returns = compute_gae(rewards, values, mask, args.ppo.gamma, args.ppo.lam)  # 8.
-    if args.ppo.whiten_advantages:  # 9. Detail 25
-        advantages = masked_whiten(advantages, mask, sum_over_processes=sum_over_processes)
-    return ShapedRewards(mask, last_index, scores, contains_eos, kl, non_score_reward, rewards, values, advantages,
-                         returns)
-
-
-def policy_value_forward(model, query_responses, context_length: int, temperature: float, pad_token_id: int,
-                         ptx_query_responses=None):
-    """The training-time forward: temperature-scaled logprobs of the responses (B, T), the full log-softmax
-    (B, T, V), the critic's values (B, T) of the state before each response token (None without one), ptx logits."""
+def training_logprobs_and_values(model, query_responses, context_length: int, temperature: float,
+                                 pad_token_id: int, ptx_query_responses=None):
+    """The update's pass through PolicyAndValue: temperature-scaled logprobs of the responses (B, T), the full
+    log-softmax (B, T, V), the critic's values (B, T) of the state before each response token (None without one),
+    and the ptx logits."""
     logits, values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses)
     new_logprobs, all_logprobs = action_logprobs(
         logits[:, context_length - 1 : -1], query_responses[:, context_length:], temperature, pad_token_id
@@ -430,14 +623,14 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             offload_by_hand: bool):
     """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size. Returns the raw
     (untruncated) query_responses, the truncated responses, temperature-scaled logprobs of policy and
-    reference, RM scores (B, n) before the EOS trick and, with a critic, its values (B, T) of the state before each
-    response token (Detail 22). offload_by_hand: move the frozen models to the device around each use (--offload,
-    see place_frozen_models)."""
+    reference, rm_scores (B, n), the reward models' scores before the EOS trick, and, with a critic, its values
+    (B, T) of the state before each response token (Detail 22). offload_by_hand: move the frozen models to the
+    device around each use (--offload, see place_frozen_models)."""
     unwrapped = accelerator.unwrap_model(model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
     context_length = queries.size(1)
-    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "scores", "values")}
+    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "rm_scores", "values")}
     for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
         query = queries[start : start + args.local_rollout_forward_batch_size]
         t0 = time.time()
@@ -467,7 +660,7 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
         out["responses"].append(truncated)
         out["logprobs"].append(logprob)
         out["ref_logprobs"].append(ref_logprob)
-        out["scores"].append(score)
+        out["rm_scores"].append(score)
     return {k: torch.cat(v, 0) for k, v in out.items() if v}
 
 
@@ -481,66 +674,16 @@ def trim_micro_batch(query_responses, responses, context_length: int, pad_token_
     return query_responses[:, start : context_length + width], context_length - start, width
 
 
-def ppo_update(args, accelerator, model, optimizer, data: dict, shaped, update: int, run,
-               actor_freeze, ptx, pad_token_id: int) -> dict:
-    """The update: K epochs over the local rollout batch, each a fresh permutation cut into micro batches; every
-    gradient_accumulation_steps of them make a minibatch and one optimizer step. Returns this process's
-    statistics of each micro batch, (K, num_mini_batches, gradient_accumulation_steps) tensors. actor_freeze
-    (ActorFreeze) and ptx (PtxData) are the two options that act inside the update; off, they change nothing."""
-    local_batch_size, response_length = data["responses"].shape
-    context_length = data["query_responses"].size(1) - response_length
-    micro = args.local_micro_batch_size
-    K, nmb = args.ppo.num_ppo_epochs, args.ppo.num_mini_batches
-    ga = local_batch_size // nmb // micro
-    device = accelerator.device
-    stats = {}  # name -> (K, nmb, ga)
-    model.train()
-    for epoch in range(K):
-        permutation = torch.randperm(local_batch_size, device=device)
-        for step in range(nmb * ga):  # micro batch `step` of this epoch is micro batch `micro_index` of minibatch `mb`
-            mb, micro_index = divmod(step, ga)
-            idx = permutation[step * micro : (step + 1) * micro]
-            with accelerator.accumulate(model):
-                ptx_tokens, ptx_labels = ptx.batch(update, epoch * nmb * ga + step, device, pad_token_id)
-                query_responses, ctx, width = trim_micro_batch(
-                    data["query_responses"][idx], data["responses"][idx], context_length, pad_token_id
-                )
-                new_logprobs, all_logprobs, vpred, ptx_logits = policy_value_forward(
-                    model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens
-                )
-                pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, data["logprobs"][idx, :width],
-                                                        shaped.advantages[idx, :width], vpred, shaped.values[idx, :width],
-                                                        shaped.returns[idx, :width], shaped.mask[idx, :width],
-                                                        args.ppo.cliprange, args.ppo.cliprange_value)
-                ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
-                loss = actor_freeze.policy_loss_weight(update) * pg_loss + args.ppo.vf_coef * vf_loss
-                loss = loss + ptx.coef * ptx_loss
-                # non-finite guard: checked before backward, so the optimizer never applies it
-                run.guard(update, **{f"ppo/loss (epoch {epoch + 1}, minibatch {mb + 1})": loss})
-                accelerator.backward(loss)
-                actor_freeze.before_step(update)
-                optimizer.step()  # a no-op until the last micro batch of the minibatch
-                optimizer.zero_grad()
-            with torch.no_grad():
-                probs = all_logprobs.exp()
-                token_entropy = -(probs * torch.where(probs > 0, all_logprobs, 0.0)).sum(-1)
-                mb_stats.update(pg_loss=pg_loss.detach(), vf_loss=vf_loss.detach(), ptx_loss=ptx_loss.detach(),
-                                entropy=masked_mean(token_entropy, shaped.mask[idx, :width]))
-                for name, value in mb_stats.items():
-                    if name not in stats:  # allocated once, at the first micro batch
-                        stats[name] = torch.zeros((K, nmb, ga), device=device)
-                    stats[name][epoch, mb, micro_index] = value
-    return stats
-
-
 def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, data: dict, shaped, stats: dict,
                    timers: dict, eos_token_id: int, prefix: str) -> dict:
     """The update's metrics: rollout sums per episode, the statistics of the update's micro batches (under the
-    algorithm's `prefix`, as the reference names them), each averaged over the global batch (gathered across
-    processes), and the shares of the update's time."""
+    algorithm's `prefix`), each averaged over the global batch (gathered across processes), and the shares of the
+    update's time. A statistic logs as {prefix}/{its name in `names`} (the reference's names), else as
+    {prefix}/{its key}: a statistic a method adds reaches the logs as it is."""
     names = {"approxkl": "policy/approxkl_avg", "pg_clipfrac": "policy/clipfrac_avg", "entropy": "policy/entropy_avg",
              "pg_loss": "loss/policy_avg", "vf_loss": "loss/value_avg", "ptx_loss": "loss/ptx_avg",
              "vf_clipfrac": "val/clipfrac_avg", "ratio": "val/ratio"}  # those a method has (no critic: no vf_*)
+    logged = [key for key in names if key in stats] + [key for key in stats if key not in names]
     gather = accelerator.gather
     kl_sum, non_score_sum = gather(shaped.kl.sum(1)), gather(shaped.non_score_reward.sum(1))
     entropy_sum, scores = gather((-data["logprobs"] * shaped.mask).sum(1)), gather(shaped.scores)
@@ -555,10 +698,10 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
         "objective/non_score_reward": non_score_sum.mean().item(),
         "objective/rlhf_reward": non_score_sum.mean().item() + scores.mean().item(),
         "objective/scores": scores.mean().item(),
-        **({f"objective/scores_rm{j}": gather(data["scores"][:, j]).mean().item()  # each reward model's raw score
-            for j in range(data["scores"].size(1))} if data["scores"].size(1) > 1 else {}),
+        **({f"objective/scores_rm{j}": gather(data["rm_scores"][:, j]).mean().item()  # each reward model's raw score
+            for j in range(data["rm_scores"].size(1))} if data["rm_scores"].size(1) > 1 else {}),
         "objective/eos_rate": gather(shaped.contains_eos.float()).mean().item(),
-        **{f"{prefix}/{name}": stats[key].mean().item() for key, name in names.items() if key in stats},
+        **{f"{prefix}/{names.get(key, key)}": stats[key].mean().item() for key in logged},
         f"{prefix}/val/ratio_var": stats["ratio"].var(unbiased=False).item(),
         f"{prefix}/val/num_eos_tokens": num_eos_tokens.item(),
         "episodes_per_second": args.total_batch_size / timers["wall"],
@@ -568,147 +711,64 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
     }
 
 
-def main(args: Args) -> dict:
-    start_time = time.time()
-    bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    start_processes()  # first: the batch arithmetic below depends on the number of processes
-    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
-    # ---------------- batch arithmetic (fails loudly) ----------------
-    num_processes = accelerator.num_processes
-    local_batch_size = exact_div(args.total_batch_size, num_processes, "total_batch_size across processes")
-    local_mini_batch_size = exact_div(local_batch_size, args.ppo.num_mini_batches, "local batch across minibatches")
-    gradient_accumulation_steps = exact_div(local_mini_batch_size, args.local_micro_batch_size, "local minibatch")
-    accelerator.gradient_accumulation_steps = gradient_accumulation_steps
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    num_updates = args.total_episodes // args.total_batch_size
-    deepspeed_plugin = accelerator.state.deepspeed_plugin
-    zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
-    check_flags(args, num_processes, args.ppo.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
-    check_qlora_flags(args, accelerator)
-    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
-
-    # ---------------- seeding (labelled, deliberate) ----------------
-    set_seed(args.seed)  # weights (any fresh head) and data order: identical on every rank
-    local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
-
-    # ---------------- tokenizer and models ----------------
-    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
+@torch.no_grad()
+def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenizer, generation_config,
+                 offload_by_hand: bool):
+    """The evaluation's samples: sample the first num_eval_samples validation queries (split evenly across ranks so
+    that every rank runs the same number of generate calls), score them and return the rows of the sample table."""
+    unwrapped = accelerator.unwrap_model(model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    for path in args.reward_model_path:
-        check_reward_tokenizer(tokenizer, args.sft_model_path, path, args.trust_remote_code)
-    # Detail 22: the critic starts as the reward model (a per-token RM); "sft" gets a fresh scalar head
-    critic_path = args.reward_model_path[0] if args.critic_init == "reward" else args.sft_model_path
-    # Hydra and LoRA enter here: they decide what the reference policy is (None with LoRA)
-    policy, critic, reward_models, ref_policy = load_models(args, tokenizer, bf16, critic_path)
-    model = PolicyAndValue(policy, critic)
-    actor_params = [p for p in policy.parameters() if p.requires_grad]
-    critic_params = [p for p in critic.parameters() if p.requires_grad]
-    # two named groups, so that the actor can be frozen while the critic warms up (--ppo.freeze_actor_updates)
-    adamw = torch.optim.AdamW([{"params": actor_params, "name": "actor"}, {"params": critic_params, "name": "critic"}],
-                              lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
-    model, optimizer = accelerator.prepare(model, adamw)
-    device = accelerator.device
-    # the frozen models need no optimizer state (Detail 8); --offload decides where they live between uses
-    reward_models, ref_policy, offload_by_hand = place_frozen_models(args, accelerator, reward_models, ref_policy, zero3)
-    actor_freeze = ActorFreeze(args.ppo.freeze_actor_updates, actor_params, deepspeed=deepspeed_plugin is not None)
+    per_rank = min(args.num_eval_samples, len(eval_dataset)) // accelerator.num_processes
+    start_row = accelerator.process_index * per_rank
+    rows = []
+    for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
+        batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
+        query = torch.tensor(batch["query_token"], device=accelerator.device)
+        query = query[:, real_columns(query, pad_id)]  # the left padding every query of the batch shares is cut
+        context_length = query.size(1)
+        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
+        truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
+        scores = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
+        score = combine_scores(scores, args.reward_combine, args.reward_weights)  # raw: no EOS trick, no scaling
+        _, last_index = response_mask(truncated, pad_id)
+        has_eos = (truncated == eos_id).any(1)
+        for i in range(query.size(0)):
+            rows.append(
+                {
+                    "query": tokenizer.decode(query[i][query[i] != pad_id], skip_special_tokens=True),
+                    "response": tokenizer.decode(truncated[i], skip_special_tokens=True).strip(),
+                    "reference": batch["reference_response"][i].strip(),
+                    "score": score[i].item(),
+                    "response_token_len": int(last_index[i].item()) + 1,
+                    "has_eos": bool(has_eos[i].item()),
+                    **({f"score_rm{j}": scores[i, j].item() for j in range(scores.size(1))} if scores.size(1) > 1 else {}),
+                }
+            )
+    return gather_object(rows)
 
-    # ---------------- data ----------------
-    train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=args.ppo.ptx_coef > 0)
-    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
-    query_tokens = torch.tensor(train_dataset["query_token"])  # (N, query_length), left-padded
-    draws_per_update = args.ppo.num_ppo_epochs * args.ppo.num_mini_batches * gradient_accumulation_steps
-    ptx = PtxData(args.ppo.ptx_coef, args, train_dataset, accelerator.process_index, num_processes, draws_per_update)
-    # sampling seed is set after the models exist, so model init stays identical across ranks
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
-    generation_config = sampling_config(args, tokenizer, args.temperature)
-    eval_generation_config = sampling_config(args, tokenizer, args.eval_temperature)
 
-    # ---------------- stateful pieces and resume ----------------
-    kl_controller = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target_kl, args.ppo.kl_horizon, args.ppo.adaptive_kl)
-    reward_moments = [RunningMoments() for _ in args.reward_model_path]  # one per reward model
-    # saved and restored with the models, the optimizer and the RNG states. The data position and the learning
-    # rate need no entry: both are functions of the update number (see the loop)
-    accelerator.register_for_checkpointing(kl_controller, *reward_moments)
-    last_good = LastGoodState(run, accelerator, adamw, kl_controller, *reward_moments)  # the non-finite guard's fallback
-    # the trainer state: time totals and the last metrics, for the summary
-    state = run.start({"update": 0, "wall_time_s": 0.0, "metrics": {},
-                       "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}},
-                      num_updates=num_updates, total_batch_size=args.total_batch_size)
-    start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
-    accelerator.print(
-        f"{args.exp_name}: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} processes x {local_batch_size}); "
-        f"{args.ppo.num_ppo_epochs} epochs x {args.ppo.num_mini_batches} minibatches x {gradient_accumulation_steps} "
-        f"micro batches of {args.local_micro_batch_size}"
-    )
-    progress = tqdm(range(state["update"] + 1, num_updates + 1), initial=state["update"], total=num_updates,
-                    disable=not accelerator.is_local_main_process)
-    for update in progress:
-        with last_good.kept(update, state):  # a non-finite rollout leaves the state after update - 1 as a checkpoint
-            update_start, timers = time.time(), {"generation": 0.0, "scoring": 0.0}
-            # linear decay to 0 over the run (Table 7); a frozen actor (OpenRLHF) gets lr 0
-            lr = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
-            actor_freeze.set_lr(optimizer, update, lr)
+def log_evaluation(run, args, update: int, rows: list):
+    """Save the rows of the evaluation after `update` (eval_samples) as samples/step_{update}.csv and log its
+    metrics at that update; return the metrics and the table."""
+    table = pd.DataFrame(rows)
+    run.save_table(table, f"samples/step_{update:06d}.csv")
+    metrics = {"eval/score": float(table["score"].mean()), "eval/eos_rate": float(table["has_eos"].mean()),
+               "eval/response_token_len_mean": float(table["response_token_len"].mean())}
+    run.log(update, {"episode": update * args.total_batch_size, **metrics})
+    return metrics, table
 
-            # ---------------- rollout: steps 1-5 ----------------
-            model.eval()  # rollouts sample without dropout; with Detail 7 (dropout off) train() and eval() agree
-            rows = shuffled_query_batch(len(query_tokens), args.total_batch_size, args.seed, update - 1,
-                                        accelerator.process_index, num_processes)
-            queries = query_tokens[rows].to(device)  # 1. Detail 21
-            with accelerator.autocast():
-                data = rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config,
-                               timers, offload_by_hand)
 
-            # ---------------- steps 5-9: EOS trick, KL penalty, GAE, whitening ----------------
-            t_shaping = time.time()
-            with torch.no_grad():
-                shaped = shape_rewards(args, data, eos_id, pad_id, kl_controller.value, reward_moments, accelerator.gather)
-            # non-finite guard on the rollout, before any optimizer step uses it. The raw RM scores are checked
-            # themselves: the EOS trick would hide a NaN score of a response without EOS.
-            run.guard(update, **{"rollout/rm_scores": data["scores"], "rollout/rewards": shaped.rewards,
-                                 "rollout/advantages": shaped.advantages})
-            timers["scoring"] += time.time() - t_shaping
+def fresh_trainer_state() -> dict:
+    """The trainer state of a run that starts at update 0: the time totals and the last metrics, for the summary."""
+    return {"update": 0, "wall_time_s": 0.0, "metrics": {},
+            "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}}
 
-            # ---------------- the update: K epochs x minibatches x micro batches ----------------
-            t_train = time.time()
-            stats = ppo_update(args, accelerator, model, optimizer, data, shaped, update, run, actor_freeze, ptx, pad_id)
-            timers["training"] = time.time() - t_train
-            timers["wall"] = time.time() - update_start
 
-            # ---------------- logging: whole-update averages gathered across ranks ----------------
-            metrics = update_metrics(args, accelerator, update, lr, kl_controller.value, data, shaped, stats, timers,
-                                     eos_id, "ppo")
-            kl_controller.update(metrics["objective/kl"], args.total_batch_size)  # no-op without adaptive_kl
-            run.log(update, metrics)
-            totals = {key: state["totals"][key] + timers[key] for key in state["totals"]}
-            state = {"wall_time_s": time.time() - start_time, "totals": totals, "metrics": metrics}
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                             eps=f"{metrics['episodes_per_second']:.1f}")
-        if due(args.print_sample_every, update):
-            accelerator.print(f"[update {update}] score {shaped.scores[0].item():.3f} | "
-                              + tokenizer.decode(data["responses"][0], skip_special_tokens=True))
-        del data, shaped, stats
-        if due(args.eval_every, update, num_updates):
-            eval_metrics, _ = evaluation(run, f"step_{update:06d}", evaluate(
-                args, accelerator, model, reward_models, eval_dataset, tokenizer, eval_generation_config, offload_by_hand))
-            run.log(update, {"episode": update * args.total_batch_size, **eval_metrics})
-        if due(args.save_policy_every, update, num_updates):
-            save_policy(accelerator, model, tokenizer, os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"),
-                        args.lora_rank > 0)
-        # resumable checkpoint, after this update's logging and evaluation: a resumed run starts with the next
-        # update, with the RNG states as they are now (not at the final update: the model is saved)
-        if due(args.checkpoint_every, update, num_updates):
-            run.checkpoint(update, state)
-    progress.close()
-
-    # ---------------- final evaluation and outputs ----------------
-    eval_metrics, table = evaluation(run, f"step_{num_updates:06d}", evaluate(
-        args, accelerator, model, reward_models, eval_dataset, tokenizer, eval_generation_config, offload_by_hand))
-    run.log(num_updates, {"episode": num_updates * args.total_batch_size, **eval_metrics})
-    save_policy(accelerator, model, tokenizer, args.output_dir, args.lora_rank > 0)
+def run_summary(args, state: dict, eval_metrics: dict, num_updates: int, start_time: float) -> dict:
+    """summary.json: the final evaluation, the last update's objective/ metrics, and the run's speed and time shares
+    (the interrupted part of a resumed run included)."""
     totals = state["totals"]
-    summary = {
+    return {
         **eval_metrics,
         **{k: v for k, v in state["metrics"].items() if k.startswith("objective/")},
         "episodes": num_updates * args.total_batch_size,
@@ -718,13 +778,6 @@ def main(args: Args) -> dict:
         "time/training_share": totals["training"] / totals["wall"],
         "wall_time_s": time.time() - start_time,
     }
-    run.save_table(table, "samples.csv")
-    run.finish(summary)
-    if accelerator.is_main_process and args.push_to_hub:
-        accelerator.unwrap_model(model).policy.push_to_hub(args.hub_model_id or args.run_name)
-        tokenizer.push_to_hub(args.hub_model_id or args.run_name)
-    accelerator.print(json.dumps(summary, indent=2))
-    return summary
 
 
 # ---------------------------------------------------------------------------------------------
@@ -736,9 +789,7 @@ class ActorFreeze:
     """OpenRLHF (--ppo.freeze_actor_updates N): for the first N updates only the critic learns (N = 0: no-ops). A
     frozen update gives the "actor" group of AdamW lr 0 and the policy loss weight 0 (kept, so that DDP sees a
     gradient for every parameter); after backward the actor's gradients become None, and AdamW skips a parameter
-    without one (no step count, moments or decay), so its first real step is that of a run that never froze. Under
-    DeepSpeed the engine steps inside backward on its own weights: lr 0 and the zero gradient keep them, while its
-    AdamW counts the frozen steps."""
+    without one (no step count, moments or decay), so its first real step is that of a run that never froze."""
 
     def __init__(self, num_frozen_updates: int, actor_params: list, deepspeed: bool):
         self.num_frozen_updates, self.actor_params, self.deepspeed = num_frozen_updates, actor_params, deepspeed
@@ -751,6 +802,7 @@ class ActorFreeze:
         return 0.0 if update <= self.num_frozen_updates else 1.0
 
     def before_step(self, update: int) -> None:
+        # DeepSpeed steps inside backward: lr 0 and the zero gradient keep the actor, its AdamW counts the steps
         if update <= self.num_frozen_updates and not self.deepspeed:
             for param in self.actor_params:
                 param.grad = None
@@ -839,47 +891,208 @@ class PtxData:
         return torch.zeros((), device=device) if logits is None else sft_loss(logits, labels, pad_token_id)
 
 
-@torch.no_grad()
-def evaluate(args, accelerator, model, reward_models, eval_dataset, tokenizer, generation_config, offload_by_hand: bool):
-    """Sample the first num_eval_samples validation queries (split evenly across ranks so that every
-    rank runs the same number of generate calls), score them and return the rows of the sample table."""
+# ---------------------------------------------------------------------------------------------
+# The setup that decides numbers: batch sizes, flags, tokenizer, models, reference, placement, seeds, data, saving
+# ---------------------------------------------------------------------------------------------
+
+
+def batch_arithmetic(args, accelerator, num_mini_batches: int):
+    """The batch sizes (each division exact, or a clear error), DeepSpeed's micro batch (Detail 8) and the number of
+    updates, then the flag checks; before anything loads. Returns the local batch size, the micro batches per
+    optimizer step (gradient accumulation), the number of updates and whether DeepSpeed runs ZeRO-3."""
+    num_processes = accelerator.num_processes
+    local_batch_size = exact_div(args.total_batch_size, num_processes, "total_batch_size across processes")
+    local_mini_batch_size = exact_div(local_batch_size, num_mini_batches, "local batch across minibatches")
+    gradient_accumulation_steps = exact_div(local_mini_batch_size, args.local_micro_batch_size, "local minibatch")
+    accelerator.gradient_accumulation_steps = gradient_accumulation_steps
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    num_updates = args.total_episodes // args.total_batch_size
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
+    check_flags(args, num_processes, num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
+    check_qlora_flags(args, accelerator)
+    return local_batch_size, gradient_accumulation_steps, num_updates, zero3
+
+
+def check_flags(args, num_processes: int, num_mini_batches: int, gradient_accumulation_steps: int, num_updates: int,
+                zero3: bool) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded."""
+    check_gradient_accumulation(args, gradient_accumulation_steps, num_processes, num_mini_batches)
+    if num_updates < 1:
+        raise ValueError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
+    if args.reward_weights is not None and (args.reward_combine != "sum"
+                                            or len(args.reward_weights) != len(args.reward_model_path)):
+        raise ValueError(f"--reward_weights needs --reward_combine sum and one weight per --reward_model_path "
+                         f"({len(args.reward_model_path)}), got {args.reward_weights} with {args.reward_combine}")
+    if args.lora_rank > 0 and args.num_layers_unfrozen >= 0:
+        raise ValueError("choose one of --lora_rank and --num_layers_unfrozen (each builds its own reference)")
+    if args.offload and args.num_layers_unfrozen >= 0:
+        raise ValueError("--offload cannot move a Hydra reference: it shares its trunk with the policy")
+    if zero3 and args.num_layers_unfrozen >= 0:
+        raise ValueError("Hydra shares modules between policy and reference, which ZeRO-3 cannot partition")
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
+        )
+    return tokenizer
+
+
+def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
+    """The models: the policy (from the SFT model), the critic (from critic_path; None = no critic), the frozen
+    reward models, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
+    frozen trunk; or None with LoRA, where the reference is the policy with its adapters off)."""
+    frozen_dtype, remote = torch.bfloat16 if bf16 else torch.float32, args.trust_remote_code
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=remote,
+                                                  **quantized_loading(args, bf16))  # QLoRA: a 4-bit base
+    critic = None if critic_path is None else AutoModelForSequenceClassification.from_pretrained(
+        critic_path, num_labels=1, trust_remote_code=remote)
+    reward_models = [AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=frozen_dtype, trust_remote_code=remote) for path in args.reward_model_path]
+    ref_policy = None  # with LoRA: the policy with its adapters disabled
+    if args.lora_rank <= 0 and args.num_layers_unfrozen < 0:  # a frozen copy of the SFT model
+        ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=frozen_dtype, trust_remote_code=remote)
+    for model in (m for m in (policy, critic, *reward_models, ref_policy) if m is not None):
+        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+        if model.config.vocab_size < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+        if args.disable_dropout or model is ref_policy:  # Detail 7; the reference never trains: deterministic
+            disable_dropout(model)
+    for frozen in (m for m in (*reward_models, ref_policy) if m is not None):
+        frozen.requires_grad_(False).eval()
+    if args.lora_rank > 0:
+        policy = lora_policy(policy, args)
+    elif args.num_layers_unfrozen >= 0:
+        ref_policy = build_hydra_reference(policy, args.num_layers_unfrozen)
+    return policy, critic, reward_models, ref_policy
+
+
+def actor_critic_optimizer(args, policy: nn.Module, critic: nn.Module):
+    """AdamW over the trainable weights in two named groups, "actor" and "critic", so that the actor can be frozen
+    while the critic warms up (--ppo.freeze_actor_updates). Returns it and the actor's trainable weights."""
+    actor_params = [p for p in policy.parameters() if p.requires_grad]
+    critic_params = [p for p in critic.parameters() if p.requires_grad]
+    adamw = torch.optim.AdamW([{"params": actor_params, "name": "actor"}, {"params": critic_params, "name": "critic"}],
+                              lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    return adamw, actor_params
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of transformer blocks of a causal LM (GPT-NeoX `layers`, GPT-2 `h`, ...)."""
+    backbone = getattr(model, model.base_model_prefix)
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(backbone, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} for Hydra")
+
+
+def build_hydra_reference(policy: nn.Module, num_layers_unfrozen: int) -> nn.Module:
+    """Hydra (trlX): freeze the embeddings and the bottom layers of the policy, and build the reference
+    as a model that SHARES those frozen modules with the policy and owns frozen copies of the top
+    `num_layers_unfrozen` layers, the final norm and the LM head. The trunk exists once in memory.
+    (trlX also reuses the trunk's activations; here the reference recomputes them, which keeps the
+    code model-agnostic at the cost of compute, not memory.)"""
+    layers = decoder_layers(policy)
+    if not 1 <= num_layers_unfrozen <= len(layers):
+        raise ValueError(f"--num_layers_unfrozen must be in [1, {len(layers)}], got {num_layers_unfrozen}")
+    num_frozen = len(layers) - num_layers_unfrozen
+    shared = [policy.get_input_embeddings()] + list(layers[:num_frozen])
+    for module in shared:
+        module.requires_grad_(False)
+    # deepcopy with a memo that maps each shared module to itself: those are reused, not copied
+    memo = {id(module): module for module in shared}
+    reference = copy.deepcopy(policy, memo)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+@contextlib.contextmanager
+def placed_on(model: nn.Module, device: torch.device, offload: bool):
+    """--offload: keep a frozen model on CPU and bring it to the accelerator only while it is used."""
+    if offload:
+        model.to(device)
+    try:
+        yield model
+    finally:
+        if offload:
+            model.to("cpu")
+
+
+def place_frozen_models(args, accelerator, reward_models, ref_policy, zero3: bool):
+    """The reward model and the reference policy: placed on the device, kept on the CPU between uses (--offload),
+    or under ZeRO-3 partitioned in a DeepSpeed inference engine that offloads them itself (Detail 8). Returns
+    them and offload_by_hand: whether rollout() and eval_samples() move them to the device around each use (--offload
+    with an accelerator and without ZeRO-3)."""
+    device = accelerator.device
+    reward_models = [prepare_frozen_model(accelerator, model, offload=args.offload) for model in reward_models]
+    if args.num_layers_unfrozen >= 0:
+        ref_policy.to(device)  # Hydra: the reference shares the policy's frozen trunk
+    elif ref_policy is not None:
+        ref_policy = prepare_frozen_model(accelerator, ref_policy, offload=args.offload)
+    if args.offload and not zero3 and device.type == "cpu":
+        accelerator.print("--offload: no accelerator present, models already live on CPU")
+    return reward_models, ref_policy, args.offload and not zero3 and device.type != "cpu"
+
+
+def seed_sampling(local_seed: int) -> None:
+    """The seed of this process's random draws from here on (sampling, the update's permutations): Python, NumPy
+    and torch (all devices), each seeded with local_seed."""
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+
+
+def load_query_data(args, tokenizer, ptx: bool):
+    """The query splits, checked for the columns this run reads and for the tokenizer that made them."""
+    train_dataset = load_split(args.query_dataset, args.train_split)
+    eval_dataset = load_split(args.query_dataset, args.eval_split)
+    ptx_columns = ["query_reference_response_token", "query_reference_response_token_response_label"]
+    check_columns(train_dataset, ["query_token"] + (ptx_columns if ptx else []),
+                  f"{args.query_dataset} split {args.train_split!r}")
+    check_columns(eval_dataset, ["query_token", "reference_response"],
+                  f"{args.query_dataset} split {args.eval_split!r}")
+    for split, dataset in ((args.train_split, train_dataset), (args.eval_split, eval_dataset)):
+        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
+    return train_dataset, eval_dataset
+
+
+def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
+    """save_pretrained (safetensors) of the policy and the tokenizer; with LoRA the plain float32 model it computes
+    (merged_policy: every adapter folded into its base layer, a 4-bit base dequantized first)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    if not accelerator.is_main_process:
+        return
     unwrapped = accelerator.unwrap_model(model)
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    per_rank = min(args.num_eval_samples, len(eval_dataset)) // accelerator.num_processes
-    start_row = accelerator.process_index * per_rank
-    rows = []
-    for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
-        batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
-        query = torch.tensor(batch["query_token"], device=accelerator.device)
-        query = query[:, real_columns(query, pad_id)]  # the left padding every query of the batch shares is cut
-        context_length = query.size(1)
-        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
-        truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
-        scores = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
-        score = combine_scores(scores, args.reward_combine, args.reward_weights)  # raw: no EOS trick, no scaling
-        _, last_index = response_mask(truncated, pad_id)
-        has_eos = (truncated == eos_id).any(1)
-        for i in range(query.size(0)):
-            rows.append(
-                {
-                    "query": tokenizer.decode(query[i][query[i] != pad_id], skip_special_tokens=True),
-                    "response": tokenizer.decode(truncated[i], skip_special_tokens=True).strip(),
-                    "reference": batch["reference_response"][i].strip(),
-                    "score": score[i].item(),
-                    "response_token_len": int(last_index[i].item()) + 1,
-                    "has_eos": bool(has_eos[i].item()),
-                    **({f"score_rm{j}": scores[i, j].item() for j in range(scores.size(1))} if scores.size(1) > 1 else {}),
-                }
-            )
-    return gather_object(rows)
+    if lora:
+        merged_policy(unwrapped.policy).save_pretrained(path, safe_serialization=True)
+    else:
+        unwrapped.policy.save_pretrained(path, state_dict=unwrapped.policy_state_dict(state_dict), safe_serialization=True)
+    tokenizer.save_pretrained(path)
 
 
-def evaluation(run, tag: str, rows: list):
-    """Save the rows of an evaluation as samples/{tag}.csv; return its metrics and the table."""
-    table = pd.DataFrame(rows)
-    run.save_table(table, f"samples/{tag}.csv")
-    return {"eval/score": float(table["score"].mean()), "eval/eos_rate": float(table["has_eos"].mean()),
-            "eval/response_token_len_mean": float(table["response_token_len"].mean())}, table
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
+    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
+    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
+    if config is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1171,176 +1384,6 @@ def merged_policy(policy) -> torch.nn.Module:
     plain.tie_weights()
     plain.generation_config = copy.deepcopy(model.generation_config)
     return plain.eval()
-
-
-# =============================================================================================
-# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
-# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
-# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
-# =============================================================================================
-
-
-def check_flags(args, num_processes: int, num_mini_batches: int, gradient_accumulation_steps: int, num_updates: int,
-                zero3: bool) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded."""
-    check_gradient_accumulation(args, gradient_accumulation_steps, num_processes, num_mini_batches)
-    if num_updates < 1:
-        raise ValueError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
-    if args.reward_weights is not None and (args.reward_combine != "sum"
-                                            or len(args.reward_weights) != len(args.reward_model_path)):
-        raise ValueError(f"--reward_weights needs --reward_combine sum and one weight per --reward_model_path "
-                         f"({len(args.reward_model_path)}), got {args.reward_weights} with {args.reward_combine}")
-    if args.lora_rank > 0 and args.num_layers_unfrozen >= 0:
-        raise ValueError("choose one of --lora_rank and --num_layers_unfrozen (each builds its own reference)")
-    if args.offload and args.num_layers_unfrozen >= 0:
-        raise ValueError("--offload cannot move a Hydra reference: it shares its trunk with the policy")
-    if zero3 and args.num_layers_unfrozen >= 0:
-        raise ValueError("Hydra shares modules between policy and reference, which ZeRO-3 cannot partition")
-
-
-def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
-    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
-    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
-    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
-    ablation); otherwise a tokenizer that already pads with EOS is refused."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    if pad_token == "eos":
-        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
-    elif tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
-    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
-            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
-            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
-            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
-            "purpose; the later stages refuse its model)"
-        )
-    return tokenizer
-
-
-def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
-    """The models: the policy (from the SFT model), the critic (from critic_path; None = no critic), the frozen
-    reward models, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
-    frozen trunk; or None with LoRA, where the reference is the policy with its adapters off)."""
-    frozen_dtype, remote = torch.bfloat16 if bf16 else torch.float32, args.trust_remote_code
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=remote,
-                                                  **quantized_loading(args, bf16))  # QLoRA: a 4-bit base
-    critic = None if critic_path is None else AutoModelForSequenceClassification.from_pretrained(
-        critic_path, num_labels=1, trust_remote_code=remote)
-    reward_models = [AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=frozen_dtype, trust_remote_code=remote) for path in args.reward_model_path]
-    ref_policy = None  # with LoRA: the policy with its adapters disabled
-    if args.lora_rank <= 0 and args.num_layers_unfrozen < 0:  # a frozen copy of the SFT model
-        ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=frozen_dtype, trust_remote_code=remote)
-    for model in (m for m in (policy, critic, *reward_models, ref_policy) if m is not None):
-        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-        if model.config.vocab_size < len(tokenizer):
-            model.resize_token_embeddings(len(tokenizer))
-        if args.disable_dropout or model is ref_policy:  # Detail 7; the reference never trains: deterministic
-            disable_dropout(model)
-    for frozen in (m for m in (*reward_models, ref_policy) if m is not None):
-        frozen.requires_grad_(False).eval()
-    if args.lora_rank > 0:
-        policy = lora_policy(policy, args)
-    elif args.num_layers_unfrozen >= 0:
-        ref_policy = build_hydra_reference(policy, args.num_layers_unfrozen)
-    return policy, critic, reward_models, ref_policy
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The stack of transformer blocks of a causal LM (GPT-NeoX `layers`, GPT-2 `h`, ...)."""
-    backbone = getattr(model, model.base_model_prefix)
-    for name in ("layers", "h", "blocks"):
-        layers = getattr(backbone, name, None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} for Hydra")
-
-
-def build_hydra_reference(policy: nn.Module, num_layers_unfrozen: int) -> nn.Module:
-    """Hydra (trlX): freeze the embeddings and the bottom layers of the policy, and build the reference
-    as a model that SHARES those frozen modules with the policy and owns frozen copies of the top
-    `num_layers_unfrozen` layers, the final norm and the LM head. The trunk exists once in memory.
-    (trlX also reuses the trunk's activations; here the reference recomputes them, which keeps the
-    code model-agnostic at the cost of compute, not memory.)"""
-    layers = decoder_layers(policy)
-    if not 1 <= num_layers_unfrozen <= len(layers):
-        raise ValueError(f"--num_layers_unfrozen must be in [1, {len(layers)}], got {num_layers_unfrozen}")
-    num_frozen = len(layers) - num_layers_unfrozen
-    shared = [policy.get_input_embeddings()] + list(layers[:num_frozen])
-    for module in shared:
-        module.requires_grad_(False)
-    # deepcopy with a memo that maps each shared module to itself: those are reused, not copied
-    memo = {id(module): module for module in shared}
-    reference = copy.deepcopy(policy, memo)
-    reference.requires_grad_(False)
-    return reference.eval()
-
-
-@contextlib.contextmanager
-def placed_on(model: nn.Module, device: torch.device, offload: bool):
-    """--offload: keep a frozen model on CPU and bring it to the accelerator only while it is used."""
-    if offload:
-        model.to(device)
-    try:
-        yield model
-    finally:
-        if offload:
-            model.to("cpu")
-
-
-def load_query_data(args, tokenizer, ptx: bool):
-    """The query splits, checked for the columns this run reads and for the tokenizer that made them."""
-    train_dataset = load_split(args.query_dataset, args.train_split)
-    eval_dataset = load_split(args.query_dataset, args.eval_split)
-    ptx_columns = ["query_reference_response_token", "query_reference_response_token_response_label"]
-    check_columns(train_dataset, ["query_token"] + (ptx_columns if ptx else []),
-                  f"{args.query_dataset} split {args.train_split!r}")
-    check_columns(eval_dataset, ["query_token", "reference_response"],
-                  f"{args.query_dataset} split {args.eval_split!r}")
-    for split, dataset in ((args.train_split, train_dataset), (args.eval_split, eval_dataset)):
-        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
-    return train_dataset, eval_dataset
-
-
-def place_frozen_models(args, accelerator, reward_models, ref_policy, zero3: bool):
-    """The reward model and the reference policy: placed on the device, kept on the CPU between uses (--offload),
-    or under ZeRO-3 partitioned in a DeepSpeed inference engine that offloads them itself (Detail 8). Returns
-    them and offload_by_hand: whether rollout() and evaluate() move them to the device around each use (--offload
-    with an accelerator and without ZeRO-3)."""
-    device = accelerator.device
-    reward_models = [prepare_frozen_model(accelerator, model, offload=args.offload) for model in reward_models]
-    if args.num_layers_unfrozen >= 0:
-        ref_policy.to(device)  # Hydra: the reference shares the policy's frozen trunk
-    elif ref_policy is not None:
-        ref_policy = prepare_frozen_model(accelerator, ref_policy, offload=args.offload)
-    if args.offload and not zero3 and device.type == "cpu":
-        accelerator.print("--offload: no accelerator present, models already live on CPU")
-    return reward_models, ref_policy, args.offload and not zero3 and device.type != "cpu"
-
-
-def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
-    """save_pretrained (safetensors) of the policy and the tokenizer; with LoRA the plain float32 model it computes
-    (merged_policy: every adapter folded into its base layer, a 4-bit base dequantized first)."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
-    if not accelerator.is_main_process:
-        return
-    unwrapped = accelerator.unwrap_model(model)
-    if lora:
-        merged_policy(unwrapped.policy).save_pretrained(path, safe_serialization=True)
-    else:
-        unwrapped.policy.save_pretrained(path, state_dict=unwrapped.policy_state_dict(state_dict), safe_serialization=True)
-    tokenizer.save_pretrained(path)
-
-
-def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
-    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
-    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
-    if config is not None:
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ load it, and scores come from `get_reward` below (docs/usage.md has a four-line 
 Interrupted runs: every --checkpoint_every updates the scorer (trunk + head), AdamW, the schedule, the data
 position and the RNG states go to runs/{run_name}/checkpoints; `--resume` continues from the latest one and ends
 with the same weights and metrics as a run that was never stopped (steps 4-6 run after training as usual). A NaN
-or inf loss or reward stops the run before it reaches the weights, keeping the last good checkpoint.
+or inf loss or reward stops the run before it reaches the weights; the state after the update before is saved as
+that update's checkpoint, from which --resume goes on as from an ordinary one.
 """
 
 import contextlib
@@ -48,7 +49,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    NonFiniteError, Run, check_columns, check_data_tokenizer, check_gradient_accumulation,
+    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, due,
     save_pretrained_model, start_processes, upload_to_hub,
 )
 
@@ -142,7 +143,7 @@ class Args:
     """Detail 7: set every dropout probability to 0"""
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
-    runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+    runs float32 unless --bf16 asks for bf16 (slow there)"""
 
     # ---- evaluation and logging ----
     eval_every: int = 0
@@ -234,36 +235,44 @@ def final_norm_of(model) -> torch.nn.Module:
     )
 
 
-def build_reward_model(args, tokenizer):
-    """Detail 11: the SFT model's transformer trunk plus a fresh scalar head (see init_reward_head).
-    Returns the model and the std its head was drawn with."""
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.sft_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
-    )
-    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-    if len(tokenizer) > model.config.vocab_size:
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    head_std = init_reward_head(model, args.reward_head_init, args.reward_head_init_std)
-    if args.disable_dropout:
-        disable_dropout(model)  # Detail 7
-    return model, head_std
-
-
-def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
-    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
-    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
-    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
-    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
-    real = (query_responses != pad_token_id).any(0).nonzero()
-    if real.numel() == 0:
-        return slice(0, query_responses.size(1))
-    return slice(int(real[0]), int(real[-1]) + 1)
-
-
 def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
     """The Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), averaged over pairs."""
     return -F.logsigmoid(chosen_rewards - rejected_rewards).mean()
+
+
+def reward_update(args, accelerator, run, scorer, optimizer, lr_scheduler, batches, pad_token_id: int, update: int,
+                  tokens_seen: int):
+    """Steps 2-3 of one update on this process's next gradient_accumulation_steps micro batches: chosen and rejected
+    of each in one forward pass, the pairwise loss and its gradient (accumulated), checked by the non-finite guard
+    before its backward pass, then one AdamW step after the last and one step of the schedule. Returns the means over
+    every micro batch of the update and every process of the loss, the accuracy and both rewards, and `tokens_seen`
+    counted on by this update's tokens (all processes)."""
+    stats = {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
+    for _ in range(args.gradient_accumulation_steps):
+        batch = next(batches)
+        with accelerator.accumulate(scorer):
+            b = batch["query_chosen_token"].size(0)
+            query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
+            query_responses = query_responses[:, real_columns(query_responses, pad_token_id)]  # (2B, T)
+            _, rewards, _ = scorer(query_responses, 0)  # (2B,), read at each EOS (Detail 12)
+            chosen_rewards, rejected_rewards = rewards[:b], rewards[b:]
+            loss = pairwise_loss(chosen_rewards, rejected_rewards)
+            # non-finite guard before backward: a NaN never reaches the gradients or the weights
+            run.guard(update, **{"train/loss": loss, "train/rewards/chosen": chosen_rewards,
+                                 "train/rewards/rejected": rejected_rewards})
+            accelerator.backward(loss)
+            optimizer.step()  # a no-op until the last micro batch of the update
+            optimizer.zero_grad()
+        tokens_seen += int((query_responses != pad_token_id).sum()) * accelerator.num_processes
+        stats["loss"].append(loss.detach())
+        stats["accuracy"].append((chosen_rewards > rejected_rewards).float().mean().detach())
+        stats["chosen"].append(chosen_rewards.detach().float().mean())
+        stats["rejected"].append(rejected_rewards.detach().float().mean())
+    if not accelerator.sync_gradients:
+        raise RuntimeError("gradient accumulation went out of step with the update loop")
+    lr_scheduler.step()
+    # averages over every micro batch of the update and every process
+    return {k: accelerator.gather(torch.stack(v)).float().mean().item() for k, v in stats.items()}, tokens_seen
 
 
 @torch.no_grad()
@@ -434,6 +443,17 @@ def run_evaluation(scorer, accelerator, eval_sets: dict, pad_token_id: int, eos_
     return metrics, rows, calibration, logit_rows, pd.concat(frames).reset_index(drop=True)
 
 
+def evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets: dict, tokenizer, step: int, final: bool) -> dict:
+    """One evaluation on every preference split (run_evaluation): its outputs written (save_reward_evaluation), its
+    metrics logged at `step` and returned; the scorer is left in training mode."""
+    metrics, rows, calibration, logit_rows, frame = run_evaluation(scorer, accelerator, eval_sets, tokenizer.pad_token_id,
+                                                                   tokenizer.eos_token_id, args)
+    save_reward_evaluation(run, frame, rows, calibration, logit_rows, tokenizer.eos_token, step, final)
+    run.log(step, {"episode": step * args.total_batch_size, **metrics})
+    scorer.train()
+    return metrics
+
+
 def accuracy_breakdown(frame: pd.DataFrame, split_name: str) -> list[dict]:
     """Table 5 analogue for one preference split: reward statistics and accuracy overall, by batch,
     by confidence and by split, one dict per table row. A pair is correct when r_chosen > r_rejected."""
@@ -496,68 +516,6 @@ def calibration_bins(frame: pd.DataFrame, num_bins: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
-# ---------------------------------------------------------------------------------------------
-
-
-def exact_div(a: int, b: int, what: str = "batch size") -> int:
-    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
-    q = a // b
-    if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
-    return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
-        dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
-
-
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
-    """Per row, the index of the first True; the row length when the row has no True."""
-    row_len = bools.size(-1)
-    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
-    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
-    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
-    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
-    functionally from a float attribute of the attention module; those are zeroed too."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "attn_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
-    """Reward of a (left-padded query + right-padded response) batch.
-
-    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
-    of the response (the last token when there is no pad). Returns the per-token reward
-    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
-    ).last_hidden_state  # (B, T, d)
-    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
-    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
-    return reward_logits, rewards, sequence_lengths
-
-
 def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic and precision ----------------
@@ -580,12 +538,12 @@ def main(args: Args) -> dict:
         mixed_precision="bf16" if args.bf16 else "no",
     )
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
+    run = Run(args, accelerator)  # run name and folder (run_infra.py)
     set_seed(args.seed)  # same weights and data order on every process
 
     # ---------------- tokenizer and data ----------------
     tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Details 3 and 12: [PAD] distinct from EOS
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id
     train_set, eval_sets, references = load_reward_data(args, tokenizer, accelerator)
     args.num_updates = num_updates = count_updates(args, len(train_set))
     run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
@@ -603,29 +561,22 @@ def main(args: Args) -> dict:
 
     # ---------------- optimiser (Table 4) ----------------
     scorer = RewardScorer(model, pad_id)
-    optimizer = torch.optim.AdamW(scorer.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    adamw = torch.optim.AdamW(scorer.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     # stepped by hand once per optimizer step, so its length is exactly num_updates on any process count
-    lr_scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+    lr_scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=args.warmup_steps,
                                  num_training_steps=num_updates)
-    scorer, optimizer, train_loader = accelerator.prepare(scorer, optimizer, train_loader)
+    scorer, optimizer, train_loader = accelerator.prepare(scorer, adamw, train_loader)
     accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the scorer and optimizer
     unwrapped = accelerator.unwrap_model(scorer).rm  # the bare sequence-classification model
 
     # ---------------- resume ----------------
+    last_good = LastGoodState(run, accelerator, adamw, lr_scheduler)  # the non-finite guard's fallback
     # a checkpoint holds the scorer (trunk + head), AdamW's moments, the schedule and every process's RNG states;
     # the trainer state adds the update reached and the running counters of the summary
     state = run.start({"update": 0, "tokens_seen": 0, "train_time": 0.0}, num_updates=num_updates)
     start_update = state["update"]
-    # accelerate counts micro batches to decide when to step; restart the count at the update boundary of the
-    # checkpoint (a checkpoint written by the non-finite guard may stem from inside an update)
+    # accelerate's count of micro batches, in this run's: a checkpoint of more processes counts fewer per update
     accelerator.step = start_update * gradient_accumulation_steps
-
-    def evaluate(step: int, final: bool) -> dict:
-        metrics, rows, calibration, logit_rows, frame = run_evaluation(scorer, accelerator, eval_sets, pad_id, eos_id, args)
-        save_reward_evaluation(run, frame, rows, calibration, logit_rows, tokenizer.eos_token, step, final)
-        run.log(step, {"episode": step * args.total_batch_size, **metrics})
-        scorer.train()
-        return metrics
 
     # ---------------- training: one forward pass over chosen + rejected per micro batch ----------------
     accelerator.print(f"{num_updates} optimizer steps of {args.total_batch_size} pairs "
@@ -637,61 +588,28 @@ def main(args: Args) -> dict:
     train_start = time.time()
     # the data position: every update reads gradient_accumulation_steps micro batches on each process
     batches = resumable_micro_batches(train_loader, start_update * gradient_accumulation_steps)
-    progress = tqdm(total=num_updates, initial=start_update, disable=not accelerator.is_local_main_process,
-                    desc="reward model")
-
-    def trainer_state() -> dict:
-        return {"tokens_seen": tokens_seen, "train_time": train_time_before + time.time() - train_start}
-
-    step = start_update  # optimizer updates done
-    try:
-        while step < num_updates:
-            update = step + 1
-            stats = {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
-            for _ in range(gradient_accumulation_steps):
-                batch = next(batches)
-                with accelerator.accumulate(scorer):
-                    b = batch["query_chosen_token"].size(0)
-                    query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
-                    query_responses = query_responses[:, real_columns(query_responses, pad_id)]  # (2B, T)
-                    _, rewards, _ = scorer(query_responses, 0)  # (2B,), read at each EOS (Detail 12)
-                    chosen_rewards, rejected_rewards = rewards[:b], rewards[b:]
-                    loss = pairwise_loss(chosen_rewards, rejected_rewards)
-                    # non-finite guard before backward: a NaN never reaches the gradients or the weights
-                    run.guard(update, **{"train/loss": loss, "train/rewards/chosen": chosen_rewards,
-                                         "train/rewards/rejected": rejected_rewards})
-                    accelerator.backward(loss)
-                    optimizer.step()  # a no-op until the last micro batch of the update
-                    optimizer.zero_grad()
-                tokens_seen += int((query_responses != pad_id).sum()) * num_processes
-                stats["loss"].append(loss.detach())
-                stats["accuracy"].append((chosen_rewards > rejected_rewards).float().mean().detach())
-                stats["chosen"].append(chosen_rewards.detach().float().mean())
-                stats["rejected"].append(rejected_rewards.detach().float().mean())
-            if not accelerator.sync_gradients:
-                raise RuntimeError("gradient accumulation went out of step with the update loop")
-            lr_scheduler.step()
-            step = update
-            # averages over every micro batch of the update and every process
-            means = {k: accelerator.gather(torch.stack(v)).float().mean().item() for k, v in stats.items()}
-            tokens_per_s = tokens_seen / (train_time_before + time.time() - train_start)
-            progress.update(1)
-            progress.set_postfix(loss=f"{means['loss']:.4f}", acc=f"{means['accuracy']:.3f}", tok_s=f"{tokens_per_s:.0f}")
-            if step % args.log_every == 0 or step == num_updates:
-                run.log(step, {"episode": step * args.total_batch_size, "train/loss": means["loss"],
-                               "train/rewards/chosen": means["chosen"], "train/rewards/rejected": means["rejected"],
-                               "train/rewards/margins": means["chosen"] - means["rejected"],
-                               "train/rewards/accuracy": means["accuracy"], "train/lr": lr_scheduler.get_last_lr()[0],
-                               "train/epoch": step * args.total_batch_size / len(train_set),
-                               "train/tokens_per_s": tokens_per_s})
-            if args.eval_every > 0 and step % args.eval_every == 0 and step < num_updates:
-                evaluate(step, final=False)
-            # after the update's logging and evaluation, so a resumed run repeats neither
-            if args.checkpoint_every > 0 and step % args.checkpoint_every == 0 and step < num_updates:
-                run.checkpoint(step, trainer_state())
-    except NonFiniteError:
-        keep_last_good_reward_checkpoint(run, accelerator, progress, step, trainer_state())
-        raise
+    progress = tqdm(range(start_update + 1, num_updates + 1), initial=start_update, total=num_updates,
+                    disable=not accelerator.is_local_main_process, desc="reward model")
+    for update in progress:
+        with last_good.kept(update, state):  # a non-finite value leaves the state after update - 1 as a checkpoint
+            means, tokens_seen = reward_update(args, accelerator, run, scorer, optimizer, lr_scheduler, batches, pad_id,
+                                               update, tokens_seen)  # steps 2-3
+        tokens_per_s = tokens_seen / (train_time_before + time.time() - train_start)
+        progress.set_postfix(loss=f"{means['loss']:.4f}", acc=f"{means['accuracy']:.3f}", tok_s=f"{tokens_per_s:.0f}")
+        if update % args.log_every == 0 or update == num_updates:
+            run.log(update, {"episode": update * args.total_batch_size, "train/loss": means["loss"],
+                             "train/rewards/chosen": means["chosen"], "train/rewards/rejected": means["rejected"],
+                             "train/rewards/margins": means["chosen"] - means["rejected"],
+                             "train/rewards/accuracy": means["accuracy"], "train/lr": lr_scheduler.get_last_lr()[0],
+                             "train/epoch": update * args.total_batch_size / len(train_set),
+                             "train/tokens_per_s": tokens_per_s})
+        if due(args.eval_every, update, num_updates):
+            evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets, tokenizer, update, final=False)
+        # the trainer state after this update, checkpointed after its logging and evaluation (a resumed run
+        # repeats neither)
+        state = {"tokens_seen": tokens_seen, "train_time": train_time_before + time.time() - train_start}
+        if due(args.checkpoint_every, update, num_updates):
+            run.checkpoint(update, state)
     progress.close()
     train_time = train_time_before + time.time() - train_start
 
@@ -699,7 +617,7 @@ def main(args: Args) -> dict:
     summary = normalize_on_references(scorer, accelerator, unwrapped, references, pad_id, args)
 
     # ---------------- final evaluation of the saved (normalised) model, and outputs ----------------
-    summary.update(evaluate(num_updates, final=True))
+    summary.update(evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets, tokenizer, num_updates, final=True))
     summary.update({"train_time_s": train_time, "wall_time_s": time.time() - start_time,
                     "tokens_per_s": tokens_seen / max(train_time, 1e-9), "num_updates": num_updates,
                     "head_init_std": head_std})
@@ -712,11 +630,9 @@ def main(args: Args) -> dict:
     return summary
 
 
-# =============================================================================================
-# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
-# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
-# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
-# =============================================================================================
+# ---------------------------------------------------------------------------------------------
+# The number-deciding setup (tokenizer, data, model, DeepSpeed) and the evaluation outputs main writes
+# ---------------------------------------------------------------------------------------------
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
@@ -738,17 +654,6 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
             "purpose; the later stages refuse its model)"
         )
     return tokenizer
-
-
-def count_updates(args, num_rows: int) -> int:
-    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
-    train data) in full batches of total_batch_size; a last partial batch is dropped."""
-    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
-    num_updates = total_episodes // args.total_batch_size
-    if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
-                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
-    return num_updates
 
 
 def load_reward_data(args, tokenizer, accelerator):
@@ -791,36 +696,40 @@ def load_reward_data(args, tokenizer, accelerator):
     return train_set, eval_sets, references
 
 
-def keep_last_good_reward_checkpoint(run, accelerator, progress, step: int, trainer_state: dict) -> None:
-    """After the non-finite guard fired in update step + 1. The guard runs before backward and before the
-    update's optimizer step, so the weights on hand are still those after update `step`: keep them as the
-    last good checkpoint (never the poisoned ones)."""
-    progress.close()  # so that the error is the last line of the output
-    run.checkpoint(step, trainer_state)
-    accelerator.print(f"non-finite value in update {step + 1}; last good checkpoint: {run.latest_checkpoint()}")
+def count_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
+    train data) in full batches of total_batch_size; a last partial batch is dropped."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = total_episodes // args.total_batch_size
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+    return num_updates
 
 
-def resumable_micro_batches(loader, skip: int):
-    """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
-    the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
-
-    The loader must come from an Accelerator made with DataLoaderConfiguration(use_seedable_sampler=True,
-    data_seed=seed): its shuffle of epoch e is then drawn from a generator seeded with seed + e, so it
-    depends on e alone and not on how many epochs this process has iterated before. A resumed run can
-    therefore set epoch e directly and drop the micro batches of it already trained on; skip_first_batches
-    drops them from the index lists (no row is read). Every process skips its own share the same way."""
-    per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
-    if per_epoch == 0:
-        raise ValueError("the train split is smaller than one micro batch per process; "
-                         "lower --local_micro_batch_size or use more data")
-    epoch, skip = divmod(skip, per_epoch)
-    while True:
-        loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
-        yield from (skip_first_batches(loader, skip) if skip else loader)
-        epoch, skip = epoch + 1, 0
+def build_reward_model(args, tokenizer):
+    """Detail 11: the SFT model's transformer trunk plus a fresh scalar head (see init_reward_head).
+    Returns the model and the std its head was drawn with."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.sft_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
+    )
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > model.config.vocab_size:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    head_std = init_reward_head(model, args.reward_head_init, args.reward_head_init_std)
+    if args.disable_dropout:
+        disable_dropout(model)  # Detail 7
+    return model, head_std
 
 
-# ---- evaluation outputs: files, plots and samples of what run_evaluation measures (above main) ----
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
+    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
+    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
+    if config is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
 
 
 def save_reward_evaluation(run, frame, rows, calibration: dict, logit_rows: list, eos_text: str, step: int,
@@ -911,13 +820,97 @@ def samples_frame(frame: pd.DataFrame, eos_text: str) -> pd.DataFrame:
     return pd.concat(out).sort_values(["dataset_split", "pair_index", "role"]).reset_index(drop=True)
 
 
-def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
-    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
-    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
-    if config is not None:
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with the sibling scripts (identical copies; tests/test_shared_helpers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_div(a: int, b: int, what: str = "batch size") -> int:
+    """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
+    q = a // b
+    if q * b != a:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+    return q
+
+
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
+    if os.path.isdir(path):
+        dataset_dict = load_from_disk(path)
+        if split not in dataset_dict:
+            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+        return dataset_dict[split]
+    return load_dataset(path, split=split)
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Per row, the index of the first True; the row length when the row has no True."""
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)
+    # a False entry is pushed past the end, so the minimum picks the first True (or row_len)
+    return torch.where(bools, positions, torch.full_like(positions, row_len)).min(dim=-1).values
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Detail 7: set every dropout probability to 0 so that training-mode forwards are deterministic.
+    Besides the nn.Dropout modules, several attention implementations (GPT-NeoX, Llama, ...) apply dropout
+    functionally from a float attribute of the attention module; those are zeroed too."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
+    """The columns of a batch of (left-padded query + right-padded response) rows that hold a real token in some
+    row. The columns outside are padding in every row: the model masks them out and positions count real tokens
+    only (Detail 14), so cutting them changes no loss, log-prob or reward, only the compute. The data keeps its
+    fixed widths on disk (Detail 5); each batch is cut to its own longest row when it meets the model."""
+    real = (query_responses != pad_token_id).any(0).nonzero()
+    if real.numel() == 0:
+        return slice(0, query_responses.size(1))
+    return slice(int(real[0]), int(real[-1]) + 1)
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Reward of a (left-padded query + right-padded response) batch.
+
+    Detail 12: the score is read at the EOS token, i.e. the last token before the first [PAD]
+    of the response (the last token when there is no pad). Returns the per-token reward
+    logits (B, T), the sequence rewards (B,) and the index read (B,)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True
+    ).last_hidden_state  # (B, T, d)
+    reward_logits = model.score(hidden).squeeze(-1)  # (B, T)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
+    return reward_logits, rewards, sequence_lengths
+
+
+def resumable_micro_batches(loader, skip: int):
+    """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
+    the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
+
+    The loader must come from an Accelerator made with DataLoaderConfiguration(use_seedable_sampler=True,
+    data_seed=seed): its shuffle of epoch e is then drawn from a generator seeded with seed + e, so it
+    depends on e alone and not on how many epochs this process has iterated before. A resumed run can
+    therefore set epoch e directly and drop the micro batches of it already trained on; skip_first_batches
+    drops them from the index lists (no row is read). Every process skips its own share the same way."""
+    per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
+    if per_epoch == 0:
+        raise ValueError("the train split is smaller than one micro batch per process; "
+                         "lower --local_micro_batch_size or use more data")
+    epoch, skip = divmod(skip, per_epoch)
+    while True:
+        loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
+        yield from (skip_first_batches(loader, skip) if skip else loader)
+        epoch, skip = epoch + 1, 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ LoRA / QLoRA:           ... --lora_rank 8 [--load_in_4bit]: adapters on a frozen
 After a crash:          the same command with --resume: it continues from the latest checkpoint in
                         runs/{run_name}/checkpoints (model, AdamW, schedule, data position, RNG states) and ends
                         exactly like an uninterrupted run (--checkpoint_every sets how often).
+A NaN or inf loss:      stops the run before it reaches the weights; the state after the update before is saved as
+                        that update's checkpoint, from which --resume goes on as from an ordinary one.
 """
 
 import contextlib
@@ -47,7 +49,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    NonFiniteError, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, check_qlora_flags,
+    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, check_qlora_flags, due,
     frame_markdown, save_pretrained_model, start_processes, upload_to_hub,
 )
 
@@ -134,7 +136,7 @@ class Args:
     """Detail 7: set every dropout probability to 0 (the same for SFT, RM and PPO)"""
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
-    runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+    runs float32 unless --bf16 asks for bf16 (slow there)"""
 
     # ---- memory: LoRA and QLoRA ----
     lora_rank: int = 0
@@ -187,25 +189,6 @@ def sft_batch_indices(num_rows: int, total_batch_size: int, local_micro_batch_si
             yield [local_batch[i : i + local_micro_batch_size].tolist() for i in range(0, local_batch_size, local_micro_batch_size)]
 
 
-def load_sft_model(args, tokenizer) -> torch.nn.Module:
-    """The base model to fine-tune, with an embedding row for the tokenizer's [PAD] (Detail 3) and no dropout
-    (Detail 7). Float32 master weights (transformers v5 would otherwise keep the checkpoint's dtype, float16 for
-    Pythia); --bf16 computes in bf16 through accelerate's autocast. With --lora_rank only LoRA adapters train on the
-    frozen model, whose linear layers --load_in_4bit stores in 4 bits (QLoRA)."""
-    model = AutoModelForCausalLM.from_pretrained(
-        args.base_model, trust_remote_code=args.trust_remote_code, dtype=torch.float32,
-        **quantized_loading(args, args.bf16),
-    )
-    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-    if len(tokenizer) > model.config.vocab_size:
-        model.resize_token_embeddings(len(tokenizer))
-    if args.disable_dropout:
-        disable_dropout(model)
-    if args.lora_rank > 0:
-        model = lora_policy(model, args)
-    return model
-
-
 def sft_labels(label_tokens: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     """Next-token targets: every pad becomes -100 (ignored by the loss).
 
@@ -231,6 +214,38 @@ def next_token_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, 
     num_targets = (shifted_labels != -100).sum()
     loss = F.cross_entropy(shifted_logits.flatten(0, 1), shifted_labels.flatten(), ignore_index=-100)
     return loss, num_targets
+
+
+def sft_update(args, accelerator, run, model, optimizer, scheduler, dataset, batches, label_column: str,
+               pad_token_id: int, update: int, state: dict):
+    """Steps 1-4 of one update: this process's micro batches of it (1), their labels (2), each one's loss and its
+    gradient, accumulated (3), checked by the non-finite guard before its backward pass, then one AdamW step after the
+    last and one step of the schedule (4). `state` is the trainer state after update - 1; returns the one after this
+    update (the running counters of the summary) and the update's training metrics."""
+    update_start = time.time()
+    stats = torch.zeros(3, device=accelerator.device)  # loss sum over micro-batches, micro-batches, input tokens
+    for micro_indices in next(batches):  # 1.
+        micro_batch = dataset[micro_indices]
+        query_responses = micro_batch["query_reference_response_token"].to(accelerator.device)  # (b, Tq + Tr)
+        labels = sft_labels(micro_batch[label_column].to(accelerator.device), pad_token_id)  # 2.
+        with accelerator.accumulate(model):
+            loss, _ = next_token_loss(model, query_responses, labels, pad_token_id)  # 3.
+            # non-finite guard: checked before backward, so the weights never see it
+            run.guard(update, **{"train/loss": loss})
+            accelerator.backward(loss)  # divided by the accumulation steps inside
+            optimizer.step()  # 4. a no-op until the last micro-batch of the update
+            optimizer.zero_grad()
+        stats += torch.stack(
+            [loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()]
+        )
+    lr = scheduler.get_last_lr()[0]  # the rate this update used
+    scheduler.step()
+    stats = accelerator.reduce(stats, reduction="sum")
+    train_time = state["train_time"] + (time.time() - update_start)
+    train_tokens = state["train_tokens"] + int(stats[2])
+    last_loss = (stats[0] / stats[1]).item()  # mean over every micro-batch of the update, all processes
+    metrics = {"train/loss": last_loss, "train/lr": lr, "train/tokens_per_s": train_tokens / train_time}
+    return {"train_tokens": train_tokens, "train_time": train_time, "last_loss": last_loss}, metrics
 
 
 @torch.no_grad()
@@ -299,6 +314,253 @@ def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset
         "num_samples": len(df),
     }
     return metrics, df
+
+
+def evaluate_and_log_sft(run, args, accelerator, model, tokenizer, eval_datasets: dict, generation_config,
+                         label_column: str, step: int, final: bool) -> dict:
+    """One evaluation of every split (evaluate_sft): its sample table written, its metrics logged at `step`. Returns
+    the metrics of all splits (`eval/...`, and `test/...` with --eval_test_split)."""
+    summary = {}
+    for split, dataset in eval_datasets.items():
+        prefix = "eval" if split == args.eval_split else split
+        metrics, table = evaluate_sft(args, accelerator, model, tokenizer, dataset, generation_config, label_column)
+        metrics = {f"{prefix}/{key}": value for key, value in metrics.items()}
+        summary.update(metrics)
+        write_sft_samples(run, args, split, prefix, step, final, metrics, table)
+        run.log(step, {"episode": step * args.total_batch_size, **metrics})
+    return summary
+
+
+def main(args: Args) -> dict:
+    start_time = time.time()
+    # ---------------- processes, batch arithmetic and precision ----------------
+    args.world_size = start_processes().num_processes  # first: the accumulation steps depend on the process count
+    accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
+                             "total_batch_size / (local_micro_batch_size * world_size)")
+    check_gradient_accumulation(args, accumulation, args.world_size)
+    args.gradient_accumulation_steps = accumulation  # recorded in args.json
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
+    )
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    check_qlora_flags(args, accelerator)
+    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+
+    # ---------------- seeding ----------------
+    set_seed(args.seed)  # weights and data order: the same on every process
+    local_seed = args.seed + accelerator.process_index * 100003  # sampling (set after the model exists) differs
+
+    # ---------------- tokenizer, data, model ----------------
+    # Detail 3: a [PAD] distinct from EOS (EOS itself with --pad_token eos)
+    tokenizer = load_tokenizer(args.base_model, args.trust_remote_code, args.pad_token)
+    pad_token_id = tokenizer.pad_token_id
+    # step 2: the tokens that carry the loss (--loss_on): the reference summary and its EOS, or the whole sequence
+    label_column = {
+        "response": "query_reference_response_token_response_label",
+        "sequence": "query_reference_response_token",
+    }[args.loss_on]
+    train_dataset, eval_datasets = load_sft_data(args, tokenizer, label_column)
+    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
+    model = load_sft_model(args, tokenizer)
+    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
+
+    # ---------------- optimizer, schedule and the data order ----------------
+    args.num_updates = count_updates(args, len(train_dataset))
+    # the reference uses torch's AdamW with its default weight decay (0.01); so do we. It holds the weights that train:
+    # all of them, or the LoRA adapters alone (--lora_rank)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    adamw = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps)
+    # the schedule is not passed to accelerator.prepare, which would step it once per process
+    scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=0, num_training_steps=args.num_updates)
+    model, optimizer = accelerator.prepare(model, adamw)
+    accelerator.register_for_checkpointing(scheduler)  # saved and restored with the model and optimizer
+    torch.manual_seed(local_seed)  # sampling at evaluation differs across processes
+    batches = sft_batch_indices(len(train_dataset), args.total_batch_size, args.local_micro_batch_size,
+                                args.gradient_accumulation_steps, args.seed, accelerator.process_index)
+
+    # ---------------- resume ----------------
+    last_good = LastGoodState(run, accelerator, adamw, scheduler)  # the non-finite guard's fallback
+    # the trainer state: the running counters of the summary (the data position is the update number)
+    state = run.start({"update": 0, "train_tokens": 0, "train_time": 0.0, "last_loss": float("nan")},
+                      num_updates=args.num_updates)
+    start_update = state["update"]
+    if args.resume:  # accelerate's count of micro batches, in this run's: a checkpoint of more processes counts fewer
+        accelerator.step = start_update * args.gradient_accumulation_steps
+
+    # ---------------- training: steps 1-4 ----------------
+    model.train()
+    progress = tqdm(range(start_update + 1, args.num_updates + 1), initial=start_update, total=args.num_updates,
+                    disable=not accelerator.is_main_process, desc="sft")
+    for _ in range(start_update):
+        next(batches)  # the data position: replay the permutations of the updates already done
+    for update in progress:
+        with last_good.kept(update, state):  # a non-finite loss leaves the state after update - 1 as a checkpoint
+            state, metrics = sft_update(args, accelerator, run, model, optimizer, scheduler, train_dataset, batches,
+                                        label_column, pad_token_id, update, state)  # steps 1-4
+        progress.set_postfix(loss=f"{state['last_loss']:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+        run.log(update, {"episode": update * args.total_batch_size, **metrics})
+        if due(args.eval_every, update, args.num_updates):
+            evaluate_and_log_sft(run, args, accelerator, model, tokenizer, eval_datasets, generation_config,
+                                 label_column, update, final=False)
+        if due(args.checkpoint_every, update, args.num_updates):
+            run.checkpoint(update, state)
+    progress.close()
+
+    # ---------------- final evaluation, summary and model ----------------
+    summary = evaluate_and_log_sft(run, args, accelerator, model, tokenizer, eval_datasets, generation_config,
+                                   label_column, args.num_updates, final=True)
+    summary.update(
+        {
+            "train/loss": state["last_loss"],
+            "train/tokens": state["train_tokens"],
+            "train/time_s": state["train_time"],
+            "train/tokens_per_s": state["train_tokens"] / state["train_time"],
+            "train/updates": args.num_updates,
+            "wall_time_s": time.time() - start_time,
+        }
+    )
+    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
+        save_merged_policy(accelerator, model, tokenizer, args.output_dir)
+    else:
+        save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)
+    if args.push_to_hub and accelerator.is_main_process:
+        upload_to_hub(args)
+    run.finish(summary)
+    accelerator.print(json.dumps(summary, indent=2))
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# The number-deciding setup (tokenizer, data, model, DeepSpeed) and the outputs main writes
+# ---------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
+    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
+    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
+    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
+    ablation); otherwise a tokenizer that already pads with EOS is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if pad_token == "eos":
+        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
+    elif tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
+    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
+            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
+            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
+            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
+            "purpose; the later stages refuse its model)"
+        )
+    return tokenizer
+
+
+def load_sft_data(args, tokenizer, label_column: str):
+    """The train split and the evaluation splits ({split: dataset}; `test` too with --eval_test_split) as torch
+    tensors, checked for the columns this run reads, for the tokenizer that made them and for --response_length."""
+    columns = list(dict.fromkeys(  # loss_on=sequence reads its labels from the input column itself
+        ["query_reference_response_token", label_column, "query_token", "query_reference_response_token_len"]
+    ))
+    train_dataset = load_split(args.query_dataset, args.train_split)
+    check_columns(train_dataset, columns, f"{args.query_dataset} split {args.train_split!r}")
+    # the data must come from this tokenizer (its pad id also decides which labels are masked)
+    check_data_tokenizer(train_dataset, tokenizer, args.base_model, f"{args.query_dataset} split {args.train_split!r}")
+    train_dataset = train_dataset.with_format("torch", columns=columns)
+    eval_splits = [args.eval_split] + (["test"] if args.eval_test_split else [])
+    eval_datasets = {}
+    for split in eval_splits:
+        dataset = load_split(args.query_dataset, split)
+        check_columns(dataset, columns + ["reference_response"], f"{args.query_dataset} split {split!r}")
+        check_data_tokenizer(dataset, tokenizer, args.base_model, f"{args.query_dataset} split {split!r}")
+        eval_datasets[split] = dataset.with_format("torch", columns=columns + ["reference_response"])
+    first = train_dataset[0]
+    data_response_length = first["query_reference_response_token"].numel() - first["query_token"].numel()
+    if data_response_length != args.response_length:
+        raise ValueError(
+            f"--response_length {args.response_length} but {args.query_dataset} has responses of {data_response_length} tokens"
+        )
+    return train_dataset, eval_datasets
+
+
+def load_sft_model(args, tokenizer) -> torch.nn.Module:
+    """The base model to fine-tune, with an embedding row for the tokenizer's [PAD] (Detail 3) and no dropout
+    (Detail 7). Float32 master weights (transformers v5 would otherwise keep the checkpoint's dtype, float16 for
+    Pythia); --bf16 computes in bf16 through accelerate's autocast. With --lora_rank only LoRA adapters train on the
+    frozen model, whose linear layers --load_in_4bit stores in 4 bits (QLoRA)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        args.base_model, trust_remote_code=args.trust_remote_code, dtype=torch.float32,
+        **quantized_loading(args, args.bf16),
+    )
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if len(tokenizer) > model.config.vocab_size:
+        model.resize_token_embeddings(len(tokenizer))
+    if args.disable_dropout:
+        disable_dropout(model)
+    if args.lora_rank > 0:
+        model = lora_policy(model, args)
+    return model
+
+
+def count_updates(args, num_rows: int) -> int:
+    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
+    train data) in full batches of total_batch_size; a last partial batch is dropped."""
+    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
+    num_updates = total_episodes // args.total_batch_size
+    if num_updates < 1:
+        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+    return num_updates
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
+    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
+    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
+    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
+    if config is not None:
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+
+
+def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
+    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
+    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
+    gathering the partitioned weights; the main process saves."""
+    unwrapped = accelerator.unwrap_model(wrapped)
+    gathered = contextlib.nullcontext()
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
+    accelerator.wait_for_everyone()
+    with gathered:
+        if accelerator.is_main_process:
+            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
+            tokenizer.save_pretrained(output_dir)
+
+
+def write_sft_samples(run, args, split: str, prefix: str, step: int, final: bool, metrics: dict,
+                      df: pd.DataFrame) -> None:
+    """The sample table of one evaluation of one split: runs/{run_name}/samples/step_N.csv (and samples.csv after
+    training; `_test` added for the test split), its first --num_table_samples rows in TensorBoard (and W&B) and
+    on the console, with the metrics."""
+    suffix = "" if split == args.eval_split else f"_{split}"
+    run.save_table(df, f"samples/step_{step:06d}{suffix}.csv")
+    if final:
+        run.save_table(df, f"samples{suffix}.csv")
+    table = df.head(args.num_table_samples)[["query", "response", "reference"]]
+    if not run.main:
+        return
+    run.writer.add_text(f"{prefix}/samples", frame_markdown(table), step)  # TensorBoard's text tab
+    if args.track:
+        import wandb
+
+        wandb.log({f"{prefix}/samples": wandb.Table(dataframe=df.head(args.num_table_samples))}, step=step)
+    for row in table.itertuples(index=False):
+        tqdm.write(f"[{split} step {step}] query: ...{row.query[-200:]!r}\n  response: {row.response!r}\n  reference: {row.reference!r}")
+    tqdm.write(f"[{split} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,266 +761,6 @@ def merged_policy(policy) -> torch.nn.Module:
     plain.tie_weights()
     plain.generation_config = copy.deepcopy(model.generation_config)
     return plain.eval()
-
-
-def main(args: Args) -> dict:
-    start_time = time.time()
-    # ---------------- processes, batch arithmetic and precision ----------------
-    args.world_size = start_processes().num_processes  # first: the accumulation steps depend on the process count
-    accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
-                             "total_batch_size / (local_micro_batch_size * world_size)")
-    check_gradient_accumulation(args, accumulation, args.world_size)
-    args.gradient_accumulation_steps = accumulation  # recorded in args.json
-    if args.bf16 is None:
-        args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
-    )
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    check_qlora_flags(args, accelerator)
-    run = Run(args, accelerator)  # run name and folder; see the run infrastructure below main
-
-    # ---------------- seeding ----------------
-    set_seed(args.seed)  # weights and data order: the same on every process
-    local_seed = args.seed + accelerator.process_index * 100003  # sampling (set after the model exists) differs
-
-    # ---------------- tokenizer, data, model ----------------
-    # Detail 3: a [PAD] distinct from EOS (EOS itself with --pad_token eos)
-    tokenizer = load_tokenizer(args.base_model, args.trust_remote_code, args.pad_token)
-    pad_token_id = tokenizer.pad_token_id
-    # step 2: the tokens that carry the loss (--loss_on): the reference summary and its EOS, or the whole sequence
-    label_column = {
-        "response": "query_reference_response_token_response_label",
-        "sequence": "query_reference_response_token",
-    }[args.loss_on]
-    train_dataset, eval_datasets = load_sft_data(args, tokenizer, label_column)
-    run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
-    model = load_sft_model(args, tokenizer)
-    generation_config = sampling_config(args, tokenizer, args.eval_temperature)  # Detail 23: EOS trick
-
-    # ---------------- optimizer, schedule and the data order ----------------
-    args.num_updates = count_updates(args, len(train_dataset))
-    # the reference uses torch's AdamW with its default weight decay (0.01); so do we. It holds the weights that train:
-    # all of them, or the LoRA adapters alone (--lora_rank)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps)
-    # the schedule is not passed to accelerator.prepare, which would step it once per process
-    scheduler = get_scheduler(args.scheduler, optimizer, num_warmup_steps=0, num_training_steps=args.num_updates)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)  # saved and restored with the model and optimizer
-    torch.manual_seed(local_seed)  # sampling at evaluation differs across processes
-    batches = sft_batch_indices(len(train_dataset), args.total_batch_size, args.local_micro_batch_size,
-                                args.gradient_accumulation_steps, args.seed, accelerator.process_index)
-
-    # ---------------- resume and logging ----------------
-    # the trainer state: the running counters of the summary (the data position is the update number)
-    state = run.start({"update": 0, "train_tokens": 0, "train_time": 0.0, "last_loss": float("nan")},
-                      num_updates=args.num_updates)
-    start_update = state["update"]
-    if args.resume:
-        # the accumulation counter restarts at an update boundary (a guard checkpoint may be saved mid-update)
-        accelerator.step = start_update * args.gradient_accumulation_steps
-
-    def log(step: int, metrics: dict) -> None:
-        run.log(step, {"episode": step * args.total_batch_size, **metrics})
-
-    def run_evaluation(step: int, final: bool) -> dict:
-        summary = {}
-        for split, dataset in eval_datasets.items():
-            prefix = "eval" if split == args.eval_split else split
-            metrics, table = evaluate_sft(args, accelerator, model, tokenizer, dataset, generation_config, label_column)
-            metrics = {f"{prefix}/{key}": value for key, value in metrics.items()}
-            summary.update(metrics)
-            write_sft_samples(run, args, split, prefix, step, final, metrics, table)
-            log(step, metrics)
-        return summary
-
-    # ---------------- training: steps 1-4 ----------------
-    model.train()
-    progress = tqdm(range(start_update + 1, args.num_updates + 1), initial=start_update, total=args.num_updates,
-                    disable=not accelerator.is_main_process, desc="sft")
-    for _ in range(start_update):
-        next(batches)  # the data position: replay the permutations of the updates already done
-    train_tokens, train_time, last_loss = state["train_tokens"], state["train_time"], state["last_loss"]
-
-    def trainer_state() -> dict:
-        return {"train_tokens": train_tokens, "train_time": train_time, "last_loss": last_loss}
-
-    update = start_update
-    try:
-        for update in progress:
-            update_start = time.time()
-            stats = torch.zeros(3, device=accelerator.device)  # loss sum over micro-batches, micro-batches, input tokens
-            for micro_indices in next(batches):  # 1.
-                micro_batch = train_dataset[micro_indices]
-                query_responses = micro_batch["query_reference_response_token"].to(accelerator.device)  # (b, Tq + Tr)
-                labels = sft_labels(micro_batch[label_column].to(accelerator.device), pad_token_id)  # 2.
-                with accelerator.accumulate(model):
-                    loss, _ = next_token_loss(model, query_responses, labels, pad_token_id)  # 3.
-                    # non-finite guard: checked before backward, so the weights never see it
-                    run.guard(update, **{"train/loss": loss})
-                    accelerator.backward(loss)  # divided by the accumulation steps inside
-                    optimizer.step()  # 4. a no-op until the last micro-batch of the update
-                    optimizer.zero_grad()
-                stats += torch.stack(
-                    [loss.detach(), torch.ones((), device=loss.device), (query_responses != pad_token_id).sum().float()]
-                )
-            lr = scheduler.get_last_lr()[0]  # the rate this update used
-            scheduler.step()
-            stats = accelerator.reduce(stats, reduction="sum")
-            train_time += time.time() - update_start
-            train_tokens += int(stats[2])
-            last_loss = (stats[0] / stats[1]).item()  # mean over every micro-batch of the update, all processes
-            tokens_per_s = train_tokens / train_time
-            progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
-            log(update, {"train/loss": last_loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s})
-            if args.eval_every > 0 and update % args.eval_every == 0 and update != args.num_updates:
-                run_evaluation(update, final=False)
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update != args.num_updates:
-                run.checkpoint(update, trainer_state())
-    except NonFiniteError:
-        # the guard runs before backward, so the weights on hand are still those after update - 1:
-        # keep them as the last good checkpoint (the poisoned update is never applied or saved)
-        run.checkpoint(update - 1, trainer_state())
-        accelerator.print(f"non-finite value at update {update}; last good checkpoint: {run.latest_checkpoint()}")
-        raise
-    progress.close()
-
-    # ---------------- final evaluation, summary and model ----------------
-    summary = run_evaluation(args.num_updates, final=True)
-    summary.update(
-        {
-            "train/loss": last_loss,
-            "train/tokens": train_tokens,
-            "train/time_s": train_time,
-            "train/tokens_per_s": train_tokens / train_time,
-            "train/updates": args.num_updates,
-            "wall_time_s": time.time() - start_time,
-        }
-    )
-    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
-        save_merged_policy(accelerator, model, tokenizer, args.output_dir)
-    else:
-        save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)
-    if args.push_to_hub and accelerator.is_main_process:
-        upload_to_hub(args)
-    run.finish(summary)
-    accelerator.print(json.dumps(summary, indent=2))
-    return summary
-
-
-# =============================================================================================
-# RUN INFRASTRUCTURE: TRY NOT TO MODIFY. The algorithm ends here. What follows serves main() without
-# being part of the algorithm: flag and input checks, processes and DeepSpeed, output folders, logging,
-# checkpoints and resume, the non-finite guard, saving. (Python looks these names up when main runs.)
-# =============================================================================================
-
-
-def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
-    """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
-    masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
-    response from its padding by that [PAD]. pad_token="eos" pads with EOS itself instead (sft.py's Detail 3
-    ablation); otherwise a tokenizer that already pads with EOS is refused."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    if pad_token == "eos":
-        tokenizer.pad_token = tokenizer.eos_token  # Detail 3 ablation: EOS doubles as the pad token
-    elif tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
-    if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
-            "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
-            "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
-            "without a pad token) and prepare the data with it (sft.py --pad_token eos runs the EOS-as-pad ablation on "
-            "purpose; the later stages refuse its model)"
-        )
-    return tokenizer
-
-
-def load_sft_data(args, tokenizer, label_column: str):
-    """The train split and the evaluation splits ({split: dataset}; `test` too with --eval_test_split) as torch
-    tensors, checked for the columns this run reads, for the tokenizer that made them and for --response_length."""
-    columns = list(dict.fromkeys(  # loss_on=sequence reads its labels from the input column itself
-        ["query_reference_response_token", label_column, "query_token", "query_reference_response_token_len"]
-    ))
-    train_dataset = load_split(args.query_dataset, args.train_split)
-    check_columns(train_dataset, columns, f"{args.query_dataset} split {args.train_split!r}")
-    # the data must come from this tokenizer (its pad id also decides which labels are masked)
-    check_data_tokenizer(train_dataset, tokenizer, args.base_model, f"{args.query_dataset} split {args.train_split!r}")
-    train_dataset = train_dataset.with_format("torch", columns=columns)
-    eval_splits = [args.eval_split] + (["test"] if args.eval_test_split else [])
-    eval_datasets = {}
-    for split in eval_splits:
-        dataset = load_split(args.query_dataset, split)
-        check_columns(dataset, columns + ["reference_response"], f"{args.query_dataset} split {split!r}")
-        check_data_tokenizer(dataset, tokenizer, args.base_model, f"{args.query_dataset} split {split!r}")
-        eval_datasets[split] = dataset.with_format("torch", columns=columns + ["reference_response"])
-    first = train_dataset[0]
-    data_response_length = first["query_reference_response_token"].numel() - first["query_token"].numel()
-    if data_response_length != args.response_length:
-        raise ValueError(
-            f"--response_length {args.response_length} but {args.query_dataset} has responses of {data_response_length} tokens"
-        )
-    return train_dataset, eval_datasets
-
-
-def count_updates(args, num_rows: int) -> int:
-    """Optimizer updates of the run: --total_episodes rows (None: num_train_epochs passes over the num_rows of the
-    train data) in full batches of total_batch_size; a last partial batch is dropped."""
-    total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
-    num_updates = total_episodes // args.total_batch_size
-    if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
-                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
-    return num_updates
-
-
-def write_sft_samples(run, args, split: str, prefix: str, step: int, final: bool, metrics: dict,
-                      df: pd.DataFrame) -> None:
-    """The sample table of one evaluation of one split: runs/{run_name}/samples/step_N.csv (and samples.csv after
-    training; `_test` added for the test split), its first --num_table_samples rows in TensorBoard (and W&B) and
-    on the console, with the metrics."""
-    suffix = "" if split == args.eval_split else f"_{split}"
-    run.save_table(df, f"samples/step_{step:06d}{suffix}.csv")
-    if final:
-        run.save_table(df, f"samples{suffix}.csv")
-    table = df.head(args.num_table_samples)[["query", "response", "reference"]]
-    if not run.main:
-        return
-    run.writer.add_text(f"{prefix}/samples", frame_markdown(table), step)  # TensorBoard's text tab
-    if args.track:
-        import wandb
-
-        wandb.log({f"{prefix}/samples": wandb.Table(dataframe=df.head(args.num_table_samples))}, step=step)
-    for row in table.itertuples(index=False):
-        tqdm.write(f"[{split} step {step}] query: ...{row.query[-200:]!r}\n  response: {row.response!r}\n  reference: {row.reference!r}")
-    tqdm.write(f"[{split} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-
-
-def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
-    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
-    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
-    gathering the partitioned weights; the main process saves."""
-    unwrapped = accelerator.unwrap_model(wrapped)
-    gathered = contextlib.nullcontext()
-    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
-    accelerator.wait_for_everyone()
-    with gathered:
-        if accelerator.is_main_process:
-            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
-            tokenizer.save_pretrained(output_dir)
-
-
-def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
-    """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
-    per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
-    config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
-    if config is not None:
-        config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
 
 
 if __name__ == "__main__":

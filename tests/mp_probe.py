@@ -22,6 +22,7 @@ from accelerate import Accelerator
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 script, out_dir = sys.argv[1], sys.argv[2]
 argv = sys.argv[4:] if len(sys.argv) > 3 and sys.argv[3] == "--" else sys.argv[3:]
+sys.path.insert(0, REPO_ROOT)  # the scripts import run_infra.py from the repository root
 spec = importlib.util.spec_from_file_location(script, os.path.join(REPO_ROOT, f"{script}.py"))
 module = importlib.util.module_from_spec(spec)
 sys.modules[script] = module  # tyro reads the docstrings of nested dataclasses through the module

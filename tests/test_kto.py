@@ -371,6 +371,40 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, unpa
 
 
 @pytest.mark.slow
+def test_resume_with_no_update_left_evaluates_at_the_checkpoints_reference_point(synthetic_task, unpaired_task,
+                                                                                tmp_path):
+    """A --resume from a checkpoint of the last update goes straight to the final evaluation, whose pair losses are
+    measured from z0: the z0 of the checkpoint's update, which the trainer state carries (before it did, such a
+    resume stopped with a NameError). No run saves a checkpoint at its last update (the final model covers it), so
+    the test makes one: the update-2 checkpoint of a 3-update run, its trainer state relabelled as update 3. The
+    final evaluation then sees the weights and the z0 of update 2, and must give update 2's evaluation exactly."""
+    # a large beta and learning rate and a heavy desirable weight: z0 of update 2 is positive (not clamped to 0)
+    flags = kto_flags(synthetic_task, os.path.join(unpaired_task, "unpaired"), "--feedback", "unpaired",
+                      "--total_episodes", "48", "--checkpoint_every", "2", "--eval_every", "2", "--beta", "1.0",
+                      "--lr", "1e-3", "--desirable_weight", "3")
+    runs, script = tmp_path / "runs", [sys.executable, os.path.join(REPO_ROOT, "kto.py"), *flags]
+    run_ok(script + ["--output_dir", str(tmp_path / "full"), "--run_dir_root", str(runs), "--run_name", "full"],
+           cwd=REPO_ROOT, env=ENV)
+    rows = [json.loads(line) for line in open(runs / "full" / "metrics.jsonl")]
+    z0 = next(row["train/z0"] for row in rows if row["step"] == 2 and "train/z0" in row)
+    evaluation = next(row for row in rows if row["step"] == 2 and "eval/validation/loss" in row)
+    assert z0 > 0.01, "the test needs a z0 away from 0"
+
+    shutil.copytree(runs / "full" / "checkpoints", runs / "end" / "checkpoints")
+    state_file = runs / "end" / "checkpoints" / "update_000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["update"] == 2 and state["num_updates"] == 3
+    state_file.write_text(json.dumps({**state, "update": 3}))  # the same size: the manifest still matches
+    resumed = run_ok(script + ["--output_dir", str(tmp_path / "end"), "--run_dir_root", str(runs), "--run_name", "end",
+                               "--resume"], cwd=REPO_ROOT, env=ENV)
+    assert "(update 3)" in resumed.stdout + resumed.stderr
+    summary = json.load(open(runs / "end" / "summary.json"))
+    for key in ("eval/validation/loss", "eval/validation/accuracy", "eval/validation/rewards/margins"):
+        assert summary[key] == evaluation[key], key
+    assert (tmp_path / "end" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
 def test_zero2_on_two_processes_matches_one_process(synthetic_task, unpaired_task, tmp_path):
     """As tests/test_multiprocess.py runs dpo.py: ZeRO-2 (the README's zero2.yaml, hardware lines overridden) on 2 CPU
     processes against 1 process that accumulates the two micro batches the ranks take. z0 is gathered over the

@@ -1,12 +1,14 @@
 """offline_rl.py: the filter / RWR / DT / best-of-n math against hand computations, the fixed-length
 generation config, one subprocess smoke run per method on the built-in task, and the reliability checks
-(SIGKILL + --resume gives the uninterrupted result, the non-finite guard, a missing column)."""
+(SIGKILL + --resume gives the uninterrupted result, the non-finite guard and its fallback checkpoint, a missing
+column)."""
 
 from conftest import (ENV, assert_last_good_checkpoint, assert_same_safetensors, kill_after_checkpoint, load_script,
                       run_ok, without_timing)
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -19,6 +21,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPTN
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 offline_rl = load_script("offline_rl")
 import run_infra  # noqa: E402  (the run infrastructure the scripts import)
+from test_ilql import assert_same_checkpoint, with_nan_at  # noqa: E402  (a NaN planted in one update; a checkpoint's state)
 
 PAD, EOS, VOCAB = 1, 0, 32
 
@@ -424,6 +427,37 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(smoke_setup, tmp_pa
     assert "run_infra.NonFiniteError: update 2: train/loss is not finite" in result.stderr
     assert_last_good_checkpoint(tmp_path / "runs" / "poisoned" / "checkpoints", 1)
     assert not (tmp_path / "model_poisoned" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_resuming_from_the_non_finite_fallback_equals_resuming_from_the_ordinary_checkpoint(smoke_setup, tmp_path):
+    """best_of_n, 3 rounds of 2 updates: a NaN RM score in round 2 (update 3), after the round has drawn its prompts and
+    sampled its candidates. The run stops and saves the state after update 2 as its checkpoint (the weights, AdamW,
+    the schedule, the data order, the RNG states, accelerate's micro-step count and the counters), the same as the
+    ordinary checkpoint of update 2 of the same run without the NaN. Resumed from either, the run ends with the same
+    weights and metrics."""
+    runs = tmp_path / "runs"
+    flags = ["--method", "best_of_n", "--n", "2", "--bon_num_prompts", "8", "--iterations", "3", "--num_train_epochs", "2",
+             "--checkpoint_every", "1", "--checkpoint_keep", "0"]  # a checkpoint after every update, all kept
+    poisoned = subprocess.run(with_nan_at(resumable_command(smoke_setup, tmp_path, "poisoned", *flags), update=3),
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert poisoned.returncode != 0 and "run_infra.NonFiniteError: update 3: best_of_n/scores" in poisoned.stderr
+    assert sorted(os.listdir(runs / "poisoned" / "checkpoints")) == ["update_000001", "update_000002"]
+    run_ok(resumable_command(smoke_setup, tmp_path, "ordinary", *flags), cwd=REPO_ROOT, timeout=600)
+    assert_same_checkpoint(runs / "poisoned" / "checkpoints" / "update_000002",
+                           runs / "ordinary" / "checkpoints" / "update_000002", timing=())
+
+    # both resumed from update 2: the ordinary run without its newer checkpoints
+    for update in range(3, 6):
+        shutil.rmtree(runs / "ordinary" / "checkpoints" / f"update_{update:06d}")
+    for run in ("poisoned", "ordinary"):
+        resumed = run_ok(resumable_command(smoke_setup, tmp_path, run, *flags, "--resume"), cwd=REPO_ROOT, timeout=600)
+        assert "update_000002" in resumed.stdout
+    assert_same_safetensors(tmp_path / "model_ordinary" / "model.safetensors",
+                            tmp_path / "model_poisoned" / "model.safetensors")
+    lines = {run: [comparable(json.loads(line)) for line in (runs / run / "metrics.jsonl").read_text().splitlines()]
+             for run in ("ordinary", "poisoned")}
+    assert lines["poisoned"] == lines["ordinary"]
 
 
 def test_a_missing_column_is_one_clear_error(smoke_setup, tmp_path):

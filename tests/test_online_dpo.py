@@ -8,6 +8,8 @@ import json
 import math
 import os
 import random
+import shutil
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -79,9 +81,9 @@ def test_sampled_first_tokens_follow_the_model_at_the_temperature():
     (the tiny model's logits are within +-0.3, so a low T is what tells the two apart)."""
     model = tiny_causal_lm(pad_token_id=PAD, eos_token_id=EOS)
     temperature, n = 0.3, 3000
-    config = online.sampling_config(SimpleNamespace(response_length=1), TOKENIZER, 0.0)
+    args = SimpleNamespace(seed=3, temperature=temperature, response_length=1)
     queries = torch.tensor([[5, 6, 7]] * n)
-    responses = online.sample_pairs(model, queries, torch.arange(n), 3, 1, temperature, config, TOKENIZER)  # (n, 2, 1)
+    responses = online.sample_pairs(args, model, queries, torch.arange(n), 1, TOKENIZER)  # (n, 2, 1)
     with torch.no_grad():
         logits = model(torch.tensor([[5, 6, 7]])).logits[0, -1]
     logits[PAD] = float("-inf")
@@ -98,17 +100,17 @@ def test_a_batch_split_across_two_processes_samples_what_one_process_samples():
     (what two processes do) give the very tokens of one call on all of them, in any order of the rows, with other
     padding widths; another draw or another seed gives other samples; the two responses to a prompt differ."""
     model = tiny_causal_lm(pad_token_id=PAD, eos_token_id=EOS)
-    config = online.sampling_config(SimpleNamespace(response_length=8), TOKENIZER, 0.0)
+    seed1, seed2 = (SimpleNamespace(seed=seed, temperature=1.0, response_length=8) for seed in (1, 2))
     queries, rows = left_padded(QUERIES, 6), torch.tensor([40, 3, 17, 8, 25, 11])  # rows: prompt indices in the split
-    both = online.sample_pairs(model, queries, rows, 1, 1, 1.0, config, TOKENIZER)  # (6, 2, 8)
-    halves = [online.sample_pairs(model, queries[part], rows[part], 1, 1, 1.0, config, TOKENIZER)
+    both = online.sample_pairs(seed1, model, queries, rows, 1, TOKENIZER)  # (6, 2, 8)
+    halves = [online.sample_pairs(seed1, model, queries[part], rows[part], 1, TOKENIZER)
               for part in (slice(0, 3), slice(3, 6))]
     assert both.shape == (6, 2, 8)
     assert torch.equal(torch.cat(halves), both)
     order = torch.tensor([5, 2, 0, 4, 1, 3])
-    assert torch.equal(online.sample_pairs(model, queries[order], rows[order], 1, 1, 1.0, config, TOKENIZER), both[order])
-    assert not torch.equal(online.sample_pairs(model, queries, rows, 1, 2, 1.0, config, TOKENIZER), both)  # draw 2
-    assert not torch.equal(online.sample_pairs(model, queries, rows, 2, 1, 1.0, config, TOKENIZER), both)  # seed 2
+    assert torch.equal(online.sample_pairs(seed1, model, queries[order], rows[order], 1, TOKENIZER), both[order])
+    assert not torch.equal(online.sample_pairs(seed1, model, queries, rows, 2, TOKENIZER), both)  # draw 2
+    assert not torch.equal(online.sample_pairs(seed2, model, queries, rows, 1, TOKENIZER), both)  # seed 2
     assert not torch.equal(both[:, 0], both[:, 1])
     # Detail 23: [PAD] is never sampled; after the first EOS there is only [PAD]
     for response in both.flatten(0, 1).tolist():
@@ -241,7 +243,7 @@ def test_reference_is_the_sft_model_or_the_policy_at_the_start_of_the_round(tmp_
                            local_eval_batch_size=3, local_rollout_forward_batch_size=5)
         rounds = online.OnlineRounds()
         online.online_round(args, Accelerator(cpu=True), run, rounds, policy, sft, tiny_reward_model(2), prompts,
-                            TOKENIZER, online.sampling_config(args, TOKENIZER, 0.0), round_index=1, update=1)
+                            TOKENIZER, round_index=1, update=1)
         tables[reference], held[reference] = rounds.ref_table, rounds
         assert rounds.index == 1 and rounds.keep.shape == (8,) and rounds.ref_table.shape == (8, 2)
         assert rounds.totals["pairs_trained"] == int(rounds.keep.sum()) and rounds.totals["draws"] == rounds.draws >= 1
@@ -368,3 +370,88 @@ def test_two_processes_under_zero2_match_one_process(synthetic_task, tmp_path):
         assert a.keys() == b.keys()
         for key in (k for k in b if k.startswith("online/")):
             assert a[key] == (b[key] if isinstance(b[key], int) else pytest.approx(b[key], rel=1e-5)), (b["step"], key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory, reference", [(["--lora_rank", "8", "--load_in_4bit"], "sft"),
+                                               (["--lora_rank", "8"], "last_round")], ids=["qlora", "lora"])
+def test_lora_run_saves_a_plain_float32_model(memory, reference, synthetic_task, tmp_path):
+    """LoRA and QLoRA as dpo.py runs them (tests/test_qlora.py): the reference is the policy with its adapters off
+    (QLoRA: the 4-bit base itself), or the policy of the round's start, so the first update's rewards are exactly 0 and
+    its loss log 2; the saved model has the adapters merged in float32 and loads with a plain from_pretrained, its
+    frozen parts the start's bit for bit and its adapted layers near the start."""
+    from safetensors.torch import load_file
+
+    command = online_command(synthetic_task, tmp_path, tmp_path / "model", "--run_name", "lora", "--reward_model_path",
+                             reward_model_for(synthetic_task), "--total_episodes", "32", "--log_every", "1",
+                             "--eval_every", "1", "--reference", reference, *memory)
+    run_ok(command, cwd=REPO_ROOT, env=ENV, timeout=600)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")  # a plain from_pretrained, as judge.py loads it
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    saved = load_file(tmp_path / "model" / "model.safetensors")
+    start = load_file(os.path.join(synthetic_task["base_model"], "model.safetensors"))
+    assert saved.keys() == start.keys()
+    # the frozen parts are the start's, bit for bit; the blocks' linear layers are the base plus the adapters
+    adapted = [name for name in saved if ".layers." in name and name.endswith(".weight") and saved[name].dim() == 2]
+    assert len(adapted) == 4 * model.config.num_hidden_layers
+    assert all(torch.equal(saved[name], start[name]) for name in saved if name not in adapted)
+    assert all(not torch.equal(saved[name], start[name]) for name in adapted)
+    assert max((saved[name] - start[name]).abs().max() for name in adapted) < 0.5  # near the start, not noise
+    first = next(json.loads(line) for line in open(tmp_path / "runs" / "lora" / "metrics.jsonl") if "train/loss" in line)
+    assert first["train/rewards/chosen"] == first["train/rewards/rejected"] == 0.0
+    assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-7)
+
+
+NAN_IN_LOSS = """
+import runpy, sys, torch, run_infra
+guard, calls = run_infra.Run.guard, []
+def planted(self, update, **quantities):
+    calls.append(update) if "train/loss" in quantities else None
+    if "train/loss" in quantities and update == {update} and calls.count(update) == {call}:
+        quantities = {{name: torch.full_like(value, float("nan")) for name, value in quantities.items()}}
+    guard(self, update, **quantities)
+run_infra.Run.guard = planted
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_resuming_from_the_non_finite_fallback_equals_resuming_from_the_ordinary_checkpoint(synthetic_task, tmp_path):
+    """A NaN loss in the second micro batch of update 3, the first update of round 2: the round's pairs have been
+    sampled, judged and given their reference log-probs, and the first micro batch has gone backward. The run stops
+    and saves the state after update 2 (round 1's pairs and counts, the RNG states, accelerate's micro-step count) as
+    its checkpoint, byte for byte the ordinary checkpoint of update 2 of the same run without the NaN. Resumed from
+    either, the run ends with the same weights and metrics."""
+    flags = ["--reward_model_path", reward_model_for(synthetic_task), "--total_episodes", "64", "--pairs_per_round", "32",
+             "--checkpoint_every", "1", "--checkpoint_keep", "0", "--eval_every", "2", "--log_every", "1"]
+    runs = tmp_path / "runs"
+    command = {run: online_command(synthetic_task, tmp_path, tmp_path / run, "--run_name", run, *flags)
+               for run in ("poisoned", "ordinary")}
+    planted = [sys.executable, "-c", NAN_IN_LOSS.format(update=3, call=2), *command["poisoned"][1:]]
+    poisoned = subprocess.run(planted, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert poisoned.returncode != 0 and "run_infra.NonFiniteError: update 3: train/loss" in poisoned.stderr
+    assert sorted(os.listdir(runs / "poisoned" / "checkpoints")) == ["update_000001", "update_000002"]
+    run_ok(command["ordinary"], cwd=REPO_ROOT, env=ENV)
+    fallback, ordinary = (runs / run / "checkpoints" / "update_000002" for run in ("poisoned", "ordinary"))
+    assert sorted(os.listdir(fallback)) == sorted(os.listdir(ordinary))
+    for name in sorted(os.listdir(ordinary)):
+        if name == "trainer_state.json":  # the same but for the clock
+            states = [json.loads((d / name).read_text()) for d in (fallback, ordinary)]
+            for state in states:
+                state.pop("interval_time")
+                state["last_train_metrics"] = without_timing(state["last_train_metrics"])
+            assert states[0] == states[1]
+        elif name != "manifest.json":  # its sizes include the trainer state's, whose seconds differ
+            assert (fallback / name).read_bytes() == (ordinary / name).read_bytes(), name
+    # both resumed from update 2: the ordinary run without its newer checkpoint
+    shutil.rmtree(runs / "ordinary" / "checkpoints" / "update_000003")
+    for run in ("poisoned", "ordinary"):
+        resumed = run_ok(command[run] + ["--resume"], cwd=REPO_ROOT, env=ENV)
+        assert "update_000002 (update 2)" in resumed.stdout + resumed.stderr
+    assert_same_safetensors(tmp_path / "ordinary" / "model.safetensors", tmp_path / "poisoned" / "model.safetensors")
+    lines = {run: [without_timing(json.loads(line)) for line in open(runs / run / "metrics.jsonl")]
+             for run in ("poisoned", "ordinary")}
+    assert lines["poisoned"] == lines["ordinary"]

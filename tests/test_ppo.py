@@ -73,9 +73,9 @@ def test_gae_matches_plain_loop_with_masks():
 def shaped_example(args, scores, responses, seed=0):
     torch.manual_seed(seed)
     B, T = responses.shape
-    data = {"responses": responses, "scores": scores.unsqueeze(1), "logprobs": -torch.rand(B, T),
+    data = {"responses": responses, "rm_scores": scores.unsqueeze(1), "logprobs": -torch.rand(B, T),
             "ref_logprobs": -torch.rand(B, T), "values": torch.randn(B, T)}
-    out = vars(ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, [ppo.RunningMoments()], lambda x: x))
+    out = vars(ppo.rewards_and_advantages(args, data, EOS, PAD, args.ppo.kl_coef, [ppo.RunningMoments()], lambda x: x))
     return data, out
 
 
@@ -251,7 +251,7 @@ def test_detail7_first_ratio_is_one_only_without_dropout(accelerator, dropout_of
     model.train()
     torch.manual_seed(5)
     idx = torch.randperm(queries.size(0))[:4]  # the first micro batch of the first epoch
-    new_logprobs, _, _, _ = ppo.policy_value_forward(model, data["query_responses"][idx], 5, 0.7, PAD)
+    new_logprobs, _, _, _ = ppo.training_logprobs_and_values(model, data["query_responses"][idx], 5, 0.7, PAD)
     ratio = torch.exp(new_logprobs - data["logprobs"][idx])[mask[idx]]
     if dropout_off:
         assert (ratio - 1).abs().max().item() < 1e-5
@@ -282,7 +282,8 @@ def test_detail22_values_and_eos_advantage_ppo_uses_at_init(accelerator, tmp_pat
                                                                     tmp_path / "rm", num_labels=1).eval()
         # the reference is the policy itself: KL 0, as at initialisation
         _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, policy)
-        out = vars(ppo.shape_rewards(args, data, EOS, PAD, args.ppo.kl_coef, [ppo.RunningMoments()], lambda x: x))
+        out = vars(ppo.rewards_and_advantages(args, data, EOS, PAD, args.ppo.kl_coef, [ppo.RunningMoments()],
+                                              lambda x: x))
         mask, last, scores = out["mask"], out["last_index"], out["scores"]
         assert (out["kl"] == 0).all()
         # the RM's per-token readings (B, Tq + T) of query + truncated response; [i, j] reads tokens 0..j
@@ -299,7 +300,7 @@ def test_detail22_values_and_eos_advantage_ppo_uses_at_init(accelerator, tmp_pat
         # sits at value index last + 1, which PPO masks
         eos_value = out["values"][rows, last]
         torch.testing.assert_close(eos_value, rm_readings[rows, context_length + last - 1], atol=1e-5, rtol=0)
-        torch.testing.assert_close(rm_scores[contains_eos], data["scores"][contains_eos, 0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(rm_scores[contains_eos], data["rm_scores"][contains_eos, 0], atol=1e-5, rtol=0)
         assert (eos_value - scores)[contains_eos].abs().min() > 1e-3
         assert (out["values"][rows[contains_eos], last[contains_eos] + 1] == 0).all()
         # gamma = lambda = 1, no KL: A_t = score - V_t on every kept token; the EOS action: score - V(before EOS)
@@ -315,7 +316,8 @@ def train_a_few_steps(model, data, context_length=5):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
     for _ in range(3):
-        new_logprobs, _, vpred, _ = ppo.policy_value_forward(model, data["query_responses"], context_length, 0.7, PAD)
+        new_logprobs, _, vpred, _ = ppo.training_logprobs_and_values(model, data["query_responses"], context_length, 0.7,
+                                                                     PAD)
         loss = -new_logprobs.mean() + vpred.pow(2).mean()
         loss.backward()
         optimizer.step()
@@ -364,7 +366,7 @@ def test_frozen_actor_takes_no_adamw_step(accelerator):
     reward_model = GPTNeoXForSequenceClassification(tiny_config()).eval()
     ref = GPTNeoXForCausalLM(tiny_config()).eval()
     _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, ref)
-    out = vars(ppo.shape_rewards(make_args(), data, EOS, PAD, 0.05, [ppo.RunningMoments()], lambda x: x))
+    out = vars(ppo.rewards_and_advantages(make_args(), data, EOS, PAD, 0.05, [ppo.RunningMoments()], lambda x: x))
     steps_per_update = 2
 
     def train(frozen_updates: int, unfrozen_updates: int):
@@ -383,7 +385,8 @@ def test_frozen_actor_takes_no_adamw_step(accelerator):
             freeze.set_lr(optimizer, update, 1e-3)
             assert [g["lr"] for g in optimizer.param_groups] == [0.0 if frozen else 1e-3, 1e-3]
             for _ in range(steps_per_update):
-                new_logprobs, _, vpred, _ = ppo.policy_value_forward(model, data["query_responses"], 5, 0.7, PAD)
+                new_logprobs, _, vpred, _ = ppo.training_logprobs_and_values(model, data["query_responses"], 5, 0.7,
+                                                                             PAD)
                 pg_loss, vf_loss, _ = ppo.ppo_losses(new_logprobs, data["logprobs"], out["advantages"], vpred,
                                                      out["values"], out["returns"], out["mask"], 0.2, 0.2)
                 (freeze.policy_loss_weight(update) * pg_loss + 0.1 * vf_loss).backward()

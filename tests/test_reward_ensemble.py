@@ -41,7 +41,7 @@ def ensemble_data(B: int = 6, T: int = 5):
     responses = ppo.truncate_response(EOS, PAD, raw)
     # two reward models on scales a hundred times apart
     scores = torch.stack([torch.randn(B), 100 * torch.randn(B)], 1)
-    return {"responses": responses, "scores": scores, "logprobs": -torch.rand(B, T),
+    return {"responses": responses, "rm_scores": scores, "logprobs": -torch.rand(B, T),
             "ref_logprobs": -torch.rand(B, T), "values": torch.randn(B, T)}
 
 
@@ -51,10 +51,10 @@ def test_each_reward_model_is_scaled_by_its_own_statistics_before_the_rule(name)
     args = module.Args(reward_model_path=["a", "b"], reward_combine="mean")
     getattr(args, name).scale_rewards = True
     moments = [module.RunningMoments(), module.RunningMoments()]
-    shape = module.shape_rewards
+    shape = module.rewards_and_advantages
     out = shape(args, data, EOS, PAD, 0.05, moments, lambda x: x)
     # the EOS trick first (every model's score of an unfinished response is the penalty), then each column's own std
-    tricked = data["scores"].clone()
+    tricked = data["rm_scores"].clone()
     tricked[4:] = args.penalty_reward_value
     stds = tricked.var(0, unbiased=False).sqrt()
     assert [m.std for m in moments] == pytest.approx(stds.tolist(), rel=1e-5)
