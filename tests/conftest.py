@@ -2,11 +2,16 @@
 `short_preference` cuts its preference data to 40 training pairs. `ENV` is the environment of the training
 subprocesses, `without_timing` drops the wall-clock keys of a metrics row before two runs are compared, and
 `kill_after_checkpoint` interrupts a run with SIGKILL right after a checkpoint (the resume tests), `run_ok` runs
-one to its end, and the `assert_*` helpers compare saved weights and check the checkpoint left by a non-finite stop."""
+one to its end, and the `assert_*` helpers compare saved weights and check the checkpoint left by a non-finite stop.
+`training_scripts` finds the training scripts (a fork joins the tests that use it by existing) and `free_port`
+gives each multi-process run a port of its own."""
 
+import ast
+import glob
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,9 +32,53 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-# The environment of every training subprocess a test starts: one thread each, whatever the caller exported.
+# The environment of every training subprocess a test starts: one thread each, whatever the caller exported, and the
+# repository on the module path, so that a script run from elsewhere (tests/mp_probe.py loads one by its path; runpy
+# runs one from a temporary folder) still imports run_infra.py beside it.
 # A test that needs more (e.g. ACCELERATE_USE_CPU for torchrun on a CPU) extends it: {**ENV, "NAME": "value"}.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+       "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
+
+
+RUN_MODULE = "run_infra"  # the run module every training script imports (run_infra.py)
+
+
+def constructs_run(tree: ast.Module) -> bool:
+    """Whether a module calls the run module's `Run`: `Run(...)` after `from run_infra import Run` (under any alias),
+    or `run_infra.Run(...)` after `import run_infra` (under any alias). A class of its own named Run does not count."""
+    run_names, module_names = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == RUN_MODULE:
+            run_names |= {alias.asname or alias.name for alias in node.names if alias.name == "Run"}
+        elif isinstance(node, ast.Import):
+            module_names |= {alias.asname or alias.name for alias in node.names if alias.name == RUN_MODULE}
+    return any(isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id in run_names)
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == "Run" and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in module_names))
+        for node in ast.walk(tree))
+
+
+def training_scripts(root: str = REPO_ROOT) -> list:
+    """The training scripts, found rather than listed: every top-level *.py of the repository that defines a
+    top-level `main` and constructs the run module's run object (`Run(...)` from run_infra). A new or renamed fork
+    joins every test that uses this list by existing. File names, sorted."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+        tree = ast.parse(open(path).read(), filename=path)
+        defines_main = any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body)
+        if defines_main and constructs_run(tree):
+            found.append(os.path.basename(path))
+    return found
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now, for the rendezvous of one multi-process run (torchrun's --master_port,
+    accelerate launch's --main_process_port). The system picks it, so two tests running at once (pytest -n 2) never
+    share one the way two hard-coded ports can."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def is_timing(key: str) -> bool:

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 
 from data import prepare, synthetic
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "fixtures")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(REPO_ROOT, "data", "fixtures")
 
 
 @pytest.fixture(scope="module")
@@ -399,16 +400,57 @@ def test_local_split_with_no_rows_is_one_error(tmp_path, synthetic_task):
 
 
 # ---------------------------------------------------------------- gold judge
-def test_gold_judge_is_deterministic_and_sensible():
-    rng = random.Random(3)
+def gold_judgements() -> list:
+    """The built-in task's posts, a good summary and five worse ones of each, with every gold score and verdict."""
+    rng, out = random.Random(3), []
     for _ in range(50):
         post = synthetic.make_post(rng)
         good = synthetic.policy_summary("good", post, rng)
         for bad in ("filler", "invent", "runon", "drop", "title"):
             worse = synthetic.policy_summary(bad, post, rng)
-            assert synthetic.gold_prefer(post["post"], good, worse) == "A", (bad, good, worse)
-            assert synthetic.gold_prefer(post["post"], worse, good) == "B"
-        assert synthetic.gold_score(post["post"], good) == synthetic.gold_score(post["post"], good)
+            out.append([bad, post["post"], good, worse, synthetic.gold_score(post["post"], good),
+                        synthetic.gold_score(post["post"], worse), synthetic.gold_prefer(post["post"], good, worse),
+                        synthetic.gold_prefer(post["post"], worse, good)])
+    return out
+
+
+def test_gold_judge_prefers_the_good_summary_in_either_order():
+    for bad, post, good, worse, _, _, good_first, worse_first in gold_judgements():
+        assert good_first == "A", (bad, good, worse)
+        assert worse_first == "B", (bad, good, worse)
+
+
+def test_gold_scores_are_the_documented_weights_by_hand():
+    """gold_score = 3 x coverage - 1.5 x invented facts - 0.5 x repeated - 1 x filler words - 2 if unfinished - 0.02
+    x words (data/synthetic.py); the post holds one fact, "sister lost tickets"."""
+    post = "so yesterday sister lost tickets and i do not know what to do.\n\nsorry for the long post."
+    by_hand = {
+        "sister lost tickets.": 3.0 - 0.02 * 3,  # every fact, one finished sentence of 3 words
+        "honestly so yeah lol.": -3 * 1.0 - 0.02 * 4,  # no fact, 3 filler words
+        "sister lost tickets and boss sold cash.": 3.0 - 1.5 - 0.02 * 7,  # one fact invented
+        "sister lost tickets. sister": 3.0 - 2.0 - 0.02 * 4,  # runs on past its period: unfinished
+        "sister lost tickets, sister lost tickets.": 3.0 - 0.5 - 0.02 * 6,  # the fact repeated
+    }
+    for summary, score in by_hand.items():
+        assert synthetic.gold_score(post, summary) == pytest.approx(score, abs=1e-12), summary
+
+
+def test_gold_judge_is_deterministic_across_processes_and_hash_seeds():
+    """Two Python processes with other string hash seeds (PYTHONHASHSEED: the order of sets and of str-keyed hashing)
+    build the same posts and summaries and give them the same gold scores and verdicts, bit for bit, as this one."""
+    import inspect
+    import subprocess
+    import sys
+
+    # this function's text alone, run beside data/synthetic.py (no test module, no torch to import)
+    code = f"import json, random\nfrom data import synthetic\n{inspect.getsource(gold_judgements)}\n" \
+           "print(json.dumps(gold_judgements()))"
+    here = json.loads(json.dumps(gold_judgements()))
+    for hash_seed in ("0", "4242"):
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env={**os.environ, "PYTHONHASHSEED": hash_seed},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert json.loads(out.stdout) == here, f"PYTHONHASHSEED={hash_seed} judges otherwise"
 
 
 def test_reference_beats_filler_only_and_invented():

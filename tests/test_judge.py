@@ -740,14 +740,23 @@ def test_agreement_mode_matches_hand_computation(tmp_path, synthetic_task):
         asked = server.request_count
     pairs = pd.read_csv(tmp_path / "out" / "agreement_pairs.csv", keep_default_na=False)
     ds = judge.load_split(synthetic_task["preference"], "validation").select(range(16))
-    # by hand: the gold verdict and the RM's scores, one pair at a time, unbatched
+    # by hand: the gold verdict and the RM's scores, one pair at a time, unbatched. A score is the score head's
+    # output at the row's last real token (its EOS: rows are query + response + EOS, right-padded), here through the
+    # model's own forward on the row without its padding, so no mask, position or index of judge.py's is involved
     rm = AutoModelForSequenceClassification.from_pretrained(rm_path, num_labels=1).eval()
+
+    def score_by_hand(tokens: list) -> float:
+        real = tokens[: tokens.index(tokenizer.pad_token_id)] if tokenizer.pad_token_id in tokens else tokens
+        assert tokenizer.pad_token_id not in real and real[-1] == tokenizer.eos_token_id
+        with torch.no_grad():
+            hidden = rm.base_model(input_ids=torch.tensor([real])).last_hidden_state  # (1, n, d), no padding
+            return rm.score(hidden[0, -1]).item()
+
     agree, identical = 0, 0
     for i in range(16):
-        with torch.no_grad():
-            rc = judge.get_reward(rm, torch.tensor([ds[i]["query_chosen_token"]]), tokenizer.pad_token_id, 0)[1].item()
-            rr = judge.get_reward(rm, torch.tensor([ds[i]["query_rejected_token"]]), tokenizer.pad_token_id, 0)[1].item()
+        rc, rr = score_by_hand(ds[i]["query_chosen_token"]), score_by_hand(ds[i]["query_rejected_token"])
         assert pairs["reward_chosen"][i] == pytest.approx(rc, abs=1e-4)
+        assert pairs["reward_rejected"][i] == pytest.approx(rr, abs=1e-4)
         if ds[i]["chosen"].strip() == ds[i]["rejected"].strip():  # no preference to agree on
             identical += 1
             continue

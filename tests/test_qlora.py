@@ -1,10 +1,12 @@
-"""QLoRA (--lora_rank with --load_in_4bit) in sft.py, dpo.py and ppo.py (rloo.py shares ppo.py's helpers).
+"""QLoRA (--lora_rank with --load_in_4bit) in every training script that has the flags (sft.py, dpo.py, kto.py,
+ppo.py, rloo.py, online_dpo.py: found, not listed).
 
 Unit tests on a tiny GPT-NeoX: the 4-bit layers are bitsandbytes' Linear4bit and only LoRA trains; merged_policy
 computes what the LoRA model computes (4-bit or not) and equals peft's merge_and_unload without 4 bits; DPO's
 reference with LoRA gives log-ratios of exactly 0 at initialisation, live and precomputed; the flag checks fail at
 start. The end-to-end runs on the built-in task, the resume, and the DeepSpeed runs are marked slow."""
 
+import ast
 import copy
 import json
 import os
@@ -15,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import ENV, load_script, run_ok, tiny_causal_lm, without_timing
+from conftest import ENV, free_port, load_script, run_ok, tiny_causal_lm, training_scripts, without_timing
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
@@ -221,23 +223,34 @@ def test_check_qlora_flags():
         run_infra.check_qlora_flags(qlora_args(), fake_accelerator(3))
 
 
-SCRIPT_FLAGS = {  # just enough for main() to reach its flag checks; no data is read before them
-    "sft": ["--base_model", "unused"],
-    "dpo": ["--sft_model_path", "unused"],
-    "kto": ["--sft_model_path", "unused"],
-    "ppo": ["--sft_model_path", "unused", "--reward_model_path", "unused"],
-}
+def has_lora_flags(script: str) -> bool:
+    """Whether a script's Args declares --lora_rank."""
+    tree = ast.parse(open(os.path.join(REPO_ROOT, script)).read())
+    args = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args"), None)
+    return args is not None and any(isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == "lora_rank"
+                                    for n in args.body)
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPT_FLAGS))
+# The training scripts with the LoRA/QLoRA flags, found rather than listed (a fork that keeps them joins by existing).
+LORA_SCRIPTS = sorted(script[:-3] for script in training_scripts() if has_lora_flags(script))
+# At least these: the scripts of the README's LoRA and QLoRA rows, and online_dpo.py (a fork of dpo.py that keeps them).
+EXPECTED_LORA_SCRIPTS = {"sft", "dpo", "kto", "ppo", "rloo", "online_dpo"}
+
+
+def test_every_script_that_should_have_lora_has_it():
+    missing = EXPECTED_LORA_SCRIPTS - set(LORA_SCRIPTS)
+    assert not missing, f"no --lora_rank in {sorted(missing)}"
+
+
+@pytest.mark.parametrize("script", LORA_SCRIPTS)
 @pytest.mark.parametrize("problem", ["no_lora", "no_bitsandbytes"])
 def test_qlora_errors_come_before_anything_is_loaded_or_written(script, problem, tmp_path, monkeypatch):
+    """Every flag keeps its default (model paths that do not exist here): the QLoRA error comes first."""
     import tyro
 
-    module = {"sft": sft, "dpo": dpo, "kto": kto, "ppo": ppo}[script]
+    module = load_script(script)
     monkeypatch.setitem(sys.modules, script, module)  # tyro reads the docstrings of nested dataclasses through it
-    flags = [*SCRIPT_FLAGS[script], "--load_in_4bit", "--output_dir", str(tmp_path / "out"),
-             "--run_dir_root", str(tmp_path / "runs")]
+    flags = ["--load_in_4bit", "--output_dir", str(tmp_path / "out"), "--run_dir_root", str(tmp_path / "runs")]
     if problem == "no_bitsandbytes":
         flags += ["--lora_rank", "8"]
         monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` fails as if not installed
@@ -261,10 +274,10 @@ def test_the_command_line_refuses_4bit_without_lora(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_every_script_has_the_flags_with_the_same_defaults():
-    for module in (sft, dpo, kto, ppo):
-        args = module.Args()
-        assert (args.lora_rank, args.lora_alpha, args.load_in_4bit) == (0, 16.0, False), module.__name__
+@pytest.mark.parametrize("script", LORA_SCRIPTS)
+def test_every_script_has_the_flags_with_the_same_defaults(script):
+    args = load_script(script).Args()
+    assert (args.lora_rank, args.lora_alpha, args.load_in_4bit) == (0, 16.0, False), script
 
 
 # ------------------------------------------------------------------------------------------------
@@ -374,7 +387,7 @@ def test_qlora_under_zero2_matches_one_process(synthetic_task, tmp_path):
     from test_multiprocess import assert_same_run, run_probe, saved_weights, sft_flags
 
     flags = [*sft_flags(synthetic_task), *QLORA]
-    two, two_rows, two_dir = run_probe("sft", flags, tmp_path, "two", 2, 29691, "zero2")
+    two, two_rows, two_dir = run_probe("sft", flags, tmp_path, "two", 2, free_port(), "zero2")
     (one,), one_rows, one_dir = run_probe("sft", flags, tmp_path, "one", 1, 0)
     assert two[0]["zero_stage"] == 2 and set(two[0]["engines"]) == {"DeepSpeedEngine"}
     assert any(name.endswith(".weight.absmax") for name in one["weights"])  # the prepared model was the 4-bit one
@@ -392,14 +405,14 @@ def test_zero3_refuses_4bit_and_saves_plain_lora(synthetic_task, tmp_path):
     model saved from the gathered partitions equals the 1-process one."""
     from test_multiprocess import DEEPSPEED_ENV, launcher_command, run_probe, saved_weights, sft_flags
 
-    refused = subprocess.run([*launcher_command("zero3", 2, 29693), "sft", str(tmp_path / "refused"), "--",
+    refused = subprocess.run([*launcher_command("zero3", 2, free_port()), "sft", str(tmp_path / "refused"), "--",
                               *sft_flags(synthetic_task), *QLORA, "--output_dir", str(tmp_path / "refused_model"),
                               "--run_dir_root", str(tmp_path / "refused_runs")],
                              cwd=REPO_ROOT, env=DEEPSPEED_ENV, capture_output=True, text=True, timeout=600)
     assert refused.returncode != 0 and "--load_in_4bit cannot run under DeepSpeed ZeRO-3" in refused.stderr
     assert not (tmp_path / "refused_model").exists() and not (tmp_path / "refused_runs").exists()
     flags = [*sft_flags(synthetic_task), "--lora_rank", "8"]
-    two, _, two_dir = run_probe("sft", flags, tmp_path, "two", 2, 29694, "zero3")
+    two, _, two_dir = run_probe("sft", flags, tmp_path, "two", 2, free_port(), "zero3")
     _, _, one_dir = run_probe("sft", flags, tmp_path, "one", 1, 0)
     assert two[0]["zero_stage"] == 3
     saved, expected = saved_weights(two_dir), saved_weights(one_dir)

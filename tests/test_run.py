@@ -1,5 +1,5 @@
-"""The shared run infrastructure (the `Run` object at the bottom of every training script), tested through sft.py,
-the cheapest script that carries it. Each test interrupts or damages a run the way a long run meets it in practice
+"""The run infrastructure (run_infra.py's `Run`, which every training script imports), tested through sft.py, the
+cheapest script that uses it. Each test interrupts or damages a run the way a long run meets it in practice
 and checks that the run either ends exactly like one that was never interrupted or stops with a clear message:
 
 - SIGKILL in the middle of a checkpoint save, SIGTERM between updates, a 2-process run resumed on 1 process;
@@ -20,7 +20,7 @@ import sys
 import time
 
 import pytest
-from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, run_ok, without_timing
+from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, run_ok, without_timing
 
 # one xdist worker runs the whole module, so that the reference run below is made once
 pytestmark = pytest.mark.xdist_group("test_run")
@@ -147,7 +147,8 @@ def test_a_two_process_run_resumes_on_one_process_exactly(synthetic_task, refere
     """Plain data parallel (torchrun, 2 processes) killed after its update-3 checkpoint, resumed by one plain process:
     the same weights and metrics as the 1-process reference (2 processes and 1 compute the same global batch)."""
     args = sft_args(synthetic_task, tmp_path, "ddp")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29631", SFT]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                SFT]
     kill_after_checkpoint([*torchrun, *args], tmp_path / "runs" / "ddp" / "checkpoints" / "update_000003", cwd=tmp_path,
                           env=TORCHRUN_ENV, timeout=300)
     manifest = json.load(open(tmp_path / "runs" / "ddp" / "checkpoints" / "update_000003" / "manifest.json"))
@@ -271,7 +272,7 @@ def test_processes_leave_their_process_group_at_exit(synthetic_task, tmp_path):
     code = ("import atexit, os, torch.distributed as dist\n"
             f"atexit.register(lambda: open({str(record)!r} + os.environ['RANK'], 'w').write(str(dist.is_initialized())))")
     args = sft_args(synthetic_task, tmp_path, "group", "--total_episodes", "32", "--checkpoint_every", "0")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29633"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     runner = patched(code, args)
     run_ok([*torchrun, "--no-python", *runner], cwd=tmp_path, env=TORCHRUN_ENV)
     assert [open(f"{record}{rank}").read() for rank in (0, 1)] == ["False", "False"]

@@ -1,136 +1,210 @@
-"""Helpers are copied into each top-level script on purpose (one file = one algorithm).
-Copies drift, so every function or class defined at top level in more than one script must be
-byte-identical in all of them."""
+"""The copies cannot drift. Every line that decides a number stays in its script, so helpers shared between scripts
+are copied on purpose (one file = one algorithm); what decides no number lives once in run_infra.py. Copies drift,
+so every top-level definition (a function or class, compared as its whole text with its decorators) and every
+top-level assignment (a constant such as a prompt template or a compiled pattern) that more than one script defines
+must be byte-identical in all of them. The scripts compared are found, not listed: every training script
+(conftest.training_scripts: a top-level script that defines `main` and constructs run_infra's `Run`) and judge.py,
+whose prompt, parser and model helpers online_dpo.py copies. A fork joins by existing; a renamed script stays in.
+
+Also here: data/prepare.py's own copy of the tokenizer fingerprint, the imports that keep scripts self-contained,
+and the order of the input checks in main."""
 
 import ast
 import os
 from collections import defaultdict
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py", "judge.py", "rloo.py", "kto.py",
-           "online_dpo.py"]
-# Names that legitimately differ per script: each script has its own arguments and entry point, and a fork keeps the
-# name of the algorithm step it replaces (rloo.py's reward shaping is RLOO's, under ppo.py's name).
-PER_SCRIPT = {"Args", "main", "shape_rewards", "ShapedRewards"}
+from conftest import REPO_ROOT, RUN_MODULE, training_scripts
+
+# The scripts that must be found (a finder that breaks finds fewer); others join by existing.
+KNOWN_TRAINING_SCRIPTS = {"sft.py", "reward.py", "ppo.py", "rloo.py", "dpo.py", "kto.py", "online_dpo.py", "ilql.py",
+                          "offline_rl.py"}
+# Not a training script (it trains nothing), but it shares the judge's prompt, parser and model helpers.
+OTHER_SHARING_SCRIPTS = ["judge.py"]
+# Names that legitimately differ per script, kept minimal:
+# - Args and main: each script's own flags and its own algorithm's loop;
+# - the step a fork replaces, under the name of the step in the script it forked from, so that the two read alike:
+#   rloo.py's steps from scores to advantages (the leave-one-out baseline, no critic, no GAE) under ppo.py's
+#   `rewards_and_advantages`, returning its own `RewardsAndAdvantages`; and each preference method's logged training
+#   statistics (`TRAIN_STATS`: DPO's rewards and margins, KTO's KL estimate, z0 and desirable/undesirable sums, online
+#   DPO's pair counts).
+PER_SCRIPT = {"Args", "main", "rewards_and_advantages", "RewardsAndAdvantages", "TRAIN_STATS"}
 
 
-def top_level_definitions(path: str) -> dict:
-    source = open(path).read()
-    tree = ast.parse(source)
+def sharing_scripts() -> list:
+    return training_scripts() + OTHER_SHARING_SCRIPTS
+
+
+def top_level_sources(source: str) -> dict:
+    """name -> the text of every top-level node that defines it, as whole lines: a function or class from its first
+    decorator to its last line, an assignment (`X = ...`, `X: T = ...`, `A, B = ...`) whole. A name defined twice
+    gets both texts, in order."""
+    lines, out = source.splitlines(), defaultdict(list)
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        else:
+            continue
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        text = "\n".join(lines[start - 1 : node.end_lineno])
+        for name in names:
+            out[name].append(text)
+    return {name: "\n".join(texts) for name, texts in out.items()}
+
+
+def shared_copies(sources: dict, per_script: set = PER_SCRIPT) -> dict:
+    """{script: source} -> {name: {script: text}} for every name that two or more of the scripts define at top level
+    (names in per_script left out)."""
+    copies = defaultdict(dict)
+    for script, source in sources.items():
+        for name, text in top_level_sources(source).items():
+            if name not in per_script:
+                copies[name][script] = text
+    return {name: by_script for name, by_script in copies.items() if len(by_script) > 1}
+
+
+def drifted(sources: dict, per_script: set = PER_SCRIPT) -> dict:
+    """{script: source} -> {name: [scripts holding one text, scripts holding another, ...]} for every shared name whose
+    copies are not byte-identical."""
     out = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name not in PER_SCRIPT:
-            out[node.name] = ast.get_source_segment(source, node)
+    for name, by_script in shared_copies(sources, per_script).items():
+        groups = defaultdict(list)
+        for script, text in sorted(by_script.items()):
+            groups[text].append(script)
+        if len(groups) > 1:
+            out[name] = list(groups.values())
     return out
 
 
-def test_shared_helpers_are_identical_across_scripts():
-    copies = defaultdict(dict)
-    present = [s for s in SCRIPTS if os.path.exists(os.path.join(REPO_ROOT, s))]
-    assert len(present) >= 2, "expected at least two top-level scripts"
-    for script in present:
-        for name, text in top_level_definitions(os.path.join(REPO_ROOT, script)).items():
-            copies[name][script] = text
-    shared = {name: by_script for name, by_script in copies.items() if len(by_script) > 1}
-    assert "first_true_indices" in shared, "the core helpers should be shared by several scripts"
-    drifted = [f"{name}: {sorted(by_script)}" for name, by_script in shared.items() if len(set(by_script.values())) > 1]
-    assert not drifted, "helper copies differ between scripts (make them identical):\n" + "\n".join(drifted)
+def read_sources(scripts: list) -> dict:
+    return {script: open(os.path.join(REPO_ROOT, script)).read() for script in scripts}
 
 
-TRAINING_SCRIPTS = ["sft.py", "reward.py", "ppo.py", "dpo.py", "ilql.py", "offline_rl.py", "rloo.py", "kto.py",
-                    "online_dpo.py"]
-BANNER = "# RUN INFRASTRUCTURE: TRY NOT TO MODIFY."
-SHARED_BLOCK = "# ---- shared input checks: identical in every training script"
-RUN_BLOCK = "# ---- shared run infrastructure: identical in every training script"
+def test_the_training_scripts_are_found_not_listed():
+    found = set(training_scripts())
+    missing = KNOWN_TRAINING_SCRIPTS - found
+    assert not missing, f"the finder missed {sorted(missing)} (found {sorted(found)})"
+    assert not {"judge.py", f"{RUN_MODULE}.py", "ablate.py", "pipeline.py", "report.py"} & found  # none constructs run_infra.Run
 
 
-def calls_before(function: ast.FunctionDef, stop: str) -> list:
-    """Names of the functions (and methods) that `function` calls before its first call named `stop`, in order."""
-    names = []
-    for node in sorted((n for n in ast.walk(function) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
-        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-        if name == stop:
-            return names
-        names.append(name)
-    raise AssertionError(f"{function.name} never calls {stop}")
+def test_a_new_fork_is_found_by_existing(tmp_path):
+    """A fork is a training script because of what it is: a copy of a training script under any name is found, and
+    a script with its own class named Run, or one that constructs no run, is not."""
+    from conftest import training_scripts as find
+
+    (tmp_path / "grpo_variant.py").write_text(open(os.path.join(REPO_ROOT, "rloo.py")).read())
+    (tmp_path / "aliased.py").write_text("import run_infra as infra\n\ndef main(args):\n    run = infra.Run(args, None)\n")
+    (tmp_path / "own_run.py").write_text("class Run:\n    pass\n\ndef main(args):\n    run = Run()\n")
+    (tmp_path / "no_main.py").write_text("from run_infra import Run\n\ndef start(args):\n    return Run(args, None)\n")
+    assert find(str(tmp_path)) == ["aliased.py", "grpo_variant.py"]
 
 
-def test_every_training_script_checks_the_tokenizer_of_its_data_before_claiming_its_output():
-    """Each script that trains on processed data refuses data of another tokenizer (check_data_tokenizer) before
-    it claims --output_dir, so a refused run leaves nothing behind: main calls check_data_tokenizer, or a function
-    of the script that calls it, before it claims the folder."""
-    for script in TRAINING_SCRIPTS:
-        source = open(os.path.join(REPO_ROOT, script)).read()
-        functions = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
-        before = calls_before(functions["main"], "claim_output_dir")
-        checked = "check_data_tokenizer" in before or any(
-            name in functions and "check_data_tokenizer" in {getattr(c.func, "id", None) for c in ast.walk(functions[name])
-                                                              if isinstance(c, ast.Call)}
-            for name in before
-        )
-        assert checked, f"{script} does not check the tokenizer of its data before it claims --output_dir"
+def test_shared_definitions_and_constants_are_identical_across_scripts():
+    sources = read_sources(sharing_scripts())
+    shared = shared_copies(sources)
+    # what the comparison must see, or it compares nothing: a helper every script shares, decorated definitions, and
+    # the judge's prompt template that online_dpo.py copies from judge.py (a module-level constant)
+    assert "real_columns" in shared and set(shared["real_columns"]) >= KNOWN_TRAINING_SCRIPTS
+    assert any(text.startswith("@") for by_script in shared.values() for text in by_script.values()), \
+        "no shared definition has a decorator: are decorators compared?"
+    assert {"judge.py", "online_dpo.py"} <= set(shared.get("PAIRWISE_JUDGE_TEMPLATE", {})), \
+        "online_dpo.py should keep the judge's prompt template, a copy of judge.py's"
+    drift = drifted(sources)
+    assert not drift, "copies differ between scripts (make them identical, or rename the one that is another thing):\n" \
+        + "\n".join(f"{name}: " + " vs ".join(str(group) for group in groups) for name, groups in sorted(drift.items()))
 
 
-def test_every_training_script_reads_as_the_algorithm_first():
-    """Every training script reads top down: docstring -> Args -> the algorithm -> main -> one banner -> the run
-    infrastructure, whose shared part (the Run object and the helpers every script needs) is the same text in every
-    training script."""
-    blocks = {}
-    for script in TRAINING_SCRIPTS:
-        source = open(os.path.join(REPO_ROOT, script)).read()
-        lines = source.splitlines()
-        assert sum(line.startswith(BANNER) for line in lines) == 1, f"{script}: expected the banner exactly once"
-        banner = next(i for i, line in enumerate(lines) if line.startswith(BANNER)) + 1
-        tree = ast.parse(source)
-        main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-        args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
-        assert args.lineno < main.lineno < banner, f"{script}: Args, then main, then the banner"
-        assert ast.get_docstring(tree), f"{script}: the module docstring states the algorithm"
-        below = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.lineno > banner}
-        assert {"Run", "NonFiniteError", "check_data_tokenizer", "start_processes"} <= below, script
-        assert source.index(BANNER) < source.index(SHARED_BLOCK) < source.index(RUN_BLOCK), script
-        start = source.index(SHARED_BLOCK)
-        blocks[script] = source[start : source.index('\nif __name__ == "__main__":', start)]
-    assert len(set(blocks.values())) == 1, "the shared run infrastructure differs between " + ", ".join(
-        f"{a} and {b}" for a, b in zip(TRAINING_SCRIPTS, TRAINING_SCRIPTS[1:]) if blocks[a] != blocks[b])
-    # the run block stays small enough to read in one sitting: from its marker to `if __name__ == "__main__":`
-    run_block = blocks[TRAINING_SCRIPTS[0]][blocks[TRAINING_SCRIPTS[0]].index(RUN_BLOCK):]
-    assert len(run_block.splitlines()) <= 200, f"the shared run block has {len(run_block.splitlines())} lines (at most 200)"
+def test_the_comparison_has_no_blind_spot():
+    """The comparison reports a copy that lost its decorator, a changed module-level constant (plain, annotated or
+    unpacked), and a changed class decorator; identical copies and per-script names are not reported."""
+    body = "def evaluate(model, rows):\n    return model(rows)\n"
+    decorated = "@torch.no_grad()\n" + body
+    assert drifted({"a.py": decorated, "b.py": body}) == {"evaluate": [["a.py"], ["b.py"]]}
+    assert drifted({"a.py": "LIMIT = 3\n", "b.py": "LIMIT = 4\n"}) == {"LIMIT": [["a.py"], ["b.py"]]}
+    assert drifted({"a.py": "LIMIT: int = 3\n", "b.py": "LIMIT: int = 4\n"}) == {"LIMIT": [["a.py"], ["b.py"]]}
+    assert set(drifted({"a.py": "A, B = 1, 2\n", "b.py": "A, B = 1, 3\n"})) == {"A", "B"}
+    assert drifted({"a.py": 'TEMPLATE = "Which is better? {a}"\n',
+                    "b.py": 'TEMPLATE = "Which is better?  {a}"\n'}) == {"TEMPLATE": [["a.py"], ["b.py"]]}
+    cls = "class Record:\n    x: int\n"
+    assert drifted({"a.py": "@dataclass\n" + cls, "b.py": "@dataclass(frozen=True)\n" + cls}) == {
+        "Record": [["a.py"], ["b.py"]]}
+    # the same text is no drift, whatever stands between the definitions; per-script names may differ
+    same = decorated + "\n\nLIMIT = 3\n"
+    assert drifted({"a.py": same, "b.py": "import torch\n\n\n" + same, "c.py": "X = 1\n"}) == {}
+    assert drifted({"a.py": "def main():\n    pass\n", "b.py": "def main():\n    return 1\n"}) == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data/prepare.py's own copy, and the imports
+# ---------------------------------------------------------------------------------------------------------------
+def imported_modules(tree: ast.Module) -> set:
+    """The top-level package of every module a module imports (anywhere in it, function-level imports included)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def repo_modules() -> set:
+    """The repository's own top-level modules (every *.py at its root) and its data package."""
+    return {name[:-3] for name in os.listdir(REPO_ROOT) if name.endswith(".py")} | {"data"}
 
 
 def test_data_preparation_has_its_own_copy_of_the_tokenizer_fingerprint():
-    """data/prepare.py writes the tokenizer fingerprint that every script's check_data_tokenizer compares with its
-    own: it keeps its own copy (it imports no training script), the same text as the scripts' copy."""
-    prepare = os.path.join(REPO_ROOT, "data", "prepare.py")
-    ours = top_level_definitions(prepare).get("tokenizer_fingerprint")
+    """data/prepare.py writes the tokenizer fingerprint that run_infra.py's check_data_tokenizer compares with the
+    model's: it keeps its own copy, the same text as run_infra.py's, and imports neither run_infra nor any script
+    (data preparation knows no trainer)."""
+    prepare = open(os.path.join(REPO_ROOT, "data", "prepare.py")).read()
+    ours = top_level_sources(prepare).get("tokenizer_fingerprint")
     assert ours is not None, "data/prepare.py should define tokenizer_fingerprint itself"
-    theirs = {script: top_level_definitions(os.path.join(REPO_ROOT, script)).get("tokenizer_fingerprint")
-              for script in TRAINING_SCRIPTS}
-    assert all(theirs.values()), f"a training script lacks tokenizer_fingerprint: {sorted(s for s, t in theirs.items() if not t)}"
-    differ = sorted(script for script, text in theirs.items() if text != ours)
-    assert not differ, f"data/prepare.py's tokenizer_fingerprint differs from the copy in {differ}"
-    scripts = {s[:-3] for s in SCRIPTS}
-    for node in ast.walk(ast.parse(open(prepare).read())):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name.split(".")[0] for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module.split(".")[0]]
-        assert not set(names) & scripts, f"data/prepare.py imports a training script ({names}); data prep knows no trainer"
+    theirs = top_level_sources(open(os.path.join(REPO_ROOT, f"{RUN_MODULE}.py")).read()).get("tokenizer_fingerprint")
+    assert theirs is not None, f"{RUN_MODULE}.py should define tokenizer_fingerprint"
+    assert ours == theirs, f"data/prepare.py's tokenizer_fingerprint differs from {RUN_MODULE}.py's"
+    imported = imported_modules(ast.parse(prepare)) & (repo_modules() - {"data"})
+    assert not imported, f"data/prepare.py imports {sorted(imported)}; data preparation imports no script nor {RUN_MODULE}"
 
 
-def test_scripts_do_not_import_each_other():
-    modules = {s[:-3] for s in SCRIPTS}
-    for script in SCRIPTS:
-        path = os.path.join(REPO_ROOT, script)
-        if not os.path.exists(path):
-            continue
-        tree = ast.parse(open(path).read())
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name.split(".")[0] for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module.split(".")[0]]
-            assert not (set(names) & (modules - {script[:-3]})), f"{script} imports another top-level script"
-            assert "data" not in names, f"{script} imports the project's data package; scripts stay self-contained"
+def test_scripts_import_no_other_script_nor_the_data_package():
+    """A script is self-contained: of the repository's own modules it imports run_infra.py alone, never another
+    script nor the data package; run_infra.py imports none of them."""
+    ours = repo_modules()
+    for script in sharing_scripts():
+        imported = imported_modules(ast.parse(open(os.path.join(REPO_ROOT, script)).read())) & ours
+        assert imported <= {RUN_MODULE}, f"{script} imports {sorted(imported - {RUN_MODULE})}"
+    imported = imported_modules(ast.parse(open(os.path.join(REPO_ROOT, f"{RUN_MODULE}.py")).read())) & ours
+    assert not imported - {RUN_MODULE}, f"{RUN_MODULE}.py imports {sorted(imported)}: it imports no script"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input fails before the output folder is claimed
+# ---------------------------------------------------------------------------------------------------------------
+def calls_in_order(name: str, functions: dict, seen: frozenset = frozenset()) -> list:
+    """The names of the calls a script's function makes, in source order, with each call of another of the script's
+    top-level functions followed by that function's own calls (recursively)."""
+    out = []
+    calls = sorted((n for n in ast.walk(functions[name]) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+    for call in calls:
+        callee = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+        out.append(callee)
+        if isinstance(call.func, ast.Name) and callee in functions and callee not in seen | {name}:
+            out += calls_in_order(callee, functions, seen | {name})
+    return out
+
+
+def test_every_training_script_checks_the_tokenizer_of_its_data_before_claiming_its_output():
+    """Each script that trains on processed data refuses data of another tokenizer (check_data_tokenizer) before it
+    claims --output_dir, so a refused run leaves nothing behind: following main's calls into the script's own
+    functions, check_data_tokenizer comes before claim_output_dir."""
+    for script in training_scripts():
+        tree = ast.parse(open(os.path.join(REPO_ROOT, script)).read())
+        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        calls = calls_in_order("main", functions)
+        assert "claim_output_dir" in calls, f"{script}: main never claims --output_dir"
+        before = calls[: calls.index("claim_output_dir")]
+        assert "check_data_tokenizer" in before, \
+            f"{script} does not check the tokenizer of its data before it claims --output_dir"

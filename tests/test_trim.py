@@ -1,10 +1,15 @@
 """Compute on real tokens: every script cuts the padding columns that all rows of a batch share before the model
-reads it (`real_columns`, the same helper in every script). These tests run each script's own loss code on ragged
-batches twice, on the data's full width and on the cut columns, and require the same numbers: losses and
-gradients to a relative 1e-5 and summed log-probs to an absolute 1e-4 (float32)."""
+reads it (`real_columns`, the same helper in every script). These tests run each script's own code on ragged
+batches twice, once as it is, recording every cut it makes and requiring that at least one is narrower than its
+input, and once with `real_columns` switched to the full width, and require the same numbers: losses and gradients
+(or a whole update) to a relative 1e-5 and summed log-probs to an absolute 1e-4 (float32). reward.py's and
+offline_rl.py's training passes run through the script's own loop: reward.py's main on the built-in task,
+offline_rl.py's train_update."""
 
-from conftest import load_script
-import copy
+import sys
+from types import SimpleNamespace
+
+from conftest import load_script, without_timing
 
 import pytest
 import torch
@@ -62,20 +67,49 @@ def assert_same(value_cut, value_full, grads_cut, grads_full):
     torch.testing.assert_close(value_cut, value_full, rtol=1e-5, atol=1e-7)
     assert grads_cut.keys() == grads_full.keys() and grads_full
     for name in grads_full:
-        torch.testing.assert_close(grads_cut[name], grads_full[name], rtol=1e-5, atol=1e-7, msg=name)
+        # an element far smaller than its tensor's largest is a sum of float32 terms that cancel: its rounding error
+        # is relative to the tensor's scale, not to itself
+        atol = max(1e-7, 1e-6 * grads_full[name].abs().max().item())
+        torch.testing.assert_close(grads_cut[name], grads_full[name], rtol=1e-5, atol=atol, msg=name)
+
+
+def record_cuts(patch, module) -> list:
+    """Make `module`'s real_columns record (input width, the slice it returned, whether gradients are on) for every
+    call; returns the record."""
+    original, cuts = module.real_columns, []
+
+    def recording(query_responses, pad_token_id):
+        cols = original(query_responses, pad_token_id)
+        cuts.append((query_responses.size(1), cols, torch.is_grad_enabled()))
+        return cols
+
+    patch.setattr(module, "real_columns", recording)
+    return cuts
+
+
+def assert_cut(cuts: list, training: bool = False) -> None:
+    """The script's code called real_columns, and at least one call cut columns off: the trimmed pass did trim.
+    training: among the calls made with gradients on (a training pass, not an evaluation under no_grad)."""
+    cuts = [(width, cols) for width, cols, grad in cuts if grad or not training]
+    assert cuts, "the script's code never called real_columns" + (" with gradients on" if training else "")
+    assert any(cols.stop - cols.start < width for width, cols in cuts), f"no call cut a column: {cuts}"
 
 
 def twice(monkeypatch, module, model, compute):
-    """compute(model) with the script's trim and with real_columns switched to the full width; returns both
-    results and both gradient sets."""
+    """compute(model) with the script's trim (which must cut columns) and with real_columns switched to the full
+    width; returns both results and both gradient sets."""
     out = []
     for trim in (True, False):
         model.zero_grad()
         with monkeypatch.context() as m:
-            if not trim:
+            if trim:
+                cuts = record_cuts(m, module)
+            else:
                 m.setattr(module, "real_columns", full_width)
             value = compute(model)
             value.sum().backward()
+        if trim:
+            assert_cut(cuts, training=True)
         out.append((value.detach(), grads(model)))
     return out
 
@@ -114,9 +148,13 @@ def test_dpo_summed_logprobs_loss_and_gradients_equal_with_and_without_the_trim(
     logps = {}
     for trim in (True, False):
         with monkeypatch.context() as m:
-            if not trim:
+            if trim:
+                cuts = record_cuts(m, dpo)
+            else:
                 m.setattr(dpo, "real_columns", full_width)
             logps[trim] = torch.stack(dpo.concatenated_logprobs(ref, batch, PAD)).detach()
+        if trim:
+            assert_cut(cuts)
     torch.testing.assert_close(logps[True], logps[False], rtol=0, atol=1e-4)
     ref_c, ref_r = logps[False]
 
@@ -152,11 +190,11 @@ def test_policy_training_pass_equal_with_and_without_the_trim(monkeypatch, scrip
     def loss(m):
         cut, ctx, width = module.trim_micro_batch(query_responses, truncated, WQ, PAD)
         if script == "ppo":
-            new_logprobs, _, vpred, _ = ppo.policy_value_forward(m, cut, ctx, 0.7, PAD)
+            new_logprobs, _, vpred, _ = ppo.training_logprobs_and_values(m, cut, ctx, 0.7, PAD)
             pg, vf, _ = ppo.ppo_losses(new_logprobs, old_logprobs[:, :width], advantages[:, :width], vpred,
                                        values[:, :width], returns[:, :width], mask[:, :width], 0.2, 0.2)
             return torch.stack([pg, vf])
-        new_logprobs, _, _, _ = rloo.policy_value_forward(m, cut, ctx, 0.7, PAD)
+        new_logprobs, _, _, _ = rloo.training_logprobs_and_values(m, cut, ctx, 0.7, PAD)
         return rloo.rloo_loss(new_logprobs, old_logprobs[:, :width], advantages, mask[:, :width], 0.2)[0]
 
     cut_q, _, width = module.trim_micro_batch(query_responses, truncated, WQ, PAD)
@@ -170,39 +208,86 @@ def test_reward_model_scores_equal_with_and_without_the_trim(monkeypatch, script
     module = {"ppo": ppo, "rloo": rloo, "ilql": ilql, "offline_rl": offline_rl}[script]
     queries, responses = ragged_rows([3, 5, 2, 4], [2, 6, 4, 3], seed=6)
     model = rm(2)
-    with torch.no_grad():
+    with torch.no_grad(), monkeypatch.context() as m:
+        cuts = record_cuts(m, module)
         cut = module.get_score(model, queries, responses, PAD)
-        _, full, _ = module.get_reward(model, torch.cat((queries, responses), 1), PAD, WQ)
+    assert_cut(cuts)
+    with torch.no_grad(), monkeypatch.context() as m:
+        m.setattr(module, "real_columns", full_width)
+        full = module.get_score(model, queries, responses, PAD)
     torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-6)
 
 
-def test_reward_pairwise_loss_and_gradients_equal_with_and_without_the_trim(monkeypatch):
-    """reward.py scores right-padded rows (unpadded query + response + EOS) with context length 0."""
-    _, chosen = ragged_rows([1, 1, 1], [5, 7, 3], seed=7)
-    _, rejected = ragged_rows([1, 1, 1], [4, 2, 6], seed=8)
-    rows = torch.cat((chosen, rejected), 0)
-
-    def loss(model):
-        r = reward.get_reward(model, rows[:, reward.real_columns(rows, PAD)], PAD, 0)[1]
-        return reward.pairwise_loss(r[:3], r[3:])
-
-    (cut, g_cut), (full, g_full) = twice(monkeypatch, reward, rm(3), loss)
-    assert_same(cut, full, g_cut, g_full)
+REWARD_FLAGS = ["--total_episodes", "32", "--total_batch_size", "16", "--local_micro_batch_size", "8", "--lr", "1e-4",
+                "--num_eval_samples", "8", "--num_normalization_samples", "8", "--eval_every", "0", "--log_every", "1",
+                "--checkpoint_every", "0"]
 
 
-def test_offline_rl_weighted_loss_and_gradients_equal_with_and_without_the_trim(monkeypatch):
+def test_reward_training_loop_trains_alike_with_and_without_the_trim(monkeypatch, synthetic_task, tmp_path):
+    """reward.py's own main on the built-in task (2 updates of 2 micro batches; chosen and rejected are one right-padded
+    batch, context length 0), once as it is and once with real_columns at the full width: the same logged training
+    metrics and the same saved reward model."""
+    import json
+
+    import tyro
+    from safetensors.torch import load_file
+
+    monkeypatch.setitem(sys.modules, "reward", reward)  # tyro reads the docstrings of nested dataclasses through it
+    rows, weights = {}, {}
+    for trim in (True, False):
+        name = "trimmed" if trim else "full"
+        flags = ["--sft_model_path", synthetic_task["base_model"], "--preference_dataset", synthetic_task["preference"],
+                 "--query_dataset", synthetic_task["sft"], *REWARD_FLAGS, "--output_dir", str(tmp_path / name),
+                 "--run_dir_root", str(tmp_path / "runs"), "--run_name", name]
+        with monkeypatch.context() as m:
+            if trim:
+                cuts = record_cuts(m, reward)
+            else:
+                m.setattr(reward, "real_columns", full_width)
+            reward.main(tyro.cli(reward.Args, args=flags))
+        if trim:
+            assert_cut(cuts, training=True)  # the training loop's own cut, not only the evaluation's
+        rows[trim] = [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
+        weights[trim] = load_file(tmp_path / name / "model.safetensors")
+    train = [[row for row in rows[trim] if "train/loss" in row] for trim in (True, False)]
+    assert len(train[0]) == len(train[1]) == 2
+    for cut, full in zip(*train):
+        assert cut.keys() == full.keys()
+        for key in (k for k in full if k.startswith("train/")):
+            assert cut[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), (full["step"], key)
+    assert weights[True].keys() == weights[False].keys()
+    for name, tensor in weights[False].items():
+        torch.testing.assert_close(weights[True][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_offline_rl_update_equal_with_and_without_the_trim(monkeypatch):
+    """offline_rl.py's own update loop (train_update: micro batches of the update's rows, their weighted response
+    loss, backward and the optimizer step) from the same model, trimmed and at the full width: the same loss and the
+    same update of every weight (plain SGD, so the update is the gradient's image)."""
+    from accelerate import Accelerator
+
     queries, responses = ragged_rows([3, 5, 2, 4], [2, 6, 4, 3], seed=9)
-    rows = torch.cat((queries, responses), 1)
-    labels = offline_rl.response_labels(rows, WQ, PAD)
-    weights = torch.tensor([1.0, 0.5, 2.0, 0.0])
-
-    def loss(model):
-        cols = offline_rl.real_columns(rows, PAD)
-        return offline_rl.weighted_response_loss(model, rows[:, cols], labels[:, cols], weights, PAD,
-                                                 torch.tensor(13.0))[0]
-
-    (cut, g_cut), (full, g_full) = twice(monkeypatch, offline_rl, lm(4), loss)
-    assert_same(cut, full, g_cut, g_full)
+    args = offline_rl.Args(local_micro_batch_size=2, gradient_accumulation_steps=2)
+    run = SimpleNamespace(guard=lambda update, **quantities: None)  # the non-finite guard: nothing is non-finite here
+    global_batch, batch_weights = torch.tensor([2, 0, 3, 1]), torch.tensor([1.0, 0.5, 2.0, 0.25])
+    start = {name: p.detach().clone() for name, p in lm(4).named_parameters()}
+    results = []
+    for trim in (True, False):
+        model = lm(4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        with monkeypatch.context() as m:
+            if trim:
+                cuts = record_cuts(m, offline_rl)
+            else:
+                m.setattr(offline_rl, "real_columns", full_width)
+            loss, _ = offline_rl.train_update(args, Accelerator(cpu=True), model, optimizer, run, 1, queries, responses,
+                                              global_batch, batch_weights, PAD)
+        if trim:
+            assert_cut(cuts, training=True)
+        results.append((torch.tensor(loss), {name: p.detach() - start[name] for name, p in model.named_parameters()}))
+    (cut, update_cut), (full, update_full) = results
+    assert any(u.abs().max() > 0 for u in update_full.values())  # the update moved the weights
+    assert_same(cut, full, update_cut, update_full)
 
 
 def test_ilql_loss_and_gradients_equal_with_and_without_the_trim(monkeypatch):
