@@ -934,7 +934,9 @@ def check_offline_flags(args: Args, gradient_accumulation_steps: int) -> None:
 def load_offline_models(args: Args, tokenizer):
     """The two models: the policy (the SFT model, which also writes the mixture's new responses) and the frozen
     reward model that labels every sample. There is no reference model: none of these losses has a KL term."""
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    # float32 master weights whatever the checkpoint's dtype (Pythia's hub weights are float16); bf16 is autocast
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32,
+                                                  trust_remote_code=args.trust_remote_code)
     reward_model = AutoModelForSequenceClassification.from_pretrained(
         args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
         trust_remote_code=args.trust_remote_code,

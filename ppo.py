@@ -167,7 +167,9 @@ class Args:
     non_eos_penalty: bool = True
     """Detail 23 (EOS trick): a response without EOS gets --penalty_reward_value as its score"""
     penalty_reward_value: float = -1.0
-    """Detail 23 (EOS trick): score given to a response that never emits EOS"""
+    """Detail 23 (EOS trick): score given to a response that never emits EOS; the paper's -1. It replaces the
+    final score, once per response: after the reward models are scaled (scale_rewards) and joined
+    (--reward_combine), before the clip (reward_clip)"""
 
     # optimisation
     total_episodes: int = 1_000_000
@@ -289,20 +291,20 @@ class RewardsAndAdvantages:
 def rewards_and_advantages(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coef: float, reward_moments,
                            gather):
     """From the reward models' scores to what the update trains on, for a local rollout batch: the mask after the
-    EOS, 5. the EOS trick, optional reward scaling and clipping (trlX), then 6. the per-token KL penalty with the
+    EOS, optional reward scaling (trlX), the models joined, 5. the EOS trick, optional clipping, then 6. the per-token KL penalty with the
     score at the EOS, 7. optional reward whitening, 8. GAE (advantages and returns), 9. advantage whitening.
     `gather` collects a tensor across ranks (for the running reward statistics and the whitening)."""
     responses = data["responses"]
     mask, last_index = response_mask(responses, pad_token_id)  # kept tokens: up to and including the EOS
-    scores = data["rm_scores"]  # (B, n): one column per reward model
-    contains_eos = (responses == eos_token_id).any(1)
-    if args.non_eos_penalty:  # 5. Detail 23: EOS trick
-        scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
-    if args.ppo.scale_rewards:  # trlX: running-std scaling, statistics over all ranks, one per reward model
+    scores = data["rm_scores"]  # (B, n): each reward model's raw score
+    if args.ppo.scale_rewards:  # trlX: running-std scaling, statistics of raw scores over all ranks, one per model
         for column, moments in enumerate(reward_moments):
             moments.update(gather(scores[:, column]))
         scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
     scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) J2: several reward models, one score
+    contains_eos = (responses == eos_token_id).any(1)
+    if args.non_eos_penalty:  # 5. Detail 23: EOS trick, once per response, on the joined score
+        scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
     if args.ppo.reward_clip is not None:
         scores = torch.clamp(scores, -args.ppo.reward_clip, args.ppo.reward_clip)
     # 6. per-token KL penalty and the score at the EOS; everything after the EOS is masked
@@ -543,8 +545,7 @@ def response_mask(truncated_responses: torch.Tensor, pad_token_id: int):
 def apply_eos_trick(scores: torch.Tensor, truncated_responses: torch.Tensor, eos_token_id: int, penalty: float):
     """Detail 23 (EOS trick): a response that contains no EOS gets `penalty` as its score."""
     contains_eos = (truncated_responses == eos_token_id).any(dim=1)
-    keep = contains_eos.unsqueeze(1) if scores.dim() == 2 else contains_eos  # (B, n) scores: every reward model's
-    return torch.where(keep, scores, torch.full_like(scores, penalty)), contains_eos
+    return torch.where(contains_eos, scores, torch.full_like(scores, penalty)), contains_eos
 
 
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -958,10 +959,11 @@ def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
     reward models, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
     frozen trunk; or None with LoRA, where the reference is the policy with its adapters off)."""
     frozen_dtype, remote = torch.bfloat16 if bf16 else torch.float32, args.trust_remote_code
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=remote,
+    # float32 master weights whatever the checkpoint's dtype (Pythia's hub weights are float16); bf16 is autocast
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, trust_remote_code=remote,
                                                   **quantized_loading(args, bf16))  # QLoRA: a 4-bit base
     critic = None if critic_path is None else AutoModelForSequenceClassification.from_pretrained(
-        critic_path, num_labels=1, trust_remote_code=remote)
+        critic_path, num_labels=1, dtype=torch.float32, trust_remote_code=remote)
     reward_models = [AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=frozen_dtype, trust_remote_code=remote) for path in args.reward_model_path]
     ref_policy = None  # with LoRA: the policy with its adapters disabled

@@ -57,7 +57,7 @@ class RlooHParams:
 
     num_ppo_epochs: int = 1
     """K: epochs over each rollout batch; 1 with one minibatch uses each response once, on-policy, as the paper
-    does; more reuse it under the clipped ratio of rloo_loss (TRL's RLOO trainer makes 4)"""
+    does; more reuse it under the clipped ratio of rloo_loss"""
     num_mini_batches: int = 1
     """N_mb: minibatches per epoch (Table 7); each is one optimizer step"""
     cliprange: float = 0.2
@@ -149,7 +149,9 @@ class Args:
     non_eos_penalty: bool = True
     """Detail 23 (EOS trick): a response without EOS gets --penalty_reward_value as its score"""
     penalty_reward_value: float = -1.0
-    """Detail 23 (EOS trick): score given to a response that never emits EOS"""
+    """Detail 23 (EOS trick): score given to a response that never emits EOS; the paper's -1. It replaces the
+    final score, once per response: after the reward models are scaled (scale_rewards) and joined
+    (--reward_combine), before the clip (reward_clip)"""
 
     # optimisation
     total_episodes: int = 1_000_000
@@ -222,7 +224,7 @@ def rloo_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
     over responses. The paper treats a response as one action and uses plain REINFORCE, -A * grad log p(y|x),
     unclipped. PPO's clipped surrogate on r is the same on a fresh batch, where r = 1 exactly (Detail 7) and the
     clip is idle: the default (one epoch, one minibatch) is the paper's update, and the clip only guards a batch
-    that is reused. TRL's RLOO trainer instead clips every token's ratio, as PPO does."""
+    that is reused."""
     log_ratio = ((new_logprobs - old_logprobs) * mask).sum(1)  # (B,)
     return clipped_policy_loss(log_ratio, advantages, torch.ones_like(log_ratio), cliprange)
 
@@ -245,20 +247,20 @@ class RewardsAndAdvantages:
 def rewards_and_advantages(args, data: dict, eos_token_id: int, pad_token_id: int, kl_coef: float, reward_moments,
                            gather):
     """From the reward models' scores to what the update trains on, for a local rollout batch: the mask after the
-    EOS, 5. the EOS trick, optional reward scaling and clipping (trlX), then 6. the sequence reward, the score minus
+    EOS, optional reward scaling (trlX), the models joined, 5. the EOS trick, optional clipping, then 6. the sequence reward, the score minus
     the KL penalty summed over the response, 7. the leave-one-out advantages.
     `gather` collects a tensor across ranks (for the running reward statistics)."""
     responses = data["responses"]
     mask, last_index = response_mask(responses, pad_token_id)  # kept tokens: up to and including the EOS
-    scores = data["rm_scores"]  # (B, n): one column per reward model
-    contains_eos = (responses == eos_token_id).any(1)
-    if args.non_eos_penalty:  # 5. Detail 23: EOS trick
-        scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
-    if args.rloo.scale_rewards:  # trlX: running-std scaling, statistics over all ranks, one per reward model
+    scores = data["rm_scores"]  # (B, n): each reward model's raw score
+    if args.rloo.scale_rewards:  # trlX: running-std scaling, statistics of raw scores over all ranks, one per model
         for column, moments in enumerate(reward_moments):
             moments.update(gather(scores[:, column]))
         scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
     scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) J2: several reward models, one score
+    contains_eos = (responses == eos_token_id).any(1)
+    if args.non_eos_penalty:  # 5. Detail 23: EOS trick, once per response, on the joined score
+        scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
     if args.rloo.reward_clip is not None:
         scores = torch.clamp(scores, -args.rloo.reward_clip, args.rloo.reward_clip)
     # 6. the score minus the KL penalty summed over the kept tokens; 7. leave-one-out advantages
@@ -487,8 +489,7 @@ def response_mask(truncated_responses: torch.Tensor, pad_token_id: int):
 def apply_eos_trick(scores: torch.Tensor, truncated_responses: torch.Tensor, eos_token_id: int, penalty: float):
     """Detail 23 (EOS trick): a response that contains no EOS gets `penalty` as its score."""
     contains_eos = (truncated_responses == eos_token_id).any(dim=1)
-    keep = contains_eos.unsqueeze(1) if scores.dim() == 2 else contains_eos  # (B, n) scores: every reward model's
-    return torch.where(keep, scores, torch.full_like(scores, penalty)), contains_eos
+    return torch.where(contains_eos, scores, torch.full_like(scores, penalty)), contains_eos
 
 
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -879,10 +880,11 @@ def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
     reward models, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
     frozen trunk; or None with LoRA, where the reference is the policy with its adapters off)."""
     frozen_dtype, remote = torch.bfloat16 if bf16 else torch.float32, args.trust_remote_code
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, trust_remote_code=remote,
+    # float32 master weights whatever the checkpoint's dtype (Pythia's hub weights are float16); bf16 is autocast
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, trust_remote_code=remote,
                                                   **quantized_loading(args, bf16))  # QLoRA: a 4-bit base
     critic = None if critic_path is None else AutoModelForSequenceClassification.from_pretrained(
-        critic_path, num_labels=1, trust_remote_code=remote)
+        critic_path, num_labels=1, dtype=torch.float32, trust_remote_code=remote)
     reward_models = [AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=frozen_dtype, trust_remote_code=remote) for path in args.reward_model_path]
     ref_policy = None  # with LoRA: the policy with its adapters disabled

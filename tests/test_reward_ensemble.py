@@ -53,14 +53,26 @@ def test_each_reward_model_is_scaled_by_its_own_statistics_before_the_rule(name)
     moments = [module.RunningMoments(), module.RunningMoments()]
     shape = module.rewards_and_advantages
     out = shape(args, data, EOS, PAD, 0.05, moments, lambda x: x)
-    # the EOS trick first (every model's score of an unfinished response is the penalty), then each column's own std
-    tricked = data["rm_scores"].clone()
-    tricked[4:] = args.penalty_reward_value
-    stds = tricked.var(0, unbiased=False).sqrt()
+    # each column's own std of the raw scores, then the rule, then the EOS trick: an unfinished response's final
+    # score is the penalty itself (never scaled, never in the running statistics)
+    raw = data["rm_scores"].clone()
+    stds = raw.var(0, unbiased=False).sqrt()
     assert [m.std for m in moments] == pytest.approx(stds.tolist(), rel=1e-5)
     assert stds[1] > 10 * stds[0]  # the two models really are on different scales
-    expected = (tricked / stds).mean(1)
+    expected = (raw / stds).mean(1)
+    expected[4:] = args.penalty_reward_value
     torch.testing.assert_close(out.scores, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_the_eos_penalty_enters_once_whatever_the_rule(name):
+    """Three reward models summed: a response without EOS scores the penalty (-1), not three times it."""
+    module, data = SCRIPTS[name], ensemble_data()
+    data["rm_scores"] = torch.cat([data["rm_scores"], data["rm_scores"][:, :1]], 1)  # (B, 3)
+    args = module.Args(reward_model_path=["a", "b", "c"], reward_combine="sum")
+    out = module.rewards_and_advantages(args, data, EOS, PAD, 0.05, [module.RunningMoments()] * 3, lambda x: x)
+    assert out.scores[4:].tolist() == [args.penalty_reward_value] * (len(out.scores) - 4)
+    torch.testing.assert_close(out.scores[:4], data["rm_scores"][:4].sum(1))
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
