@@ -528,7 +528,7 @@ def save_pretrained_model(accelerator, wrapped, model, tokenizer, output_dir: st
     if accelerator.is_main_process:
         state_dict = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
         with saving(output_dir, "the final model", sum(v.numel() * v.element_size() for v in state_dict.values()),
-                    "Free space there, then run again with --resume (from the newest checkpoint)"):
+                    "Free space there, then run again (--resume: from the newest checkpoint, if any)"):
             model.save_pretrained(output_dir, state_dict=state_dict)
             tokenizer.save_pretrained(output_dir)
 

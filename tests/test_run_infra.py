@@ -197,26 +197,6 @@ def test_a_loaded_model_with_a_non_finite_weight_is_refused_naming_file_and_tens
 
 
 # ---------------------------------------------------------------- a full disk
-@pytest.fixture
-def small_disk(tmp_path):
-    """A mounter of real tmpfs filesystems of a given size (CI runs as root); skipped where mounting is refused."""
-    mounted = []
-
-    def mount(name: str, size: str):
-        folder = tmp_path / name
-        folder.mkdir()
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount a {size} tmpfs here (not root, or no CAP_SYS_ADMIN): {result.stderr.strip()}")
-        mounted.append(folder)
-        return folder
-
-    yield mount
-    for folder in mounted:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
 def test_a_full_disk_during_a_checkpoint_names_the_folder_and_the_space(tmp_path, small_disk):
     disk = small_disk("disk", "3m")  # a checkpoint of the 400 x 400 layer and its AdamW: about 1.9 MiB
     run, model, optimizer = make_run(disk, width=400)
@@ -247,8 +227,8 @@ def test_a_full_output_folder_names_it_and_the_size_of_the_model(tmp_path, small
     with pytest.raises(RunError) as full:
         run_infra.save_pretrained_model(accelerator, model, model, Tokenizer(), str(out))
     assert str(full.value) == (f"the disk holding {out} is full: the final model was not saved (it needs about "
-                               f"{needed / 2**20:.1f} MiB). Free space there, then run again with --resume (from the "
-                               "newest checkpoint)")
+                               f"{needed / 2**20:.1f} MiB). Free space there, then run again (--resume: from the newest "
+                               "checkpoint, if any)")
 
 
 # ---------------------------------------------------------------- the response starts where the query ends
