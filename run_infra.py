@@ -46,7 +46,7 @@ class NonFiniteError(RunError, RuntimeError):
     """A loss, reward, advantage, gradient norm or loaded weight became NaN or inf (Run.guard, check_finite)."""
 
 def print_expected_error(kind, error, trace) -> None:
-    """sys.excepthook: a RunError prints `script.py: error: message` on rank 0 alone; others keep their traceback."""
+    """sys.excepthook: a RunError prints `script.py: error: message` (rank 0 alone); other errors their traceback."""
     if not isinstance(error, RunError):
         return sys.__excepthook__(kind, error, trace)
     if os.environ.get("RANK", "0") == "0":
@@ -218,7 +218,8 @@ def claim_lock(path: str, take_over: bool = False, other: str = "--run_name") ->
     me = {"host": os.uname().nodename, "pid": os.getpid(), "started": psutil.Process().create_time()}
     temporary, folder = f"{path}.{os.getpid()}.tmp", os.path.dirname(os.path.abspath(path))
     try:
-        json.dump(me, open(temporary, "w"))  # (closed, so complete, before it is linked)
+        with open(temporary, "w") as f:  # complete before it is linked
+            json.dump(me, f)
         with contextlib.suppress(FileExistsError):
             return os.link(temporary, path)
         try:
@@ -244,13 +245,12 @@ def claim_lock(path: str, take_over: bool = False, other: str = "--run_name") ->
             os.remove(temporary)
 
 
-# what a run reads of a data or model folder: weights, arrow files (not datasets' cache-*), config and tokenizer
 INPUT_FILES = {"config.json", "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
                "merges.txt", "special_tokens_map.json", "added_tokens.json"}
 
 def content_digest(path: str) -> Optional[str]:
-    """The sha256 of the names and bytes (not times: a byte-identical re-prepare is the same input) of the files of
-    `path` a run reads; None for a path that does not exist (a hub name)."""
+    """The sha256 of the names and bytes (not times: a byte-identical re-prepare is the same input) of what a run reads
+    of `path`: weights, arrow files (not datasets' cache-*), INPUT_FILES. None for a path that is none (a hub name)."""
     if not os.path.exists(path):
         return None
     files = [path] if os.path.isfile(path) else sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names

@@ -47,7 +47,8 @@ def sft_args(task: dict, root, name: str, *extra: str) -> list:
 
 def patched(code: str, args: list) -> list:
     """Run sft.py in a Python that first executes `code` (to make a save fail or stop at a chosen moment)."""
-    runner = f"import runpy, sys\n{code}\nsys.argv = [{SFT!r}] + sys.argv[1:]\nrunpy.run_path({SFT!r}, run_name='__main__')"
+    runner = (f"import runpy, sys\nsys.path.insert(0, {REPO_ROOT!r})  # (the run module beside sft.py)\n{code}\n"
+              f"sys.argv = [{SFT!r}] + sys.argv[1:]\nrunpy.run_path({SFT!r}, run_name='__main__')")
     return [sys.executable, "-c", runner, *args]
 
 
@@ -274,6 +275,7 @@ def full_disk_message(checkpoints, update: int) -> str:
             f"needs about {size / 2**20:.1f} MiB). The newest checkpoint is still {newest}. Free space there, then --resume")
 
 
+@pytest.mark.slow  # two sft.py runs on a real tmpfs (tests/test_run_infra.py checks the pieces quickly)
 def test_a_full_run_folder_on_a_real_disk_is_one_message_and_the_resume_after_freeing_space_is_exact(
         synthetic_task, reference, small_disk):
     """issue 40: a 20 MiB tmpfs holds the update-3 checkpoint (about 12 MiB), not the one of update 6. Before, the
@@ -291,6 +293,7 @@ def test_a_full_run_folder_on_a_real_disk_is_one_message_and_the_resume_after_fr
     assert_same_as_reference(reference, disk, "full")
 
 
+@pytest.mark.slow  # two sft.py runs on a real tmpfs (tests/test_run_infra.py checks the pieces quickly)
 def test_a_full_output_folder_on_a_real_disk_names_it_and_the_size_of_the_model(synthetic_task, tmp_path, small_disk):
     """issue 40: only --output_dir is full (a 1 MiB tmpfs; the model has about 3.8 MiB): before, a raw
     `SafetensorError ... No space left on device` naming no folder."""
@@ -303,6 +306,49 @@ def test_a_full_output_folder_on_a_real_disk_names_it_and_the_size_of_the_model(
     assert re.fullmatch(rf"sft\.py: error: the disk holding {re.escape(str(out))} is full: the final model was not "
                         r"saved \(it needs about 3\.\d MiB\)\. Free space there, then run again \(--resume: from the "
                         r"newest checkpoint, if any\)", result.stderr.strip().splitlines()[-1]), result.stderr[-2000:]
+
+
+# sft.py names its inputs in one line of main (run.inputs); where it does not yet, the runner adds the call there
+NAMES_ITS_INPUTS = """
+import run_infra
+claim = run_infra.Run.claim_output_dir
+def claim_output_dir(self):
+    if not self.digests:
+        self.inputs(query_dataset=self.args.query_dataset, base_model=self.args.base_model)
+    claim(self)
+run_infra.Run.claim_output_dir = claim_output_dir
+"""
+
+
+@pytest.mark.slow  # an sft.py run and a refused resume
+def test_a_resume_on_data_shuffled_in_place_is_refused_naming_both_hashes(synthetic_task, tmp_path):
+    """issue 40: the train split shuffled (or prepared again with another --query_length) under a run's feet: before,
+    --resume went on silently (only the data's shape was compared); now the checkpoint's content hash of the data
+    differs from the data's, and the resume stops, naming both."""
+    from datasets import load_from_disk
+
+    data = tmp_path / "sft"
+    shutil.copytree(synthetic_task["sft"], data)
+    args = sft_args({**synthetic_task, "sft": str(data)}, tmp_path, "moved", "--total_episodes", "64",
+                    "--checkpoint_every", "2", "--eval_every", "0")
+    run_ok(patched(NAMES_ITS_INPUTS, args), cwd=tmp_path, env=ENV)
+    checkpoint = tmp_path / "runs" / "moved" / "checkpoints" / "update_000002"
+    then = json.load(open(checkpoint / "manifest.json"))["inputs"]["query_dataset"]["sha256"]
+    splits = load_from_disk(str(data))
+    splits["train"] = splits["train"].shuffle(seed=0)
+    splits.save_to_disk(str(tmp_path / "shuffled"))
+    shutil.rmtree(data)
+    os.rename(tmp_path / "shuffled", data)  # the same folder, other contents
+    result = subprocess.run(patched(NAMES_ITS_INPUTS, [*args, "--resume"]), cwd=tmp_path, env=ENV, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    from run_infra import content_digest
+
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"sft.py: error: --resume: {checkpoint} was made from other contents than these inputs hold: --query_dataset "
+        f"{data} (sha256 {then[:12]} then, {content_digest(str(data))[:12]} now). Resume with the inputs it was made "
+        "from, or pass --accept_changed_inputs to go on with these knowingly")
+    assert "resumed from" not in result.stdout
 
 
 def test_processes_leave_their_process_group_at_exit(synthetic_task, tmp_path):
