@@ -213,8 +213,8 @@ def start_processes() -> PartialState:
 
 def claim_lock(path: str, take_over: bool = False, other: str = "--run_name") -> None:
     """One live owner per folder: `path` holds its host, pid and process start time, written whole (a temporary file
-    linked into place: the link fails if a lock exists). An unreadable lock (a crash before this rule) or one of an
-    ended process is taken over with a warning; one of another host cannot be checked: `take_over` takes it."""
+    linked into place: the link fails if a lock exists). The lock of an ended process is taken over, an unreadable one
+    (a crash before this rule) with a warning; one of another host cannot be checked: `take_over` takes it."""
     me = {"host": os.uname().nodename, "pid": os.getpid(), "started": psutil.Process().create_time()}
     temporary, folder = f"{path}.{os.getpid()}.tmp", os.path.dirname(os.path.abspath(path))
     try:
@@ -237,8 +237,6 @@ def claim_lock(path: str, take_over: bool = False, other: str = "--run_name") ->
                     started is None or abs(psutil.Process(pid).create_time() - started) < 1):
                 raise RunError(f"{folder} is in use by the run of process {pid} on {host} ({path}); wait for it to "
                                f"end, or pass another {other}")
-        if host is not None and pid != me["pid"]:
-            print(f"warning: taking over the lock {path} of process {pid} on {host}", file=sys.stderr)
         os.replace(temporary, path)  # the whole new lock in place of the stale one
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -889,6 +889,26 @@ def test_agreement_mode_matches_hand_computation(tmp_path, synthetic_task):
     assert a["agreement_rate"] == agree / (16 - identical)
 
 
+def test_a_reward_model_with_a_nan_weight_is_refused_before_any_request(tmp_path, synthetic_task):
+    """issue 40: every model a script loads is checked finite at load, the judge's reward model too: a NaN in its
+    score head is named (file and tensor) before a single request is paid for."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rm = AutoModelForSequenceClassification.from_pretrained(synthetic_task["base_model"], num_labels=1)
+    with torch.no_grad():
+        rm.score.weight[0, 3] = float("nan")
+    rm_path = tmp_path / "nan_rm"
+    rm.save_pretrained(rm_path)
+    AutoTokenizer.from_pretrained(synthetic_task["base_model"]).save_pretrained(rm_path)
+    with gjs.serve_in_thread() as server:
+        with pytest.raises(run_infra.NonFiniteError, match="^" + re.escape(
+                f"{rm_path / 'model.safetensors'} holds non-finite weights: score.weight has 1 NaN or inf values")):
+            judge.main(judge_args(tmp_path, server, mode="agreement", reward_model_path=str(rm_path),
+                                  preference_dataset=synthetic_task["preference"], num_samples=4))
+        assert server.request_count == 0
+
+
 def test_smoke_subprocess(tmp_path, synthetic_task):
     make_samples(tmp_path / "samples.csv", 16, seed=13, ties=False)
     with gjs.serve_in_thread() as server:
