@@ -357,6 +357,7 @@ def fault_server(fault: str, answered: int = 0):
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body) if length is None else length))
+            self.send_header("Connection", "close")  # one request per connection: no reuse of a closed one
             self.end_headers()
             self.wfile.write(body)
             self.wfile.flush()
