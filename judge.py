@@ -18,14 +18,15 @@ that, and three more things the paper reports:
   are scored 1-10 in one prompt; we report mean scores and rank-normalised scores.
 
 Robustness, since a judge is a remote service that fails: requests run concurrently on the
-official async `openai` client under a semaphore; 429 / 5xx / timeouts are retried with
-exponential backoff and jitter (asyncio.sleep, a bounded number of tries); a reply without a
+official async `openai` client under a semaphore, each with a deadline on the whole request (--timeout_s: a
+server that answers and then stalls or trickles is cut off); 429 / 5xx / timeouts, a cut body and a 200 that is no
+chat completion are retried with exponential backoff and jitter (asyncio.sleep, a bounded number of tries); a reply without a
 parseable verdict is asked again a bounded number of times and then counted as *invalid*
 (never as a loss, never replaced by a coin flip); every reply is cached on disk (sqlite), keyed
 by model and prompt, so a rerun or an interrupted run does not pay again for a reply it received
 (one race remains, see `ReplyCache`). A judge that cannot be used at all (the endpoint unreachable,
-the key refused, not one request answered) stops the run with one error naming the URL and the
-cause, instead of marking every row invalid. The API key is read from `OPENAI_API_KEY` only and is
+stalling or answering no chat completion, the key refused, not one request answered) stops the run with one
+error naming the URL and what happened, instead of marking every row invalid. The API key is read from `OPENAI_API_KEY` only and is
 never printed, logged or saved.
 
 Usage:
@@ -60,7 +61,9 @@ from datasets import load_dataset, load_from_disk  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
 
-from run_infra import Outcome, ReplyCache, check_data_tokenizer, public_url, run_jobs  # decides no number (run_infra.py)
+from run_infra import (  # decides no number (run_infra.py)
+    Outcome, ReplyCache, RunError, check_data_tokenizer, check_finite, public_url, run_jobs,
+)
 
 
 @dataclass
@@ -101,13 +104,15 @@ class Args:
     max_parallel_requests: int = 8
     """concurrency limit: requests in flight at once"""
     max_tries: int = 6
-    """tries per request on 429, 5xx, timeouts and connection errors (then the pair is invalid)"""
+    """tries per request on 429, 5xx, timeouts, connection errors, a cut or stalled reply and a 200 that is no chat
+    completion (then the pair is invalid; when no request of the run was ever answered, the run stops with one error)"""
     backoff_base_s: float = 1.0
     """first retry waits about this long; each further retry doubles it (with jitter)"""
     backoff_max_s: float = 60.0
     """upper bound on one backoff wait"""
     timeout_s: float = 120.0
-    """per-request timeout of the client"""
+    """deadline of each request as a whole, from asking to the last byte of the reply (a server that answers, then
+    stalls or trickles, is cut off there); a request past it is retried (--max_tries)"""
     max_parse_tries: int = 3
     """asks per pair when the reply has no parseable verdict (then the pair is invalid)"""
     cache_path: str = "runs/judge_cache.sqlite"
@@ -380,23 +385,23 @@ def check_sources_complete(args: Args, csvs: list[str]) -> None:
                 problem = incomplete_output(folder) if folder and os.path.isdir(folder) else None
                 if problem:
                     script = f"{run.get('exp_name', 'the training script')}.py"
-                    raise ValueError(f"{path} comes from an unfinished run: {problem}. Rerun {script} to its end (e.g. "
+                    raise RunError(f"{path} comes from an unfinished run: {problem}. Rerun {script} to its end (e.g. "
                                      f"with --resume --run_name {run.get('run_name')}), or pass --no-check_complete to "
                                      "judge these samples anyway")
                 break
     if args.mode == "agreement" and args.reward_model_path and os.path.isdir(args.reward_model_path):
         problem = incomplete_output(args.reward_model_path)
         if problem:
-            raise ValueError(f"--reward_model_path: {problem}. Rerun reward.py to its end, or pass --no-check_complete "
+            raise RunError(f"--reward_model_path: {problem}. Rerun reward.py to its end, or pass --no-check_complete "
                              "to use it anyway")
 
 
 def csv_labels(paths: list[str], labels: Optional[list[str]]) -> list[str]:
     if labels is not None:
         if len(labels) != len(paths):
-            raise ValueError(f"--labels has {len(labels)} names for {len(paths)} --csv files")
+            raise RunError(f"--labels has {len(labels)} names for {len(paths)} --csv files")
         if len(set(labels)) != len(labels):
-            raise ValueError(f"--labels must be unique, got {labels}")
+            raise RunError(f"--labels must be unique, got {labels}")
         return list(labels)
     out = []
     for p in paths:
@@ -413,13 +418,13 @@ def read_samples(path: str, columns: list[str], num_samples: int) -> pd.DataFram
     try:
         df = pd.read_csv(path, keep_default_na=False)  # an empty response stays "", not NaN
     except pd.errors.EmptyDataError:
-        raise ValueError(f"{path} is empty (no header, no rows); a sample CSV has the columns {columns} and one row "
+        raise RunError(f"{path} is empty (no header, no rows); a sample CSV has the columns {columns} and one row "
                          "per sample, as the training scripts write it") from None
     missing = [c for c in columns if c not in df.columns]
     if missing:
-        raise ValueError(f"{path} lacks column(s) {missing}; it has {list(df.columns)}")
+        raise RunError(f"{path} lacks column(s) {missing}; it has {list(df.columns)}")
     if len(df) == 0:
-        raise ValueError(f"{path} has a header but no rows: nothing to judge; pass a CSV that holds samples")
+        raise RunError(f"{path} has a header but no rows: nothing to judge; pass a CSV that holds samples")
     if num_samples >= 0:
         df = df.iloc[:num_samples]
     return df.reset_index(drop=True)
@@ -496,10 +501,10 @@ def plot_bars(names: list[str], rates: list[float], lows: list[float], highs: li
 
 def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     if not args.csv:
-        raise ValueError("pairwise mode needs at least one --csv")
+        raise RunError("pairwise mode needs at least one --csv")
     for path in args.csv + ([args.baseline_csv] if args.baseline_csv is not None else []):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no such sample CSV: {path}")
+            raise RunError(f"no such sample CSV: {path}")
     labels = csv_labels(args.csv, args.labels)
     baseline = None
     if args.baseline_csv is not None:
@@ -514,7 +519,7 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         if baseline is not None:
             missing = [i for i, q in enumerate(df["query"]) if q not in baseline]
             if missing:
-                raise ValueError(f"{path}: {len(missing)} queries (first at row {missing[0]}) are not in --baseline_csv")
+                raise RunError(f"{path}: {len(missing)} queries (first at row {missing[0]}) are not in --baseline_csv")
             other = [baseline[q] for q in df["query"]]
         else:
             other = list(df["reference"])
@@ -643,6 +648,7 @@ def reward_preferences(args: Args, dataset) -> tuple[np.ndarray, np.ndarray]:
     model = AutoModelForSequenceClassification.from_pretrained(
         args.reward_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
     ).to(device).eval()
+    check_finite(model, args.reward_model_path)  # a NaN reward model would score nothing
     chosen, rejected = [], []
     for start in range(0, len(dataset), args.local_micro_batch_size):
         batch = dataset[start : start + args.local_micro_batch_size]
@@ -657,7 +663,7 @@ def reward_preferences(args: Args, dataset) -> tuple[np.ndarray, np.ndarray]:
 
 def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     if args.reward_model_path is None:
-        raise ValueError("agreement mode needs --reward_model_path")
+        raise RunError("agreement mode needs --reward_model_path")
     dataset = load_split(args.preference_dataset, args.preference_split)
     if args.num_samples >= 0:
         dataset = dataset.select(range(min(args.num_samples, len(dataset))))
@@ -717,7 +723,7 @@ def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
 # ----------------------------------------------------------------------------------------------
 def run_multi(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     if len(args.csv) < 2:
-        raise ValueError("multi mode needs at least two --csv files (the answers to compare)")
+        raise RunError("multi mode needs at least two --csv files (the answers to compare)")
     labels = csv_labels(args.csv, args.labels)
     frames = [read_samples(p, ["query", "response"], -1) for p in args.csv]
     base = frames[0].iloc[: args.num_samples] if args.num_samples >= 0 else frames[0]
@@ -726,7 +732,7 @@ def run_multi(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         lookup = dict(zip(d["query"][::-1], d["response"][::-1]))
         missing = [q for q in base["query"] if q not in lookup]
         if missing:
-            raise ValueError(f"{path} has no answer for {len(missing)} of the queries of {args.csv[0]}")
+            raise RunError(f"{path} has no answer for {len(missing)} of the queries of {args.csv[0]}")
         answers_by_label.append([lookup[q] for q in base["query"]])
 
     names = [chr(ord("A") + k) for k in range(len(labels))]  # anonymous names: no model-name bias
@@ -798,7 +804,7 @@ def main(args: Args) -> dict:
     check_sources_complete(args, args.csv + ([args.baseline_csv] if args.baseline_csv else []))
     os.makedirs(output_dir, exist_ok=True)
     if args.max_parallel_requests < 1 or args.max_tries < 1 or args.max_parse_tries < 1:
-        raise ValueError("--max_parallel_requests, --max_tries and --max_parse_tries must be at least 1")
+        raise RunError("--max_parallel_requests, --max_tries and --max_parse_tries must be at least 1")
     with open(os.path.join(output_dir, "args.json"), "w") as f:
         json.dump(asdict(args), f, indent=2)  # the API key is not an argument, so it is not here
 

@@ -7,10 +7,12 @@
     python pipeline.py --kto           # adds KTO (kto.py) on the pairs and on the raters' thumbs up / down
 
 Stages run the top-level scripts as subprocesses, exactly as a user would type them (each command is
-printed). A stage that finished leaves `<out>/stages/<name>.json`; it is skipped on the next run while its
-outputs are complete (prep's task.json, a training stage's model folder marked `"complete": true` in its
-run.json), so an interrupted pipeline picks up at the stage it was in, and a training stage that was interrupted after one
-of its checkpoints (`--checkpoint_every`) continues from it with `--resume`. The report lands in `<out>/report/`:
+printed). A stage that finished leaves `<out>/stages/<name>.json` with the command it ran; it is skipped on the next
+run while its outputs are complete (prep's task.json, a training stage's model folder marked `"complete": true` in its
+run.json) and the command asked now is the one it ran (else the pipeline stops: `--force <stage>` redoes it), so an
+interrupted pipeline picks up at the stage it was in, and a training stage that was interrupted after one
+of its checkpoints (`--checkpoint_every`) continues from it with `--resume`. One pipeline at a time works in an
+`--out` folder (its lock: `<out>/pipeline.lock`); a second one is refused. The report lands in `<out>/report/`:
 `results.md` (also printed) and the plots. With several seeds (`--seeds 1 2 3`, the default of `--mode full`)
 the task (prep: data, tokenizer, base model) is made once and every later stage runs once per seed in
 `<out>/seed_<n>/`, each with its own report; `<out>/report/seeds.md` then sets the seeds side by side
@@ -57,10 +59,24 @@ class Args:
     all). Empty: --seed alone in quickstart and ci modes, 1 2 3 in full mode"""
     threads: int = 0
     """torch threads per stage (0 = all cores)"""
+    take_over_lock: bool = False
+    """take over <out>/pipeline.lock when its holder cannot be checked (a pipeline on another host: a container that
+    restarted under a new host name); a lock of an ended pipeline is taken over without it"""
     kto: bool = False
     """also run KTO (kto.py): stage `unpaired` gives every compared summary of the task a thumb up or down from its
     raters (data/prepare.py --unpaired_only), stage `kto` trains on the preference pairs as DPO does, `kto_unpaired`
     on the thumbs; both are judged and reported with the other policies"""
+
+
+def flag_values(cmd: list[str]) -> dict:
+    """{"script": the script, "--name": its value(s) joined by spaces, "" for a switch} of a stage's command."""
+    values, name = {"script": cmd[0] if cmd else ""}, None
+    for token in cmd[1:]:
+        if token.startswith("--"):
+            name, values[token] = token, ""
+        elif name is not None:
+            values[name] = f"{values[name]} {token}".strip()
+    return values
 
 
 def flags_with(base: list[str], overrides: dict) -> list[str]:
@@ -235,7 +251,35 @@ class Pipeline:
             env["OMP_NUM_THREADS"] = str(self.args.threads)
         printable = " ".join(cmd[1:]) if cmd[0] == sys.executable else " ".join(cmd)
         print(f"\n=== [{stage}] python {printable}", flush=True)
-        subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=env)
+        code = subprocess.run(cmd, cwd=REPO_ROOT, env=env).returncode
+        if code:
+            from run_infra import RunError
+
+            raise RunError(f"[{stage}] failed (exit code {code}), its own error above; the pipeline picks up there when "
+                           f"run again")
+
+    def recorded(self, cmd: list[str]) -> list[str]:
+        """The command as a stage marker keeps it: without the interpreter and --resume, with {out} and {repo} for the
+        two folders (a moved folder is the same command)."""
+        return [t.replace(self.out, "{out}").replace(REPO_ROOT, "{repo}") for t in cmd[1:] if t != "--resume"]
+
+    def check_command(self, stage: str, cmd: list[str]) -> None:
+        """A finished stage counts only for the command it ran: another (a second seed into this --out, other
+        settings) is refused, naming the flags that differ. Markers written before commands were recorded pass."""
+        try:
+            then = json.load(open(self.marker(stage))).get("command")
+        except (OSError, ValueError, AttributeError):
+            then = None
+        now = self.recorded(cmd)
+        if then is None or then == now:
+            return
+        from run_infra import RunError
+
+        old, new = flag_values(then), flag_values(now)
+        differ = [f"{k} {old.get(k, '(absent)')} then, {new.get(k, '(absent)')} now" for k in dict.fromkeys([*old, *new])
+                  if old.get(k) != new.get(k)]
+        raise RunError(f"[{stage}] finished in {self.out} with another command than this pipeline asks ({'; '.join(differ)}); "
+                       f"pass --force {stage} to redo it (--force all: every stage), or another --out")
 
     def resumable(self, stage: str) -> bool:
         """A training stage that was interrupted after saving a checkpoint (runs/<stage>/checkpoints/update_N)."""
@@ -358,7 +402,10 @@ class Pipeline:
     def main(self) -> None:
         t_start = time.time()
         for stage in self.stages:
+            cmd = None if stage in ("judge", "report") else (
+                self.cmd_offline(stage[len("offline_"):]) if stage.startswith("offline_") else getattr(self, f"cmd_{stage}")())
             if self.done(stage):
+                self.check_command(stage, cmd)
                 print(f"=== [{stage}] done already ({self.marker(stage)}); --force {stage} reruns it")
                 continue
             problem = self.incomplete(stage) if os.path.exists(self.marker(stage)) else None
@@ -370,7 +417,6 @@ class Pipeline:
             elif stage == "report":
                 self.stage_report()
             else:
-                cmd = self.cmd_offline(stage[len("offline_"):]) if stage.startswith("offline_") else getattr(self, f"cmd_{stage}")()
                 if stage != "prep" and self.resumable(stage):
                     print(f"=== [{stage}] interrupted earlier; continuing from its latest checkpoint")
                     cmd.append("--resume")
@@ -379,21 +425,30 @@ class Pipeline:
                 if problem:  # the stage's command ended without error, yet its outputs are not complete
                     raise RuntimeError(f"[{stage}] ended, but {problem}; rerun it: python pipeline.py --force {stage}")
             with open(self.marker(stage), "w") as f:
-                json.dump({"stage": stage, "wall_time_s": round(time.time() - t0, 1), "finished": time.time()}, f)
+                json.dump({"stage": stage, "wall_time_s": round(time.time() - t0, 1), "finished": time.time(),
+                           "command": cmd and self.recorded(cmd)}, f)
         print(f"\npipeline finished in {time.time() - t_start:.0f} s (this invocation); report: {self.report_dir}/results.md")
 
 
 def main(args: Args) -> None:
-    seeds = resolve_seeds(args)
-    if len(seeds) == 1:
-        Pipeline(dataclasses.replace(args, seed=seeds[0])).main()
-        return
-    for seed in seeds:
-        print(f"\n##### seed {seed} of {seeds}", flush=True)
-        Pipeline(dataclasses.replace(args, seed=seed), seed_dir=f"seed_{seed}", data_seed=seeds[0]).main()
-    import report
+    from run_infra import claim_lock  # the training runs' lock; its refusal prints as one line
 
-    print("\n" + report.write_seed_report(os.path.abspath(args.out), seeds))
+    os.makedirs(args.out, exist_ok=True)
+    lock = os.path.join(os.path.abspath(args.out), "pipeline.lock")
+    claim_lock(lock, args.take_over_lock, other="--out")  # one pipeline per folder
+    try:
+        seeds = resolve_seeds(args)
+        if len(seeds) == 1:
+            Pipeline(dataclasses.replace(args, seed=seeds[0])).main()
+            return
+        for seed in seeds:
+            print(f"\n##### seed {seed} of {seeds}", flush=True)
+            Pipeline(dataclasses.replace(args, seed=seed), seed_dir=f"seed_{seed}", data_seed=seeds[0]).main()
+        import report
+
+        print("\n" + report.write_seed_report(os.path.abspath(args.out), seeds))
+    finally:
+        os.remove(lock)
 
 
 if __name__ == "__main__":

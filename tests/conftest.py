@@ -222,6 +222,27 @@ def short_preference(synthetic_task, tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """small_disk(name, size): a real tmpfs of `size` (e.g. "3m") mounted at tmp_path/name, unmounted after the test
+    (CI runs as root); the test is skipped, with the reason, where mounting is refused."""
+    mounted = []
+
+    def mount(name: str, size: str):
+        folder = tmp_path / name
+        folder.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a {size} tmpfs here (not root, or no CAP_SYS_ADMIN): {result.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> str:
     return REPO_ROOT

@@ -336,7 +336,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthe
     )
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("run_infra.NonFiniteError: update 2: train/loss, train/logps/chosen"), last_line
+    assert last_line.startswith("dpo.py: error: update 2: train/loss, train/logps/chosen"), last_line
     assert "train/ref_logps" not in last_line  # the frozen reference stays finite
     assert not (tmp_path / "model" / "model.safetensors").exists()
     assert_last_good_checkpoint(tmp_path / "runs" / "nan" / "checkpoints", 1)

@@ -463,7 +463,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint_and_no_model(synthe
                                                    "--eval_every", "0"),
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
-    assert "run_infra.NonFiniteError: update 2: train/loss" in result.stderr
+    assert "ilql.py: error: update 2: train/loss" in result.stderr and "Traceback" not in result.stderr
     # the last good update, nothing after it
     assert_last_good_checkpoint(tmp_path / "runs" / "poisoned" / "checkpoints", 1)
     assert not (tmp_path / "model_poisoned" / "model.safetensors").exists()

@@ -328,11 +328,140 @@ def test_unreachable_endpoint_is_one_error_and_a_failed_exit(tmp_path):
            "--max_tries", "2", "--backoff_base_s", "0.001", "--backoff_max_s", "0.01"]
     env = {**{k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode != 0
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"run_infra.JudgeUnavailableError: the judge at {url} cannot be reached (gave up after 2 tries; last error "
+        f"judge.py: error: the judge at {url} cannot be reached (gave up after 2 tries; last error "
         "APIConnectionError: Connection error.); check that the server is running and that --base_url points at it")
     assert not (tmp_path / "out" / "judge_summary.json").exists() and not (tmp_path / "out" / "a_judged.csv").exists()
+
+
+@contextlib.contextmanager
+def fault_server(fault: str, answered: int = 0):
+    """A loopback chat endpoint that answers its first `answered` requests as the gold judge does and every later one
+    with `fault`: "trickle" (a 200, then one byte of the body every 0.5 s), "headers" (a 200 and its headers, then
+    nothing), "silent" (nothing at all), "half" (half the body, then the connection closed), "html" (a 200 whose body
+    is not JSON) or "json" (JSON that is no chat completion). A handler gives up after 20 s at most, or when the client
+    has hung up, so its thread ends by itself; the server stops with the block."""
+    import socket
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    stop, count = threading.Event(), [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def send(self, body: bytes, length=None):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body) if length is None else length))
+            self.send_header("Connection", "close")  # one request per connection: no reuse of a closed one
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+
+        def do_POST(self):
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            count[0] += 1
+            kind = "ok" if count[0] <= answered else fault
+            content = gjs.pairwise_reply(*gjs.parse_pairwise_prompt(request["messages"][-1]["content"]))
+            completion = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": request["model"],
+                                     "choices": [{"index": 0, "finish_reason": "stop",
+                                                  "message": {"role": "assistant", "content": content}}]}).encode()
+            self.close_connection = True
+            try:
+                if kind in ("ok", "html", "json"):
+                    self.send({"ok": completion, "html": b"<html><body>502 Bad Gateway</body></html>",
+                               "json": b'{"error": null, "choices": null}'}[kind])
+                elif kind == "half":
+                    self.send(completion[: len(completion) // 2], len(completion))
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                elif kind in ("headers", "trickle"):
+                    self.send(b"", len(completion))
+                    for i in range(40):  # 20 s at most
+                        if stop.wait(0.5):
+                            break
+                        if kind == "trickle":
+                            self.wfile.write(completion[i : i + 1])
+                            self.wfile.flush()
+                else:  # silent
+                    stop.wait(20)
+            except OSError:  # the client hung up (its deadline)
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    server.base_url, server.model_name, server.requests = f"http://127.0.0.1:{server.server_address[1]}/v1", "m", count
+    try:
+        yield server
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_a_judge_that_answers_and_then_trickles_stops_within_its_deadlines(tmp_path):
+    """issue 40: a 200, then one byte every 0.5 s. --timeout_s bounds the whole request, not each read, so judge.py
+    gives up after --max_tries deadlines and stops with one line saying the server stalled (it hung until killed)."""
+    make_samples(tmp_path / "a.csv", 8, seed=21, ties=False)
+    with fault_server("trickle") as server:
+        cmd = [sys.executable, os.path.join(REPO, "judge.py"), "--csv", str(tmp_path / "a.csv"), "--base_url",
+               server.base_url, "--model", "m", "--output_dir", str(tmp_path / "out"), "--cache_path",
+               str(tmp_path / "cache.sqlite"), "--length_unit", "chars", "--timeout_s", "3", "--max_tries", "2",
+               "--backoff_base_s", "0.01", "--backoff_max_s", "0.02"]
+        env = {**{k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}, "OMP_NUM_THREADS": "1"}
+        started = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        took = time.time() - started
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"judge.py: error: the judge at {server.base_url} answered and stalled (gave up after 2 tries; last error no "
+        "complete reply within --timeout_s 3.0 s); check the server's load, or raise --timeout_s")
+    stalled = 2 * 3  # two tries of 3 s; the rest is Python starting
+    assert took < stalled + 60, f"{took:.0f} s"
+    assert not (tmp_path / "out" / "judge_summary.json").exists()
+
+
+@pytest.mark.parametrize("fault, what, error", [
+    ("headers", "answered and stalled", "no complete reply within --timeout_s 1.0 s"),
+    ("silent", "did not answer", "no complete reply within --timeout_s 1.0 s"),
+    ("half", "answered, but the body was cut", "RemoteProtocolError: peer closed connection without sending complete "
+                                                "message body"),
+    ("html", "answers no chat completion", "200 with the body '<html><body>502 Bad Gateway</body></html>'"),
+    ("json", "answers no chat completion", "200 with the body '{\"error\": null, \"choices\": null}'"),
+])
+def test_a_judge_that_stalls_cuts_its_body_or_answers_no_chat_completion_is_one_error_saying_so(tmp_path, fault, what,
+                                                                                                 error):
+    make_samples(tmp_path / "a.csv", 6, seed=22, ties=False)
+    started = time.time()
+    with fault_server(fault) as server:
+        with pytest.raises(run_infra.JudgeUnavailableError) as err:
+            judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], timeout_s=1.0, max_tries=2,
+                                  max_parallel_requests=2))
+        assert server.requests[0] <= 2 * 2 + 2  # bounded: the tries of the pairs in flight
+    message = str(err.value)
+    assert message.startswith(f"the judge at {server.base_url} {what} (gave up after 2 tries; last error {error}")
+    assert "cannot be reached" not in message
+    assert time.time() - started < 30
+
+
+@pytest.mark.parametrize("fault", ["trickle", "html"])
+def test_a_judge_that_breaks_down_after_answering_marks_the_rest_invalid(tmp_path, fault):
+    make_samples(tmp_path / "a.csv", 6, seed=23, ties=False)
+    with fault_server(fault, answered=2) as server:  # one request at a time: rows 0 and 1 judged, then the fault
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], timeout_s=1.0,
+                                        max_tries=2, max_parallel_requests=1))
+        assert server.requests[0] == 2 + 4 * 2  # bounded: max_tries per broken pair
+    s = summary["per_csv"]["a"]
+    assert (s["wins"] + s["losses"], s["invalid"], s["api_errors"]) == (2, 4, 4)
+    judged = pd.read_csv(tmp_path / "out" / "a_judged.csv", keep_default_na=False)
+    reason = "no complete reply within --timeout_s 1.0 s" if fault == "trickle" else "200 with the body '<html>"
+    assert judged["error"][2:].str.contains(reason, regex=False).all()
 
 
 def test_failing_endpoint_stops_after_one_pair_of_tries(tmp_path):
@@ -768,6 +897,26 @@ def test_agreement_mode_matches_hand_computation(tmp_path, synthetic_task):
     assert asked == 16 - identical  # identical pairs are ties, never sent to the judge
     assert a["n_valid"] == 16 - identical >= 8
     assert a["agreement_rate"] == agree / (16 - identical)
+
+
+def test_a_reward_model_with_a_nan_weight_is_refused_before_any_request(tmp_path, synthetic_task):
+    """issue 40: every model a script loads is checked finite at load, the judge's reward model too: a NaN in its
+    score head is named (file and tensor) before a single request is paid for."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rm = AutoModelForSequenceClassification.from_pretrained(synthetic_task["base_model"], num_labels=1)
+    with torch.no_grad():
+        rm.score.weight[0, 3] = float("nan")
+    rm_path = tmp_path / "nan_rm"
+    rm.save_pretrained(rm_path)
+    AutoTokenizer.from_pretrained(synthetic_task["base_model"]).save_pretrained(rm_path)
+    with gjs.serve_in_thread() as server:
+        with pytest.raises(run_infra.NonFiniteError, match="^" + re.escape(
+                f"{rm_path / 'model.safetensors'} holds non-finite weights: score.weight has 1 NaN or inf values")):
+            judge.main(judge_args(tmp_path, server, mode="agreement", reward_model_path=str(rm_path),
+                                  preference_dataset=synthetic_task["preference"], num_samples=4))
+        assert server.request_count == 0
 
 
 def test_smoke_subprocess(tmp_path, synthetic_task):

@@ -434,8 +434,8 @@ def test_zero2_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, 
     one = subprocess.run([sys.executable, PROBE, *command("killed", "--resume")[len(launcher_command("zero2", 2, 0)):]],
                          cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert one.returncode != 0 and one.stderr.strip().splitlines()[-1] == (
-        f"ValueError: --resume: {checkpoint} was written by 2 process(es) with DeepSpeed stage 2, this run has 1 with "
-        "stage None; launch 2 process(es) with the original config"), one.stderr[-2000:]
+        f"mp_probe.py: error: --resume: {checkpoint} was written by 2 process(es) with DeepSpeed stage 2, this run has 1 "
+        "with stage None; launch 2 process(es) with the original config"), one.stderr[-2000:]
     resumed = subprocess.run(command("killed", "--resume"), cwd=REPO_ROOT, env=DEEPSPEED_ENV, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -444,3 +444,36 @@ def test_zero2_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, 
     full = [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / "full" / "metrics.jsonl")]
     killed = [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / "killed" / "metrics.jsonl")]
     assert [row["step"] for row in killed] == [row["step"] for row in full] and full[-1] == killed[-1]
+
+
+@pytest.mark.slow
+def test_a_refused_resume_of_a_zero2_run_is_one_paragraph_from_rank_0(synthetic_task, tmp_path):
+    """issue 40: a ZeRO-2 sft.py run written by 2 processes, resumed on 1 (plain, and as `accelerate launch
+    --num_processes 1`) and on 2 under ZeRO-3: the refusal is printed once, by rank 0, with no traceback of the
+    script (before: under a rank traceback, accelerate's ChildFailedError and torch's failure block, 48 lines). The
+    launcher's own report may follow it."""
+    flags = [*sft_flags(synthetic_task), "--output_dir", str(tmp_path / "model"), "--run_dir_root", str(tmp_path / "runs"),
+             "--run_name", "z2", "--checkpoint_every", "2"]
+    sft = os.path.join(REPO_ROOT, "sft.py")
+
+    def launch(config: str, processes: int, offset: int) -> list:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(REPO_ROOT, config),
+                "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port",
+                str(port_of("sft", "zero2", offset=offset)), sft]
+
+    written = subprocess.run([*launch("zero2.yaml", 2, 7), *flags], cwd=REPO_ROOT, env=DEEPSPEED_ENV,
+                             capture_output=True, text=True, timeout=600)
+    assert written.returncode == 0, written.stderr[-4000:]
+    checkpoint = tmp_path / "runs" / "z2" / "checkpoints" / "update_000002"
+    refusal = (f"--resume: {checkpoint} was written by 2 process(es) with DeepSpeed stage 2, this run has {{}} with stage "
+               f"{{}}; launch 2 process(es) with the original config")
+    for command, env, ours in (([sys.executable, sft], ENV, (1, None)), (launch("zero2.yaml", 1, 8), DEEPSPEED_ENV, (1, 2)),
+                               (launch("zero3.yaml", 2, 9), DEEPSPEED_ENV, (2, 3))):
+        result = subprocess.run([*command, *flags, "--resume"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                                timeout=600)
+        paragraph = f"sft.py: error: {refusal.format(*ours)}"
+        assert result.returncode != 0, result.stderr[-3000:]
+        assert result.stderr.count(paragraph) == 1, result.stderr[-4000:]
+        script_part = result.stderr.split(paragraph)[0] + paragraph  # what the script printed, before any report of
+        assert "Traceback" not in script_part, result.stderr[-4000:]  # the launcher
+        assert "resumed from" not in result.stdout

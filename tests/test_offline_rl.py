@@ -424,7 +424,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(smoke_setup, tmp_pa
     result = subprocess.run(resumable_command(smoke_setup, tmp_path, "poisoned", "--lr", "1e30"), cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
-    assert "run_infra.NonFiniteError: update 2: train/loss is not finite" in result.stderr
+    assert "offline_rl.py: error: update 2: train/loss is not finite" in result.stderr
     assert_last_good_checkpoint(tmp_path / "runs" / "poisoned" / "checkpoints", 1)
     assert not (tmp_path / "model_poisoned" / "model.safetensors").exists()
 
@@ -475,7 +475,7 @@ def test_a_missing_column_is_one_clear_error(smoke_setup, tmp_path):
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
     # the error of check_columns: the split, the missing column and the fix, not a KeyError deep in a library
-    assert last_line.startswith(f"ValueError: {broken} split 'train' lacks the column(s) [{column!r}]"), last_line
+    assert last_line.startswith(f"offline_rl.py: error: {broken} split 'train' lacks the column(s) [{column!r}]"), last_line
     assert "data/prepare.py" in last_line
     # refused before anything was written: the output folder is not claimed, so a fixed rerun is not blocked
     assert not (tmp_path / "model_broken").exists() and not (tmp_path / "runs" / "broken" / "checkpoints").exists()

@@ -279,3 +279,107 @@ def test_seed_report_draws_the_ppo_seed_band(tmp_path, monkeypatch):
     fig = figures[-1]
     assert_legend_inside_and_gold_axis_0_to_1(fig)
     assert sum(len(ax.collections) for ax in fig.axes) == 2, "one band for the RM score, one for the gold win rate"
+
+
+# ---------------------------------------------------------------- issue 40: one pipeline per folder, stages by command
+def fake_stages(p, ran: list) -> None:
+    """Stage commands that only leave what the real ones leave (prep's task.json, a complete model folder)."""
+    import pathlib
+
+    def run(stage, cmd):
+        ran.append((stage, cmd))
+        if stage == "prep":
+            os.makedirs(p.data, exist_ok=True)
+            pathlib.Path(p.data, "task.json").write_text("{}")
+        else:
+            fake_stage_output(p, stage, complete=True)
+
+    p.run = run
+
+
+def test_a_stage_finished_with_another_command_is_refused_unless_forced(tmp_path):
+    """Two seeds into one --out, one after the other: before, the second found seed 1's stages marked done and
+    reported them as its own. Now each stage marker records its command (relative to --out and the repository), and
+    another command stops the pipeline naming the flags; --threads is not part of a command."""
+    sys.path.insert(0, REPO_ROOT)
+    import pipeline
+    from run_infra import RunError
+
+    ran = []
+    first = pipeline.Pipeline(pipeline.Args(out=str(tmp_path), seed=1))
+    first.stages = ["prep", "sft"]
+    fake_stages(first, ran)
+    first.main()
+    assert [stage for stage, _ in ran] == ["prep", "sft"]
+    recorded = json.load(open(first.marker("sft")))["command"]
+    assert recorded[:7] == ["{repo}/sft.py", "--seed", "1", "--run_name", "sft", "--run_dir_root", "{out}/runs"]
+
+    second = pipeline.Pipeline(pipeline.Args(out=str(tmp_path), seed=2))
+    second.stages = ["prep", "sft"]
+    fake_stages(second, ran)
+    with pytest.raises(RunError) as refused:
+        second.main()
+    assert str(refused.value) == (f"[prep] finished in {tmp_path} with another command than this pipeline asks (--seed "
+                                  "1 then, 2 now); pass --force prep to redo it (--force all: every stage), or another --out")
+    assert len(ran) == 2  # nothing ran
+
+    again = pipeline.Pipeline(pipeline.Args(out=str(tmp_path), seed=1, threads=3))  # the same commands
+    again.stages = ["prep", "sft"]
+    fake_stages(again, ran)
+    again.main()
+    assert len(ran) == 2  # both done already
+
+    second.args.force = ["all"]
+    second.main()
+    assert [stage for stage, _ in ran[2:]] == ["prep", "sft"]
+    assert json.load(open(second.marker("prep")))["command"][-2:] == ["--seed", "2"]
+
+
+def test_what_works_on_the_quickstart_folder_asks_its_commands(tmp_path):
+    """--mode full (three seeds) shares the quickstart's task, ablate.py's upstream pipeline asks the quickstart's
+    prep, SFT and RM, and a moved folder keeps its commands: none of them is refused."""
+    sys.path.insert(0, REPO_ROOT)
+    import ablate
+    import pipeline
+    import tyro
+
+    quickstart = pipeline.Pipeline(pipeline.Args(out=str(tmp_path)))
+    full = pipeline.Pipeline(pipeline.Args(mode="full", out=str(tmp_path), seed=2), seed_dir="seed_2", data_seed=1)
+    assert full.recorded(full.cmd_prep()) == quickstart.recorded(quickstart.cmd_prep())
+    upstream = ablate.Ablation(ablate.Args(upstream=str(tmp_path), out=str(tmp_path / "ablations")))
+    asked = pipeline.Pipeline(tyro.cli(pipeline.Args, args=upstream.pipeline_cmd()[2:]))
+    for stage in ("prep", "sft", "rm"):
+        command = getattr(asked, f"cmd_{stage}")()
+        assert asked.recorded(command) == quickstart.recorded(getattr(quickstart, f"cmd_{stage}")())
+    moved = pipeline.Pipeline(pipeline.Args(out=str(tmp_path / "elsewhere")))
+    assert moved.recorded(moved.cmd_ppo()) == quickstart.recorded(quickstart.cmd_ppo())
+
+
+def test_a_second_pipeline_on_one_folder_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Two pipelines started 1 s apart into one --out both ended "pipeline finished" on a mixed folder. The first
+    holds <out>/pipeline.lock while it runs (here a stand-in process); the second stops at once, in one line."""
+    import psutil
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        lock = tmp_path / "pipeline.lock"
+        lock.write_text(json.dumps({"host": os.uname().nodename, "pid": holder.pid,
+                                    "started": psutil.Process(holder.pid).create_time()}))
+        result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "pipeline.py"), "--out", str(tmp_path)],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"pipeline.py: error: {tmp_path} is in use by the run of process {holder.pid} on {os.uname().nodename} "
+        f"({lock}); wait for it to end, or pass another --out")
+    assert not (tmp_path / "stages").exists()
+
+    sys.path.insert(0, REPO_ROOT)
+    import pipeline
+
+    held = []
+    monkeypatch.setattr(pipeline.Pipeline, "main", lambda self: held.append(json.load(open(lock))["pid"]))
+    pipeline.main(pipeline.Args(out=str(tmp_path)))  # the holder has ended: its lock is taken over
+    assert held == [os.getpid()] and not lock.exists()  # held while running, released at the end

@@ -593,7 +593,7 @@ def test_nan_reward_model_stops_before_any_step(synthetic_task, tiny_models, tmp
                             capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "run_infra.NonFiniteError: update 1: rollout/rm_scores" in output, output[-3000:]
+    assert "ppo.py: error: update 1: rollout/rm_scores" in output, output[-3000:]
     assert "ppo/loss (epoch" not in output  # stopped at the rollout, before any minibatch
     assert not (tmp_path / "policy" / "model.safetensors").exists()
     checkpoints = sorted(os.listdir(tmp_path / "runs" / "smoke" / "checkpoints"))
@@ -615,7 +615,7 @@ def test_nan_loss_after_a_step_saves_nothing(synthetic_task, tiny_models, tmp_pa
                             capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "run_infra.NonFiniteError: update 1: ppo/loss (epoch" in output, output[-3000:]
+    assert "ppo.py: error: update 1: ppo/loss (epoch" in output, output[-3000:]
     assert "those weights are NOT saved" in output
     checkpoints = tmp_path / "runs" / "smoke" / "checkpoints"
     assert not checkpoints.exists() or not [d for d in os.listdir(checkpoints) if d.startswith("update_")]
@@ -638,7 +638,7 @@ def test_reward_model_with_another_tokenizer_is_refused(synthetic_task, tiny_mod
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     error = result.stderr.strip().splitlines()[-1]
-    assert error.startswith("ValueError: the reward model"), result.stderr[-3000:]
+    assert error.startswith("ppo.py: error: the reward model"), result.stderr[-3000:]
     assert str(tmp_path / "rm") in error and tiny_models["sft"] in error  # both paths
     assert f"reward.py --sft_model_path {tiny_models['sft']}" in error  # the fix
     assert ("vocab_size" in error) == (mismatch == "vocabulary")

@@ -270,7 +270,7 @@ def test_the_command_line_refuses_4bit_without_lora(tmp_path):
                             cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ValueError: --load_in_4bit (QLoRA)"), result.stderr[-2000:]
+    assert last_line.startswith("sft.py: error: --load_in_4bit (QLoRA)"), result.stderr[-2000:]
     assert not (tmp_path / "out").exists()
 
 

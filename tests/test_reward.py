@@ -354,7 +354,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthe
     )
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("run_infra.NonFiniteError: update 2: train/loss"), last_line
+    assert last_line.startswith("reward.py: error: update 2: train/loss"), last_line
     assert not (tmp_path / "model" / "model.safetensors").exists()
     assert_last_good_checkpoint(tmp_path / "runs" / "nan" / "checkpoints", 1)
 
@@ -442,7 +442,7 @@ def test_output_dir_of_another_run_is_refused(synthetic_task, short_preference, 
     refused = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0
     message = refused.stderr.strip().splitlines()[-1]
-    assert message.startswith("ValueError: --output_dir") and "'someone_else'" in message, message
+    assert message.startswith("reward.py: error: --output_dir") and "'someone_else'" in message, message
     assert "--overwrite_output_dir" in message
     assert (output_dir / "model.safetensors").read_bytes() == b"another run's weights"  # untouched
     assert not (tmp_path / "runs" / "mine" / "metrics.jsonl").exists()  # refused before any training
@@ -496,7 +496,7 @@ def test_data_of_another_tokenizer_is_refused_before_the_output_folder(synthetic
     assert result.returncode != 0
     message = result.stderr.strip().splitlines()[-1]
     assert message == (
-        f"ValueError: {foreign_task['preference']} split 'train' was tokenized by the tokenizer of "
+        f"reward.py: error: {foreign_task['preference']} split 'train' was tokenized by the tokenizer of "
         f"{foreign_task['tokenizer']}, not by the one of {base}: vocab_size 512 vs "
         f"{len(AutoTokenizer.from_pretrained(base))} (data vs model); its token ids would be read as other tokens. "
         f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {base} "
