@@ -175,6 +175,18 @@ SETTINGS["ci"] = {
 SETTINGS["ci"]["kto_unpaired"] = SETTINGS["ci"]["kto"]
 
 QUICKSTART_STAGES = ["prep", "sft", "rm", "ppo", "dpo", "judge", "report"]
+# What each stage does, and about how long it takes alone on 2 CPU cores (the quickstart's sizes; docs/results.md)
+ABOUT = {"prep": ("the built-in task: posts, preference pairs, a tokenizer and a tiny GPT-NeoX base model", "2 min"),
+         "sft": ("supervised fine-tuning on the reference summaries (sft.py)", "2-3 min"),
+         "rm": ("the reward model on the preference pairs (reward.py)", "2-3 min"),
+         "ppo": ("PPO against the reward model (ppo.py)", "2 min"),
+         "dpo": ("DPO on the preference pairs (dpo.py)", "under 1 min"),
+         "judge": ("every policy's samples judged against the references by the gold judge (judge.py)", "under 1 min"),
+         "report": ("the results table and plots (report.py)", "under 1 min"),
+         "rloo": ("RLOO against the reward model (rloo.py)", "2 min"), "ilql": ("ILQL (ilql.py)", "a few min"),
+         "offline": ("an offline method on the reward-labelled mixture (offline_rl.py)", "a few min"),
+         "unpaired": ("thumbs up / down from the task's raters (data/prepare.py)", "under 1 min"),
+         "kto": ("KTO (kto.py)", "1-2 min")}
 FULL_STAGES = ["prep", "sft", "rm", "ppo", "rloo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt",
                "offline_best_of_n", "judge", "report"]
 # policies whose samples are judged: stage -> (label, samples CSV relative to the run dir)
@@ -249,6 +261,10 @@ class Pipeline:
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"))
         if self.args.threads:
             env["OMP_NUM_THREADS"] = str(self.args.threads)
+        import torch
+
+        if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, named: no "Setting accelerator" warning per stage
+            env.setdefault("DS_ACCELERATOR", "cpu")
         printable = " ".join(cmd[1:]) if cmd[0] == sys.executable else " ".join(cmd)
         print(f"\n=== [{stage}] python {printable}", flush=True)
         code = subprocess.run(cmd, cwd=REPO_ROOT, env=env).returncode
@@ -401,7 +417,9 @@ class Pipeline:
     # ---------------------------------------------------------------- driver
     def main(self) -> None:
         t_start = time.time()
-        for stage in self.stages:
+        for number, stage in enumerate(self.stages, 1):
+            what, how_long = ABOUT.get(stage, ABOUT.get(stage.split("_")[0], (stage, "a few min")))
+            print(f"\n##### stage {number} of {len(self.stages)}: {stage}: {what} (about {how_long})", flush=True)
             cmd = None if stage in ("judge", "report") else (
                 self.cmd_offline(stage[len("offline_"):]) if stage.startswith("offline_") else getattr(self, f"cmd_{stage}")())
             if self.done(stage):

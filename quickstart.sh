@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Set up the environment and run the whole pipeline on the built-in task, ending in a results report
-# under artifacts/quickstart/report/. Extra arguments go to pipeline.py (e.g. --mode full, --force ppo).
+# Set up the environment (setup.sh: a virtual environment in .venv unless one is active) and run the whole pipeline
+# on the built-in task, ending in a results report under artifacts/quickstart/report/. Extra arguments go to
+# pipeline.py (e.g. --mode full, --force ppo, --threads 1).
 set -euo pipefail
 cd "$(dirname "$0")"
-# torch first: the CPU build is what `torch==2.13.0` resolves to here, and requirements.txt's loose bound keeps it
-pip install torch==2.13.0
-pip install -r requirements.txt
+source ./setup.sh
 python pipeline.py "$@"

@@ -901,7 +901,7 @@ def resolve_lengths(args: Args) -> None:
             setattr(args, name, default)
 
 
-# The same text as the training scripts' copies (tests/test_shared_helpers.py compares them): data preparation
+# The same text as run_infra.py's copy (tests/test_shared_helpers.py compares them): data preparation
 # imports no training script.
 def tokenizer_fingerprint(tokenizer) -> dict:
     """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
