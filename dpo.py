@@ -49,8 +49,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, check_qlora_flags, due,
-    frame_markdown, save_pretrained_model, start_processes, upload_to_hub,
+    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
+    check_qlora_flags, check_query_response, due, frame_markdown, save_pretrained_model, start_processes, upload_to_hub,
 )
 
 
@@ -87,6 +87,10 @@ class Args:
     resume: bool = False
     """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
     the resumed run ends with the same weights and metrics as one that was never interrupted"""
+    take_over_lock: bool = False
+    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    accept_changed_inputs: bool = False
+    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
 
     # models and data
     sft_model_path: str = "models/sft"
@@ -238,6 +242,8 @@ def main(args: Args) -> dict:
     accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
     check_qlora_flags(args, accelerator)
     run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset,
+               query_dataset=args.query_dataset)
 
     # ---------------- seeding (labelled, deliberate) ----------------
     set_seed(args.seed)  # weights and data order: identical on every rank
@@ -619,7 +625,7 @@ def reference_logprob_tables(args, accelerator, run, ref_model, train_dataset, e
         cached = torch.load(ref_cache)
         found = {"train": len(cached["train"]), "eval": {split: len(t) for split, t in cached["eval"].items()}}
         if found != sizes:
-            raise ValueError(f"--resume: {ref_cache} holds reference log-probs of {found} rows, these flags read "
+            raise RunError(f"--resume: {ref_cache} holds reference log-probs of {found} rows, these flags read "
                              f"{sizes}; resume with the data flags of the original run")
         accelerator.print(f"reference log-probs of the interrupted run read from {ref_cache}")
         return cached["train"], cached["eval"]
@@ -649,6 +655,7 @@ def load_lora_policy_and_reference(args, accelerator, tokenizer):
         args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
         **quantized_loading(args, args.bf16),
     )
+    check_finite(policy, args.sft_model_path)  # a diverged save stops here (4-bit packed weights are not floats)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > policy.config.vocab_size:
         policy.resize_token_embeddings(len(tokenizer))
@@ -806,7 +813,7 @@ def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None
 def check_dpo_flags(args) -> None:
     """Flag combinations that cannot work, refused before anything is loaded."""
     if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
-        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
+        raise RunError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
 
 
 def make_accelerator(args) -> Accelerator:
@@ -855,7 +862,7 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
     elif tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
     if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
+        raise RunError(
             f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
             "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
             "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
@@ -880,6 +887,7 @@ def load_dpo_data(args, tokenizer):
         raw = load_split(args.preference_dataset, split)
         check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
         check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
+        check_query_response(raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {split!r}")
         if args.num_eval_samples is not None:
             raw = raw.select(range(min(args.num_eval_samples, len(raw))))
         eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
@@ -905,7 +913,7 @@ def preference_eval_splits(path: str) -> List[str]:
     names = list(load_from_disk(path).keys()) if os.path.isdir(path) else get_dataset_split_names(path)
     splits = sorted(name for name in names if name.startswith("validation"))
     if not splits:
-        raise ValueError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
+        raise RunError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
     return splits
 
 
@@ -915,8 +923,8 @@ def count_updates(args, num_rows: int) -> int:
     total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
     num_updates = total_episodes // args.total_batch_size
     if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
-                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+        raise RunError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                       "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
     return num_updates
 
 
@@ -931,6 +939,7 @@ def load_policy_and_reference(args, accelerator, tokenizer):
         args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
     )
     for model in (policy, ref_model):
+        check_finite(model, args.sft_model_path)  # a diverged save stops here, named with its first non-finite tensor
         # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
         if len(tokenizer) > model.config.vocab_size:
             model.resize_token_embeddings(len(tokenizer))
@@ -970,7 +979,7 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
     if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+        raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
 
 
@@ -979,7 +988,7 @@ def load_split(path: str, split: str):
     if os.path.isdir(path):
         dataset_dict = load_from_disk(path)
         if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+            raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
 
@@ -1050,7 +1059,7 @@ def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
     normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
     `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
     if temperature < 0:
-        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+        raise RunError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
     sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     return GenerationConfig(
         max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
@@ -1101,8 +1110,8 @@ def resumable_micro_batches(loader, skip: int):
     drops them from the index lists (no row is read). Every process skips its own share the same way."""
     per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
     if per_epoch == 0:
-        raise ValueError("the train split is smaller than one micro batch per process; "
-                         "lower --local_micro_batch_size or use more data")
+        raise RunError("the train split is smaller than one micro batch per process; "
+                       "lower --local_micro_batch_size or use more data")
     epoch, skip = divmod(skip, per_epoch)
     while True:
         loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)

@@ -154,7 +154,7 @@ def load_split(path: str, split: str):
     if os.path.isdir(path):
         dataset_dict = load_from_disk(path)
         if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+            raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
 

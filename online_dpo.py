@@ -18,7 +18,7 @@ prompts each (pairs_per_round / total_batch_size optimizer updates); round r is:
   5. DPO updates on the round's pairs, each pair once, in the order drawn: steps 1-6 of dpo.py (a slot left empty
      after the last prompt batch weighs 0)
 With pairs_per_round = total_batch_size (the default) every update samples its own pairs (fully online, as Guo et
-al.); larger rounds sample less often, with the policy of the round's start (iterative DPO).
+al.); larger rounds sample less often, with the policy of the round's start (iterative DPO; --reference last_round).
 Evaluation: the log-ratios give DPO's implicit reward model r(x, y) = beta * log(pi(y|x) / pi_ref(y|x)) (eq. 5),
 whose accuracy on the validation pairs goes in the same table as reward.py's (Detail 19); samples of the policy
 go to samples.csv.
@@ -62,9 +62,9 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           LogitsProcessor, LogitsProcessorList, get_scheduler)
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    JudgeUnavailableError, LastGoodState, ReplyCache, Run, check_columns, check_data_tokenizer,
-    check_gradient_accumulation, check_qlora_flags, check_reward_tokenizer, due, frame_markdown, resolve_api_key,
-    run_jobs, save_pretrained_model, start_processes, upload_to_hub,
+    JudgeUnavailableError, LastGoodState, ReplyCache, Run, RunError, check_columns, check_data_tokenizer, check_finite,
+    check_gradient_accumulation, check_qlora_flags, check_query_response, check_reward_tokenizer, due, frame_markdown,
+    resolve_api_key, run_jobs, save_pretrained_model, start_processes, upload_to_hub,
 )
 
 
@@ -134,6 +134,10 @@ class Args:
     resume: bool = False
     """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
     the resumed run ends with the same weights and metrics as one that was never interrupted"""
+    take_over_lock: bool = False
+    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    accept_changed_inputs: bool = False
+    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
 
     # models and data
     sft_model_path: str = "models/sft"
@@ -164,8 +168,9 @@ class Args:
     endpoint: EndpointArgs = field(default_factory=EndpointArgs)
     """--judge endpoint: the judge's endpoint, model and retry policy"""
     reference: Literal["sft", "last_round"] = "sft"
-    """the reference pi_ref of the loss: the SFT model, or the policy as it was at the end of the last round (iterative
-    DPO; the first round's is the SFT model). The evaluation's implicit reward is always measured against SFT"""
+    """the reference pi_ref of the loss: the SFT model, or the policy at the end of the last round (iterative DPO; the
+    first round's is SFT), which needs rounds of several updates (--pairs_per_round): a round of one update would make
+    the reference the policy itself, with no KL anchor. The evaluation's implicit reward is measured against SFT"""
     pairs_per_round: Optional[int] = None
     """prompts sampled (one candidate pair each) per round, a multiple of total_batch_size, whose pairs are trained on
     once, in pairs_per_round / total_batch_size updates; None = total_batch_size: fresh pairs every update (online)"""
@@ -406,8 +411,7 @@ class JudgedPairs(NamedTuple):
 
 @torch.no_grad()
 def draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer, draw: int, update: int) -> JudgedPairs:
-    """Steps 1-3 for prompt batch number `draw` (1, 2, ... over the run): pairs_per_round prompts, two responses to
-    each, the labels. Every process samples its share and ends with the whole batch."""
+    """Steps 1-3 for prompt batch `draw` (1, 2, ...): two responses to each prompt, labelled; whole on every process."""
     pad_token_id, device = tokenizer.pad_token_id, accelerator.device
     # 1. this process's share of the prompts (Detail 21: every process draws the same permutation)
     rows = shuffled_query_batch(len(prompts), args.pairs_per_round, args.seed, draw - 1, accelerator.process_index,
@@ -581,6 +585,8 @@ def main(args: Args) -> dict:
     accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
     check_qlora_flags(args, accelerator)
     run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset,
+               query_dataset=args.query_dataset, reward_model_path=args.reward_model_path)
 
     # ---------------- seeding (labelled, deliberate) ----------------
     set_seed(args.seed)  # weights and data order: identical on every rank
@@ -955,6 +961,7 @@ def load_lora_policy_and_reference(args, accelerator, tokenizer):
         args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
         **quantized_loading(args, args.bf16),
     )
+    check_finite(policy, args.sft_model_path)  # a diverged save stops here (4-bit packed weights are not floats)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > policy.config.vocab_size:
         policy.resize_token_embeddings(len(tokenizer))
@@ -1112,19 +1119,22 @@ def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None
 def check_dpo_flags(args) -> None:
     """Flag combinations that cannot work, refused before anything is loaded."""
     if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
-        raise ValueError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
+        raise RunError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
 
 
 def check_online_flags(args) -> None:
-    """dpo.py's flag checks, and those of the online pairs; --judge endpoint finds its API key in the environment
-    (or talks to a loopback endpoint) before anything is loaded."""
+    """dpo.py's flag checks and the online ones, before any load (--judge endpoint: the API key, or a loopback URL)."""
     check_dpo_flags(args)
     if args.temperature <= 0:
-        raise ValueError(f"--temperature must be > 0: at 0 both responses to a prompt are the same (got {args.temperature})")
+        raise RunError(f"--temperature must be > 0: at 0 both responses to a prompt are the same (got {args.temperature})")
     if args.max_draws_per_round < 1:
-        raise ValueError(f"--max_draws_per_round must be >= 1 (1 = never replace a dropped pair), got {args.max_draws_per_round}")
+        raise RunError(f"--max_draws_per_round must be >= 1 (1 = never replace a dropped pair), got {args.max_draws_per_round}")
     if args.pairs_per_round is None:
         args.pairs_per_round = args.total_batch_size  # recorded in args.json
+    if args.reference == "last_round" and args.pairs_per_round <= args.total_batch_size:  # a round of one update
+        raise RunError(f"--reference last_round with --pairs_per_round {args.pairs_per_round} (one update per round) makes "
+                       "the reference the policy of that very update: every loss starts at log 2 and nothing holds the "
+                       "policy near a reference; pass --pairs_per_round of several updates (e.g. 4 x --total_batch_size)")
     if args.judge == "endpoint":
         resolve_api_key(args.endpoint.base_url)  # raises when OPENAI_API_KEY is unset; the key itself is not kept
 
@@ -1134,7 +1144,7 @@ def check_rounds(args, num_updates: int, num_prompts: int) -> int:
     updates_per_round = exact_div(args.pairs_per_round, args.total_batch_size, "pairs_per_round / total_batch_size")
     exact_div(num_updates, updates_per_round, f"the run's {num_updates} updates / {updates_per_round} updates per round")
     if args.pairs_per_round > num_prompts:
-        raise ValueError(f"--pairs_per_round {args.pairs_per_round} is more than the {num_prompts} prompts of "
+        raise RunError(f"--pairs_per_round {args.pairs_per_round} is more than the {num_prompts} prompts of "
                          f"{args.query_dataset} split {args.train_split!r}")
     return updates_per_round
 
@@ -1185,7 +1195,7 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
     elif tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
     if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
+        raise RunError(
             f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
             "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
             "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
@@ -1210,6 +1220,7 @@ def load_online_data(args, tokenizer):
         raw = load_split(args.preference_dataset, split)
         check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
         check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
+        check_query_response(raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {split!r}")
         if args.num_eval_samples is not None:
             raw = raw.select(range(min(args.num_eval_samples, len(raw))))
         eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
@@ -1235,7 +1246,7 @@ def preference_eval_splits(path: str) -> List[str]:
     names = list(load_from_disk(path).keys()) if os.path.isdir(path) else get_dataset_split_names(path)
     splits = sorted(name for name in names if name.startswith("validation"))
     if not splits:
-        raise ValueError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
+        raise RunError(f"{path} has no split named validation*; it has {names}; pass --eval_splits")
     return splits
 
 
@@ -1245,8 +1256,8 @@ def count_updates(args, num_rows: int) -> int:
     total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
     num_updates = total_episodes // args.total_batch_size
     if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
-                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+        raise RunError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                       "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
     return num_updates
 
 
@@ -1261,6 +1272,7 @@ def load_policy_and_reference(args, accelerator, tokenizer):
         args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
     )
     for model in (policy, ref_model):
+        check_finite(model, args.sft_model_path)  # a diverged save stops here, named with its first non-finite tensor
         # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
         if len(tokenizer) > model.config.vocab_size:
             model.resize_token_embeddings(len(tokenizer))
@@ -1280,6 +1292,7 @@ def load_judge_reward_model(args, accelerator, tokenizer):
         args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
         trust_remote_code=args.trust_remote_code,
     )
+    check_finite(reward_model, args.reward_model_path)
     if reward_model.config.vocab_size < len(tokenizer):
         reward_model.resize_token_embeddings(len(tokenizer))
     disable_dropout(reward_model)  # frozen: the same score every time
@@ -1316,7 +1329,7 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
     if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+        raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
 
 
@@ -1325,7 +1338,7 @@ def load_split(path: str, split: str):
     if os.path.isdir(path):
         dataset_dict = load_from_disk(path)
         if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+            raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
 
@@ -1388,7 +1401,7 @@ def shuffled_query_batch(num_rows: int, batch_size: int, seed: int, index: int, 
     the incomplete tail of a pass is dropped. Every rank draws the same permutation and takes its own slice of
     each global batch. The batch depends on its arguments only, so a resumed run needs no replay of past draws."""
     if num_rows < batch_size:
-        raise ValueError(f"the query split has {num_rows} rows, fewer than one batch of {batch_size}")
+        raise RunError(f"the query split has {num_rows} rows, fewer than one batch of {batch_size}")
     local_batch_size = exact_div(batch_size, num_processes, "total_batch_size across processes")
     data_pass, batch_in_pass = divmod(index, num_rows // batch_size)
     permutation = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + data_pass))
@@ -1438,7 +1451,7 @@ def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
     normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
     `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
     if temperature < 0:
-        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+        raise RunError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
     sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     return GenerationConfig(
         max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,

@@ -16,10 +16,9 @@ One update = one rollout of `total_batch_size` episodes, rloo_k per query, follo
 
 Single process:   python rloo.py --sft_model_path models/sft --reward_model_path models/rm
 Several:          accelerate launch --config_file zero2.yaml rloo.py ...
-After a crash:    the same command with --resume: it continues from the latest checkpoint in
-                  runs/{run_name}/checkpoints (policy, AdamW, KL controller, reward statistics, RNG
-                  states; the data position follows from the update number) and ends exactly like an uninterrupted
-                  run (--checkpoint_every sets how often).
+After a crash:    the same command with --resume: it continues from the latest checkpoint in runs/{run_name}/checkpoints
+                  (policy, AdamW, KL controller, reward statistics, RNG states; the data position follows from
+                  the update number) and ends exactly like an uninterrupted run (--checkpoint_every sets how often).
 """
 
 import contextlib
@@ -46,8 +45,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, check_qlora_flags,
-    check_reward_tokenizer, due, start_processes,
+    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
+    check_qlora_flags, check_query_response, check_reward_tokenizer, due, start_processes,
 )
 
 
@@ -113,6 +112,10 @@ class Args:
     resume: bool = False
     """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
     the resumed run ends with the same weights and metrics as one that was never interrupted"""
+    take_over_lock: bool = False
+    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    accept_changed_inputs: bool = False
+    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
 
     # models
     sft_model_path: str = "models/sft"
@@ -208,7 +211,164 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# RLOO's own pieces: the leave-one-out advantage (steps 6-7), the loss and the update
+# Steps 1-5, the rollout, and the pieces of the update, the same text in ppo.py and rloo.py
+# ---------------------------------------------------------------------------------------------
+
+
+def action_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, pad_token_id: int):
+    """Log-probabilities (B, T) of `tokens` under temperature-scaled logits (B, T, V), and the
+    log-softmax itself. [PAD] is not an action: generation suppresses it, so it is removed here as
+    well (the reference implementation lets the policy sample [PAD]; we do not)."""
+    scaled = logits.float() / temperature
+    scaled[..., pad_token_id] = float("-inf")
+    all_logprobs = F.log_softmax(scaled, dim=-1)
+    return torch.gather(all_logprobs, 2, tokens.unsqueeze(-1)).squeeze(-1), all_logprobs
+
+
+def reference_logits(ref_policy, policy, query_responses, pad_token_id):
+    """Reference policy logits: a separate (or Hydra) frozen model, or the LoRA policy with its adapters off."""
+    if ref_policy is None:
+        with policy.disable_adapter():
+            return forward(policy, query_responses, pad_token_id).logits
+    return forward(ref_policy, query_responses, pad_token_id).logits
+
+
+@torch.no_grad()
+def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config, timers,
+            offload_by_hand: bool):
+    """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size. Returns the raw
+    (untruncated) query_responses, the truncated responses, temperature-scaled logprobs of policy and
+    reference, rm_scores (B, n), the reward models' scores before the EOS trick, and, with a critic, its values
+    (B, T) of the state before each response token (Detail 22). offload_by_hand: move the frozen models to the
+    device around each use (--offload, see place_frozen_models)."""
+    unwrapped = accelerator.unwrap_model(model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
+    context_length = queries.size(1)
+    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "rm_scores", "values")}
+    for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
+        query = queries[start : start + args.local_rollout_forward_batch_size]
+        t0 = time.time()
+        # 2. fixed-length sampling with the KV cache; EOS can be sampled but never stops generation
+        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
+        t1 = time.time()
+        response = query_response[:, context_length:]  # (b, T)
+        # temperature-scaled logprobs from a full forward pass: the same computation as the update,
+        # so the first ratio is exactly 1 without dropout (Detail 7)
+        logits = forward(unwrapped.policy, query_response, pad_id).logits[:, context_length - 1 : -1]
+        logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
+        del logits
+        ref_model = ref_policy if ref_policy is not None else unwrapped.policy
+        with placed_on(ref_model, accelerator.device, offload_by_hand and ref_policy is not None):
+            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id)
+        ref_logprob, _ = action_logprobs(ref_logits[:, context_length - 1 : -1], response, args.temperature, pad_id)
+        del ref_logits
+        # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
+        truncated = truncate_response(eos_id, pad_id, response)
+        score = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
+        if unwrapped.critic is not None:  # the critic reads the raw samples; the EOS ends the episode in compute_gae
+            values = get_reward(unwrapped.critic, query_response, pad_id, context_length)[0]
+            out["values"].append(values[:, context_length - 1 : -1].float())
+        timers["generation"] += t1 - t0
+        timers["scoring"] += time.time() - t1
+        out["query_responses"].append(query_response)
+        out["responses"].append(truncated)
+        out["logprobs"].append(logprob)
+        out["ref_logprobs"].append(ref_logprob)
+        out["rm_scores"].append(score)
+    return {k: torch.cat(v, 0) for k, v in out.items() if v}
+
+
+def response_mask(truncated_responses: torch.Tensor, pad_token_id: int):
+    """Mask (B, T) of the response tokens up to and including the first EOS (all tokens when there
+    is none), and the index of the last kept token (B,), where the score goes."""
+    last_index = first_true_indices(truncated_responses == pad_token_id) - 1
+    positions = torch.arange(truncated_responses.size(1), device=truncated_responses.device).unsqueeze(0)
+    return positions <= last_index.unsqueeze(1), last_index
+
+
+def apply_eos_trick(scores: torch.Tensor, truncated_responses: torch.Tensor, eos_token_id: int, penalty: float):
+    """Detail 23 (EOS trick): a response that contains no EOS gets `penalty` as its score."""
+    contains_eos = (truncated_responses == eos_token_id).any(dim=1)
+    return torch.where(contains_eos, scores, torch.full_like(scores, penalty)), contains_eos
+
+
+def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy.
+    k1 = log p - log p_ref (unbiased, can be negative); k3 = (r - 1) - log r with r = p_ref / p
+    (unbiased, always >= 0, lower variance; Schulman's estimator used by OpenRLHF)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise RunError(f"unknown KL estimator {estimator!r}")
+
+
+def clipped_policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float):
+    """PPO's clipped surrogate: the masked mean of max(-A * r, -A * clip(r, 1 - eps, 1 + eps)) over the ratios
+    r = exp(log_ratio) of new to rollout probabilities, and its per-micro-batch stats."""
+    ratio = torch.exp(log_ratio)
+    pg_losses_unclipped = -advantages * ratio
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = masked_mean(torch.max(pg_losses_unclipped, pg_losses_clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
+            "pg_clipfrac": masked_mean((pg_losses_clipped > pg_losses_unclipped).float(), mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return pg_loss, stats
+
+
+class PolicyAndValue(nn.Module):
+    """Policy and critic in one module, so that one `accelerator.prepare` (DDP / DeepSpeed) and one optimizer hold
+    both, and one forward serves the PPO loss (and the ptx loss). critic None: a method without one (rloo.py)."""
+
+    def __init__(self, policy: nn.Module, critic: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.critic = critic
+
+    def forward(self, query_responses: torch.Tensor, pad_token_id: int, context_length: int, ptx_query_responses=None):
+        logits = forward(self.policy, query_responses, pad_token_id).logits  # (B, T, V)
+        values = None if self.critic is None else get_reward(self.critic, query_responses, pad_token_id, context_length)[0]
+        ptx_logits = None
+        if ptx_query_responses is not None:
+            ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id).logits
+        return logits, values, ptx_logits
+
+    def policy_state_dict(self, state_dict: dict) -> dict:
+        """The policy's entries of a state dict of this module (e.g. the one accelerate gathers from ZeRO-3
+        shards), under the policy's own names; a missing entry is an error, not a silently incomplete model."""
+        return {name: state_dict[f"policy.{name}"] for name in self.policy.state_dict()}
+
+
+def training_logprobs_and_values(model, query_responses, context_length: int, temperature: float,
+                                 pad_token_id: int, ptx_query_responses=None):
+    """The update's pass through PolicyAndValue: temperature-scaled logprobs of the responses (B, T), the full
+    log-softmax (B, T, V), the critic's values (B, T) of the state before each response token (None without one),
+    and the ptx logits."""
+    logits, values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses)
+    new_logprobs, all_logprobs = action_logprobs(
+        logits[:, context_length - 1 : -1], query_responses[:, context_length:], temperature, pad_token_id
+    )
+    return new_logprobs, all_logprobs, None if values is None else values[:, context_length - 1 : -1].float(), ptx_logits
+
+
+def trim_micro_batch(query_responses, responses, context_length: int, pad_token_id: int):
+    """The columns of a micro batch of rollouts that its training pass needs: from its longest query's first token
+    to its last kept response token. The raw samples go on after their EOS, but the loss masks those tokens and
+    causal attention keeps them out of every earlier position. Returns the cut query_responses, their context
+    length and how many response columns were kept."""
+    cols = real_columns(torch.cat((query_responses[:, :context_length], responses), 1), pad_token_id)
+    start, width = min(cols.start, context_length), max(cols.stop - context_length, 1)
+    return query_responses[:, start : context_length + width], context_length - start, width
+
+
+# ---------------------------------------------------------------------------------------------
+# RLOO's own pieces: the leave-one-out advantage (steps 6-7), the loss and the update; then the metrics and
+# the evaluation, the same text in ppo.py and rloo.py
 # ---------------------------------------------------------------------------------------------
 
 
@@ -293,12 +453,10 @@ def rloo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
             idx = permutation[step * micro : (step + 1) * micro]
             with accelerator.accumulate(model):
                 ptx_tokens, ptx_labels = ptx.batch(update, epoch * nmb * ga + step, device, pad_token_id)
-                query_responses, ctx, width = trim_micro_batch(
-                    data["query_responses"][idx], data["responses"][idx], context_length, pad_token_id
-                )
+                query_responses, ctx, width = trim_micro_batch(data["query_responses"][idx], data["responses"][idx],
+                                                               context_length, pad_token_id)
                 new_logprobs, all_logprobs, _, ptx_logits = training_logprobs_and_values(
-                    model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens
-                )
+                    model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens)
                 pg_loss, mb_stats = rloo_loss(new_logprobs, data["logprobs"][idx, :width],
                                               shaped.advantages[idx], shaped.mask[idx, :width],
                                               args.rloo.cliprange)
@@ -321,6 +479,112 @@ def rloo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
     return stats
 
 
+def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, data: dict, shaped, stats: dict,
+                   timers: dict, eos_token_id: int, prefix: str) -> dict:
+    """The update's metrics: rollout sums per episode, the statistics of the update's micro batches (under the
+    algorithm's `prefix`), each averaged over the global batch (gathered across processes), and the shares of the
+    update's time. A statistic logs as {prefix}/{its name in `names`} (the reference's names), else as
+    {prefix}/{its key}: a statistic a method adds reaches the logs as it is."""
+    names = {"approxkl": "policy/approxkl_avg", "pg_clipfrac": "policy/clipfrac_avg", "entropy": "policy/entropy_avg",
+             "pg_loss": "loss/policy_avg", "vf_loss": "loss/value_avg", "ptx_loss": "loss/ptx_avg",
+             "vf_clipfrac": "val/clipfrac_avg", "ratio": "val/ratio"}  # those a method has (no critic: no vf_*)
+    logged = [key for key in names if key in stats] + [key for key in stats if key not in names]
+    gather = accelerator.gather
+    kl_sum, non_score_sum = gather(shaped.kl.sum(1)), gather(shaped.non_score_reward.sum(1))
+    entropy_sum, scores = gather((-data["logprobs"] * shaped.mask).sum(1)), gather(shaped.scores)
+    stats = {name: gather(value) for name, value in stats.items()}
+    num_eos_tokens = gather((data["responses"] == eos_token_id).sum().unsqueeze(0)).sum()
+    return {
+        "episode": update * args.total_batch_size,
+        "train/lr": lr,
+        "objective/kl": kl_sum.mean().item(),
+        "objective/kl_coef": kl_coef,
+        "objective/entropy": entropy_sum.mean().item(),
+        "objective/non_score_reward": non_score_sum.mean().item(),
+        "objective/rlhf_reward": non_score_sum.mean().item() + scores.mean().item(),
+        "objective/scores": scores.mean().item(),
+        **({f"objective/scores_rm{j}": gather(data["rm_scores"][:, j]).mean().item()  # each reward model's raw score
+            for j in range(data["rm_scores"].size(1))} if data["rm_scores"].size(1) > 1 else {}),
+        "objective/eos_rate": gather(shaped.contains_eos.float()).mean().item(),
+        **{f"{prefix}/{names.get(key, key)}": stats[key].mean().item() for key in logged},
+        f"{prefix}/val/ratio_var": stats["ratio"].var(unbiased=False).item(),
+        f"{prefix}/val/num_eos_tokens": num_eos_tokens.item(),
+        "episodes_per_second": args.total_batch_size / timers["wall"],
+        "time/generation_share": timers["generation"] / timers["wall"],
+        "time/scoring_share": timers["scoring"] / timers["wall"],
+        "time/training_share": timers["training"] / timers["wall"],
+    }
+
+
+@torch.no_grad()
+def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenizer, generation_config,
+                 offload_by_hand: bool):
+    """The evaluation's samples: sample the first num_eval_samples validation queries (split evenly across ranks so
+    that every rank runs the same number of generate calls), score them and return the rows of the sample table."""
+    unwrapped = accelerator.unwrap_model(model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    per_rank = min(args.num_eval_samples, len(eval_dataset)) // accelerator.num_processes
+    start_row = accelerator.process_index * per_rank
+    rows = []
+    for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
+        batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
+        query = torch.tensor(batch["query_token"], device=accelerator.device)
+        query = query[:, real_columns(query, pad_id)]  # the left padding every query of the batch shares is cut
+        context_length = query.size(1)
+        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
+        truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
+        scores = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
+        score = combine_scores(scores, args.reward_combine, args.reward_weights)  # raw: no EOS trick, no scaling
+        _, last_index = response_mask(truncated, pad_id)
+        has_eos = (truncated == eos_id).any(1)
+        for i in range(query.size(0)):
+            rows.append(
+                {
+                    "query": tokenizer.decode(query[i][query[i] != pad_id], skip_special_tokens=True),
+                    "response": tokenizer.decode(truncated[i], skip_special_tokens=True).strip(),
+                    "reference": batch["reference_response"][i].strip(),
+                    "score": score[i].item(),
+                    "response_token_len": int(last_index[i].item()) + 1,
+                    "has_eos": bool(has_eos[i].item()),
+                    **({f"score_rm{j}": scores[i, j].item() for j in range(scores.size(1))} if scores.size(1) > 1 else {}),
+                }
+            )
+    return gather_object(rows)
+
+
+def log_evaluation(run, args, update: int, rows: list):
+    """Save the rows of the evaluation after `update` (eval_samples) as samples/step_{update}.csv and log its
+    metrics at that update; return the metrics and the table."""
+    table = pd.DataFrame(rows)
+    run.save_table(table, f"samples/step_{update:06d}.csv")
+    metrics = {"eval/score": float(table["score"].mean()), "eval/eos_rate": float(table["has_eos"].mean()),
+               "eval/response_token_len_mean": float(table["response_token_len"].mean())}
+    run.log(update, {"episode": update * args.total_batch_size, **metrics})
+    return metrics, table
+
+
+def fresh_trainer_state() -> dict:
+    """The trainer state of a run that starts at update 0: the time totals and the last metrics, for the summary."""
+    return {"update": 0, "wall_time_s": 0.0, "metrics": {},
+            "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}}
+
+
+def run_summary(args, state: dict, eval_metrics: dict, num_updates: int, start_time: float) -> dict:
+    """summary.json: the final evaluation, the last update's objective/ metrics, and the run's speed and time shares
+    (the interrupted part of a resumed run included)."""
+    totals = state["totals"]
+    return {
+        **eval_metrics,
+        **{k: v for k, v in state["metrics"].items() if k.startswith("objective/")},
+        "episodes": num_updates * args.total_batch_size,
+        "episodes_per_second": num_updates * args.total_batch_size / totals["wall"],
+        "time/generation_share": totals["generation"] / totals["wall"],
+        "time/scoring_share": totals["scoring"] / totals["wall"],
+        "time/training_share": totals["training"] / totals["wall"],
+        "wall_time_s": time.time() - start_time,
+    }
+
+
 def main(args: Args) -> dict:
     start_time = time.time()
     bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
@@ -331,8 +595,9 @@ def main(args: Args) -> dict:
     local_batch_size, gradient_accumulation_steps, num_updates, zero3 = batch_arithmetic(args, accelerator,
                                                                                          hparams.num_mini_batches)
     if args.rloo_k < 2 or local_batch_size % args.rloo_k:  # each process holds whole groups of rloo_k responses
-        raise ValueError(f"--rloo_k {args.rloo_k} must be at least 2 and divide the local batch {local_batch_size}")
+        raise RunError(f"--rloo_k {args.rloo_k} must be at least 2 and divide the local batch {local_batch_size}")
     run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path, query_dataset=args.query_dataset)
 
     # ---------------- seeding (labelled, deliberate) ----------------
     set_seed(args.seed)  # weights (any fresh head) and data order: identical on every rank
@@ -446,283 +711,6 @@ def main(args: Args) -> dict:
         tokenizer.push_to_hub(args.hub_model_id or args.run_name)
     accelerator.print(json.dumps(summary, indent=2))
     return summary
-
-
-# ---------------------------------------------------------------------------------------------
-# The rollout and the rest of each update, the same text in ppo.py and rloo.py: steps 1-5, the training pass, the
-# metrics, the evaluation
-# ---------------------------------------------------------------------------------------------
-
-
-def shuffled_query_batch(num_rows: int, batch_size: int, seed: int, index: int, process_index: int, num_processes: int):
-    """Detail 21: this process's slice of global index batch number `index` (0, 1, 2, ...) of an endless stream.
-    Each pass over the split is a fresh permutation (seeded by seed + pass number: sampling without replacement);
-    the incomplete tail of a pass is dropped. Every rank draws the same permutation and takes its own slice of
-    each global batch. The batch depends on its arguments only, so a resumed run needs no replay of past draws."""
-    if num_rows < batch_size:
-        raise ValueError(f"the query split has {num_rows} rows, fewer than one batch of {batch_size}")
-    local_batch_size = exact_div(batch_size, num_processes, "total_batch_size across processes")
-    data_pass, batch_in_pass = divmod(index, num_rows // batch_size)
-    permutation = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + data_pass))
-    local_start = batch_in_pass * batch_size + process_index * local_batch_size
-    return permutation[local_start : local_start + local_batch_size]
-
-
-def action_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, pad_token_id: int):
-    """Log-probabilities (B, T) of `tokens` under temperature-scaled logits (B, T, V), and the
-    log-softmax itself. [PAD] is not an action: generation suppresses it, so it is removed here as
-    well (the reference implementation lets the policy sample [PAD]; we do not)."""
-    scaled = logits.float() / temperature
-    scaled[..., pad_token_id] = float("-inf")
-    all_logprobs = F.log_softmax(scaled, dim=-1)
-    return torch.gather(all_logprobs, 2, tokens.unsqueeze(-1)).squeeze(-1), all_logprobs
-
-
-def response_mask(truncated_responses: torch.Tensor, pad_token_id: int):
-    """Mask (B, T) of the response tokens up to and including the first EOS (all tokens when there
-    is none), and the index of the last kept token (B,), where the score goes."""
-    last_index = first_true_indices(truncated_responses == pad_token_id) - 1
-    positions = torch.arange(truncated_responses.size(1), device=truncated_responses.device).unsqueeze(0)
-    return positions <= last_index.unsqueeze(1), last_index
-
-
-def apply_eos_trick(scores: torch.Tensor, truncated_responses: torch.Tensor, eos_token_id: int, penalty: float):
-    """Detail 23 (EOS trick): a response that contains no EOS gets `penalty` as its score."""
-    contains_eos = (truncated_responses == eos_token_id).any(dim=1)
-    return torch.where(contains_eos, scores, torch.full_like(scores, penalty)), contains_eos
-
-
-def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy.
-    k1 = log p - log p_ref (unbiased, can be negative); k3 = (r - 1) - log r with r = p_ref / p
-    (unbiased, always >= 0, lower variance; Schulman's estimator used by OpenRLHF)."""
-    log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r}")
-
-
-def clipped_policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float):
-    """PPO's clipped surrogate: the masked mean of max(-A * r, -A * clip(r, 1 - eps, 1 + eps)) over the ratios
-    r = exp(log_ratio) of new to rollout probabilities, and its per-micro-batch stats."""
-    ratio = torch.exp(log_ratio)
-    pg_losses_unclipped = -advantages * ratio
-    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = masked_mean(torch.max(pg_losses_unclipped, pg_losses_clipped), mask)
-    with torch.no_grad():
-        stats = {
-            "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
-            "pg_clipfrac": masked_mean((pg_losses_clipped > pg_losses_unclipped).float(), mask),
-            "ratio": masked_mean(ratio, mask),
-        }
-    return pg_loss, stats
-
-
-class PolicyAndValue(nn.Module):
-    """Policy and critic in one module, so that one `accelerator.prepare` (DDP / DeepSpeed) and one optimizer hold
-    both, and one forward serves the PPO loss (and the ptx loss). critic None: a method without one (rloo.py)."""
-
-    def __init__(self, policy: nn.Module, critic: nn.Module):
-        super().__init__()
-        self.policy = policy
-        self.critic = critic
-
-    def forward(self, query_responses: torch.Tensor, pad_token_id: int, context_length: int, ptx_query_responses=None):
-        logits = forward(self.policy, query_responses, pad_token_id).logits  # (B, T, V)
-        values = None if self.critic is None else get_reward(self.critic, query_responses, pad_token_id, context_length)[0]
-        ptx_logits = None
-        if ptx_query_responses is not None:
-            ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id).logits
-        return logits, values, ptx_logits
-
-    def policy_state_dict(self, state_dict: dict) -> dict:
-        """The policy's entries of a state dict of this module (e.g. the one accelerate gathers from ZeRO-3
-        shards), under the policy's own names; a missing entry is an error, not a silently incomplete model."""
-        return {name: state_dict[f"policy.{name}"] for name in self.policy.state_dict()}
-
-
-def training_logprobs_and_values(model, query_responses, context_length: int, temperature: float,
-                                 pad_token_id: int, ptx_query_responses=None):
-    """The update's pass through PolicyAndValue: temperature-scaled logprobs of the responses (B, T), the full
-    log-softmax (B, T, V), the critic's values (B, T) of the state before each response token (None without one),
-    and the ptx logits."""
-    logits, values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses)
-    new_logprobs, all_logprobs = action_logprobs(
-        logits[:, context_length - 1 : -1], query_responses[:, context_length:], temperature, pad_token_id
-    )
-    return new_logprobs, all_logprobs, None if values is None else values[:, context_length - 1 : -1].float(), ptx_logits
-
-
-def reference_logits(ref_policy, policy, query_responses, pad_token_id):
-    """Reference policy logits: a separate (or Hydra) frozen model, or the LoRA policy with its adapters off."""
-    if ref_policy is None:
-        with policy.disable_adapter():
-            return forward(policy, query_responses, pad_token_id).logits
-    return forward(ref_policy, query_responses, pad_token_id).logits
-
-
-@torch.no_grad()
-def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config, timers,
-            offload_by_hand: bool):
-    """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size. Returns the raw
-    (untruncated) query_responses, the truncated responses, temperature-scaled logprobs of policy and
-    reference, rm_scores (B, n), the reward models' scores before the EOS trick, and, with a critic, its values
-    (B, T) of the state before each response token (Detail 22). offload_by_hand: move the frozen models to the
-    device around each use (--offload, see place_frozen_models)."""
-    unwrapped = accelerator.unwrap_model(model)
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
-    context_length = queries.size(1)
-    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "rm_scores", "values")}
-    for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
-        query = queries[start : start + args.local_rollout_forward_batch_size]
-        t0 = time.time()
-        # 2. fixed-length sampling with the KV cache; EOS can be sampled but never stops generation
-        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
-        t1 = time.time()
-        response = query_response[:, context_length:]  # (b, T)
-        # temperature-scaled logprobs from a full forward pass: the same computation as the update,
-        # so the first ratio is exactly 1 without dropout (Detail 7)
-        logits = forward(unwrapped.policy, query_response, pad_id).logits[:, context_length - 1 : -1]
-        logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
-        del logits
-        ref_model = ref_policy if ref_policy is not None else unwrapped.policy
-        with placed_on(ref_model, accelerator.device, offload_by_hand and ref_policy is not None):
-            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id)
-        ref_logprob, _ = action_logprobs(ref_logits[:, context_length - 1 : -1], response, args.temperature, pad_id)
-        del ref_logits
-        # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
-        truncated = truncate_response(eos_id, pad_id, response)
-        score = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
-        if unwrapped.critic is not None:  # the critic reads the raw samples; the EOS ends the episode in compute_gae
-            values = get_reward(unwrapped.critic, query_response, pad_id, context_length)[0]
-            out["values"].append(values[:, context_length - 1 : -1].float())
-        timers["generation"] += t1 - t0
-        timers["scoring"] += time.time() - t1
-        out["query_responses"].append(query_response)
-        out["responses"].append(truncated)
-        out["logprobs"].append(logprob)
-        out["ref_logprobs"].append(ref_logprob)
-        out["rm_scores"].append(score)
-    return {k: torch.cat(v, 0) for k, v in out.items() if v}
-
-
-def trim_micro_batch(query_responses, responses, context_length: int, pad_token_id: int):
-    """The columns of a micro batch of rollouts that its training pass needs: from its longest query's first token
-    to its last kept response token. The raw samples go on after their EOS, but the loss masks those tokens and
-    causal attention keeps them out of every earlier position. Returns the cut query_responses, their context
-    length and how many response columns were kept."""
-    cols = real_columns(torch.cat((query_responses[:, :context_length], responses), 1), pad_token_id)
-    start, width = min(cols.start, context_length), max(cols.stop - context_length, 1)
-    return query_responses[:, start : context_length + width], context_length - start, width
-
-
-def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, data: dict, shaped, stats: dict,
-                   timers: dict, eos_token_id: int, prefix: str) -> dict:
-    """The update's metrics: rollout sums per episode, the statistics of the update's micro batches (under the
-    algorithm's `prefix`), each averaged over the global batch (gathered across processes), and the shares of the
-    update's time. A statistic logs as {prefix}/{its name in `names`} (the reference's names), else as
-    {prefix}/{its key}: a statistic a method adds reaches the logs as it is."""
-    names = {"approxkl": "policy/approxkl_avg", "pg_clipfrac": "policy/clipfrac_avg", "entropy": "policy/entropy_avg",
-             "pg_loss": "loss/policy_avg", "vf_loss": "loss/value_avg", "ptx_loss": "loss/ptx_avg",
-             "vf_clipfrac": "val/clipfrac_avg", "ratio": "val/ratio"}  # those a method has (no critic: no vf_*)
-    logged = [key for key in names if key in stats] + [key for key in stats if key not in names]
-    gather = accelerator.gather
-    kl_sum, non_score_sum = gather(shaped.kl.sum(1)), gather(shaped.non_score_reward.sum(1))
-    entropy_sum, scores = gather((-data["logprobs"] * shaped.mask).sum(1)), gather(shaped.scores)
-    stats = {name: gather(value) for name, value in stats.items()}
-    num_eos_tokens = gather((data["responses"] == eos_token_id).sum().unsqueeze(0)).sum()
-    return {
-        "episode": update * args.total_batch_size,
-        "train/lr": lr,
-        "objective/kl": kl_sum.mean().item(),
-        "objective/kl_coef": kl_coef,
-        "objective/entropy": entropy_sum.mean().item(),
-        "objective/non_score_reward": non_score_sum.mean().item(),
-        "objective/rlhf_reward": non_score_sum.mean().item() + scores.mean().item(),
-        "objective/scores": scores.mean().item(),
-        **({f"objective/scores_rm{j}": gather(data["rm_scores"][:, j]).mean().item()  # each reward model's raw score
-            for j in range(data["rm_scores"].size(1))} if data["rm_scores"].size(1) > 1 else {}),
-        "objective/eos_rate": gather(shaped.contains_eos.float()).mean().item(),
-        **{f"{prefix}/{names.get(key, key)}": stats[key].mean().item() for key in logged},
-        f"{prefix}/val/ratio_var": stats["ratio"].var(unbiased=False).item(),
-        f"{prefix}/val/num_eos_tokens": num_eos_tokens.item(),
-        "episodes_per_second": args.total_batch_size / timers["wall"],
-        "time/generation_share": timers["generation"] / timers["wall"],
-        "time/scoring_share": timers["scoring"] / timers["wall"],
-        "time/training_share": timers["training"] / timers["wall"],
-    }
-
-
-@torch.no_grad()
-def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenizer, generation_config,
-                 offload_by_hand: bool):
-    """The evaluation's samples: sample the first num_eval_samples validation queries (split evenly across ranks so
-    that every rank runs the same number of generate calls), score them and return the rows of the sample table."""
-    unwrapped = accelerator.unwrap_model(model)
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    per_rank = min(args.num_eval_samples, len(eval_dataset)) // accelerator.num_processes
-    start_row = accelerator.process_index * per_rank
-    rows = []
-    for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
-        batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
-        query = torch.tensor(batch["query_token"], device=accelerator.device)
-        query = query[:, real_columns(query, pad_id)]  # the left padding every query of the batch shares is cut
-        context_length = query.size(1)
-        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
-        truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
-        scores = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
-        score = combine_scores(scores, args.reward_combine, args.reward_weights)  # raw: no EOS trick, no scaling
-        _, last_index = response_mask(truncated, pad_id)
-        has_eos = (truncated == eos_id).any(1)
-        for i in range(query.size(0)):
-            rows.append(
-                {
-                    "query": tokenizer.decode(query[i][query[i] != pad_id], skip_special_tokens=True),
-                    "response": tokenizer.decode(truncated[i], skip_special_tokens=True).strip(),
-                    "reference": batch["reference_response"][i].strip(),
-                    "score": score[i].item(),
-                    "response_token_len": int(last_index[i].item()) + 1,
-                    "has_eos": bool(has_eos[i].item()),
-                    **({f"score_rm{j}": scores[i, j].item() for j in range(scores.size(1))} if scores.size(1) > 1 else {}),
-                }
-            )
-    return gather_object(rows)
-
-
-def log_evaluation(run, args, update: int, rows: list):
-    """Save the rows of the evaluation after `update` (eval_samples) as samples/step_{update}.csv and log its
-    metrics at that update; return the metrics and the table."""
-    table = pd.DataFrame(rows)
-    run.save_table(table, f"samples/step_{update:06d}.csv")
-    metrics = {"eval/score": float(table["score"].mean()), "eval/eos_rate": float(table["has_eos"].mean()),
-               "eval/response_token_len_mean": float(table["response_token_len"].mean())}
-    run.log(update, {"episode": update * args.total_batch_size, **metrics})
-    return metrics, table
-
-
-def fresh_trainer_state() -> dict:
-    """The trainer state of a run that starts at update 0: the time totals and the last metrics, for the summary."""
-    return {"update": 0, "wall_time_s": 0.0, "metrics": {},
-            "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}}
-
-
-def run_summary(args, state: dict, eval_metrics: dict, num_updates: int, start_time: float) -> dict:
-    """summary.json: the final evaluation, the last update's objective/ metrics, and the run's speed and time shares
-    (the interrupted part of a resumed run included)."""
-    totals = state["totals"]
-    return {
-        **eval_metrics,
-        **{k: v for k, v in state["metrics"].items() if k.startswith("objective/")},
-        "episodes": num_updates * args.total_batch_size,
-        "episodes_per_second": num_updates * args.total_batch_size / totals["wall"],
-        "time/generation_share": totals["generation"] / totals["wall"],
-        "time/scoring_share": totals["scoring"] / totals["wall"],
-        "time/training_share": totals["training"] / totals["wall"],
-        "wall_time_s": time.time() - start_time,
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -841,17 +829,17 @@ def check_flags(args, num_processes: int, num_mini_batches: int, gradient_accumu
     """Flag combinations that cannot work, refused before anything is loaded."""
     check_gradient_accumulation(args, gradient_accumulation_steps, num_processes, num_mini_batches)
     if num_updates < 1:
-        raise ValueError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
+        raise RunError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
     if args.reward_weights is not None and (args.reward_combine != "sum"
                                             or len(args.reward_weights) != len(args.reward_model_path)):
-        raise ValueError(f"--reward_weights needs --reward_combine sum and one weight per --reward_model_path "
+        raise RunError(f"--reward_weights needs --reward_combine sum and one weight per --reward_model_path "
                          f"({len(args.reward_model_path)}), got {args.reward_weights} with {args.reward_combine}")
     if args.lora_rank > 0 and args.num_layers_unfrozen >= 0:
-        raise ValueError("choose one of --lora_rank and --num_layers_unfrozen (each builds its own reference)")
+        raise RunError("choose one of --lora_rank and --num_layers_unfrozen (each builds its own reference)")
     if args.offload and args.num_layers_unfrozen >= 0:
-        raise ValueError("--offload cannot move a Hydra reference: it shares its trunk with the policy")
+        raise RunError("--offload cannot move a Hydra reference: it shares its trunk with the policy")
     if zero3 and args.num_layers_unfrozen >= 0:
-        raise ValueError("Hydra shares modules between policy and reference, which ZeRO-3 cannot partition")
+        raise RunError("Hydra shares modules between policy and reference, which ZeRO-3 cannot partition")
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
@@ -865,7 +853,7 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
     elif tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
     if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
+        raise RunError(
             f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
             "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
             "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
@@ -890,7 +878,10 @@ def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
     ref_policy = None  # with LoRA: the policy with its adapters disabled
     if args.lora_rank <= 0 and args.num_layers_unfrozen < 0:  # a frozen copy of the SFT model
         ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=frozen_dtype, trust_remote_code=remote)
-    for model in (m for m in (policy, critic, *reward_models, ref_policy) if m is not None):
+    loaded = zip((policy, critic, *reward_models, ref_policy), (args.sft_model_path, critic_path, *args.reward_model_path,
+                                                                args.sft_model_path))
+    for model, path in ((m, p) for m, p in loaded if m is not None):
+        check_finite(model, path)  # a diverged save stops here, named with its first non-finite tensor
         # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
         if model.config.vocab_size < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
@@ -912,7 +903,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         layers = getattr(backbone, name, None)
         if isinstance(layers, nn.ModuleList):
             return layers
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} for Hydra")
+    raise RunError(f"cannot find the decoder layers of {type(model).__name__} for Hydra")
 
 
 def build_hydra_reference(policy: nn.Module, num_layers_unfrozen: int) -> nn.Module:
@@ -923,7 +914,7 @@ def build_hydra_reference(policy: nn.Module, num_layers_unfrozen: int) -> nn.Mod
     code model-agnostic at the cost of compute, not memory.)"""
     layers = decoder_layers(policy)
     if not 1 <= num_layers_unfrozen <= len(layers):
-        raise ValueError(f"--num_layers_unfrozen must be in [1, {len(layers)}], got {num_layers_unfrozen}")
+        raise RunError(f"--num_layers_unfrozen must be in [1, {len(layers)}], got {num_layers_unfrozen}")
     num_frozen = len(layers) - num_layers_unfrozen
     shared = [policy.get_input_embeddings()] + list(layers[:num_frozen])
     for module in shared:
@@ -978,6 +969,8 @@ def load_query_data(args, tokenizer, ptx: bool):
     ptx_columns = ["query_reference_response_token", "query_reference_response_token_response_label"]
     check_columns(train_dataset, ["query_token"] + (ptx_columns if ptx else []),
                   f"{args.query_dataset} split {args.train_split!r}")
+    if ptx:  # the reference summaries the ptx loss trains on start where their queries end
+        check_query_response(train_dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {args.train_split!r}")
     check_columns(eval_dataset, ["query_token", "reference_response"],
                   f"{args.query_dataset} split {args.eval_split!r}")
     for split, dataset in ((args.train_split, train_dataset), (args.eval_split, eval_dataset)):
@@ -1013,11 +1006,25 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def shuffled_query_batch(num_rows: int, batch_size: int, seed: int, index: int, process_index: int, num_processes: int):
+    """Detail 21: this process's slice of global index batch number `index` (0, 1, 2, ...) of an endless stream.
+    Each pass over the split is a fresh permutation (seeded by seed + pass number: sampling without replacement);
+    the incomplete tail of a pass is dropped. Every rank draws the same permutation and takes its own slice of
+    each global batch. The batch depends on its arguments only, so a resumed run needs no replay of past draws."""
+    if num_rows < batch_size:
+        raise RunError(f"the query split has {num_rows} rows, fewer than one batch of {batch_size}")
+    local_batch_size = exact_div(batch_size, num_processes, "total_batch_size across processes")
+    data_pass, batch_in_pass = divmod(index, num_rows // batch_size)
+    permutation = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + data_pass))
+    local_start = batch_in_pass * batch_size + process_index * local_batch_size
+    return permutation[local_start : local_start + local_batch_size]
+
+
 def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
     if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+        raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
 
 
@@ -1026,7 +1033,7 @@ def load_split(path: str, split: str):
     if os.path.isdir(path):
         dataset_dict = load_from_disk(path)
         if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+            raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
 
@@ -1157,7 +1164,7 @@ def combine_scores(scores: torch.Tensor, rule: str, weights: Optional[List[float
         return (scores * w.to(scores.device, scores.dtype)).sum(1)
     if rule == "min":
         return scores.min(1).values
-    raise ValueError(f"unknown --reward_combine {rule!r}")
+    raise RunError(f"unknown --reward_combine {rule!r}")
 
 
 def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
@@ -1174,7 +1181,7 @@ def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
     normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
     `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
     if temperature < 0:
-        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+        raise RunError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
     sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     return GenerationConfig(
         max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,

@@ -21,6 +21,7 @@ responses have different lengths), 5 (queries left-padded, query+response right-
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -904,18 +905,11 @@ def resolve_lengths(args: Args) -> None:
 # The same text as run_infra.py's copy (tests/test_shared_helpers.py compares them): data preparation
 # imports no training script.
 def tokenizer_fingerprint(tokenizer) -> dict:
-    """The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and
-    its id, added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it
-    in the description of every split it writes; the training scripts compare it with their model's tokenizer."""
-    import hashlib
-
+    """The identity of the tokenizer of token ids: a digest of its vocabulary (added tokens such as [PAD] included),
+    its size, [PAD] and EOS ids. data/prepare.py stores it with every split; the scripts compare it with theirs."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
-    return {
-        "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(),
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
+    return {"vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(), "vocab_size": len(tokenizer),
+            "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
 
 
 def main(args: Args) -> dict:

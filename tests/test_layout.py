@@ -16,6 +16,7 @@ import ast
 import os
 import shutil
 import subprocess
+from collections import defaultdict
 
 import pytest
 from conftest import REPO_ROOT, RUN_MODULE, training_scripts
@@ -105,17 +106,39 @@ def test_every_training_script_reads_as_the_algorithm_first(script):
     assert not redefined, f"{script} redefines {redefined}, which {RUN_MODULE}.py defines: import them instead"
 
 
+# a helper copied into this many training scripts or more is a general helper, not one algorithm family's piece
+WIDELY_COPIED = 4
+
+
+def sides_of_main(script: str, names) -> dict:
+    """name -> "before" or "after" main, for the given top-level definitions of a training script."""
+    _, tree = parsed(script)
+    main = first_line(top_level(tree, "main", ast.FunctionDef))
+    return {node.name: "before" if first_line(node) < main else "after" for node in tree.body
+            if isinstance(node, DEFINITIONS) and node.name in names}
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_copied_helpers_come_after_main(script):
-    """Every function or class that another script (a training script or judge.py) also defines is a copy, and
-    copies come after main: what precedes main is the script's own algorithm."""
-    _, tree = parsed(script)
-    main = top_level(tree, "main", ast.FunctionDef)
-    shared = shared_copies(read_sources(sharing_scripts()))
-    early = [node.name for node in tree.body if isinstance(node, DEFINITIONS) and node.name not in PER_SCRIPT
-             and script in shared.get(node.name, {}) and first_line(node) < first_line(main)]
-    assert not early, f"{script}: the copied helpers {early} come before main; they go after it, last in the file " \
-        f"(shared with {sorted({s for name in early for s in shared[name]} - {script})})"
+    """A helper copied into WIDELY_COPIED training scripts or more (exact_div, forward, get_reward, ...) is not the
+    algorithm: it comes after main, with the other copies. A piece shared only within a family of forks (ppo, rloo,
+    grpo; dpo, kto, online_dpo) is the algorithm of each of them and may come before main."""
+    shared = shared_copies(read_sources(training_scripts()))
+    wide = {name for name, by_script in shared.items() if len(by_script) >= WIDELY_COPIED and script in by_script}
+    early = sorted(name for name, side in sides_of_main(script, wide).items() if side == "before")
+    assert not early, f"{script}: the copied helpers {early} come before main; they go after it, last in the file"
+
+
+def test_every_copy_sits_on_the_same_side_of_main():
+    """A fork keeps its parent's reading order: each shared definition is before main in every training script that
+    holds it, or after main in every one."""
+    shared = shared_copies(read_sources(training_scripts()))
+    sides = defaultdict(dict)
+    for script in training_scripts():
+        for name, side in sides_of_main(script, set(shared)).items():
+            sides[name][script] = side
+    split = {name: by_script for name, by_script in sides.items() if len(set(by_script.values())) > 1}
+    assert not split, f"copies on different sides of main: {split}"
 
 
 def test_judge_and_the_run_module_keep_their_place():

@@ -217,6 +217,16 @@ def test_the_api_key_comes_from_the_environment_only(monkeypatch):
     assert loopback.pairs_per_round == loopback.total_batch_size
 
 
+def test_the_last_round_as_reference_needs_rounds_of_several_updates():
+    """--reference last_round with rounds of one update (the default --pairs_per_round) would make the reference the
+    policy of that very update: every loss log 2, no KL anchor. Refused at the flag check, naming both flags."""
+    for pairs_per_round in (None, 8):
+        with pytest.raises(online.RunError, match=r"--reference last_round.*--pairs_per_round 8.*several updates"):
+            online.check_online_flags(online.Args(reference="last_round", total_batch_size=8, pairs_per_round=pairs_per_round))
+    online.check_online_flags(online.Args(reference="last_round", total_batch_size=8, pairs_per_round=16))
+    online.check_online_flags(online.Args(reference="sft", total_batch_size=8))  # online DPO against SFT: fine
+
+
 # ------------------------------------------------------------------------------------------------
 # the reference: the SFT model or the policy at the end of the last round
 # ------------------------------------------------------------------------------------------------
@@ -274,34 +284,36 @@ def online_command(task: dict, tmp_path, output_dir, *extra: str) -> list:
 
 
 def test_end_to_end_with_the_gold_judge_and_the_last_round_as_reference(synthetic_task, tmp_path, monkeypatch):
-    """A tiny run labelled by the gold judge's endpoint (started here, on loopback), fresh pairs every update and the
-    policy at the end of the last round as the reference: each update starts with the policy equal to its reference,
-    so its rewards are 0 and its loss is log 2, while the policy moves away from the SFT model. The judge's replies
+    """A tiny run labelled by the gold judge's endpoint (started here, on loopback), rounds of two updates and the
+    policy at the end of the last round as the reference: each round's first update starts with the policy equal to
+    its reference, so its rewards are 0 and its loss is log 2, while the policy moves away from the SFT model. The judge's replies
     are cached in the run folder; the round counts are logged and summed in the summary."""
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     output_dir, runs = tmp_path / "model", tmp_path / "runs"
     with gjs.serve_in_thread() as server:
-        run_ok(online_command(synthetic_task, tmp_path, output_dir, "--run_name", "e2e", "--total_episodes", "32",
+        run_ok(online_command(synthetic_task, tmp_path, output_dir, "--run_name", "e2e", "--total_episodes", "64",
                               "--judge", "endpoint", "--endpoint.base_url", server.base_url, "--endpoint.model",
-                              server.model_name, "--reference", "last_round", "--log_every", "1", "--eval_every", "0"),
+                              server.model_name, "--reference", "last_round", "--pairs_per_round", "32", "--log_every", "1",
+                              "--eval_every", "0"),
                cwd=REPO_ROOT, env=ENV)
         requests = server.request_count
     run_dir = runs / "e2e"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in metrics if "train/loss" in m]
     rounds = [m for m in metrics if "online/round" in m]
-    assert [m["step"] for m in train] == [1, 2] and [m["online/round"] for m in rounds] == [1, 2]
-    for m, r in zip(train, rounds):
-        assert m["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
-        assert m["train/rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
-        assert m["train/pairs"] == r["online/pairs_trained"] > 0  # the update trains on the pairs its round kept
-        assert r["online/pairs_trained"] == min(16, r["online/pairs_kept"]) and r["online/draws"] <= 4
+    assert [m["step"] for m in train] == [1, 2, 3, 4] and [m["online/round"] for m in rounds] == [1, 2]
+    for first, second, r in zip(train[::2], train[1::2], rounds):
+        assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
+        assert first["train/rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
+        assert second["train/loss"] != pytest.approx(math.log(2), abs=1e-5)  # the policy has left its reference
+        assert first["train/pairs"] + second["train/pairs"] == r["online/pairs_trained"] > 0  # the round's kept pairs
+        assert r["online/pairs_trained"] == min(32, r["online/pairs_kept"]) and r["online/draws"] <= 4
     asked = sum(m["online/pairs"] - m["online/decided_by_eos"] - m["online/dropped_no_eos"] - m["online/dropped_ties"]
                 for m in rounds)
     assert 0 < requests and asked <= requests  # every pair the EOS rule left open was asked (plus any re-asks)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["num_updates"] == 2 and summary["online/pairs_trained_total"] == sum(m["online/pairs_trained"] for m in rounds)
-    assert summary["online/pairs_total"] == sum(m["online/pairs"] for m in rounds) >= 32
+    assert summary["num_updates"] == 4 and summary["online/pairs_trained_total"] == sum(m["online/pairs_trained"] for m in rounds)
+    assert summary["online/pairs_total"] == sum(m["online/pairs"] for m in rounds) >= 64
     assert (run_dir / "judge_cache.sqlite").exists()
     assert json.loads((run_dir / "args.json").read_text())["endpoint"]["base_url"] == server.base_url
     samples = pd.read_csv(run_dir / "samples.csv")
@@ -374,7 +386,8 @@ def test_two_processes_under_zero2_match_one_process(synthetic_task, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("memory, reference", [(["--lora_rank", "8", "--load_in_4bit"], "sft"),
-                                               (["--lora_rank", "8"], "last_round")], ids=["qlora", "lora"])
+                                               (["--lora_rank", "8", "--pairs_per_round", "32"], "last_round")],
+                         ids=["qlora", "lora"])
 def test_lora_run_saves_a_plain_float32_model(memory, reference, synthetic_task, tmp_path):
     """LoRA and QLoRA as dpo.py runs them (tests/test_qlora.py): the reference is the policy with its adapters off
     (QLoRA: the 4-bit base itself), or the policy of the round's start, so the first update's rewards are exactly 0 and
