@@ -140,7 +140,7 @@ def grpo_flags(task: dict) -> list:
             "--total_episodes", "32", "--total_batch_size", "8", "--local_micro_batch_size", "2", "--group_size", "2",
             "--local_rollout_forward_batch_size", "4", "--grpo.num_ppo_epochs", "2", "--grpo.ptx_coef", "0.1",
             "--grpo.loss_normalizer", "batch_token_mean", "--grpo.advantage_std", "batch", "--temperature", "0.001",
-            "--num_eval_samples", "8", "--eval_every", "2", "--lr", "1e-3"]
+            "--num_eval_samples", "8", "--eval_every", "2", "--lr", "1e-4"]
 
 
 SCRIPTS = {"sft": sft_flags, "reward": reward_flags, "dpo": dpo_flags, "ilql": ilql_flags, "ppo": ppo_flags,
