@@ -67,8 +67,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation,
-    check_reward_tokenizer, due, start_processes,
+    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
+    check_query_response, check_reward_tokenizer, due, start_processes,
 )
 
 
@@ -135,6 +135,10 @@ class Args:
     resume: bool = False
     """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
     the resumed run ends with the same weights and metrics as one that was never interrupted"""
+    take_over_lock: bool = False
+    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    accept_changed_inputs: bool = False
+    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
 
     # models and data
     init_from: Literal["base", "sft"] = "base"
@@ -321,7 +325,7 @@ def check_response_starts(pairs, pad_token_id: int, where: str, chunk: int = 409
                 i = int(bad[0])
                 found = "no response token" if starts[i] < 0 else f"its first response token at index {starts[i]}" + (
                     "" if ends[i] - starts[i] == labelled[i].sum() else " and [PAD] gaps inside the response")
-                raise ValueError(
+                raise RunError(
                     f"{where} row {first_row + i} ({side}): query_token_len is {int(query_lengths[i])} but {column!r} "
                     f"has {found}; the response must start at query_token_len and run without a gap, or ILQL reads its "
                     "states and actions at the wrong tokens. Prepare the data again with data/prepare.py, which writes "
@@ -672,15 +676,17 @@ def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic (fails loudly), accelerator, run folder ----------------
     accelerator = make_ilql_accelerator(args)
+    if args.model_path is None:
+        args.model_path = DEFAULT_MODEL_PATHS[args.init_from]  # --init_from picks the starting model
     run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run.inputs(model_path=args.model_path, reward_model_path=args.reward_model_path,
+               preference_dataset=args.preference_dataset, query_dataset=args.query_dataset)
 
     # ---------------- seeding (labelled, deliberate) ----------------
     set_seed(args.seed)  # weights (the fresh heads) and data order: identical on every rank
     local_seed = args.seed + accelerator.process_index * 100003  # sampling differs per rank
 
     # ---------------- tokenizer and models ----------------
-    if args.model_path is None:
-        args.model_path = DEFAULT_MODEL_PATHS[args.init_from]  # --init_from picks the starting model
     tokenizer = load_tokenizer(args.model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
     pad_token_id = tokenizer.pad_token_id
     model, reward_model = load_ilql_models(args, accelerator, tokenizer)
@@ -820,11 +826,11 @@ def check_ilql_flags(args, gradient_accumulation_steps: int) -> None:
     the batch sizes give, total_batch_size / (local_micro_batch_size x world_size)."""
     check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
     if args.eval_temperature <= 0:
-        raise ValueError(f"--eval_temperature must be positive, got {args.eval_temperature}")
+        raise RunError(f"--eval_temperature must be positive, got {args.eval_temperature}")
     if args.ilql.steps_for_target_q_sync < 1:
-        raise ValueError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
+        raise RunError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
     if args.reward_source == "rm" and args.reward_model_path is None:
-        raise ValueError("--reward_source rm needs --reward_model_path")
+        raise RunError("--reward_source rm needs --reward_model_path")
 
 
 def load_data(args, tokenizer):
@@ -834,10 +840,12 @@ def load_data(args, tokenizer):
     check_columns(train_raw, PAIR_COLUMNS + ["query_token_len"],
                   f"{args.preference_dataset} split {args.train_split!r}")
     check_data_tokenizer(train_raw, tokenizer, args.model_path, f"{args.preference_dataset} split {args.train_split!r}")
+    check_query_response(train_raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {args.train_split!r}")
     check_response_starts(train_raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {args.train_split!r}")
     eval_raw = load_split(args.query_dataset, args.eval_split)
     check_columns(eval_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
     check_data_tokenizer(eval_raw, tokenizer, args.model_path, f"{args.query_dataset} split {args.eval_split!r}")
+    check_query_response(eval_raw, tokenizer.pad_token_id, f"{args.query_dataset} split {args.eval_split!r}")
     return train_raw, eval_raw
 
 
@@ -846,6 +854,7 @@ def load_ilql_models(args, accelerator, tokenizer):
     frozen reward model when --reward_model_path is given (it labels the data with --reward_source rm and scores
     the evaluation samples; None otherwise)."""
     lm = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
+    check_finite(lm, args.model_path)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > lm.config.vocab_size:
         lm.resize_token_embeddings(len(tokenizer))
@@ -860,6 +869,7 @@ def load_ilql_models(args, accelerator, tokenizer):
             args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
             trust_remote_code=args.trust_remote_code,
         )
+        check_finite(reward_model, args.reward_model_path)
         if len(tokenizer) > reward_model.config.vocab_size:
             reward_model.resize_token_embeddings(len(tokenizer))
         disable_dropout(reward_model)  # frozen and deterministic whatever --disable_dropout says
@@ -1046,7 +1056,7 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
     if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+        raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
 
 
@@ -1055,7 +1065,7 @@ def load_split(path: str, split: str):
     if os.path.isdir(path):
         dataset_dict = load_from_disk(path)
         if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+            raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
 
@@ -1158,7 +1168,7 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
     elif tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
     if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
+        raise RunError(
             f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
             "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
             "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
@@ -1174,8 +1184,8 @@ def count_updates(args, num_rows: int) -> int:
     total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
     num_updates = total_episodes // args.total_batch_size
     if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
-                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+        raise RunError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                       "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
     return num_updates
 
 
@@ -1190,8 +1200,8 @@ def resumable_micro_batches(loader, skip: int):
     drops them from the index lists (no row is read). Every process skips its own share the same way."""
     per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
     if per_epoch == 0:
-        raise ValueError("the train split is smaller than one micro batch per process; "
-                         "lower --local_micro_batch_size or use more data")
+        raise RunError("the train split is smaller than one micro batch per process; "
+                       "lower --local_micro_batch_size or use more data")
     epoch, skip = divmod(skip, per_epoch)
     while True:
         loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)

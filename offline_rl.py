@@ -61,8 +61,9 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, NonFiniteError, Run, check_columns, check_data_tokenizer, check_gradient_accumulation,
-    check_reward_tokenizer, due, frame_markdown, save_pretrained_model, start_processes,
+    LastGoodState, NonFiniteError, Run, RunError, check_columns, check_data_tokenizer, check_finite,
+    check_gradient_accumulation, check_query_response, check_reward_tokenizer, due, frame_markdown,
+    save_pretrained_model, start_processes,
 )
 
 
@@ -99,6 +100,10 @@ class Args:
     resume: bool = False
     """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
     the resumed run ends with the same weights and metrics as one that was never interrupted"""
+    take_over_lock: bool = False
+    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    accept_changed_inputs: bool = False
+    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
 
     # ---- method ----
     method: Literal["filter", "rwr", "dt", "best_of_n"] = "dt"
@@ -356,7 +361,7 @@ def score_responses(accelerator, reward_model, queries: torch.Tensor, responses:
 def mixture_counts(size: int, weights: Tuple[float, float, float]) -> Tuple[int, int, int]:
     """Samples per source (references, preference responses, generated) for relative weights; sums to size."""
     if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--mixture_weights must be non-negative with a positive sum, got {weights}")
+        raise RunError(f"--mixture_weights must be non-negative with a positive sum, got {weights}")
     total = sum(weights)
     num_references = round(size * weights[0] / total)
     num_preference = round(size * weights[1] / total)
@@ -374,11 +379,11 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
 
     # (a) SFT references: " " + summary + EOS, right-padded to response_length
     if num_references > len(sft_train):
-        raise ValueError(f"{num_references} references requested but {args.train_split} has {len(sft_train)} rows")
+        raise RunError(f"{num_references} references requested but {args.train_split} has {len(sft_train)} rows")
     picked = sft_train.select(torch.randperm(len(sft_train), generator=draw)[:num_references].tolist())
     for row in tqdm(picked, desc="mixture: references", disable=not accelerator.is_main_process):
         if len(row["reference_response_token"]) != args.response_length:
-            raise ValueError(
+            raise RunError(
                 f"--response_length {args.response_length} but {args.query_dataset} has responses of "
                 f"{len(row['reference_response_token'])} tokens"
             )
@@ -407,7 +412,7 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
                 seen.add((row["query"], row[side]))
                 candidates.append((i, side))
     if num_preference > len(candidates):
-        raise ValueError(
+        raise RunError(
             f"{num_preference} preference responses requested but only {len(candidates)} usable ones exist "
             f"(left out: {dropped}); lower --mixture_size or the preference weight"
         )
@@ -421,7 +426,7 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
 
     # (c) new responses of the SFT model on SFT prompts (greedy by default)
     if num_generated > len(sft_train):
-        raise ValueError(f"{num_generated} generated responses requested but {args.train_split} has {len(sft_train)} prompts")
+        raise RunError(f"{num_generated} generated responses requested but {args.train_split} has {len(sft_train)} prompts")
     picked = sft_train.select(torch.randperm(len(sft_train), generator=draw)[:num_generated].tolist())
     generation_time = 0.0
     if num_generated > 0:
@@ -452,7 +457,7 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
         raw = torch.where(has_eos, raw, torch.full_like(raw, args.penalty_reward_value))
     mean, std = raw.mean(), raw.std(unbiased=False)
     if not std > 0:
-        raise ValueError("every mixture sample has the same reward; z-normalisation is undefined")
+        raise RunError("every mixture sample has the same reward; z-normalisation is undefined")
     normalised = (raw - mean) / std
     dataset = Dataset.from_dict(
         {
@@ -771,6 +776,8 @@ def main(args: Args) -> dict:
     # ---------------- processes, batch arithmetic and precision ----------------
     accelerator = make_offline_accelerator(args)
     run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path,
+               preference_dataset=args.preference_dataset, query_dataset=args.query_dataset)
 
     # ---------------- seeding (labelled, deliberate) ----------------
     set_seed(args.seed)  # mixture draw, weights and data order: the same on every process
@@ -919,16 +926,16 @@ def check_offline_flags(args: Args, gradient_accumulation_steps: int) -> None:
     the batch sizes give, total_batch_size / (local_micro_batch_size * world_size)."""
     check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
     if args.iterations < 1:
-        raise ValueError(f"--iterations must be >= 1, got {args.iterations}")
+        raise RunError(f"--iterations must be >= 1, got {args.iterations}")
     if args.method != "best_of_n" and args.iterations != 1:
-        raise ValueError("--iterations > 1 re-samples from the updated policy: only --method best_of_n does that")
+        raise RunError("--iterations > 1 re-samples from the updated policy: only --method best_of_n does that")
     if args.rwr_beta <= 0 or args.rwr_max_weight <= 0:
-        raise ValueError("--rwr_beta and --rwr_max_weight must be positive")
+        raise RunError("--rwr_beta and --rwr_max_weight must be positive")
     if args.n < 1:
-        raise ValueError(f"--n must be >= 1, got {args.n}")
+        raise RunError(f"--n must be >= 1, got {args.n}")
     percentiles = list(args.dt_eval_percentiles) + ([args.dt_target_percentile] if args.dt_target_percentile is not None else [])
     if any(not 0 <= p <= 100 for p in percentiles):
-        raise ValueError(f"--dt_eval_percentiles and --dt_target_percentile are percentiles in [0, 100], got {percentiles}")
+        raise RunError(f"--dt_eval_percentiles and --dt_target_percentile are percentiles in [0, 100], got {percentiles}")
 
 
 def load_offline_models(args: Args, tokenizer):
@@ -937,10 +944,12 @@ def load_offline_models(args: Args, tokenizer):
     # float32 master weights whatever the checkpoint's dtype (Pythia's hub weights are float16); bf16 is autocast
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32,
                                                   trust_remote_code=args.trust_remote_code)
+    check_finite(policy, args.sft_model_path)
     reward_model = AutoModelForSequenceClassification.from_pretrained(
         args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
         trust_remote_code=args.trust_remote_code,
     )
+    check_finite(reward_model, args.reward_model_path)
     for model in (policy, reward_model):
         # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
         if model.config.vocab_size < len(tokenizer):
@@ -961,6 +970,7 @@ def load_offline_data(args: Args, tokenizer):
     check_columns(eval_dataset, EVAL_COLUMNS, f"{args.query_dataset} split {args.eval_split!r}")
     for split, dataset in ((args.train_split, sft_train), (args.eval_split, eval_dataset)):
         check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
+        check_query_response(dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {split!r}")
     if args.method != "best_of_n":  # the mixture reads the preference responses (when it is not cached yet)
         preference = load_split(args.preference_dataset, args.preference_split)
         check_preference_columns(preference, args)
@@ -989,11 +999,11 @@ def check_round_size(args: Args, samples_per_round: int, episodes_per_round: int
                      num_prompts: int) -> None:
     """A round must fill at least one update batch (best-of-n: with prompts of the train split)."""
     if args.method == "best_of_n" and samples_per_round > num_prompts:
-        raise ValueError(f"--bon_num_prompts {samples_per_round} > {num_prompts} prompts in {args.train_split}")
+        raise RunError(f"--bon_num_prompts {samples_per_round} > {num_prompts} prompts in {args.train_split}")
     if updates_per_round == 0:
-        raise ValueError(f"{episodes_per_round} training samples do not fill one update of {args.total_batch_size}")
+        raise RunError(f"{episodes_per_round} training samples do not fill one update of {args.total_batch_size}")
     if samples_per_round < args.total_batch_size:
-        raise ValueError(f"{samples_per_round} training samples are fewer than one batch of {args.total_batch_size}")
+        raise RunError(f"{samples_per_round} training samples are fewer than one batch of {args.total_batch_size}")
 
 
 def fingerprint(path: str) -> str:
@@ -1173,7 +1183,7 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
     if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+        raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
 
 
@@ -1182,7 +1192,7 @@ def load_split(path: str, split: str):
     if os.path.isdir(path):
         dataset_dict = load_from_disk(path)
         if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+            raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
 
@@ -1302,7 +1312,7 @@ def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
     normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
     `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
     if temperature < 0:
-        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+        raise RunError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
     sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     return GenerationConfig(
         max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,
@@ -1321,7 +1331,7 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
     elif tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
     if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
+        raise RunError(
             f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
             "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
             "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "

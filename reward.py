@@ -49,8 +49,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, due,
-    save_pretrained_model, start_processes, upload_to_hub,
+    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
+    check_query_response, due, save_pretrained_model, start_processes, upload_to_hub,
 )
 
 
@@ -87,6 +87,10 @@ class Args:
     resume: bool = False
     """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
     the resumed run ends with the same weights and metrics as one that was never interrupted"""
+    take_over_lock: bool = False
+    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    accept_changed_inputs: bool = False
+    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
 
     # ---- model and data ----
     sft_model_path: str = "models/sft"
@@ -200,7 +204,7 @@ def init_reward_head(model, mode: str, std: Optional[float]) -> float:
     if mode == "paper":
         std = 1.0 / math.sqrt(model.config.hidden_size + 1) if std is None else std
     elif std is not None:
-        raise ValueError("--reward_head_init_std only applies to --reward_head_init paper")
+        raise RunError("--reward_head_init_std only applies to --reward_head_init paper")
     else:
         std = model.config.initializer_range
     with torch.no_grad(), whole_parameters([model.score.weight, model.score.bias]):
@@ -210,18 +214,6 @@ def init_reward_head(model, mode: str, std: Optional[float]) -> float:
     return std
 
 
-def whole_parameters(params: list):
-    """A context in which `params` (None entries skipped) are whole tensors that may be changed in place. Under
-    ZeRO-3 (zero3.yaml) each process holds only a slice of each weight: the slices are gathered on entry and
-    rank 0's values are sliced back out on exit (every rank computes the same change). Elsewhere it does nothing."""
-    params = [p for p in params if p is not None]
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-
-
 def final_norm_of(model) -> torch.nn.Module:
     """The normalisation layer whose output is the head's input (GPT-NeoX: `final_layer_norm`)."""
     backbone = getattr(model, model.base_model_prefix)
@@ -229,7 +221,7 @@ def final_norm_of(model) -> torch.nn.Module:
         norm = getattr(backbone, name, None)
         if norm is not None and getattr(norm, "bias", None) is not None:
             return norm
-    raise ValueError(
+    raise RunError(
         f"{type(backbone).__name__} has no final norm with a bias, so the Detail 15 shift cannot be folded "
         "into its weights; run with --no-normalize_reward"
     )
@@ -539,6 +531,7 @@ def main(args: Args) -> dict:
     )
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset, query_dataset=args.query_dataset)
     set_seed(args.seed)  # same weights and data order on every process
 
     # ---------------- tokenizer and data ----------------
@@ -646,7 +639,7 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
     elif tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
     if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
+        raise RunError(
             f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
             "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
             "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
@@ -665,6 +658,7 @@ def load_reward_data(args, tokenizer, accelerator):
                   f"{args.preference_dataset} split {args.train_split!r}")
     # the data must come from this tokenizer (Detail 12 also finds the EOS by its pad id)
     check_data_tokenizer(train_set, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {args.train_split!r}")
+    check_query_response(train_set, tokenizer.pad_token_id, f"{args.preference_dataset} split {args.train_split!r}")
     if os.path.isdir(args.preference_dataset):
         available = set(load_from_disk(args.preference_dataset).keys())
     else:
@@ -682,15 +676,17 @@ def load_reward_data(args, tokenizer, accelerator):
         dataset = load_split(args.preference_dataset, split_name)
         check_columns(dataset, eval_columns, f"{args.preference_dataset} split {split_name!r}")
         check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split_name!r}")
+        check_query_response(dataset, tokenizer.pad_token_id, f"{args.preference_dataset} split {split_name!r}")
         if args.num_eval_samples is not None:
             dataset = dataset.select(range(min(args.num_eval_samples, len(dataset))))
         eval_sets[split_name] = dataset
     if not eval_sets:
-        raise ValueError(f"none of {args.eval_splits} is in {args.preference_dataset}")
+        raise RunError(f"none of {args.eval_splits} is in {args.preference_dataset}")
     references = load_split(args.query_dataset, args.normalization_split)
     check_columns(references, ["query_token", "reference_response_token", "query_reference_response_token"],
                   f"{args.query_dataset} split {args.normalization_split!r}")
     check_data_tokenizer(references, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.normalization_split!r}")
+    check_query_response(references, tokenizer.pad_token_id, f"{args.query_dataset} split {args.normalization_split!r}")
     if args.num_normalization_samples is not None:
         references = references.select(range(min(args.num_normalization_samples, len(references))))
     return train_set, eval_sets, references
@@ -702,8 +698,8 @@ def count_updates(args, num_rows: int) -> int:
     total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
     num_updates = total_episodes // args.total_batch_size
     if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
-                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+        raise RunError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                       "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
     return num_updates
 
 
@@ -713,6 +709,7 @@ def build_reward_model(args, tokenizer):
     model = AutoModelForSequenceClassification.from_pretrained(
         args.sft_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
     )
+    check_finite(model, args.sft_model_path)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > model.config.vocab_size:
         model.resize_token_embeddings(len(tokenizer))
@@ -829,7 +826,7 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
     if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+        raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
 
 
@@ -838,7 +835,7 @@ def load_split(path: str, split: str):
     if os.path.isdir(path):
         dataset_dict = load_from_disk(path)
         if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+            raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
 
@@ -904,13 +901,25 @@ def resumable_micro_batches(loader, skip: int):
     drops them from the index lists (no row is read). Every process skips its own share the same way."""
     per_epoch = len(loader)  # micro batches per process and epoch (drop_last)
     if per_epoch == 0:
-        raise ValueError("the train split is smaller than one micro batch per process; "
-                         "lower --local_micro_batch_size or use more data")
+        raise RunError("the train split is smaller than one micro batch per process; "
+                       "lower --local_micro_batch_size or use more data")
     epoch, skip = divmod(skip, per_epoch)
     while True:
         loader.set_epoch(epoch)  # the shuffle of this epoch (the skipping copy below inherits it)
         yield from (skip_first_batches(loader, skip) if skip else loader)
         epoch, skip = epoch + 1, 0
+
+
+def whole_parameters(params: list):
+    """A context in which `params` (None entries skipped) are whole tensors that may be changed in place. Under
+    ZeRO-3 (zero3.yaml) each process holds only a slice of each weight: the slices are gathered on entry and
+    rank 0's values are sliced back out on exit (every rank computes the same change). Elsewhere it does nothing."""
+    params = [p for p in params if p is not None]
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
 if __name__ == "__main__":

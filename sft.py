@@ -49,8 +49,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, Run, check_columns, check_data_tokenizer, check_gradient_accumulation, check_qlora_flags, due,
-    frame_markdown, save_pretrained_model, start_processes, upload_to_hub,
+    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
+    check_qlora_flags, check_query_response, due, frame_markdown, save_pretrained_model, start_processes, upload_to_hub,
 )
 
 
@@ -87,6 +87,10 @@ class Args:
     resume: bool = False
     """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
     the resumed run ends with the same weights and metrics as one that was never interrupted"""
+    take_over_lock: bool = False
+    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    accept_changed_inputs: bool = False
+    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
 
     # ---- model and data ----
     base_model: str = "EleutherAI/pythia-1b-deduped"
@@ -261,7 +265,7 @@ def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset
     num_rows = len(dataset) if args.num_eval_samples is None else min(args.num_eval_samples, len(dataset))
     local_rows = num_rows // accelerator.num_processes
     if local_rows == 0:
-        raise ValueError(f"{num_rows} evaluation rows cannot be shared by {accelerator.num_processes} processes")
+        raise RunError(f"{num_rows} evaluation rows cannot be shared by {accelerator.num_processes} processes")
     start = accelerator.process_index * local_rows
     loss_sum = torch.zeros((), device=accelerator.device)
     num_targets = torch.zeros((), device=accelerator.device)
@@ -347,6 +351,7 @@ def main(args: Args) -> dict:
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     check_qlora_flags(args, accelerator)
     run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run.inputs(query_dataset=args.query_dataset, base_model=args.base_model)
 
     # ---------------- seeding ----------------
     set_seed(args.seed)  # weights and data order: the same on every process
@@ -448,7 +453,7 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
     elif tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Detail 3: Pythia ships no pad token
     if pad_token == "pad" and tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
+        raise RunError(
             f"the tokenizer of {model_path} pads with its EOS token {tokenizer.eos_token!r}; Detail 3 needs a distinct "
             "pad token, or the EOS of every response is taken for padding (masked out of the loss, never found as the "
             "end of a response). Save the tokenizer with tokenizer.add_special_tokens({'pad_token': '[PAD]'}) (or one "
@@ -468,6 +473,7 @@ def load_sft_data(args, tokenizer, label_column: str):
     check_columns(train_dataset, columns, f"{args.query_dataset} split {args.train_split!r}")
     # the data must come from this tokenizer (its pad id also decides which labels are masked)
     check_data_tokenizer(train_dataset, tokenizer, args.base_model, f"{args.query_dataset} split {args.train_split!r}")
+    check_query_response(train_dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {args.train_split!r}")
     train_dataset = train_dataset.with_format("torch", columns=columns)
     eval_splits = [args.eval_split] + (["test"] if args.eval_test_split else [])
     eval_datasets = {}
@@ -475,11 +481,12 @@ def load_sft_data(args, tokenizer, label_column: str):
         dataset = load_split(args.query_dataset, split)
         check_columns(dataset, columns + ["reference_response"], f"{args.query_dataset} split {split!r}")
         check_data_tokenizer(dataset, tokenizer, args.base_model, f"{args.query_dataset} split {split!r}")
+        check_query_response(dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {split!r}")
         eval_datasets[split] = dataset.with_format("torch", columns=columns + ["reference_response"])
     first = train_dataset[0]
     data_response_length = first["query_reference_response_token"].numel() - first["query_token"].numel()
     if data_response_length != args.response_length:
-        raise ValueError(
+        raise RunError(
             f"--response_length {args.response_length} but {args.query_dataset} has responses of {data_response_length} tokens"
         )
     return train_dataset, eval_datasets
@@ -494,6 +501,7 @@ def load_sft_model(args, tokenizer) -> torch.nn.Module:
         args.base_model, trust_remote_code=args.trust_remote_code, dtype=torch.float32,
         **quantized_loading(args, args.bf16),
     )
+    check_finite(model, args.base_model)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > model.config.vocab_size:
         model.resize_token_embeddings(len(tokenizer))
@@ -510,8 +518,8 @@ def count_updates(args, num_rows: int) -> int:
     total_episodes = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * num_rows
     num_updates = total_episodes // args.total_batch_size
     if num_updates < 1:
-        raise ValueError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
-                         "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
+        raise RunError(f"{total_episodes} episodes give no full batch of {args.total_batch_size}; raise "
+                       "--total_episodes (or --num_train_epochs) or lower --total_batch_size")
     return num_updates
 
 
@@ -572,7 +580,7 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     """a / b as an int; raise a clear error when b does not divide a (batch arithmetic must be exact)."""
     q = a // b
     if q * b != a:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
+        raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
 
 
@@ -581,7 +589,7 @@ def load_split(path: str, split: str):
     if os.path.isdir(path):
         dataset_dict = load_from_disk(path)
         if split not in dataset_dict:
-            raise ValueError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+            raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
         return dataset_dict[split]
     return load_dataset(path, split=split)
 
@@ -652,7 +660,7 @@ def sampling_config(args, tokenizer, temperature: float) -> GenerationConfig:
     normal token that can be sampled (min_new_tokens would forbid it). [PAD] is not an action. Pure sampling at
     `temperature` (top_k 0, top_p 1); temperature 0 decodes greedily."""
     if temperature < 0:
-        raise ValueError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
+        raise RunError(f"a sampling temperature must be >= 0 (0 = greedy), got {temperature}")
     sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     return GenerationConfig(
         max_new_tokens=args.response_length, do_sample=temperature > 0, **sampling,

@@ -158,6 +158,62 @@ def assert_last_good_checkpoint(checkpoints, update: int) -> dict:
     return state
 
 
+# A training run with one NaN planted in an otherwise ordinary run: the quantities of the `call`-th run.guard of
+# `update` become NaN (the script runs in a Python whose run_infra.Run.guard is wrapped so). Every script guards its
+# loss before the backward pass that would use it, so this stops a run where a NaN loss would. A resumed run, without
+# the plant, trains on.
+NAN_AT = """
+import runpy, sys, torch, run_infra
+guard, calls = run_infra.Run.guard, []
+def planted(self, update, **quantities):
+    calls.append(update)
+    if update == {update} and calls.count(update) == {call}:
+        quantities = {{name: torch.full_like(value, float("nan")) for name, value in quantities.items()}}
+    guard(self, update, **quantities)
+run_infra.Run.guard = planted
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def with_nan_at(command: list, update: int, call: int = 1) -> list:
+    """`command` ([python, script, flags...]) with a NaN planted in the `call`-th guarded quantities of `update`."""
+    return [command[0], "-c", NAN_AT.format(update=update, call=call), *command[1:]]
+
+
+def assert_same_checkpoint(ordinary, fallback) -> None:
+    """Two checkpoints of one update (the ordinary one of an uninterrupted run, the non-finite fallback's) hold the
+    same: every file accelerate wrote (weights, AdamW, schedule, registered objects) byte for byte, accelerate's random
+    states (every RNG state and its micro-batch count `step`), the manifest but for the trainer state's size, and the
+    trainer state but for its wall-clock values (train_time, and without_timing on it and on its dicts)."""
+    import torch
+
+    ordinary, fallback = str(ordinary), str(fallback)
+    names = sorted(os.listdir(ordinary))
+    assert sorted(os.listdir(fallback)) == names
+    for name in names:
+        paths = [os.path.join(d, name) for d in (ordinary, fallback)]
+        if name.startswith("random_states_"):
+            states = [torch.load(path, weights_only=False) for path in paths]
+            assert states[0].keys() == states[1].keys()
+            for key in states[0]:
+                same = (torch.equal(states[0][key], states[1][key]) if isinstance(states[0][key], torch.Tensor)
+                        else repr(states[0][key]) == repr(states[1][key]))
+                assert same, f"{fallback}: {key} differs from the ordinary checkpoint's"
+        elif name == "trainer_state.json":
+            states = [without_timing({k: v for k, v in json.load(open(path)).items() if k != "train_time"})
+                      for path in paths]
+            states = [{k: without_timing(v) if isinstance(v, dict) else v for k, v in state.items()} for state in states]
+            assert states[0] == states[1], name
+        elif name == "manifest.json":  # the size of the trainer state differs with its seconds
+            manifests = [json.load(open(path)) for path in paths]
+            for manifest in manifests:
+                manifest.get("files", {}).pop("trainer_state.json", None)
+            assert manifests[0] == manifests[1], name
+        else:
+            assert open(paths[0], "rb").read() == open(paths[1], "rb").read(), f"{name} differs between {ordinary} and {fallback}"
+
+
 def load_script(name: str):
     """Import a top-level script (e.g. "ppo") as a module, so tests can call its helpers and main()."""
     import importlib.util

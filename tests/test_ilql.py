@@ -4,8 +4,8 @@ beta = 0 sampling against the LM's own `generate`, a subprocess smoke run on the
 reliability checks (SIGKILL + --resume gives the uninterrupted result, the non-finite guard, and resuming from its
 fallback checkpoint equals resuming from the ordinary one)."""
 
-from conftest import (assert_last_good_checkpoint, assert_same_safetensors, kill_after_checkpoint, load_script,
-                      run_ok, without_timing)
+from conftest import (assert_last_good_checkpoint, assert_same_checkpoint, assert_same_safetensors,
+                      kill_after_checkpoint, load_script, run_ok, with_nan_at, without_timing)
 import json
 import math
 import os
@@ -470,42 +470,6 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint_and_no_model(synthe
     assert not (tmp_path / "model_poisoned" / "ilql_heads.safetensors").exists()
 
 
-# a NaN planted in one update of an otherwise ordinary run: the quantities of the `call`-th run.guard of `update`
-# become NaN (the script runs in a Python whose run_infra.Run.guard is wrapped so)
-NAN_AT = """
-import runpy, sys, torch, run_infra
-guard, calls = run_infra.Run.guard, []
-def planted(self, update, **quantities):
-    calls.append(update)
-    if update == {update} and calls.count(update) == {call}:
-        quantities = {{name: torch.full_like(value, float("nan")) for name, value in quantities.items()}}
-    guard(self, update, **quantities)
-run_infra.Run.guard = planted
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def with_nan_at(command: list, update: int, call: int = 1) -> list:
-    """`command` ([python, script, flags...]) with a NaN planted in the `call`-th guarded quantities of `update`."""
-    return [command[0], "-c", NAN_AT.format(update=update, call=call), *command[1:]]
-
-
-def assert_same_checkpoint(a, b, timing: tuple) -> None:
-    """Two checkpoints hold the same state: every file accelerate wrote (weights, AdamW, schedule, target copies, RNG
-    states and accelerate's micro-step count) byte for byte, and the same trainer state but for wall-clock values
-    (conftest's without_timing, on it and its dicts, and its `timing` keys)."""
-    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
-    for name in sorted(os.listdir(a)):
-        if name == "trainer_state.json":
-            states = [without_timing({k: v for k, v in json.loads((d / name).read_text()).items() if k not in timing})
-                      for d in (a, b)]
-            states = [{k: without_timing(v) if isinstance(v, dict) else v for k, v in state.items()} for state in states]
-            assert states[0] == states[1]
-        elif name != "manifest.json":  # its sizes include the trainer state's, whose seconds differ
-            assert (a / name).read_bytes() == (b / name).read_bytes(), f"{name} differs between {a} and {b}"
-
-
 @pytest.mark.slow
 def test_resuming_from_the_non_finite_fallback_equals_resuming_from_the_ordinary_checkpoint(synthetic_task, tmp_path):
     """A NaN in the loss of the second micro batch of update 5 (the first update of the second pass; its first micro
@@ -518,11 +482,11 @@ def test_resuming_from_the_non_finite_fallback_equals_resuming_from_the_ordinary
     flags = ["--total_episodes", "48", "--checkpoint_every", "1", "--checkpoint_keep", "0"]
     poisoned = subprocess.run(with_nan_at(resumable_ilql_command(synthetic_task, preference, tmp_path, "poisoned", *flags),
                                           update=5, call=2), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert poisoned.returncode != 0 and "run_infra.NonFiniteError: update 5: train/loss" in poisoned.stderr
+    assert poisoned.returncode != 0 and "ilql.py: error: update 5: train/loss" in poisoned.stderr
     assert sorted(os.listdir(runs / "poisoned" / "checkpoints")) == [f"update_{u:06d}" for u in range(1, 5)]
     run_ok(resumable_ilql_command(synthetic_task, preference, tmp_path, "ordinary", *flags), cwd=REPO_ROOT)
-    assert_same_checkpoint(runs / "poisoned" / "checkpoints" / "update_000004",
-                           runs / "ordinary" / "checkpoints" / "update_000004", timing=("train_time",))
+    assert_same_checkpoint(runs / "ordinary" / "checkpoints" / "update_000004",
+                           runs / "poisoned" / "checkpoints" / "update_000004")
 
     # both resumed from update 4: the ordinary run without its newer checkpoint
     shutil.rmtree(runs / "ordinary" / "checkpoints" / "update_000005")
@@ -578,7 +542,7 @@ def test_a_response_that_does_not_start_at_query_token_len_is_one_clear_error(sy
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith(f"ValueError: {broken} split 'train' row 11 (chosen): query_token_len"), last_line
+    assert last_line.startswith(f"ilql.py: error: {broken} split 'train' row 11 (chosen): query_token_len"), last_line
     assert not (tmp_path / "model_shifted").exists() and not (tmp_path / "runs" / "shifted" / "checkpoints").exists()
 
 

@@ -445,7 +445,7 @@ def test_resuming_from_the_non_finite_fallback_equals_resuming_from_the_ordinary
                for run in ("poisoned", "ordinary")}
     planted = [sys.executable, "-c", NAN_IN_LOSS.format(update=3, call=2), *command["poisoned"][1:]]
     poisoned = subprocess.run(planted, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert poisoned.returncode != 0 and "run_infra.NonFiniteError: update 3: train/loss" in poisoned.stderr
+    assert poisoned.returncode != 0 and "online_dpo.py: error: update 3: train/loss" in poisoned.stderr
     assert sorted(os.listdir(runs / "poisoned" / "checkpoints")) == ["update_000001", "update_000002"]
     run_ok(command["ordinary"], cwd=REPO_ROOT, env=ENV)
     fallback, ordinary = (runs / run / "checkpoints" / "update_000002" for run in ("poisoned", "ordinary"))

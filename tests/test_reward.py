@@ -1,8 +1,8 @@
 """Tests for reward.py: the EOS reward index (Details 12, 14), the head init (Detail 11), the
 normalisation fold (Detail 15), the loss and calibration maths, and one smoke run on the built-in task."""
 
-from conftest import (ENV, assert_last_good_checkpoint, assert_same_safetensors, kill_after_checkpoint, load_script,
-                      run_ok, without_timing)
+from conftest import (ENV, assert_last_good_checkpoint, assert_same_checkpoint, assert_same_safetensors,
+                      kill_after_checkpoint, load_script, run_ok, with_nan_at, without_timing)
 import json
 import math
 import os
@@ -359,51 +359,9 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthe
     assert_last_good_checkpoint(tmp_path / "runs" / "nan" / "checkpoints", 1)
 
 
-# reward.py run with one NaN planted: its main, with pairwise_loss (called in training only) returning a NaN at the
-# given call (1, 2, ...). A resumed run, without the plant, trains on.
-PLANTED_NAN = """
-import importlib.util, os, sys
-import tyro
-path, poisoned_call = sys.argv[1], int(sys.argv[2])
-sys.argv = [path] + sys.argv[3:]
-sys.path.insert(0, os.path.dirname(path))
-spec = importlib.util.spec_from_file_location("reward", path)
-reward = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(reward)
-pairwise_loss, calls = reward.pairwise_loss, []
-def planted(*rewards):
-    calls.append(None)
-    return pairwise_loss(*rewards) * (float("nan") if len(calls) == poisoned_call else 1.0)
-reward.pairwise_loss = planted
-reward.main(tyro.cli(reward.Args))
-"""
-
-
-def assert_same_checkpoint(ordinary, fallback) -> None:
-    """Two checkpoints of one update hold the same: weights, AdamW, the schedule byte for byte, accelerate's random
-    states (every RNG state and its micro-batch count `step`), and the trainer state but for its wall-clock time."""
-    names = sorted(os.listdir(ordinary))
-    assert sorted(os.listdir(fallback)) == names
-    for name in names:
-        if name == "random_states_0.pkl":
-            states = [torch.load(os.path.join(d, name), weights_only=False) for d in (ordinary, fallback)]
-            assert states[0].keys() == states[1].keys()
-            for key in states[0]:
-                same = (torch.equal(states[0][key], states[1][key]) if isinstance(states[0][key], torch.Tensor)
-                        else repr(states[0][key]) == repr(states[1][key]))
-                assert same, f"{fallback}: {key} differs from the ordinary checkpoint's"
-        elif name in ("trainer_state.json", "manifest.json"):
-            contents = [json.load(open(os.path.join(d, name))) for d in (ordinary, fallback)]
-            for content in contents:  # the wall-clock time, and the size of the file that holds it
-                content.pop("train_time", None), content.get("files", {}).pop("trainer_state.json", None)
-            assert contents[0] == contents[1], name
-        else:
-            assert open(os.path.join(ordinary, name), "rb").read() == open(os.path.join(fallback, name), "rb").read(), name
-
-
 @pytest.mark.slow
 def test_the_fallback_checkpoint_is_the_ordinary_one_and_resumes_alike(synthetic_task, short_preference, tmp_path):
-    """A NaN planted in the loss of update 3's second micro batch, the first of epoch 2 (after the first micro
+    """A NaN planted in the guarded loss of update 3's second micro batch, the first of epoch 2 (after the first micro
     batch's backward, its tokens counted, and a new epoch of the data begun): the run stops with the fallback
     checkpoint of update 2, which holds what an uninterrupted run's ordinary checkpoint of update 2 holds, and the
     run resumed from it ends with the uninterrupted run's model, metrics, summary and evaluation table."""
@@ -413,11 +371,11 @@ def test_the_fallback_checkpoint_is_the_ordinary_one_and_resumes_alike(synthetic
                       "--checkpoint_every", "1", "--checkpoint_keep", "0"), cwd=ROOT, env=ENV)
     command = rm_command(synthetic_task, short_preference, tmp_path, "planted", tmp_path / "planted", *flags,
                          "--checkpoint_every", "0")
-    result = subprocess.run([sys.executable, "-c", PLANTED_NAN, command[1], "6", *command[2:]], cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(with_nan_at(command, update=3, call=2), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("run_infra.NonFiniteError: update 3: train/loss"), last_line
+    assert last_line.startswith("reward.py: error: update 3: train/loss"), last_line
     runs = tmp_path / "runs"
     assert_last_good_checkpoint(runs / "planted" / "checkpoints", 2)
     assert_same_checkpoint(runs / "full" / "checkpoints" / "update_000002", runs / "planted" / "checkpoints" / "update_000002")

@@ -1,8 +1,8 @@
 """Tests of sft.py: the label masking (Detail 3), the loss math, fixed-length sampling (Detail 23) and a
 subprocess smoke run on the built-in task."""
 
-from conftest import (ENV, assert_last_good_checkpoint, assert_same_safetensors, kill_after_checkpoint, load_script,
-                      run_ok, tiny_causal_lm, without_timing)
+from conftest import (ENV, assert_last_good_checkpoint, assert_same_checkpoint, assert_same_safetensors,
+                      kill_after_checkpoint, load_script, run_ok, tiny_causal_lm, with_nan_at, without_timing)
 import json
 import os
 import re
@@ -290,52 +290,9 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthe
     assert assert_last_good_checkpoint(tmp_path / "runs" / "nan" / "checkpoints", 1)["num_updates"] == 4
 
 
-# sft.py run with one NaN planted: its main, with next_token_loss returning a NaN loss at the given training call
-# (1, 2, ...; evaluation calls, in eval mode, are not counted). A resumed run, without the plant, trains on.
-PLANTED_NAN = """
-import importlib.util, os, sys
-import tyro
-path, poisoned_call = sys.argv[1], int(sys.argv[2])
-sys.argv = [path] + sys.argv[3:]
-sys.path.insert(0, os.path.dirname(path))
-spec = importlib.util.spec_from_file_location("sft", path)
-sft = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sft)
-next_token_loss, calls = sft.next_token_loss, []
-def planted(model, *rest):
-    loss, count = next_token_loss(model, *rest)
-    calls.extend([None] if model.training else [])
-    return (loss * float("nan") if model.training and len(calls) == poisoned_call else loss), count
-sft.next_token_loss = planted
-sft.main(tyro.cli(sft.Args))
-"""
-
-
-def assert_same_checkpoint(ordinary, fallback) -> None:
-    """Two checkpoints of one update hold the same: weights, AdamW, the schedule byte for byte, accelerate's random
-    states (every RNG state and its micro-batch count `step`), and the trainer state but for its wall-clock time."""
-    names = sorted(os.listdir(ordinary))
-    assert sorted(os.listdir(fallback)) == names
-    for name in names:
-        if name == "random_states_0.pkl":
-            states = [torch.load(os.path.join(d, name), weights_only=False) for d in (ordinary, fallback)]
-            assert states[0].keys() == states[1].keys()
-            for key in states[0]:
-                same = (torch.equal(states[0][key], states[1][key]) if isinstance(states[0][key], torch.Tensor)
-                        else repr(states[0][key]) == repr(states[1][key]))
-                assert same, f"{fallback}: {key} differs from the ordinary checkpoint's"
-        elif name in ("trainer_state.json", "manifest.json"):
-            contents = [json.load(open(os.path.join(d, name))) for d in (ordinary, fallback)]
-            for content in contents:  # the wall-clock time, and the size of the file that holds it
-                content.pop("train_time", None), content.get("files", {}).pop("trainer_state.json", None)
-            assert contents[0] == contents[1], name
-        else:
-            assert open(os.path.join(ordinary, name), "rb").read() == open(os.path.join(fallback, name), "rb").read(), name
-
-
 @pytest.mark.slow
 def test_the_fallback_checkpoint_is_the_ordinary_one_and_resumes_alike(synthetic_task, tmp_path):
-    """A NaN planted in the loss of update 3's second micro batch (after the first one's backward, and after
+    """A NaN planted in the guarded loss of update 3's second micro batch (after the first one's backward, and after
     accelerate counted it): the run stops with the fallback checkpoint of update 2, which holds what an uninterrupted
     run's ordinary checkpoint of update 2 holds, and the run resumed from it ends with the uninterrupted run's
     weights, metrics, samples and summary."""
@@ -343,11 +300,11 @@ def test_the_fallback_checkpoint_is_the_ordinary_one_and_resumes_alike(synthetic
     run_ok(sft_command(synthetic_task, tmp_path, "full", tmp_path / "full", *flags, "--checkpoint_every", "1",
                        "--checkpoint_keep", "0"), cwd=tmp_path, env=ENV)
     command = sft_command(synthetic_task, tmp_path, "planted", tmp_path / "planted", *flags, "--checkpoint_every", "0")
-    result = subprocess.run([sys.executable, "-c", PLANTED_NAN, command[1], "6", *command[2:]], cwd=tmp_path, env=ENV,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(with_nan_at(command, update=3, call=2), cwd=tmp_path, env=ENV, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("run_infra.NonFiniteError: update 3: train/loss is not finite"), last_line
+    assert last_line.startswith("sft.py: error: update 3: train/loss is not finite"), last_line
     runs = tmp_path / "runs"
     assert_last_good_checkpoint(runs / "planted" / "checkpoints", 2)
     assert_same_checkpoint(runs / "full" / "checkpoints" / "update_000002", runs / "planted" / "checkpoints" / "update_000002")
