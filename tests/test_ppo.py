@@ -2,7 +2,7 @@
 tiny models (7, 21, 22, 23), the trlX / OpenRLHF options, two subprocess smoke runs, and the reliability
 features (SIGKILL + --resume, the non-finite guard, the reward-model tokenizer check)."""
 
-from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok, without_timing
+from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
 import json
 import os
 import subprocess
@@ -184,6 +184,9 @@ def test_reward_whitening_changes_rewards():
     whitened = shaped_example(make_args(whiten_rewards=True), scores, responses)[1]
     masked = whitened["rewards"][plain["mask"]]
     assert masked.var(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+    # Detail 24 whitens the rewards without shifting their mean (shift_mean=False): the masked mean is the plain one's
+    plain_mean = plain["rewards"][plain["mask"]].mean().item()
+    assert abs(plain_mean) > 0.1 and masked.mean().item() == pytest.approx(plain_mean, abs=1e-5)
     assert not torch.allclose(plain["rewards"], whitened["rewards"])
 
 
@@ -496,7 +499,7 @@ def test_smoke_two_processes_frozen_actor(synthetic_task, tiny_models, tmp_path)
     """2 processes (gloo on CPU); the actor stays frozen for both updates, so the saved policy must
     equal the SFT policy bit for bit while the critic trains, and the actor takes no AdamW step (DDP included)."""
     extra = ["--ppo.freeze_actor_updates", "2", "--checkpoint_every", "1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.join(REPO_ROOT, "ppo.py"), *smoke_command(synthetic_task, tiny_models, tmp_path, extra)]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
                             text=True, timeout=300)
