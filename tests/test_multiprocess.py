@@ -456,19 +456,19 @@ def test_a_refused_resume_of_a_zero2_run_is_one_paragraph_from_rank_0(synthetic_
              "--run_name", "z2", "--checkpoint_every", "2"]
     sft = os.path.join(REPO_ROOT, "sft.py")
 
-    def launch(config: str, processes: int, offset: int) -> list:
+    def launch(config: str, processes: int) -> list:  # each launch takes a free port
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(REPO_ROOT, config),
                 "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port",
-                str(port_of("sft", "zero2", offset=offset)), sft]
+                str(free_port()), sft]
 
-    written = subprocess.run([*launch("zero2.yaml", 2, 7), *flags], cwd=REPO_ROOT, env=DEEPSPEED_ENV,
+    written = subprocess.run([*launch("zero2.yaml", 2), *flags], cwd=REPO_ROOT, env=DEEPSPEED_ENV,
                              capture_output=True, text=True, timeout=600)
     assert written.returncode == 0, written.stderr[-4000:]
     checkpoint = tmp_path / "runs" / "z2" / "checkpoints" / "update_000002"
     refusal = (f"--resume: {checkpoint} was written by 2 process(es) with DeepSpeed stage 2, this run has {{}} with stage "
                f"{{}}; launch 2 process(es) with the original config")
-    for command, env, ours in (([sys.executable, sft], ENV, (1, None)), (launch("zero2.yaml", 1, 8), DEEPSPEED_ENV, (1, 2)),
-                               (launch("zero3.yaml", 2, 9), DEEPSPEED_ENV, (2, 3))):
+    for command, env, ours in (([sys.executable, sft], ENV, (1, None)), (launch("zero2.yaml", 1), DEEPSPEED_ENV, (1, 2)),
+                               (launch("zero3.yaml", 2), DEEPSPEED_ENV, (2, 3))):
         result = subprocess.run([*command, *flags, "--resume"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                 timeout=600)
         paragraph = f"sft.py: error: {refusal.format(*ours)}"

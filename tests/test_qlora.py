@@ -219,7 +219,7 @@ def test_check_qlora_flags():
     run_infra.check_qlora_flags(qlora_args(), fake_accelerator(2))  # ZeRO-2 keeps the 4-bit base whole on every process
     with pytest.raises(ValueError, match=r"--load_in_4bit \(QLoRA\) .* needs --lora_rank > 0"):
         run_infra.check_qlora_flags(qlora_args(lora_rank=0), fake_accelerator(None))
-    with pytest.raises(ValueError, match="cannot run under DeepSpeed ZeRO-3: .* Use zero2.yaml"):
+    with pytest.raises(ValueError, match="cannot run under DeepSpeed ZeRO-3, .* Use zero2.yaml"):
         run_infra.check_qlora_flags(qlora_args(), fake_accelerator(3))
 
 
