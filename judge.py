@@ -467,10 +467,13 @@ def plot_length_controlled(bins: pd.DataFrame, path: str, unit: str) -> None:
     for label, d in bins.groupby("label", sort=False):
         d = d[d["n"] > 0]
         yerr = np.clip(np.stack([d["win_rate"] - d["ci_low"], d["ci_high"] - d["win_rate"]]), 0, None)
-        ax.errorbar(d["bin_center"], d["win_rate"], yerr=yerr, marker="o", capsize=3, label=label)
+        bars = ax.errorbar(d["bin_center"], d["win_rate"], yerr=yerr, marker="o", capsize=3, label=label)
+        for x_, y_, n in zip(d["bin_center"], d["win_rate"], d["n"]):  # how many verdicts each point rests on
+            ax.annotate(f"{n}", (x_, y_), textcoords="offset points", xytext=(4, 4), fontsize=6,
+                        color=bars.lines[0].get_color())
     ax.axhline(0.5, color="gray", lw=0.8, ls="--")
     ax.axvline(0.0, color="gray", lw=0.8, ls=":")
-    ax.set_xlabel(f"log(response length / reference length)  [{unit}]")
+    ax.set_xlabel(f"log(response length / reference length)  [{unit}]; numbers: verdicts per bin")
     ax.set_ylabel("win rate (95% Wilson CI)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("Length-controlled win rate (Figure 8)")

@@ -2,7 +2,9 @@
 
     python pipeline.py                 # the quickstart (about 20 minutes on 2 CPU cores)
     python pipeline.py --mode full     # adds ILQL and the four offline methods, on seeds 1 2 3
-    python pipeline.py --mode ci       # a minimal run that checks every artefact is produced
+    python pipeline.py --mode leaderboard                    # every method, seeds 1 2 3: one table, one plot
+    python pipeline.py --mode leaderboard --extra my.py:rloo # ... with a forked script beside them
+    python pipeline.py --mode ci       # every stage with minimal steps: checks every artefact is produced
     python pipeline.py --force ppo     # rerun one stage (and nothing else)
     python pipeline.py --kto           # adds KTO (kto.py) on the pairs and on the raters' thumbs up / down
 
@@ -16,7 +18,9 @@ of its checkpoints (`--checkpoint_every`) continues from it with `--resume`. One
 `results.md` (also printed) and the plots. With several seeds (`--seeds 1 2 3`, the default of `--mode full`)
 the task (prep: data, tokenizer, base model) is made once and every later stage runs once per seed in
 `<out>/seed_<n>/`, each with its own report; `<out>/report/seeds.md` then sets the seeds side by side
-(mean and standard deviation of each policy's gold win rate, the RM accuracies).
+(mean and standard deviation of each policy's gold win rate, the RM accuracies). `--mode leaderboard` runs every
+method the project ships on seeds 1 2 3 with one budget and writes `<out>/report/leaderboard.md` and
+`leaderboard.png` (gold win rate against KL from SFT); `--mode ci` runs the same stages at minimal sizes.
 
 This file is glue, not an algorithm: it may import the project's `data` package (the built-in task
 and its gold judge) and `report.py`, which the algorithm scripts never do. Measured run times and results:
@@ -43,9 +47,10 @@ sys.path.insert(0, REPO_ROOT)
 
 @dataclass
 class Args:
-    mode: Literal["quickstart", "full", "ci"] = "quickstart"
-    """quickstart: the README's first command (SFT, RM, PPO, DPO); full: also ILQL and the four offline
-    methods; ci: every stage with minimal steps, to check that every artefact of the report is produced"""
+    mode: Literal["quickstart", "full", "leaderboard", "ci"] = "quickstart"
+    """quickstart: the README's first command (SFT, RM, PPO, DPO); full: also RLOO, ILQL and the four offline
+    methods; leaderboard: every method the project ships (and --extra forks) on one budget, one table and one plot;
+    ci: the leaderboard's stages with minimal steps, to check that every artefact of the report is produced"""
     out: str = "artifacts/quickstart"
     """where data, models, runs and the report go"""
     force: list[str] = field(default_factory=list)
@@ -56,9 +61,14 @@ class Args:
     """seed of every stage (with one seed)"""
     seeds: list[int] = field(default_factory=list)
     """training seeds: each runs every stage after prep in <out>/seed_<n>/ (prep uses the first seed: one task for
-    all). Empty: --seed alone in quickstart and ci modes, 1 2 3 in full mode"""
+    all). Empty: --seed alone in quickstart and ci modes, 1 2 3 in full and leaderboard modes"""
     threads: int = 0
-    """torch threads per stage (0 = all cores)"""
+    """torch threads per stage; 0 = the cores that are idle when the stage starts (at least 1), so that a machine
+    shared with other work is not oversubscribed"""
+    extra: list[str] = field(default_factory=list)
+    """forked scripts to run and judge beside the project's methods, each as `path.py:stage`: the script gets the
+    command of that stage (its data, models and settings; e.g. `my_rloo.py:rloo`) with its own run name (the file's
+    name), and joins the report and the leaderboard"""
     take_over_lock: bool = False
     """take over <out>/pipeline.lock when its holder cannot be checked (a pipeline on another host: a container that
     restarted under a new host name); a lock of an ended pipeline is taken over without it"""
@@ -150,6 +160,22 @@ SETTINGS["full"] = {**SETTINGS["quickstart"], "ppo": flags_with(SETTINGS["quicks
 # RLOO (rloo.py) on PPO's sizes and episodes, with its own defaults: the paper's k = 2 responses per query and one
 # pass over each batch
 SETTINGS["full"]["rloo"] = SETTINGS["full"]["ppo"]
+# leaderboard: every method on one budget, from each seed's own SFT and reward model. Online methods sample 1,536
+# responses each (the quickstart PPO's 48 updates of 32): PPO one per query, RLOO 2 per query (k), GRPO 4 (G), online
+# DPO two per query as 768 pairs (24 updates of 32 pairs; pairs that the RM cannot separate are redrawn). DPO, IPO and
+# KTO train on the same 960 preference pairs (KTO: 1,920 examples, or as many thumbs); ILQL and the offline methods
+# keep full mode's settings, which their sections of docs/results.md measured (each row of the table states its budget)
+SETTINGS["leaderboard"] = {
+    **SETTINGS["quickstart"],
+    "rloo": SETTINGS["quickstart"]["ppo"],
+    "grpo": SETTINGS["quickstart"]["ppo"],
+    # IPO's squared loss on the per-token mean log-ratio, regressed onto 1 / (2 beta): beta 0.5, a target of 1 nat
+    # (docs/results.md compares it with 0.1 on one seed)
+    "ipo": flags_with(SETTINGS["quickstart"]["dpo"], {"--loss_type": "ipo", "--beta": "0.5"}),
+    "online_dpo": flags_with(SETTINGS["quickstart"]["dpo"], {"--total_episodes": "768"}),
+    # the pipeline's ILQL beta: the advantage scale of the judged samples (samples.csv)
+    "ilql": SETTINGS["quickstart"]["ilql"] + ["--beta", "4.0"],
+}
 SETTINGS["ci"] = {
     "prep": ["--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48", "--synthetic_num_pref_train", "256",
              "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8", "--synthetic_warmup_steps", "20"],
@@ -173,6 +199,9 @@ SETTINGS["ci"] = {
             "--num_eval_samples", "32"],
 }
 SETTINGS["ci"]["kto_unpaired"] = SETTINGS["ci"]["kto"]
+SETTINGS["ci"]["grpo"] = SETTINGS["ci"]["rloo"]
+SETTINGS["ci"]["ipo"] = SETTINGS["ci"]["dpo"] + ["--loss_type", "ipo", "--beta", "0.5"]
+SETTINGS["ci"]["online_dpo"] = flags_with(SETTINGS["ci"]["dpo"], {"--total_episodes": "16"})
 
 QUICKSTART_STAGES = ["prep", "sft", "rm", "ppo", "dpo", "judge", "report"]
 # What each stage does, and about how long it takes alone on 2 CPU cores (the quickstart's sizes; docs/results.md)
@@ -189,14 +218,66 @@ ABOUT = {"prep": ("the built-in task: posts, preference pairs, a tokenizer and a
          "kto": ("KTO (kto.py)", "1-2 min")}
 FULL_STAGES = ["prep", "sft", "rm", "ppo", "rloo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt",
                "offline_best_of_n", "judge", "report"]
-# policies whose samples are judged: stage -> (label, samples CSV relative to the run dir)
-POLICY_STAGES = ["sft", "ppo", "rloo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n",
-                 "kto", "kto_unpaired"]
+# every method the project ships (the leaderboard's rows, in its order); --extra forks go before the judge
+LEADERBOARD_STAGES = ["prep", "unpaired", "sft", "rm", "ppo", "rloo", "grpo", "online_dpo", "dpo", "ipo", "kto",
+                      "kto_unpaired", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n",
+                      "judge", "report"]
+ABOUT.update({"grpo": ("GRPO against the reward model (grpo.py)", "2 min"),
+              "online_dpo": ("online DPO, pairs judged by the reward model (online_dpo.py)", "2 min"),
+              "ipo": ("IPO on the preference pairs (dpo.py --loss_type ipo)", "under 1 min")})
+# policies whose samples are judged, in the report's order (--extra forks follow)
+POLICY_STAGES = ["sft", "ppo", "rloo", "grpo", "online_dpo", "dpo", "ipo", "kto", "kto_unpaired", "ilql",
+                 "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n"]
+# the script of each stage that is not `<stage>.py` (a fork of the project without one of them skips its stages)
+SCRIPTS = {"rm": "reward.py", "ipo": "dpo.py", "kto_unpaired": "kto.py", "prep": "data/prepare.py",
+           "unpaired": "data/prepare.py", "judge": "judge.py", "report": "report.py"}
 KTO_STAGES = {"prep": ["unpaired"], "dpo": ["kto", "kto_unpaired"]}  # --kto: the stages that follow these
 
 
 def resolve_seeds(args: Args) -> list[int]:
-    return list(args.seeds) or ([1, 2, 3] if args.mode == "full" else [args.seed])
+    return list(args.seeds) or ([1, 2, 3] if args.mode in ("full", "leaderboard") else [args.seed])
+
+
+def parse_extras(extras: list[str]) -> dict[str, tuple[str, str]]:
+    """`path.py:stage` of each --extra -> {its stage name (the file's name): (its absolute path, stage)}. Bad input
+    (a missing file, an unknown stage, a name taken by a project stage or given twice) is one error naming it."""
+    from run_infra import RunError
+
+    known = [s for s in LEADERBOARD_STAGES if s not in ("prep", "unpaired", "judge", "report")]
+    out = {}
+    for item in extras:
+        path, _, stage = item.rpartition(":")
+        name = os.path.splitext(os.path.basename(path))[0]
+        if not path or stage not in known:
+            raise RunError(f"--extra {item}: expected path.py:stage with a stage of {', '.join(known)} (the stage whose "
+                           f"command and settings the fork takes)")
+        if not os.path.isfile(path):
+            raise RunError(f"--extra {item}: no file {os.path.abspath(path)}")
+        if name in known or name in out or name in ("prep", "unpaired", "judge", "report") or name.endswith(".py"):
+            raise RunError(f"--extra {item}: its run name {name!r} is taken; rename the file")
+        out[name] = (os.path.abspath(path), stage)
+    return out
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def idle_cores() -> int:
+    """The cores (of those this process may use) that no other runnable thread occupies now: the median over half a
+    second of the kernel's count of running threads, less this one reading it. At least 1; all usable cores where
+    the count cannot be read (a system without /proc/stat)."""
+    cores = usable_cores()
+    counts = []
+    try:
+        for _ in range(5):
+            with open("/proc/stat") as f:
+                counts += [int(line.split()[1]) for line in f if line.startswith("procs_running")]
+            time.sleep(0.1)
+    except (OSError, ValueError, IndexError):
+        return cores
+    busy = sorted(counts)[len(counts) // 2] - 1 if counts else 0
+    return max(1, cores - busy)
 
 
 class Pipeline:
@@ -216,16 +297,31 @@ class Pipeline:
         os.makedirs(self.stage_dir, exist_ok=True)
         os.makedirs(self.shared_stage_dir, exist_ok=True)
         self.settings = SETTINGS[args.mode]
-        stages = FULL_STAGES if args.mode == "full" else QUICKSTART_STAGES
-        if args.mode == "ci":
-            stages = FULL_STAGES
-        if args.kto:
+        stages = {"full": FULL_STAGES, "leaderboard": LEADERBOARD_STAGES, "ci": LEADERBOARD_STAGES}.get(args.mode,
+                                                                                                   QUICKSTART_STAGES)
+        if args.kto and "kto" not in stages:
             stages = [added for s in stages for added in [s, *KTO_STAGES.get(s, [])]]
+        self.extras = parse_extras(args.extra)  # stage -> (script, the stage whose command it takes)
+        stages = stages[:stages.index("judge")] + list(self.extras) + stages[stages.index("judge"):]
         self.stages = [s for s in stages if s not in args.skip and self._script_exists(s)]
 
     def _script_exists(self, stage: str) -> bool:
-        script = {"ilql": "ilql.py"}.get(stage, "offline_rl.py" if stage.startswith("offline_") else None)
-        return script is None or os.path.exists(os.path.join(REPO_ROOT, script))
+        if stage in self.extras:
+            return True  # checked by parse_extras
+        script = "offline_rl.py" if stage.startswith("offline_") else SCRIPTS.get(stage, f"{stage}.py")
+        return os.path.exists(os.path.join(REPO_ROOT, script))
+
+    def kind(self, stage: str) -> str:
+        """The project stage whose command and settings a stage takes: itself, or the one an --extra fork named."""
+        return self.extras[stage][1] if stage in self.extras else stage
+
+    def command(self, stage: str) -> list[str] | None:
+        if stage in ("judge", "report"):
+            return None
+        kind, script = self.kind(stage), self.extras.get(stage, (None,))[0]
+        if kind.startswith("offline_"):
+            return self.cmd_offline(kind[len("offline_"):], stage, script)
+        return getattr(self, f"cmd_{kind}")(stage, script)
 
     # ---------------------------------------------------------------- bookkeeping
     def marker(self, stage: str) -> str:
@@ -259,15 +355,24 @@ class Pipeline:
 
     def run(self, stage: str, cmd: list[str]) -> None:
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"))
-        if self.args.threads:
-            env["OMP_NUM_THREADS"] = str(self.args.threads)
+        # a fork named by --extra may live outside the project folder and still import run_infra
+        env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+        idle = idle_cores()
+        threads = self.args.threads or idle
+        # the leaderboard marks a stage's wall time as shared when another job held a core as it started
+        self.usage = {"threads": threads, "shared": idle < usable_cores()}
+        env["OMP_NUM_THREADS"] = str(threads)
         import torch
 
         if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, named: no "Setting accelerator" warning per stage
             env.setdefault("DS_ACCELERATOR", "cpu")
         printable = " ".join(cmd[1:]) if cmd[0] == sys.executable else " ".join(cmd)
-        print(f"\n=== [{stage}] python {printable}", flush=True)
-        code = subprocess.run(cmd, cwd=REPO_ROOT, env=env).returncode
+        print(f"\n=== [{stage}] python {printable}  ({threads} torch thread{'s' * (threads > 1)})", flush=True)
+        # wait4: the exit status and the peak resident memory of this stage's process (the leaderboard reports it)
+        process = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = code = os.waitstatus_to_exitcode(status)
+        self.usage["peak_rss_mib"] = usage.ru_maxrss / 1024  # Linux counts ru_maxrss in KiB
         if code:
             from run_infra import RunError
 
@@ -311,74 +416,89 @@ class Pipeline:
         return ["--seed", str(self.args.seed), "--run_name", stage, "--run_dir_root", self.runs, "--overwrite_output_dir"]
 
     # ---------------------------------------------------------------- stages
-    def cmd_prep(self) -> list[str]:
+    def cmd_prep(self, stage: str = "prep", script: str | None = None) -> list[str]:
         return self.py("data/prepare.py", "--task", "synthetic", "--output_dir", self.data, "--seed", str(self.data_seed),
                        *self.settings["prep"])
 
-    def cmd_sft(self) -> list[str]:
-        return self.py("sft.py", *self.common("sft"), "--base_model", f"{self.data}/base_model",
+    def flags(self, stage: str) -> list[str]:
+        return self.settings[self.kind(stage)]
+
+    def cmd_sft(self, stage: str = "sft", script: str | None = None) -> list[str]:
+        return self.py(script or "sft.py", *self.common(stage), "--base_model", f"{self.data}/base_model",
                        "--query_dataset", f"{self.data}/sft", "--response_length", str(TASK["sft_response_length"]),
-                       "--output_dir", f"{self.models}/sft", *self.settings["sft"])
+                       "--output_dir", f"{self.models}/{stage}", *self.flags(stage))
 
-    def cmd_rm(self) -> list[str]:
-        return self.py("reward.py", *self.common("rm"), "--sft_model_path", f"{self.models}/sft",
+    def cmd_rm(self, stage: str = "rm", script: str | None = None) -> list[str]:
+        return self.py(script or "reward.py", *self.common(stage), "--sft_model_path", f"{self.models}/sft",
                        "--preference_dataset", f"{self.data}/preference", "--query_dataset", f"{self.data}/sft",
-                       "--output_dir", f"{self.models}/rm", *self.settings["rm"])
+                       "--output_dir", f"{self.models}/{stage}", *self.flags(stage))
 
-    def cmd_ppo(self) -> list[str]:
-        return self.py("ppo.py", *self.common("ppo"), "--sft_model_path", f"{self.models}/sft",
+    def cmd_ppo(self, stage: str = "ppo", script: str | None = None) -> list[str]:
+        """ppo.py, and its forks rloo.py and grpo.py (the same flags)."""
+        return self.py(script or f"{self.kind(stage)}.py", *self.common(stage), "--sft_model_path", f"{self.models}/sft",
                        "--reward_model_path", f"{self.models}/rm", "--query_dataset", f"{self.data}/sft",
-                       "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/ppo",
-                       *self.settings["ppo"])
+                       "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/{stage}",
+                       *self.flags(stage))
 
-    def cmd_rloo(self) -> list[str]:
-        return self.py("rloo.py", *self.common("rloo"), "--sft_model_path", f"{self.models}/sft",
-                       "--reward_model_path", f"{self.models}/rm", "--query_dataset", f"{self.data}/sft",
-                       "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/rloo",
-                       *self.settings["rloo"])
+    def cmd_rloo(self, stage: str = "rloo", script: str | None = None) -> list[str]:
+        return self.cmd_ppo(stage, script)
 
-    def cmd_dpo(self) -> list[str]:
-        return self.py("dpo.py", *self.common("dpo"), "--sft_model_path", f"{self.models}/sft",
+    def cmd_grpo(self, stage: str = "grpo", script: str | None = None) -> list[str]:
+        return self.cmd_ppo(stage, script)
+
+    def cmd_dpo(self, stage: str = "dpo", script: str | None = None) -> list[str]:
+        """dpo.py (IPO is its --loss_type ipo), and its fork online_dpo.py, which also reads the reward model."""
+        script = script or {"ipo": "dpo.py"}.get(self.kind(stage), f"{self.kind(stage)}.py")
+        judge = ["--reward_model_path", f"{self.models}/rm"] if self.kind(stage) == "online_dpo" else []
+        return self.py(script, *self.common(stage), "--sft_model_path", f"{self.models}/sft", *judge,
                        "--preference_dataset", f"{self.data}/preference", "--query_dataset", f"{self.data}/sft",
-                       "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/dpo",
-                       *self.settings["dpo"])
+                       "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/{stage}",
+                       *self.flags(stage))
 
-    def cmd_unpaired(self) -> list[str]:
+    def cmd_ipo(self, stage: str = "ipo", script: str | None = None) -> list[str]:
+        return self.cmd_dpo(stage, script)
+
+    def cmd_online_dpo(self, stage: str = "online_dpo", script: str | None = None) -> list[str]:
+        return self.cmd_dpo(stage, script)
+
+    def cmd_unpaired(self, stage: str = "unpaired", script: str | None = None) -> list[str]:
         return self.py("data/prepare.py", "--task", "synthetic", "--output_dir", self.data, "--seed", str(self.data_seed),
                        "--unpaired_only")
 
-    def cmd_kto(self, stage: str = "kto", feedback: str = "pairs") -> list[str]:
-        return self.py("kto.py", *self.common(stage), "--feedback", feedback, "--sft_model_path", f"{self.models}/sft",
-                       "--preference_dataset", f"{self.data}/preference", "--unpaired_dataset", f"{self.data}/unpaired",
-                       "--query_dataset", f"{self.data}/sft", "--response_length", str(TASK["sft_response_length"]),
-                       "--output_dir", f"{self.models}/{stage}", *self.settings[stage])
+    def cmd_kto(self, stage: str = "kto", script: str | None = None) -> list[str]:
+        """kto.py on the preference pairs (stage kto) or on the raters' thumbs up / down (kto_unpaired)."""
+        feedback = "unpaired" if self.kind(stage) == "kto_unpaired" else "pairs"
+        return self.py(script or "kto.py", *self.common(stage), "--feedback", feedback, "--sft_model_path",
+                       f"{self.models}/sft", "--preference_dataset", f"{self.data}/preference", "--unpaired_dataset",
+                       f"{self.data}/unpaired", "--query_dataset", f"{self.data}/sft", "--response_length",
+                       str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/{stage}", *self.flags(stage))
 
-    def cmd_kto_unpaired(self) -> list[str]:
-        return self.cmd_kto("kto_unpaired", "unpaired")
+    def cmd_kto_unpaired(self, stage: str = "kto_unpaired", script: str | None = None) -> list[str]:
+        return self.cmd_kto(stage, script)
 
-    def cmd_ilql(self) -> list[str]:
+    def cmd_ilql(self, stage: str = "ilql", script: str | None = None) -> list[str]:
         # trlX trained ILQL from the base model (see ilql.py --init_from); the settings say which one starts here
-        flags = self.settings["ilql"]
+        flags = self.flags(stage)
         init = flags[flags.index("--init_from") + 1] if "--init_from" in flags else "base"  # ilql.py's default
         start = f"{self.models}/sft" if init == "sft" else f"{self.data}/base_model"
-        return self.py("ilql.py", *self.common("ilql"), "--model_path", start,
+        return self.py(script or "ilql.py", *self.common(stage), "--model_path", start,
                        "--reward_model_path", f"{self.models}/rm", "--preference_dataset", f"{self.data}/preference",
                        "--query_dataset", f"{self.data}/sft", "--response_length", str(TASK["sft_response_length"]),
-                       "--output_dir", f"{self.models}/ilql", *self.settings["ilql"])
+                       "--output_dir", f"{self.models}/{stage}", *flags)
 
-    def cmd_offline(self, method: str) -> list[str]:
-        stage = f"offline_{method}"
-        return self.py("offline_rl.py", *self.common(stage), "--method", method, "--sft_model_path", f"{self.models}/sft",
-                       "--reward_model_path", f"{self.models}/rm", "--preference_dataset", f"{self.data}/preference",
-                       "--query_dataset", f"{self.data}/sft", "--response_length", str(TASK["sft_response_length"]),
-                       "--cache_dir", f"{self.base}/offline_cache", "--output_dir", f"{self.models}/{stage}",
-                       *self.settings[stage])
+    def cmd_offline(self, method: str, stage: str | None = None, script: str | None = None) -> list[str]:
+        stage = stage or f"offline_{method}"
+        return self.py(script or "offline_rl.py", *self.common(stage), "--method", method, "--sft_model_path",
+                       f"{self.models}/sft", "--reward_model_path", f"{self.models}/rm", "--preference_dataset",
+                       f"{self.data}/preference", "--query_dataset", f"{self.data}/sft", "--response_length",
+                       str(TASK["sft_response_length"]), "--cache_dir", f"{self.base}/offline_cache", "--output_dir",
+                       f"{self.models}/{stage}", *self.flags(stage))
 
     def policies(self) -> list[tuple[str, str]]:
         """(label, samples.csv) of every policy stage that has run. ILQL contributes one policy per swept
         beta (samples_beta{b}.csv, labelled ilql_beta{b}), so the report shows the advantage shift's effect."""
         out = []
-        for stage in POLICY_STAGES:
+        for stage in POLICY_STAGES + list(self.extras):
             if stage not in self.stages:
                 continue
             if stage == "ilql":
@@ -391,6 +511,16 @@ class Pipeline:
             if os.path.exists(path):
                 out.append((stage, path))
         return out
+
+    def policies_order(self) -> list[str]:
+        return POLICY_STAGES + list(self.extras)
+
+    def judged_label(self, stage: str) -> str:
+        """The judge's label of a stage's policy: the stage, or for ILQL the beta its samples.csv was drawn at."""
+        if stage != "ilql":
+            return stage
+        flags = self.flags(stage)
+        return f"ilql_beta{float(flags[flags.index('--beta') + 1]) if '--beta' in flags else 1.0:g}"  # ilql.py's default
 
     def stage_judge(self) -> None:
         from data.gold_judge_server import serve_in_thread
@@ -420,8 +550,7 @@ class Pipeline:
         for number, stage in enumerate(self.stages, 1):
             what, how_long = ABOUT.get(stage, ABOUT.get(stage.split("_")[0], (stage, "a few min")))
             print(f"\n##### stage {number} of {len(self.stages)}: {stage}: {what} (about {how_long})", flush=True)
-            cmd = None if stage in ("judge", "report") else (
-                self.cmd_offline(stage[len("offline_"):]) if stage.startswith("offline_") else getattr(self, f"cmd_{stage}")())
+            cmd = self.command(stage)
             if self.done(stage):
                 self.check_command(stage, cmd)
                 print(f"=== [{stage}] done already ({self.marker(stage)}); --force {stage} reruns it")
@@ -429,7 +558,7 @@ class Pipeline:
             problem = self.incomplete(stage) if os.path.exists(self.marker(stage)) else None
             if problem:
                 print(f"=== [{stage}] marked done, but {problem}: running it again")
-            t0 = time.time()
+            t0, self.usage = time.time(), {}
             if stage == "judge":
                 self.stage_judge()
             elif stage == "report":
@@ -444,7 +573,7 @@ class Pipeline:
                     raise RuntimeError(f"[{stage}] ended, but {problem}; rerun it: python pipeline.py --force {stage}")
             with open(self.marker(stage), "w") as f:
                 json.dump({"stage": stage, "wall_time_s": round(time.time() - t0, 1), "finished": time.time(),
-                           "command": cmd and self.recorded(cmd)}, f)
+                           **self.usage, "command": cmd and self.recorded(cmd)}, f)
         print(f"\npipeline finished in {time.time() - t_start:.0f} s (this invocation); report: {self.report_dir}/results.md")
 
 
@@ -457,14 +586,20 @@ def main(args: Args) -> None:
     try:
         seeds = resolve_seeds(args)
         if len(seeds) == 1:
-            Pipeline(dataclasses.replace(args, seed=seeds[0])).main()
-            return
-        for seed in seeds:
-            print(f"\n##### seed {seed} of {seeds}", flush=True)
-            Pipeline(dataclasses.replace(args, seed=seed), seed_dir=f"seed_{seed}", data_seed=seeds[0]).main()
+            pipelines = [Pipeline(dataclasses.replace(args, seed=seeds[0]))]
+            pipelines[0].main()
+        else:
+            pipelines = []
+            for seed in seeds:
+                print(f"\n##### seed {seed} of {seeds}", flush=True)
+                pipelines.append(Pipeline(dataclasses.replace(args, seed=seed), seed_dir=f"seed_{seed}", data_seed=seeds[0]))
+                pipelines[-1].main()
         import report
 
-        print("\n" + report.write_seed_report(os.path.abspath(args.out), seeds))
+        if len(seeds) > 1:
+            print("\n" + report.write_seed_report(os.path.abspath(args.out), seeds))
+        if args.mode in ("leaderboard", "ci") and "report" in pipelines[0].stages:
+            print("\n" + report.write_leaderboard(os.path.abspath(args.out), seeds, pipelines))
     finally:
         os.remove(lock)
 

@@ -137,10 +137,16 @@ def gold_win(query: str, response: str, reference: str) -> float:
 
 
 def ppo_curve(p) -> pd.DataFrame:
-    """RM score and gold win rate vs reference at every PPO evaluation (the over-optimisation curve)."""
+    """RM score and gold win rate vs reference at every PPO evaluation (the over-optimisation curve). Update 0 is the
+    SFT policy's samples of the same queries (sft.py scores none with the RM: its RM score is empty)."""
     rows = []
-    for path in sorted(glob.glob(os.path.join(p.runs, "ppo", "samples", "step_*.csv"))):
-        step = int(os.path.basename(path)[len("step_"):-len(".csv")])
+    evaluations = sorted(glob.glob(os.path.join(p.runs, "ppo", "samples", "step_*.csv")))
+    sft = os.path.join(p.runs, "sft", "samples.csv")
+    if evaluations and os.path.exists(sft) and \
+            set(pd.read_csv(sft, keep_default_na=False)["query"]) == set(pd.read_csv(evaluations[0], keep_default_na=False)["query"]):
+        evaluations.insert(0, sft)
+    for path in evaluations:
+        step = int(os.path.basename(path)[len("step_"):-len(".csv")]) if path != sft else 0
         df = pd.read_csv(path, keep_default_na=False)
         wins = [gold_win(q, r, ref) for q, r, ref in zip(df["query"], df["response"], df["reference"])]
         gold = [synthetic.gold_score(q, r) for q, r in zip(df["query"], df["response"])]
@@ -180,7 +186,10 @@ def rm_and_gold_plot(frame: pd.DataFrame, x: str, xlabel: str, ylabel: str, titl
         if f"{column}_low" in frame:
             ax.fill_between(frame[x], frame[f"{column}_low"], frame[f"{column}_high"], color=color, alpha=0.2,
                             label=f"{label}: range over seeds")
-    ax1.set(xlabel=xlabel, ylabel=ylabel)
+    # the RM axis spans at least 0 to 1 as the gold axis does, so that a change of 0.03 looks like one on either axis
+    values = pd.concat([frame[c] for c in ("rm_score", "rm_score_low", "rm_score_high") if c in frame]).dropna().to_numpy()
+    low, high = float(np.min(values, initial=0.0)), float(np.max(values, initial=1.0))
+    ax1.set(xlabel=xlabel, ylabel=ylabel, ylim=(low, high))
     ax2.set(ylabel="gold win rate vs reference", ylim=(0, 1))
     # the legend lives inside the axes, on the gold axis (drawn last, so nothing covers it); matplotlib's "best" spot
     # avoids only that axis's data, so the RM curves are copied onto it, invisible, in its 0-1 coordinates
@@ -226,7 +235,7 @@ def write_report(p) -> str:
         length = float(pd.to_numeric(df["response_token_len"], errors="coerce").mean())
         score = pd.to_numeric(df["score"], errors="coerce").mean() if "score" in df else float("nan")
         kl = kl_from_sft(p, label, samples_csv, tokenizer)
-        policy_rows.append({"policy": label, "win_rate": j.get("win_rate"), "ci_low": j.get("ci_low"),
+        policy_rows.append({"policy": label, "win_rate": j.get("win_rate"), "ci_low": j.get("ci_low"), "n": j.get("n"),
                             "ci_high": j.get("ci_high"), "eos_rate": eos, "length": length, "kl": kl})
         ci = f"[{_fmt(j.get('ci_low'))}, {_fmt(j.get('ci_high'))}]" if j.get("ci_low") is not None else "n/a"
         lines.append(f"| {label} | {_fmt(j.get('win_rate'))} | {ci} | {j.get('n', 'n/a')} | {j.get('invalid', 'n/a')} | "
@@ -449,4 +458,165 @@ def write_seed_report(out: str, seeds: list[int]) -> str:
         f.write(text)
     with open(os.path.join(report_dir, "seeds.json"), "w") as f:
         json.dump({"seeds": seeds, "metrics": summary}, f, indent=2)
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# The leaderboard (pipeline.py --mode leaderboard): every method on every seed, one table and one plot.
+# --------------------------------------------------------------------------------------------
+NAMES = {"sft": "SFT", "ppo": "PPO", "rloo": "RLOO", "grpo": "GRPO", "online_dpo": "online DPO (RM judge)", "dpo": "DPO",
+         "ipo": "IPO", "kto": "KTO (pairs)", "kto_unpaired": "KTO (thumbs up / down)", "ilql": "ILQL",
+         "offline_filter": "MLE with filtering", "offline_rwr": "RWR", "offline_dt": "Decision Transformer",
+         "offline_best_of_n": "best-of-n"}
+# the 97.5% quantile of Student's t by degrees of freedom (a two-sided 95% interval of a mean over few seeds)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def mean_and_t_interval(values: list[float]) -> tuple[float, float, float]:
+    """The mean of a few seeds' values and its two-sided 95% t-interval (nan bounds for a single value)."""
+    xs = np.array(values, dtype=float)
+    if len(xs) < 2:
+        return float(xs.mean()), float("nan"), float("nan")
+    half = T975.get(len(xs) - 1, 1.96) * xs.std(ddof=1) / np.sqrt(len(xs))
+    return float(xs.mean()), float(xs.mean() - half), float(xs.mean() + half)
+
+
+def budget(kind: str, args: dict, summary: dict) -> str:
+    """What a method spent, from its run's args.json and summary.json: sampled responses, prompts, pairs or
+    examples, and optimizer updates."""
+    def n(x):
+        return f"{int(x):,}"
+
+    def updates(x):
+        return f"{int(x):,} update{'s' * (int(x) != 1)}"
+
+    if kind == "sft":
+        return f"{updates(summary.get('train/updates', 0))} on the reference summaries"
+    if kind in ("ppo", "rloo", "grpo"):
+        per = {"rloo": args.get("rloo_k", 2), "grpo": args.get("group_size", 4)}.get(kind, 1)
+        episodes = args["total_episodes"]
+        return (f"{n(episodes)} sampled responses ({n(episodes // per)} prompts x {per}), "
+                f"{updates(episodes // args['total_batch_size'])}")
+    if kind == "online_dpo":
+        pairs = args["total_episodes"]
+        return (f"{n(2 * pairs)} sampled responses ({n(pairs)} prompts x 2; pairs the judge cannot separate are "
+                f"redrawn on top), {updates(pairs // args['total_batch_size'])}")
+    if kind in ("dpo", "ipo"):
+        pairs = args["total_episodes"]
+        return f"{n(pairs)} preference pairs, {updates(pairs // args['total_batch_size'])}"
+    if kind in ("kto", "kto_unpaired"):
+        examples = args["total_episodes"]
+        what = f"examples ({n(examples // 2)} pairs)" if kind == "kto" else "thumbs up / down"
+        return f"{n(examples)} {what}, {updates(examples // args['total_batch_size'])}"
+    if kind == "ilql":
+        episodes = args["total_episodes"]
+        return (f"{n(episodes)} RM-scored responses of the pairs, {updates(episodes // args['total_batch_size'])}, "
+                f"beta {args.get('beta'):g}")
+    if kind == "offline_best_of_n":
+        return f"{n(args['n'] * args['bon_num_prompts'])} sampled responses ({n(args['bon_num_prompts'])} prompts x {args['n']})"
+    if kind.startswith("offline_"):
+        return (f"{n(args['mixture_size'])} SFT responses scored by the RM, {args.get('num_train_epochs', 1)} "
+                f"pass{'es' * (args.get('num_train_epochs', 1) > 1)}")
+    return ""
+
+
+def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
+    """`<out>/report/leaderboard.md` (+ .csv and leaderboard.png) from every seed's report (results.json), run
+    (args.json, summary.json) and stage markers. One row a method: its budget, its gold win rate against the
+    references per seed (95% Wilson interval) and over seeds (mean, 95% t-interval), the mean over seeds of its KL
+    from SFT, length and EOS rate, its mean wall time and highest peak memory. The plot: gold win rate against KL
+    from SFT, one point a method and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = pipelines[0]
+    rows = []
+    for stage in [s for s in first.stages if s in first.policies_order()]:
+        kind = first.kind(stage)
+        label = first.judged_label(stage)
+        per_seed, extra = {}, {"kl": [], "length": [], "eos_rate": [], "wall": [], "shared": [], "peak": []}
+        for seed, p in zip(seeds, pipelines):
+            res = _load(os.path.join(p.report_dir, "results.json"))
+            row = next((r for r in res.get("policies", []) if r["policy"] == label), None)
+            if row is None:
+                raise ValueError(f"leaderboard: seed {seed} has no judged {label} in {p.report_dir}/results.json; run "
+                                 f"pipeline.py again to finish that seed")
+            per_seed[seed] = row
+            for key in ("kl", "length", "eos_rate"):
+                if row.get(key) is not None:
+                    extra[key].append(row[key])
+            marker = _load(p.marker(stage))
+            extra["wall"].append(marker.get("wall_time_s"))
+            extra["shared"].append(bool(marker.get("shared")))
+            extra["peak"].append(marker.get("peak_rss_mib"))
+        args = _load(os.path.join(first.runs, stage, "args.json"))
+        summary = _load(os.path.join(first.runs, stage, "summary.json"))
+        name = NAMES.get(stage, f"{stage} (fork of {kind}.py's stage {kind})" if stage in first.extras else stage)
+        rows.append({"stage": stage, "method": name, "budget": budget(kind, args, summary), "per_seed": per_seed, **extra})
+
+    def avg(xs):
+        xs = [x for x in xs if x is not None]
+        return float(np.mean(xs)) if xs else None
+
+    n_samples = {r.get("n") for row in rows for r in row["per_seed"].values()} - {None}
+    lines = ["## Leaderboard: every method on the built-in task", "",
+             f"Seeds {', '.join(map(str, seeds))}; each seed trains its own SFT and reward model, and every method of "
+             f"that seed starts from them. Gold win rate against the reference summaries on "
+             f"{', '.join(map(str, sorted(n_samples))) or 'the'} validation samples per seed (95% Wilson interval), "
+             f"and over seeds (mean, 95% t-interval). KL from SFT: the mean over the policy's first 128 evaluation "
+             f"samples of log pi(y|x) - log pi_SFT(y|x), averaged over seeds; n/a for ILQL (its policy is the LM head "
+             f"shifted by the Q heads' advantage, not one model's log-probs) and the Decision Transformer (it writes "
+             f"after a return prompt, not the plain query). Wall time: the stage's mean over seeds, marked shared where "
+             f"another job held a core as one of its runs started; peak memory: the stage process's highest resident "
+             f"set over seeds.", "",
+             "| method | budget | " + " | ".join(f"seed {s}" for s in seeds) +
+             " | mean [95% t-interval] | KL from SFT | mean length | EOS rate | wall time (s) | peak memory (MiB) |",
+             "| --- | --- | " + " | ".join("---" for _ in seeds) + " | --- | --- | --- | --- | --- | --- |"]
+    table = []
+    for row in rows:
+        rates = [row["per_seed"][s]["win_rate"] for s in seeds]
+        mean, low, high = mean_and_t_interval(rates)
+        cells = [f"{_fmt(r['win_rate'])} [{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]"
+                 for r in (row["per_seed"][s] for s in seeds)]
+        interval = f" [{_fmt(low)}, {_fmt(high)}]" if not np.isnan(low) else ""
+        kl, wall = avg(row["kl"]), avg(row["wall"])
+        peak = max((x for x in row["peak"] if x is not None), default=None)
+        lines.append(f"| {row['method']} | {row['budget']} | " + " | ".join(cells) + f" | {_fmt(mean)}{interval} | "
+                     f"{_fmt(kl) if kl is not None else 'n/a'} | {_fmt(avg(row['length']), 1)} | "
+                     f"{_fmt(avg(row['eos_rate']), 2)} | {f'{wall:.0f}' if wall is not None else 'n/a'}"
+                     f"{' (shared)' if any(row['shared']) else ''} | "
+                     f"{f'{peak:.0f}' if peak is not None else 'n/a'} |")
+        table.append({"stage": row["stage"], "method": row["method"], "budget": row["budget"],
+                      **{f"seed_{s}": r for s, r in zip(seeds, rates)}, "mean": mean, "t_low": low, "t_high": high,
+                      "kl_from_sft": kl, "length": avg(row["length"]), "eos_rate": avg(row["eos_rate"]),
+                      "wall_time_s": wall, "wall_time_shared": any(row["shared"]), "peak_rss_mib": peak})
+    report_dir = os.path.join(out, "report")
+    os.makedirs(report_dir, exist_ok=True)
+    pd.DataFrame(table).to_csv(os.path.join(report_dir, "leaderboard.csv"), index=False)
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    markers, no_kl = "osD^v<>pP*Xdh8H", []
+    for i, row in enumerate(rows):
+        points = [(r["kl"], r["win_rate"]) for r in (row["per_seed"][s] for s in seeds) if r.get("kl") is not None]
+        if not points:
+            no_kl.append(row["method"])
+            continue
+        xs, ys = zip(*points)
+        ax.scatter(xs, ys, marker=markers[i % len(markers)], s=40, label=row["method"], alpha=0.8)
+    ax.axhline(0.5, color="gray", ls="--", lw=1)
+    ax.set(xlabel="KL from SFT (nats, on the policy's own samples)", ylabel="gold win rate vs reference", ylim=(0, 1),
+           title=f"Gold win rate against KL from SFT, seeds {seeds} (one point a seed)")
+    if no_kl:
+        ax.text(0.99, 0.02, f"no KL, not drawn: {', '.join(no_kl)}", transform=ax.transAxes, ha="right", fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(os.path.join(report_dir, "leaderboard.png"), dpi=100)
+    plt.close(fig)
+    lines += ["", "Plot: `leaderboard.png` (gold win rate against KL from SFT, one point a method and seed); the table as "
+              "CSV: `leaderboard.csv`."]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(report_dir, "leaderboard.md"), "w") as f:
+        f.write(text)
     return text

@@ -769,8 +769,11 @@ def save_plots(run_dir: str, calibration: dict, logit_rows: list[dict]) -> None:
     x = np.linspace(-lim, lim, 200)
     ax.plot(x, 1 / (1 + np.exp(-x)), color="black", label="perfect calibration 1/(1+e^-d)")
     for split_name, c in calibration.items():
-        ax.plot(c["mean_diff"], c["accuracy"], marker="o", label=split_name)
-    ax.set_xlabel("score difference d = r(A) - r(B)")
+        line = ax.plot(c["mean_diff"], c["accuracy"], marker="o", label=split_name)[0]
+        for x_, y_, n in zip(c["mean_diff"], c["accuracy"], c["n"]):  # how many pairs each point rests on
+            ax.annotate(f"{n}", (x_, y_), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=6,
+                        color=line.get_color())
+    ax.set_xlabel("score difference d = r(A) - r(B)  (numbers: pairs per point, each pair counted in both orders)")
     ax.set_ylabel("fraction of pairs where raters prefer A")
     ax.set_title("Reward model calibration (Detail 18)")
     ax.legend(fontsize=8)

@@ -14,14 +14,35 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow  # the end-to-end runs: in the full suite, out of the quick `-m "not slow"` check
 def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
+    """The leaderboard's stages at minimal sizes, with a fork outside the project named by --extra: every artefact of
+    the report and of the leaderboard is written, every method is a row, and the fork is one of them."""
     out = tmp_path / "qs"
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "pipeline.py"), "--mode", "ci", "--out", str(out)]
+    fork = tmp_path / "forks" / "my_rloo.py"  # a fork kept outside the project folder still imports run_infra
+    fork.parent.mkdir()
+    fork.write_text(open(os.path.join(REPO_ROOT, "rloo.py")).read())
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "pipeline.py"), "--mode", "ci", "--out", str(out), "--extra",
+           f"{fork}:rloo"]
     subprocess.run(cmd, check=True, cwd=REPO_ROOT, timeout=1200)
     report = out / "report"
     text = (report / "results.md").read_text()
     results = json.loads((report / "results.json").read_text())
     policies = {r["policy"] for r in results["policies"]}
-    assert {"sft", "ppo", "rloo", "dpo"} <= policies
+    assert {"sft", "ppo", "rloo", "grpo", "online_dpo", "dpo", "ipo", "kto", "kto_unpaired", "my_rloo"} <= policies
+
+    # the leaderboard: one row a method in the pipeline's order, the fork's row last, the plot beside it
+    board = (report / "leaderboard.md").read_text()
+    methods = [line.split(" | ")[0].lstrip("| ") for line in board.splitlines() if line.startswith("| ")][2:]
+    assert methods == ["SFT", "PPO", "RLOO", "GRPO", "online DPO (RM judge)", "DPO", "IPO", "KTO (pairs)",
+                       "KTO (thumbs up / down)", "ILQL", "MLE with filtering", "RWR", "Decision Transformer",
+                       "best-of-n", "my_rloo (fork of rloo.py's stage rloo)"]
+    import pandas as pd
+
+    table = pd.read_csv(report / "leaderboard.csv")
+    assert table["seed_1"].between(0, 1).all() and (table["wall_time_s"] > 0).all() and (table["peak_rss_mib"] > 100).all()
+    no_kl = set(table.loc[table["kl_from_sft"].isna(), "stage"])
+    assert no_kl == {"ilql", "offline_dt"}
+    assert table.set_index("stage").loc["grpo", "budget"] == "32 sampled responses (8 prompts x 4), 2 updates"
+    assert (report / "leaderboard.png").stat().st_size > 1000
     # ILQL is judged once per swept beta (ilql.py --eval_betas default 0 1 4), never as one unnamed policy,
     # and gets no KL: its policy is the LM head shifted by the Q heads, which the LM alone does not give
     assert {"ilql_beta0", "ilql_beta1", "ilql_beta4"} <= policies and "ilql" not in policies
@@ -93,6 +114,7 @@ def test_several_seeds_share_the_task_and_keep_their_own_runs(tmp_path):
     assert pipeline.resolve_seeds(pipeline.Args(mode="full")) == [1, 2, 3]
     assert pipeline.resolve_seeds(pipeline.Args(seed=4)) == [4]
     assert pipeline.resolve_seeds(pipeline.Args(mode="full", seeds=[5, 6])) == [5, 6]
+    assert pipeline.resolve_seeds(pipeline.Args(mode="leaderboard")) == [1, 2, 3]
     args = pipeline.Args(mode="full", out=str(tmp_path), seed=2)
     p = pipeline.Pipeline(args, seed_dir="seed_2", data_seed=1)
     prep, sft = p.cmd_prep(), p.cmd_sft()
@@ -254,6 +276,29 @@ def test_ppo_plot_keeps_its_legend_inside_and_the_gold_axis_from_0_to_1(tmp_path
     report.rm_and_gold_plot(curve, "step", "PPO update", "mean RM score", "PPO", str(tmp_path), "ppo.png")
     assert (tmp_path / "ppo.png").stat().st_size > 1000
     assert_legend_inside_and_gold_axis_0_to_1(figures[-1])
+    assert figures[-1].axes[0].get_ylim() == (0.0, 1.5)
+    # a change of 0.03 in the RM score is drawn on a 0-1 axis as the gold win rate is, not zoomed into a leap
+    flat = curve.assign(rm_score=[0.852, 0.86, 0.87, 0.875, 0.88, 0.883])
+    report.rm_and_gold_plot(flat, "step", "PPO update", "mean RM score", "PPO", str(tmp_path), "flat.png")
+    assert figures[-1].axes[0].get_ylim() == (0.0, 1.0)
+
+
+def test_the_ppo_curve_starts_at_update_0_with_the_sft_samples(tmp_path):
+    sys.path.insert(0, REPO_ROOT)
+    import types
+
+    import pandas as pd
+    import report
+
+    rows = {"query": ["q1", "q2"], "reference": ["a", "b"], "response_token_len": [3, 4], "has_eos": [True, True]}
+    (tmp_path / "ppo" / "samples").mkdir(parents=True)
+    (tmp_path / "sft").mkdir()
+    pd.DataFrame({**rows, "response": ["a", "x"], "score": ["", ""]}).to_csv(tmp_path / "sft" / "samples.csv", index=False)
+    pd.DataFrame({**rows, "response": ["a", "b"], "score": [0.5, 0.7]}).to_csv(
+        tmp_path / "ppo" / "samples" / "step_000008.csv", index=False)
+    curve = report.ppo_curve(types.SimpleNamespace(runs=str(tmp_path)))
+    assert list(curve["step"]) == [0, 8] and pd.isna(curve["rm_score"][0]) and curve["rm_score"][1] == pytest.approx(0.6)
+    assert curve["gold_win_rate"][1] == 0.5  # both responses equal their references: ties
 
 
 def test_seed_report_draws_the_ppo_seed_band(tmp_path, monkeypatch):
@@ -383,3 +428,72 @@ def test_a_second_pipeline_on_one_folder_is_refused_in_one_line(tmp_path, monkey
     monkeypatch.setattr(pipeline.Pipeline, "main", lambda self: held.append(json.load(open(lock))["pid"]))
     pipeline.main(pipeline.Args(out=str(tmp_path)))  # the holder has ended: its lock is taken over
     assert held == [os.getpid()] and not lock.exists()  # held while running, released at the end
+
+
+# ---------------------------------------------------------------- issue 42: the leaderboard, --extra, --threads
+def test_the_leaderboard_interval_is_the_t_interval_of_the_seeds():
+    sys.path.insert(0, REPO_ROOT)
+    import numpy as np
+    import report
+
+    mean, low, high = report.mean_and_t_interval([0.615, 0.630, 0.632])
+    half = 4.303 * np.std([0.615, 0.630, 0.632], ddof=1) / np.sqrt(3)  # t(0.975, 2 degrees of freedom) = 4.303
+    assert mean == pytest.approx(0.6256667) and (low, high) == pytest.approx((mean - half, mean + half))
+    assert np.isnan(report.mean_and_t_interval([0.5])[1])
+
+
+def test_an_extra_fork_takes_its_stage_command_under_its_own_name(tmp_path):
+    sys.path.insert(0, REPO_ROOT)
+    import pipeline
+    from run_infra import RunError
+
+    fork = tmp_path / "my_grpo.py"
+    fork.write_text("")
+    p = pipeline.Pipeline(pipeline.Args(mode="leaderboard", out=str(tmp_path / "out"), extra=[f"{fork}:grpo"]))
+    assert p.stages[-3:] == ["my_grpo", "judge", "report"] and "my_grpo" in p.policies_order()
+    mine, theirs = p.command("my_grpo"), p.command("grpo")
+    assert mine[1] == str(fork) and theirs[1].endswith("/grpo.py")
+    assert mine[mine.index("--output_dir") + 1].endswith("models/my_grpo") and mine[mine.index("--run_name") + 1] == "my_grpo"
+    strip = {"--output_dir", "--run_name"}
+    assert [t for i, t in enumerate(mine[2:]) if t not in strip and mine[2:][i - 1] not in strip] == \
+        [t for i, t in enumerate(theirs[2:]) if t not in strip and theirs[2:][i - 1] not in strip]
+    for bad, why in ((f"{fork}:nope", "expected path.py:stage"), (f"{tmp_path}/absent.py:rloo", "no file"),
+                     (f"{fork}", "expected path.py:stage")):
+        with pytest.raises(RunError, match=why):
+            pipeline.parse_extras([bad])
+    taken = tmp_path / "ppo.py"
+    taken.write_text("")
+    with pytest.raises(RunError, match="its run name 'ppo' is taken"):
+        pipeline.parse_extras([f"{taken}:rloo"])
+
+
+def test_the_ilql_row_is_the_pipelines_beta_and_ipo_is_dpo_with_its_loss():
+    sys.path.insert(0, REPO_ROOT)
+    import pipeline
+
+    p = pipeline.Pipeline(pipeline.Args(mode="leaderboard"))
+    assert p.judged_label("ilql") == "ilql_beta4" and p.judged_label("ppo") == "ppo"
+    ipo = p.command("ipo")
+    assert ipo[1].endswith("/dpo.py") and ipo[ipo.index("--loss_type") + 1] == "ipo"
+    online = p.command("online_dpo")
+    assert online[online.index("--reward_model_path") + 1].endswith("models/rm")
+    # one budget: every online method samples as many responses as PPO
+    episodes = {s: int(p.command(s)[p.command(s).index("--total_episodes") + 1]) for s in ("ppo", "rloo", "grpo", "online_dpo")}
+    assert episodes == {"ppo": 1536, "rloo": 1536, "grpo": 1536, "online_dpo": 768}  # online DPO: pairs of 2
+
+
+def test_threads_default_to_the_idle_cores(monkeypatch):
+    """--threads 0: a stage on a machine whose cores another job keeps busy gets one thread, not all of them."""
+    sys.path.insert(0, REPO_ROOT)
+    import builtins
+    import io
+
+    import pipeline
+
+    monkeypatch.setattr(pipeline.time, "sleep", lambda s: None)
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    real_open = builtins.open
+    for running, expected in ((1, 4), (3, 2), (9, 1)):  # the reader itself is one of the running threads
+        monkeypatch.setattr(builtins, "open", lambda path, *a, running=running, **k: io.StringIO(
+            f"cpu 1 2 3\nprocs_running {running}\nprocs_blocked 0\n") if path == "/proc/stat" else real_open(path, *a, **k))
+        assert pipeline.idle_cores() == expected
