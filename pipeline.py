@@ -321,7 +321,9 @@ class Pipeline:
         kind, script = self.kind(stage), self.extras.get(stage, (None,))[0]
         if kind.startswith("offline_"):
             return self.cmd_offline(kind[len("offline_"):], stage, script)
-        return getattr(self, f"cmd_{kind}")(stage, script)
+        # forks share their parent's command: rloo.py and grpo.py take ppo.py's, online_dpo.py and IPO dpo.py's
+        builder = {"rloo": "ppo", "grpo": "ppo", "ipo": "dpo", "online_dpo": "dpo", "kto_unpaired": "kto"}.get(kind, kind)
+        return getattr(self, f"cmd_{builder}")(stage, script)
 
     # ---------------------------------------------------------------- bookkeeping
     def marker(self, stage: str) -> str:
@@ -440,12 +442,6 @@ class Pipeline:
                        "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/{stage}",
                        *self.flags(stage))
 
-    def cmd_rloo(self, stage: str = "rloo", script: str | None = None) -> list[str]:
-        return self.cmd_ppo(stage, script)
-
-    def cmd_grpo(self, stage: str = "grpo", script: str | None = None) -> list[str]:
-        return self.cmd_ppo(stage, script)
-
     def cmd_dpo(self, stage: str = "dpo", script: str | None = None) -> list[str]:
         """dpo.py (IPO is its --loss_type ipo), and its fork online_dpo.py, which also reads the reward model."""
         script = script or {"ipo": "dpo.py"}.get(self.kind(stage), f"{self.kind(stage)}.py")
@@ -454,12 +450,6 @@ class Pipeline:
                        "--preference_dataset", f"{self.data}/preference", "--query_dataset", f"{self.data}/sft",
                        "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/{stage}",
                        *self.flags(stage))
-
-    def cmd_ipo(self, stage: str = "ipo", script: str | None = None) -> list[str]:
-        return self.cmd_dpo(stage, script)
-
-    def cmd_online_dpo(self, stage: str = "online_dpo", script: str | None = None) -> list[str]:
-        return self.cmd_dpo(stage, script)
 
     def cmd_unpaired(self, stage: str = "unpaired", script: str | None = None) -> list[str]:
         return self.py("data/prepare.py", "--task", "synthetic", "--output_dir", self.data, "--seed", str(self.data_seed),
@@ -472,9 +462,6 @@ class Pipeline:
                        f"{self.models}/sft", "--preference_dataset", f"{self.data}/preference", "--unpaired_dataset",
                        f"{self.data}/unpaired", "--query_dataset", f"{self.data}/sft", "--response_length",
                        str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/{stage}", *self.flags(stage))
-
-    def cmd_kto_unpaired(self, stage: str = "kto_unpaired", script: str | None = None) -> list[str]:
-        return self.cmd_kto(stage, script)
 
     def cmd_ilql(self, stage: str = "ilql", script: str | None = None) -> list[str]:
         # trlX trained ILQL from the base model (see ilql.py --init_from); the settings say which one starts here

@@ -439,7 +439,7 @@ def test_pipeline_opt_in_adds_the_kto_stages(tmp_path):
     assert p.stages == ["prep", "unpaired", "sft", "rm", "ppo", "dpo", "kto", "kto_unpaired", "judge", "report"]
     assert p.cmd_unpaired()[-1] == "--unpaired_only" and p.marker("unpaired") == p.marker("prep").replace("prep", "unpaired")
     assert "unpaired_summary.json" in p.incomplete("unpaired")  # not prepared yet
-    pairs, thumbs = p.cmd_kto(), p.cmd_kto_unpaired()
+    pairs, thumbs = p.command("kto"), p.command("kto_unpaired")
     for command, feedback in ((pairs, "pairs"), (thumbs, "unpaired")):
         assert command[command.index("--feedback") + 1] == feedback
         assert command[command.index("--total_batch_size") + 1] == "64" and command[command.index("--total_episodes") + 1] == "1920"
