@@ -189,6 +189,8 @@ def rm_and_gold_plot(frame: pd.DataFrame, x: str, xlabel: str, ylabel: str, titl
     # the RM axis spans at least 0 to 1 as the gold axis does, so that a change of 0.03 looks like one on either axis
     values = pd.concat([frame[c] for c in ("rm_score", "rm_score_low", "rm_score_high") if c in frame]).dropna().to_numpy()
     low, high = float(np.min(values, initial=0.0)), float(np.max(values, initial=1.0))
+    margin = 0.05 * (high - low)  # a point beyond 0-1 is not drawn on the frame
+    low, high = (low - margin if low < 0 else low), (high + margin if high > 1 else high)
     ax1.set(xlabel=xlabel, ylabel=ylabel, ylim=(low, high))
     ax2.set(ylabel="gold win rate vs reference", ylim=(0, 1))
     # the legend lives inside the axes, on the gold axis (drawn last, so nothing covers it); matplotlib's "best" spot
@@ -281,7 +283,7 @@ def write_report(p) -> str:
     # 4. plots
     plots = []
     if policy_rows:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(policy_rows) + 2), 4.5))
         names = [r["policy"] for r in policy_rows]
         rates = [r["win_rate"] if r["win_rate"] is not None else np.nan for r in policy_rows]
         err = [[max(0.0, (r["win_rate"] or 0) - (r["ci_low"] or 0)) for r in policy_rows],
@@ -289,6 +291,9 @@ def write_report(p) -> str:
         ax.bar(names, rates, yerr=err, capsize=4, color="tab:blue")
         ax.axhline(0.5, color="gray", ls="--", lw=1)
         ax.set(ylabel="gold win rate vs reference", ylim=(0, 1), title="Win rate per policy (Figure 1 in miniature)")
+        ax.tick_params(axis="x", labelrotation=35)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
         fig.tight_layout()
         fig.savefig(os.path.join(p.report_dir, "win_rate_per_policy.png"), dpi=100)
         plt.close(fig)
@@ -434,13 +439,13 @@ def write_seed_report(out: str, seeds: list[int]) -> str:
     os.makedirs(report_dir, exist_ok=True)
     policies = [n for n in rows if n.endswith("gold win rate")]
     if policies:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(policies) + 2), 4.5))
         for i, name in enumerate(policies):
             vals = [v for v in rows[name].values() if v is not None]
             ax.bar(i, np.mean(vals) if vals else np.nan, color="tab:blue", alpha=0.6)
             ax.plot([i] * len(vals), vals, "ko", ms=4)
         ax.axhline(0.5, color="gray", ls="--", lw=1)
-        ax.set_xticks(range(len(policies)), [n.split(" ")[0] for n in policies], rotation=30)
+        ax.set_xticks(range(len(policies)), [n.split(" ")[0] for n in policies], rotation=35, ha="right")
         ax.set(ylabel="gold win rate vs reference", ylim=(0, 1), title=f"Win rate per policy, seeds {seeds} (dots)")
         fig.tight_layout()
         fig.savefig(os.path.join(report_dir, "seeds_win_rate.png"), dpi=100)

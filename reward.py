@@ -773,7 +773,7 @@ def save_plots(run_dir: str, calibration: dict, logit_rows: list[dict]) -> None:
         for x_, y_, n in zip(c["mean_diff"], c["accuracy"], c["n"]):  # how many pairs each point rests on
             ax.annotate(f"{n}", (x_, y_), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=6,
                         color=line.get_color())
-    ax.set_xlabel("score difference d = r(A) - r(B)  (numbers: pairs per point, each pair counted in both orders)")
+    ax.set_xlabel("score difference d = r(A) - r(B)\n(numbers: pairs per point, each pair in both orders)")
     ax.set_ylabel("fraction of pairs where raters prefer A")
     ax.set_title("Reward model calibration (Detail 18)")
     ax.legend(fontsize=8)
