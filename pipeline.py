@@ -383,8 +383,16 @@ class Pipeline:
 
     def recorded(self, cmd: list[str]) -> list[str]:
         """The command as a stage marker keeps it: without the interpreter and --resume, with {out} and {repo} for the
-        two folders (a moved folder is the same command)."""
-        return [t.replace(self.out, "{out}").replace(REPO_ROOT, "{repo}") for t in cmd[1:] if t != "--resume"]
+        two folders (a moved folder is the same command). The longer folder is named first, so that an --out whose
+        path begins the project's (/tmp/lb and /tmp/lb_clone) does not swallow it."""
+        folders = sorted([(self.out, "{out}"), (REPO_ROOT, "{repo}")], key=lambda folder: -len(folder[0]))
+        out = []
+        for token in cmd[1:]:
+            if token != "--resume":
+                for path, name in folders:
+                    token = token.replace(path, name)
+                out.append(token)
+        return out
 
     def check_command(self, stage: str, cmd: list[str]) -> None:
         """A finished stage counts only for the command it ran: another (a second seed into this --out, other

@@ -497,3 +497,14 @@ def test_threads_default_to_the_idle_cores(monkeypatch):
         monkeypatch.setattr(builtins, "open", lambda path, *a, running=running, **k: io.StringIO(
             f"cpu 1 2 3\nprocs_running {running}\nprocs_blocked 0\n") if path == "/proc/stat" else real_open(path, *a, **k))
         assert pipeline.idle_cores() == expected
+
+
+def test_a_recorded_command_names_both_folders_when_one_path_begins_the_other(tmp_path, monkeypatch):
+    """--out /tmp/lb with the project in /tmp/lb_clone: the project's scripts stay {repo}, not {out}_clone."""
+    sys.path.insert(0, REPO_ROOT)
+    import pipeline
+
+    monkeypatch.setattr(pipeline, "REPO_ROOT", str(tmp_path / "lb_clone"))
+    p = pipeline.Pipeline(pipeline.Args(out=str(tmp_path / "lb")))
+    recorded = p.recorded(p.command("sft"))
+    assert recorded[0] == "{repo}/sft.py" and "{out}/data/base_model" in recorded
