@@ -503,24 +503,19 @@ def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: tor
     sum, not a mean: eq. 4 compares probabilities of whole sequences."""
     cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same sums, less compute
     query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
-    logits = forward(model, query_responses, pad_token_id).logits[:, :-1]  # (B, T-1, V): predicts token t+1
-    targets = response_labels[:, 1:]  # (B, T-1)
+    targets = response_labels[:, 1:]  # (B, T-1): token t + 1 is predicted at position t
     mask = targets != pad_token_id
-    token_logps = torch.gather(
-        F.log_softmax(logits.float(), dim=-1), 2, torch.masked_fill(targets, ~mask, 0).unsqueeze(-1)
-    ).squeeze(-1)  # (B, T-1)
-    return (token_logps * mask).sum(1)
+    logits = forward(model, query_responses, pad_token_id, read=F.pad(mask, (0, 1))).logits  # (N, V): the head only there
+    picked = torch.gather(F.log_softmax(logits.float(), dim=-1), 1, targets[mask].unsqueeze(-1)).squeeze(-1)  # (N,)
+    return torch.zeros(mask.shape, device=picked.device).masked_scatter(mask, picked).sum(1)  # summed in (B, T-1)
 
 
 def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
     """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
     query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
-    labels = torch.cat(
-        (batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]), dim=0
-    )  # (2B, T)
+    labels = torch.cat((batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]))
     logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
-    num_pairs = batch["query_chosen_token"].size(0)
-    return logps[:num_pairs], logps[num_pairs:]
+    return logps.chunk(2)  # chosen (B,), rejected (B,)
 
 
 @torch.no_grad()
@@ -706,6 +701,9 @@ class AdaptersOff:
 
     def __init__(self, policy):
         self.policy = policy
+
+    def get_output_embeddings(self):  # the LM head forward() picks positions for: the policy's own
+        return self.policy.get_output_embeddings()
 
     def __call__(self, **inputs):
         training = self.policy.training
@@ -1067,18 +1065,20 @@ def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
     return slice(int(real[0]), int(real[-1]) + 1)
 
 
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+def forward(model, query_responses: torch.Tensor, pad_token_id: int, read):
     """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
-    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    left-padded query gets the same positions as an unpadded one (Detail 14). `read` runs the LM head only where the
+    caller reads logits: a (B, T) bool mask -> (N, V) in row order, a slice of columns -> (B, columns, V); they are
+    picked on the way into the model's own output layer, through any wrapper, so LoRA on that layer still applies."""
     attention_mask = query_responses != pad_token_id
     position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
     input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        return_dict=True,
-    )
+    head = getattr(model, "module", model).get_output_embeddings()  # DDP and DeepSpeed hold the model as .module
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, read] if isinstance(read, slice) else x[0][read],))
+    try:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True)
+    finally:
+        pick.remove()
 
 
 def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:

@@ -305,11 +305,12 @@ def weighted_response_loss(model, query_responses: torch.Tensor, labels: torch.T
     tokens of the whole update batch when this is one of its micro batches (train_update), None = this batch's own
     target tokens (so w = 1 is the SFT token mean). Eq. 4: w = 1[R > t]; eq. 5: w = RWR weight; eq. 6 and
     best-of-n: w = 1. Returns the loss and the per-sample mean token NLL (B,), for logging."""
-    logits = forward(model, query_responses, pad_token_id).logits[:, :-1].float()  # (B, T-1, V)
-    targets = labels[:, 1:]  # (B, T-1): token t is predicted at t - 1
+    targets = labels[:, 1:]  # (B, T-1): token t + 1 is predicted at position t
     mask = targets != -100
-    nll = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")  # (B, T-1)
-    nll = nll * mask
+    # the LM head runs only at the positions that predict a target (the last position predicts none)
+    logits = forward(model, query_responses, pad_token_id, read=F.pad(mask, (0, 1))).logits.float()  # (N, V)
+    picked = F.cross_entropy(logits, targets[mask], reduction="none")  # (N,)
+    nll = torch.zeros(mask.shape, device=picked.device).masked_scatter(mask, picked)  # (B, T-1), 0 elsewhere
     loss = (nll * weights.unsqueeze(1)).sum() / (mask.sum() if num_tokens is None else num_tokens)
     return loss, nll.sum(1) / mask.sum(1).clamp(min=1)
 
@@ -1249,18 +1250,20 @@ def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
     return slice(int(real[0]), int(real[-1]) + 1)
 
 
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+def forward(model, query_responses: torch.Tensor, pad_token_id: int, read):
     """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
-    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    left-padded query gets the same positions as an unpadded one (Detail 14). `read` runs the LM head only where the
+    caller reads logits: a (B, T) bool mask -> (N, V) in row order, a slice of columns -> (B, columns, V); they are
+    picked on the way into the model's own output layer, through any wrapper, so LoRA on that layer still applies."""
     attention_mask = query_responses != pad_token_id
     position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
     input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        return_dict=True,
-    )
+    head = getattr(model, "module", model).get_output_embeddings()  # DDP and DeepSpeed hold the model as .module
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, read] if isinstance(read, slice) else x[0][read],))
+    try:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True)
+    finally:
+        pick.remove()
 
 
 def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):

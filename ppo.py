@@ -243,12 +243,12 @@ def action_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return torch.gather(all_logprobs, 2, tokens.unsqueeze(-1)).squeeze(-1), all_logprobs
 
 
-def reference_logits(ref_policy, policy, query_responses, pad_token_id):
-    """Reference policy logits: a separate (or Hydra) frozen model, or the LoRA policy with its adapters off."""
+def reference_logits(ref_policy, policy, query_responses, pad_token_id, read):
+    """Reference logits at `read` (forward): a separate (or Hydra) frozen model, or the LoRA policy, adapters off."""
     if ref_policy is None:
         with policy.disable_adapter():
-            return forward(policy, query_responses, pad_token_id).logits
-    return forward(ref_policy, query_responses, pad_token_id).logits
+            return forward(policy, query_responses, pad_token_id, read).logits
+    return forward(ref_policy, query_responses, pad_token_id, read).logits
 
 
 @torch.no_grad()
@@ -272,15 +272,15 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
         t1 = time.time()
         response = query_response[:, context_length:]  # (b, T)
         # temperature-scaled logprobs from a full forward pass: the same computation as the update,
-        # so the first ratio is exactly 1 without dropout (Detail 7)
-        logits = forward(unwrapped.policy, query_response, pad_id).logits[:, context_length - 1 : -1]
+        # so the first ratio is exactly 1 without dropout (Detail 7); the head only where a response token is predicted
+        actions = slice(context_length - 1, -1)
+        logits = forward(unwrapped.policy, query_response, pad_id, actions).logits  # (b, T, V)
         logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
-        del logits
         ref_model = ref_policy if ref_policy is not None else unwrapped.policy
         with placed_on(ref_model, accelerator.device, offload_by_hand and ref_policy is not None):
-            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id)
-        ref_logprob, _ = action_logprobs(ref_logits[:, context_length - 1 : -1], response, args.temperature, pad_id)
-        del ref_logits
+            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id, actions)
+        ref_logprob, _ = action_logprobs(ref_logits, response, args.temperature, pad_id)
+        del logits, ref_logits
         # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
         truncated = truncate_response(eos_id, pad_id, response)
         score = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
@@ -348,12 +348,13 @@ class PolicyAndValue(nn.Module):
         self.policy = policy
         self.critic = critic
 
-    def forward(self, query_responses: torch.Tensor, pad_token_id: int, context_length: int, ptx_query_responses=None):
-        logits = forward(self.policy, query_responses, pad_token_id).logits  # (B, T, V)
+    def forward(self, query_responses, pad_token_id: int, context_length: int, ptx_query_responses=None, ptx_labels=None):
+        logits = forward(self.policy, query_responses, pad_token_id, slice(context_length - 1, -1)).logits  # (B, R, V)
         values = None if self.critic is None else get_reward(self.critic, query_responses, pad_token_id, context_length)[0]
         ptx_logits = None
         if ptx_query_responses is not None:
-            ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id).logits
+            ptx_read = F.pad(ptx_labels[:, 1:] != pad_token_id, (0, 1))  # position t predicts token t + 1
+            ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id, ptx_read).logits  # (N, V)
         return logits, values, ptx_logits
 
     def policy_state_dict(self, state_dict: dict) -> dict:
@@ -363,14 +364,12 @@ class PolicyAndValue(nn.Module):
 
 
 def training_logprobs_and_values(model, query_responses, context_length: int, temperature: float,
-                                 pad_token_id: int, ptx_query_responses=None):
+                                 pad_token_id: int, ptx_query_responses=None, ptx_labels=None):
     """The update's pass through PolicyAndValue: temperature-scaled logprobs of the responses (B, T), the full
     log-softmax (B, T, V), the critic's values (B, T) of the state before each response token (None without one),
-    and the ptx logits."""
-    logits, values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses)
-    new_logprobs, all_logprobs = action_logprobs(
-        logits[:, context_length - 1 : -1], query_responses[:, context_length:], temperature, pad_token_id
-    )
+    and the ptx logits (N, V) at the N positions that predict a ptx target."""
+    logits, values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses, ptx_labels)
+    new_logprobs, all_logprobs = action_logprobs(logits, query_responses[:, context_length:], temperature, pad_token_id)
     return new_logprobs, all_logprobs, None if values is None else values[:, context_length - 1 : -1].float(), ptx_logits
 
 
@@ -507,7 +506,7 @@ def ppo_update(args, accelerator, model, optimizer, data: dict, shaped, update: 
                 query_responses, ctx, width = trim_micro_batch(data["query_responses"][idx], data["responses"][idx],
                                                                context_length, pad_token_id)
                 new_logprobs, all_logprobs, vpred, ptx_logits = training_logprobs_and_values(
-                    model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens)
+                    model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens, ptx_labels)
                 pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, data["logprobs"][idx, :width],
                                                         shaped.advantages[idx, :width], vpred, shaped.values[idx, :width],
                                                         shaped.returns[idx, :width], shaped.mask[idx, :width],
@@ -844,10 +843,10 @@ class RunningMoments:
 
 
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """PPO-ptx: next-token NLL on the reference-summary tokens (labels are [PAD] elsewhere)."""
-    targets = labels[:, 1:]
-    logprobs = torch.gather(F.log_softmax(logits[:, :-1].float(), dim=-1), 2, targets.unsqueeze(-1)).squeeze(-1)
-    return -masked_mean(logprobs, targets != pad_token_id)
+    """PPO-ptx: next-token NLL on the reference-summary tokens (labels are [PAD] elsewhere), from their logits (N, V)."""
+    targets = labels[:, 1:][labels[:, 1:] != pad_token_id]  # (N,)
+    logprobs = torch.gather(F.log_softmax(logits.float(), dim=-1), 1, targets.unsqueeze(-1)).squeeze(-1)
+    return -logprobs.mean()
 
 
 class PtxData:
@@ -1179,18 +1178,20 @@ def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
     return slice(int(real[0]), int(real[-1]) + 1)
 
 
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+def forward(model, query_responses: torch.Tensor, pad_token_id: int, read):
     """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
-    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    left-padded query gets the same positions as an unpadded one (Detail 14). `read` runs the LM head only where the
+    caller reads logits: a (B, T) bool mask -> (N, V) in row order, a slice of columns -> (B, columns, V); they are
+    picked on the way into the model's own output layer, through any wrapper, so LoRA on that layer still applies."""
     attention_mask = query_responses != pad_token_id
     position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
     input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        return_dict=True,
-    )
+    head = getattr(model, "module", model).get_output_embeddings()  # DDP and DeepSpeed hold the model as .module
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, read] if isinstance(read, slice) else x[0][read],))
+    try:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True)
+    finally:
+        pick.remove()
 
 
 def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):

@@ -210,14 +210,14 @@ def next_token_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, 
     (causal attention) nor carry labels, so extra padding leaves the loss unchanged."""
     cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same loss, less compute
     query_responses, labels = query_responses[:, cols], labels[:, cols]
-    logits = forward(model, query_responses, pad_token_id).logits  # (B, T, V)
-    shifted_logits = logits[:, :-1].float()  # (B, T-1, V)
     # a token whose input position is a [PAD] has no context to be predicted from (the first token of a
     # left-padded query in the `sequence` mode): it is not a target
     shifted_labels = labels[:, 1:].masked_fill(query_responses[:, :-1] == pad_token_id, -100)  # (B, T-1)
-    num_targets = (shifted_labels != -100).sum()
-    loss = F.cross_entropy(shifted_logits.flatten(0, 1), shifted_labels.flatten(), ignore_index=-100)
-    return loss, num_targets
+    is_target = shifted_labels != -100
+    # the LM head runs only where a target is predicted (position t predicts token t + 1; the last predicts none)
+    logits = forward(model, query_responses, pad_token_id, read=F.pad(is_target, (0, 1))).logits  # (N, V)
+    loss = F.cross_entropy(logits.float(), shifted_labels[is_target])  # the mean over the N targets
+    return loss, is_target.sum()
 
 
 def sft_update(args, accelerator, run, model, optimizer, scheduler, dataset, batches, label_column: str,
@@ -625,18 +625,20 @@ def real_columns(query_responses: torch.Tensor, pad_token_id: int) -> slice:
     return slice(int(real[0]), int(real[-1]) + 1)
 
 
-def forward(model, query_responses: torch.Tensor, pad_token_id: int):
+def forward(model, query_responses: torch.Tensor, pad_token_id: int, read):
     """Forward a padded batch. Pads are masked out and positions count real tokens only, so a
-    left-padded query gets the same positions as an unpadded one (Detail 14)."""
+    left-padded query gets the same positions as an unpadded one (Detail 14). `read` runs the LM head only where the
+    caller reads logits: a (B, T) bool mask -> (N, V) in row order, a slice of columns -> (B, columns, V); they are
+    picked on the way into the model's own output layer, through any wrapper, so LoRA on that layer still applies."""
     attention_mask = query_responses != pad_token_id
     position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
     input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        return_dict=True,
-    )
+    head = getattr(model, "module", model).get_output_embeddings()  # DDP and DeepSpeed hold the model as .module
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, read] if isinstance(read, slice) else x[0][read],))
+    try:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True)
+    finally:
+        pick.remove()
 
 
 def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:

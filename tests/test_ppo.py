@@ -196,7 +196,8 @@ def test_ptx_loss_is_nll_on_labels_only():
     labels = torch.tensor([[PAD, PAD, 7, EOS]])
     logp = torch.log_softmax(logits, -1)
     expected = -(logp[0, 1, 7] + logp[0, 2, EOS]) / 2
-    torch.testing.assert_close(ppo.sft_loss(logits, labels, PAD), expected)
+    # the update reads the logits only at the positions that predict a label (1 and 2), in row order: (N, V)
+    torch.testing.assert_close(ppo.sft_loss(logits[0, 1:3], labels, PAD), expected)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,9 +350,9 @@ def test_shared_reference_equals_frozen_sft_copy(accelerator, tmp_path, mode):
     model.eval()
     with torch.no_grad():
         qr = data["query_responses"]
-        ref_logits = ppo.reference_logits(ref, model.policy, qr, PAD)
-        sft_logits = ppo.forward(sft_copy, qr, PAD).logits
-        policy_logits = ppo.forward(model.policy, qr, PAD).logits
+        ref_logits = ppo.reference_logits(ref, model.policy, qr, PAD, slice(None))
+        sft_logits = ppo.forward(sft_copy, qr, PAD, slice(None)).logits
+        policy_logits = ppo.forward(model.policy, qr, PAD, slice(None)).logits
     keep = qr != PAD
     torch.testing.assert_close(ref_logits[keep], sft_logits[keep], atol=1e-5, rtol=1e-5)
     assert (policy_logits[keep] - sft_logits[keep]).abs().max() > 1e-3  # the policy did move

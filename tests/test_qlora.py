@@ -61,7 +61,7 @@ TOKENS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, EOS], [12, 3, 4, 13, 14, EOS, PAD
 
 def logits(model, tokens=TOKENS) -> torch.Tensor:
     with torch.no_grad():
-        return sft.forward(model, tokens, PAD).logits[tokens != PAD]
+        return sft.forward(model, tokens, PAD, tokens != PAD).logits
 
 
 def test_4bit_layers_are_bitsandbytes_and_only_lora_trains(tiny_path):
@@ -87,7 +87,7 @@ def test_4bit_layers_are_bitsandbytes_and_only_lora_trains(tiny_path):
     # gradient once B is not zero)
     randomize_lora_b(model)
     model.train()
-    sft.forward(model, TOKENS, PAD).logits.square().mean().backward()
+    sft.forward(model, TOKENS, PAD, slice(None)).logits.square().mean().backward()
     first_block = [p for n, p in model.named_parameters() if "lora_A" in n and "layers.0." in n]
     assert len(first_block) == 4 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in first_block)
 
@@ -104,11 +104,11 @@ def test_evaluation_forwards_leave_training_intact(tiny_path):
     model = load_lora(tiny_path, load_in_4bit=True)
     randomize_lora_b(model)
     model.train()
-    before = sft.forward(model, TOKENS, PAD).logits.detach()
+    before = sft.forward(model, TOKENS, PAD, slice(None)).logits.detach()
     model.eval()
     evaluated = logits(model)
     model.train()
-    after = sft.forward(model, TOKENS, PAD).logits
+    after = sft.forward(model, TOKENS, PAD, slice(None)).logits
     after.square().mean().backward()  # a training forward and backward after the evaluation still work
     assert torch.equal(evaluated, before[TOKENS != PAD]) and torch.equal(after.detach(), before)
 
