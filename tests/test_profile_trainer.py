@@ -1,5 +1,6 @@
 """tools/profile_trainer.py on a tiny sft.py run: three runs end, and the report's shares, FLOPs and rates are
-measured values, not placeholders."""
+measured values, not placeholders; the FLOPs split into body, output layer and rest adds up and sits above its
+minimum."""
 
 from conftest import ENV
 import json
@@ -37,3 +38,26 @@ def test_profile_of_a_small_sft_run(synthetic_task, tmp_path):
     assert report["plain_seconds"] > 0 and report["achieved_gflops"] > 0
     assert report["matmul_gflops_large"] > 0 and report["matmul_gflops_model_shape"] > 0
     assert "GFLOP/s" in (out / "profile.md").read_text()
+    # the split of the FLOPs: body, output layer and rest add up to the counter's total
+    accounting = report["flop_accounting"]
+    body, head, rest, total = (accounting[k] for k in ("body", "output_layer", "rest", "total"))
+    assert body["flops"] > 0 and head["flops"] > 0 and rest["flops"] >= 0
+    assert body["flops"] + head["flops"] + rest["flops"] == total["flops"] == report["flops"]
+    # the evaluation samples with generate: its forward passes are counted, and apart
+    assert 0 < body["flops_in_generation"] < body["flops"] and 0 < head["flops_in_generation"] < head["flops"]
+    assert 0 < body["positions_computed_in_generation"] < body["positions_computed"]
+    # the body computes ragged rows: every real token, and some padding among them
+    assert 0 < body["positions_real"] <= body["positions_computed"]
+    assert 0 < body["positions_real_in_generation"] <= body["positions_computed_in_generation"]
+    # SFT's LM head runs at the response targets only (and at the last position of each generation step), far
+    # fewer rows than the positions the body computed or handed to it; the loss reads every row it computed
+    assert 0 < head["rows_read"] <= head["rows_computed"] < head["rows_offered"] <= body["positions_computed"]
+    assert head["rows_computed"] < body["positions_computed"] / 2
+    # the minimum: positive, at most what was measured, and the ratio matches it
+    for part in (body, head, rest, total):
+        assert 0 <= part["minimum_flops"] <= part["flops"] * (1 + 1e-9), part
+    assert 0 < total["minimum_flops"] and accounting["measured_over_minimum"] >= 1 - 1e-9
+    assert abs(accounting["measured_over_minimum"] - total["flops"] / total["minimum_flops"]) < 1e-9
+    markdown = (out / "profile.md").read_text()
+    assert "| transformer body |" in markdown and "| output layer (LM head, score head) |" in markdown
+    assert "Measured / minimum: **" in markdown
