@@ -289,6 +289,7 @@ def dpo_command(task: dict, preference: str, tmp_path, output_dir, *extra: str) 
     ]
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, short_preference, tmp_path):
     """SIGKILL after the update-3 checkpoint (first epoch, inside a logging interval), then --resume (the run
     found by its name prefix): the policy, metrics.jsonl, summary.json and the sampled responses equal an

@@ -422,6 +422,7 @@ def resumable_ilql_command(synthetic_task, preference, root, run_name, *extra):
     ]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tmp_path):
     preference = small_preference_task(synthetic_task, tmp_path)
     runs = tmp_path / "runs"

@@ -23,7 +23,7 @@ Every run gets a free port of its own (conftest.free_port), so tests running at 
 The bf16 test compares what training did, not where it ended: the update of the weights (final minus initial; the
 initial weights are those of a float32 run with --lr 0) in bf16 against the float32 run's, wherever bf16's spacing
 can show it, and requires that the weights moved.
-The DeepSpeed tests are marked `slow`: `-m "not slow"` skips them locally; CI runs them."""
+Every multi-process test is marked `slow`: `-m "not slow"` (the quick check after a fork) skips them; CI runs them."""
 
 import glob
 import json
@@ -242,8 +242,8 @@ def assert_same_run(script, two, two_rows, one, one_rows, what: str):
 BY_SCRIPT = [pytest.param(script, marks=pytest.mark.xdist_group(script)) for script in sorted(SCRIPTS)]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("zero2", marks=pytest.mark.slow),
-                                      pytest.param("zero3", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "zero2", "zero3"])
 @pytest.mark.parametrize("script", BY_SCRIPT)
 def test_two_processes_match_one_process(script, launcher, synthetic_task, tmp_path):
     flags = SCRIPTS[script](synthetic_task)

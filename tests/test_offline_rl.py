@@ -388,6 +388,7 @@ def comparable(record: dict) -> dict:
     return {k: v for k, v in without_timing(record).items() if k != "mixture/cache_hit"}
 
 
+@pytest.mark.slow
 def test_rwr_sigkill_then_resume_matches_an_uninterrupted_run(smoke_setup, tmp_path):
     runs = tmp_path / "runs"
     # the uninterrupted run (it also builds the cached mixture the other two reuse)

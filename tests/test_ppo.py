@@ -528,6 +528,7 @@ def read_metrics(run_dir) -> list:
     return [without_timing(json.loads(line)) for line in open(run_dir / "metrics.jsonl") if line.strip()]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_models, tmp_path):
     """5 updates, a checkpoint every 2. One run is killed (SIGKILL) during update 3, right after its update-2
     checkpoint appeared, and resumed; it must end exactly like a run that was never interrupted: the same final

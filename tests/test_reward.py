@@ -315,6 +315,7 @@ def test_resumed_data_position_gives_the_uninterrupted_batches():
     assert next(other_seed)["row"].tolist() != uninterrupted[0]
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, short_preference, tmp_path):
     """SIGKILL after the update-2 checkpoint (inside the first epoch), then --resume: the model (trunk, head and
     Detail 15 shift), metrics.jsonl, summary.json and the evaluation table equal an uninterrupted run's."""

@@ -127,6 +127,7 @@ def test_smoke_with_options(synthetic_task, tiny_models, tmp_path):
     assert (tmp_path / "policy_smoke" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_models, tmp_path):
     """5 updates, a checkpoint every 2; killed during update 3 and resumed, the run ends like one never interrupted."""
     extra = ["--checkpoint_every", "2", "--rloo.adaptive_kl", "--rloo.ptx_coef", "0.1", "--eval_every", "3"]

@@ -150,6 +150,7 @@ def test_sigterm_stops_the_run_and_resume_ends_like_an_uninterrupted_run(synthet
     assert_same_as_reference(reference, tmp_path, "term")
 
 
+@pytest.mark.slow
 def test_a_two_process_run_resumes_on_one_process_exactly(synthetic_task, reference, tmp_path):
     """Plain data parallel (torchrun, 2 processes) killed after its update-3 checkpoint, resumed by one plain process:
     the same weights and metrics as the 1-process reference (2 processes and 1 compute the same global batch)."""

@@ -252,6 +252,7 @@ def sft_command(paths: dict, tmp_path, run_name: str, output_dir, *extra: str) -
     ]
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, tmp_path):
     """SIGKILL after the update-6 checkpoint, then --resume: weights, metrics.jsonl and summary.json equal an
     uninterrupted run's (Adam moments, schedule, data position and RNG all restored)."""
