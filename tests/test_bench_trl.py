@@ -1,6 +1,8 @@
-"""tools/bench_trl.py: the rate arithmetic, the run order, the CPU features and the conversion of our prepared rows
-to TRL's pre-tokenized formats (no network, no TRL). One slow test runs the tool end to end; it is opt-in
-(RLHF_BENCH_TRL=1, so CI leaves the benchmark out) and needs the TRL virtual environment the tool makes."""
+"""tools/bench_trl.py: the rate arithmetic, the run order (with the side before too), the summaries and table, the
+peak memory of a run, the CPU features, the model shapes and their random rows, and the conversion of our prepared
+rows to TRL's pre-tokenized formats (no network, no TRL). One test runs the tool end to end on our side alone at the
+tiny shape; another, opt-in (RLHF_BENCH_TRL=1, so CI leaves the benchmark out), runs it against TRL and needs the
+TRL virtual environment the tool makes."""
 
 import json
 import math
@@ -166,6 +168,185 @@ def test_conversion_names_a_bad_row(synthetic_task):
     broken = dict(row, query_chosen_token_len=row["query_chosen_token_len"] + 1)
     with pytest.raises(ValueError, match="preference/train row 3: query_chosen_token is not the query"):
         bench_trl.reward_example(broken, "preference/train row 3")
+
+
+def test_schedule_with_before_and_ours_alone():
+    rows = {"sft": (16, 48)}
+    order = bench_trl.schedule(["sft"], ["fp32"], 2, rows, ("trl", "ours", "before"))  # run order, whatever given
+    assert order[:6] == [("sft", "fp32", 0, 16, "ours"), ("sft", "fp32", 0, 16, "before"), ("sft", "fp32", 0, 16, "trl"),
+                         ("sft", "fp32", 0, 48, "ours"), ("sft", "fp32", 0, 48, "before"), ("sft", "fp32", 0, 48, "trl")]
+    assert len(order) == len(set(order)) == 2 * 2 * 3
+    alone = bench_trl.schedule(["sft"], ["fp32"], 2, rows, ("ours",))
+    assert alone == [("sft", "fp32", r, n, "ours") for r in (0, 1) for n in (16, 48)]
+
+
+def test_sides_are_checked(tmp_path):
+    args = bench_trl.Args(trainers=["sft", "dpo"], sides=["trl", "ours"])
+    assert bench_trl.check_sides(args) == ["ours", "trl"]
+    with pytest.raises(ValueError, match="expected ours"):
+        bench_trl.check_sides(bench_trl.Args(sides=["trl"]))
+    with pytest.raises(ValueError, match="expected ours"):
+        bench_trl.check_sides(bench_trl.Args(sides=["ours", "theirs"]))
+    with pytest.raises(ValueError, match="lacks sft.py dpo.py"):
+        bench_trl.check_sides(bench_trl.Args(trainers=["sft", "dpo"], sides=["ours", "before"]))
+    (tmp_path / "sft.py").write_text("")
+    with pytest.raises(ValueError, match="lacks dpo.py"):
+        bench_trl.check_sides(bench_trl.Args(trainers=["sft", "dpo"], sides=["ours", "before"], before_repo=str(tmp_path)))
+    args = bench_trl.Args(trainers=["sft"], sides=["before", "ours"], before_repo=str(tmp_path))
+    assert bench_trl.check_sides(args) == ["ours", "before"]
+
+
+def test_summarize_with_before_and_peak_memory():
+    runs = []
+    # ours does 32 rows in 8 s, before in 16 s, TRL in 32 s: ours/before 2, ours/TRL 4; then a repeat with other times
+    for repeat, (ours, before, trl) in enumerate(((8.0, 16.0, 32.0), (8.0, 8.0, 16.0), (16.0, 8.0, 32.0))):
+        for side, extra, rss in (("ours", ours, 1000.0), ("before", before, 1500.0), ("trl", trl, 3000.0)):
+            runs += [dict(run("sft", side, repeat, 16, 10.0), peak_rss_mib=rss / 2),
+                     dict(run("sft", side, repeat, 48, 10.0 + extra), peak_rss_mib=rss + repeat)]
+    s = bench_trl.summarize(runs, "sft", "fp32", ("ours", "before", "trl"))
+    assert s["sides"] == ["ours", "before", "trl"]
+    assert s["ratios_before"] == pytest.approx([2.0, 1.0, 0.5]) and s["ratio_before"] == pytest.approx(1.0)
+    assert s["ratios"] == pytest.approx([4.0, 2.0, 2.0]) and s["ratio"] == pytest.approx(2.0)
+    assert s["rate_ours"] == pytest.approx(4.0) and s["rate_before"] == pytest.approx(4.0)
+    assert s["rate_trl"] == pytest.approx(32 / 32)
+    # peak memory: the median of the runs at N2 (not those at N1)
+    assert (s["rss_ours"], s["rss_before"], s["rss_trl"]) == (1001.0, 1501.0, 3001.0)
+    # a repeat without its before runs is left out when before is a side, kept when it is not
+    partial = [r for r in runs if not (r["side"] == "before" and r["repeat"] == 0)]
+    assert bench_trl.summarize(partial, "sft", "fp32", ("ours", "before", "trl"))["ratios"] == pytest.approx([2.0, 2.0])
+    assert bench_trl.summarize(partial, "sft", "fp32")["ratios"] == pytest.approx([4.0, 2.0, 2.0])
+    # ours alone: its rates and memory, no ratio; runs without a measured memory give None
+    alone = bench_trl.summarize([r for r in runs if r["side"] == "ours"], "sft", "fp32", ("ours",))
+    assert alone["rates_ours"] == pytest.approx([4.0, 4.0, 2.0]) and "ratio" not in alone and "ratio_before" not in alone
+    assert bench_trl.summarize([run("sft", "ours", 0, 16, 1.0), run("sft", "ours", 0, 48, 2.0)], "sft", "fp32",
+                               ("ours",))["rss_ours"] is None
+
+    text = bench_trl.table([s], ["CPU: test", "Shape: test"], {"sft": "1.16.0"}, ("ours", "before", "trl"))
+    head, row = [line for line in text.splitlines() if line.startswith("| ")][:3:2]
+    assert head == ("| trainer | precision | rows N1 -> N2 | ours | before | ours/before (median) | ours/before of the "
+                    "repeats | TRL | ours/TRL (median) | ours/TRL of the repeats | peak RSS MiB (ours / before / TRL) |")
+    assert row == ("| sft.py vs TRL 1.16.0 SFTTrainer | fp32 | 16 -> 48 | 4.00 rows/s | 4.00 | **1.00** | 2.00, 1.00, "
+                   "0.50 | 1.00 | **2.00** | 4.00, 2.00, 2.00 | 1001 / 1501 / 3001 |")
+    assert text.startswith("CPU: test\nShape: test\n")
+    text = bench_trl.table([alone], ["CPU: test"], {}, ("ours",))
+    assert "| sft.py | fp32 | 16 -> 48 | 4.00 rows/s | 1001 |" in text and "TRL" not in text
+
+
+def test_timed_reports_exit_code_and_peak_memory(tmp_path):
+    log = tmp_path / "logs" / "child.log"
+    child = "import sys; block = bytearray(300 << 20); print('held'); sys.exit(3)"  # 300 MiB, touched by bytearray
+    wall, code, rss = bench_trl.timed([sys.executable, "-c", child], ENV, str(log), cwd=str(tmp_path))
+    assert code == 3 and wall > 0 and log.read_text() == "held\n"
+    assert 300 < rss < 400
+    # a small run reports its own size, not that of the process that started it (pytest, with what it imported)
+    _, code, rss = bench_trl.timed([sys.executable, "-c", "pass"], ENV, str(log))
+    assert code == 0 and rss < 100
+    assert bench_trl.timed([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"], ENV, str(log))[1] == 128 + 9
+
+
+def test_shapes_are_pythias_configurations():
+    import torch
+    from transformers import GPTNeoXForCausalLM
+
+    counts = {}
+    for shape in ("pythia160m", "pythia410m", "tiny"):
+        config = bench_trl.neox_config(shape, pad_token_id=bench_trl.SHAPES[shape]["vocab_size"] - 1)
+        assert config.rope_parameters["partial_rotary_factor"] == 0.25 and config.rope_parameters["rope_theta"] == 10000
+        assert config.use_parallel_residual and not config.tie_word_embeddings
+        assert config.max_position_embeddings == 2048 and config.layer_norm_eps == 1e-5
+        assert config.hidden_dropout == config.attention_dropout == config.classifier_dropout == 0.0
+        with torch.device("meta"):  # no memory, no time: just the parameter shapes
+            counts[shape] = sum(p.numel() for p in GPTNeoXForCausalLM(config).parameters())
+    # the published sizes of Pythia-160M and Pythia-410M (untied input and output embeddings)
+    assert counts["pythia160m"] == 162_322_944 and counts["pythia410m"] == 405_334_016
+    assert counts["tiny"] < 100_000
+    for shape in ("pythia160m", "pythia410m"):
+        assert bench_trl.SHAPES[shape]["query_length"] == 512 and bench_trl.SHAPES[shape]["response_length"] == 53
+
+    assert bench_trl.settings_for("builtin")["dpo"] == {**bench_trl.SETTINGS["dpo"], "eval_rows": 16, "eval_batch": 16}
+    with pytest.raises(ValueError, match="--shape pythia1b"):
+        bench_trl.settings_for("pythia1b")
+    settings = bench_trl.settings_for("pythia160m")
+    assert {t: (s["batch"], s["micro"]) for t, s in settings.items()} == {
+        "sft": (8, 4), "reward": (8, 4), "dpo": (8, 2), "ppo": (8, 4)}
+    assert settings["ppo"]["rollout_forward_batch"] == 4 and settings["dpo"]["lr"] == bench_trl.SETTINGS["dpo"]["lr"]
+    for trainer, s in settings.items():
+        sequences = s["micro"] * (2 if trainer == "dpo" else 1)  # a DPO pair is two sequences with logits
+        assert sequences <= 4 and s["eval_batch"] <= 4 and s["eval_rows"] % s["eval_batch"] == 0
+        assert bench_trl.rows_of(trainer, None, "pythia160m") == s["rows"]  # the defaults fill whole batches
+    assert bench_trl.rows_of("dpo", None, "tiny") == (8, 24)
+    with pytest.raises(ValueError, match="not a multiple of sft's batch of 8"):
+        bench_trl.rows_of("sft", [12, 48], "pythia410m")
+
+
+def test_random_rows_follow_the_prepared_schema():
+    from datasets import Dataset
+
+    from run_infra import check_columns, check_query_response
+
+    vocab, q, r = 512, 24, 8
+    pad, eos = vocab - 1, 0
+    tokenizer = bench_trl.shape_tokenizer(vocab)
+    assert (len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id) == (vocab, pad, eos)
+    assert tokenizer.decode([7, 510, eos]) == "t7 t510 " + bench_trl.EOS_TEXT  # every id decodes
+    sft = bench_trl.random_rows("sft", "train", 6, q, r, vocab)
+    pref = bench_trl.random_rows("preference", "validation", 6, q, r, vocab)
+    for columns, names in ((sft, ["reference_response"]), (pref, ["chosen", "rejected"])):
+        for i in range(6):
+            query = columns["query_token"][i]
+            assert len(query) == columns["query_token_len"][i] == q and pad not in query and eos not in query
+            for name in names:
+                response = columns[f"{name}_token"][i]
+                assert len(response) == columns[f"{name}_token_len"][i] == r
+                assert response[-1] == eos and eos not in response[:-1] and pad not in response
+                assert columns[f"query_{name}_token"][i] == query + response
+                assert columns[f"query_{name}_token_len"][i] == q + r
+                assert columns[f"query_{name}_token_response_label"][i] == [pad] * q + response
+                assert tokenizer(columns[name][i])["input_ids"] == response[:-1]  # the text spells the ids
+    assert pref["chosen_token"] != pref["rejected_token"]
+    # seeded per row: more rows keep the first ones; another split or kind draws others
+    assert bench_trl.random_rows("sft", "train", 3, q, r, vocab) == {k: v[:3] for k, v in sft.items()}
+    assert bench_trl.random_rows("sft", "validation", 3, q, r, vocab)["query_token"] != sft["query_token"][:3]
+    # what the scripts check, and TRL's formats
+    sft_set, pref_set = Dataset.from_dict(sft), Dataset.from_dict(pref)
+    check_columns(sft_set, ["query_token", "query_reference_response_token",
+                            "query_reference_response_token_response_label", "reference_response"], "sft")
+    check_query_response(sft_set, pad, "sft")
+    check_query_response(pref_set, pad, "preference")
+    assert bench_trl.convert_split(sft_set, "sft", "sft")[0] == {
+        "input_ids": sft["query_token"][0] + sft["reference_response_token"][0],
+        "labels": [-100] * q + sft["reference_response_token"][0]}
+    assert bench_trl.convert_split(pref_set, "dpo", "preference")[1] == {
+        "prompt_ids": pref["query_token"][1], "chosen_ids": pref["chosen_token"][1],
+        "rejected_ids": pref["rejected_token"][1]}
+
+
+@pytest.mark.slow  # about a minute on 2 cores: four runs of a script, each mostly its start-up
+def test_end_to_end_ours_at_the_tiny_shape(tmp_path):
+    """The tool on our side alone (no TRL) at the tiny shape: its random model, tokenizer and rows are made, sft.py and
+    dpo.py accept them and run, and the table has a positive rate and the peak memory of each trainer. N2 is far
+    above N1 because an update of the tiny model takes milliseconds: the run at N2 must be slower than the one at N1
+    by more than the noise of their start-ups on a busy machine (here about 8 s for SFT and 13 s for DPO)."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "tools", "bench_trl.py"), "--shape", "tiny", "--sides", "ours",
+           "--trainers", "sft", "dpo", "--rows", "8", "4800", "--repeats", "1", "--precisions", "fp32", "--threads",
+           "1", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())
+    assert [(r["trainer"], r["side"], r["rows"], r["ok"]) for r in report["runs"]] == [
+        ("sft", "ours", 8, True), ("sft", "ours", 4800, True), ("dpo", "ours", 8, True), ("dpo", "ours", 4800, True)]
+    assert all(r["peak_rss_mib"] > 50 for r in report["runs"])
+    assert report["sides"] == ["ours"] and report["shape"]["name"] == "tiny"
+    assert report["settings"]["dpo"]["micro"] == 2
+    walls = [(r["trainer"], r["rows"], r["wall_s"]) for r in report["runs"]]
+    for summary in report["summaries"]:
+        assert summary["rate_ours"] > 0, walls  # NaN: the run at N2 was not slower
+        assert summary["rss_ours"] > 50 and "ratio" not in summary
+    assert [s["trainer"] for s in report["summaries"]] == ["sft", "dpo"]
+    table = (out / "bench.md").read_text()
+    assert "Shape: tiny, GPT-NeoX with random weights" in table and "query 24 + response 8 tokens" in table
+    assert "| sft.py | fp32 | 8 -> 4800 |" in table and "| dpo.py | fp32 | 8 -> 4800 |" in table
 
 
 TRL_VENV = os.path.join(os.path.expanduser("~"), ".cache", "rlhf-bench", "venv-trl-1.16", "bin", "python")

@@ -4,6 +4,9 @@
     python tools/bench_trl.py --trainers dpo ppo --rows 256 2048 --repeats 3
     python tools/bench_trl.py --pipeline_dir artifacts/quickstart    # the quickstart's data and SFT / RM models
     python tools/bench_trl.py --rows 32 64 --repeats 1 --precisions fp32   # a smoke run (a few minutes)
+    python tools/bench_trl.py --shape pythia160m                     # the paper's model shape, random weights
+    python tools/bench_trl.py --sides ours before trl --before_repo /tmp/before   # also an older copy of the project
+    python tools/bench_trl.py --shape tiny --sides ours --trainers sft --rows 8 4800 --repeats 1   # ours only, no TRL
 
 Pairs compared (our script, run as a subprocess exactly as a user types it; TRL's trainer, run as a subprocess of
 a virtual environment that holds TRL):
@@ -13,27 +16,53 @@ a virtual environment that holds TRL):
     dpo     dpo.py    vs DPOTrainer    (current TRL)   rows = preference pairs, sigmoid loss, live reference model
     ppo     ppo.py    vs PPOTrainer    (TRL 1.12, the last release that has it)   rows = episodes
 
-What it does, step by step:
-  1. TRL: a virtual environment per TRL version under --venv_root (`python -m venv --system-site-packages`, then
-     `pip install trl==X` with a constraint that pins the torch this machine already has, so pip never fetches
-     another torch; a transformers / accelerate that a TRL release needs and the system lacks goes into the venv).
-     Made once, reused while it imports the pinned TRL.
-  2. The task: a prepared built-in task (--task_dir, or --pipeline_dir's data/), or a new one prepared here once
-     (data/prepare.py --task synthetic at the quickstart's sizes with a short warm-up: the speed of a model does not
-     depend on how well it was warmed up). The SFT and reward models: --sft_model / --reward_model, the pipeline's
-     models/sft and models/rm, or short runs of sft.py and reward.py made here once (pipeline.py's ci sizes).
-  3. For each row count N of --rows, the task's train split cut to its first N rows (saved in the work folder), so
-     that both sides train one epoch over exactly the same rows.
-  4. Runs, interleaved so that a slow spell of a shared machine hits both sides alike: per trainer and precision,
-     repeat r = 1..R: (ours, N1), (TRL, N1), (ours, N2), (TRL, N2). The wall time of a run is that of its whole
-     process (start-up, data loading, training, final evaluation, saving).
-  5. Rates: a side's rate in repeat r is (N2 - N1) / (wall(N2) - wall(N1)): start-up, loading and the final
-     evaluation take the same time at N1 and N2 rows and cancel. The ratio of repeat r is ours / TRL; the table
-     gives the median rate of each side and the median ratio (and every ratio).
-  6. `bench.md` (the table, also printed, with the CPU model and what it has: AVX2, AVX-512, bf16 instructions)
-     and `bench.json` (every run: command, rows, wall time, exit code) in --out.
+Sides (--sides, any of ours before trl, ours always among them): `ours` runs this folder's scripts, `trl` TRL's
+trainers, `before` the same commands as `ours` with the scripts of another copy of the project (--before_repo, e.g.
+`git worktree add /tmp/before <commit>`), run from that folder: a before / after measurement of a change to the
+scripts, on the same rows and models. `--sides ours` needs no TRL at all.
 
-How the two sides are matched:
+Shapes (--shape): `builtin` (the default) is the built-in task's small model and its data, described below.
+`pythia160m` and `pythia410m` are the paper's model shapes: a GPT-NeoX at Pythia's configuration (hidden size,
+layers, heads, MLP width, vocabulary of 50304, a quarter of each head rotary, parallel residual, untied embeddings)
+with random weights, on random token ids at TL;DR's widths (query 512 tokens, response 53). `tiny` is the same
+recipe at a toy size, for tests. The speed of a model does not depend on its weights or on what its tokens say, so
+random ones measure it as well as trained ones; generated here once per work folder (SHAPES below):
+  - a word-level tokenizer whose vocabulary is exactly the model's (EOS "<|endoftext|>" = 0, "t1" ... and "[PAD]"
+    last), so that every id a model samples decodes;
+  - the policy (base model = SFT model, a causal LM) and a reward model (a one-label sequence classifier, what
+    reward.py saves), both seeded, dropout off, safetensors, each with the tokenizer;
+  - sft/ and preference/ datasets in data/prepare.py's processed schema with its tokenizer record, train and
+    validation splits: every query fills its width with real tokens, every response is random ids and a final EOS
+    (no EOS or [PAD] inside), so every row has the same length (565 tokens at Pythia's shapes);
+  - the batch and micro batch shrink so that no micro batch holds much more than four sequences' logits
+    (SHAPE_BATCHES), and the final evaluations cover a few rows. The table names the shape and these settings.
+
+What it does, step by step:
+  1. TRL (with the side trl): a virtual environment per TRL version under --venv_root (`python -m venv
+     --system-site-packages`, then `pip install trl==X` with a constraint that pins the torch this machine already
+     has, so pip never fetches another torch; a transformers / accelerate that a TRL release needs and the system
+     lacks goes into the venv). Made once, reused while it imports the pinned TRL.
+  2. The task: with --shape builtin, a prepared built-in task (--task_dir, or --pipeline_dir's data/), or a new one
+     prepared here once (data/prepare.py --task synthetic at the quickstart's sizes with a short warm-up: the speed
+     of a model does not depend on how well it was warmed up). The SFT and reward models: --sft_model /
+     --reward_model, the pipeline's models/sft and models/rm, or short runs of sft.py and reward.py made here once
+     (pipeline.py's ci sizes). With another shape: the inputs made as above.
+  3. For each row count N of --rows, the task's train split cut to its first N rows (saved in the work folder), so
+     that every side trains one epoch over exactly the same rows.
+  4. Runs, interleaved so that a slow spell of a shared machine hits every side alike: per trainer and precision,
+     repeat r = 1..R: (ours, N1), (before, N1), (TRL, N1), (ours, N2), (before, N2), (TRL, N2), each side only when
+     asked for. The wall time of a run is that of its whole process (start-up, data loading, training, final
+     evaluation, saving); its peak memory is the largest resident set (ru_maxrss of os.wait4) of the process and
+     of any process it started and waited for, measured by a small process in between (PEAK_RSS_LAUNCHER).
+  5. Rates: a side's rate in repeat r is (N2 - N1) / (wall(N2) - wall(N1)): start-up, loading and the final
+     evaluation take the same time at N1 and N2 rows and cancel. The ratios of repeat r are ours / TRL and ours /
+     before; the table gives the median rate of each side, the median of each ratio (and every ratio), and each
+     side's median peak memory over its runs at N2.
+  6. `bench.md` (the table, also printed, with the CPU model and what it has: AVX2, AVX-512, bf16 instructions,
+     and the shape) and `bench.json` (every run: command, rows, wall time, peak memory, exit code) in --out.
+
+How the sides are matched (ours and before: the same command line, flag for flag, the same inputs; only the
+scripts, and the folder they run from, differ; ours and TRL as follows):
   - the same model files (the base model for SFT; the SFT model for the reward model, DPO's policy and reference
     and PPO's policy and reference; the reward model for PPO's reward and critic), float32 weights on both sides;
   - the same token ids: TRL gets our prepared token columns with the padding cut off (pre-tokenized datasets: SFT
@@ -41,7 +70,9 @@ How the two sides are matched:
     `prompt_ids` / `chosen_ids` / `rejected_ids`, PPO `input_ids` (the query)), so no text is tokenized again and
     both sides read the same tokens of the same rows. No truncation on either side (TRL's max_length=None): every
     row already fits the task's widths. Padding stays each side's own: our scripts cut each batch of the data's
-    fixed-width rows to its columns that hold a real token (real_columns), TRL's collators pad each batch to its longest row (PPO's queries on the left);
+    fixed-width rows to its columns that hold a real token (real_columns), TRL's collators pad each batch to its
+    longest row (PPO's queries on the left). At the shapes other than builtin every row fills the widths, so
+    neither side pads;
   - the same batch and micro batch (TRL: per_device_train_batch_size = our micro batch, gradient accumulation =
     batch / micro batch), one epoch over the N rows, the same learning rate, AdamW epsilon 1e-5 and weight decay,
     the same schedule without warm-up (cosine; PPO linear on both sides), no gradient clipping (none of our scripts
@@ -58,7 +89,8 @@ How the two sides are matched:
     Detail 23), temperature 0.7, 4 PPO epochs, 1 minibatch, the same rollout forward batch, KL coefficient 0.05;
   - DPO: beta 0.1, sigmoid loss, the reference model run live on both sides (no precomputed log-probs).
 Not matched, because each side's own design decides them: the final evaluation and saving (they cancel in the
-marginal rate), TRL's per-step logging and our metric logging, and what each side does with padding.
+marginal rate), TRL's per-step logging and our metric logging, and what each side does with padding. Peak memory
+does not cancel: it is that of the whole run, models, optimizer state, data and evaluation included.
 
 This file is glue, not an algorithm (like pipeline.py): it runs the scripts, which never import it. Measured
 ratios: docs/results.md.
@@ -71,6 +103,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -80,6 +113,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)  # data.prepare's tokenizer record, for the shapes' data
 TRL_FLAG = "--_trl"  # internal: `<venv python> tools/bench_trl.py --_trl spec.json` runs one TRL trainer
 
 TRAINERS = ["sft", "reward", "dpo", "ppo"]
@@ -100,6 +135,54 @@ SETTINGS = {
 }
 EVAL_ROWS = 16  # rows of our final evaluations (a fixed cost: it cancels in the marginal rate)
 
+SIDES = ["ours", "before", "trl"]  # in the order they run within a (trainer, precision, repeat, N)
+
+# The model shapes besides the built-in task's: GPT-NeoX at Pythia's configurations (the paper's models) and a toy
+# one for tests, with random weights, on random token ids of TL;DR's widths (query 512, SFT response 53 tokens).
+PYTHIA = {"vocab_size": 50304, "rotary_pct": 0.25, "rotary_emb_base": 10000, "use_parallel_residual": True,
+          "tie_word_embeddings": False, "max_position_embeddings": 2048, "layer_norm_eps": 1e-5}
+SHAPES = {
+    "pythia160m": {**PYTHIA, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                   "intermediate_size": 3072, "query_length": 512, "response_length": 53},
+    "pythia410m": {**PYTHIA, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+                   "intermediate_size": 4096, "query_length": 512, "response_length": 53},
+    "tiny": {**PYTHIA, "vocab_size": 512, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "intermediate_size": 128, "query_length": 24, "response_length": 8},
+}
+# Their batches: a row costs seconds at Pythia's shape on a few cores, and a micro batch's float32 logits cost
+# 565 x 50304 x 4 bytes (114 MB) per sequence, so a micro batch holds at most four sequences (DPO: two pairs, each
+# a chosen and a rejected sequence; reward: four pairs, whose scalar head has no such logits); PPO's rollout
+# forwards go four queries at a time. The final evaluations read SHAPE_EVAL_ROWS rows, a micro batch at a time.
+SHAPE_BATCHES = {
+    "sft": {"batch": 8, "micro": 4, "rows": (16, 48)},
+    "reward": {"batch": 8, "micro": 4, "rows": (16, 48)},
+    "dpo": {"batch": 8, "micro": 2, "rows": (8, 24)},
+    "ppo": {"batch": 8, "micro": 4, "rows": (16, 48), "rollout_forward_batch": 4},
+}
+SHAPE_EVAL_ROWS = 8
+SHAPE_SEED = 1
+EOS_TEXT = "<|endoftext|>"  # the shapes' tokenizer: EOS = 0, "t1" ... "t<V-2>", "[PAD]" = V - 1
+
+
+def settings_for(shape: str) -> dict:
+    """Per trainer: SETTINGS, with the batches of SHAPE_BATCHES at a shape other than builtin, and the rows and
+    batch of the final evaluation (eval_rows, eval_batch)."""
+    if shape == "builtin":
+        return {t: {**SETTINGS[t], "eval_rows": EVAL_ROWS, "eval_batch": EVAL_ROWS} for t in TRAINERS}
+    if shape not in SHAPES:
+        raise ValueError(f"--shape {shape}: expected builtin or one of {' '.join(SHAPES)}")
+    return {t: {**SETTINGS[t], **SHAPE_BATCHES[t], "eval_rows": SHAPE_EVAL_ROWS, "eval_batch": SHAPE_BATCHES[t]["micro"]}
+            for t in TRAINERS}
+
+
+def neox_config(shape: str, pad_token_id: int, eos_token_id: int = 0):
+    """The GPTNeoXConfig of a shape: its sizes, dropout off (our scripts turn it off too: Detail 7)."""
+    from transformers import GPTNeoXConfig
+
+    sizes = {k: v for k, v in SHAPES[shape].items() if k not in ("query_length", "response_length")}
+    return GPTNeoXConfig(**sizes, hidden_dropout=0.0, attention_dropout=0.0, classifier_dropout=0.0,
+                         bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
 # The task prepared when none is given: the quickstart's split sizes (enough rows for the default --rows) with a
 # short base-model warm-up and small evaluation splits.
 PREP_FLAGS = ["--synthetic_warmup_steps", "20", "--synthetic_num_sft_eval", "48", "--synthetic_num_pref_valid", "64",
@@ -112,7 +195,8 @@ class Args:
     """which comparisons to run: any of sft reward dpo ppo"""
     rows: Optional[list[int]] = None
     """N1 N2: rows (SFT rows, preference pairs, PPO episodes) of the short and the long run; each a multiple of the
-    trainer's batch. None = per trainer: sft, reward and dpo 256 2048, ppo 128 512"""
+    trainer's batch. None = per trainer: sft, reward and dpo 256 2048, ppo 128 512 (builtin); at the other shapes
+    sft, reward and ppo 16 48, dpo 8 24"""
     repeats: int = 3
     """runs of each (side, N); the table gives the median"""
     threads: int = 0
@@ -137,6 +221,13 @@ class Args:
     """TRL release for PPOTrainer (1.12: the last release that has it)"""
     venv_root: str = os.path.join(os.path.expanduser("~"), ".cache", "rlhf-bench")
     """folder of the TRL virtual environments (venv-trl-<major.minor>)"""
+    shape: str = "builtin"
+    """the model and data: builtin (the built-in task's, or --task_dir / --pipeline_dir's), or a GPT-NeoX with
+    random weights on random tokens at pythia160m, pythia410m (Pythia's configurations, TL;DR's widths) or tiny"""
+    sides: list[str] = field(default_factory=lambda: ["ours", "trl"])
+    """what runs: ours (this folder's scripts, always), before (--before_repo's scripts), trl (TRL's trainers)"""
+    before_repo: Optional[str] = None
+    """another copy of this project (e.g. `git worktree add /tmp/before <commit>`): the scripts of the side before"""
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,10 +278,11 @@ def resolve_precisions(requested: list[str], cpu: dict) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def rows_of(trainer: str, rows: Optional[list[int]]) -> tuple[int, int]:
+def rows_of(trainer: str, rows: Optional[list[int]], shape: str = "builtin") -> tuple[int, int]:
     """N1 < N2 for one trainer, each a whole number of its batches (our scripts drop an incomplete last batch)."""
-    n1, n2 = SETTINGS[trainer]["rows"] if rows is None else rows
-    batch = SETTINGS[trainer]["batch"]
+    s = settings_for(shape)[trainer]
+    n1, n2 = s["rows"] if rows is None else rows
+    batch = s["batch"]
     if not 0 < n1 < n2:
         raise ValueError(f"--rows {n1} {n2}: need 0 < N1 < N2")
     for n in (n1, n2):
@@ -200,15 +292,16 @@ def rows_of(trainer: str, rows: Optional[list[int]]) -> tuple[int, int]:
     return n1, n2
 
 
-def schedule(trainers: list[str], precisions: list[str], repeats: int, rows: dict) -> list[tuple]:
-    """The runs in order: per trainer and precision, repeat r: (ours, N1), (TRL, N1), (ours, N2), (TRL, N2).
-    Each item: (trainer, precision, repeat, n, side)."""
+def schedule(trainers: list[str], precisions: list[str], repeats: int, rows: dict,
+             sides: tuple = ("ours", "trl")) -> list[tuple]:
+    """The runs in order: per trainer and precision, repeat r: (ours, N1), (before, N1), (TRL, N1), (ours, N2),
+    (before, N2), (TRL, N2), each side only when in `sides`. Each item: (trainer, precision, repeat, n, side)."""
     order = []
     for trainer in trainers:
         for precision in precisions:
             for repeat in range(repeats):
                 for n in rows[trainer]:
-                    for side in ("ours", "trl"):
+                    for side in (s for s in SIDES if s in sides):
                         order.append((trainer, precision, repeat, n, side))
     return order
 
@@ -221,36 +314,42 @@ def marginal_rate(n1: int, wall1: float, n2: int, wall2: float) -> float:
     return (n2 - n1) / (wall2 - wall1)
 
 
-def summarize(runs: list[dict], trainer: str, precision: str) -> Optional[dict]:
-    """Rates and ratios of one trainer and precision from its runs (dicts with side, repeat, rows, wall_s, ok):
-    per repeat, each side's marginal rate and ours / TRL; then the medians. None when no repeat has all four runs."""
+def summarize(runs: list[dict], trainer: str, precision: str, sides: tuple = ("ours", "trl")) -> Optional[dict]:
+    """Rates, ratios and memory of one trainer and precision from its runs (dicts with side, repeat, rows, wall_s,
+    ok, and peak_rss_mib when measured). Per repeat in which every side has both of its runs: each side's marginal
+    rate (rates_<side>), ours / TRL (ratios) and ours / before (ratios_before); then their medians (rate_<side>,
+    ratio, ratio_before) and each side's median peak memory of its runs at N2 (rss_<side>, MiB; None when not
+    measured). None when no repeat is complete."""
     mine = [r for r in runs if r["trainer"] == trainer and r["precision"] == precision and r["ok"]]
-    by_key = {(r["side"], r["repeat"], r["rows"]): r["wall_s"] for r in mine}
+    walls = {(r["side"], r["repeat"], r["rows"]): r["wall_s"] for r in mine}
     sizes = sorted({r["rows"] for r in mine})
-    repeats = sorted({r["repeat"] for r in mine})
     if len(sizes) < 2:
         return None
     n1, n2 = sizes[0], sizes[-1]
-    ours, trl, ratios = [], [], []
-    for repeat in repeats:
-        walls = [by_key.get((side, repeat, n)) for side in ("ours", "trl") for n in (n1, n2)]
-        if None in walls:
-            continue
-        rate_ours = marginal_rate(n1, walls[0], n2, walls[1])
-        rate_trl = marginal_rate(n1, walls[2], n2, walls[3])
-        ours.append(rate_ours)
-        trl.append(rate_trl)
-        ratios.append(rate_ours / rate_trl)
-    if not ratios:
+    sides = [s for s in SIDES if s in sides]
+    rates: dict = {side: [] for side in sides}
+    for repeat in sorted({r["repeat"] for r in mine}):
+        if all((side, repeat, n) in walls for side in sides for n in (n1, n2)):
+            for side in sides:
+                rates[side].append(marginal_rate(n1, walls[side, repeat, n1], n2, walls[side, repeat, n2]))
+    if not rates[sides[0]]:
         return None
-    # a repeat whose longer run was not slower on one side (NaN rate) stays in the lists but not in the medians
-    valid = [i for i, ratio in enumerate(ratios) if math.isfinite(ratio)]
+    # a repeat whose longer run was not slower on some side (NaN rate) stays in the lists but not in the medians
+    valid = [i for i in range(len(rates[sides[0]])) if all(math.isfinite(rates[side][i]) for side in sides)]
 
     def median(values):
         return statistics.median(values[i] for i in valid) if valid else float("nan")
 
-    return {"trainer": trainer, "precision": precision, "rows": [n1, n2], "rates_ours": ours, "rates_trl": trl,
-            "ratios": ratios, "rate_ours": median(ours), "rate_trl": median(trl), "ratio": median(ratios)}
+    summary = {"trainer": trainer, "precision": precision, "rows": [n1, n2], "sides": sides}
+    for side in sides:
+        rss = [r["peak_rss_mib"] for r in mine if r["side"] == side and r["rows"] == n2 and r.get("peak_rss_mib")]
+        summary.update({f"rates_{side}": rates[side], f"rate_{side}": median(rates[side]),
+                        f"rss_{side}": statistics.median(rss) if rss else None})
+    for other, each, key in (("trl", "ratios", "ratio"), ("before", "ratios_before", "ratio_before")):
+        if other in sides and "ours" in sides:
+            ratios = [ours / theirs for ours, theirs in zip(rates["ours"], rates[other])]
+            summary.update({each: ratios, key: median(ratios)})
+    return summary
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,6 +452,7 @@ def prepare_inputs(args: Args, work: str, env: dict) -> dict:
     """Paths of the task (sft/ and preference/ datasets, base model) and of the SFT and reward models (each made
     here only when a trainer of --trainers needs it and none was given)."""
     task = args.task_dir or (os.path.join(args.pipeline_dir, "data") if args.pipeline_dir else None)
+    task = os.path.abspath(task) if task else None  # (the side before runs from another folder)
     if task is None:
         task = os.path.join(work, "task")
         if not os.path.exists(os.path.join(task, "task.json")):  # written last by data/prepare.py
@@ -364,14 +464,15 @@ def prepare_inputs(args: Args, work: str, env: dict) -> dict:
     with open(os.path.join(task, "task.json")) as f:
         lengths = json.load(f)
     paths = {"task": task, "sft_data": os.path.join(task, "sft"), "preference": os.path.join(task, "preference"),
-             "base_model": os.path.join(task, "base_model"), "response_length": lengths["sft_response_length"]}
+             "base_model": os.path.join(task, "base_model"), "query_length": lengths["query_length"],
+             "response_length": lengths["sft_response_length"], "rm_response_length": lengths["rm_response_length"]}
     from_pipeline = {"sft_model": "sft", "reward_model": "rm"}
     for key, stage in from_pipeline.items():
         given = getattr(args, key) or (os.path.join(args.pipeline_dir, "models", stage) if args.pipeline_dir else None)
         if given and not model_ready(given):
             raise FileNotFoundError(f"{given} is not a complete model folder (no config.json, or a run.json without "
                                     f'"complete": true); train it to its end, or leave --{key} out to make one here')
-        paths[key] = given or os.path.join(work, "models", stage)
+        paths[key] = os.path.abspath(given) if given else os.path.join(work, "models", stage)
     # pipeline.py's ci sizes: a few updates give models of the right shapes (speed does not depend on the weights)
     ci = ["--seed", "1", "--run_dir_root", os.path.join(work, "runs"), "--overwrite_output_dir", "--checkpoint_every", "0"]
     needs_sft, needs_rm = bool(set(args.trainers) & {"reward", "dpo", "ppo"}), "ppo" in args.trainers
@@ -425,33 +526,186 @@ def subset(source: str, n: int, work: str, name: str) -> str:
     return path
 
 
+def shape_tokenizer(vocab_size: int):
+    """A word-level tokenizer of exactly vocab_size ids, so that any id a model samples decodes: EOS_TEXT = 0,
+    "t1" ... "t<vocab_size - 2>", "[PAD]" = vocab_size - 1 (a [PAD] distinct from EOS: Detail 3)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {EOS_TEXT: 0, **{f"t{i}": i for i in range(1, vocab_size - 1)}, "[PAD]": vocab_size - 1}
+    words = Tokenizer(models.WordLevel(vocab, unk_token=EOS_TEXT))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, eos_token=EOS_TEXT, bos_token=EOS_TEXT, unk_token=EOS_TEXT,
+                                   pad_token="[PAD]", model_max_length=PYTHIA["max_position_embeddings"])
+
+
+def random_rows(kind: str, split: str, n: int, query_length: int, response_length: int, vocab_size: int,
+                seed: int = SHAPE_SEED) -> dict:
+    """n rows of random token ids in data/prepare.py's processed schema, as columns: kind "sft" (a reference
+    response) or "preference" (a chosen and a rejected one). Every query is query_length real tokens, every response
+    response_length - 1 random tokens and EOS, with ids from 1 to vocab_size - 2 (never EOS or [PAD] inside a
+    text); the text columns spell the ids. Row i depends on (seed, kind, split, i) alone, so more rows keep the
+    first ones (and the row subsets cut from them)."""
+    pad, eos = vocab_size - 1, 0
+    text_ids = range(1, vocab_size - 1)  # neither EOS nor [PAD]
+
+    def spell(ids):
+        return " ".join(f"t{t}" for t in ids if t != eos)
+
+    columns: dict = {}
+    for i in range(n):
+        rng = random.Random(f"{seed} {kind} {split} {i}")
+        query = rng.choices(text_ids, k=query_length)
+        row = {"id": f"{split}{i:06d}", "query": spell(query), "query_token": query, "query_token_len": query_length,
+               "query_truncated": False, "response_too_long": False}
+        for name in ["reference_response"] if kind == "sft" else ["chosen", "rejected"]:
+            response = rng.choices(text_ids, k=response_length - 1) + [eos]
+            row.update({name: " " + spell(response), f"{name}_token": response, f"{name}_token_len": response_length,
+                        f"query_{name}_token": query + response, f"query_{name}_token_len": query_length + response_length,
+                        f"query_{name}_token_response_label": [pad] * query_length + response})
+        if kind == "sft":
+            row["query_reference_response"] = row["query"] + row["reference_response"]
+        else:
+            row.update({"chosen_policy": "random", "rejected_policy": "random", "choice": 0, "confidence": -1,
+                        "batch": "random", "split": split, "is_cnndm": False})
+        for key, value in row.items():
+            columns.setdefault(key, []).append(value)
+    return columns
+
+
+def save_random_model(path: str, shape: str, tokenizer, seed: int, reward_model: bool) -> None:
+    """A GPT-NeoX of the shape with random (seeded) weights, and the tokenizer, saved as safetensors: a causal LM
+    (the base / SFT model), or a one-label sequence classifier (what reward.py saves as a reward model). Written
+    under a temporary name, then renamed: the folder, when it exists, is complete."""
+    import torch
+    from transformers import GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = neox_config(shape, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    if reward_model:
+        config.num_labels = 1
+        config.reward_normalization_bias = 0.0  # reward.py records the shift it folded into the weights (none here)
+        model = GPTNeoXForSequenceClassification(config)
+    else:
+        model = GPTNeoXForCausalLM(config)
+    temporary = path + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    model.save_pretrained(temporary, safe_serialization=True)
+    tokenizer.save_pretrained(temporary)
+    os.replace(temporary, path)
+
+
+def make_shape_inputs(shape: str, work: str, train_rows: dict) -> dict:
+    """The inputs of a shape other than builtin, in <work>/shape_<shape>: the policy (base and SFT model), the reward
+    model and the sft/ and preference/ datasets (train: train_rows[kind] rows, validation: SHAPE_EVAL_ROWS), each
+    made once and reused; all made again when the shape's configuration changed, a dataset again when it has
+    fewer train rows than asked for. Returns the paths prepare_inputs returns."""
+    from datasets import Dataset, DatasetDict, load_from_disk
+
+    from data.prepare import tokenizer_fingerprint
+
+    config = SHAPES[shape]
+    root = os.path.join(work, f"shape_{shape}")
+    record = {"shape": shape, "config": config, "seed": SHAPE_SEED}
+    marker = os.path.join(root, "shape.json")
+    try:
+        with open(marker) as f:
+            same = json.load(f) == record
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+        with open(marker, "w") as f:
+            json.dump(record, f, indent=1)
+    tokenizer = shape_tokenizer(config["vocab_size"])
+    paths = {"task": root, "sft_data": os.path.join(root, "sft"), "preference": os.path.join(root, "preference"),
+             "base_model": os.path.join(root, "policy"), "sft_model": os.path.join(root, "policy"),
+             "reward_model": os.path.join(root, "reward_model"), "query_length": config["query_length"],
+             "response_length": config["response_length"], "rm_response_length": config["response_length"]}
+    for key, seed in (("base_model", SHAPE_SEED), ("reward_model", SHAPE_SEED + 1)):
+        if not os.path.exists(paths[key]):
+            print(f"[bench] {shape}: a {key.replace('_', ' ')} with random weights in {paths[key]}", flush=True)
+            save_random_model(paths[key], shape, tokenizer, seed, reward_model=key == "reward_model")
+    # the record of data/prepare.py that every script checks: the ids are those of the policy's tokenizer
+    fingerprint = {"name_or_path": paths["base_model"], **tokenizer_fingerprint(tokenizer)}
+    description = json.dumps({"prepared_by": "tools/bench_trl.py", "task": f"random tokens, shape {shape}",
+                              "tokenizer": fingerprint})
+    for kind, key in (("sft", "sft_data"), ("preference", "preference")):
+        n = max(train_rows[kind], SHAPE_EVAL_ROWS)
+        if os.path.exists(paths[key]) and len(load_from_disk(paths[key])["train"]) >= n:
+            continue
+        print(f"[bench] {shape}: {n} random {kind} rows in {paths[key]}", flush=True)
+        splits = DatasetDict({split: Dataset.from_dict(random_rows(kind, split, count, config["query_length"],
+                                                                   config["response_length"], config["vocab_size"]))
+                              for split, count in (("train", n), ("validation", SHAPE_EVAL_ROWS))})
+        for dataset in splits.values():
+            dataset.info.description = description
+        temporary = paths[key] + ".tmp"
+        shutil.rmtree(temporary, ignore_errors=True)
+        splits.save_to_disk(temporary)
+        shutil.rmtree(paths[key], ignore_errors=True)
+        os.replace(temporary, paths[key])
+    return paths
+
+
+def parameters_in(folder: str) -> int:
+    """The number of weights in a model folder's safetensors files (read from their headers)."""
+    import glob
+
+    from safetensors import safe_open
+
+    total = 0
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
+
+
+def describe_shape(shape: str, paths: dict, settings: dict, trainers: list[str]) -> str:
+    """The table's line on the model, the token widths and the batches."""
+    with open(os.path.join(paths["base_model"], "config.json")) as f:
+        config = json.load(f)
+    kind = "the built-in task's GPT-NeoX" if shape == "builtin" else "GPT-NeoX with random weights"
+    batches = ", ".join(f"{t} {settings[t]['batch']}/{settings[t]['micro']}" for t in trainers)
+    if "ppo" in trainers:
+        batches += f" (PPO's rollout forwards: {settings['ppo']['rollout_forward_batch']})"
+    return (f"Shape: {shape}, {kind}: {parameters_in(paths['base_model']) / 1e6:.1f}M parameters (hidden "
+            f"{config['hidden_size']}, {config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
+            f"vocabulary {config['vocab_size']}); query {paths['query_length']} + response "
+            f"{paths['response_length']} tokens (preference responses {paths['rm_response_length']}); batch / micro "
+            f"batch: {batches}; final evaluations of {settings[trainers[0]]['eval_rows']} rows")
+
+
 # --------------------------------------------------------------------------------------------
 # One run of each side
 # --------------------------------------------------------------------------------------------
-def our_command(trainer: str, precision: str, n: int, paths: dict, work: str, run_name: str) -> list[str]:
-    s = SETTINGS[trainer]
+def our_command(trainer: str, precision: str, n: int, paths: dict, work: str, run_name: str, s: dict,
+                repo: str = REPO_ROOT, side: str = "ours") -> list[str]:
+    """The command line of one run of our script of `trainer` (the side before: the same, from `repo`), with the
+    trainer's settings `s` (settings_for)."""
     common = ["--seed", "1", "--run_name", run_name, "--run_dir_root", os.path.join(work, "runs"),
-              "--output_dir", os.path.join(work, "out", f"ours_{trainer}"), "--overwrite_output_dir",
+              "--output_dir", os.path.join(work, "out", f"{side}_{trainer}"), "--overwrite_output_dir",
               "--checkpoint_every", "0", "--bf16", str(precision == "bf16"), "--lr", str(s["lr"]),
               "--total_batch_size", str(s["batch"]), "--local_micro_batch_size", str(s["micro"])]
-    py = [sys.executable, os.path.join(REPO_ROOT, SCRIPT[trainer])]
-    eval_rows = ["--num_eval_samples", str(EVAL_ROWS)]
+    py = [sys.executable, os.path.join(repo, SCRIPT[trainer])]
+    eval_rows = ["--num_eval_samples", str(s["eval_rows"])]
+    eval_batch = ["--local_eval_batch_size", str(s["eval_batch"])]
     if trainer == "sft":
         return py + common + ["--base_model", paths["base_model"], "--query_dataset", paths["rows"],
                               "--response_length", str(paths["response_length"]), "--num_train_epochs", "1",
-                              "--scheduler", s["scheduler"], "--local_eval_batch_size", str(EVAL_ROWS), *eval_rows]
+                              "--scheduler", s["scheduler"], *eval_batch, *eval_rows]
     if trainer == "reward":
         return py + common + ["--sft_model_path", paths["sft_model"], "--preference_dataset", paths["rows"],
                               "--query_dataset", paths["sft_data"], "--num_train_epochs", "1",
                               "--scheduler", s["scheduler"], "--weight_decay", str(s["weight_decay"]),
-                              "--num_normalization_samples", str(EVAL_ROWS), "--local_eval_batch_size", str(EVAL_ROWS),
-                              *eval_rows]
+                              "--num_normalization_samples", str(s["eval_rows"]), *eval_batch, *eval_rows]
     if trainer == "dpo":
         return py + common + ["--sft_model_path", paths["sft_model"], "--preference_dataset", paths["rows"],
                               "--query_dataset", paths["sft_data"], "--response_length", str(paths["response_length"]),
                               "--num_train_epochs", "1", "--beta", str(s["beta"]), "--loss_type", "sigmoid",
                               "--scheduler", s["scheduler"], "--weight_decay", str(s["weight_decay"]),
-                              "--eval_every", "0", "--local_eval_batch_size", str(EVAL_ROWS), *eval_rows]
+                              "--eval_every", "0", *eval_batch, *eval_rows]
     return py + common + ["--sft_model_path", paths["sft_model"], "--reward_model_path", paths["reward_model"],
                           "--query_dataset", paths["rows"], "--response_length", str(paths["response_length"]),
                           "--total_episodes", str(n), "--local_rollout_forward_batch_size",
@@ -462,13 +716,36 @@ def our_command(trainer: str, precision: str, n: int, paths: dict, work: str, ru
                           *eval_rows]
 
 
-def timed(cmd: list[str], env: dict, log_path: str) -> tuple[float, int]:
-    """Wall time and exit code of one run; its output goes to log_path."""
+# Runs the command argv[2:] and writes its peak resident memory (ru_maxrss of os.wait4, KiB on Linux) into the file
+# argv[1]; exits with the command's exit code (128 + N when signal N ended it). Every run goes through this small
+# process because Linux counts in a process's ru_maxrss the memory of the one it was forked from (what was mapped
+# when it called exec): a run forked straight from this tool, which holds torch and datasets, would report at
+# least this tool's size.
+PEAK_RSS_LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+def timed(cmd: list[str], env: dict, log_path: str, cwd: str = REPO_ROOT) -> tuple[float, int, float]:
+    """Wall time, exit code and peak memory of one run (MiB: the largest resident set of its process, or of a
+    process that one started and waited for); its output goes to log_path."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    rss_path = log_path + ".rss"
     with open(log_path, "w") as log:
         start = time.perf_counter()
-        code = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-        return time.perf_counter() - start, code
+        code = subprocess.run([sys.executable, "-c", PEAK_RSS_LAUNCHER, rss_path, *cmd], cwd=cwd, env=env,
+                              stdout=log, stderr=subprocess.STDOUT).returncode
+        wall = time.perf_counter() - start
+    with open(rss_path) as f:
+        return wall, code, int(f.read()) / 1024
 
 
 def tail(path: str, lines: int = 15) -> str:
@@ -489,7 +766,7 @@ def trl_child(spec_path: str) -> None:
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    trainer_name, s = spec["trainer"], SETTINGS[spec["trainer"]]
+    trainer_name, s = spec["trainer"], spec["settings"]
     bf16 = spec["precision"] == "bf16"
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
     f32 = {"dtype": torch.float32}
@@ -553,14 +830,14 @@ def trl_child(spec_path: str) -> None:
             from trl import PPOConfig, PPOTrainer
 
         tokenizer.padding_side = "left"  # PPO's queries are left-padded (Detail 5), by its collator here
-        evaluation = convert_split(load_from_disk(spec["rows"])["validation"].select(range(EVAL_ROWS)), "ppo",
+        evaluation = convert_split(load_from_disk(spec["rows"])["validation"].select(range(s["eval_rows"])), "ppo",
                                    "validation")
         config = PPOConfig(**{k: v for k, v in common.items() if k != "num_train_epochs"},
                            total_episodes=spec["rows_n"], response_length=spec["response_length"],
                            temperature=s["temperature"], num_ppo_epochs=s["num_ppo_epochs"], num_mini_batches=1,
                            local_rollout_forward_batch_size=s["rollout_forward_batch"], kl_coef=s["kl_coef"],
                            num_sample_generations=0, stop_token=None, missing_eos_penalty=1.0,
-                           per_device_eval_batch_size=EVAL_ROWS)
+                           per_device_eval_batch_size=s["eval_batch"])
         trainer = PPOTrainer(args=config, processing_class=tokenizer, model=causal_lm(spec["model"]),
                              ref_model=causal_lm(spec["model"]), reward_model=scorer(spec["reward_model"]),
                              value_model=scorer(spec["reward_model"]), train_dataset=train, eval_dataset=evaluation)
@@ -570,34 +847,58 @@ def trl_child(spec_path: str) -> None:
                       "mixed_precision": str(trainer.accelerator.mixed_precision), "threads": torch.get_num_threads()}))
 
 
-def trl_spec(trainer: str, precision: str, n: int, paths: dict, work: str, threads: int) -> dict:
+def trl_spec(trainer: str, precision: str, n: int, paths: dict, work: str, threads: int, settings: dict) -> dict:
     model = paths["base_model"] if trainer == "sft" else paths["sft_model"]
     return {"trainer": trainer, "precision": precision, "rows": paths["rows"], "rows_n": n, "model": model,
             "tokenizer": model, "reward_model": paths["reward_model"], "response_length": paths["response_length"],
-            "output_dir": os.path.join(work, "out", f"trl_{trainer}"), "threads": threads}
+            "output_dir": os.path.join(work, "out", f"trl_{trainer}"), "threads": threads, "settings": settings}
 
 
 # --------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------
-def table(summaries: list[dict], cpu_line: str, versions: dict) -> str:
-    lines = [
-        "| trainer | precision | rows N1 -> N2 | ours | TRL | ratio ours/TRL (median) | ratios of the repeats |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
+def table(summaries: list[dict], header: list[str], versions: dict, sides: tuple = ("ours", "trl")) -> str:
+    """bench.md: the header lines (CPU, shape), then per trainer and precision each side's rate, ours / before and
+    ours / TRL (the median and every repeat's) and each side's peak memory."""
+    sides = [side for side in SIDES if side in sides]
+    names = {"ours": "ours", "before": "before", "trl": "TRL"}
+    columns = ["trainer", "precision", "rows N1 -> N2", "ours"]
+    for side in sides[1:]:
+        columns += [names[side], f"ours/{names[side]} (median)", f"ours/{names[side]} of the repeats"]
+    columns.append(f"peak RSS MiB ({' / '.join(names[side] for side in sides)})")
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
     def num(x: float) -> str:  # n/a: the longer run was not slower (noise larger than the work)
         return f"{x:.2f}" if math.isfinite(x) else "n/a"
 
     for s in summaries:
         trainer = s["trainer"]
-        name = f"{SCRIPT[trainer]} vs TRL {versions[trainer]} {TRL_NAME[trainer]}"
-        lines.append(f"| {name} | {s['precision']} | {s['rows'][0]} -> {s['rows'][1]} | "
-                     f"{num(s['rate_ours'])} {UNIT[trainer]} | {num(s['rate_trl'])} | **{num(s['ratio'])}** | "
-                     f"{', '.join(num(r) for r in s['ratios'])} |")
-    return "\n".join([cpu_line, "", *lines, "",
-                      "A rate is (N2 - N1) rows / (wall time at N2 - wall time at N1) of whole processes; "
-                      "runs interleaved (ours, TRL) per size and repeat; n/a: the run at N2 was not slower "
-                      "than at N1 (use more rows)."])
+        name = SCRIPT[trainer] + (f" vs TRL {versions[trainer]} {TRL_NAME[trainer]}" if "trl" in sides else "")
+        cells = [name, s["precision"], f"{s['rows'][0]} -> {s['rows'][1]}", f"{num(s['rate_ours'])} {UNIT[trainer]}"]
+        for side, each, key in (("before", "ratios_before", "ratio_before"), ("trl", "ratios", "ratio")):
+            if side in sides:
+                cells += [num(s[f"rate_{side}"]), f"**{num(s[key])}**", ", ".join(num(r) for r in s[each])]
+        cells.append(" / ".join("n/a" if s[f"rss_{side}"] is None else f"{s[f'rss_{side}']:.0f}" for side in sides))
+        lines.append("| " + " | ".join(cells) + " |")
+    note = ("A rate is (N2 - N1) rows / (wall time at N2 - wall time at N1) of whole processes; runs interleaved "
+            f"({', '.join(names[side] for side in sides)}) per size and repeat; n/a: the run at N2 was not slower than "
+            "at N1 (use more rows). Peak RSS: the median over the runs at N2 of each run's largest resident set.")
+    return "\n".join([*header, "", *lines, "", note])
+
+
+def check_sides(args: Args) -> list[str]:
+    """--sides in the order they run; ours always among them, --before_repo with the scripts for the side before."""
+    unknown = [side for side in args.sides if side not in SIDES]
+    if unknown or "ours" not in args.sides:
+        raise ValueError(f"--sides {' '.join(args.sides)}: expected ours and any of before trl")
+    if "before" in args.sides:
+        missing = [SCRIPT[t] for t in args.trainers if not (args.before_repo and
+                                                            os.path.exists(os.path.join(args.before_repo, SCRIPT[t])))]
+        if missing:
+            raise ValueError(f"--sides before runs the scripts of --before_repo ({args.before_repo}), which lacks "
+                             f"{' '.join(missing)}; point it at another copy of this project (git worktree add DIR "
+                             "<commit>)")
+    return [side for side in SIDES if side in args.sides]
 
 
 def main(args: Args) -> dict:
@@ -606,11 +907,17 @@ def main(args: Args) -> dict:
         raise ValueError(f"--trainers {' '.join(unknown)}: expected some of {' '.join(TRAINERS)}")
     if args.rows is not None and len(args.rows) != 2:
         raise ValueError(f"--rows takes two numbers, N1 N2 (got {args.rows})")
+    sides = check_sides(args)
+    settings = settings_for(args.shape)
+    if args.shape != "builtin" and (args.pipeline_dir or args.task_dir or args.sft_model or args.reward_model):
+        raise ValueError(f"--shape {args.shape} makes its own data and models; leave out --pipeline_dir, --task_dir, "
+                         "--sft_model and --reward_model (or use --shape builtin)")
+    before_repo = os.path.abspath(args.before_repo) if "before" in sides else None
     with open("/proc/cpuinfo") as f:
         cpu = cpu_features(f.read())
     threads = args.threads or os.cpu_count() or 1
     precisions = resolve_precisions(args.precisions, cpu)
-    rows = {t: rows_of(t, args.rows) for t in args.trainers}
+    rows = {t: rows_of(t, args.rows, args.shape) for t in args.trainers}
     out = os.path.abspath(args.out)
     work = os.path.abspath(args.work_dir or os.path.join(out, "work"))
     os.makedirs(work, exist_ok=True)
@@ -618,52 +925,67 @@ def main(args: Args) -> dict:
                WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env.pop("ACCELERATE_MIXED_PRECISION", None)
     cpu_line = describe_cpu(cpu, threads)
-    print(f"[bench] {cpu_line}; precisions {' '.join(precisions)}", flush=True)
+    print(f"[bench] {cpu_line}; precisions {' '.join(precisions)}; sides {' '.join(sides)}", flush=True)
 
     versions = {t: args.trl_ppo_version if t == "ppo" else args.trl_version for t in args.trainers}
-    pythons = {v: ensure_trl(args, v) for v in sorted(set(versions.values()))}
-    paths = prepare_inputs(args, work, env)
+    pythons = {v: ensure_trl(args, v) for v in sorted(set(versions.values()))} if "trl" in sides else {}
+    kind_of = {"sft": "sft", "ppo": "sft", "reward": "preference", "dpo": "preference"}  # the dataset a trainer reads
+    if args.shape == "builtin":
+        paths = prepare_inputs(args, work, env)
+    else:
+        longest = {kind: max([rows[t][1] for t in args.trainers if kind_of[t] == kind], default=0)
+                   for kind in ("sft", "preference")}
+        paths = make_shape_inputs(args.shape, work, longest)
+    shape_line = describe_shape(args.shape, paths, settings, args.trainers)
+    print(f"[bench] {shape_line}", flush=True)
     row_data = {}
+    subsets_in = work if args.shape == "builtin" else paths["task"]  # (a shape's subsets go when its data goes)
     for trainer in args.trainers:
-        source = paths["sft_data"] if trainer in ("sft", "ppo") else paths["preference"]
+        source = paths["sft_data"] if kind_of[trainer] == "sft" else paths["preference"]
         for n in rows[trainer]:
-            row_data[trainer, n] = subset(source, n, work, f"{'sft' if trainer in ('sft', 'ppo') else 'pref'}")
+            row_data[trainer, n] = subset(source, n, subsets_in, kind_of[trainer])
 
     runs: list[dict] = []
-    order = schedule(args.trainers, precisions, args.repeats, rows)
+    order = schedule(args.trainers, precisions, args.repeats, rows, sides)
     for i, (trainer, precision, repeat, n, side) in enumerate(order):
         run_paths = {**paths, "rows": row_data[trainer, n]}
         name = f"{trainer}_{precision}_{side}_n{n}_r{repeat}"
-        run_env = dict(env)
-        if side == "ours":
-            cmd = our_command(trainer, precision, n, run_paths, work, name)
-        else:
+        run_env, cwd = dict(env), REPO_ROOT
+        if side == "trl":
             spec_path = os.path.join(work, "specs", f"{name}.json")
             os.makedirs(os.path.dirname(spec_path), exist_ok=True)
             with open(spec_path, "w") as f:
-                json.dump(trl_spec(trainer, precision, n, run_paths, work, threads), f, indent=1)
+                json.dump(trl_spec(trainer, precision, n, run_paths, work, threads, settings[trainer]), f, indent=1)
             cmd = [pythons[versions[trainer]], os.path.abspath(__file__), TRL_FLAG, spec_path]
             if precision == "bf16":
                 run_env["ACCELERATE_MIXED_PRECISION"] = "bf16"  # read by TRL 1.12 PPOTrainer's own Accelerator
+        else:  # ours, or the same command with the scripts of --before_repo, run from there
+            cwd = before_repo if side == "before" else REPO_ROOT
+            cmd = our_command(trainer, precision, n, run_paths, work, name, settings[trainer], cwd, side)
         log_path = os.path.join(work, "logs", f"{name}.log")
-        wall, code = timed(cmd, run_env, log_path)
+        wall, code, rss = timed(cmd, run_env, log_path, cwd)
         record = {"trainer": trainer, "precision": precision, "repeat": repeat, "rows": n, "side": side,
-                  "wall_s": round(wall, 3), "returncode": code, "ok": code == 0, "command": cmd, "log": log_path}
+                  "wall_s": round(wall, 3), "peak_rss_mib": round(rss, 1), "returncode": code, "ok": code == 0,
+                  "command": cmd, "cwd": cwd, "log": log_path}
         runs.append(record)
-        status = f"{wall:.1f} s" if code == 0 else f"FAILED (exit {code}), log {log_path}:\n{tail(log_path)}"
-        print(f"[bench] {i + 1}/{len(order)} {trainer} {precision} {side:4s} N={n} repeat {repeat + 1}: {status}",
+        status = (f"{wall:.1f} s, peak {rss:.0f} MiB" if code == 0
+                  else f"FAILED (exit {code}), log {log_path}:\n{tail(log_path)}")
+        print(f"[bench] {i + 1}/{len(order)} {trainer} {precision} {side:6s} N={n} repeat {repeat + 1}: {status}",
               flush=True)
 
-    summaries = [s for t in args.trainers for p in precisions if (s := summarize(runs, t, p)) is not None]
-    text = table(summaries, cpu_line, versions)
+    summaries = [s for t in args.trainers for p in precisions if (s := summarize(runs, t, p, sides)) is not None]
+    text = table(summaries, [cpu_line, shape_line], versions, sides)
     failed = [r for r in runs if not r["ok"]]
     if failed:
         text += f"\n\n{len(failed)} of {len(runs)} runs failed: " + ", ".join(os.path.basename(r["log"]) for r in failed)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(text + "\n")
-    result = {"cpu": cpu, "threads": threads, "precisions": precisions, "trl_versions": versions,
-              "settings": {t: SETTINGS[t] for t in args.trainers}, "args": dataclasses.asdict(args),
+    result = {"cpu": cpu, "threads": threads, "precisions": precisions, "sides": sides, "before_repo": before_repo,
+              "trl_versions": versions if "trl" in sides else {},
+              "shape": {"name": args.shape, "line": shape_line, "config": SHAPES.get(args.shape),
+                        "parameters": parameters_in(paths["base_model"])},
+              "settings": {t: settings[t] for t in args.trainers}, "args": dataclasses.asdict(args),
               "summaries": summaries, "runs": runs}
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
