@@ -5,7 +5,7 @@
     python tools/bench_trl.py --pipeline_dir artifacts/quickstart    # the quickstart's data and SFT / RM models
     python tools/bench_trl.py --rows 32 64 --repeats 1 --precisions fp32   # a smoke run (a few minutes)
     python tools/bench_trl.py --shape pythia160m                     # the paper's model shape, random weights
-    python tools/bench_trl.py --sides ours before trl --before_repo /tmp/before   # also an older copy of the project
+    python tools/bench_trl.py --sides ours before trl --before_repo ../before   # also an older copy of the project
     python tools/bench_trl.py --shape tiny --sides ours --trainers sft --rows 8 4800 --repeats 1   # ours only, no TRL
 
 Pairs compared (our script, run as a subprocess exactly as a user types it; TRL's trainer, run as a subprocess of
@@ -18,7 +18,7 @@ a virtual environment that holds TRL):
 
 Sides (--sides, any of ours before trl, ours always among them): `ours` runs this folder's scripts, `trl` TRL's
 trainers, `before` the same commands as `ours` with the scripts of another copy of the project (--before_repo, e.g.
-`git worktree add /tmp/before <commit>`), run from that folder: a before / after measurement of a change to the
+`git worktree add ../before <commit>`), run from that folder: a before / after measurement of a change to the
 scripts, on the same rows and models. `--sides ours` needs no TRL at all.
 
 Shapes (--shape): `builtin` (the default) is the built-in task's small model and its data, described below.
@@ -227,7 +227,7 @@ class Args:
     sides: list[str] = field(default_factory=lambda: ["ours", "trl"])
     """what runs: ours (this folder's scripts, always), before (--before_repo's scripts), trl (TRL's trainers)"""
     before_repo: Optional[str] = None
-    """another copy of this project (e.g. `git worktree add /tmp/before <commit>`): the scripts of the side before"""
+    """another copy of this project (e.g. `git worktree add ../before <commit>`): the scripts of the side before"""
 
 
 # --------------------------------------------------------------------------------------------
