@@ -137,6 +137,7 @@ class FlopAccounting:
         self.generating = 0
         self.ending_backward = False
         self.signatures = {}
+        self.hidden_sizes = set()  # of every model tagged: torch.mm is timed at the largest
 
     # ---- the transitions ----
     def mark(self) -> None:
@@ -243,6 +244,8 @@ class FlopAccounting:
     def tag(self, model) -> None:
         """Hook the body and the output layers of a transformers model (once each)."""
         body = model.base_model
+        if getattr(model.config, "hidden_size", None):
+            self.hidden_sizes.add(model.config.hidden_size)
         parts = [(body, "body")]
         if body is not model:  # a model with a head: its other children with weights are output layers
             parts += [(child, "head") for child in model.children()
@@ -322,6 +325,7 @@ class FlopAccounting:
             "rest": parts["rest"],
             "total": total,
             "measured_over_minimum": total["flops"] / total["minimum_flops"] if total["minimum_flops"] else None,
+            "hidden_size": max(self.hidden_sizes, default=None),
         }
 
 
@@ -418,14 +422,16 @@ def main(args: Args, argv: List[str]) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    hidden = counted["accounting"]["hidden_size"] or 128  # the models' hidden size (128 if none was tagged)
     report.update(
         script=" ".join(argv), flops=flops, threads=torch.get_num_threads(),
         achieved_gflops=flops / max(wall * model_share, 1e-9) / 1e9,
-        matmul_gflops_model_shape=matmul_rate(4096, 128), matmul_gflops_large=matmul_rate(2048, 1024),
+        matmul_gflops_model_shape=matmul_rate(4096, hidden), matmul_gflops_large=matmul_rate(2048, 1024),
         flop_accounting=counted["accounting"],
     )
-    machine = (f"against torch.mm on this machine: {report['matmul_gflops_model_shape']:.1f} GFLOP/s at (4096 x 128) "
-               f"x (128 x 512), {report['matmul_gflops_large']:.1f} GFLOP/s at (2048 x 1024) x (1024 x 4096).")
+    machine = (f"against torch.mm on this machine: {report['matmul_gflops_model_shape']:.1f} GFLOP/s at the model's "
+               f"shape (4096 x {hidden}) x ({hidden} x {4 * hidden}), {report['matmul_gflops_large']:.1f} GFLOP/s at "
+               f"(2048 x 1024) x (1024 x 4096).")
     if args.cprofile:
         lines = [
             f"`{report['script']}` ({report['threads']} threads): {wall:.1f} s plain, "
