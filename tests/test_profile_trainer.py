@@ -38,8 +38,10 @@ def test_profile_of_a_small_sft_run(synthetic_task, tmp_path):
     assert report["plain_seconds"] > 0 and report["achieved_gflops"] > 0
     assert report["matmul_gflops_large"] > 0 and report["matmul_gflops_model_shape"] > 0
     assert "GFLOP/s" in (out / "profile.md").read_text()
-    # torch.mm is timed at the model's own hidden size (the built-in model's 128), not at a fixed shape
-    assert report["flop_accounting"]["hidden_size"] == 128 and "(4096 x 128) x (128 x 512)" in (out / "profile.md").read_text()
+    # torch.mm is timed at the hidden size of the model the run built (recorded when it was tagged; None otherwise)
+    hidden = json.load(open(os.path.join(synthetic_task["base_model"], "config.json")))["hidden_size"]
+    assert report["flop_accounting"]["hidden_size"] == hidden
+    assert f"(4096 x {hidden}) x ({hidden} x {4 * hidden})" in (out / "profile.md").read_text()
     # the split of the FLOPs: body, output layer and rest add up to the counter's total
     accounting = report["flop_accounting"]
     body, head, rest, total = (accounting[k] for k in ("body", "output_layer", "rest", "total"))
