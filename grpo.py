@@ -29,7 +29,7 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import List, Literal, Optional
 
 import numpy as np
@@ -41,13 +41,13 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import gather_object, set_seed
 from datasets import load_dataset, load_from_disk
-from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_qlora_flags, check_query_response, check_reward_tokenizer, due, start_processes,
+    check_qlora_flags, check_query_response, check_reward_tokenizer, due, save_pretrained_model, start_processes,
+    upload_to_hub,
 )
 
 
@@ -222,7 +222,64 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Steps 1-5, the rollout, and the pieces of the update, the same text in ppo.py and rloo.py
+# Steps 1-5, the rollout: ppo.py's without the critic (the same code as rloo.py's)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """Steps 2-5 for a local batch of B episodes: what the update trains on, one row per episode."""
+
+    query_responses: torch.Tensor  # (B, context + T) the raw samples: the query and the whole sampled response
+    responses: torch.Tensor  # (B, T) the responses truncated after their first EOS, [PAD] after it (Detail 23)
+    logprobs: torch.Tensor  # (B, T) the policy's temperature-scaled log-probabilities of the sampled tokens
+    ref_logprobs: torch.Tensor  # (B, T) the reference policy's, likewise
+    rm_scores: torch.Tensor  # (B, n) each reward model's raw score, before the EOS trick
+
+
+@torch.no_grad()
+def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config, timers,
+            offload_by_hand: bool) -> Rollout:
+    """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size: sample, score with the policy,
+    the reference and the reward models (Rollout). offload_by_hand: move the frozen models to the device around each
+    use (--offload, see place_frozen_models)."""
+    unwrapped = accelerator.unwrap_model(model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
+    context_length = queries.size(1)
+    out = {f.name: [] for f in fields(Rollout)}
+    for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
+        query = queries[start : start + args.local_rollout_forward_batch_size]
+        t0 = time.time()
+        # 2. fixed-length sampling with the KV cache; EOS can be sampled but never stops generation
+        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
+        t1 = time.time()
+        response = query_response[:, context_length:]  # (b, T)
+        # temperature-scaled logprobs from a full forward pass: the same computation as the update,
+        # so the first ratio is exactly 1 without dropout (Detail 7); the head only where a response token is predicted
+        actions = slice(context_length - 1, -1)
+        logits = forward(unwrapped.policy, query_response, pad_id, read=actions).logits  # (b, T, V)
+        logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
+        ref_model = ref_policy if ref_policy is not None else unwrapped.policy
+        with placed_on(ref_model, accelerator.device, offload_by_hand and ref_policy is not None):
+            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id, actions)
+        ref_logprob, _ = action_logprobs(ref_logits, response, args.temperature, pad_id)
+        del logits, ref_logits
+        # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
+        truncated = truncate_response(eos_id, pad_id, response)
+        score = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
+        timers["generation"] += t1 - t0
+        timers["scoring"] += time.time() - t1
+        out["query_responses"].append(query_response)
+        out["responses"].append(truncated)
+        out["logprobs"].append(logprob)
+        out["ref_logprobs"].append(ref_logprob)
+        out["rm_scores"].append(score)
+    return Rollout(**{name: torch.cat(chunks, 0) for name, chunks in out.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces of the rollout and the update that ppo.py, rloo.py and grpo.py share (the same code in each)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -240,54 +297,8 @@ def reference_logits(ref_policy, policy, query_responses, pad_token_id, read):
     """Reference logits at `read` (forward): a separate (or Hydra) frozen model, or the LoRA policy, adapters off."""
     if ref_policy is None:
         with policy.disable_adapter():
-            return forward(policy, query_responses, pad_token_id, read).logits
-    return forward(ref_policy, query_responses, pad_token_id, read).logits
-
-
-@torch.no_grad()
-def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config, timers,
-            offload_by_hand: bool):
-    """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size. Returns the raw
-    (untruncated) query_responses, the truncated responses, temperature-scaled logprobs of policy and
-    reference, rm_scores (B, n), the reward models' scores before the EOS trick, and, with a critic, its values
-    (B, T) of the state before each response token (Detail 22). offload_by_hand: move the frozen models to the
-    device around each use (--offload, see place_frozen_models)."""
-    unwrapped = accelerator.unwrap_model(model)
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
-    context_length = queries.size(1)
-    out = {k: [] for k in ("query_responses", "responses", "logprobs", "ref_logprobs", "rm_scores", "values")}
-    for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
-        query = queries[start : start + args.local_rollout_forward_batch_size]
-        t0 = time.time()
-        # 2. fixed-length sampling with the KV cache; EOS can be sampled but never stops generation
-        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
-        t1 = time.time()
-        response = query_response[:, context_length:]  # (b, T)
-        # temperature-scaled logprobs from a full forward pass: the same computation as the update,
-        # so the first ratio is exactly 1 without dropout (Detail 7); the head only where a response token is predicted
-        actions = slice(context_length - 1, -1)
-        logits = forward(unwrapped.policy, query_response, pad_id, actions).logits  # (b, T, V)
-        logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
-        ref_model = ref_policy if ref_policy is not None else unwrapped.policy
-        with placed_on(ref_model, accelerator.device, offload_by_hand and ref_policy is not None):
-            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id, actions)
-        ref_logprob, _ = action_logprobs(ref_logits, response, args.temperature, pad_id)
-        del logits, ref_logits
-        # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
-        truncated = truncate_response(eos_id, pad_id, response)
-        score = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
-        if unwrapped.critic is not None:  # the critic reads the raw samples; the EOS ends the episode in compute_gae
-            values = get_reward(unwrapped.critic, query_response, pad_id, context_length)[0]
-            out["values"].append(values[:, context_length - 1 : -1].float())
-        timers["generation"] += t1 - t0
-        timers["scoring"] += time.time() - t1
-        out["query_responses"].append(query_response)
-        out["responses"].append(truncated)
-        out["logprobs"].append(logprob)
-        out["ref_logprobs"].append(ref_logprob)
-        out["rm_scores"].append(score)
-    return {k: torch.cat(v, 0) for k, v in out.items() if v}
+            return forward(policy, query_responses, pad_token_id, read=read).logits
+    return forward(ref_policy, query_responses, pad_token_id, read=read).logits
 
 
 def response_mask(truncated_responses: torch.Tensor, pad_token_id: int):
@@ -332,40 +343,6 @@ def clipped_policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask:
     return pg_loss, stats
 
 
-class PolicyAndValue(nn.Module):
-    """Policy and critic in one module, so that one `accelerator.prepare` (DDP / DeepSpeed) and one optimizer hold
-    both, and one forward serves the PPO loss (and the ptx loss). critic None: a method without one (rloo.py)."""
-
-    def __init__(self, policy: nn.Module, critic: nn.Module):
-        super().__init__()
-        self.policy = policy
-        self.critic = critic
-
-    def forward(self, query_responses, pad_token_id: int, context_length: int, ptx_query_responses=None, ptx_labels=None):
-        logits = forward(self.policy, query_responses, pad_token_id, slice(context_length - 1, -1)).logits  # (B, R, V)
-        values = None if self.critic is None else get_reward(self.critic, query_responses, pad_token_id, context_length)[0]
-        ptx_logits = None
-        if ptx_query_responses is not None:
-            ptx_read = F.pad(ptx_labels[:, 1:] != pad_token_id, (0, 1))  # position t predicts token t + 1
-            ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id, ptx_read).logits  # (N, V)
-        return logits, values, ptx_logits
-
-    def policy_state_dict(self, state_dict: dict) -> dict:
-        """The policy's entries of a state dict of this module (e.g. the one accelerate gathers from ZeRO-3
-        shards), under the policy's own names; a missing entry is an error, not a silently incomplete model."""
-        return {name: state_dict[f"policy.{name}"] for name in self.policy.state_dict()}
-
-
-def training_logprobs_and_values(model, query_responses, context_length: int, temperature: float,
-                                 pad_token_id: int, ptx_query_responses=None, ptx_labels=None):
-    """The update's pass through PolicyAndValue: temperature-scaled logprobs of the responses (B, T), the full
-    log-softmax (B, T, V), the critic's values (B, T) of the state before each response token (None without one),
-    and the ptx logits (N, V) at the N positions that predict a ptx target."""
-    logits, values, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses, ptx_labels)
-    new_logprobs, all_logprobs = action_logprobs(logits, query_responses[:, context_length:], temperature, pad_token_id)
-    return new_logprobs, all_logprobs, None if values is None else values[:, context_length - 1 : -1].float(), ptx_logits
-
-
 def trim_micro_batch(query_responses, responses, context_length: int, pad_token_id: int):
     """The columns of a micro batch of rollouts that its training pass needs: from its longest query's first token
     to its last kept response token. The raw samples go on after their EOS, but the loss masks those tokens and
@@ -377,9 +354,36 @@ def trim_micro_batch(query_responses, responses, context_length: int, pad_token_
 
 
 # ---------------------------------------------------------------------------------------------
-# GRPO's own pieces: the group-relative advantage (steps 6-7), the loss (step 8) and the update; then the metrics and
-# the evaluation, the same text in ppo.py and rloo.py
+# GRPO's own pieces: the policy in one module (no critic; rloo.py's), the group-relative advantage (steps 6-7),
+# the loss (step 8) and the update
 # ---------------------------------------------------------------------------------------------
+
+
+class Policy(nn.Module):
+    """The policy in one module whose one forward serves the loss and the ptx loss, so that one `accelerator.prepare`
+    (DDP / DeepSpeed) sees every pass of a backward."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, query_responses, pad_token_id: int, context_length: int, ptx_query_responses=None, ptx_labels=None):
+        actions = slice(context_length - 1, -1)  # the positions that predict a response token: (B, T, V) logits
+        logits = forward(self.policy, query_responses, pad_token_id, read=actions).logits
+        ptx_logits = None
+        if ptx_query_responses is not None:
+            ptx_read = F.pad(ptx_labels[:, 1:] != pad_token_id, (0, 1))  # position t predicts token t + 1: (N, V)
+            ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id, read=ptx_read).logits
+        return logits, ptx_logits
+
+
+def training_logprobs(model, query_responses, context_length: int, temperature: float, pad_token_id: int,
+                      ptx_query_responses=None, ptx_labels=None):
+    """The update's pass through Policy: temperature-scaled logprobs of the responses (B, T), the full log-softmax
+    (B, T, V), and the ptx logits (N, V) at the N positions that predict a ptx target."""
+    logits, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses, ptx_labels)
+    new_logprobs, all_logprobs = action_logprobs(logits, query_responses[:, context_length:], temperature, pad_token_id)
+    return new_logprobs, all_logprobs, ptx_logits
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, std: str, gather) -> torch.Tensor:
@@ -440,15 +444,15 @@ class RewardsAndAdvantages:
 
 
 @torch.no_grad()
-def rewards_and_advantages(args, data: dict, eos_token_id: int, pad_token_id: int, reward_moments, gather):
+def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token_id: int, reward_moments, gather):
     """From the reward models' scores to what the update trains on, for a local rollout batch: the mask after the
     EOS, optional reward scaling (trlX), the models joined, 5. the EOS trick, optional clipping, then 6. the reward,
     the score itself, and 7. the group-relative advantages. `gather` collects a tensor across ranks (running reward
     statistics, batch std)."""
-    responses = data["responses"]
+    responses = data.responses
     mask, last_index = response_mask(responses, pad_token_id)  # kept tokens: up to and including the EOS
-    scores = data["rm_scores"]  # (B, n): each reward model's raw score
-    if args.grpo.scale_rewards:  # trlX: running-std scaling, statistics of raw scores over all ranks, one per model
+    scores = data.rm_scores  # (B, n): each reward model's raw score
+    if hp.scale_rewards:  # trlX: running-std scaling, statistics of raw scores over all ranks, one per model
         for column, moments in enumerate(reward_moments):
             moments.update(gather(scores[:, column]))
         scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
@@ -456,25 +460,25 @@ def rewards_and_advantages(args, data: dict, eos_token_id: int, pad_token_id: in
     contains_eos = (responses == eos_token_id).any(1)
     if args.non_eos_penalty:  # 5. Detail 23: EOS trick, once per response, on the joined score
         scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
-    if args.grpo.reward_clip is not None:
-        scores = torch.clamp(scores, -args.grpo.reward_clip, args.grpo.reward_clip)
+    if hp.reward_clip is not None:
+        scores = torch.clamp(scores, -hp.reward_clip, hp.reward_clip)
     # 6. the reward is the score (the KL enters the loss, step 8); 7. group-relative advantages
-    kl = kl_per_token(data["logprobs"], data["ref_logprobs"], "k1") * mask
-    advantages = grpo_advantages(scores, args.group_size, args.grpo.advantage_std, gather)
+    kl = kl_per_token(data.logprobs, data.ref_logprobs, "k1") * mask
+    advantages = grpo_advantages(scores, args.group_size, hp.advantage_std, gather)
     return RewardsAndAdvantages(mask, last_index, scores, contains_eos, kl, torch.zeros_like(kl), advantages)
 
 
-def grpo_update(args, accelerator, model, optimizer, data: dict, shaped, update: int, guard, ptx, kl_coef: float,
+def grpo_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, update: int, guard, ptx, kl_coef: float,
                 pad_token_id: int) -> dict:
     """The update: K epochs over the local rollout batch, each a fresh permutation cut into micro batches; every
     gradient_accumulation_steps of them make a minibatch and one optimizer step. Returns this process's
     statistics of each micro batch, (K, num_mini_batches, gradient_accumulation_steps) tensors. guard(update,
     **tensors) is the non-finite guard (run.guard), checked on each loss before its backward. The options that act
     inside the update, each a no-op when off: ptx (PtxData)."""
-    local_batch_size, response_length = data["responses"].shape
-    context_length = data["query_responses"].size(1) - response_length
+    local_batch_size, response_length = data.responses.shape
+    context_length = data.query_responses.size(1) - response_length
     micro = args.local_micro_batch_size
-    K, nmb, hp = args.grpo.num_ppo_epochs, args.grpo.num_mini_batches, args.grpo
+    K, nmb = hp.num_ppo_epochs, hp.num_mini_batches
     clip_high = hp.cliprange if hp.clip_high is None else hp.clip_high
     ga = local_batch_size // nmb // micro
     device = accelerator.device
@@ -482,22 +486,24 @@ def grpo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
     model.train()
     for epoch in range(K):
         permutation = torch.randperm(local_batch_size, device=device)
-        tokens = minibatch_tokens(shaped.mask[permutation], nmb, ga, accelerator.reduce)  # DAPO's normaliser
+        tokens = minibatch_tokens(scored.mask[permutation], nmb, ga, accelerator.reduce)  # DAPO's normaliser
         for step in range(nmb * ga):  # micro batch `step` of this epoch is micro batch `micro_index` of minibatch `mb`
             mb, micro_index = divmod(step, ga)
             idx = permutation[step * micro : (step + 1) * micro]
             with accelerator.accumulate(model):
                 ptx_tokens, ptx_labels = ptx.batch(update, epoch * nmb * ga + step, device, pad_token_id)
-                query_responses, ctx, width = trim_micro_batch(data["query_responses"][idx], data["responses"][idx],
+                query_responses, ctx, width = trim_micro_batch(data.query_responses[idx], data.responses[idx],
                                                                context_length, pad_token_id)
-                new_logprobs, all_logprobs, _, ptx_logits = training_logprobs_and_values(
+                # the micro batch's rows, cut once to the response columns its training pass reads
+                old_logprobs, mask = data.logprobs[idx, :width], scored.mask[idx, :width]
+                ref_logprobs = data.ref_logprobs[idx, :width]
+                new_logprobs, all_logprobs, ptx_logits = training_logprobs(
                     model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens, ptx_labels)
-                old, ref = data["logprobs"][idx, :width], data["ref_logprobs"][idx, :width]
-                weights = token_weights(shaped.mask[idx, :width], hp.loss_normalizer, args.response_length, tokens[mb])
-                pg_loss, mb_stats = grpo_loss(new_logprobs, old, ref, shaped.advantages[idx], weights, hp.cliprange,
-                                              clip_high, kl_coef)
+                weights = token_weights(mask, hp.loss_normalizer, args.response_length, tokens[mb])
+                pg_loss, mb_stats = grpo_loss(new_logprobs, old_logprobs, ref_logprobs, scored.advantages[idx], weights,
+                                              hp.cliprange, clip_high, kl_coef)
                 ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
-                loss = pg_loss + ptx.coef * ptx_loss
+                loss = pg_loss + ptx.coef * ptx_loss  # option (PPO-ptx): the SFT loss of reference summaries; coef 0: off
                 # non-finite guard: checked before backward, so the optimizer never applies it
                 guard(update, **{f"grpo/loss (epoch {epoch + 1}, minibatch {mb + 1})": loss})
                 accelerator.backward(loss)
@@ -507,7 +513,7 @@ def grpo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
                 probs = all_logprobs.exp()
                 token_entropy = -(probs * torch.where(probs > 0, all_logprobs, 0.0)).sum(-1)
                 mb_stats.update(pg_loss=pg_loss.detach(), ptx_loss=ptx_loss.detach(),
-                                entropy=masked_mean(token_entropy, shaped.mask[idx, :width]))
+                                entropy=masked_mean(token_entropy, mask))
                 for name, value in mb_stats.items():
                     if name not in stats:  # allocated once, at the first micro batch
                         stats[name] = torch.zeros((K, nmb, ga), device=device)
@@ -515,7 +521,12 @@ def grpo_update(args, accelerator, model, optimizer, data: dict, shaped, update:
     return stats
 
 
-def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, data: dict, shaped, stats: dict,
+# ---------------------------------------------------------------------------------------------
+# The update's metrics and the evaluation, shared by ppo.py, rloo.py and grpo.py (the same code in each)
+# ---------------------------------------------------------------------------------------------
+
+
+def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, data: Rollout, scored, stats: dict,
                    timers: dict, eos_token_id: int, prefix: str) -> dict:
     """The update's metrics: rollout sums per episode, the statistics of the update's micro batches (under the
     algorithm's `prefix`), each averaged over the global batch (gathered across processes), and the shares of the
@@ -526,10 +537,10 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
              "vf_clipfrac": "val/clipfrac_avg", "ratio": "val/ratio"}  # those a method has (no critic: no vf_*)
     logged = [key for key in names if key in stats] + [key for key in stats if key not in names]
     gather = accelerator.gather
-    kl_sum, non_score_sum = gather(shaped.kl.sum(1)), gather(shaped.non_score_reward.sum(1))
-    entropy_sum, scores = gather((-data["logprobs"] * shaped.mask).sum(1)), gather(shaped.scores)
+    kl_sum, non_score_sum = gather(scored.kl.sum(1)), gather(scored.non_score_reward.sum(1))
+    entropy_sum, scores = gather((-data.logprobs * scored.mask).sum(1)), gather(scored.scores)
     stats = {name: gather(value) for name, value in stats.items()}
-    num_eos_tokens = gather((data["responses"] == eos_token_id).sum().unsqueeze(0)).sum()
+    num_eos_tokens = gather((data.responses == eos_token_id).sum().unsqueeze(0)).sum()
     return {
         "episode": update * args.total_batch_size,
         "train/lr": lr,
@@ -539,9 +550,9 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
         "objective/non_score_reward": non_score_sum.mean().item(),
         "objective/rlhf_reward": non_score_sum.mean().item() + scores.mean().item(),
         "objective/scores": scores.mean().item(),
-        **({f"objective/scores_rm{j}": gather(data["rm_scores"][:, j]).mean().item()  # each reward model's raw score
-            for j in range(data["rm_scores"].size(1))} if data["rm_scores"].size(1) > 1 else {}),
-        "objective/eos_rate": gather(shaped.contains_eos.float()).mean().item(),
+        **({f"objective/scores_rm{j}": gather(data.rm_scores[:, j]).mean().item()  # each reward model's raw score
+            for j in range(data.rm_scores.size(1))} if data.rm_scores.size(1) > 1 else {}),
+        "objective/eos_rate": gather(scored.contains_eos.float()).mean().item(),
         **{f"{prefix}/{names.get(key, key)}": stats[key].mean().item() for key in logged},
         f"{prefix}/val/ratio_var": stats["ratio"].var(unbiased=False).item(),
         f"{prefix}/val/num_eos_tokens": num_eos_tokens.item(),
@@ -626,10 +637,13 @@ def main(args: Args) -> dict:
     bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     start_processes()  # first: the batch arithmetic below depends on the number of processes
     accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
-    hparams = args.grpo  # the algorithm's knobs, --grpo.*
+    hp = args.grpo  # the algorithm's knobs, --grpo.*
     num_processes, device = accelerator.num_processes, accelerator.device
-    local_batch_size, gradient_accumulation_steps, num_updates, zero3 = batch_arithmetic(args, accelerator,
-                                                                                         hparams.num_mini_batches)
+    local_batch_size, gradient_accumulation_steps, num_updates = batch_arithmetic(args, num_processes, hp.num_mini_batches)
+    accelerator.gradient_accumulation_steps = gradient_accumulation_steps
+    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
+    zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3
+    check_flags(args, accelerator, hp.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
     if args.group_size < 2 or local_batch_size % args.group_size:  # each process holds whole groups: never split
         raise RunError(f"--group_size {args.group_size} must be at least 2 and divide the local batch {local_batch_size}")
     run = Run(args, accelerator)  # run name and folder (run_infra.py)
@@ -645,8 +659,8 @@ def main(args: Args) -> dict:
     for path in args.reward_model_path:
         check_reward_tokenizer(tokenizer, args.sft_model_path, path, args.trust_remote_code)
     # Hydra and LoRA enter here: they decide what the reference policy is (None with LoRA)
-    policy, _, reward_models, ref_policy = load_models(args, tokenizer, bf16, critic_path=None)
-    model = PolicyAndValue(policy, critic=None)
+    policy, reward_models, ref_policy = load_models(args, tokenizer, bf16)
+    model = Policy(policy)
     adamw = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
                               weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, adamw)
@@ -654,11 +668,11 @@ def main(args: Args) -> dict:
     reward_models, ref_policy, offload_by_hand = place_frozen_models(args, accelerator, reward_models, ref_policy, zero3)
 
     # ---------------- data ----------------
-    train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=hparams.ptx_coef > 0)
+    train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=hp.ptx_coef > 0)
     run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
     query_tokens = torch.tensor(train_dataset["query_token"])  # (N, query_length), left-padded
-    draws_per_update = hparams.num_ppo_epochs * hparams.num_mini_batches * gradient_accumulation_steps
-    ptx = PtxData(hparams.ptx_coef, args, train_dataset, accelerator.process_index, num_processes, draws_per_update)
+    draws_per_update = hp.num_ppo_epochs * hp.num_mini_batches * gradient_accumulation_steps
+    ptx = PtxData(hp.ptx_coef, args, train_dataset, accelerator.process_index, num_processes, draws_per_update)
     seed_sampling(local_seed)  # after the models exist, so that model init stays identical across ranks
     generation_config = sampling_config(args, tokenizer, args.temperature)
     eval_generation_config = sampling_config(args, tokenizer, args.eval_temperature)
@@ -666,7 +680,7 @@ def main(args: Args) -> dict:
                                   eval_generation_config, offload_by_hand)
 
     # ---------------- stateful pieces and resume ----------------
-    kl_controller = AdaptiveKLController(hparams.kl_coef, hparams.target_kl, hparams.kl_horizon, hparams.adaptive_kl)
+    kl_controller = AdaptiveKLController(hp.kl_coef, hp.target_kl, hp.kl_horizon, hp.adaptive_kl)
     reward_moments = [RunningMoments() for _ in args.reward_model_path]  # one per reward model
     # saved and restored with the models, the optimizer and the RNG states. The data position and the learning
     # rate need no entry: both are functions of the update number (see the loop)
@@ -675,7 +689,7 @@ def main(args: Args) -> dict:
     state = run.start(fresh_trainer_state(), num_updates=num_updates, total_batch_size=args.total_batch_size)
     start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
     accelerator.print(f"{args.exp_name}: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} "
-                      f"processes x {local_batch_size}); {hparams.num_ppo_epochs} epochs x {hparams.num_mini_batches} "
+                      f"processes x {local_batch_size}); {hp.num_ppo_epochs} epochs x {hp.num_mini_batches} "
                       f"minibatches x {gradient_accumulation_steps} micro batches of {args.local_micro_batch_size}")
     progress = tqdm(range(state["update"] + 1, num_updates + 1), initial=state["update"], total=num_updates,
                     disable=not accelerator.is_local_main_process)
@@ -697,34 +711,34 @@ def main(args: Args) -> dict:
 
             # ---------------- steps 5-7: EOS trick, reward, group-relative advantage ----------------
             t_shaping = time.time()
-            shaped = rewards_and_advantages(args, data, eos_id, pad_id, reward_moments, accelerator.gather)
+            scored = rewards_and_advantages(args, hp, data, eos_id, pad_id, reward_moments, accelerator.gather)
             # non-finite guard on the rollout, before any optimizer step uses it. The raw RM scores are checked
             # themselves: the EOS trick would hide a NaN score of a response without EOS.
-            run.guard(update, **{"rollout/rm_scores": data["rm_scores"], "rollout/scores": shaped.scores,
-                                 "rollout/advantages": shaped.advantages})
+            run.guard(update, **{"rollout/rm_scores": data.rm_scores, "rollout/scores": scored.scores,
+                                 "rollout/advantages": scored.advantages})
             timers["scoring"] += time.time() - t_shaping
 
             # ---------------- the update: K epochs x minibatches x micro batches ----------------
             t_train = time.time()
-            stats = grpo_update(args, accelerator, model, optimizer, data, shaped, update, run.guard, ptx,
+            stats = grpo_update(args, hp, accelerator, model, optimizer, data, scored, update, run.guard, ptx,
                                 kl_controller.value, pad_id)
             timers["training"] = time.time() - t_train
             timers["wall"] = time.time() - update_start
 
             # ---------------- logging: whole-update averages gathered across ranks ----------------
-            metrics = update_metrics(args, accelerator, update, lr, kl_controller.value, data, shaped, stats, timers,
+            metrics = update_metrics(args, accelerator, update, lr, kl_controller.value, data, scored, stats, timers,
                                      eos_id, "grpo")
             # the rollout's KL (summed over each response, averaged over the global batch); no-op without adaptive_kl
-            kl_controller.update(accelerator.gather(shaped.kl.sum(1)).mean().item(), args.total_batch_size)
+            kl_controller.update(accelerator.gather(scored.kl.sum(1)).mean().item(), args.total_batch_size)
             run.log(update, metrics)
             totals = {key: state["totals"][key] + timers[key] for key in state["totals"]}
             state = {"wall_time_s": time.time() - start_time, "totals": totals, "metrics": metrics}
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
                              eps=f"{metrics['episodes_per_second']:.1f}")
         if due(args.print_sample_every, update):
-            accelerator.print(f"[update {update}] score {shaped.scores[0].item():.3f} | "
-                              + tokenizer.decode(data["responses"][0], skip_special_tokens=True))
-        del data, shaped, stats
+            accelerator.print(f"[update {update}] score {scored.scores[0].item():.3f} | "
+                              + tokenizer.decode(data.responses[0], skip_special_tokens=True))
+        del data, scored, stats
         if due(args.eval_every, update, num_updates):
             log_evaluation(run, args, update, eval_rows())
         if due(args.save_policy_every, update, num_updates):
@@ -742,9 +756,8 @@ def main(args: Args) -> dict:
     summary = run_summary(args, state, eval_metrics, num_updates, start_time)
     run.save_table(table, "samples.csv")
     run.finish(summary)
-    if accelerator.is_main_process and args.push_to_hub:
-        accelerator.unwrap_model(model).policy.push_to_hub(args.hub_model_id or args.run_name)
-        tokenizer.push_to_hub(args.hub_model_id or args.run_name)
+    if args.push_to_hub and accelerator.is_main_process:
+        upload_to_hub(args)
     accelerator.print(json.dumps(summary, indent=2))
     return summary
 
@@ -842,28 +855,21 @@ class PtxData:
 # ---------------------------------------------------------------------------------------------
 
 
-def batch_arithmetic(args, accelerator, num_mini_batches: int):
-    """The batch sizes (each division exact, or a clear error), DeepSpeed's micro batch (Detail 8) and the number of
-    updates, then the flag checks; before anything loads. Returns the local batch size, the micro batches per
-    optimizer step (gradient accumulation), the number of updates and whether DeepSpeed runs ZeRO-3."""
-    num_processes = accelerator.num_processes
+def batch_arithmetic(args, num_processes: int, num_mini_batches: int):
+    """The batch sizes, each division exact or a clear error (before anything loads): the local batch size, the
+    micro batches per optimizer step (gradient accumulation) and the number of updates."""
     local_batch_size = exact_div(args.total_batch_size, num_processes, "total_batch_size across processes")
     local_mini_batch_size = exact_div(local_batch_size, num_mini_batches, "local batch across minibatches")
     gradient_accumulation_steps = exact_div(local_mini_batch_size, args.local_micro_batch_size, "local minibatch")
-    accelerator.gradient_accumulation_steps = gradient_accumulation_steps
-    configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     num_updates = args.total_episodes // args.total_batch_size
-    deepspeed_plugin = accelerator.state.deepspeed_plugin
-    zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
-    check_flags(args, num_processes, num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
-    check_qlora_flags(args, accelerator)
-    return local_batch_size, gradient_accumulation_steps, num_updates, zero3
+    return local_batch_size, gradient_accumulation_steps, num_updates
 
 
-def check_flags(args, num_processes: int, num_mini_batches: int, gradient_accumulation_steps: int, num_updates: int,
+def check_flags(args, accelerator, num_mini_batches: int, gradient_accumulation_steps: int, num_updates: int,
                 zero3: bool) -> None:
     """Flag combinations that cannot work, refused before anything is loaded."""
-    check_gradient_accumulation(args, gradient_accumulation_steps, num_processes, num_mini_batches)
+    check_gradient_accumulation(args, gradient_accumulation_steps, accelerator.num_processes, num_mini_batches)
+    check_qlora_flags(args, accelerator)
     if num_updates < 1:
         raise RunError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
     if args.reward_weights is not None and (args.reward_combine != "sum"
@@ -899,37 +905,42 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
     return tokenizer
 
 
-def load_models(args, tokenizer, bf16: bool, critic_path: Optional[str]):
-    """The models: the policy (from the SFT model), the critic (from critic_path; None = no critic), the frozen
-    reward models, and the frozen reference policy (a copy of the SFT model; a Hydra head that shares the policy's
-    frozen trunk; or None with LoRA, where the reference is the policy with its adapters off)."""
+def load_models(args, tokenizer, bf16: bool):
+    """The models: the policy (from the SFT model), the frozen reward models, and the frozen reference policy (a copy
+    of the SFT model; a Hydra head that shares the policy's frozen trunk; or None with LoRA, where the reference is
+    the policy with its adapters off)."""
     frozen_dtype, remote = torch.bfloat16 if bf16 else torch.float32, args.trust_remote_code
     # float32 master weights whatever the checkpoint's dtype (Pythia's hub weights are float16); bf16 is autocast
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, trust_remote_code=remote,
                                                   **quantized_loading(args, bf16))  # QLoRA: a 4-bit base
-    critic = None if critic_path is None else AutoModelForSequenceClassification.from_pretrained(
-        critic_path, num_labels=1, dtype=torch.float32, trust_remote_code=remote)
     reward_models = [AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=frozen_dtype, trust_remote_code=remote) for path in args.reward_model_path]
     ref_policy = None  # with LoRA: the policy with its adapters disabled
     if args.lora_rank <= 0 and args.num_layers_unfrozen < 0:  # a frozen copy of the SFT model
         ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=frozen_dtype, trust_remote_code=remote)
-    loaded = zip((policy, critic, *reward_models, ref_policy), (args.sft_model_path, critic_path, *args.reward_model_path,
-                                                                args.sft_model_path))
+    loaded = zip((policy, *reward_models, ref_policy), (args.sft_model_path, *args.reward_model_path, args.sft_model_path))
     for model, path in ((m, p) for m, p in loaded if m is not None):
-        check_finite(model, path)  # a diverged save stops here, named with its first non-finite tensor
-        # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
-        if model.config.vocab_size < len(tokenizer):
-            model.resize_token_embeddings(len(tokenizer))
-        if args.disable_dropout or model is ref_policy:  # Detail 7; the reference never trains: deterministic
-            disable_dropout(model)
+        checked_for_training(model, path, tokenizer, args.disable_dropout or model is ref_policy)
     for frozen in (m for m in (*reward_models, ref_policy) if m is not None):
         frozen.requires_grad_(False).eval()
     if args.lora_rank > 0:
         policy = lora_policy(policy, args)
     elif args.num_layers_unfrozen >= 0:
         ref_policy = build_hydra_reference(policy, args.num_layers_unfrozen)
-    return policy, critic, reward_models, ref_policy
+    return policy, reward_models, ref_policy
+
+
+def checked_for_training(model: nn.Module, path: str, tokenizer, no_dropout: bool) -> nn.Module:
+    """A loaded model made ready: finite weights (a diverged save stops here, named with its first non-finite
+    tensor), embeddings for every token of the tokenizer ([PAD] included), and dropout off where asked (Detail 7;
+    the frozen reference always: deterministic)."""
+    check_finite(model, path)
+    # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
+    if model.config.vocab_size < len(tokenizer):
+        model.resize_token_embeddings(len(tokenizer))
+    if no_dropout:
+        disable_dropout(model)
+    return model
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -1015,17 +1026,12 @@ def load_query_data(args, tokenizer, ptx: bool):
 
 
 def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
-    """save_pretrained (safetensors) of the policy and the tokenizer; with LoRA the plain float32 model it computes
-    (merged_policy: every adapter folded into its base layer, a 4-bit base dequantized first)."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
-    if not accelerator.is_main_process:
-        return
-    unwrapped = accelerator.unwrap_model(model)
-    if lora:
-        merged_policy(unwrapped.policy).save_pretrained(path, safe_serialization=True)
-    else:
-        unwrapped.policy.save_pretrained(path, state_dict=unwrapped.policy_state_dict(state_dict), safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    """The policy (safetensors) and the tokenizer in `path` (run_infra's save_pretrained_model: ZeRO-3 shards
+    gathered, a full disk named); with LoRA the plain float32 model it computes (merged_policy: every adapter folded
+    into its base layer, a 4-bit base dequantized first)."""
+    policy = accelerator.unwrap_model(model).policy
+    save_pretrained_model(accelerator, model, policy, tokenizer, path, prefix="policy.",
+                          merge=merged_policy if lora else None)
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
@@ -1267,6 +1273,8 @@ def lora_policy(model, args):
             # (dequantize to the compute dtype, then multiply)
             module.support_avx512bf16_for_cpu = False
             module.register_load_state_dict_pre_hook(load_quant_state)
+    from peft import LoraConfig, get_peft_model  # here, not at the top: a run without LoRA never loads peft
+
     return get_peft_model(
         model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear")
     )

@@ -68,7 +68,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_query_response, check_reward_tokenizer, due, start_processes,
+    check_query_response, check_reward_tokenizer, due, save_pretrained_model, saving, start_processes, upload_to_hub,
 )
 
 
@@ -785,6 +785,8 @@ def main(args: Args) -> dict:
     accelerator.wait_for_everyone()
     save_model(accelerator, model, tokenizer, args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
+    if args.push_to_hub and accelerator.is_main_process:  # --output_dir whole: the LM, its tokenizer and the heads
+        upload_to_hub(args)
     accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
     return summary
 
@@ -1022,29 +1024,20 @@ class TargetCopies:
 
 
 def save_model(accelerator, model, tokenizer, args) -> None:
-    """The LM (safetensors) and its tokenizer in --output_dir, the V, Q and target-Q heads next to it in
-    ilql_heads.safetensors with the sampling settings in ilql_heads.json; --push_to_hub uploads them."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    """The LM (safetensors) and its tokenizer in --output_dir (run_infra's save_pretrained_model: ZeRO-3 shards
+    gathered, a full disk named), the V, Q and target-Q heads next to it in ilql_heads.safetensors with the sampling
+    settings in ilql_heads.json."""
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = save_pretrained_model(accelerator, model, unwrapped.lm, tokenizer, args.output_dir, prefix="lm.")
     if not accelerator.is_main_process:
         return
-    unwrapped = accelerator.unwrap_model(model)
-    lm_state = {k[len("lm."):]: v for k, v in state_dict.items() if k.startswith("lm.")}
     heads_state = {k[len("heads."):]: v.contiguous() for k, v in state_dict.items() if k.startswith("heads.")}
-    # transformers v5 always writes safetensors; the heads go next to the LM in their own file
-    unwrapped.lm.save_pretrained(args.output_dir, state_dict=lm_state)
-    tokenizer.save_pretrained(args.output_dir)
-    heads_path = os.path.join(args.output_dir, "ilql_heads.safetensors")
-    save_file(heads_state, heads_path)
-    with open(os.path.join(args.output_dir, "ilql_heads.json"), "w") as f:
-        json.dump({"hidden_size": unwrapped.lm.config.hidden_size, "two_qs": args.ilql.two_qs,
-                   "beta": args.beta, "top_k": args.top_k, "temperature": args.eval_temperature}, f, indent=2)
-    if args.push_to_hub:
-        from huggingface_hub import HfApi
-
-        hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
-        unwrapped.lm.push_to_hub(hub_model_id)
-        tokenizer.push_to_hub(hub_model_id)
-        HfApi().upload_file(path_or_fileobj=heads_path, path_in_repo="ilql_heads.safetensors", repo_id=hub_model_id)
+    with saving(args.output_dir, "the ILQL heads", sum(v.numel() * v.element_size() for v in heads_state.values()),
+                "Free space there, then run again (--resume: from the newest checkpoint, if any)"):
+        save_file(heads_state, os.path.join(args.output_dir, "ilql_heads.safetensors"))
+        with open(os.path.join(args.output_dir, "ilql_heads.json"), "w") as f:
+            json.dump({"hidden_size": unwrapped.lm.config.hidden_size, "two_qs": args.ilql.two_qs,
+                       "beta": args.beta, "top_k": args.top_k, "temperature": args.eval_temperature}, f, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------

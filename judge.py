@@ -61,9 +61,8 @@ from datasets import load_dataset, load_from_disk  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
 
-from run_infra import (  # decides no number (run_infra.py)
-    Outcome, ReplyCache, RunError, check_data_tokenizer, check_finite, public_url, run_jobs,
-)
+from judge_client import Outcome, ReplyCache, public_url, run_jobs  # the judge's HTTP client (judge_client.py)
+from run_infra import RunError, check_data_tokenizer, check_finite  # decides no number (run_infra.py)
 
 
 @dataclass

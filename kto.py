@@ -40,7 +40,6 @@ After a crash:    the same command with --resume (and --run_name of the run, if 
                   loss or log-prob stops the run before it reaches the weights, and the state after the last good
                   update is saved as a checkpoint to resume from.
 """
-import contextlib
 import copy
 import os
 import time
@@ -56,7 +55,6 @@ from accelerate import Accelerator, PartialState, skip_first_batches
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 from datasets import concatenate_datasets
 from datasets import get_dataset_split_names, load_dataset, load_from_disk
-from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
@@ -471,10 +469,9 @@ def main(args: Args) -> dict:
     summary = {**metrics, **per_example_means(interval.last_means),  # the last logging interval's training means
                "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
                "wall_time_s": time.time() - start_time}
-    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
-        save_merged_policy(accelerator, policy, tokenizer, args.output_dir)
-    else:
-        save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
+    # with LoRA the adapters folded into the base: the plain float32 model it computes (merged_policy)
+    save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir,
+                          merge=merged_policy if args.lora_rank > 0 else None)
     if args.push_to_hub and accelerator.is_main_process:
         upload_to_hub(args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
@@ -755,6 +752,8 @@ def lora_policy(model, args):
             # (dequantize to the compute dtype, then multiply)
             module.support_avx512bf16_for_cpu = False
             module.register_load_state_dict_pre_hook(load_quant_state)
+    from peft import LoraConfig, get_peft_model  # here, not at the top: a run without LoRA never loads peft
+
     return get_peft_model(
         model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear")
     )
@@ -816,23 +815,6 @@ def merged_policy(policy) -> torch.nn.Module:
     plain.tie_weights()
     plain.generation_config = copy.deepcopy(model.generation_config)
     return plain.eval()
-
-
-def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
-    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
-    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
-    gathering the partitioned weights; the main process saves."""
-    unwrapped = accelerator.unwrap_model(wrapped)
-    gathered = contextlib.nullcontext()
-    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
-    accelerator.wait_for_everyone()
-    with gathered:
-        if accelerator.is_main_process:
-            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
-            tokenizer.save_pretrained(output_dir)
 
 
 # ---------------------------------------------------------------------------------------------

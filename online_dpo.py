@@ -37,7 +37,6 @@ After a crash:    the same command with --resume (and --run_name of the run, if 
                   log-prob or reward-model score stops the run before it reaches the weights, and the state after the
                   last good update is saved as a checkpoint to resume from.
 """
-import contextlib
 import copy
 import hashlib
 import os
@@ -55,16 +54,16 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
 from datasets import Dataset, get_dataset_split_names, load_dataset, load_from_disk
-from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig,
                           LogitsProcessor, LogitsProcessorList, get_scheduler)
 
+from judge_client import JudgeUnavailableError, ReplyCache, resolve_api_key, run_jobs  # --judge endpoint's client
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    JudgeUnavailableError, LastGoodState, ReplyCache, Run, RunError, check_columns, check_data_tokenizer, check_finite,
-    check_gradient_accumulation, check_qlora_flags, check_query_response, check_reward_tokenizer, due, frame_markdown,
-    resolve_api_key, run_jobs, save_pretrained_model, start_processes, upload_to_hub,
+    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
+    check_qlora_flags, check_query_response, check_reward_tokenizer, due, frame_markdown, save_pretrained_model,
+    start_processes, upload_to_hub,
 )
 
 
@@ -352,7 +351,7 @@ def endpoint_verdicts(judge_args, cache_path: str, posts: List[str], firsts: Lis
                       asked: torch.Tensor):
     """--judge endpoint: the verdicts (B,) of the asked pairs, and the client's counts. Each asked pair gets the
     paper's prompt (Appendix I) with its two responses in an order drawn from the pair's texts (pair_order: the
-    judge's position bias cannot favour response 0), through the judge's client (run_infra.run_jobs): concurrent
+    judge's position bias cannot favour response 0), through the judge's client (judge_client.run_jobs): concurrent
     requests, retries with backoff, re-asks of an unparseable reply, and the reply cache. A reply that never parses,
     or a request that failed for good, is INVALID; two texts that read the same are a TIE, not asked. Pairs not asked
     stay TIE."""
@@ -680,10 +679,9 @@ def main(args: Args) -> dict:
                **{f"online/{key}_total": value for key, value in rounds.totals.items()},  # every round's counts
                "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
                "wall_time_s": time.time() - start_time}
-    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
-        save_merged_policy(accelerator, policy, tokenizer, args.output_dir)
-    else:
-        save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir)
+    # with LoRA the adapters folded into the base: the plain float32 model it computes (merged_policy)
+    save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir,
+                          merge=merged_policy if args.lora_rank > 0 else None)
     if args.push_to_hub and accelerator.is_main_process:
         upload_to_hub(args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
@@ -1029,6 +1027,8 @@ def lora_policy(model, args):
             # (dequantize to the compute dtype, then multiply)
             module.support_avx512bf16_for_cpu = False
             module.register_load_state_dict_pre_hook(load_quant_state)
+    from peft import LoraConfig, get_peft_model  # here, not at the top: a run without LoRA never loads peft
+
     return get_peft_model(
         model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear")
     )
@@ -1090,23 +1090,6 @@ def merged_policy(policy) -> torch.nn.Module:
     plain.tie_weights()
     plain.generation_config = copy.deepcopy(model.generation_config)
     return plain.eval()
-
-
-def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
-    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
-    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
-    gathering the partitioned weights; the main process saves."""
-    unwrapped = accelerator.unwrap_model(wrapped)
-    gathered = contextlib.nullcontext()
-    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
-    accelerator.wait_for_everyone()
-    with gathered:
-        if accelerator.is_main_process:
-            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
-            tokenizer.save_pretrained(output_dir)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,49 +1,65 @@
-"""The run infrastructure every training script and judge.py import, what decides no number a script computes: expected
-errors (RunError: one paragraph, no traceback), input checks, processes, the run folder (Run: name, lock, logs,
-checkpoints with the inputs' content hashes, --resume, completion marks, the non-finite guard; LastGoodState, its
-fallback), outputs (a full disk named) and the judge's HTTP client (deadline, retries, cache, the key from the
-environment). The scripts keep tokenizer and [PAD], batch arithmetic, data order, sampling, losses and metrics.
+"""The run infrastructure of one training run: what every training script imports that decides no number it computes.
+
+The scripts keep every line that decides a number (tokenizer and [PAD], batch arithmetic, data order, sampling,
+losses, metrics, how models are built and saved); this module keeps what only serves a run:
+
+  expected errors   RunError: a bad flag or input, a refused resume, a held lock, a full disk; printed as one
+                    paragraph from rank 0 with a failed exit and no traceback (print_expected_error).
+                    NonFiniteError: a NaN or inf that stops the run
+  input checks      check_columns, check_data_tokenizer (tokenizer_fingerprint, tokenizer_difference,
+                    written_by_prepare), check_query_response, check_finite, check_reward_tokenizer,
+                    check_gradient_accumulation, check_qlora_flags
+  processes         start_processes
+  the run folder    Run: name, lock (claim_lock), --output_dir claim, the inputs' content hashes (content_digest,
+                    INPUT_FILES), logs (TensorBoard, metrics.jsonl, W&B with --track), checkpoints (atomic, with a
+                    manifest) and --resume, completion marks, the non-finite guard; due: whether an action done
+                    every N updates falls on this one
+  the fallback      LastGoodState: after a non-finite value, the state after the last good update as a checkpoint
+  outputs           save_pretrained_model, upload_to_hub, frame_markdown; saving: a full disk named, for every save
+
+judge.py imports its input checks and RunError from here as well. The judge's HTTP client (judge.py, online_dpo.py
+--judge endpoint) is judge_client.py, which imports RunError from here; this module imports nothing of it (nor
+openai), so a training run that asks no judge never loads an HTTP client.
 
 Its rule: it never changes an uninterrupted run, and a resume or a fallback restores exactly what an ordinary
-checkpoint of that update holds. It imports no training script."""
+checkpoint of that update holds. It imports no training script.
+"""
 
-import asyncio
 import atexit
-import collections
 import contextlib
 import glob
 import hashlib
-import ipaddress
 import json
 import os
 import random
 import shutil
-import sqlite3
 import sys
 import time
 import traceback
-import urllib.parse
 from dataclasses import asdict
 from typing import Callable, Optional
 
 import numpy as np
 import pandas as pd
-import openai
 import psutil
 import pyarrow.compute
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
-from openai import AsyncOpenAI
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoTokenizer
 
-# ---- Expected errors: one paragraph from rank 0 and a failed exit, without a traceback --------------------------------
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Expected errors: one paragraph from rank 0 and a failed exit, without a traceback
+# ----------------------------------------------------------------------------------------------------------------------
 class RunError(ValueError):
     """An expected stop (a bad flag or input, a refused resume, a held lock, a full disk): its message says the fix."""
 
+
 class NonFiniteError(RunError, RuntimeError):
     """A loss, reward, advantage, gradient norm or loaded weight became NaN or inf (Run.guard, check_finite)."""
+
 
 def print_expected_error(kind, error, trace) -> None:
     """sys.excepthook: a RunError prints `script.py: error: message` (rank 0 alone); other errors their traceback."""
@@ -52,9 +68,13 @@ def print_expected_error(kind, error, trace) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
 
+
 sys.excepthook = print_expected_error
 
-# ---- Input checks: bad flags and bad inputs fail before any model loads, naming the file and the fix ------------------
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Input checks: bad flags and bad inputs fail before any model loads, naming the file and the fix
+# ----------------------------------------------------------------------------------------------------------------------
 def check_columns(dataset, columns: list, where: str) -> None:
     """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
     and every token column has one length in all rows (processed data is padded to fixed lengths)."""
@@ -68,8 +88,15 @@ def check_columns(dataset, columns: list, where: str) -> None:
         bad = np.flatnonzero(lengths != lengths[0])
         if bad.size:
             raise RunError(f"{where}: row {int(bad[0])} has {int(lengths[bad[0]])} tokens in {column!r}, row 0 has "
-                           f"{int(lengths[0])}; every row must be padded to one length (prepare it with data/prepare.py)")
+                           f"{int(lengths[0])}; every row must be padded to one length "
+                           "(prepare it with data/prepare.py)")
 
+
+# The identity of the tokenizer that writes (or reads) token ids: a digest of its vocabulary (every token and its id,
+# added tokens such as [PAD] included), its size, and its [PAD] and EOS ids. data/prepare.py stores it in the
+# description of every split it writes; the training scripts compare it with their model's tokenizer. data/prepare.py
+# keeps its own copy of this function, letter for letter (tests/test_shared_helpers.py compares the two texts), so
+# change both or neither.
 def tokenizer_fingerprint(tokenizer) -> dict:
     """The identity of the tokenizer of token ids: a digest of its vocabulary (added tokens such as [PAD] included),
     its size, [PAD] and EOS ids. data/prepare.py stores it with every split; the scripts compare it with theirs."""
@@ -77,21 +104,25 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     return {"vocab_sha256": hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest(), "vocab_size": len(tokenizer),
             "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
 
+
 def tokenizer_difference(theirs: dict, ours: dict) -> list:
     """What differs between two tokenizer fingerprints (theirs vs ours), for an error message; [] = the same."""
     differ = [f"{k} {theirs.get(k)} vs {ours[k]}" for k in ("vocab_size", "pad_token_id", "eos_token_id")
               if theirs.get(k) != ours[k]]
     return differ or (["same size, other tokens"] if theirs.get("vocab_sha256") != ours["vocab_sha256"] else [])
 
+
 def written_by_prepare(dataset) -> Optional[dict]:
     """The tokenizer fingerprint data/prepare.py stored in a split's description; None for other data (a hub set)."""
-    with contextlib.suppress(TypeError, ValueError, KeyError):
+    with contextlib.suppress(TypeError, ValueError, KeyError):  # no description, or one not written by data/prepare.py
         return json.loads(dataset.info.description)["tokenizer"]
 
+
 def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: int = 64) -> None:
-    """Bad input: token ids mean something only to the tokenizer that wrote them. A split of data/prepare.py carries
-    its tokenizer's fingerprint, which must equal the model's; other data (a hub dataset) is checked by its ids: all
-    below the vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
+    """Bad input: token ids mean something only to the tokenizer that wrote them, so data of another tokenizer is
+    refused before the output folder is claimed. A split written by data/prepare.py carries its tokenizer's
+    fingerprint, which must equal the model's; one without (a hub dataset) is checked by its ids: all below the
+    vocabulary size and, in the first `rows` rows, padded with this [PAD] and responses ended by this EOS."""
     ours = tokenizer_fingerprint(tokenizer)
     pad, eos, size = ours["pad_token_id"], ours["eos_token_id"], ours["vocab_size"]
     fix = (f"Prepare the data again with this model's tokenizer: python data/prepare.py --base_model {model_path} "
@@ -125,15 +156,22 @@ def check_data_tokenizer(dataset, tokenizer, model_path: str, where: str, rows: 
             raise RunError(f"{where}: no response in the first {len(ends)} rows of {column!r} ends with the EOS id "
                            f"{eos} of the tokenizer of {model_path} (they end with {sorted(set(ends))[:5]}), {other}")
 
+
 def check_query_response(dataset, pad_token_id: int, where: str) -> None:
     """Bad input: in each query_<X>_token column the response starts where the query (query_token without [PAD])
     ends: its labels (..._response_label) are its tokens with the query masked by [PAD], and in data/prepare.py's
     splits its first tokens are the query. A column shifted by a token would train in silence. After check_columns."""
     names, table = dataset.column_names, dataset.with_format("arrow")[:]
-    matrix = lambda c: pyarrow.compute.list_flatten(table.column(c)).to_numpy(zero_copy_only=False).reshape(len(dataset), -1)  # noqa: E731
+
+    def matrix(column: str) -> np.ndarray:
+        """A token column as one (rows, length) array (check_columns made every row of it one length)."""
+        flat = pyarrow.compute.list_flatten(table.column(column)).to_numpy(zero_copy_only=False)
+        return flat.reshape(len(dataset), -1)
+
     query = matrix("query_token") if "query_token" in names and len(dataset) else np.zeros((0, 0))
     length = (query != pad_token_id).sum(1)  # the query's real tokens, wherever its padding is
-    for column in (c for c in names if c.startswith("query_") and c.endswith("_token") and c != "query_token" and len(query)):
+    for column in (c for c in names if c.startswith("query_") and c.endswith("_token") and c != "query_token"
+                   and len(query)):
         tokens, label, found = matrix(column), column + "_response_label", []
         in_query = np.arange(tokens.shape[1]) < length[:, None]  # the positions of the row's query
         if written_by_prepare(dataset) is not None:  # (hub data may have tokenized query + response as one text)
@@ -141,14 +179,17 @@ def check_query_response(dataset, pad_token_id: int, where: str) -> None:
             found += [(int(moved[0]), "its first tokens are not the row's query_token")] if moved.size else []
         if label in names:
             bad = np.flatnonzero((np.where(in_query, pad_token_id, tokens) != matrix(label)).any(1))
-            found += [(int(bad[0]), f"{label!r} is not it with the query masked by [PAD] ({pad_token_id})")] if bad.size else []
+            masked = f"{label!r} is not it with the query masked by [PAD] ({pad_token_id})"
+            found += [(int(bad[0]), masked)] if bad.size else []
         if found:
             row, what = min(found, key=lambda item: item[0])  # (on one row, the first reason)
-            raise RunError(f"{where} row {row}: the response in {column!r} does not start where the query ends: {what}; "
-                           "prepare the data again with data/prepare.py")
+            raise RunError(f"{where} row {row}: the response in {column!r} does not start where the query ends: "
+                           f"{what}; prepare the data again with data/prepare.py")
+
 
 def check_finite(model, path: str) -> None:
-    """Bad input: a loaded model whose weights hold NaN or inf (a diverged run's save), named with its first such tensor."""
+    """Bad input: a loaded model whose weights hold NaN or inf (a diverged run's save), named with its first such
+    tensor."""
     files = glob.glob(os.path.join(path, "*.safetensors")) if os.path.isdir(path) else []
     for name, weight in model.named_parameters():
         if weight.is_floating_point() and not torch.isfinite(weight).all():
@@ -157,15 +198,18 @@ def check_finite(model, path: str) -> None:
                 f"{int((~torch.isfinite(weight)).sum())} NaN or inf values of {weight.numel()}; load a model whose "
                 "weights are finite (e.g. a checkpoint from before its run diverged)")
 
+
 def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
     """Bad input: the reward model (and a critic made from it, Detail 22) reads the policy's token ids, so it must have
-    the policy's tokenizer; a mismatch raises no error elsewhere, it makes every score noise."""
-    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if os.path.isdir(reward_model_path) and not any(os.path.exists(os.path.join(reward_model_path, f)) for f in files):
+    been trained with the policy's tokenizer (the same fingerprint). A mismatch raises no error anywhere else, it only
+    makes every score meaningless, so it is checked before any weights load."""
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(reward_model_path) and not any(os.path.exists(os.path.join(reward_model_path, name))
+                                                    for name in tokenizer_files):
         raise RunError(
-            f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the reward model "
-            f"reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model was trained with "
-            f"into that folder (tokenizer.save_pretrained), as reward.py does")
+            f"--reward_model_path {reward_model_path} holds no tokenizer, so this script cannot check that the "
+            f"reward model reads the token ids of the policy {sft_model_path}; save the tokenizer the reward model "
+            f"was trained with into that folder (tokenizer.save_pretrained), as reward.py does")
     rm_tokenizer = AutoTokenizer.from_pretrained(reward_model_path, trust_remote_code=trust_remote_code)
     if rm_tokenizer.pad_token is None:
         rm_tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # the same fallback the policy's tokenizer gets
@@ -176,6 +220,7 @@ def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: st
             f"it was not trained on and score noise. Train the reward model from this SFT model "
             f"(reward.py --sft_model_path {sft_model_path}), or pass the SFT model the reward model was trained from")
 
+
 def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini_batches: int = 1) -> None:
     """--gradient_accumulation_steps left out (None) takes `derived`, the micro batches per optimizer step that the
     batch sizes give; a stated value must equal it (it checks the batch arithmetic, it never overrides it)."""
@@ -185,31 +230,39 @@ def check_gradient_accumulation(args, derived: int, num_processes: int, num_mini
             f"{args.total_batch_size} / ({num_processes} processes x {num_mini_batches} minibatches x "
             f"{args.local_micro_batch_size} micro batch) = {derived}; leave it out or change the batch sizes")
 
+
 def check_qlora_flags(args, accelerator) -> None:
     """--load_in_4bit (QLoRA): what it needs, checked before any model loads and before --output_dir is claimed."""
     if not args.load_in_4bit:
         return
     if args.lora_rank <= 0:
-        raise RunError("--load_in_4bit (QLoRA) stores the frozen base of a LoRA policy in 4 bits and trains LoRA adapters "
-                       "on top: it needs --lora_rank > 0 (e.g. --lora_rank 8); 4-bit weights cannot be trained themselves")
+        raise RunError("--load_in_4bit (QLoRA) stores the frozen base of a LoRA policy in 4 bits and trains LoRA "
+                       "adapters on top: it needs --lora_rank > 0 (e.g. --lora_rank 8); 4-bit weights cannot be "
+                       "trained themselves")
     if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
-        raise RunError("--load_in_4bit cannot run under DeepSpeed ZeRO-3, which splits every weight across the processes: "
-                       "bitsandbytes' packed 4-bit weights cannot be split. Use zero2.yaml (each process keeps the small "
-                       "4-bit base whole) or plain data parallel (torchrun)")
+        raise RunError("--load_in_4bit cannot run under DeepSpeed ZeRO-3, which splits every weight across the "
+                       "processes: bitsandbytes' packed 4-bit weights cannot be split. Use zero2.yaml (each process "
+                       "keeps the small 4-bit base whole) or plain data parallel (torchrun)")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as error:
         raise ImportError("--load_in_4bit needs the bitsandbytes package, which quantizes the base to 4 bits and "
                           "computes with it: pip install bitsandbytes") from error
 
-# ---- Processes, locks, the run folder, checkpoints and resume, the non-finite guard and its fallback ------------------
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Processes, locks, the run folder, checkpoints and resume, the non-finite guard and its fallback
+# ----------------------------------------------------------------------------------------------------------------------
 def start_processes() -> PartialState:
-    """Join the run's process group before anything reads the process count, and leave it at exit (gloo on the CPU)."""
+    """Join the run's process group before anything reads the process count, and leave it at exit. accelerate picks a
+    backend by itself only for GPUs; on the CPU we name gloo (`torchrun` ranks, or DeepSpeed with DS_ACCELERATOR=cpu):
+    it ships with torch and needs no other library."""
     atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
     if torch.cuda.is_available():
         return PartialState()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     return PartialState(backend="gloo") if deepspeed else PartialState(cpu=True)
+
 
 def claim_lock(path: str, take_over: bool = False, other: str = "--run_name") -> None:
     """One live owner per folder: `path` holds its host, pid and process start time, written whole (a temporary file
@@ -243,22 +296,25 @@ def claim_lock(path: str, take_over: bool = False, other: str = "--run_name") ->
             os.remove(temporary)
 
 
+# what a run reads of a data or model folder besides its weights and arrow files: config and tokenizer
 INPUT_FILES = {"config.json", "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
                "merges.txt", "special_tokens_map.json", "added_tokens.json"}
+
 
 def content_digest(path: str) -> Optional[str]:
     """The sha256 of the names and bytes (not times: a byte-identical re-prepare is the same input) of what a run reads
     of `path`: weights, arrow files (not datasets' cache-*), INPUT_FILES. None for a path that is none (a hub name)."""
     if not os.path.exists(path):
         return None
-    files = [path] if os.path.isfile(path) else sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names
-                                                     if f in INPUT_FILES or not f.startswith("cache-") and
-                                                     f.endswith((".arrow", ".safetensors", ".bin", ".model")))
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(d, f) for d, _, names in os.walk(path) for f in names
+        if f in INPUT_FILES or not f.startswith("cache-") and f.endswith((".arrow", ".safetensors", ".bin", ".model")))
     digest = hashlib.sha256()
     for file in files:
         with open(file, "rb") as f:
             digest.update(os.path.relpath(file, path).encode() + hashlib.file_digest(f, "sha256").digest())
     return digest.hexdigest()
+
 
 @contextlib.contextmanager
 def saving(folder: str, what: str, needed: Optional[int], then: str):
@@ -273,17 +329,21 @@ def saving(folder: str, what: str, needed: Optional[int], then: str):
         need = f" (it needs about {needed / 2**20:.1f} MiB)" if needed else ""
         raise RunError(f"the disk holding {folder} is full: {what} was not saved{need}. {then}") from error
 
+
 class Run:
     """Everything a training run keeps on disk besides the model, behind one small interface:
 
         run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
-        run.inputs(query_dataset=path, ...)   # content hashes of the data and models read (refused if changed on resume)
+        run.inputs(query_dataset=path, ...)   # content hashes of the data and models read (refused if changed on
+                                              # resume)
         run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
         state = run.start(state, **shape)     # --resume: load that checkpoint; then open the logs
         run.guard(update, loss=loss)          # non-finite guard (raises NonFiniteError on every process)
-        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track); run.save_table(frame, name)
+        run.log(step, metrics)                # TensorBoard + metrics.jsonl (+ W&B with --track); run.writer
+        run.save_table(frame, "samples.csv")  # a CSV in the run folder
         run.checkpoint(update, state)         # atomic checkpoint with a manifest of its files; finite weights only
         run.finish(summary)                   # summary.json; marks --output_dir complete, last
+
     `state` is the script's trainer state (data position, counters); accelerate's save_state holds the rest
     (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
 
@@ -292,20 +352,24 @@ class Run:
         if args.run_name is None and args.resume:  # the run of this experiment and seed whose checkpoints are newest
             runs = glob.glob(os.path.join(root, f"{args.exp_name}__{args.seed}__*", "checkpoints"))
             if not runs:
-                raise RunError(f"--resume: no run {root}/{args.exp_name}__{args.seed}__* has a checkpoint; pass --run_name")
+                raise RunError(f"--resume: no run {root}/{args.exp_name}__{args.seed}__* has a checkpoint; "
+                               "pass --run_name")
             args.run_name = os.path.basename(os.path.dirname(max(runs, key=os.path.getmtime)))
         # one name for all processes: their clocks may disagree on the second
-        args.run_name = broadcast_object_list([args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
+        name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+        args.run_name = broadcast_object_list([name])[0]
+        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
         # the inputs' content hashes (inputs) and the manifest of the checkpoint to resume
-        self.dir, self.shape, self.writer, self.digests, self.manifest = os.path.join(root, args.run_name), {}, None, {}, {}
+        self.digests, self.manifest = {}, {}
         self.stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)  # None: no DeepSpeed
         self.checkpoints, self.lock = os.path.join(self.dir, "checkpoints"), os.path.join(self.dir, "run.lock")
-        if self.main:  # one live run per folder (claim_lock)
+        if self.main:  # one live run per folder: the lock holds its host, pid and start time (claim_lock)
             os.makedirs(self.dir, exist_ok=True)
             claim_lock(self.lock, getattr(args, "take_over_lock", False))
         self.resume_from = self.intact_checkpoint() if args.resume else None
 
-    def saved(self) -> list:  # the completed checkpoints, oldest first (a killed save never got its name update_N)
+    def saved(self) -> list:
+        """The completed checkpoints, oldest first (a killed save never got its name update_N)."""
         return sorted(glob.glob(os.path.join(self.checkpoints, "update_*")))
 
     def intact_checkpoint(self) -> str:
@@ -316,10 +380,12 @@ class Run:
             try:
                 manifest = json.load(open(os.path.join(path, "manifest.json")))
                 problem = next((f"{os.path.join(path, f)} has {os.path.getsize(os.path.join(path, f))} bytes, not {n}"
-                                for f, n in manifest["files"].items() if os.path.getsize(os.path.join(path, f)) != n), None)
+                                for f, n in manifest["files"].items() if os.path.getsize(os.path.join(path, f)) != n),
+                               None)
             except (OSError, ValueError, KeyError) as error:  # a missing file, or a manifest that is not one
                 missing = isinstance(error, FileNotFoundError)
-                problem = f"{error.filename} is missing" if missing else f"{path}/manifest.json is unreadable ({error!r})"
+                problem = (f"{error.filename} is missing" if missing
+                           else f"{path}/manifest.json is unreadable ({error!r})")
             if problem is None:
                 break
             self.accelerator.print(f"--resume: skipping the damaged checkpoint {path}: {problem}")
@@ -329,9 +395,11 @@ class Run:
             shutil.rmtree(os.path.join(root, stale))
         self.manifest, theirs = manifest, (manifest["num_processes"], manifest["deepspeed_stage"])
         ours = (self.accelerator.num_processes, self.stage)
-        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):  # plain DDP onto fewer: exact
-            raise RunError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, this "
-                           f"run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the original config")
+        # the same process count and DeepSpeed stage; or plain DDP onto fewer processes, which resumes exactly
+        if theirs != ours and not (theirs[1] is None and ours[1] is None and ours[0] < theirs[0]):
+            raise RunError(f"--resume: {path} was written by {theirs[0]} process(es) with DeepSpeed stage {theirs[1]}, "
+                           f"this run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the "
+                           "original config")
         return path
 
     def inputs(self, **paths) -> None:
@@ -347,7 +415,8 @@ class Run:
             then = self.manifest.get("inputs", {}).get(name, {})
             if None not in (then.get("sha256"), now["sha256"]) and then["sha256"] != now["sha256"]:
                 moved = f" in {then['path']}" if then["path"] != now["path"] else ""
-                changed.append(f"--{name} {now['path']} (sha256 {then['sha256'][:12]}{moved} then, {now['sha256'][:12]} now)")
+                changed.append(f"--{name} {now['path']} (sha256 {then['sha256'][:12]}{moved} then, "
+                               f"{now['sha256'][:12]} now)")
         if changed and not getattr(self.args, "accept_changed_inputs", False):
             raise RunError(f"--resume: {self.resume_from} was made from other contents than these inputs hold: "
                            f"{'; '.join(changed)}. Resume with the inputs it was made from, or pass "
@@ -356,13 +425,15 @@ class Run:
             self.accelerator.print(f"--resume with changed inputs (--accept_changed_inputs): {'; '.join(changed)}")
 
     def claim_output_dir(self) -> None:
-        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not complete)."""
+        """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not
+        complete)."""
         out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
         if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
             owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
             if owner != self.args.run_name:
                 raise RunError(
-                    f"--output_dir {out} already holds {'the run ' + repr(owner) if owner else 'files of another run'}; "
+                    f"--output_dir {out} already holds "
+                    f"{'the run ' + repr(owner) if owner else 'files of another run'}; "
                     f"pass a new --output_dir, or --overwrite_output_dir to replace it"
                     + (f", or --resume --run_name {owner} to continue that run" if owner else ""))
         self.accelerator.wait_for_everyone()  # every process checked before the mark changes
@@ -392,9 +463,11 @@ class Run:
                 wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
                            config=config, name=self.args.run_name, save_code=True)
             self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
+            self.writer.add_text("hyperparameters",
+                                 "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
             metrics, kept = os.path.join(self.dir, "metrics.jsonl"), []
-            if resumed_at and os.path.exists(metrics):  # what was logged after the checkpoint goes: logs as if never cut
+            # what was logged after the checkpoint goes: the logs read as if the run had never been cut
+            if resumed_at and os.path.exists(metrics):
                 kept = [line for line in open(metrics) if json.loads(line)["step"] <= resumed_at]
             open(metrics, "w").writelines(kept)
         return state
@@ -407,11 +480,12 @@ class Run:
         bad = [name for name, flag in zip(quantities, flags.tolist()) if flag > 0]
         if bad:
             raise NonFiniteError(
-                f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it and "
-                "the final model is not saved. Check the data of this update, or start a fresh run with a lower --lr "
-                "(--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
+                f"update {update}: {', '.join(bad)} is not finite (NaN or inf). The weights were not updated with it "
+                "and the final model is not saved. Check the data of this update, or start a fresh run with a lower "
+                "--lr (--resume from the last good checkpoint keeps the checkpoint's learning rate and schedule)")
 
     def log(self, step: int, metrics: dict) -> None:
+        """Scalars of `step` to TensorBoard (and W&B, which mirrors it) and one line of metrics.jsonl; main process."""
         if self.main:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
@@ -419,6 +493,7 @@ class Run:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def save_table(self, frame, name: str) -> None:
+        """A pandas frame as the CSV file `name` in the run folder; main process."""
         if self.main:
             frame.to_csv(os.path.join(self.dir, name), index=False)
 
@@ -440,12 +515,14 @@ class Run:
                 self.accelerator.save_state(temporary)
                 self.accelerator.wait_for_everyone()
                 if self.main:
-                    json.dump({**self.shape, **state, "update": update}, open(os.path.join(temporary, "trainer_state.json"), "w"))
+                    json.dump({**self.shape, **state, "update": update},
+                              open(os.path.join(temporary, "trainer_state.json"), "w"))
                     files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
                              for d, _, names in os.walk(temporary) for f in names}
-                    json.dump({"files": files, "num_processes": self.accelerator.num_processes, "deepspeed_stage": self.stage,
-                               "inputs": self.digests}, open(os.path.join(temporary, "manifest.json"), "w"))
-        except Exception:
+                    json.dump({"files": files, "num_processes": self.accelerator.num_processes,
+                               "deepspeed_stage": self.stage, "inputs": self.digests},
+                              open(os.path.join(temporary, "manifest.json"), "w"))
+        except Exception:  # e.g. a full disk (named by `saving`), or a serializer's own error
             shutil.rmtree(temporary, ignore_errors=True)  # a failed save leaves no half-written folder behind
             raise
         if self.main:
@@ -466,9 +543,13 @@ class Run:
                     for p, s in getattr(o, "state", {}).items() for k, v in s.items() if torch.is_tensor(v)]
         bad = [name for name, t in tensors if t.is_floating_point() and not torch.isfinite(t).all()]
         flag = self.accelerator.reduce(torch.tensor([float(len(bad))], device=self.accelerator.device), reduction="sum")
-        return "" if flag.item() == 0 else ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "") or "another process's state"
+        if flag.item() == 0:
+            return ""
+        # another process found them when this one found none
+        return ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "") or "another process's state"
 
     def latest_checkpoint(self) -> Optional[str]:
+        """The newest completed checkpoint, None before the first."""
         return (self.saved() or [None])[-1]
 
     def finish(self, summary: dict) -> None:
@@ -480,12 +561,22 @@ class Run:
                       open(os.path.join(self.args.output_dir, "run.json"), "w"))
             os.remove(self.lock)
 
+
 class LastGoodState:
-    """The non-finite guard's fallback around one update (`with last_good.kept(update, state):`): raised before its first
-    optimizer step, the RNG states, accumulation counter and registered objects are put back and saved as last good."""
+    """The non-finite guard's fallback. `with last_good.kept(update, state):` wraps one update. When run.guard raises
+    in it before any optimizer step of it (a poisoned rollout), the weights and AdamW are still those after update - 1:
+    the RNG states, the gradient accumulation counter and the objects registered for checkpointing are put back as
+    they were, and all of it is saved as the last good checkpoint. After a step the weights have changed: nothing is
+    saved."""
+
     def __init__(self, run, accelerator, optimizer: torch.optim.Optimizer, *registered):
         self.run, self.accelerator, self.registered, self.optimizer_steps = run, accelerator, registered, 0
-        optimizer.register_step_post_hook(lambda *_: setattr(self, "optimizer_steps", self.optimizer_steps + 1))
+        optimizer.register_step_post_hook(self.count_step)
+
+    def count_step(self, *_) -> None:
+        """The optimizer's step post-hook: one more step taken within the update kept."""
+        self.optimizer_steps += 1
+
     @contextlib.contextmanager
     def kept(self, update: int, trainer_state: dict):
         # the random states accelerate's save_state writes (Python, NumPy, torch, CUDA), as the update starts
@@ -507,241 +598,75 @@ class LastGoodState:
                 self.run.checkpoint(update - 1, trainer_state)
                 what = "before any optimizer step of it"
             else:
-                what = f"after {self.optimizer_steps} optimizer step(s) of it changed the weights; those weights are NOT saved"
+                what = (f"after {self.optimizer_steps} optimizer step(s) of it changed the weights; those weights are "
+                        "NOT saved")
             self.accelerator.print(f"non-finite value at update {update} {what}. Last good checkpoint: "
                                    f"{self.run.latest_checkpoint() or 'none (no --checkpoint_every checkpoint yet)'}")
             raise
 
+
 def due(every: int, update: int, num_updates: Optional[int] = None) -> bool:
-    """Whether an action done every `every` updates (0 = never) falls on `update`; never on the last, num_updates."""
+    """Whether an action done every `every` updates (0 = never) falls on `update`; with num_updates, never on the
+    last update (the final evaluation and the final model cover it)."""
     return every > 0 and update % every == 0 and (num_updates is None or update < num_updates)
 
-# ---- Outputs ----------------------------------------------------------------------------------------------------------
-def save_pretrained_model(accelerator, wrapped, model, tokenizer, output_dir: str, prefix: str = "") -> None:
-    """save_pretrained (safetensors) of `model` and its tokenizer in output_dir, the weights of
-    accelerator.get_state_dict(wrapped) (every process calls it: ZeRO-3 gathers the shards) without their `prefix`
-    (the name of `model` inside the wrapper: reward.py's "rm."). A full disk is named."""
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Outputs
+# ----------------------------------------------------------------------------------------------------------------------
+def save_pretrained_model(accelerator, wrapped, model, tokenizer, output_dir: str, prefix: str = "",
+                          merge: Optional[Callable] = None) -> Optional[dict]:
+    """save_pretrained (safetensors) of `model` and its tokenizer in output_dir. The weights are those of
+    accelerator.get_state_dict(wrapped), which every process calls (ZeRO-3 gathers the shards); `prefix` is the
+    name of `model` inside the wrapper (reward.py's "rm.", ppo.py's "policy."), dropped from the saved names.
+    Returns that gathered state dict, whole, on the main process (ilql.py saves its heads from it), else None.
+
+    `merge` (with LoRA: the script's merged_policy, which decides the saved numbers) saves merge(model) instead, the
+    plain model that `model` computes; under ZeRO-3 every process takes part in gathering `model`'s partitioned
+    weights first, and the main process merges and saves. A full disk is named either way."""
     accelerator.wait_for_everyone()
+    then = "Free space there, then run again (--resume: from the newest checkpoint, if any)"
+    if merge is not None:
+        gathered = contextlib.nullcontext()
+        if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+            import deepspeed  # only under ZeRO-3
+
+            gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
+        with gathered:
+            if accelerator.is_main_process:
+                merged = merge(model)
+                needed = sum(p.numel() * p.element_size() for p in merged.parameters())
+                with saving(output_dir, "the final model", needed, then):
+                    merged.save_pretrained(output_dir, safe_serialization=True)
+                    tokenizer.save_pretrained(output_dir)
+        return None
     state_dict = accelerator.get_state_dict(wrapped)
-    if accelerator.is_main_process:
-        state_dict = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
-        with saving(output_dir, "the final model", sum(v.numel() * v.element_size() for v in state_dict.values()),
-                    "Free space there, then run again (--resume: from the newest checkpoint, if any)"):
-            model.save_pretrained(output_dir, state_dict=state_dict)
-            tokenizer.save_pretrained(output_dir)
+    if not accelerator.is_main_process:
+        return None
+    own = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
+    with saving(output_dir, "the final model", sum(v.numel() * v.element_size() for v in own.values()), then):
+        model.save_pretrained(output_dir, state_dict=own)
+        tokenizer.save_pretrained(output_dir)
+    return state_dict
+
 
 def upload_to_hub(args) -> None:
-    """--push_to_hub: upload --output_dir to the hub repository --hub_model_id (None: the run name); main process."""
-    from huggingface_hub import HfApi
-    hub_model_id, api = args.hub_model_id if args.hub_model_id is not None else args.run_name, HfApi()
+    """--push_to_hub: upload --output_dir (the model and its tokenizer) to the hub repository --hub_model_id
+    (None: the run name). Main process only, after save_pretrained_model."""
+    from huggingface_hub import HfApi  # only with --push_to_hub
+
+    hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
+    api = HfApi()
     api.create_repo(hub_model_id, exist_ok=True)
     api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
 
+
 def frame_markdown(df: pd.DataFrame) -> str:
     """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
-    cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
     lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
-
-# ---- The judge's client (judge.py, online_dpo.py --judge endpoint): API key, cache, retries ---------------------------
-LOOPBACK_PLACEHOLDER_KEY = "sk-loopback-placeholder"
-
-def is_loopback_url(url: Optional[str]) -> bool:
-    host = urllib.parse.urlsplit(url or "").hostname or ""
-    with contextlib.suppress(ValueError):
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    return False
-
-def resolve_api_key(base_url: Optional[str]) -> str:
-    """The key comes from the environment only; a loopback endpoint (the gold judge) needs none: a placeholder."""
-    key = os.environ.get("OPENAI_API_KEY") or (LOOPBACK_PLACEHOLDER_KEY if is_loopback_url(base_url) else None)
-    if key:
-        return key
-    raise SystemExit("set OPENAI_API_KEY in the environment (the key is never read from flags or files)")
-
-def public_url(url: Optional[str]) -> Optional[str]:
-    """The base URL without any user:password part, for the summary file."""
-    parts = urllib.parse.urlsplit(url or "")
-    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
-    return None if url is None else urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-class ReplyCache:
-    """Every reply the judge paid for, in sqlite, keyed by model, endpoint (its URL without credentials), system prompt,
-    prompt, temperature, seed (when the judge samples) and ask index (re-asks after an unparseable reply): a rerun
-    replays them without a request. A kill between an answer and `put` pays again for the requests in flight."""
-    def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.db = sqlite3.connect(path)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS replies (key TEXT PRIMARY KEY, model TEXT, reply TEXT, created REAL)")
-        self.db.commit()
-    @staticmethod
-    def key(model: str, endpoint: str, system_prompt: str, prompt: str, temperature: Optional[float], seed: int,
-            ask_index: int) -> str:
-        sampled_with = None if temperature == 0 else seed  # a greedy judge answers alike whatever the seed
-        fields = [model, endpoint, system_prompt, prompt, temperature, sampled_with, ask_index]
-        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
-    def get(self, key: str) -> Optional[str]:
-        row = self.db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row[0]
-    def put(self, key: str, model: str, reply: str) -> None:
-        # committed at once, so an interrupted run keeps every reply it received
-        self.db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?, ?)", (key, model, reply, time.time()))
-        self.db.commit()
-    def close(self) -> None:
-        self.db.close()
-
-class JudgeAPIError(Exception):
-    """A request that failed for good (non-retryable status, or retryable ones past --max_tries)."""
-
-class JudgeUnavailableError(RunError, RuntimeError):
-    """The judge cannot be used at all (unreachable, stalling, answering no chat completion or failing before its first
-    answer, the key refused, every request refused): asking on would only mark each row invalid, so the run stops."""
-
-class BadReply(Exception):
-    """An answer that is no chat completion: cut off, or no JSON with a message's text (args: what, the detail)."""
-
-# status "ok", "unparseable" or "api_error"; parsed: parse_fn's result if ok; the last reply; asks made (cached or not)
-Outcome = collections.namedtuple("Outcome", "status parsed reply asks error", defaults=[""])
-
-class Judge:
-    """The async client, its concurrency limit, the retry policy and the cache."""
-
-    RETRYABLE = (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError)
-    # what the run-stopping error says of a judge that never answered, by the last failure, and the fix
-    STOPPED = {"cannot be reached": "check that the server is running and that --base_url points at it",
-               "answers no chat completion": "check that --base_url is the /v1 root of an OpenAI-compatible API",
-               "answered, but the body was cut": "check the server (and any proxy before it), or try again later",
-               **dict.fromkeys(["did not answer", "answered and stalled"], "check the server's load, or raise --timeout_s")}
-
-    def __init__(self, args, cache: ReplyCache):
-        self.args, self.cache, self._api_key = args, cache, resolve_api_key(args.base_url)
-        # max_retries=0: the retry policy below is the only one, so tries are bounded and counted
-        self.client = AsyncOpenAI(api_key=self._api_key, base_url=args.base_url, max_retries=0, timeout=args.timeout_s)
-        self.semaphore, self.jitter = asyncio.Semaphore(args.max_parallel_requests), random.Random(args.seed)
-        self.stats = {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0}
-        self.answered = 0  # requests the server answered in this run (cache hits not counted)
-
-    def redact(self, text: str) -> str:  # belt and braces: no error text we keep may contain the key
-        return text.replace(self._api_key, "[REDACTED]") if self._api_key else text
-
-    def unavailable(self, what: str, cause: str, fix: str) -> JudgeUnavailableError:
-        """The error that stops the run: the URL (without credentials), what went wrong, the cause and the fix."""
-        url = public_url(self.args.base_url or str(self.client.base_url))
-        return JudgeUnavailableError(self.redact(f"the judge at {url} {what} ({cause}); {fix}"))
-
-    def backoff_s(self, attempt: int) -> float:  # exponential backoff with jitter: half the doubled delay fixed
-        cap = min(self.args.backoff_max_s, self.args.backoff_base_s * 2**attempt)
-        return cap / 2 + self.jitter.uniform(0, cap / 2)
-
-    async def ask_once(self, messages: list, extra: dict, phase: list) -> str:
-        """One request: the reply's text. phase[0] turns "answered" once the status and headers are in, so that a
-        deadline past it reads as a stall after answering."""
-        create = self.client.chat.completions.with_streaming_response.create
-        async with create(model=self.args.model, messages=messages, **extra) as response:
-            phase[0] = "answered"
-            try:
-                body = await response.read()
-            except Exception as error:  # the HTTP library's own (httpx, or httpx2 under newer openai): stalled or cut
-                cut = BadReply("answered, but the body was cut", f"{type(error).__name__}: {error}")
-                raise (TimeoutError() if "Timeout" in type(error).__name__ else cut) from error
-        with contextlib.suppress(ValueError, TypeError, KeyError, IndexError):
-            content = json.loads(body)["choices"][0]["message"]["content"]
-            if content is None or isinstance(content, str):
-                self.answered += 1
-                return content or ""
-        raise BadReply("answers no chat completion", f"200 with the body {body[:100].decode(errors='replace')!r}")
-
-    async def request(self, prompt: str) -> str:
-        messages = [{"role": "system", "content": self.args.system_prompt}, {"role": "user", "content": prompt}]
-        extra = {} if self.args.temperature is None else {"temperature": self.args.temperature}
-        # the slot is held through the backoff waits too: a rate-limited API gets fewer requests
-        async with self.semaphore:
-            for attempt in range(self.args.max_tries):
-                self.stats["requests"] += 1
-                phase = ["asked"]
-                try:  # --timeout_s bounds the whole request: a server that trickles its answer is cut off too
-                    return await asyncio.wait_for(self.ask_once(messages, extra, phase), self.args.timeout_s)
-                except (openai.AuthenticationError, openai.PermissionDeniedError) as e:  # 401 / 403: so for every row
-                    raise self.unavailable("refused the API key", f"{type(e).__name__}: {e}", "check the key in "
-                                           "OPENAI_API_KEY (it is read from the environment only)") from None
-                except (TimeoutError, openai.APITimeoutError):  # (before the APIConnectionError it is)
-                    what = "answered and stalled" if phase[0] == "answered" else "did not answer"
-                    last_error = f"no complete reply within --timeout_s {self.args.timeout_s} s"
-                except BadReply as e:
-                    what, last_error = e.args
-                except self.RETRYABLE as e:
-                    what = "cannot be reached" if isinstance(e, openai.APIConnectionError) else "failed"
-                    last_error = f"{type(e).__name__}: {e}"
-                except openai.APIStatusError as e:  # 400, 404 ...: asking again will not help
-                    error = f"{type(e).__name__}: {e}"
-                    if isinstance(e, openai.NotFoundError) and not self.answered:  # an unknown model or path
-                        raise self.unavailable("failed before answering any request", error, "check that it serves the "
-                                               f"model {self.args.model!r} (--model) and that --base_url is its /v1 root") from None
-                    raise JudgeAPIError(self.redact(error)) from None  # this prompt only (e.g. too long)
-                if attempt + 1 < self.args.max_tries:
-                    self.stats["retries"] += 1
-                    await asyncio.sleep(self.backoff_s(attempt))  # never a blocking sleep in async code
-            error = f"gave up after {self.args.max_tries} tries; last error {last_error}"
-            if not self.answered:  # unreachable, stalled or failing since the start: no row would be judged
-                raise self.unavailable(what if what in self.STOPPED else "failed before answering any request", error,
-                                       self.STOPPED.get(what, "try again later, or raise --max_tries"))
-            raise JudgeAPIError(self.redact(error))
-
-    async def ask(self, prompt: str, parse_fn: Callable[[str], object]) -> Outcome:
-        """Ask until parse_fn accepts the reply, at most --max_parse_tries times."""
-        reply, endpoint = "", public_url(str(self.client.base_url))  # the URL asked (--base_url or the client's default)
-        for ask_index in range(self.args.max_parse_tries):
-            key = ReplyCache.key(self.args.model, endpoint, self.args.system_prompt, prompt, self.args.temperature,
-                                 self.args.seed, ask_index)
-            reply = self.cache.get(key)
-            if reply is not None:
-                self.stats["cache_hits"] += 1
-            else:
-                try:
-                    reply = await self.request(prompt)
-                except JudgeAPIError as e:
-                    self.stats["api_errors"] += 1
-                    return Outcome("api_error", None, "", ask_index, str(e))
-                self.cache.put(key, self.args.model, reply)
-            parsed = parse_fn(reply)
-            if parsed is not None:
-                return Outcome("ok", parsed, reply, ask_index + 1)
-            if ask_index + 1 < self.args.max_parse_tries:
-                self.stats["reasks"] += 1
-        return Outcome("unparseable", None, reply, self.args.max_parse_tries)
-
-    async def ask_all(self, jobs: list[tuple[str, Callable[[str], object]]], on_done: Callable[[int, Outcome], None]) -> list[Outcome]:
-        """Run every (prompt, parse_fn) job concurrently; on_done(index, outcome) as each finishes."""
-        async def run(i: int, prompt: str, parse_fn) -> tuple[int, Outcome]:
-            return i, await self.ask(prompt, parse_fn)
-        outcomes: list[Optional[Outcome]] = [None] * len(jobs)
-        tasks = [asyncio.ensure_future(run(i, p, f)) for i, (p, f) in enumerate(jobs)]
-        try:
-            for next_done in asyncio.as_completed(tasks):
-                i, outcome = await next_done
-                outcomes[i] = outcome
-                on_done(i, outcome)
-            failed = [o for o in outcomes if o.status == "api_error"]
-            if failed and len(failed) == len(outcomes):  # e.g. every prompt refused with a 400
-                raise self.unavailable("refused every request", f"all {len(failed)} failed; the first: {failed[0].error}",
-                                       "check --model, --temperature and the prompts it refuses")
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)  # collect the cancelled ones (no "never retrieved")
-            await self.client.close()
-        return outcomes
-
-def run_jobs(args, jobs: list[tuple[str, Callable[[str], object]]], on_done, cache: ReplyCache) -> tuple[list[Outcome], dict]:
-    if not jobs:  # e.g. every pair a tie: nothing to ask
-        return [], {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0, "judging_s": 0.0}
-
-    async def go():
-        judge, start = Judge(args, cache), time.time()
-        outcomes = await judge.ask_all(jobs, on_done)
-        judge.stats["judging_s"] = time.time() - start  # the requests alone, without loading or plotting
-        return outcomes, judge.stats
-    return asyncio.run(go())
-

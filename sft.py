@@ -28,7 +28,6 @@ A NaN or inf loss:      stops the run before it reaches the weights; the state a
                         that update's checkpoint, from which --resume goes on as from an ordinary one.
 """
 
-import contextlib
 import copy
 import json
 import os
@@ -43,7 +42,6 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import gather_object, set_seed
 from datasets import load_dataset, load_from_disk
-from peft import LoraConfig, get_peft_model
 from rouge_score import rouge_scorer
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
@@ -426,10 +424,9 @@ def main(args: Args) -> dict:
             "wall_time_s": time.time() - start_time,
         }
     )
-    if args.lora_rank > 0:  # the adapters folded into the base: a plain float32 model (merged_policy)
-        save_merged_policy(accelerator, model, tokenizer, args.output_dir)
-    else:
-        save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)
+    # with LoRA the adapters folded into the base: the plain float32 model it computes (merged_policy)
+    save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir,
+                          merge=merged_policy if args.lora_rank > 0 else None)
     if args.push_to_hub and accelerator.is_main_process:
         upload_to_hub(args)
     run.finish(summary)
@@ -530,23 +527,6 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
         config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
-
-
-def save_merged_policy(accelerator, wrapped, tokenizer, output_dir: str) -> None:
-    """--lora_rank: the policy as the plain float32 model it computes (merged_policy: every adapter folded into its
-    base layer) and the tokenizer, saved in output_dir. Every process calls it: under ZeRO-3 each one takes part in
-    gathering the partitioned weights; the main process saves."""
-    unwrapped = accelerator.unwrap_model(wrapped)
-    gathered = contextlib.nullcontext()
-    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()))
-    accelerator.wait_for_everyone()
-    with gathered:
-        if accelerator.is_main_process:
-            merged_policy(unwrapped).save_pretrained(output_dir, safe_serialization=True)
-            tokenizer.save_pretrained(output_dir)
 
 
 def write_sft_samples(run, args, split: str, prefix: str, step: int, final: bool, metrics: dict,
@@ -710,6 +690,8 @@ def lora_policy(model, args):
             # (dequantize to the compute dtype, then multiply)
             module.support_avx512bf16_for_cpu = False
             module.register_load_state_dict_pre_hook(load_quant_state)
+    from peft import LoraConfig, get_peft_model  # here, not at the top: a run without LoRA never loads peft
+
     return get_peft_model(
         model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear")
     )

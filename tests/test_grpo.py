@@ -5,6 +5,7 @@ SIGKILL + --resume, and the two gathers across 2 processes (the batch std, DAPO'
 run equal to 1 process (torchrun, ZeRO-2, ZeRO-3, bf16) is tests/test_multiprocess.py's (grpo is one of its scripts)."""
 
 from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
+import dataclasses
 import json
 import os
 import statistics
@@ -52,9 +53,11 @@ def test_reward_is_the_score_and_the_kl_stays_out_of_it():
     raw = torch.tensor([[5, EOS, 7, 8], [5, 6, 7, 8], [EOS, 4, 4, 4], [6, 6, EOS, 9]])
     responses = grpo.truncate_response(EOS, PAD, raw)
     logprobs = -torch.tensor([[0.5, 0.25, 9.0, 9.0], [0.5, 0.5, 0.5, 0.5], [1.0, 9.0, 9.0, 9.0], [0.25, 0.25, 0.25, 9.0]])
-    data = {"responses": responses, "rm_scores": torch.tensor([[2.0], [3.0], [4.0], [1.0]]), "logprobs": logprobs,
-            "ref_logprobs": torch.full((4, 4), -1.0)}
-    out = grpo.rewards_and_advantages(args, data, EOS, PAD, [grpo.RunningMoments()], lambda x: x)
+    # the raw samples (a 2-token query before each raw response) are not read by rewards_and_advantages
+    data = grpo.Rollout(query_responses=torch.cat((torch.full((4, 2), 4), raw), 1), responses=responses,
+                        logprobs=logprobs, ref_logprobs=torch.full((4, 4), -1.0),
+                        rm_scores=torch.tensor([[2.0], [3.0], [4.0], [1.0]]))
+    out = grpo.rewards_and_advantages(args, args.grpo, data, EOS, PAD, [grpo.RunningMoments()], lambda x: x)
     scores = [2.0, -1.0, 4.0, 1.0]
     assert out.scores.tolist() == pytest.approx(scores)
     std = statistics.stdev([2.0, -1.0])  # both groups: two rewards 3 apart
@@ -65,8 +68,8 @@ def test_reward_is_the_score_and_the_kl_stays_out_of_it():
     assert (out.non_score_reward == 0).all()
     # another reference, another kl_coef: the same scores and advantages
     args.grpo.kl_coef = 10.0
-    data["ref_logprobs"] = torch.full((4, 4), -5.0)
-    again = grpo.rewards_and_advantages(args, data, EOS, PAD, [grpo.RunningMoments()], lambda x: x)
+    data = dataclasses.replace(data, ref_logprobs=torch.full((4, 4), -5.0))
+    again = grpo.rewards_and_advantages(args, args.grpo, data, EOS, PAD, [grpo.RunningMoments()], lambda x: x)
     assert torch.equal(again.scores, out.scores) and torch.equal(again.advantages, out.advantages)
 
 

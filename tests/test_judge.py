@@ -2,6 +2,7 @@
 
 from conftest import load_script
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -26,6 +27,7 @@ from data.synthetic import gold_prefer, make_post, policy_summary, reference_sum
 
 judge = load_script("judge")
 import run_infra  # noqa: E402  (the run infrastructure the scripts import)
+import judge_client  # noqa: E402  (the judge's HTTP client judge.py imports)
 
 POLICIES = ["good", "drop", "short", "filler", "runon", "invent", "title", "ref"]
 
@@ -168,15 +170,25 @@ def test_order_randomisation_balanced_and_reproducible():
 
 
 def test_api_key_resolution(monkeypatch):
-    assert run_infra.resolve_api_key("http://127.0.0.1:1/v1") == run_infra.LOOPBACK_PLACEHOLDER_KEY
-    assert run_infra.resolve_api_key("http://localhost:1/v1") == run_infra.LOOPBACK_PLACEHOLDER_KEY
+    assert judge_client.resolve_api_key("http://127.0.0.1:1/v1") == judge_client.LOOPBACK_PLACEHOLDER_KEY
+    assert judge_client.resolve_api_key("http://localhost:1/v1") == judge_client.LOOPBACK_PLACEHOLDER_KEY
     with pytest.raises(SystemExit, match="OPENAI_API_KEY"):
-        run_infra.resolve_api_key("https://api.example.com/v1")
+        judge_client.resolve_api_key("https://api.example.com/v1")
     with pytest.raises(SystemExit):
-        run_infra.resolve_api_key(None)
+        judge_client.resolve_api_key(None)
     monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
-    assert run_infra.resolve_api_key("https://api.example.com/v1") == "sk-from-env"
-    assert run_infra.public_url("http://user:pw@127.0.0.1:8/v1") == "http://127.0.0.1:8/v1"
+    assert judge_client.resolve_api_key("https://api.example.com/v1") == "sk-from-env"
+    assert judge_client.public_url("http://user:pw@127.0.0.1:8/v1") == "http://127.0.0.1:8/v1"
+
+
+def test_an_outcome_has_five_fields_made_by_position_and_no_error_by_default():
+    """judge_client.Outcome, which the client and judge.py (its ties) make by position: status, parsed, reply, asks
+    and error, "" unless a request failed for good."""
+    tie = judge_client.Outcome("tie", None, "", 0)
+    assert (tie.status, tie.parsed, tie.reply, tie.asks, tie.error) == ("tie", None, "", 0, "")
+    failed = judge_client.Outcome("api_error", None, "", 2, "BadRequestError: too long")
+    assert (failed.asks, failed.error) == (2, "BadRequestError: too long")
+    assert [f.name for f in dataclasses.fields(judge_client.Outcome)] == ["status", "parsed", "reply", "asks", "error"]
 
 
 def test_length_bins_by_hand():
@@ -440,7 +452,7 @@ def test_a_judge_that_stalls_cuts_its_body_or_answers_no_chat_completion_is_one_
     make_samples(tmp_path / "a.csv", 6, seed=22, ties=False)
     started = time.time()
     with fault_server(fault) as server:
-        with pytest.raises(run_infra.JudgeUnavailableError) as err:
+        with pytest.raises(judge_client.JudgeUnavailableError) as err:
             judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], timeout_s=1.0, max_tries=2,
                                   max_parallel_requests=2))
         assert server.requests[0] <= 2 * 2 + 2  # bounded: the tries of the pairs in flight
@@ -468,7 +480,7 @@ def test_failing_endpoint_stops_after_one_pair_of_tries(tmp_path):
     make_samples(tmp_path / "a.csv", 40, seed=17)
     with gjs.serve_in_thread(fail_rate=1.0, seed=1) as server:
         server.handle_error = lambda request, client_address: None  # replies to a client that has gone: no traceback
-        with pytest.raises(run_infra.JudgeUnavailableError, match=r"failed before answering any request \(gave up after 3 tries") as err:
+        with pytest.raises(judge_client.JudgeUnavailableError, match=r"failed before answering any request \(gave up after 3 tries") as err:
             judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3, max_parallel_requests=2))
         # not 40 pairs x 3 tries: it stopped once the first pair had used its tries. Bound: the two pairs in flight,
         # 3 tries each, plus the first try of a pair that took a freed slot before the run was stopped
@@ -481,7 +493,7 @@ def test_failing_endpoint_stops_after_one_pair_of_tries(tmp_path):
 def test_unknown_model_is_one_error_without_retries(tmp_path):
     make_samples(tmp_path / "a.csv", 6, seed=14)
     with gjs.serve_in_thread() as server:
-        with pytest.raises(run_infra.JudgeUnavailableError, match="NotFoundError") as err:
+        with pytest.raises(judge_client.JudgeUnavailableError, match="NotFoundError") as err:
             judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], model="gold-judge-stale"))
         assert server.request_count <= 6  # a 404 is final: no retries
     assert "'gold-judge-stale' (--model)" in str(err.value) and server.base_url in str(err.value)
@@ -501,7 +513,7 @@ def test_refused_key_or_every_prompt_refused_is_one_error(tmp_path, monkeypatch)
     monkeypatch.setattr(gjs._Handler, "do_POST", refuse)
     with gjs.serve_in_thread() as server:
         server.handle_error = lambda request, client_address: None  # replies to a client that has gone: no traceback
-        with pytest.raises(run_infra.JudgeUnavailableError, match="refused the API key") as err:
+        with pytest.raises(judge_client.JudgeUnavailableError, match="refused the API key") as err:
             judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3, max_parallel_requests=4))
         # at once, not 40 refusals: no retries; the 4 requests in flight, and at most one more per slot they freed
         assert server.request_count <= 2 * 4
@@ -509,7 +521,7 @@ def test_refused_key_or_every_prompt_refused_is_one_error(tmp_path, monkeypatch)
         assert "AuthenticationError" in message and server.base_url in message and "OPENAI_API_KEY" in message
         assert secret not in message and "[REDACTED]" in message
         status["code"] = 400  # every prompt refused: each pair is invalid, and together they are one error
-        with pytest.raises(run_infra.JudgeUnavailableError, match="refused every request \\(all 40 failed; the first: BadRequestError"):
+        with pytest.raises(judge_client.JudgeUnavailableError, match="refused every request \\(all 40 failed; the first: BadRequestError"):
             judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3))
 
 
@@ -694,7 +706,7 @@ def test_api_key_never_in_outputs(tmp_path, monkeypatch, capfd):
     make_samples(tmp_path / "a.csv", 20, seed=10)
     make_samples(tmp_path / "b.csv", 20, seed=10, policies=["drop", "good"])
     with gjs.serve_in_thread(fail_rate=0.3, garbage_rate=0.2, seed=4) as server:
-        j = run_infra.Judge(judge_args(tmp_path, server), run_infra.ReplyCache(str(tmp_path / "probe.sqlite")))
+        j = judge_client.Judge(judge_args(tmp_path, server), judge_client.ReplyCache(str(tmp_path / "probe.sqlite")))
         assert j.client.api_key == secret  # the key from the environment is the one used
         judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=2))
         judge.main(judge_args(tmp_path, server, mode="multi", csv=[str(tmp_path / "a.csv"), str(tmp_path / "b.csv")],
@@ -764,7 +776,7 @@ def test_multi_mode_query_with_identical_answers_is_a_tie_never_asked(tmp_path):
 
 
 def test_cache_key_holds_the_endpoint_and_the_seed_of_a_sampling_judge(tmp_path):
-    key = run_infra.ReplyCache.key
+    key = judge_client.ReplyCache.key
     args = ("gold", "http://127.0.0.1:8011/v1/", "sys", "prompt")
     assert key(*args, None, 1, 0) != key("gold", "http://127.0.0.1:8012/v1/", "sys", "prompt", None, 1, 0)
     assert key(*args, 0.7, 1, 0) != key(*args, 0.7, 2, 0) and key(*args, None, 1, 0) != key(*args, None, 2, 0)

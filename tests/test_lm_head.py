@@ -13,7 +13,7 @@ from conftest import load_script
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
 sft, dpo, kto, online_dpo = load_script("sft"), load_script("dpo"), load_script("kto"), load_script("online_dpo")
 ppo, rloo, grpo, offline_rl = load_script("ppo"), load_script("rloo"), load_script("grpo"), load_script("offline_rl")
@@ -30,6 +30,14 @@ def lm(seed: int = 0):
                            intermediate_size=32, max_position_embeddings=64, eos_token_id=EOS, bos_token_id=EOS,
                            pad_token_id=PAD, hidden_dropout=0.0, attention_dropout=0.0)
     return GPTNeoXForCausalLM(config).eval()
+
+
+def critic(seed: int = 1):
+    """ppo.py's critic: a scalar head (num_labels 1) on a model of lm's shape."""
+    config = lm(seed).config
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    return GPTNeoXForSequenceClassification(config).eval()
 
 
 def rows(seed: int = 0, query_lengths=(9, 5, 7, 3), response_lengths=(8, 3, 6, 1)):
@@ -129,16 +137,22 @@ def test_offline_rl_weighted_loss_reads_only_the_target_positions(monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(POLICY_SCRIPTS))
 def test_policy_update_and_ptx_read_only_the_action_and_target_positions(monkeypatch, name):
-    """The update's pass (PolicyAndValue without a critic) and its ptx batch, and the rollout's reference pass."""
+    """The update's pass (ppo.py's PolicyAndValue with its critic, rloo.py's and grpo.py's Policy) and its ptx batch,
+    and the rollout's reference pass. The critic is a model of its own (its scalar head, not the policy's LM head)."""
     module = POLICY_SCRIPTS[name]
     query_responses, _ = rows(seed=1, response_lengths=(8, 8, 8, 8))  # rollouts: every response WR tokens long
     ptx_tokens, ptx_labels = rows(seed=2)
 
     def update(model):
-        wrapped = module.PolicyAndValue(model, None)
-        logprobs, all_logprobs, values, ptx_logits = module.training_logprobs_and_values(
-            wrapped, query_responses, WQ, 0.7, PAD, ptx_tokens, ptx_labels)
-        assert values is None and logprobs.shape == (4, WR) and all_logprobs.shape == (4, WR, VOCAB)
+        if module is ppo:
+            wrapped = ppo.PolicyAndValue(model, critic())
+            logprobs, all_logprobs, values, ptx_logits = ppo.training_logprobs_and_values(
+                wrapped, query_responses, WQ, 0.7, PAD, ptx_tokens, ptx_labels)
+            assert values.shape == (4, WR)  # the critic's value before each response token
+        else:
+            logprobs, all_logprobs, ptx_logits = module.training_logprobs(
+                module.Policy(model), query_responses, WQ, 0.7, PAD, ptx_tokens, ptx_labels)
+        assert logprobs.shape == (4, WR) and all_logprobs.shape == (4, WR, VOCAB)
         return logprobs, module.sft_loss(ptx_logits, ptx_labels, PAD)
 
     ours, full, g1, g2, seen = both_ways(module, monkeypatch, update)

@@ -73,9 +73,12 @@ def test_gae_matches_plain_loop_with_masks():
 def shaped_example(args, scores, responses, seed=0):
     torch.manual_seed(seed)
     B, T = responses.shape
-    data = {"responses": responses, "rm_scores": scores.unsqueeze(1), "logprobs": -torch.rand(B, T),
-            "ref_logprobs": -torch.rand(B, T), "values": torch.randn(B, T)}
-    out = vars(ppo.rewards_and_advantages(args, data, EOS, PAD, args.ppo.kl_coef, [ppo.RunningMoments()], lambda x: x))
+    # the raw samples (a 2-token query before each response) are not read by rewards_and_advantages
+    data = ppo.Rollout(query_responses=torch.cat((torch.full((B, 2), 4), responses), 1), responses=responses,
+                       logprobs=-torch.rand(B, T), ref_logprobs=-torch.rand(B, T), rm_scores=scores.unsqueeze(1),
+                       values=torch.randn(B, T))
+    out = vars(ppo.rewards_and_advantages(args, args.ppo, data, EOS, PAD, args.ppo.kl_coef, [ppo.RunningMoments()],
+                                          lambda x: x))
     return data, out
 
 
@@ -88,7 +91,7 @@ def test_reward_at_eos_and_masking():
     scores = torch.tensor([2.0, 3.0, 4.0])
     data, out = shaped_example(args, scores, responses)
     assert out["last_index"].tolist() == [2, 4, 0]
-    kl = data["logprobs"] - data["ref_logprobs"]
+    kl = data.logprobs - data.ref_logprobs
     expected = -args.ppo.kl_coef * kl * out["mask"]
     expected[0, 2] += 2.0
     expected[1, 4] += -1.0  # EOS trick: no EOS -> penalty replaces the score
@@ -251,12 +254,12 @@ def test_detail7_first_ratio_is_one_only_without_dropout(accelerator, dropout_of
         ppo.disable_dropout(policy)
         ppo.disable_dropout(critic)
     model, queries, data = tiny_rollout(accelerator, policy, critic, reward_model, ref)
-    mask, _ = ppo.response_mask(data["responses"], PAD)
+    mask, _ = ppo.response_mask(data.responses, PAD)
     model.train()
     torch.manual_seed(5)
     idx = torch.randperm(queries.size(0))[:4]  # the first micro batch of the first epoch
-    new_logprobs, _, _, _ = ppo.training_logprobs_and_values(model, data["query_responses"][idx], 5, 0.7, PAD)
-    ratio = torch.exp(new_logprobs - data["logprobs"][idx])[mask[idx]]
+    new_logprobs, _, _, _ = ppo.training_logprobs_and_values(model, data.query_responses[idx], 5, 0.7, PAD)
+    ratio = torch.exp(new_logprobs - data.logprobs[idx])[mask[idx]]
     if dropout_off:
         assert (ratio - 1).abs().max().item() < 1e-5
     else:
@@ -286,12 +289,12 @@ def test_detail22_values_and_eos_advantage_ppo_uses_at_init(accelerator, tmp_pat
                                                                     tmp_path / "rm", num_labels=1).eval()
         # the reference is the policy itself: KL 0, as at initialisation
         _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, policy)
-        out = vars(ppo.rewards_and_advantages(args, data, EOS, PAD, args.ppo.kl_coef, [ppo.RunningMoments()],
-                                              lambda x: x))
+        out = vars(ppo.rewards_and_advantages(args, args.ppo, data, EOS, PAD, args.ppo.kl_coef,
+                                              [ppo.RunningMoments()], lambda x: x))
         mask, last, scores = out["mask"], out["last_index"], out["scores"]
         assert (out["kl"] == 0).all()
         # the RM's per-token readings (B, Tq + T) of query + truncated response; [i, j] reads tokens 0..j
-        sequences = torch.cat((data["query_responses"][:, :context_length], data["responses"]), 1)
+        sequences = torch.cat((data.query_responses[:, :context_length], data.responses), 1)
         rm_readings, rm_scores, _ = ppo.get_reward(reward_model, sequences, PAD, context_length)
         state_readings = rm_readings[:, context_length - 1 : -1]  # (B, T) the RM at the token before each action
         gaps[init] = (out["values"] - state_readings)[mask].abs().max().item()
@@ -304,7 +307,7 @@ def test_detail22_values_and_eos_advantage_ppo_uses_at_init(accelerator, tmp_pat
         # sits at value index last + 1, which PPO masks
         eos_value = out["values"][rows, last]
         torch.testing.assert_close(eos_value, rm_readings[rows, context_length + last - 1], atol=1e-5, rtol=0)
-        torch.testing.assert_close(rm_scores[contains_eos], data["rm_scores"][contains_eos, 0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(rm_scores[contains_eos], data.rm_scores[contains_eos, 0], atol=1e-5, rtol=0)
         assert (eos_value - scores)[contains_eos].abs().min() > 1e-3
         assert (out["values"][rows[contains_eos], last[contains_eos] + 1] == 0).all()
         # gamma = lambda = 1, no KL: A_t = score - V_t on every kept token; the EOS action: score - V(before EOS)
@@ -320,7 +323,7 @@ def train_a_few_steps(model, data, context_length=5):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
     for _ in range(3):
-        new_logprobs, _, vpred, _ = ppo.training_logprobs_and_values(model, data["query_responses"], context_length, 0.7,
+        new_logprobs, _, vpred, _ = ppo.training_logprobs_and_values(model, data.query_responses, context_length, 0.7,
                                                                      PAD)
         loss = -new_logprobs.mean() + vpred.pow(2).mean()
         loss.backward()
@@ -341,7 +344,9 @@ def test_shared_reference_equals_frozen_sft_copy(accelerator, tmp_path, mode):
         trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
         assert trainable and all("layers.0." not in n and "layers.1." not in n for n in trainable)
     else:
-        policy = ppo.get_peft_model(policy, ppo.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+        from peft import LoraConfig, get_peft_model  # ppo.py imports peft inside lora_policy only
+
+        policy = get_peft_model(policy, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
         ref = None
     critic = GPTNeoXForSequenceClassification(tiny_config())
     reward_model = GPTNeoXForSequenceClassification(tiny_config()).eval()
@@ -349,7 +354,7 @@ def test_shared_reference_equals_frozen_sft_copy(accelerator, tmp_path, mode):
     train_a_few_steps(model, data)
     model.eval()
     with torch.no_grad():
-        qr = data["query_responses"]
+        qr = data.query_responses
         ref_logits = ppo.reference_logits(ref, model.policy, qr, PAD, slice(None))
         sft_logits = ppo.forward(sft_copy, qr, PAD, slice(None)).logits
         policy_logits = ppo.forward(model.policy, qr, PAD, slice(None)).logits
@@ -370,7 +375,8 @@ def test_frozen_actor_takes_no_adamw_step(accelerator):
     reward_model = GPTNeoXForSequenceClassification(tiny_config()).eval()
     ref = GPTNeoXForCausalLM(tiny_config()).eval()
     _, _, data = tiny_rollout(accelerator, policy, critic, reward_model, ref)
-    out = vars(ppo.rewards_and_advantages(make_args(), data, EOS, PAD, 0.05, [ppo.RunningMoments()], lambda x: x))
+    args = make_args()
+    out = vars(ppo.rewards_and_advantages(args, args.ppo, data, EOS, PAD, 0.05, [ppo.RunningMoments()], lambda x: x))
     steps_per_update = 2
 
     def train(frozen_updates: int, unfrozen_updates: int):
@@ -382,16 +388,16 @@ def test_frozen_actor_takes_no_adamw_step(accelerator):
         critic_params = [p for p in critic.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW([{"params": actor, "name": "actor"}, {"params": critic_params, "name": "critic"}],
                                       lr=1e-3, eps=1e-5, weight_decay=0.01)  # the two groups of main()
-        freeze = ppo.ActorFreeze(frozen_updates, actor, deepspeed=False)
+        freeze = ppo.ActorFreeze(frozen_updates, actor, accelerator)  # no DeepSpeed plugin
         after_steps = []
         for update in range(1, frozen_updates + unfrozen_updates + 1):
             frozen = update <= frozen_updates
             freeze.set_lr(optimizer, update, 1e-3)
             assert [g["lr"] for g in optimizer.param_groups] == [0.0 if frozen else 1e-3, 1e-3]
             for _ in range(steps_per_update):
-                new_logprobs, _, vpred, _ = ppo.training_logprobs_and_values(model, data["query_responses"], 5, 0.7,
+                new_logprobs, _, vpred, _ = ppo.training_logprobs_and_values(model, data.query_responses, 5, 0.7,
                                                                              PAD)
-                pg_loss, vf_loss, _ = ppo.ppo_losses(new_logprobs, data["logprobs"], out["advantages"], vpred,
+                pg_loss, vf_loss, _ = ppo.ppo_losses(new_logprobs, data.logprobs, out["advantages"], vpred,
                                                      out["values"], out["returns"], out["mask"], 0.2, 0.2)
                 (freeze.policy_loss_weight(update) * pg_loss + 0.1 * vf_loss).backward()
                 freeze.before_step(update)

@@ -3,8 +3,10 @@ rules by hand, each model's own running statistics for --*.scale_rewards, the si
 checks, and a run with two reward models that resumes after a kill like an uninterrupted run."""
 
 from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok, without_timing
+import dataclasses
 import json
 import os
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -14,6 +16,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ppo, rloo = load_script("ppo"), load_script("rloo")
 PAD, EOS = 19, 3
 SCRIPTS = {"ppo": ppo, "rloo": rloo}
+# check_flags reads the number of processes and (check_qlora_flags) the DeepSpeed plugin: one process, no DeepSpeed
+ONE_PROCESS = SimpleNamespace(num_processes=1, state=SimpleNamespace(deepspeed_plugin=None))
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -34,28 +38,33 @@ def test_one_reward_model_keeps_its_score_exactly(name, rule):
     assert torch.equal(SCRIPTS[name].combine_scores(scores, rule, None), scores[:, 0])
 
 
-def ensemble_data(B: int = 6, T: int = 5):
+def ensemble_data(module, B: int = 6, T: int = 5):
+    """The script's Rollout of B episodes (ppo.py's with the critic's values)."""
     torch.manual_seed(0)
     raw = torch.randint(4, 18, (B, T))
     raw[:4, 2] = EOS  # rows 4 and 5 never end: the EOS trick replaces their scores
     responses = ppo.truncate_response(EOS, PAD, raw)
     # two reward models on scales a hundred times apart
     scores = torch.stack([torch.randn(B), 100 * torch.randn(B)], 1)
-    return {"responses": responses, "rm_scores": scores, "logprobs": -torch.rand(B, T),
-            "ref_logprobs": -torch.rand(B, T), "values": torch.randn(B, T)}
+    logprobs, ref_logprobs, values = -torch.rand(B, T), -torch.rand(B, T), torch.randn(B, T)
+    # the raw samples (a 2-token query before each raw response) are not read by rewards_and_advantages
+    query_responses = torch.cat((torch.full((B, 2), 4), raw), 1)
+    return module.Rollout(query_responses=query_responses, responses=responses, logprobs=logprobs,
+                          ref_logprobs=ref_logprobs, rm_scores=scores, **({"values": values} if module is ppo else {}))
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_each_reward_model_is_scaled_by_its_own_statistics_before_the_rule(name):
-    module, data = SCRIPTS[name], ensemble_data()
+    module = SCRIPTS[name]
+    data = ensemble_data(module)
     args = module.Args(reward_model_path=["a", "b"], reward_combine="mean")
     getattr(args, name).scale_rewards = True
     moments = [module.RunningMoments(), module.RunningMoments()]
     shape = module.rewards_and_advantages
-    out = shape(args, data, EOS, PAD, 0.05, moments, lambda x: x)
+    out = shape(args, getattr(args, name), data, EOS, PAD, 0.05, moments, lambda x: x)
     # each column's own std of the raw scores, then the rule, then the EOS trick: an unfinished response's final
     # score is the penalty itself (never scaled, never in the running statistics)
-    raw = data["rm_scores"].clone()
+    raw = data.rm_scores.clone()
     stds = raw.var(0, unbiased=False).sqrt()
     assert [m.std for m in moments] == pytest.approx(stds.tolist(), rel=1e-5)
     assert stds[1] > 10 * stds[0]  # the two models really are on different scales
@@ -67,12 +76,14 @@ def test_each_reward_model_is_scaled_by_its_own_statistics_before_the_rule(name)
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_the_eos_penalty_enters_once_whatever_the_rule(name):
     """Three reward models summed: a response without EOS scores the penalty (-1), not three times it."""
-    module, data = SCRIPTS[name], ensemble_data()
-    data["rm_scores"] = torch.cat([data["rm_scores"], data["rm_scores"][:, :1]], 1)  # (B, 3)
+    module = SCRIPTS[name]
+    data = ensemble_data(module)
+    data = dataclasses.replace(data, rm_scores=torch.cat([data.rm_scores, data.rm_scores[:, :1]], 1))  # (B, 3)
     args = module.Args(reward_model_path=["a", "b", "c"], reward_combine="sum")
-    out = module.rewards_and_advantages(args, data, EOS, PAD, 0.05, [module.RunningMoments()] * 3, lambda x: x)
+    out = module.rewards_and_advantages(args, getattr(args, name), data, EOS, PAD, 0.05, [module.RunningMoments()] * 3,
+                                        lambda x: x)
     assert out.scores[4:].tolist() == [args.penalty_reward_value] * (len(out.scores) - 4)
-    torch.testing.assert_close(out.scores[:4], data["rm_scores"][:4].sum(1))
+    torch.testing.assert_close(out.scores[:4], data.rm_scores[:4].sum(1))
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -82,7 +93,7 @@ def test_reward_weights_need_the_sum_rule_and_one_weight_per_model(name):
                    {"reward_combine": "sum", "reward_weights": [1.0]}):
         args = module.Args(reward_model_path=["a", "b"], **kwargs)
         with pytest.raises(ValueError, match="--reward_weights needs --reward_combine sum"):
-            module.check_flags(args, 1, 1, None, 1, False)
+            module.check_flags(args, ONE_PROCESS, 1, None, 1, False)
 
 
 @pytest.fixture(scope="module")

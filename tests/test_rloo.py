@@ -37,9 +37,12 @@ def test_sequence_reward_and_advantage_by_hand():
     responses = rloo.truncate_response(EOS, PAD, raw)
     logprobs = -torch.tensor([[0.5, 0.25, 9.0, 9.0], [0.5, 0.5, 0.5, 0.5], [1.0, 9.0, 9.0, 9.0], [0.25, 0.25, 0.25, 9.0]])
     ref_logprobs = torch.full((4, 4), -1.0)
-    data = {"responses": responses, "rm_scores": torch.tensor([[2.0], [3.0], [4.0], [1.0]]), "logprobs": logprobs,
-            "ref_logprobs": ref_logprobs}
-    out = rloo.rewards_and_advantages(args, data, EOS, PAD, args.rloo.kl_coef, [rloo.RunningMoments()], lambda x: x)
+    # the raw samples (a 2-token query before each raw response) are not read by rewards_and_advantages
+    data = rloo.Rollout(query_responses=torch.cat((torch.full((4, 2), 4), raw), 1), responses=responses,
+                        logprobs=logprobs, ref_logprobs=ref_logprobs,
+                        rm_scores=torch.tensor([[2.0], [3.0], [4.0], [1.0]]))
+    out = rloo.rewards_and_advantages(args, args.rloo, data, EOS, PAD, args.rloo.kl_coef, [rloo.RunningMoments()],
+                                      lambda x: x)
     # k1 KL summed over the kept tokens only (the 9s after each EOS are masked)
     kl_sums = [(1 - 0.5) + (1 - 0.25), 4 * (1 - 0.5), 1 - 1.0, 3 * (1 - 0.25)]
     scores = [2.0, -1.0, 4.0, 1.0]

@@ -74,7 +74,18 @@ def test_an_expected_error_is_one_paragraph_from_rank_0_and_a_failed_exit(tmp_pa
 def test_the_expected_errors_are_value_errors_and_the_non_finite_stop_is_one():
     assert issubclass(RunError, ValueError)
     assert issubclass(NonFiniteError, RunError) and issubclass(NonFiniteError, RuntimeError)
-    assert issubclass(run_infra.JudgeUnavailableError, RunError)
+    from judge_client import JudgeUnavailableError  # the judge's client: a judge that cannot be used stops the run
+    assert issubclass(JudgeUnavailableError, RunError)
+
+
+def test_the_run_module_loads_no_http_client():
+    """The judge's HTTP client lives in judge_client.py, which imports run_infra; run_infra imports nothing of it, so
+    a training script pays for neither openai nor the client's sqlite cache."""
+    loaded = subprocess.run([sys.executable, "-c", "import sys, run_infra; print(sorted({'openai', 'sqlite3', "
+                             "'judge_client'} & set(sys.modules)))"], capture_output=True, text=True, timeout=120,
+                            cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "[]"
 
 
 # ---------------------------------------------------------------- the lock

@@ -1,25 +1,37 @@
 """The copies cannot drift. Every line that decides a number stays in its script, so helpers shared between scripts
 are copied on purpose (one file = one algorithm); what decides no number lives once in run_infra.py. Copies drift,
-so every top-level definition (a function or class, compared as its whole text with its decorators) and every
-top-level assignment (a constant such as a prompt template or a compiled pattern) that more than one script defines
-must be byte-identical in all of them. The scripts compared are found, not listed: every training script
+so every top-level definition (a function or class, its decorators included) and every top-level assignment (a
+constant such as a prompt template or a compiled pattern) that more than one script defines must be the same code
+in all of them: copies compare as code, by their syntax trees (`ast.dump`) with every docstring dropped, so a fork
+may reword a comment or a docstring or reflow a line, but no statement, decorator, default or constant (a number,
+a string's every character) can differ. The scripts compared are found, not listed: every training script
 (conftest.training_scripts: a top-level script that defines `main` and constructs run_infra's `Run`) and judge.py,
 whose prompt, parser and model helpers online_dpo.py copies. A fork joins by existing; a renamed script stays in.
+Names that legitimately differ are left out: PER_SCRIPT in every script, OWN in the one script that lists them.
 
-Also here: data/prepare.py's own copy of the tokenizer fingerprint, the imports that keep scripts self-contained,
-and the order of the input checks in main."""
+Also here: data/prepare.py's own copy of the tokenizer fingerprint, the imports that keep scripts self-contained
+(the repository modules a script may import: run_infra, and judge_client for the judge's users), and the order of
+the input checks in main."""
 
 import ast
+import copy
 import os
+import sys
 from collections import defaultdict
 
 from conftest import REPO_ROOT, RUN_MODULE, training_scripts
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+from code_lines import docstring_nodes  # noqa: E402  (what a docstring is: the one definition, tools/code_lines.py)
 
 # The scripts that must be found (a finder that breaks finds fewer); others join by existing.
 KNOWN_TRAINING_SCRIPTS = {"sft.py", "reward.py", "ppo.py", "rloo.py", "dpo.py", "kto.py", "online_dpo.py", "ilql.py",
                           "offline_rl.py"}
 # Not a training script (it trains nothing), but it shares the judge's prompt, parser and model helpers.
 OTHER_SHARING_SCRIPTS = ["judge.py"]
+# The judge's HTTP client (judge_client.py): a module of its own, imported by the scripts that call a judge.
+JUDGE_CLIENT = "judge_client"
+JUDGE_CLIENT_USERS = {"judge.py", "online_dpo.py"}
 # Names that legitimately differ per script, kept minimal:
 # - Args and main: each script's own flags and its own algorithm's loop;
 # - the step a fork replaces, under the name of the step in the script it forked from, so that the two read alike:
@@ -28,17 +40,20 @@ OTHER_SHARING_SCRIPTS = ["judge.py"]
 #   statistics (`TRAIN_STATS`: DPO's rewards and margins, KTO's KL estimate, z0 and desirable/undesirable sums, online
 #   DPO's pair counts).
 PER_SCRIPT = {"Args", "main", "rewards_and_advantages", "RewardsAndAdvantages", "TRAIN_STATS"}
+# Names that one script defines as its own version of a shared piece: left out for that script only, still compared
+# among every other script that defines them. script -> names. ppo.py's rollout (and its Rollout) also reads the
+# critic's values; rloo.py and grpo.py share one critic-free copy of it, compared between the two.
+OWN = {"ppo.py": {"Rollout", "rollout"}}
 
 
 def sharing_scripts() -> list:
     return training_scripts() + OTHER_SHARING_SCRIPTS
 
 
-def top_level_sources(source: str) -> dict:
-    """name -> the text of every top-level node that defines it, as whole lines: a function or class from its first
-    decorator to its last line, an assignment (`X = ...`, `X: T = ...`, `A, B = ...`) whole. A name defined twice
-    gets both texts, in order."""
-    lines, out = source.splitlines(), defaultdict(list)
+def top_level_nodes(source: str) -> dict:
+    """name -> every top-level node that defines it, in order: a function or class (its decorators are part of the
+    node), an assignment (`X = ...`, `X: T = ...`, `A, B = ...`, `X += ...`) whole."""
+    out = defaultdict(list)
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names = [node.name]
@@ -47,32 +62,59 @@ def top_level_sources(source: str) -> dict:
             names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
         else:
             continue
-        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        text = "\n".join(lines[start - 1 : node.end_lineno])
         for name in names:
-            out[name].append(text)
-    return {name: "\n".join(texts) for name, texts in out.items()}
+            out[name].append(node)
+    return dict(out)
 
 
-def shared_copies(sources: dict, per_script: set = PER_SCRIPT) -> dict:
-    """{script: source} -> {name: {script: text}} for every name that two or more of the scripts define at top level
-    (names in per_script left out)."""
+def top_level_sources(source: str) -> dict:
+    """name -> the text of every top-level node that defines it, as whole lines: a function or class from its first
+    decorator to its last line, an assignment whole. A name defined twice gets both texts, in order."""
+    lines, out = source.splitlines(), {}
+    for name, nodes in top_level_nodes(source).items():
+        starts = [min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", [])]) for n in nodes]
+        out[name] = "\n".join("\n".join(lines[start - 1 : n.end_lineno]) for start, n in zip(starts, nodes))
+    return out
+
+
+def without_docstrings(node: ast.AST) -> ast.AST:
+    """A copy of the node with every docstring statement dropped (tools/code_lines.py's docstring_nodes: a module's,
+    class's or function's, and any other statement that is a lone string literal)."""
+    node = copy.deepcopy(node)
+    docstrings = {id(d) for d in docstring_nodes(node)}
+    for parent in ast.walk(node):
+        for field, value in ast.iter_fields(parent):
+            if isinstance(value, list) and any(id(v) in docstrings for v in value):
+                setattr(parent, field, [v for v in value if id(v) not in docstrings])
+    return node
+
+
+def top_level_code(source: str) -> dict:
+    """name -> the code of every top-level node that defines it: `ast.dump` of the node without its docstrings
+    (decorators, defaults, annotations and constants included; comments, docstrings, line numbers and layout not)."""
+    return {name: "\n".join(ast.dump(without_docstrings(node)) for node in nodes)
+            for name, nodes in top_level_nodes(source).items()}
+
+
+def shared_copies(sources: dict, per_script: set = PER_SCRIPT, own: dict = OWN) -> dict:
+    """{script: source} -> {name: {script: code}} for every name that two or more of the scripts define at top level
+    (names in per_script left out everywhere, names in own[script] left out for that script)."""
     copies = defaultdict(dict)
     for script, source in sources.items():
-        for name, text in top_level_sources(source).items():
-            if name not in per_script:
-                copies[name][script] = text
+        for name, code in top_level_code(source).items():
+            if name not in per_script and name not in own.get(script, ()):
+                copies[name][script] = code
     return {name: by_script for name, by_script in copies.items() if len(by_script) > 1}
 
 
-def drifted(sources: dict, per_script: set = PER_SCRIPT) -> dict:
-    """{script: source} -> {name: [scripts holding one text, scripts holding another, ...]} for every shared name whose
-    copies are not byte-identical."""
+def drifted(sources: dict, per_script: set = PER_SCRIPT, own: dict = OWN) -> dict:
+    """{script: source} -> {name: [scripts holding one code, scripts holding another, ...]} for every shared name
+    whose copies are not the same code."""
     out = {}
-    for name, by_script in shared_copies(sources, per_script).items():
+    for name, by_script in shared_copies(sources, per_script, own).items():
         groups = defaultdict(list)
-        for script, text in sorted(by_script.items()):
-            groups[text].append(script)
+        for script, code in sorted(by_script.items()):
+            groups[code].append(script)
         if len(groups) > 1:
             out[name] = list(groups.values())
     return out
@@ -86,7 +128,8 @@ def test_the_training_scripts_are_found_not_listed():
     found = set(training_scripts())
     missing = KNOWN_TRAINING_SCRIPTS - found
     assert not missing, f"the finder missed {sorted(missing)} (found {sorted(found)})"
-    assert not {"judge.py", f"{RUN_MODULE}.py", "ablate.py", "pipeline.py", "report.py"} & found  # none constructs run_infra.Run
+    # none of these constructs run_infra.Run
+    assert not {"judge.py", f"{RUN_MODULE}.py", f"{JUDGE_CLIENT}.py", "ablate.py", "pipeline.py", "report.py"} & found
 
 
 def test_a_new_fork_is_found_by_existing(tmp_path):
@@ -107,18 +150,25 @@ def test_shared_definitions_and_constants_are_identical_across_scripts():
     # what the comparison must see, or it compares nothing: a helper every script shares, decorated definitions, and
     # the judge's prompt template that online_dpo.py copies from judge.py (a module-level constant)
     assert "real_columns" in shared and set(shared["real_columns"]) >= KNOWN_TRAINING_SCRIPTS
-    assert any(text.startswith("@") for by_script in shared.values() for text in by_script.values()), \
-        "no shared definition has a decorator: are decorators compared?"
+    decorated = {name for source in sources.values() for name, nodes in top_level_nodes(source).items()
+                 if any(getattr(node, "decorator_list", None) for node in nodes)}
+    assert decorated & set(shared), "no shared definition has a decorator: are decorators compared?"
     assert {"judge.py", "online_dpo.py"} <= set(shared.get("PAIRWISE_JUDGE_TEMPLATE", {})), \
         "online_dpo.py should keep the judge's prompt template, a copy of judge.py's"
+    # a script's own names are names it defines (a stale entry would only hide nothing, but reads as a rule)
+    stale = {script: sorted(names - set(top_level_nodes(sources[script]))) for script, names in OWN.items()
+             if script in sources and names - set(top_level_nodes(sources[script]))}
+    assert not stale, f"OWN lists names their script does not define: {stale}"
     drift = drifted(sources)
-    assert not drift, "copies differ between scripts (make them identical, or rename the one that is another thing):\n" \
-        + "\n".join(f"{name}: " + " vs ".join(str(group) for group in groups) for name, groups in sorted(drift.items()))
+    assert not drift, "copies differ in code between scripts (make them the same, or rename the one that is another " \
+        "thing):\n" + "\n".join(f"{name}: " + " vs ".join(str(group) for group in groups)
+                                for name, groups in sorted(drift.items()))
 
 
 def test_the_comparison_has_no_blind_spot():
     """The comparison reports a copy that lost its decorator, a changed module-level constant (plain, annotated or
-    unpacked), and a changed class decorator; identical copies and per-script names are not reported."""
+    unpacked), a changed class decorator, a changed statement or default; identical copies, per-script names and a
+    reworded comment or docstring (a module's, function's, class's, dataclass field's) are not reported."""
     body = "def evaluate(model, rows):\n    return model(rows)\n"
     decorated = "@torch.no_grad()\n" + body
     assert drifted({"a.py": decorated, "b.py": body}) == {"evaluate": [["a.py"], ["b.py"]]}
@@ -130,10 +180,43 @@ def test_the_comparison_has_no_blind_spot():
     cls = "class Record:\n    x: int\n"
     assert drifted({"a.py": "@dataclass\n" + cls, "b.py": "@dataclass(frozen=True)\n" + cls}) == {
         "Record": [["a.py"], ["b.py"]]}
-    # the same text is no drift, whatever stands between the definitions; per-script names may differ
+    assert drifted({"a.py": body, "b.py": body.replace("model(rows)", "model(rows[1:])")}) == {
+        "evaluate": [["a.py"], ["b.py"]]}
+    clip = "def clip(x, limit=0.2):\n    return x\n"
+    assert drifted({"a.py": clip, "b.py": clip.replace("0.2", "0.3")}) == {"clip": [["a.py"], ["b.py"]]}
+    # a docstring that holds a statement's place is dropped, the statement is still compared
+    documented = 'def f():\n    """Doc."""\n    return 1\n'
+    assert drifted({"a.py": documented, "b.py": documented.replace("1", "2")}) == {"f": [["a.py"], ["b.py"]]}
+    # the same code is no drift, whatever stands between the definitions or around the code: comments, docstrings
     same = decorated + "\n\nLIMIT = 3\n"
     assert drifted({"a.py": same, "b.py": "import torch\n\n\n" + same, "c.py": "X = 1\n"}) == {}
+    reworded = ('"""Another module docstring."""\n@torch.no_grad()  # no graph\ndef evaluate(model, rows):\n'
+                '    """Score the rows."""\n    # one call\n    return model(rows)  # the scores\n\n\n'
+                'LIMIT = 3  # why three\n')
+    assert drifted({"a.py": same, "b.py": reworded}) == {}
+    field = '@dataclass\nclass Config:\n    """{}"""\n\n    lr: float = {}\n    """{}"""\n'
+    assert drifted({"a.py": field.format("The flags.", "1e-5", "The learning rate."),
+                    "b.py": field.format("Flags.", "1e-5", "The step size.")}) == {}
+    assert drifted({"a.py": field.format("The flags.", "1e-5", "The learning rate."),
+                    "b.py": field.format("The flags.", "1e-6", "The learning rate.")}) == {"Config": [["a.py"], ["b.py"]]}
+    assert drifted({"a.py": 'SIZES = {\n    "small": 1,  # why\n}\n', "b.py": 'SIZES = {"small": 1}\n'}) == {}
+    # per-script names may differ
     assert drifted({"a.py": "def main():\n    pass\n", "b.py": "def main():\n    return 1\n"}) == {}
+
+
+def test_a_scripts_own_names_are_left_out_for_that_script_only():
+    """A name in OWN[script] is that script's own version: not compared for it, still compared among the others."""
+    sources = {"a.py": "def rollout():\n    return 1\n", "b.py": "def rollout():\n    return 2\n",
+               "c.py": "def rollout():\n    return 3\n", "d.py": "def rollout():\n    return 2\n"}
+    own = {"a.py": {"rollout"}}
+    assert set(shared_copies(sources, own=own)["rollout"]) == {"b.py", "c.py", "d.py"}
+    assert drifted(sources, own=own) == {"rollout": [["b.py", "d.py"], ["c.py"]]}
+    assert drifted({**sources, "c.py": sources["b.py"]}, own=own) == {}
+    assert drifted({**sources, "c.py": sources["b.py"]}) == {"rollout": [["a.py"], ["b.py", "c.py", "d.py"]]}
+    # a name only one other script defines is then no copy at all
+    assert shared_copies({"a.py": sources["a.py"], "b.py": sources["b.py"]}, own=own) == {}
+    assert drifted({"a.py": sources["a.py"], "b.py": sources["b.py"]}, own={"c.py": {"rollout"}}) == {
+        "rollout": [["a.py"], ["b.py"]]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -157,27 +240,35 @@ def repo_modules() -> set:
 
 def test_data_preparation_has_its_own_copy_of_the_tokenizer_fingerprint():
     """data/prepare.py writes the tokenizer fingerprint that run_infra.py's check_data_tokenizer compares with the
-    model's: it keeps its own copy, the same text as run_infra.py's, and imports neither run_infra nor any script
-    (data preparation knows no trainer)."""
+    model's: it keeps its own copy, the same code as run_infra.py's (compared as the other copies are), and imports
+    neither run_infra nor any script (data preparation knows no trainer)."""
     prepare = open(os.path.join(REPO_ROOT, "data", "prepare.py")).read()
-    ours = top_level_sources(prepare).get("tokenizer_fingerprint")
+    ours = top_level_code(prepare).get("tokenizer_fingerprint")
     assert ours is not None, "data/prepare.py should define tokenizer_fingerprint itself"
-    theirs = top_level_sources(open(os.path.join(REPO_ROOT, f"{RUN_MODULE}.py")).read()).get("tokenizer_fingerprint")
+    theirs = top_level_code(open(os.path.join(REPO_ROOT, f"{RUN_MODULE}.py")).read()).get("tokenizer_fingerprint")
     assert theirs is not None, f"{RUN_MODULE}.py should define tokenizer_fingerprint"
-    assert ours == theirs, f"data/prepare.py's tokenizer_fingerprint differs from {RUN_MODULE}.py's"
+    assert ours == theirs, f"data/prepare.py's tokenizer_fingerprint differs in code from {RUN_MODULE}.py's"
     imported = imported_modules(ast.parse(prepare)) & (repo_modules() - {"data"})
     assert not imported, f"data/prepare.py imports {sorted(imported)}; data preparation imports no script nor {RUN_MODULE}"
 
 
 def test_scripts_import_no_other_script_nor_the_data_package():
-    """A script is self-contained: of the repository's own modules it imports run_infra.py alone, never another
-    script nor the data package; run_infra.py imports none of them."""
+    """A script is self-contained: of the repository's own modules it imports run_infra.py, and the scripts that call
+    a judge (JUDGE_CLIENT_USERS: judge.py, online_dpo.py) judge_client.py too; never another script nor the data
+    package. run_infra.py imports none of the repository's modules; judge_client.py imports run_infra.py alone."""
     ours = repo_modules()
+
+    def imports(module: str) -> set:
+        return imported_modules(ast.parse(open(os.path.join(REPO_ROOT, module)).read())) & ours - {module[:-3]}
+
     for script in sharing_scripts():
-        imported = imported_modules(ast.parse(open(os.path.join(REPO_ROOT, script)).read())) & ours
-        assert imported <= {RUN_MODULE}, f"{script} imports {sorted(imported - {RUN_MODULE})}"
-    imported = imported_modules(ast.parse(open(os.path.join(REPO_ROOT, f"{RUN_MODULE}.py")).read())) & ours
-    assert not imported - {RUN_MODULE}, f"{RUN_MODULE}.py imports {sorted(imported)}: it imports no script"
+        allowed = {RUN_MODULE} | ({JUDGE_CLIENT} if script in JUDGE_CLIENT_USERS else set())
+        assert imports(script) <= allowed, f"{script} imports {sorted(imports(script) - allowed)}"
+    assert not imports(f"{RUN_MODULE}.py"), f"{RUN_MODULE}.py imports {sorted(imports(f'{RUN_MODULE}.py'))}: it " \
+        "imports no script nor the judge's client"
+    if os.path.exists(os.path.join(REPO_ROOT, f"{JUDGE_CLIENT}.py")):  # its existence: tests/test_layout.py
+        extra = imports(f"{JUDGE_CLIENT}.py") - {RUN_MODULE}
+        assert not extra, f"{JUDGE_CLIENT}.py imports {sorted(extra)}: of the repository's modules, only {RUN_MODULE}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

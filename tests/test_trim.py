@@ -184,7 +184,7 @@ def test_policy_training_pass_equal_with_and_without_the_trim(monkeypatch, scrip
         model = ppo.PolicyAndValue(lm(0), rm(1))
         values, returns = torch.randn(truncated.shape) * mask, torch.randn(truncated.shape) * mask
     else:
-        model = rloo.PolicyAndValue(lm(0), None)
+        model = rloo.Policy(lm(0))
         advantages = torch.randn(truncated.size(0))
 
     def loss(m):
@@ -194,7 +194,7 @@ def test_policy_training_pass_equal_with_and_without_the_trim(monkeypatch, scrip
             pg, vf, _ = ppo.ppo_losses(new_logprobs, old_logprobs[:, :width], advantages[:, :width], vpred,
                                        values[:, :width], returns[:, :width], mask[:, :width], 0.2, 0.2)
             return torch.stack([pg, vf])
-        new_logprobs, _, _, _ = rloo.training_logprobs_and_values(m, cut, ctx, 0.7, PAD)
+        new_logprobs, _, _ = rloo.training_logprobs(m, cut, ctx, 0.7, PAD)
         return rloo.rloo_loss(new_logprobs, old_logprobs[:, :width], advantages, mask[:, :width], 0.2)[0]
 
     cut_q, _, width = module.trim_micro_batch(query_responses, truncated, WQ, PAD)

@@ -1,0 +1,314 @@
+"""The judge's HTTP client: how judge.py and online_dpo.py (--judge endpoint) ask an OpenAI-compatible chat API.
+
+A judge is a remote service that fails, so each question goes through the same policy:
+
+  deadline   --timeout_s bounds every request as a whole, not only the wait for its first byte: a server that
+             answers and then stalls, or trickles its body, is cut off like one that never answers
+  retries    a 429, a 5xx, a connection error, a missed deadline, a cut body and a 200 that is no chat completion
+             are asked again, at most --max_tries times in all, after an exponential backoff with jitter
+             (asyncio.sleep: no blocking sleep); any other status (400, 404 ...) fails that prompt alone
+  re-asks    a reply that parse_fn cannot read is asked again, at most --max_parse_tries times, then counted as
+             unparseable: the caller marks it invalid, never a loss and never a coin flip
+  cache      every reply received is committed to sqlite at once (ReplyCache), so a rerun or an interrupted run
+             does not pay again for a reply it already has (one race remains, see ReplyCache)
+  the stop   a judge that cannot be used at all (unreachable, stalling, answering no chat completion, refusing the
+             key, not one request answered, every request refused) stops the run with one JudgeUnavailableError
+             that names the URL, what happened and the fix, instead of marking every row invalid
+  the key    read from OPENAI_API_KEY in the environment only, never from a flag or a file (a loopback endpoint,
+             the built-in gold judge, needs none); it is never printed, logged or saved: every error text kept is
+             redacted, and the URL written to summaries loses any user:password part (public_url)
+
+Names: LOOPBACK_PLACEHOLDER_KEY, is_loopback_url, resolve_api_key, public_url (the key and the URL); ReplyCache;
+JudgeAPIError, JudgeUnavailableError, BadReply (failures); Outcome (one job's result); Judge (the async client);
+run_jobs (the one call the scripts make).
+
+It decides no number a training script computes. It imports RunError from run_infra.py (JudgeUnavailableError is an
+expected stop, printed as one paragraph); run_infra.py imports nothing of it, so a training run that asks no judge
+never loads openai.
+"""
+
+import asyncio
+import contextlib
+import hashlib
+import ipaddress
+import json
+import os
+import random
+import sqlite3
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import openai
+from openai import AsyncOpenAI
+
+from run_infra import RunError
+
+# the API key sent to a loopback endpoint when OPENAI_API_KEY is unset (the gold judge checks no key)
+LOOPBACK_PLACEHOLDER_KEY = "sk-loopback-placeholder"
+
+
+def is_loopback_url(url: Optional[str]) -> bool:
+    """Whether `url` points at this machine (localhost, 127.0.0.0/8, ::1); False for None or ""."""
+    if not url:
+        return False
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
+
+
+def resolve_api_key(base_url: Optional[str]) -> str:
+    """The key comes from the environment only. A loopback endpoint (the built-in gold judge) needs none, so a
+    placeholder is used there when the variable is unset; anywhere else an unset key stops the script."""
+    key = os.environ.get("OPENAI_API_KEY")
+    if key:
+        return key
+    if is_loopback_url(base_url):
+        return LOOPBACK_PLACEHOLDER_KEY
+    raise SystemExit("set OPENAI_API_KEY in the environment (the key is never read from flags or files)")
+
+
+def public_url(url: Optional[str]) -> Optional[str]:
+    """The base URL without any user:password part (nor query or fragment), for the summary file and error texts."""
+    if url is None:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+class ReplyCache:
+    """Every reply the judge paid for, in sqlite. The key is a hash of the model, the endpoint (its URL without
+    credentials: two servers that serve one model name never share replies), the system prompt, the prompt, the
+    temperature, the seed when the judge samples (a temperature above 0, or none sent, which leaves the API's
+    default; a rerun with another --seed asks afresh) and the ask index (0 for the first ask; 1, 2 ... for the re-asks
+    after an unparseable reply), so a rerun replays the same sequence of replies without any request.
+    Only replies are cached; a request that failed (a 429 or 5xx after all its tries) is asked again.
+
+    One race no client can close: a process killed after the server has answered a request but before the reply is
+    committed here (the reply still on the wire, or between its arrival and `put`) has paid for that request
+    without keeping the reply, and the rerun asks it again. At most the requests in flight at the kill
+    (--max_parallel_requests) are paid for twice."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.db = sqlite3.connect(path)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("CREATE TABLE IF NOT EXISTS replies "
+                        "(key TEXT PRIMARY KEY, model TEXT, reply TEXT, created REAL)")
+        self.db.commit()
+
+    @staticmethod
+    def key(model: str, endpoint: str, system_prompt: str, prompt: str, temperature: Optional[float], seed: int,
+            ask_index: int) -> str:
+        sampled_with = None if temperature == 0 else seed  # a greedy judge answers alike whatever the seed
+        fields = [model, endpoint, system_prompt, prompt, temperature, sampled_with, ask_index]
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
+
+    def get(self, key: str) -> Optional[str]:
+        row = self.db.execute("SELECT reply FROM replies WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def put(self, key: str, model: str, reply: str) -> None:
+        # committed at once, so an interrupted run keeps every reply it received
+        self.db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?, ?)", (key, model, reply, time.time()))
+        self.db.commit()
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class JudgeAPIError(Exception):
+    """A request that failed for good (a status not worth retrying, or retryable ones past --max_tries)."""
+
+
+class JudgeUnavailableError(RunError, RuntimeError):
+    """The judge cannot be used at all: its endpoint cannot be reached, stalls, answers no chat completion or keeps
+    failing before it has answered a single request, it refuses the API key, or every request of the run was
+    refused. Asking the remaining rows would only mark each one invalid (after its own --max_tries), so the run
+    stops. A RunError: printed as one paragraph, without a traceback."""
+
+
+class BadReply(Exception):
+    """An answer that is no chat completion: cut off, or no JSON with a message's text (args: what, the detail)."""
+
+
+@dataclass
+class Outcome:
+    """What asking one job came to (Judge.ask); judge.py also makes "tie" ones for the pairs it never asks."""
+
+    status: str  # "ok", "unparseable" or "api_error" ("tie" in judge.py: not asked)
+    parsed: object  # parse_fn's result when status == "ok", else None
+    reply: str  # the last reply ("" for api_error)
+    asks: int  # how many replies were asked for (cached or not)
+    error: str = ""  # for api_error: the (redacted) error of the request that failed for good
+
+
+class Judge:
+    """The async client, its concurrency limit, the retry policy and the cache."""
+
+    RETRYABLE = (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError)
+    # what the run-stopping error says of a judge that never answered, by the last failure, and the fix
+    STOPPED = {"cannot be reached": "check that the server is running and that --base_url points at it",
+               "answers no chat completion": "check that --base_url is the /v1 root of an OpenAI-compatible API",
+               "answered, but the body was cut": "check the server (and any proxy before it), or try again later",
+               **dict.fromkeys(["did not answer", "answered and stalled"],
+                               "check the server's load, or raise --timeout_s")}
+
+    def __init__(self, args, cache: ReplyCache):
+        self.args, self.cache = args, cache
+        self._api_key = resolve_api_key(args.base_url)
+        # max_retries=0: the retry policy below is the only one, so tries are bounded and counted
+        self.client = AsyncOpenAI(api_key=self._api_key, base_url=args.base_url, max_retries=0, timeout=args.timeout_s)
+        self.semaphore = asyncio.Semaphore(args.max_parallel_requests)
+        self.jitter = random.Random(args.seed)
+        self.stats = {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0}
+        self.answered = 0  # requests the server answered in this run (cache hits not counted)
+
+    def redact(self, text: str) -> str:
+        """Belt and braces: no error text we keep may contain the key."""
+        return text.replace(self._api_key, "[REDACTED]") if self._api_key else text
+
+    def unavailable(self, what: str, cause: str, fix: str) -> JudgeUnavailableError:
+        """The error that stops the run: the URL (without credentials), what went wrong, the cause and the fix."""
+        url = public_url(self.args.base_url or str(self.client.base_url))
+        return JudgeUnavailableError(self.redact(f"the judge at {url} {what} ({cause}); {fix}"))
+
+    def backoff_s(self, attempt: int) -> float:
+        """Exponential backoff with jitter: half the doubled delay fixed, half uniform."""
+        cap = min(self.args.backoff_max_s, self.args.backoff_base_s * 2**attempt)
+        return cap / 2 + self.jitter.uniform(0, cap / 2)
+
+    async def ask_once(self, messages: list, extra: dict, phase: list) -> str:
+        """One request: the reply's text. phase[0] turns "answered" once the status and headers are in, so that a
+        deadline past it reads as a stall after answering."""
+        create = self.client.chat.completions.with_streaming_response.create
+        async with create(model=self.args.model, messages=messages, **extra) as response:
+            phase[0] = "answered"
+            try:
+                body = await response.read()
+            except Exception as error:  # the HTTP library's own (httpx, or httpx2 under newer openai): stalled or cut
+                cut = BadReply("answered, but the body was cut", f"{type(error).__name__}: {error}")
+                raise (TimeoutError() if "Timeout" in type(error).__name__ else cut) from error
+        with contextlib.suppress(ValueError, TypeError, KeyError, IndexError):
+            content = json.loads(body)["choices"][0]["message"]["content"]
+            if content is None or isinstance(content, str):
+                self.answered += 1
+                return content or ""
+        raise BadReply("answers no chat completion", f"200 with the body {body[:100].decode(errors='replace')!r}")
+
+    async def request(self, prompt: str) -> str:
+        """The reply to `prompt`, after at most --max_tries tries. A failure that holds for every row stops the run
+        (JudgeUnavailableError); one of this prompt alone raises JudgeAPIError."""
+        messages = [{"role": "system", "content": self.args.system_prompt}, {"role": "user", "content": prompt}]
+        extra = {} if self.args.temperature is None else {"temperature": self.args.temperature}
+        # the slot is held through the backoff waits too: a rate-limited API gets fewer requests
+        async with self.semaphore:
+            for attempt in range(self.args.max_tries):
+                self.stats["requests"] += 1
+                phase = ["asked"]
+                try:  # --timeout_s bounds the whole request: a server that trickles its answer is cut off too
+                    return await asyncio.wait_for(self.ask_once(messages, extra, phase), self.args.timeout_s)
+                except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
+                    # 401 / 403: a refused key is refused for every row, so the run stops here
+                    fix = "check the key in OPENAI_API_KEY (it is read from the environment only)"
+                    raise self.unavailable("refused the API key", f"{type(e).__name__}: {e}", fix) from None
+                except (TimeoutError, openai.APITimeoutError):  # (caught before the APIConnectionError it is)
+                    what = "answered and stalled" if phase[0] == "answered" else "did not answer"
+                    last_error = f"no complete reply within --timeout_s {self.args.timeout_s} s"
+                except BadReply as e:
+                    what, last_error = e.args
+                except self.RETRYABLE as e:
+                    what = "cannot be reached" if isinstance(e, openai.APIConnectionError) else "failed"
+                    last_error = f"{type(e).__name__}: {e}"
+                except openai.APIStatusError as e:  # 400, 404 ...: asking again will not help
+                    error = f"{type(e).__name__}: {e}"
+                    if isinstance(e, openai.NotFoundError) and not self.answered:  # an unknown model or path
+                        fix = (f"check that it serves the model {self.args.model!r} (--model) and that --base_url is "
+                               "its /v1 root")
+                        raise self.unavailable("failed before answering any request", error, fix) from None
+                    raise JudgeAPIError(self.redact(error)) from None  # this prompt only (e.g. too long)
+                if attempt + 1 < self.args.max_tries:
+                    self.stats["retries"] += 1
+                    await asyncio.sleep(self.backoff_s(attempt))  # never a blocking sleep in async code
+            error = f"gave up after {self.args.max_tries} tries; last error {last_error}"
+            if not self.answered:  # unreachable, stalled or failing since the start: no row would be judged
+                # the last failure names what happened, when STOPPED knows it; a plain failure ("failed") does not
+                stopped = what if what in self.STOPPED else "failed before answering any request"
+                raise self.unavailable(stopped, error, self.STOPPED.get(what, "try again later, or raise --max_tries"))
+            raise JudgeAPIError(self.redact(error))
+
+    async def ask(self, prompt: str, parse_fn: Callable[[str], object]) -> Outcome:
+        """Ask until parse_fn accepts the reply, at most --max_parse_tries times."""
+        reply = ""
+        endpoint = public_url(str(self.client.base_url))  # the URL actually asked (--base_url or the client's default)
+        for ask_index in range(self.args.max_parse_tries):
+            key = ReplyCache.key(self.args.model, endpoint, self.args.system_prompt, prompt, self.args.temperature,
+                                 self.args.seed, ask_index)
+            cached = self.cache.get(key)
+            if cached is not None:
+                self.stats["cache_hits"] += 1
+                reply = cached
+            else:
+                try:
+                    reply = await self.request(prompt)
+                except JudgeAPIError as e:
+                    self.stats["api_errors"] += 1
+                    return Outcome("api_error", None, "", ask_index, str(e))
+                self.cache.put(key, self.args.model, reply)
+            parsed = parse_fn(reply)
+            if parsed is not None:
+                return Outcome("ok", parsed, reply, ask_index + 1)
+            if ask_index + 1 < self.args.max_parse_tries:
+                self.stats["reasks"] += 1
+        return Outcome("unparseable", None, reply, self.args.max_parse_tries)
+
+    async def ask_all(self, jobs: list[tuple[str, Callable[[str], object]]],
+                      on_done: Callable[[int, Outcome], None]) -> list[Outcome]:
+        """Run every (prompt, parse_fn) job concurrently; on_done(index, outcome) as each finishes."""
+
+        async def run(i: int, prompt: str, parse_fn) -> tuple[int, Outcome]:
+            return i, await self.ask(prompt, parse_fn)
+
+        outcomes: list[Optional[Outcome]] = [None] * len(jobs)
+        tasks = [asyncio.ensure_future(run(i, p, f)) for i, (p, f) in enumerate(jobs)]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                i, outcome = await next_done
+                outcomes[i] = outcome
+                on_done(i, outcome)
+            failed = [o for o in outcomes if o.status == "api_error"]
+            if failed and len(failed) == len(outcomes):  # e.g. every prompt refused with a 400
+                cause = f"all {len(failed)} failed; the first: {failed[0].error}"
+                fix = "check --model, --temperature and the prompts it refuses"
+                raise self.unavailable("refused every request", cause, fix)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # collect the cancelled ones (no "never retrieved")
+            await self.client.close()
+        return outcomes
+
+
+def run_jobs(args, jobs: list[tuple[str, Callable[[str], object]]], on_done,
+             cache: ReplyCache) -> tuple[list[Outcome], dict]:
+    """Ask every (prompt, parse_fn) job with one Judge of `args`: the outcomes in the order of `jobs`, and the
+    client's counts (requests, cache hits, retries, re-asks, failed requests, and judging_s, the seconds spent)."""
+    if not jobs:  # e.g. every pair a tie: nothing to ask
+        return [], {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0, "judging_s": 0.0}
+
+    async def go():
+        judge = Judge(args, cache)
+        start = time.time()
+        outcomes = await judge.ask_all(jobs, on_done)
+        judge.stats["judging_s"] = time.time() - start  # the requests alone, without loading or plotting
+        return outcomes, judge.stats
+
+    return asyncio.run(go())
