@@ -238,22 +238,50 @@ def resolve_seeds(args: Args) -> list[int]:
     return list(args.seeds) or ([1, 2, 3] if args.mode in ("full", "leaderboard") else [args.seed])
 
 
-def parse_extras(extras: list[str]) -> dict[str, tuple[str, str]]:
+MODE_STAGES = {"quickstart": QUICKSTART_STAGES, "full": FULL_STAGES, "leaderboard": LEADERBOARD_STAGES,
+               "ci": LEADERBOARD_STAGES}
+# stages that train or sample no policy of their own: nothing for a fork of them to be judged as
+NO_POLICY = {"prep": "it makes the task's data", "unpaired": "it gives the task's summaries thumbs up / down",
+             "rm": "it trains the reward model, whose preference rows are no policy's samples",
+             "judge": "it judges the policies", "report": "it writes the report"}
+
+
+def mode_stages(mode: str, kto: bool = False) -> list[str]:
+    """The project's stages of a mode, in order (with --kto, KTO's stages too), before --skip and --extra."""
+    stages = MODE_STAGES.get(mode, QUICKSTART_STAGES)
+    if kto and "kto" not in stages:
+        stages = [added for s in stages for added in [s, *KTO_STAGES.get(s, [])]]
+    return stages
+
+
+def parse_extras(extras: list[str], mode: str = "leaderboard", kto: bool = False) -> dict[str, tuple[str, str]]:
     """`path.py:stage` of each --extra -> {its stage name (the file's name): (its absolute path, stage)}. Bad input
-    (a missing file, an unknown stage, a name taken by a project stage or given twice) is one error naming it."""
+    is one error naming it: a missing file, an unknown stage, a stage that makes no policy (NO_POLICY), a stage the
+    mode does not run (the fork takes that stage's command and settings, which the mode then lacks), a name taken by
+    a project stage or given twice. main() calls it before the lock and before any stage runs."""
     from run_infra import RunError
 
-    known = [s for s in LEADERBOARD_STAGES if s not in ("prep", "unpaired", "judge", "report")]
+    stages = mode_stages(mode, kto)
+    known = [s for s in LEADERBOARD_STAGES if s not in NO_POLICY]
     out = {}
     for item in extras:
         path, _, stage = item.rpartition(":")
         name = os.path.splitext(os.path.basename(path))[0]
+        if path and stage in NO_POLICY:
+            raise RunError(f"--extra {item}: stage {stage} makes no policy ({NO_POLICY[stage]}), so a fork of it has "
+                           f"nothing to judge; --extra takes a policy stage: {', '.join(known)}")
         if not path or stage not in known:
             raise RunError(f"--extra {item}: expected path.py:stage with a stage of {', '.join(known)} (the stage whose "
                            f"command and settings the fork takes)")
+        if stage not in stages:
+            modes = [m for m in MODE_STAGES if stage in mode_stages(m)]
+            with_kto = [m for m in MODE_STAGES if stage not in mode_stages(m) and stage in mode_stages(m, kto=True)]
+            where = ", ".join(f"--mode {m}" for m in modes) + "".join(f", --mode {m} --kto" for m in with_kto)
+            raise RunError(f"--extra {item}: --mode {mode}{' --kto' * kto} has no stage {stage}, whose command and "
+                           f"settings the fork would take; the stage {stage} runs in {where}")
         if not os.path.isfile(path):
             raise RunError(f"--extra {item}: no file {os.path.abspath(path)}")
-        if name in known or name in out or name in ("prep", "unpaired", "judge", "report") or name.endswith(".py"):
+        if name in LEADERBOARD_STAGES or name in out or name.endswith(".py"):
             raise RunError(f"--extra {item}: its run name {name!r} is taken; rename the file")
         out[name] = (os.path.abspath(path), stage)
     return out
@@ -285,6 +313,8 @@ class Pipeline:
         """One seed's pipeline. `seed_dir` (e.g. "seed_2") holds its models, runs, stage markers and report when
         several seeds share one task; the task itself (`<out>/data`, made by prep with `data_seed`) is shared."""
         self.args = args
+        # stage -> (script, the stage whose command it takes); a bad --extra stops before any folder is made
+        self.extras = parse_extras(args.extra, args.mode, args.kto)
         self.out = os.path.abspath(args.out)
         self.data_seed = args.seed if data_seed is None else data_seed
         self.data = os.path.join(self.out, "data")
@@ -297,11 +327,7 @@ class Pipeline:
         os.makedirs(self.stage_dir, exist_ok=True)
         os.makedirs(self.shared_stage_dir, exist_ok=True)
         self.settings = SETTINGS[args.mode]
-        stages = {"full": FULL_STAGES, "leaderboard": LEADERBOARD_STAGES, "ci": LEADERBOARD_STAGES}.get(args.mode,
-                                                                                                   QUICKSTART_STAGES)
-        if args.kto and "kto" not in stages:
-            stages = [added for s in stages for added in [s, *KTO_STAGES.get(s, [])]]
-        self.extras = parse_extras(args.extra)  # stage -> (script, the stage whose command it takes)
+        stages = mode_stages(args.mode, args.kto)
         stages = stages[:stages.index("judge")] + list(self.extras) + stages[stages.index("judge"):]
         self.stages = [s for s in stages if s not in args.skip and self._script_exists(s)]
 
@@ -575,6 +601,7 @@ class Pipeline:
 def main(args: Args) -> None:
     from run_infra import claim_lock  # the training runs' lock; its refusal prints as one line
 
+    parse_extras(args.extra, args.mode, args.kto)  # a bad --extra stops here, before the lock and every stage
     os.makedirs(args.out, exist_ok=True)
     lock = os.path.join(os.path.abspath(args.out), "pipeline.lock")
     claim_lock(lock, args.take_over_lock, other="--out")  # one pipeline per folder

@@ -3,14 +3,17 @@ Markdown table set plus plots, from the files the stages wrote.
 
 Reads (never recomputes training): each run's `summary.json` and `samples*.csv`, the judge's
 `judge_summary.json`, the reward model's calibration plot, the stage timings. Two numbers are computed
-here because no single stage can: the KL of each policy from the SFT policy on that policy's own
-evaluation samples, and the gold score along PPO training (the over-optimisation curve).
+here because no single stage can: the KL of each policy from the SFT policy (KL(pi || pi_SFT) of the two
+models' own distributions at temperature 1, on responses the policy samples at temperature 1 from its
+evaluation prompts), and the gold score along PPO training (the over-optimisation curve). The leaderboard's
+statistics over seeds (t-intervals, paired differences with Holm's correction) are here too.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
 
@@ -71,58 +74,158 @@ def _first(d: dict, *keys):
     return None
 
 
-def sequence_logprobs(model_path: str, samples: pd.DataFrame, tokenizer, batch_size: int = 32) -> np.ndarray:
-    """Sum of log pi(response | query) under the model at `model_path`, at temperature 1."""
+# --------------------------------------------------------------------------------------------
+# KL from SFT: KL(pi || pi_SFT) of the two models' own distributions at temperature 1
+# --------------------------------------------------------------------------------------------
+# stage kinds whose policy is not one causal LM reading the plain query: their KL is n/a, for this reason
+NO_KL = {
+    "ilql": "ILQL's policy is its LM head shifted by beta times the Q heads' advantage, not the distribution of one "
+            "causal LM",
+    "offline_dt": "the Decision Transformer writes after a return-conditioned prompt, not after the plain query the "
+                  "SFT model reads",
+}
+KL_BATCH = 32  # prompts per forward pass
+
+
+def masked_logprobs(model, sequences, pad_id: int, start: int, stop: int):
+    """log pi(. | prefix) at columns start..stop-1 of `sequences` (left-padded query + response, right-padded
+    after an EOS), the distribution of the token in the next column, at temperature 1 and in float64. Pads are
+    masked out and positions count real tokens only (as the training scripts' forward does), and [PAD] is never
+    an action: its logit is -inf before the softmax (as their action_logprobs)."""
+    import torch
+
+    real = sequences != pad_id
+    positions = real.long().cumsum(1) - real.long()
+    logits = model(input_ids=sequences.masked_fill(~real, 0), attention_mask=real, position_ids=positions).logits
+    logits = logits[:, start:stop].double()
+    logits[..., pad_id] = float("-inf")
+    return torch.log_softmax(logits, dim=-1)
+
+
+def position_kl(logp, logq):
+    """KL(p || q) over the last (vocabulary) axis, from log-probabilities: the sum of p * (log p - log q) over
+    every token p gives a chance (a token with p = 0, such as [PAD], adds nothing)."""
+    import torch
+
+    p = logp.exp()
+    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)
+
+
+def sample_with_cache(model, query, pad_id: int, eos_id: int, response_length: int, generator):
+    """`response_length` tokens after each left-padded query, drawn from the model at temperature 1 with [PAD]
+    never drawn and no stop at EOS (as the scripts' sampling), one token a forward through the key/value cache.
+    Positions count real tokens only, as in masked_logprobs. Once every row holds an EOS the rest is [PAD]: what
+    follows an EOS is cut anyway."""
+    import torch
+
+    real = (query != pad_id).long()
+    output = model(input_ids=query.masked_fill(real == 0, 0), attention_mask=real,
+                   position_ids=real.cumsum(1) - real, use_cache=True)
+    response = torch.full((query.size(0), response_length), pad_id, dtype=query.dtype)
+    mask, position = real, real.sum(1, keepdim=True)
+    for step in range(response_length):
+        logits = output.logits[:, -1].double()
+        logits[:, pad_id] = float("-inf")
+        token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        response[:, step] = token[:, 0]
+        if step + 1 == response_length or (response == eos_id).any(1).all():
+            break
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        output = model(input_ids=token, attention_mask=mask, position_ids=position,
+                       past_key_values=output.past_key_values, use_cache=True)
+        position = position + 1
+    return response
+
+
+def response_kl(policy, reference, queries, pad_id: int, eos_id: int, response_length: int, generator,
+                batch_size: int = KL_BATCH):
+    """One response per query sampled from `policy` at temperature 1 (`response_length` tokens, [PAD] never drawn,
+    drawn with `generator` alone), and per query the sum over its response positions, up to and including the first
+    EOS, of KL(policy(.|prefix) || reference(.|prefix)) over the whole vocabulary. The distributions of the KL come
+    from one full forward of each model on the finished rows (masked_logprobs), not from the sampling's cache.
+    `queries` (N, Tq) are left-padded token ids. Returns the N sums (float64 numpy) and the sampled responses
+    (N, response_length; pads after the first EOS)."""
+    import torch
+
+    sums, responses = [], []
+    with torch.no_grad():
+        for start in range(0, queries.size(0), batch_size):
+            query = queries[start : start + batch_size]
+            real = (query != pad_id).any(0).nonzero()
+            query = query[:, int(real[0]):] if real.numel() else query  # padding every row shares is cut
+            width = query.size(1)
+            response = sample_with_cache(policy, query, pad_id, eos_id, response_length, generator)
+            # the response ends at its first EOS: what follows is padding, neither sampled nor counted
+            ended = (response == eos_id).long().cumsum(1)
+            after_eos = (ended - (response == eos_id).long()) > 0
+            response = response.masked_fill(after_eos, pad_id)
+            sequence = torch.cat([query, response], dim=1)
+            stop = sequence.size(1) - 1
+            kl = position_kl(masked_logprobs(policy, sequence, pad_id, width - 1, stop),
+                             masked_logprobs(reference, sequence, pad_id, width - 1, stop))
+            sums.append((kl * ~after_eos).sum(1))
+            responses.append(response)
+    return torch.cat(sums).numpy(), torch.cat(responses)
+
+
+def kl_prompts(p, stage: str, count: int, samples_csv: str, tokenizer):
+    """The prompts and response length of a stage's evaluation, read from its run's args.json: the first `count`
+    rows of `query_token` in its eval split (left-padded ids, as the scripts sample them). Their decoded texts must
+    be the queries of `samples_csv`, so that the column reads the very prompts the win rate does."""
+    import torch
+    from datasets import load_dataset, load_from_disk
+
+    args = _load(os.path.join(p.runs, stage, "args.json"))
+    path, split = args.get("query_dataset"), args.get("eval_split", "validation")
+    if path is None or "response_length" not in args:
+        raise ValueError(f"report: {os.path.join(p.runs, stage, 'args.json')} does not say the evaluation's prompts "
+                         f"(query_dataset, eval_split, response_length); rerun that stage: python pipeline.py --force "
+                         f"{stage}")
+    data = load_from_disk(path)[split] if os.path.isdir(path) else load_dataset(path, split=split)
+    queries = torch.tensor(data.select(range(min(count, len(data))))["query_token"], dtype=torch.long)
+    texts = list(pd.read_csv(samples_csv, keep_default_na=False)["query"].astype(str))
+    for i, query in enumerate(queries):
+        if tokenizer.decode(query[query != tokenizer.pad_token_id], skip_special_tokens=True) != texts[i]:
+            raise ValueError(f"report: row {i} of {samples_csv} is not the query of row {i} of {path} split {split!r}, "
+                             f"which {stage}'s args.json names as its evaluation prompts")
+    return queries, int(args["response_length"])
+
+
+def kl_from_sft(p, label: str, samples_csv: str, tokenizer) -> dict:
+    """KL(pi || pi_SFT) of a policy: per evaluation prompt (the same prompts, count and response length as its
+    evaluation) one response sampled from the policy at temperature 1, the KL of the two models' next-token
+    distributions summed over the vocabulary and over the response (up to and including its first EOS), averaged
+    over the prompts. Returns {"kl", "kl_se" (its standard error over prompts), "kl_n" (prompts), "kl_note" (why
+    there is none)}. The sampling has a generator of its own, seeded with the pipeline's seed, so the column is
+    reproducible and every policy of a seed draws from the same random stream. n/a, with the reason, for the stage
+    kinds in NO_KL (ILQL, the Decision Transformer, and any --extra fork of them)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    out = []
-    rows = list(samples.itertuples())
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start : start + batch_size]
-        seqs, spans = [], []
-        for r in batch:
-            # a special token's spelling in the text is text, as data/prepare.py tokenized it (split_special_tokens)
-            q = tokenizer.encode(r.query, split_special_tokens=True)
-            resp = tokenizer.encode(r.response if str(r.response).startswith(" ") else " " + str(r.response),
-                                    split_special_tokens=True)
-            if bool(r.has_eos):
-                resp = resp + [tokenizer.eos_token_id]
-            seqs.append(q + resp)
-            spans.append((len(q), len(q) + len(resp)))
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
-        mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-        for i, s in enumerate(seqs):  # right padding, so positions are plain 0..n-1
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = True
-        with torch.no_grad():
-            logits = model(input_ids=ids.masked_fill(~mask, 0), attention_mask=mask).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        for i, (a, b) in enumerate(spans):
-            out.append(logp[i, a - 1 : b - 1].sum().item())
-    return np.array(out)
-
-
-def kl_from_sft(p, label: str, samples_csv: str, tokenizer) -> float | None:
-    """Mean of log pi(y|x) - log pi_sft(y|x) over the policy's evaluation samples (a sample estimate of
-    KL(pi || pi_sft) at the evaluation temperature's samples; 0 for SFT itself)."""
-    if label == "sft":
-        return 0.0
-    if label.startswith("ilql"):
-        # the ILQL policy is the LM head shifted by beta x the Q heads' advantage; the LM head alone is not it
-        return None
-    if label == "offline_dt":
-        # the Decision Transformer writes after a return-conditioned prompt (`<rm_score> ...`), not after the
-        # plain query the SFT model reads: log-probabilities of the two on the plain query do not compare
-        # (such an estimate can even come out negative)
-        return None
-    model_dir = os.path.join(p.models, label)
+    stage = "ilql" if label.startswith("ilql_beta") else label
+    kind = p.kind(stage) if hasattr(p, "kind") else stage
+    none = {"kl": None, "kl_se": None, "kl_n": 0}
+    if kind in NO_KL:
+        return {**none, "kl_note": NO_KL[kind]}
+    model_dir = os.path.join(p.models, stage)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
-        return None
-    df = pd.read_csv(samples_csv, keep_default_na=False).head(128)
-    return float(np.mean(sequence_logprobs(model_dir, df, tokenizer) - sequence_logprobs(os.path.join(p.models, "sft"), df, tokenizer)))
+        return {**none, "kl_note": f"no model in {model_dir}"}
+    count = len(pd.read_csv(samples_csv, keep_default_na=False))
+    queries, response_length = kl_prompts(p, stage, count, samples_csv, tokenizer)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(os.path.join(p.models, "sft"), dtype=torch.float32).eval()
+    seed = getattr(getattr(p, "args", None), "seed", 0)
+    sums, _ = response_kl(policy, reference, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, response_length,
+                          torch.Generator().manual_seed(seed))
+    se = float(sums.std(ddof=1) / np.sqrt(len(sums))) if len(sums) > 1 else None
+    return {"kl": float(sums.mean()), "kl_se": se, "kl_n": len(sums), "kl_note": None}
+
+
+def kl_cell(kl, se) -> str:
+    """A KL with its standard error in parentheses, n/a without a KL."""
+    if kl is None:
+        return "n/a"
+    return _fmt(kl) + (f" ({_fmt(se)})" if se is not None else "")
 
 
 def gold_win(query: str, response: str, reference: str) -> float:
@@ -225,9 +328,12 @@ def write_report(p) -> str:
     # 1. policies: gold win rate vs reference with its 95% CI, EOS rate, length, KL from SFT
     lines = ["## Policies on the built-in task", "",
              "Gold-judge win rate against the reference summaries (95% Wilson interval, through the OpenAI-compatible "
-             "endpoint and `judge.py`), EOS rate and mean response length on the validation samples, and the KL from "
-             "the SFT policy (mean log-ratio on the policy's own samples).", "",
-             "| policy | gold win rate | 95% CI | n | invalid | EOS rate | mean length (tokens) | KL from SFT | mean RM score |",
+             "endpoint and `judge.py`), EOS rate and mean response length on the validation samples (all drawn at the "
+             "evaluation temperature, 0.01), and the KL from the SFT policy: KL(pi || pi_SFT) of the two models' own "
+             "distributions at temperature 1, on one response per evaluation prompt sampled from the policy at "
+             "temperature 1 (the per-token KL summed over the vocabulary and over the response up to its EOS, the "
+             "mean over prompts, nats, with its standard error).", "",
+             "| policy | gold win rate | 95% CI | n | invalid | EOS rate | mean length (tokens) | KL from SFT (SE) | mean RM score |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     policy_rows = []
     for label, samples_csv in p.policies():
@@ -238,10 +344,14 @@ def write_report(p) -> str:
         score = pd.to_numeric(df["score"], errors="coerce").mean() if "score" in df else float("nan")
         kl = kl_from_sft(p, label, samples_csv, tokenizer)
         policy_rows.append({"policy": label, "win_rate": j.get("win_rate"), "ci_low": j.get("ci_low"), "n": j.get("n"),
-                            "ci_high": j.get("ci_high"), "eos_rate": eos, "length": length, "kl": kl})
+                            "ci_high": j.get("ci_high"), "eos_rate": eos, "length": length, **kl})
         ci = f"[{_fmt(j.get('ci_low'))}, {_fmt(j.get('ci_high'))}]" if j.get("ci_low") is not None else "n/a"
         lines.append(f"| {label} | {_fmt(j.get('win_rate'))} | {ci} | {j.get('n', 'n/a')} | {j.get('invalid', 'n/a')} | "
-                     f"{_fmt(eos)} | {_fmt(length, 1)} | {_fmt(kl)} | {_fmt(float(score)) if not np.isnan(score) else 'n/a'} |")
+                     f"{_fmt(eos)} | {_fmt(length, 1)} | {kl_cell(kl['kl'], kl['kl_se'])} | "
+                     f"{_fmt(float(score)) if not np.isnan(score) else 'n/a'} |")
+    notes = {row["policy"]: row["kl_note"] for row in policy_rows if row["kl_note"]}
+    if notes:
+        lines += ["", "KL from SFT n/a: " + "; ".join(f"{label}: {why}" for label, why in notes.items()) + "."]
 
     # 2. reward model accuracy vs the known ceiling, and DPO's implicit reward model (Detail 19)
     rm = _load(os.path.join(p.runs, "rm", "summary.json"))
@@ -473,17 +583,142 @@ NAMES = {"sft": "SFT", "ppo": "PPO", "rloo": "RLOO", "grpo": "GRPO", "online_dpo
          "ipo": "IPO", "kto": "KTO (pairs)", "kto_unpaired": "KTO (thumbs up / down)", "ilql": "ILQL",
          "offline_filter": "MLE with filtering", "offline_rwr": "RWR", "offline_dt": "Decision Transformer",
          "offline_best_of_n": "best-of-n"}
-# the 97.5% quantile of Student's t by degrees of freedom (a two-sided 95% interval of a mean over few seeds)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+# Student's t distribution without scipy: the two-sided tail of t with d degrees of freedom is the regularized
+# incomplete beta function I_x(d/2, 1/2) at x = d / (d + t^2), evaluated by its continued fraction.
+def regularized_beta(x: float, a: float, b: float) -> float:
+    """I_x(a, b) for 0 <= x <= 1 and a, b > 0."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the continued fraction converges fast only below this point
+        return 1.0 - regularized_beta(1.0 - x, b, a)
+    log_front = a * math.log(x) + b * math.log1p(-x) - math.log(a) + \
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+    # I_x(a, b) = x^a (1-x)^b / (a B(a, b)) / F with F = 1 + d1 / (1 + d2 / (1 + ...)), F by the modified Lentz
+    # method: F as the running product of the ratios C_j D_j of successive convergents
+    tiny = 1e-300
+    value, c, d = 1.0, 1.0, 0.0
+    for j in range(1, 500):
+        m = j // 2
+        if j % 2:  # d_{2m+1}
+            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        else:  # d_{2m}
+            term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        d = 1.0 + term * d
+        d = 1.0 / (tiny if abs(d) < tiny else d)
+        c = 1.0 + term / c
+        c = tiny if abs(c) < tiny else c
+        value *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) / value
 
 
-def mean_and_t_interval(values: list[float]) -> tuple[float, float, float]:
-    """The mean of a few seeds' values and its two-sided 95% t-interval (nan bounds for a single value)."""
+def t_two_sided_p(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with `df` degrees of freedom."""
+    if math.isinf(t):
+        return 0.0
+    return regularized_beta(df / (df + t * t), df / 2.0, 0.5)
+
+
+def t_quantile(q: float, df: float) -> float:
+    """The q-quantile of Student's t with `df` degrees of freedom (0 < q < 1), by bisection on its distribution
+    function."""
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"a quantile needs 0 < q < 1, got {q}")
+    if q < 0.5:
+        return -t_quantile(1.0 - q, df)
+    tail = 2.0 * (1.0 - q)  # the two-sided tail beyond the quantile
+    low, high = 0.0, 1.0
+    while t_two_sided_p(high, df) > tail:
+        low, high = high, 2.0 * high
+    for _ in range(200):
+        middle = 0.5 * (low + high)
+        if t_two_sided_p(middle, df) > tail:
+            low = middle
+        else:
+            high = middle
+        if high - low < 1e-12 * max(1.0, high):
+            break
+    return 0.5 * (low + high)
+
+
+def mean_and_t_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """The mean of a few seeds' values and its two-sided t-interval at `level` (the t quantile of n - 1 degrees of
+    freedom, whatever n is; nan bounds for a single value)."""
     xs = np.array(values, dtype=float)
     if len(xs) < 2:
         return float(xs.mean()), float("nan"), float("nan")
-    half = T975.get(len(xs) - 1, 1.96) * xs.std(ddof=1) / np.sqrt(len(xs))
+    half = t_quantile(0.5 + level / 2.0, len(xs) - 1) * xs.std(ddof=1) / np.sqrt(len(xs))
     return float(xs.mean()), float(xs.mean() - half), float(xs.mean() + half)
+
+
+def holm(p_values: list[float], alpha: float = 0.05) -> tuple[list[float], list[float]]:
+    """Holm's step-down correction of m tests: sorted by p-value, the test of rank r (from 1) is rejected at
+    alpha / (m - r + 1) as long as every test before it was. Returns, in the input order, the adjusted p-values
+    (rejected exactly where <= alpha) and the significance level each test is judged at: its own step's for a
+    rejected test, and the level of the step where the procedure stopped for the others. A confidence interval at
+    1 - that level excludes the null value exactly where Holm rejects (the "corrected interval")."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted, levels = [1.0] * m, [alpha] * m
+    running, stopped = 0.0, None
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+        if stopped is None and p_values[i] > alpha / (m - rank):
+            stopped = alpha / (m - rank)
+        levels[i] = alpha / (m - rank) if stopped is None else stopped
+    return adjusted, levels
+
+
+def paired_comparisons(rates: dict[str, list[float]], baselines: tuple[str, ...] = ("ppo", "dpo", "sft"),
+                       alpha: float = 0.05) -> list[dict]:
+    """Every method against every baseline present (not itself): the per-seed differences in gold win rate (the
+    seeds pair them: one SFT, reward model and prompts per seed for every method), their mean with a paired
+    (1 - alpha) t-interval over seeds and its p-value, and Holm's correction across all these comparisons. `rates`
+    maps a stage to its win rates in seed order; the family Holm corrects across is the distinct pairs compared
+    (both ways of one pair are one test). A comparison `beats` ("yes" / "no") only where its Holm-corrected interval
+    lies above 0; "n/a" with fewer than two seeds."""
+    out = []
+    for method, mine in rates.items():
+        for baseline in baselines:
+            if baseline == method or baseline not in rates:
+                continue
+            diffs = np.array(mine, dtype=float) - np.array(rates[baseline], dtype=float)
+            row = {"method": method, "baseline": baseline, "diffs": diffs.tolist(), "mean": float(diffs.mean()),
+                   "low": float("nan"), "high": float("nan"), "p": float("nan"), "p_holm": float("nan"),
+                   "holm_level": float("nan"), "holm_low": float("nan"), "holm_high": float("nan"), "beats": "n/a"}
+            if len(diffs) >= 2:
+                se = float(diffs.std(ddof=1) / np.sqrt(len(diffs)))
+                _, row["low"], row["high"] = mean_and_t_interval(diffs, 1.0 - alpha)
+                if se == 0.0:  # every seed the same difference: certain when it is not 0
+                    row["p"] = 0.0 if row["mean"] != 0.0 else 1.0
+                else:
+                    row["p"] = t_two_sided_p(row["mean"] / se, len(diffs) - 1)
+                row["se"] = se
+            out.append(row)
+    # a pair compared both ways (PPO against DPO and DPO against PPO) is one test of the family, not two
+    pairs = {}
+    for row in out:
+        if not np.isnan(row["p"]):
+            pairs.setdefault(frozenset((row["method"], row["baseline"])), row["p"])
+    adjusted, levels = holm(list(pairs.values()), alpha)
+    by_pair = dict(zip(pairs, zip(adjusted, levels)))
+    for row in out:
+        if np.isnan(row["p"]):
+            continue
+        p_holm, level = by_pair[frozenset((row["method"], row["baseline"]))]
+        half = t_quantile(1.0 - level / 2.0, len(row["diffs"]) - 1) * row.pop("se")
+        row.update(p_holm=p_holm, holm_level=level, holm_low=row["mean"] - half, holm_high=row["mean"] + half,
+                   beats="yes" if row["mean"] - half > 0 else "no")
+    return out
+
+
+def distinct_pairs(comparisons: list[dict]) -> int:
+    """How many tests Holm's family of paired_comparisons holds (a pair compared both ways counts once)."""
+    return len({frozenset((c["method"], c["baseline"])) for c in comparisons if not np.isnan(c["p"])})
 
 
 def budget(kind: str, args: dict, summary: dict) -> str:
@@ -526,11 +761,14 @@ def budget(kind: str, args: dict, summary: dict) -> str:
 
 
 def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
-    """`<out>/report/leaderboard.md` (+ .csv and leaderboard.png) from every seed's report (results.json), run
-    (args.json, summary.json) and stage markers. One row a method: its budget, its gold win rate against the
-    references per seed (95% Wilson interval) and over seeds (mean, 95% t-interval), the mean over seeds of its KL
-    from SFT, length and EOS rate, its mean wall time and highest peak memory. The plot: gold win rate against KL
-    from SFT, one point a method and seed."""
+    """`<out>/report/leaderboard.md` (+ leaderboard.csv, leaderboard_paired.csv and leaderboard.png) from every
+    seed's report (results.json), run (args.json, summary.json) and stage markers. One row a method: its budget, its
+    gold win rate against the references per seed (95% Wilson interval) and over seeds (mean, 95% t-interval), the
+    baselines (PPO, DPO, SFT) it beats under the paired test, the mean over seeds of its KL from SFT (with the
+    standard error of that mean), length and EOS rate, its mean wall time and highest peak memory. A second table:
+    every method's per-seed difference in gold win rate to PPO, DPO and SFT with a paired t-interval and Holm's
+    correction across all those comparisons. The plot: gold win rate against KL from SFT, one point a method and
+    seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -541,7 +779,8 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     for stage in [s for s in first.stages if s in first.policies_order()]:
         kind = first.kind(stage)
         label = first.judged_label(stage)
-        per_seed, extra = {}, {"kl": [], "length": [], "eos_rate": [], "wall": [], "shared": [], "peak": []}
+        per_seed, extra = {}, {"kl": [], "kl_se": [], "length": [], "eos_rate": [], "wall": [], "shared": [], "peak": []}
+        note = None
         for seed, p in zip(seeds, pipelines):
             res = _load(os.path.join(p.report_dir, "results.json"))
             row = next((r for r in res.get("policies", []) if r["policy"] == label), None)
@@ -549,78 +788,139 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
                 raise ValueError(f"leaderboard: seed {seed} has no judged {label} in {p.report_dir}/results.json; run "
                                  f"pipeline.py again to finish that seed")
             per_seed[seed] = row
-            for key in ("kl", "length", "eos_rate"):
+            for key in ("length", "eos_rate"):
                 if row.get(key) is not None:
                     extra[key].append(row[key])
+            if row.get("kl") is not None:
+                extra["kl"].append(row["kl"])
+                extra["kl_se"].append(row.get("kl_se"))
+            note = note or row.get("kl_note")
             marker = _load(p.marker(stage))
             extra["wall"].append(marker.get("wall_time_s"))
             extra["shared"].append(bool(marker.get("shared")))
             extra["peak"].append(marker.get("peak_rss_mib"))
+        if kind in NO_KL:
+            note = NO_KL[kind]
         args = _load(os.path.join(first.runs, stage, "args.json"))
         summary = _load(os.path.join(first.runs, stage, "summary.json"))
         name = NAMES.get(stage, f"{stage} (fork of {kind}.py's stage {kind})" if stage in first.extras else stage)
-        rows.append({"stage": stage, "method": name, "budget": budget(kind, args, summary), "per_seed": per_seed, **extra})
+        rows.append({"stage": stage, "method": name, "budget": budget(kind, args, summary), "per_seed": per_seed,
+                     "kl_note": note, **extra})
 
     def avg(xs):
         xs = [x for x in xs if x is not None]
         return float(np.mean(xs)) if xs else None
 
+    def kl_of_seeds(row) -> tuple[float | None, float | None]:
+        """The mean over seeds of a method's KL, and the standard error of that mean from the seeds' own (the
+        seeds' samples are independent); None where a seed has no KL or no standard error."""
+        if len(row["kl"]) != len(seeds):
+            return None, None
+        ses = row["kl_se"]
+        se = float(np.sqrt(sum(s * s for s in ses)) / len(ses)) if all(s is not None for s in ses) else None
+        return avg(row["kl"]), se
+
+    rates = {row["stage"]: [row["per_seed"][s]["win_rate"] for s in seeds] for row in rows}
+    comparisons = paired_comparisons(rates)
+    beaten = {stage: [NAMES.get(c["baseline"], c["baseline"]) for c in comparisons
+                      if c["method"] == stage and c["beats"] == "yes"] for stage in rates}
+    methods = {row["stage"]: row["method"] for row in rows}
+
     n_samples = {r.get("n") for row in rows for r in row["per_seed"].values()} - {None}
     lines = ["## Leaderboard: every method on the built-in task", "",
              f"Seeds {', '.join(map(str, seeds))}; each seed trains its own SFT and reward model, and every method of "
              f"that seed starts from them. Gold win rate against the reference summaries on "
-             f"{', '.join(map(str, sorted(n_samples))) or 'the'} validation samples per seed (95% Wilson interval), "
-             f"and over seeds (mean, 95% t-interval). KL from SFT: the mean over the policy's first 128 evaluation "
-             f"samples of log pi(y|x) - log pi_SFT(y|x), averaged over seeds; n/a for ILQL (its policy is the LM head "
-             f"shifted by the Q heads' advantage, not one model's log-probs) and the Decision Transformer (it writes "
-             f"after a return prompt, not the plain query). Wall time: the stage's mean over seeds, marked shared where "
-             f"another job held a core as one of its runs started; peak memory: the stage process's highest resident "
-             f"set over seeds.", "",
+             f"{', '.join(map(str, sorted(n_samples))) or 'the'} validation samples per seed, drawn at the evaluation "
+             f"temperature 0.01 (95% Wilson interval), and over seeds (mean, 95% t-interval). Beats: the baselines "
+             f"(PPO, DPO, SFT) whose gold win rate this method exceeds under the paired test below (its Holm-corrected "
+             f"interval of the per-seed differences lies above 0). KL from SFT: KL(pi || pi_SFT) of the two models' own "
+             f"distributions at temperature 1 (one response per evaluation prompt sampled from the policy at "
+             f"temperature 1, the per-token KL over the whole vocabulary summed over the response up to its EOS, the "
+             f"mean over prompts), averaged over seeds, in nats, with its standard error in parentheses. Wall time: the "
+             f"stage's mean over seeds, marked shared where another job held a core as one of its runs started; peak "
+             f"memory: the stage process's highest resident set over seeds.", "",
              "| method | budget | " + " | ".join(f"seed {s}" for s in seeds) +
-             " | mean [95% t-interval] | KL from SFT | mean length | EOS rate | wall time (s) | peak memory (MiB) |",
-             "| --- | --- | " + " | ".join("---" for _ in seeds) + " | --- | --- | --- | --- | --- | --- |"]
+             " | mean [95% t-interval] | beats (paired, Holm) | KL from SFT (SE) | mean length | EOS rate | "
+             "wall time (s) | peak memory (MiB) |",
+             "| --- | --- | " + " | ".join("---" for _ in seeds) + " | --- | --- | --- | --- | --- | --- | --- |"]
     table = []
     for row in rows:
-        rates = [row["per_seed"][s]["win_rate"] for s in seeds]
-        mean, low, high = mean_and_t_interval(rates)
+        rates_of = rates[row["stage"]]
+        mean, low, high = mean_and_t_interval(rates_of)
         cells = [f"{_fmt(r['win_rate'])} [{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]"
                  for r in (row["per_seed"][s] for s in seeds)]
         interval = f" [{_fmt(low)}, {_fmt(high)}]" if not np.isnan(low) else ""
-        kl, wall = avg(row["kl"]), avg(row["wall"])
+        kl, kl_se = kl_of_seeds(row)
+        wall = avg(row["wall"])
         peak = max((x for x in row["peak"] if x is not None), default=None)
+        mine = [c for c in comparisons if c["method"] == row["stage"]]
+        beats = ", ".join(beaten[row["stage"]]) or ("none" if any(c["beats"] != "n/a" for c in mine) else "n/a")
         lines.append(f"| {row['method']} | {row['budget']} | " + " | ".join(cells) + f" | {_fmt(mean)}{interval} | "
-                     f"{_fmt(kl) if kl is not None else 'n/a'} | {_fmt(avg(row['length']), 1)} | "
+                     f"{beats} | {kl_cell(kl, kl_se)} | {_fmt(avg(row['length']), 1)} | "
                      f"{_fmt(avg(row['eos_rate']), 2)} | {f'{wall:.0f}' if wall is not None else 'n/a'}"
                      f"{' (shared)' if any(row['shared']) else ''} | "
                      f"{f'{peak:.0f}' if peak is not None else 'n/a'} |")
         table.append({"stage": row["stage"], "method": row["method"], "budget": row["budget"],
-                      **{f"seed_{s}": r for s, r in zip(seeds, rates)}, "mean": mean, "t_low": low, "t_high": high,
-                      "kl_from_sft": kl, "length": avg(row["length"]), "eos_rate": avg(row["eos_rate"]),
+                      **{f"seed_{s}": r for s, r in zip(seeds, rates_of)}, "mean": mean, "t_low": low, "t_high": high,
+                      **{f"beats_{b}": next((c["beats"] for c in mine if c["baseline"] == b), None)
+                         for b in ("ppo", "dpo", "sft")},
+                      "kl_from_sft": kl, "kl_from_sft_se": kl_se, "kl_note": row["kl_note"],
+                      "length": avg(row["length"]), "eos_rate": avg(row["eos_rate"]),
                       "wall_time_s": wall, "wall_time_shared": any(row["shared"]), "peak_rss_mib": peak})
+    no_kl = [f"{row['method']}: {row['kl_note']}" for row in rows if kl_of_seeds(row)[0] is None and row["kl_note"]]
+    if no_kl:
+        lines += ["", "KL from SFT n/a: " + "; ".join(no_kl) + "."]
+
+    # the paired differences behind the beats column
+    tested = distinct_pairs(comparisons)
+    lines += ["", "### Paired differences in gold win rate", "",
+              f"Every seed shares its SFT model, reward model and prompts across methods, so a method's per-seed "
+              f"difference in gold win rate to a baseline is paired. Mean difference with its 95% paired t-interval "
+              f"over the {len(seeds)} seeds (t quantile of {len(seeds) - 1} degrees of freedom) and two-sided p-value; "
+              f"Holm's correction across the {tested} distinct pairs of methods this table compares (a pair compared "
+              f"both ways is one test): the adjusted p-value, and the interval at the level Holm judges the comparison "
+              f"at (1 - that level is its confidence), which excludes 0 exactly where Holm rejects. Beats: yes only "
+              f"where that corrected interval lies above 0.", "",
+              "method | vs | " + " | ".join(f"seed {s}" for s in seeds) +
+              " | mean [95% t-interval] | p | Holm p | Holm-corrected interval (level) | beats",
+              "--- | --- | " + " | ".join("---" for _ in seeds) + " | --- | --- | --- | --- | ---"]
+    # this table's rows are written without the outer pipes (GitHub Markdown allows it), so that the lines beginning
+    # with "| " are the main table's alone, a row per method, as readers of leaderboard.md take them
+    for c in comparisons:
+        interval = f" [{_fmt(c['low'])}, {_fmt(c['high'])}]" if not np.isnan(c["low"]) else ""
+        corrected = (f"[{_fmt(c['holm_low'])}, {_fmt(c['holm_high'])}] ({100 * (1 - c['holm_level']):.2f}%)"
+                     if not np.isnan(c["holm_low"]) else "n/a")
+        lines.append(f"{methods[c['method']]} | {NAMES.get(c['baseline'], c['baseline'])} | "
+                     + " | ".join(f"{d:+.3f}" for d in c["diffs"]) + f" | {c['mean']:+.3f}{interval} | "
+                     f"{_fmt(c['p'], 4)} | {_fmt(c['p_holm'], 4)} | {corrected} | {c['beats']}")
+
     report_dir = os.path.join(out, "report")
     os.makedirs(report_dir, exist_ok=True)
     pd.DataFrame(table).to_csv(os.path.join(report_dir, "leaderboard.csv"), index=False)
+    pd.DataFrame([{**{k: v for k, v in c.items() if k != "diffs"},
+                   **{f"diff_seed_{s}": d for s, d in zip(seeds, c["diffs"])}} for c in comparisons]).to_csv(
+        os.path.join(report_dir, "leaderboard_paired.csv"), index=False)
 
     fig, ax = plt.subplots(figsize=(7, 5))
-    markers, no_kl = "osD^v<>pP*Xdh8H", []
+    markers, not_drawn = "osD^v<>pP*Xdh8H", []
     for i, row in enumerate(rows):
         points = [(r["kl"], r["win_rate"]) for r in (row["per_seed"][s] for s in seeds) if r.get("kl") is not None]
         if not points:
-            no_kl.append(row["method"])
+            not_drawn.append(row["method"])
             continue
         xs, ys = zip(*points)
         ax.scatter(xs, ys, marker=markers[i % len(markers)], s=40, label=row["method"], alpha=0.8)
     ax.axhline(0.5, color="gray", ls="--", lw=1)
-    ax.set(xlabel="KL from SFT (nats, on the policy's own samples)", ylabel="gold win rate vs reference", ylim=(0, 1),
-           title=f"Gold win rate against KL from SFT, seeds {seeds} (one point a seed)")
-    if no_kl:
-        ax.text(0.99, 0.02, f"no KL, not drawn: {', '.join(no_kl)}", transform=ax.transAxes, ha="right", fontsize=7)
+    ax.set(xlabel="KL(pi || pi_SFT) at temperature 1 (nats)", ylabel="gold win rate vs reference (temperature 0.01)",
+           ylim=(0, 1), title=f"Gold win rate against KL from SFT, seeds {seeds} (one point a seed)")
+    if not_drawn:
+        ax.text(0.99, 0.02, f"no KL, not drawn: {', '.join(not_drawn)}", transform=ax.transAxes, ha="right", fontsize=7)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(os.path.join(report_dir, "leaderboard.png"), dpi=100)
     plt.close(fig)
-    lines += ["", "Plot: `leaderboard.png` (gold win rate against KL from SFT, one point a method and seed); the table as "
-              "CSV: `leaderboard.csv`."]
+    lines += ["", "Plot: `leaderboard.png` (gold win rate against KL from SFT, one point a method and seed); the tables as "
+              "CSV: `leaderboard.csv`, `leaderboard_paired.csv`."]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(report_dir, "leaderboard.md"), "w") as f:
         f.write(text)

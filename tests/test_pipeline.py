@@ -437,8 +437,8 @@ def test_the_leaderboard_interval_is_the_t_interval_of_the_seeds():
     import report
 
     mean, low, high = report.mean_and_t_interval([0.615, 0.630, 0.632])
-    half = 4.303 * np.std([0.615, 0.630, 0.632], ddof=1) / np.sqrt(3)  # t(0.975, 2 degrees of freedom) = 4.303
-    assert mean == pytest.approx(0.6256667) and (low, high) == pytest.approx((mean - half, mean + half))
+    half = 4.3027 * np.std([0.615, 0.630, 0.632], ddof=1) / np.sqrt(3)  # t(0.975, 2 degrees of freedom) = 4.3027
+    assert mean == pytest.approx(0.6256667) and (low, high) == pytest.approx((mean - half, mean + half), rel=1e-5)
     assert np.isnan(report.mean_and_t_interval([0.5])[1])
 
 
@@ -508,3 +508,57 @@ def test_a_recorded_command_names_both_folders_when_one_path_begins_the_other(tm
     p = pipeline.Pipeline(pipeline.Args(out=str(tmp_path / "lb")))
     recorded = p.recorded(p.command("sft"))
     assert recorded[0] == "{repo}/sft.py" and "{out}/data/base_model" in recorded
+
+
+# ---------------------------------------------------------------- issue 54: --extra checked against the mode
+def test_an_extra_fork_is_checked_against_the_stages_of_its_mode(tmp_path):
+    """Before, any leaderboard stage passed in every mode: a fork of grpo, online_dpo or ipo in the quickstart
+    failed with a KeyError once every other stage had run, and `:rm` was judged as a policy. Now a fork's stage must
+    be one the mode runs, and make a policy."""
+    sys.path.insert(0, REPO_ROOT)
+    import pipeline
+    from run_infra import RunError
+
+    fork = tmp_path / "my_fork.py"
+    fork.write_text("")
+    for mode, stage, modes in (("quickstart", "grpo", "--mode leaderboard, --mode ci"),
+                               ("quickstart", "online_dpo", "--mode leaderboard, --mode ci"),
+                               ("quickstart", "ipo", "--mode leaderboard, --mode ci"),
+                               ("quickstart", "rloo", "--mode full, --mode leaderboard, --mode ci"),
+                               ("quickstart", "offline_dt", "--mode full, --mode leaderboard, --mode ci"),
+                               ("full", "grpo", "--mode leaderboard, --mode ci"),
+                               ("quickstart", "kto", "--mode leaderboard, --mode ci, --mode quickstart --kto, "
+                                                     "--mode full --kto")):
+        with pytest.raises(RunError) as refused:
+            pipeline.parse_extras([f"{fork}:{stage}"], mode)
+        assert str(refused.value) == (f"--extra {fork}:{stage}: --mode {mode} has no stage {stage}, whose command and "
+                                      f"settings the fork would take; the stage {stage} runs in {modes}")
+        with pytest.raises(RunError, match=f"--mode {mode} has no stage {stage}"):  # the pipeline refuses it too
+            pipeline.Pipeline(pipeline.Args(mode=mode, out=str(tmp_path / "out"), extra=[f"{fork}:{stage}"]))
+        assert not (tmp_path / "out").exists()
+    for stage in ("rm", "prep", "unpaired", "judge", "report"):  # no policy to judge, in any mode
+        for mode in ("quickstart", "leaderboard"):
+            with pytest.raises(RunError, match=rf"^--extra {fork}:{stage}: stage {stage} makes no policy \(.*\), so a "
+                                               rf"fork of it has nothing to judge; --extra takes a policy stage: sft, "):
+                pipeline.parse_extras([f"{fork}:{stage}"], mode)
+    # what the mode runs still passes
+    for mode, stage in (("quickstart", "ppo"), ("quickstart", "dpo"), ("quickstart", "sft"), ("full", "rloo"),
+                        ("full", "ilql"), ("full", "offline_best_of_n"), ("leaderboard", "grpo"), ("ci", "ipo"),
+                        ("leaderboard", "kto_unpaired")):
+        assert pipeline.parse_extras([f"{fork}:{stage}"], mode) == {"my_fork": (str(fork), stage)}
+    assert pipeline.parse_extras([f"{fork}:kto"], "quickstart", kto=True) == {"my_fork": (str(fork), "kto")}
+    p = pipeline.Pipeline(pipeline.Args(mode="quickstart", out=str(tmp_path / "out"), extra=[f"{fork}:dpo"]))
+    assert p.stages[-3:] == ["my_fork", "judge", "report"] and p.command("my_fork")[1] == str(fork)
+
+
+def test_a_bad_extra_stops_the_pipeline_in_one_line_before_the_lock_and_every_stage(tmp_path):
+    fork = tmp_path / "my_grpo.py"
+    fork.write_text("")
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "pipeline.py"), "--out", str(out), "--extra",
+                             f"{fork}:grpo"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"pipeline.py: error: --extra {fork}:grpo: --mode quickstart has no stage grpo, whose command and settings "
+        f"the fork would take; the stage grpo runs in --mode leaderboard, --mode ci")
+    assert not out.exists() and "#####" not in result.stdout  # no folder, no lock, no stage

@@ -1,0 +1,172 @@
+"""The leaderboard's statistics over seeds (report.py): Student's t quantile computed for every count (no scipy, no
+1.96 past a table), Holm's step-down correction, the paired t-interval of per-seed differences between methods,
+and a synthetic leaderboard where a method that is better on every seed, whose unpaired intervals overlap the
+baseline's, is reported as beating it under the paired test."""
+
+import json
+import math
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import report
+
+
+@pytest.mark.parametrize("q, df, expected", [
+    (0.975, 1, 12.706), (0.975, 2, 4.303), (0.975, 3, 3.182), (0.975, 4, 2.776), (0.975, 10, 2.228),
+    (0.975, 30, 2.042), (0.975, 120, 1.980), (0.995, 10, 3.169), (0.9, 5, 1.476), (0.025, 3, -3.182),
+    (0.5, 7, 0.0), (0.975, 10**7, 1.960)])
+def test_the_t_quantile_matches_the_tables(q, df, expected):
+    assert report.t_quantile(q, df) == pytest.approx(expected, abs=5e-4)
+
+
+def test_the_t_quantile_and_the_two_sided_p_value_invert_each_other():
+    for df in (1, 2, 3, 5, 11, 29, 200):
+        for tail in (0.5, 0.05, 0.01, 1e-4):
+            t = report.t_quantile(1 - tail / 2, df)
+            assert report.t_two_sided_p(t, df) == pytest.approx(tail, rel=1e-9)
+    # closed forms: 1 degree of freedom is Cauchy, 2 degrees have p = 1 - |t| / sqrt(t^2 + 2)
+    assert report.t_quantile(0.9999, 1) == pytest.approx(math.tan(math.pi * 0.4999), rel=1e-9)
+    assert report.t_two_sided_p(4.0, 2) == pytest.approx(1 - 4 / math.sqrt(18), rel=1e-12)
+    assert report.regularized_beta(0.3, 2, 3) == pytest.approx(0.3483, rel=1e-12)  # a binomial tail: 1 - F(1; 4, 0.3)
+
+
+def test_the_seeds_t_interval_uses_the_t_quantile_of_every_count():
+    """Past 10 seeds the interval used 1.96, too narrow; now 31 values take t(0.975, 30) = 2.042."""
+    values = list(np.linspace(0.4, 0.7, 31))
+    mean, low, high = report.mean_and_t_interval(values)
+    half = 2.0423 * np.std(values, ddof=1) / np.sqrt(31)
+    assert (low, high) == pytest.approx((mean - half, mean + half), abs=1e-5)
+    mean, low, high = report.mean_and_t_interval([0.615, 0.630, 0.632])
+    half = report.t_quantile(0.975, 2) * np.std([0.615, 0.630, 0.632], ddof=1) / np.sqrt(3)
+    assert (low, high) == pytest.approx((mean - half, mean + half), rel=1e-12)
+
+
+def test_holm_on_a_hand_example():
+    """p = 0.01, 0.04, 0.03, 0.005 (m = 4). Sorted, 0.005 <= 0.05/4 and 0.01 <= 0.05/3 are rejected; 0.03 > 0.05/2
+    stops the procedure, so 0.04 is kept too though it is below 0.05/1. Adjusted p: 4 x 0.005 = 0.02, 3 x 0.01 =
+    0.03, 2 x 0.03 = 0.06, and for 0.04 the running maximum 0.06."""
+    adjusted, levels = report.holm([0.01, 0.04, 0.03, 0.005])
+    assert adjusted == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert levels == pytest.approx([0.05 / 3, 0.05 / 2, 0.05 / 2, 0.05 / 4])
+    assert [a <= 0.05 for a in adjusted] == [True, False, False, True]
+    assert report.holm([]) == ([], [])
+    assert report.holm([0.2]) == ([0.2], [0.05])
+
+
+def test_the_paired_interval_on_hand_numbers():
+    """Differences 0.05, 0.08, 0.04 over 3 seeds: mean 0.05667, sample sd 0.020817, standard error 0.012019,
+    t(0.975, 2) = 4.302653: the interval 0.05667 -+ 0.051712; t = 4.7148 and with 2 degrees of freedom the two-sided
+    p = 1 - t / sqrt(t^2 + 2) = 0.04216. One comparison: Holm leaves it alone, and it beats."""
+    [row] = report.paired_comparisons({"mine": [0.60, 0.70, 0.65], "base": [0.55, 0.62, 0.61]}, baselines=("base",))
+    assert row["method"] == "mine" and row["baseline"] == "base"
+    assert row["diffs"] == pytest.approx([0.05, 0.08, 0.04])
+    assert row["mean"] == pytest.approx(0.0566667, abs=1e-6)
+    assert (row["low"], row["high"]) == pytest.approx((0.0566667 - 0.051712, 0.0566667 + 0.051712), abs=1e-5)
+    t = 0.0566667 / (0.0208167 / math.sqrt(3))
+    assert row["p"] == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-4) and row["p"] == pytest.approx(0.04216, abs=1e-4)
+    assert row["p_holm"] == row["p"] and row["holm_level"] == 0.05
+    assert (row["holm_low"], row["holm_high"]) == pytest.approx((row["low"], row["high"]), rel=1e-12)
+    assert row["beats"] == "yes"
+    # the other way round it does not beat (its interval lies below 0); one seed tells nothing
+    [back] = report.paired_comparisons({"mine": [0.60, 0.70, 0.65], "base": [0.55, 0.62, 0.61]}, baselines=("mine",))
+    assert back["beats"] == "no" and back["holm_high"] < 0
+    [single] = report.paired_comparisons({"mine": [0.6], "base": [0.5]}, baselines=("base",))
+    assert single["beats"] == "n/a" and np.isnan(single["p"])
+
+
+def test_holm_corrects_across_every_pair_and_its_interval_agrees_with_its_rejections():
+    """Two methods each 0.05, 0.08, 0.04 above one baseline (p = 0.04216 each): alone each would beat it at 0.05,
+    but Holm across the two pairs adjusts both to 0.0843, and the corrected interval (97.5%) then holds 0. A pair
+    compared both ways is one test: the baseline against the method adds nothing to the family."""
+    rates = {"mine": [0.60, 0.70, 0.65], "base": [0.55, 0.62, 0.61], "other": [0.60, 0.70, 0.65]}
+    rows = report.paired_comparisons(rates, baselines=("base",))
+    assert [(r["method"], r["baseline"]) for r in rows] == [("mine", "base"), ("other", "base")]
+    assert all(r["p"] == pytest.approx(0.04216, abs=1e-4) for r in rows)
+    assert all(r["p_holm"] == pytest.approx(2 * r["p"]) and r["holm_level"] == 0.025 for r in rows)
+    assert all(r["holm_low"] < 0 < r["holm_high"] and r["beats"] == "no" for r in rows)
+    both_ways = report.paired_comparisons({"mine": rates["mine"], "base": rates["base"]}, baselines=("mine", "base"))
+    assert report.distinct_pairs(both_ways) == 1 and [r["beats"] for r in both_ways] == ["yes", "no"]
+    assert both_ways[0]["p_holm"] == both_ways[1]["p_holm"] == both_ways[0]["p"]
+    rng = np.random.default_rng(0)
+    rates = {f"m{i}": list(0.5 + 0.02 * i + rng.normal(0, 0.01, 5)) for i in range(6)}
+    rows = report.paired_comparisons(rates, baselines=("m0", "m3"))
+    assert report.distinct_pairs(rows) == 5 + 4  # m0 with the 5 others, m3 with the 4 others but m0
+    for r in rows:  # the corrected interval excludes 0 exactly where Holm rejects
+        assert (r["p_holm"] <= 0.05) == (r["holm_low"] > 0 or r["holm_high"] < 0), r
+        assert (r["beats"] == "yes") == (r["p_holm"] <= 0.05 and r["mean"] > 0)
+
+
+# ---------------------------------------------------------------- a synthetic leaderboard
+SEEDS = [1, 2, 3, 4]
+WIN = {  # RLOO is PPO plus about 0.03 on every seed; the seeds themselves differ by far more
+    "sft": [0.22, 0.30, 0.26, 0.20],
+    "ppo": [0.50, 0.64, 0.57, 0.45],
+    "rloo": [0.530, 0.675, 0.595, 0.482],
+    "dpo": [0.55, 0.58, 0.49, 0.60],
+}
+ARGS = {"sft": {}, "ppo": {"total_episodes": 1536, "total_batch_size": 32},
+        "rloo": {"total_episodes": 1536, "total_batch_size": 32, "rloo_k": 2},
+        "dpo": {"total_episodes": 960, "total_batch_size": 32}}
+
+
+def fake_pipelines(out) -> list:
+    """Per seed what write_leaderboard reads of a pipeline: its stages, run folder, report and stage markers."""
+    pipelines = []
+    for i, seed in enumerate(SEEDS):
+        base = out / f"seed_{seed}"
+        p = SimpleNamespace(stages=["prep", "sft", "rm", "ppo", "rloo", "dpo", "judge", "report"], extras={},
+                            runs=str(base / "runs"), report_dir=str(base / "report"),
+                            policies_order=lambda: ["sft", "ppo", "rloo", "dpo"], kind=lambda s: s,
+                            judged_label=lambda s: s, marker=lambda s, base=base: str(base / "stages" / f"{s}.json"))
+        os.makedirs(p.report_dir)
+        os.makedirs(base / "stages")
+        policies = []
+        for stage, rates in WIN.items():
+            rate = rates[i]
+            policies.append({"policy": stage, "win_rate": rate, "ci_low": rate - 0.07, "ci_high": rate + 0.07, "n": 200,
+                             "kl": 0.0 if stage == "sft" else 1.0 + i / 10, "kl_se": 0.0 if stage == "sft" else 0.05,
+                             "length": 20.0, "eos_rate": 0.9})
+            (base / "stages" / f"{stage}.json").write_text(json.dumps({"wall_time_s": 10.0, "peak_rss_mib": 500.0}))
+            os.makedirs(os.path.join(p.runs, stage))
+            (base / "runs" / stage / "args.json").write_text(json.dumps(ARGS[stage]))
+        (base / "report" / "results.json").write_text(json.dumps({"policies": policies}))
+        pipelines.append(p)
+    return pipelines
+
+
+def test_a_consistently_better_method_beats_under_the_paired_test_where_unpaired_intervals_overlap(tmp_path):
+    _, ppo_low, ppo_high = report.mean_and_t_interval(WIN["ppo"])
+    _, rloo_low, rloo_high = report.mean_and_t_interval(WIN["rloo"])
+    assert rloo_low < ppo_high and ppo_low < rloo_high  # unpaired, the two cannot be told apart
+
+    text = report.write_leaderboard(str(tmp_path), SEEDS, fake_pipelines(tmp_path))
+    paired = pd.read_csv(tmp_path / "report" / "leaderboard_paired.csv")
+    pairs = paired.set_index(["method", "baseline"])
+    assert len(paired) == 9  # every method against the baselines (PPO, DPO, SFT) but itself: 6 distinct pairs
+    rloo = pairs.loc[("rloo", "ppo")]
+    assert rloo["mean"] == pytest.approx(0.0305) and rloo["holm_low"] > 0 and rloo["beats"] == "yes"
+    assert rloo["p_holm"] <= 0.05 and rloo["holm_level"] < 0.05 and rloo["p"] < 0.001
+    # every other comparison but the ones against SFT (every method is far above it on every seed) stays "no"
+    beats = {key for key, row in pairs.iterrows() if row["beats"] == "yes"}
+    assert beats == {("rloo", "ppo"), ("rloo", "sft"), ("ppo", "sft"), ("dpo", "sft")}
+    for key, row in pairs.iterrows():  # the corrected interval excludes 0 exactly where Holm rejects
+        assert (row["p_holm"] <= 0.05) == (row["holm_low"] > 0 or row["holm_high"] < 0), key
+
+    # the main table: the beats column, and the CSV's per-baseline columns
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert list(rows)[2:] == ["SFT", "PPO", "RLOO", "DPO"]  # lines beginning "| " are the main table's alone
+    assert " | PPO, SFT | " in rows["RLOO"] and " | SFT | " in rows["DPO"] and " | none | " in rows["SFT"]
+    table = pd.read_csv(tmp_path / "report" / "leaderboard.csv").set_index("stage")
+    assert table.loc["rloo", "beats_ppo"] == "yes" and table.loc["dpo", "beats_ppo"] == "no"
+    assert pd.isna(table.loc["ppo", "beats_ppo"])
+    # the paired table in the markdown: RLOO against PPO, its differences per seed, and yes
+    line = next(line for line in text.splitlines() if line.startswith("RLOO | PPO | "))
+    assert line.startswith("RLOO | PPO | +0.030 | +0.035 | +0.025 | +0.032 | ") and line.endswith("| yes")
+    assert "Holm's correction across the 6 distinct pairs" in text
+    # KL: the mean over seeds with the standard error of that mean (0.05 per seed: 0.05 x 2 / 4 = 0.025)
+    assert " | 1.150 (0.025) | " in rows["RLOO"] and " | 0.000 (0.000) | " in rows["SFT"]
+    assert table.loc["rloo", "kl_from_sft_se"] == pytest.approx(0.025)
