@@ -131,6 +131,9 @@ class Args:
     resume: bool = False
     """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
     the resumed run ends with the same weights and metrics as one that was never interrupted"""
+    restart: bool = False
+    """delete the checkpoints of --run_name and start over (without it, a run folder that holds checkpoints is
+    refused: --resume continues it)"""
     take_over_lock: bool = False
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
     accept_changed_inputs: bool = False
@@ -459,8 +462,8 @@ class RewardsAndAdvantages:
 
 
 @torch.no_grad()
-def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token_id: int, kl_coef: float, reward_moments,
-                           gather):
+def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token_id: int, kl_coef: float,
+                           reward_moments, gather):
     """From the reward models' scores to what the update trains on, for a local rollout batch: the mask after the
     EOS, optional reward scaling (trlX), the models joined, 5. the EOS trick, optional clipping, then 6. the per-token KL penalty with the
     score at the EOS, 7. optional reward whitening, 8. GAE (advantages and returns), 9. advantage whitening.
@@ -665,7 +668,7 @@ def main(args: Args) -> dict:
     accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
     hp = args.ppo  # the algorithm's knobs, --ppo.*
     num_processes, device = accelerator.num_processes, accelerator.device
-    local_batch_size, gradient_accumulation_steps, num_updates = batch_arithmetic(args, num_processes, hp.num_mini_batches)
+    local_batch_size, gradient_accumulation_steps, num_updates = batch_arithmetic(args, hp, num_processes)
     accelerator.gradient_accumulation_steps = gradient_accumulation_steps
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3
@@ -746,8 +749,8 @@ def main(args: Args) -> dict:
 
             # ---------------- the update: K epochs x minibatches x micro batches ----------------
             t_train = time.time()
-            stats = ppo_update(args, hp, accelerator, model, optimizer, data, scored, update, run.guard, actor_freeze, ptx,
-                               pad_id)
+            stats = ppo_update(args, hp, accelerator, model, optimizer, data, scored, update, run.guard, actor_freeze,
+                               ptx, pad_id)
             timers["training"] = time.time() - t_train
             timers["wall"] = time.time() - update_start
 
@@ -905,11 +908,11 @@ class PtxData:
 # ---------------------------------------------------------------------------------------------
 
 
-def batch_arithmetic(args, num_processes: int, num_mini_batches: int):
+def batch_arithmetic(args, hp, num_processes: int):
     """The batch sizes, each division exact or a clear error (before anything loads): the local batch size, the
     micro batches per optimizer step (gradient accumulation) and the number of updates."""
     local_batch_size = exact_div(args.total_batch_size, num_processes, "total_batch_size across processes")
-    local_mini_batch_size = exact_div(local_batch_size, num_mini_batches, "local batch across minibatches")
+    local_mini_batch_size = exact_div(local_batch_size, hp.num_mini_batches, "local batch across minibatches")
     gradient_accumulation_steps = exact_div(local_mini_batch_size, args.local_micro_batch_size, "local minibatch")
     num_updates = args.total_episodes // args.total_batch_size
     return local_batch_size, gradient_accumulation_steps, num_updates
@@ -1141,13 +1144,35 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
 
 
 def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name. A local
+    folder whose arrow files are damaged (cut short, overwritten) is one RunError naming the split's folder and the fix,
+    raised before anything else reads it: its table is read and checked once here."""
+    if not os.path.isdir(path):
+        return load_dataset(path, split=split)
+    import pyarrow  # (only its error types: what a damaged arrow file raises)
+
+    def damaged(error: Exception, folder: str) -> RunError:
+        return RunError(f"the prepared data in {folder} cannot be read: {type(error).__name__}: {error}. Its arrow file "
+                        "is damaged (cut short or overwritten, e.g. by a copy that stopped or a full disk); prepare it "
+                        "again with data/prepare.py (the task's flags, the same --output_dir) or copy it anew")
+
+    try:
         dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
+    except (OSError, pyarrow.ArrowException) as error:  # which split's folder: the first that does not load alone
+        for folder in sorted(os.path.join(path, d) for d in os.listdir(path)):
+            try:
+                if os.path.exists(os.path.join(folder, "state.json")):
+                    load_from_disk(folder)
+            except (OSError, pyarrow.ArrowException) as its_error:
+                raise damaged(its_error, folder) from its_error
+        raise damaged(error, path) from error
+    if split not in dataset_dict:
+        raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+    try:  # the arrow file is memory-mapped: its buffers must lie within it and match the row count
+        dataset_dict[split].data.validate()
+    except (OSError, pyarrow.ArrowException) as error:
+        raise damaged(error, os.path.join(path, split)) from error
+    return dataset_dict[split]
 
 
 def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
