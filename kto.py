@@ -98,6 +98,9 @@ class Args:
     resume: bool = False
     """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
     the resumed run ends with the same weights and metrics as one that was never interrupted"""
+    restart: bool = False
+    """delete the checkpoints of --run_name and start over (without it, a run folder that holds checkpoints is
+    refused: --resume continues it)"""
     take_over_lock: bool = False
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
     accept_changed_inputs: bool = False
@@ -1007,13 +1010,35 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
 
 
 def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name."""
-    if os.path.isdir(path):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name. A local
+    folder whose arrow files are damaged (cut short, overwritten) is one RunError naming the split's folder and the fix,
+    raised before anything else reads it: its table is read and checked once here."""
+    if not os.path.isdir(path):
+        return load_dataset(path, split=split)
+    import pyarrow  # (only its error types: what a damaged arrow file raises)
+
+    def damaged(error: Exception, folder: str) -> RunError:
+        return RunError(f"the prepared data in {folder} cannot be read: {type(error).__name__}: {error}. Its arrow file "
+                        "is damaged (cut short or overwritten, e.g. by a copy that stopped or a full disk); prepare it "
+                        "again with data/prepare.py (the task's flags, the same --output_dir) or copy it anew")
+
+    try:
         dataset_dict = load_from_disk(path)
-        if split not in dataset_dict:
-            raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-        return dataset_dict[split]
-    return load_dataset(path, split=split)
+    except (OSError, pyarrow.ArrowException) as error:  # which split's folder: the first that does not load alone
+        for folder in sorted(os.path.join(path, d) for d in os.listdir(path)):
+            try:
+                if os.path.exists(os.path.join(folder, "state.json")):
+                    load_from_disk(folder)
+            except (OSError, pyarrow.ArrowException) as its_error:
+                raise damaged(its_error, folder) from its_error
+        raise damaged(error, path) from error
+    if split not in dataset_dict:
+        raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+    try:  # the arrow file is memory-mapped: its buffers must lie within it and match the row count
+        dataset_dict[split].data.validate()
+    except (OSError, pyarrow.ArrowException) as error:
+        raise damaged(error, os.path.join(path, split)) from error
+    return dataset_dict[split]
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:

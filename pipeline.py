@@ -13,7 +13,8 @@ printed). A stage that finished leaves `<out>/stages/<name>.json` with the comma
 run while its outputs are complete (prep's task.json, a training stage's model folder marked `"complete": true` in its
 run.json) and the command asked now is the one it ran (else the pipeline stops: `--force <stage>` redoes it), so an
 interrupted pipeline picks up at the stage it was in, and a training stage that was interrupted after one
-of its checkpoints (`--checkpoint_every`) continues from it with `--resume`. One pipeline at a time works in an
+of its checkpoints (`--checkpoint_every`) continues from it with `--resume` (a forced one starts over with
+`--restart`, which deletes them: the scripts never delete checkpoints unasked). One pipeline at a time works in an
 `--out` folder (its lock: `<out>/pipeline.lock`); a second one is refused. The report lands in `<out>/report/`:
 `results.md` (also printed) and the plots. With several seeds (`--seeds 1 2 3`, the default of `--mode full`)
 the task (prep: data, tokenizer, base model) is made once and every later stage runs once per seed in
@@ -408,13 +409,13 @@ class Pipeline:
                            f"run again")
 
     def recorded(self, cmd: list[str]) -> list[str]:
-        """The command as a stage marker keeps it: without the interpreter and --resume, with {out} and {repo} for the
+        """The command as a stage marker keeps it: without the interpreter, --resume and --restart, with {out} and {repo} for the
         two folders (a moved folder is the same command). The longer folder is named first, so that an --out whose
         path begins the project's (/tmp/lb and /tmp/lb_clone) does not swallow it."""
         folders = sorted([(self.out, "{out}"), (REPO_ROOT, "{repo}")], key=lambda folder: -len(folder[0]))
         out = []
         for token in cmd[1:]:
-            if token != "--resume":
+            if token not in ("--resume", "--restart"):
                 for path, name in folders:
                     token = token.replace(path, name)
                 out.append(token)
@@ -438,11 +439,16 @@ class Pipeline:
         raise RunError(f"[{stage}] finished in {self.out} with another command than this pipeline asks ({'; '.join(differ)}); "
                        f"pass --force {stage} to redo it (--force all: every stage), or another --out")
 
-    def resumable(self, stage: str) -> bool:
-        """A training stage that was interrupted after saving a checkpoint (runs/<stage>/checkpoints/update_N)."""
+    def has_checkpoints(self, stage: str) -> bool:
+        """The stage's run folder holds a checkpoint (runs/<stage>/checkpoints/update_N): its script refuses to run
+        there without --resume (continue) or --restart (delete them and start over)."""
         root = os.path.join(self.runs, stage, "checkpoints")
+        return os.path.isdir(root) and any(d.startswith("update_") for d in os.listdir(root))
+
+    def resumable(self, stage: str) -> bool:
+        """A training stage that was interrupted after saving a checkpoint, not forced to start over."""
         forced = stage in self.args.force or "all" in self.args.force
-        return not forced and os.path.isdir(root) and any(d.startswith("update_") for d in os.listdir(root))
+        return not forced and self.has_checkpoints(stage)
 
     def py(self, script: str, *flags: str) -> list[str]:
         return [sys.executable, os.path.join(REPO_ROOT, script), *flags]
@@ -588,6 +594,10 @@ class Pipeline:
                 if stage != "prep" and self.resumable(stage):
                     print(f"=== [{stage}] interrupted earlier; continuing from its latest checkpoint")
                     cmd.append("--resume")
+                elif stage != "prep" and self.has_checkpoints(stage):  # --force: its earlier checkpoints go, explicitly
+                    print(f"=== [{stage}] forced: deleting the checkpoints of its earlier run "
+                          f"({os.path.join(self.runs, stage, 'checkpoints')}) and starting over (--restart)")
+                    cmd.append("--restart")
                 self.run(stage, cmd)
                 problem = self.incomplete(stage)
                 if problem:  # the stage's command ended without error, yet its outputs are not complete

@@ -12,8 +12,8 @@ losses, metrics, how models are built and saved); this module keeps what only se
   processes         start_processes
   the run folder    Run: name, lock (claim_lock), --output_dir claim, the inputs' content hashes (content_digest,
                     INPUT_FILES), logs (TensorBoard, metrics.jsonl, W&B with --track), checkpoints (atomic, with a
-                    manifest) and --resume, completion marks, the non-finite guard; due: whether an action done
-                    every N updates falls on this one
+                    manifest) and --resume (or --restart: checkpoints are never deleted implicitly), completion
+                    marks, the non-finite guard; due: whether an action done every N updates falls on this one
   the fallback      LastGoodState: after a non-finite value, the state after the last good update as a checkpoint
   outputs           save_pretrained_model, upload_to_hub, frame_markdown; saving: a full disk named, for every save
 
@@ -333,7 +333,8 @@ def saving(folder: str, what: str, needed: Optional[int], then: str):
 class Run:
     """Everything a training run keeps on disk besides the model, behind one small interface:
 
-        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load
+        run = Run(args, accelerator)          # name, folder and its lock; with --resume, the checkpoint to load;
+                                              # checkpoints there without --resume or --restart: refused
         run.inputs(query_dataset=path, ...)   # content hashes of the data and models read (refused if changed on
                                               # resume)
         run.claim_output_dir()                # after the input checks: --output_dir becomes this run's
@@ -366,6 +367,15 @@ class Run:
         if self.main:  # one live run per folder: the lock holds its host, pid and start time (claim_lock)
             os.makedirs(self.dir, exist_ok=True)
             claim_lock(self.lock, getattr(args, "take_over_lock", False))
+        self.restart = getattr(args, "restart", False)  # (an Args without the flag: never starts over)
+        if args.resume and self.restart:
+            raise RunError("--resume continues the run's newest checkpoint and --restart deletes its checkpoints; "
+                           "pass one of them")
+        if not args.resume and not self.restart and self.saved():  # checkpoints are never deleted implicitly
+            raise RunError(f"the run folder {self.dir} holds checkpoints of an earlier run named {args.run_name!r} "
+                           f"(newest: {os.path.basename(self.latest_checkpoint())}); this launch neither continues nor "
+                           f"replaces them. Pass --resume to continue from the newest, or --restart to delete them and "
+                           f"start over (or another --run_name to keep them and start a new run)")
         self.resume_from = self.intact_checkpoint() if args.resume else None
 
     def saved(self) -> list:
@@ -452,8 +462,10 @@ class Run:
             self.accelerator.load_state(self.resume_from)
             self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
             resumed_at = state["update"]
-        elif self.main:
-            shutil.rmtree(self.checkpoints, ignore_errors=True)  # a fresh run of the same name starts over
+        elif self.main:  # a fresh run: no checkpoints (Run refused them without --restart) or --restart deletes them
+            if self.restart and self.saved():
+                self.accelerator.print(f"--restart: deleting the checkpoints in {self.checkpoints}, starting over")
+            shutil.rmtree(self.checkpoints, ignore_errors=True)  # (with a killed save's temporary folder, if any)
         if self.main:
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
             config = asdict(self.args)  # with the derived fields filled in

@@ -21,6 +21,7 @@ responses have different lengths), 5 (queries left-padded, query+response right-
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -138,8 +139,46 @@ class Args:
 # --------------------------------------------------------------------------------------------
 # Raw rows: hub or local files in the hub schema, checked field by field
 # --------------------------------------------------------------------------------------------
-def load_raw(local: Optional[str], hub_name: str, config: Optional[str] = None):
-    """A DatasetDict of raw rows from a local folder (`<split>.jsonl|parquet`) or the hub."""
+# the fields every raw row needs, and their types, per source schema (checked per row, named by its place)
+TLDR_SFT_FIELDS = {"id": str, "subreddit": str, "title": str, "post": str, "summary": str}
+TLDR_PREFERENCE_FIELDS = {"info": dict, "summaries": list, "choice": int, "batch": str}
+HH_FIELDS = {"chosen": str, "rejected": str}
+
+
+def check_json_lines(path: str, fields: Optional[dict]) -> None:
+    """Bad input: a local JSON-lines split file is read here line by line before `datasets` sees it, so a line cut in
+    the middle, a line that is not JSON, or a row that lacks a field of `fields` is one error naming path:line and
+    what a row needs, raised before anything is saved (the loader would fail deep inside, naming neither). A .json
+    file that parses whole (a JSON array) is left to the loader; blank lines are skipped, as the loader skips them."""
+    if path.endswith(".json"):
+        with contextlib.suppress(ValueError, UnicodeDecodeError), open(path, encoding="utf-8") as f:
+            json.load(f)
+            return
+    need = f"each line must be one JSON object with the fields {sorted(fields)}" if fields else \
+        "each line must be one JSON object"
+    fix = "fix or remove that line (or download the file again); nothing was saved"
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as error:
+                cut = " (the line ends early: cut in the middle?)" if not line.rstrip().endswith("}") else ""
+                raise ValueError(f"{where}: not valid JSON: {error.msg} at column {error.colno}{cut}; {need}; "
+                                 f"{fix}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object; {need}; {fix}")
+            try:
+                check_fields(row, fields or {}, where + (f" (id {row['id']})" if "id" in row else ""))
+            except ValueError as error:
+                raise ValueError(f"{error}; {fix}") from None
+
+
+def load_raw(local: Optional[str], hub_name: str, config: Optional[str] = None, fields: Optional[dict] = None):
+    """A DatasetDict of raw rows from a local folder (`<split>.jsonl|parquet`) or the hub. A local JSON-lines file is
+    checked line by line first (check_json_lines: each line a JSON object with `fields`)."""
     from datasets import DatasetDict, load_dataset
 
     if local is None:
@@ -158,6 +197,8 @@ def load_raw(local: Optional[str], hub_name: str, config: Optional[str] = None):
         kind = "parquet" if path.endswith(".parquet") else "json"
         if source_rows(path) == 0:
             check_not_empty(f"{split} ({path})", 0, 0, {})
+        if kind == "json":
+            check_json_lines(path, fields)
         out[split] = load_dataset(kind, data_files={split: path}, split=split)
     return DatasetDict(out)
 
@@ -685,13 +726,13 @@ def prepare_tldr(args: Args, tokenizer) -> dict:
 
     report: dict = {}
     spellings = special_spellings(tokenizer)
-    raw_sft = load_raw(args.sft_data, args.sft_dataset_name)
+    raw_sft = load_raw(args.sft_data, args.sft_dataset_name, fields=TLDR_SFT_FIELDS)
     sft = {}
     for split, ds in raw_sft.items():
         read = len(ds)
         check_not_empty(f"sft/{split}", read, read, {})
         def check(row, idx, split=split):
-            check_fields(row, {"id": str, "subreddit": str, "title": str, "post": str, "summary": str},
+            check_fields(row, TLDR_SFT_FIELDS,
                          f"sft/{split} row {idx} (id {row.get('id')})")
             return row
         ds = ds.map(check, with_indices=True, desc=f"check sft/{split}")
@@ -702,13 +743,14 @@ def prepare_tldr(args: Args, tokenizer) -> dict:
         sft[split] = drop_long(ds, f"sft/{split}", report)
         check_not_empty(f"sft/{split}", len(sft[split]), read,
                         {LONG.format(flag="sft_response_length"): report[f"sft/{split}_dropped_long_response"]})
-    raw_pref = load_raw(args.preference_data, args.preference_dataset_name, "comparisons")
+    raw_pref = load_raw(args.preference_data, args.preference_dataset_name, "comparisons",
+                        fields=TLDR_PREFERENCE_FIELDS)
     pref = {}
     for split, ds in raw_pref.items():
         read = len(ds)
         check_not_empty(f"preference/{split}", read, read, {})
         def check(row, idx, split=split):
-            check_fields(row, {"info": dict, "summaries": list, "choice": int, "batch": str},
+            check_fields(row, TLDR_PREFERENCE_FIELDS,
                          f"preference/{split} row {idx}")
             return row
         ds = ds.map(check, with_indices=True, desc=f"check preference/{split}")
@@ -737,7 +779,7 @@ def drop_mismatched_hh(ds, name: str, args: Args, report: dict):
     few rows (by their row in the raw split) in the report and the log; `error` stops at the first one. Returns
     the kept rows and, for each kept row, its row in the raw split (so later errors name the raw row)."""
     def problem(row, idx):
-        check_fields(row, {"chosen": str, "rejected": str}, f"hh/{name} row {idx}")
+        check_fields(row, HH_FIELDS, f"hh/{name} row {idx}")
         return {"problem": hh_pair_problem(row["chosen"], row["rejected"]) or ""}
 
     problems = ds.map(problem, with_indices=True, remove_columns=ds.column_names, num_proc=args.num_proc,
@@ -764,7 +806,7 @@ def prepare_hh(args: Args, tokenizer) -> dict:
 
     report: dict = {}
     spellings = special_spellings(tokenizer)
-    raw = load_raw(args.hh_data, args.hh_dataset_name)
+    raw = load_raw(args.hh_data, args.hh_dataset_name, fields=HH_FIELDS)
     sft, pref = {}, {}
     for split, ds in raw.items():
         name = "validation" if split == "test" else split

@@ -513,3 +513,63 @@ def test_a_byte_identical_re_prepare_is_the_same_input_and_other_lengths_are_not
         for data in ("sft", "preference"):
             for split, dataset in load_from_disk(os.path.join(root, data)).items():
                 run_infra.check_query_response(dataset, pad, f"{root}/{data} split {split!r}")  # no false alarm
+
+
+# ---------------------------------------------------------------- damaged local source files: path:line, nothing saved
+@pytest.mark.parametrize("case", ["cut_line", "no_summary", "hh_not_json", "empty"])
+def test_a_damaged_local_jsonl_names_file_and_line_and_saves_nothing(tmp_path, synthetic_task, case):
+    good = open(os.path.join(FIXTURES, "tldr_sft", "train.jsonl")).read().splitlines()
+    source = tmp_path / "source"
+    source.mkdir()
+    kw = dict(sft_data=str(source), preference_data=os.path.join(FIXTURES, "tldr_comparisons"))
+    if case == "cut_line":
+        (source / "train.jsonl").write_text("\n".join([good[0], good[1][: len(good[1]) // 2], *good[2:]]) + "\n")
+        message = (f"{source / 'train.jsonl'}:2: not valid JSON: ", "(the line ends early: cut in the middle?)",
+                   "each line must be one JSON object with the fields ['id', 'post', 'subreddit', 'summary', 'title']",
+                   "nothing was saved")
+    elif case == "no_summary":
+        row = json.loads(good[0])
+        del row["summary"]
+        (source / "train.jsonl").write_text("\n".join([good[0], json.dumps(row)]) + "\n")
+        message = (f"{source / 'train.jsonl'}:2 (id {row['id']}): missing field 'summary'; every row needs "
+                   "['id', 'post', 'subreddit', 'summary', 'title']", "nothing was saved")
+    elif case == "hh_not_json":
+        hh = open(os.path.join(FIXTURES, "hh", "train.jsonl")).read().splitlines()
+        (source / "train.jsonl").write_text("\n".join([hh[0], "Human: hi Assistant: hello", *hh[1:]]) + "\n")
+        kw = dict(task="hh", hh_data=str(source), query_length=96, sft_response_length=64, rm_response_length=64)
+        message = (f"{source / 'train.jsonl'}:2: not valid JSON", "['chosen', 'rejected']", "nothing was saved")
+    else:
+        (source / "train.jsonl").write_text("")
+        message = (f"train ({source / 'train.jsonl'}): the source split holds no rows; nothing was saved",)
+    with pytest.raises(ValueError) as error:
+        run_prepare(tmp_path, synthetic_task["base_model"], **kw)
+    for part in message:
+        assert part in str(error.value)
+    out = tmp_path / "out"
+    assert not out.exists() or not os.listdir(out)  # nothing written to the output folder
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed"])
+def test_a_damaged_prepared_split_is_one_error_naming_its_folder_and_the_fix(tmp_path, synthetic_task, damage):
+    import shutil
+
+    from conftest import load_script
+
+    data = tmp_path / "sft"
+    shutil.copytree(synthetic_task["sft"], data)
+    arrow = data / "train" / "data-00000-of-00001.arrow"
+    size = arrow.stat().st_size
+    if damage == "truncated":
+        os.truncate(arrow, size // 2)
+    else:
+        arrow.write_bytes(bytes(size))
+    sft = load_script("sft")  # load_split is the same code in every script (tests/test_shared_helpers.py)
+    assert len(sft.load_split(synthetic_task["sft"], "train")) > 0  # the intact task loads
+    with pytest.raises(sft.RunError) as error:
+        sft.load_split(str(data), "train")
+    message = str(error.value)
+    assert message.startswith(f"the prepared data in {data / 'train'} cannot be read: ")
+    assert "prepare it again with data/prepare.py" in message and "\n" not in message
+    assert ("OSError: Expected to be able to read" if damage == "truncated" else "ArrowInvalid") in message
+    with pytest.raises(sft.RunError, match=re.escape(f"the prepared data in {data / 'train'} cannot be read")):
+        sft.load_split(str(data), "validation")  # another split of the folder: the damaged one is named

@@ -562,3 +562,23 @@ def test_a_bad_extra_stops_the_pipeline_in_one_line_before_the_lock_and_every_st
         f"pipeline.py: error: --extra {fork}:grpo: --mode quickstart has no stage grpo, whose command and settings "
         f"the fork would take; the stage grpo runs in --mode leaderboard, --mode ci")
     assert not out.exists() and "#####" not in result.stdout  # no folder, no lock, no stage
+
+
+def test_a_forced_stage_with_checkpoints_restarts_explicitly_and_an_interrupted_one_resumes(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """The scripts refuse a run folder with checkpoints unless told --resume or --restart: the pipeline tells them."""
+    sys.path.insert(0, REPO_ROOT)
+    import pipeline
+
+    commands = []
+    for force in ([], ["sft"]):
+        p = pipeline.Pipeline(pipeline.Args(out=str(tmp_path / "out"), force=force))
+        (tmp_path / "out" / "runs" / "sft" / "checkpoints" / "update_000002").mkdir(parents=True, exist_ok=True)
+        monkeypatch.setattr(p, "stages", ["sft"])
+        monkeypatch.setattr(p, "run", lambda stage, cmd: commands.append(cmd) or (_ for _ in ()).throw(SystemExit))
+        with pytest.raises(SystemExit):  # (stops after building the command: no training)
+            p.main()
+    assert commands[0][-1] == "--resume" and "--restart" not in commands[0]
+    assert commands[1][-1] == "--restart" and "--resume" not in commands[1]
+    assert "=== [sft] forced: deleting the checkpoints of its earlier run" in capsys.readouterr().out
+    assert "--restart" not in p.recorded(commands[1])  # a marker records the command without it

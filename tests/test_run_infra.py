@@ -31,6 +31,7 @@ class RunArgs:
     seed: int = 1
     run_name: Optional[str] = "unit"
     resume: bool = False
+    restart: bool = False
     track: bool = False
     checkpoint_keep: int = 2
     overwrite_output_dir: bool = False
@@ -171,6 +172,36 @@ def test_a_resume_on_other_input_contents_is_refused_naming_both(tmp_path, capsy
     run.inputs(query_dataset=str(data))
     assert "--resume with changed inputs (--accept_changed_inputs): --query_dataset" in capsys.readouterr().out
     assert run.digests["query_dataset"]["sha256"] == changed  # what its own checkpoints will record
+
+
+# ---------------------------------------------------------------- the same command again, without --resume
+def test_a_run_folder_with_checkpoints_is_refused_without_resume_and_restart_deletes_them_explicitly(tmp_path, capsys):
+    run, model, optimizer = make_run(tmp_path)  # a run cut after update 4 that saved every 2 updates
+    run.start({"update": 0}, num_updates=8)
+    for update in (2, 4):
+        step(model, optimizer)
+        run.checkpoint(update, {})
+    checkpoints = tmp_path / "runs" / "unit" / "checkpoints"
+    saved = sorted(os.listdir(checkpoints))
+    assert saved == ["update_000002", "update_000004"]
+
+    with pytest.raises(RunError) as refused:  # the same command again: Run refuses before any model loads
+        make_run(tmp_path)
+    assert str(refused.value) == (
+        f"the run folder {tmp_path / 'runs' / 'unit'} holds checkpoints of an earlier run named 'unit' (newest: "
+        "update_000004); this launch neither continues nor replaces them. Pass --resume to continue from the newest, "
+        "or --restart to delete them and start over (or another --run_name to keep them and start a new run)")
+    assert sorted(os.listdir(checkpoints)) == saved  # nothing deleted
+    with pytest.raises(RunError, match="pass one of them"):
+        make_run(tmp_path, resume=True, restart=True)
+    assert sorted(os.listdir(checkpoints)) == saved
+
+    run = make_run(tmp_path, restart=True)[0]  # the explicit way to start over
+    assert run.resume_from is None and sorted(os.listdir(checkpoints)) == saved  # deleted only once the run starts
+    assert run.start({"update": 0}, num_updates=8) == {"update": 0}
+    assert not checkpoints.exists()
+    assert f"--restart: deleting the checkpoints in {checkpoints}, starting over" in capsys.readouterr().out
+    make_run(tmp_path)  # no checkpoints left: the plain command runs again
 
 
 # ---------------------------------------------------------------- finite weights only
