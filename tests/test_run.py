@@ -250,9 +250,10 @@ def test_a_second_run_into_a_live_run_folder_is_refused_and_a_dead_runs_lock_is_
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=60)
-    # the killed run left its lock behind: a new run of that name takes it over
+    # the killed run left its lock behind: a new run of that name takes it over (it left checkpoints too, which a new
+    # run replaces only when told to: --restart)
     assert json.load(open(lock))["pid"] == first.pid
-    short = sft_args(synthetic_task, tmp_path, "shared", "--total_episodes", "32", "--overwrite_output_dir")
+    short = sft_args(synthetic_task, tmp_path, "shared", "--total_episodes", "32", "--overwrite_output_dir", "--restart")
     run_ok([sys.executable, SFT, *short], cwd=tmp_path, env=ENV)
     assert not lock.exists()
 
