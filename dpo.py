@@ -29,6 +29,7 @@ After a crash:    the same command with --resume (and --run_name of the run, if 
                   update is saved as a checkpoint to resume from.
 """
 import copy
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -44,11 +45,12 @@ from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 from datasets import get_dataset_split_names, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_qlora_flags, check_query_response, due, frame_markdown, save_pretrained_model, start_processes, upload_to_hub,
+    check_qlora_flags, check_query_response, due, evaluation_rng, frame_markdown, save_pretrained_model,
+    start_processes, upload_to_hub,
 )
 
 
@@ -92,6 +94,9 @@ class Args:
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
+    accept_changed_flags: bool = False
+    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
+    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # models and data
     sft_model_path: str = "models/sft"
@@ -135,8 +140,8 @@ class Args:
     """Table 6: AdamW epsilon"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
-    scheduler: str = "cosine"
-    """Table 6: learning-rate schedule (any name transformers.get_scheduler knows)"""
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Table 6: learning-rate schedule (transformers.get_scheduler's curves, written out: lr_schedule)"""
     warmup_steps: int = 0
     """learning-rate warm-up, in optimizer updates"""
     total_batch_size: int = 64
@@ -271,16 +276,12 @@ def main(args: Args) -> dict:
     adamw = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
     # accelerate's wrapper would step it once per process)
-    lr_scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-    # the data order comes from its own generator (reseeded with seed + epoch by the seedable sampler), so
-    # neither sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG
-    train_dataloader = DataLoader(
-        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
+    lr_scheduler = lr_schedule(adamw, args.scheduler, num_updates, args.warmup_steps)
+    # the data order, from a generator of its own (shuffled_batches); kto.py reads the same pairs in the same order
+    train_dataloader = shuffled_batches(train_dataset, args.local_micro_batch_size, args.seed)
     policy, optimizer, train_dataloader = accelerator.prepare(policy, adamw, train_dataloader)
     accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
-    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+    torch.manual_seed(local_seed)  # draws differ across ranks from here on (evaluation: its own, evaluation_rng)
 
     # ---------------- resume and logs ----------------
     last_good = LastGoodState(run, accelerator, adamw, lr_scheduler)  # the non-finite guard's fallback
@@ -339,6 +340,8 @@ def main(args: Args) -> dict:
     metrics = run_evaluation(num_updates, final=True)
     summary = {**metrics, **interval.last_means,  # the last logging interval's training means
                "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
+               # the budget as spent (report.py's leaderboard reads it): every update read total_batch_size pairs
+               "budget/updates": num_updates, "budget/pairs_read": num_updates * args.total_batch_size,
                "wall_time_s": time.time() - start_time}
     # with LoRA the adapters folded into the base: the plain float32 model it computes (merged_policy)
     save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir,
@@ -539,17 +542,20 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
     unwrapped = accelerator.unwrap_model(model)
     dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
     rows_all, responses_all = [], []
-    for batch in dataloader:
-        queries = batch["query_token"]  # (B, Tq), left-padded
-        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
-        with accelerator.autocast():
-            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
-        responses = truncate_response(
-            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
-        )  # (B, Tr)
-        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
-        rows_all.append(rows.cpu())
-        responses_all.append(responses.cpu())
+    # evaluation samples from its own random stream, the same at every evaluation (evaluation_rng): how often and
+    # how much a run evaluates never changes what it trains
+    with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003):
+        for batch in dataloader:
+            queries = batch["query_token"]  # (B, Tq), left-padded
+            queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding all rows share: cut
+            with accelerator.autocast():
+                query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+            responses = truncate_response(
+                tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
+            )  # (B, Tr)
+            rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
+            rows_all.append(rows.cpu())
+            responses_all.append(responses.cpu())
     model.train()
     return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
 
@@ -1106,6 +1112,16 @@ class LoggingInterval:
                 "last_train_metrics": self.last_means}
 
 
+def shuffled_batches(dataset, batch_size: int, seed: int, collate_fn=None) -> DataLoader:
+    """The training data order: micro batches of batch_size rows (a last partial one dropped) in a shuffle drawn from a
+    generator of its own, which accelerate's seedable sampler (make_accelerator) reseeds with seed + epoch, so neither
+    sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG. The shuffle depends
+    on the number of rows and the seed alone: kto.py --feedback pairs reads dpo.py's pairs in dpo.py's order,
+    local_micro_batch_size / 2 pairs a micro batch, each pair read as its two halves (its collate_fn)."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
+                      generator=torch.Generator().manual_seed(seed), collate_fn=collate_fn)
+
+
 def resumable_micro_batches(loader, skip: int):
     """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
     the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
@@ -1157,6 +1173,28 @@ def breakdown_markdown(rows: List[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
     return "\n".join(lines)
+
+
+def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate of update t (from 0) over num_updates updates, as a multiple of --lr: a linear warm-up from 0
+    over the first warmup_steps updates, then cosine decays to 0 as 0.5 * (1 + cos(pi * progress)) and linear as
+    (T - t) / (T - warmup); constant stays 1 and, as in transformers, ignores the warm-up. These are
+    transformers.get_scheduler's multipliers bit for bit (tests/test_lr_schedule.py), written out because importing
+    get_scheduler loads peft and bitsandbytes through transformers.trainer_utils, about 3 s of every process."""
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"unknown learning-rate schedule {kind!r}: cosine, linear or constant")
+
+    def multiplier(t: int) -> float:  # transformers' arithmetic, in its order, so that every float is the same
+        if kind == "constant":
+            return 1.0
+        if t < warmup_steps:
+            return float(t) / float(max(1, warmup_steps))
+        if kind == "linear":
+            return max(0.0, float(num_updates - t) / float(max(1, num_updates - warmup_steps)))
+        progress = float(t - warmup_steps) / float(max(1, num_updates - warmup_steps))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress)))  # num_cycles 0.5: half a wave
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 if __name__ == "__main__":

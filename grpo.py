@@ -46,8 +46,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_qlora_flags, check_query_response, check_reward_tokenizer, due, save_pretrained_model, start_processes,
-    upload_to_hub,
+    check_qlora_flags, check_query_response, check_reward_tokenizer, due, evaluation_rng, save_pretrained_model,
+    start_processes, upload_to_hub,
 )
 
 
@@ -130,6 +130,9 @@ class Args:
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
+    accept_changed_flags: bool = False
+    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
+    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # models
     sft_model_path: str = "models/sft"
@@ -576,29 +579,33 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
     per_rank = min(args.num_eval_samples, len(eval_dataset)) // accelerator.num_processes
     start_row = accelerator.process_index * per_rank
     rows = []
-    for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
-        batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
-        query = torch.tensor(batch["query_token"], device=accelerator.device)
-        query = query[:, real_columns(query, pad_id)]  # the left padding every query of the batch shares is cut
-        context_length = query.size(1)
-        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
-        truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
-        scores = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
-        score = combine_scores(scores, args.reward_combine, args.reward_weights)  # raw: no EOS trick, no scaling
-        _, last_index = response_mask(truncated, pad_id)
-        has_eos = (truncated == eos_id).any(1)
-        for i in range(query.size(0)):
-            rows.append(
-                {
-                    "query": tokenizer.decode(query[i][query[i] != pad_id], skip_special_tokens=True),
-                    "response": tokenizer.decode(truncated[i], skip_special_tokens=True).strip(),
-                    "reference": batch["reference_response"][i].strip(),
-                    "score": score[i].item(),
-                    "response_token_len": int(last_index[i].item()) + 1,
-                    "has_eos": bool(has_eos[i].item()),
-                    **({f"score_rm{j}": scores[i, j].item() for j in range(scores.size(1))} if scores.size(1) > 1 else {}),
-                }
-            )
+    # evaluation samples from its own random stream, the same at every evaluation (evaluation_rng): how often
+    # and how much a run evaluates never changes what it trains
+    with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003):
+        for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
+            batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
+            query = torch.tensor(batch["query_token"], device=accelerator.device)
+            query = query[:, real_columns(query, pad_id)]  # the left padding every query of the batch shares is cut
+            context_length = query.size(1)
+            query_response = generate(unwrapped.policy, query, pad_id, generation_config)
+            truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
+            scores = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
+            score = combine_scores(scores, args.reward_combine, args.reward_weights)  # raw: no EOS trick, no scaling
+            _, last_index = response_mask(truncated, pad_id)
+            has_eos = (truncated == eos_id).any(1)
+            for i in range(query.size(0)):
+                rows.append(
+                    {
+                        "query": tokenizer.decode(query[i][query[i] != pad_id], skip_special_tokens=True),
+                        "response": tokenizer.decode(truncated[i], skip_special_tokens=True).strip(),
+                        "reference": batch["reference_response"][i].strip(),
+                        "score": score[i].item(),
+                        "response_token_len": int(last_index[i].item()) + 1,
+                        "has_eos": bool(has_eos[i].item()),
+                        **({f"score_rm{j}": scores[i, j].item() for j in range(scores.size(1))}
+                           if scores.size(1) > 1 else {}),
+                    }
+                )
     return gather_object(rows)
 
 
@@ -614,9 +621,11 @@ def log_evaluation(run, args, update: int, rows: list):
 
 
 def fresh_trainer_state() -> dict:
-    """The trainer state of a run that starts at update 0: the time totals and the last metrics, for the summary."""
+    """The trainer state of a run that starts at update 0: the time totals, the budget spent (responses sampled and the
+    prompts they answer, counted as they are sampled) and the last metrics, for the summary."""
     return {"update": 0, "wall_time_s": 0.0, "metrics": {},
-            "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0}}
+            "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0},
+            "budget": {"budget/responses_sampled": 0, "budget/prompts": 0}}
 
 
 def run_summary(args, state: dict, eval_metrics: dict, num_updates: int, start_time: float) -> dict:
@@ -631,8 +640,17 @@ def run_summary(args, state: dict, eval_metrics: dict, num_updates: int, start_t
         "time/generation_share": totals["generation"] / totals["wall"],
         "time/scoring_share": totals["scoring"] / totals["wall"],
         "time/training_share": totals["training"] / totals["wall"],
+        **state["budget"], "budget/updates": num_updates,  # the budget as spent (report.py's leaderboard reads it)
         "wall_time_s": time.time() - start_time,
     }
+
+
+def next_state(state: dict, start_time: float, timers: dict, metrics: dict, sampled: dict) -> dict:
+    """The trainer state after an update: the run's wall time, the time totals and the budget spent (this update's
+    `timers` and `sampled` counts added to the state's), and the update's metrics."""
+    return {"wall_time_s": time.time() - start_time, "metrics": metrics,
+            "totals": {key: state["totals"][key] + timers[key] for key in state["totals"]},
+            "budget": {key: state["budget"][key] + sampled[key] for key in state["budget"]}}
 
 
 def main(args: Args) -> dict:
@@ -733,9 +751,10 @@ def main(args: Args) -> dict:
                                      eos_id, "grpo")
             # the rollout's KL (summed over each response, averaged over the global batch); no-op without adaptive_kl
             kl_controller.update(accelerator.gather(scored.kl.sum(1)).mean().item(), args.total_batch_size)
-            run.log(update, metrics)
-            totals = {key: state["totals"][key] + timers[key] for key in state["totals"]}
-            state = {"wall_time_s": time.time() - start_time, "totals": totals, "metrics": metrics}
+            # the budget spent: the responses this update sampled and the prompts they answer, on every process
+            state = next_state(state, start_time, timers, metrics, {"budget/responses_sampled": len(data.responses)
+                               * num_processes, "budget/prompts": len(rows) * num_processes})
+            run.log(update, {**metrics, **state["budget"]})
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
                              eps=f"{metrics['episodes_per_second']:.1f}")
         if due(args.print_sample_every, update):
@@ -789,6 +808,12 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = state["value"]
+
+    def flags_changed(self, changed: dict) -> None:
+        """--resume --accept_changed_flags (Run.apply_changed_flags): a new --*.kl_coef replaces the restored value."""
+        for name, (_, now) in changed.items():
+            if name.endswith(".kl_coef"):
+                self.value = now
 
 
 class RunningMoments:

@@ -45,6 +45,7 @@ Several GPUs:     accelerate launch --config_file zero2.yaml ilql.py --seed 1
 import contextlib
 import functools
 import json
+import math
 import os
 import time
 from copy import deepcopy
@@ -64,11 +65,12 @@ from datasets import concatenate_datasets, load_dataset, load_from_disk
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_query_response, check_reward_tokenizer, due, save_pretrained_model, saving, start_processes, upload_to_hub,
+    check_query_response, check_reward_tokenizer, due, evaluation_rng, save_pretrained_model, saving, start_processes,
+    upload_to_hub,
 )
 
 
@@ -142,6 +144,9 @@ class Args:
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
+    accept_changed_flags: bool = False
+    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
+    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # models and data
     init_from: Literal["base", "sft"] = "base"
@@ -181,9 +186,9 @@ class Args:
     """AdamW epsilon (the project's common value; trlX's ILQL configs use 1e-8)"""
     weight_decay: float = 1e-6
     """AdamW weight decay (trlX default_ilql_config: 1e-6)"""
-    scheduler: str = "constant"
-    """learning-rate schedule (any transformers.get_scheduler name); trlX's cosine_annealing with
-    T_max=1e12 and eta_min=lr is a constant learning rate"""
+    scheduler: Literal["cosine", "linear", "constant"] = "constant"
+    """learning-rate schedule (transformers.get_scheduler's curves, written out: lr_schedule); trlX's
+    cosine_annealing with T_max=1e12 and eta_min=lr is a constant learning rate"""
     warmup_steps: int = 0
     """learning-rate warm-up, in optimizer updates"""
     total_batch_size: int = 128
@@ -715,7 +720,7 @@ def main(args: Args) -> dict:
         [p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps, weight_decay=args.weight_decay
     )
     # counts optimizer updates, stepped by hand once per update (accelerate's wrapper would step per process)
-    lr_scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    lr_scheduler = lr_schedule(adamw, args.scheduler, num_updates, args.warmup_steps)
     train_dataloader = DataLoader(
         train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
         generator=torch.Generator().manual_seed(args.seed),
@@ -726,7 +731,7 @@ def main(args: Args) -> dict:
     # float32 Polyak copies of low-precision targets
     accelerator.register_for_checkpointing(lr_scheduler)
     accelerator.register_for_checkpointing(TargetCopies(heads))
-    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+    torch.manual_seed(local_seed)  # draws differ across ranks from here on (evaluation: its own, evaluation_rng)
 
     # ---------------- resume: a killed run loses at most --checkpoint_every updates ----------------
     # the non-finite guard's fallback. The target heads' float32 copies change only after an update's guards (and are
@@ -969,7 +974,9 @@ class IlqlCounters:
     def totals(self) -> dict:
         """The counters the summary reports."""
         return {"num_updates": self.update, "episodes": self.episode, "num_target_syncs": self.num_target_syncs,
-                "train_time_s": self.train_time}
+                "train_time_s": self.train_time,
+                # the budget as spent (report.py's leaderboard reads it): trajectories (RM-scored responses) read
+                "budget/updates": self.update, "budget/rows_read": self.episode}
 
 
 def evaluate_and_save(run, accelerator, model, reward_model, tokenizer, eval_raw, eval_dataset, args,
@@ -978,8 +985,11 @@ def evaluate_and_save(run, accelerator, model, reward_model, tokenizer, eval_raw
     becomes samples/step_N.csv (and samples.csv at the end), each swept beta samples_beta{b}.csv."""
     metrics, tables = {}, {}
     for beta in betas:
-        table, beta_metrics = ilql_sample_table(accelerator, model, reward_model, tokenizer, eval_raw, eval_dataset,
-                                                beta, args)
+        # evaluation samples from its own random stream, the same at every evaluation and beta (evaluation_rng): how
+        # often and how much a run evaluates never changes what it trains
+        with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003):
+            table, beta_metrics = ilql_sample_table(accelerator, model, reward_model, tokenizer, eval_raw,
+                                                    eval_dataset, beta, args)
         tables[beta] = table
         metrics.update({f"eval/beta_{beta_name(beta)}/{k}": v for k, v in beta_metrics.items()})
         if beta == args.beta:
@@ -1246,6 +1256,28 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
         config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+
+
+def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate of update t (from 0) over num_updates updates, as a multiple of --lr: a linear warm-up from 0
+    over the first warmup_steps updates, then cosine decays to 0 as 0.5 * (1 + cos(pi * progress)) and linear as
+    (T - t) / (T - warmup); constant stays 1 and, as in transformers, ignores the warm-up. These are
+    transformers.get_scheduler's multipliers bit for bit (tests/test_lr_schedule.py), written out because importing
+    get_scheduler loads peft and bitsandbytes through transformers.trainer_utils, about 3 s of every process."""
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"unknown learning-rate schedule {kind!r}: cosine, linear or constant")
+
+    def multiplier(t: int) -> float:  # transformers' arithmetic, in its order, so that every float is the same
+        if kind == "constant":
+            return 1.0
+        if t < warmup_steps:
+            return float(t) / float(max(1, warmup_steps))
+        if kind == "linear":
+            return max(0.0, float(num_updates - t) / float(max(1, num_updates - warmup_steps)))
+        progress = float(t - warmup_steps) / float(max(1, num_updates - warmup_steps))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress)))  # num_cycles 0.5: half a wave
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ that, and three more things the paper reports:
 
 Robustness, since a judge is a remote service that fails: requests run concurrently on the
 official async `openai` client under a semaphore, each with a deadline on the whole request (--timeout_s: a
-server that answers and then stalls or trickles is cut off); 429 / 5xx / timeouts, a cut body and a 200 that is no
-chat completion are retried with exponential backoff and jitter (asyncio.sleep, a bounded number of tries); a reply without a
+server that answers and then stalls or trickles is cut off); 5xx / timeouts, a cut body and a 200 that is no
+chat completion are retried with exponential backoff and jitter (asyncio.sleep, a bounded number of tries); a 429 is
+waited out as the API asks, with fewer requests in flight, for up to --rate_limit_patience; a reply without a
 parseable verdict is asked again a bounded number of times and then counted as *invalid*
 (never as a loss, never replaced by a coin flip); every reply is cached on disk (sqlite), keyed
 by model and prompt, so a rerun or an interrupted run does not pay again for a reply it received
@@ -49,17 +50,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal, Optional
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import tyro  # noqa: E402
-from datasets import load_dataset, load_from_disk  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
+import numpy as np
+import pandas as pd
+import torch
+import tyro
+from datasets import load_dataset, load_from_disk
+from tqdm.auto import tqdm
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from judge_client import Outcome, ReplyCache, public_url, run_jobs  # the judge's HTTP client (judge_client.py)
 from run_infra import RunError, check_data_tokenizer, check_finite  # decides no number (run_infra.py)
@@ -103,8 +100,14 @@ class Args:
     max_parallel_requests: int = 8
     """concurrency limit: requests in flight at once"""
     max_tries: int = 6
-    """tries per request on 429, 5xx, timeouts, connection errors, a cut or stalled reply and a 200 that is no chat
-    completion (then the pair is invalid; when no request of the run was ever answered, the run stops with one error)"""
+    """tries per request on 5xx, timeouts, connection errors, a cut or stalled reply and a 200 that is no chat
+    completion (then the pair is invalid; when no request of the run was ever answered, the run stops with one error);
+    a 429 uses up none (--rate_limit_patience)"""
+    rate_limit_patience: float = 600.0
+    """seconds a rate limit (HTTP 429) is waited out: the judge waits as the API asks (Retry-After,
+    x-ratelimit-reset-*), with fewer requests in flight, using up no --max_tries, and stops with one error once the API
+    has limited this long with no answer (the replies so far stay in the cache, a rerun asks the rest). 600: many times
+    a per-minute limit's window, yet a quota spent for the day stops the run in 10 minutes instead of hanging it"""
     backoff_base_s: float = 1.0
     """first retry waits about this long; each further retry doubles it (with jitter)"""
     backoff_max_s: float = 60.0
@@ -483,7 +486,18 @@ def length_bins(frames: dict[str, pd.DataFrame], num_bins: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def pyplot():
+    """matplotlib's pyplot, drawing to files (Agg): imported here, not at the top, as only the plots need it (~0.4 s)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_length_controlled(bins: pd.DataFrame, path: str, unit: str) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, d in bins.groupby("label", sort=False):
         d = d[d["n"] > 0]
@@ -508,6 +522,7 @@ def plot_length_controlled(bins: pd.DataFrame, path: str, unit: str) -> None:
 
 
 def plot_bars(names: list[str], rates: list[float], lows: list[float], highs: list[float], path: str, ylabel: str, title: str) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(names) + 2), 4))
     r = np.array(rates, dtype=float)
     yerr = np.clip(np.stack([r - np.array(lows, dtype=float), np.array(highs, dtype=float) - r]), 0, None)

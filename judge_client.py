@@ -4,23 +4,29 @@ A judge is a remote service that fails, so each question goes through the same p
 
   deadline   --timeout_s bounds every request as a whole, not only the wait for its first byte: a server that
              answers and then stalls, or trickles its body, is cut off like one that never answers
-  retries    a 429, a 5xx, a connection error, a missed deadline, a cut body and a 200 that is no chat completion
-             are asked again, at most --max_tries times in all, after an exponential backoff with jitter
-             (asyncio.sleep: no blocking sleep); any other status (400, 404 ...) fails that prompt alone
+  retries    a 5xx, a connection error, a missed deadline, a cut body and a 200 that is no chat completion are
+             asked again, at most --max_tries times in all, after an exponential backoff with jitter
+             (asyncio.sleep: no blocking sleep); any other status but 429 (400, 404 ...) fails that prompt alone
+  429        a rate limit is no fault: the API is working and says when to come back. Every request waits as long
+             as its headers ask (Retry-After, OpenAI's x-ratelimit-reset-*; rate_limit_wait_s), the requests in
+             flight are halved and grow back by one at a time after answers (Throttle), and one line says so. Such
+             waits use up no --max_tries; --rate_limit_patience bounds how long the limit may last with no answer,
+             then the run stops with one paragraph (the answered prompts are in the cache: a rerun asks the rest)
   re-asks    a reply that parse_fn cannot read is asked again, at most --max_parse_tries times, then counted as
              unparseable: the caller marks it invalid, never a loss and never a coin flip
   cache      every reply received is committed to sqlite at once (ReplyCache), so a rerun or an interrupted run
              does not pay again for a reply it already has (one race remains, see ReplyCache)
   the stop   a judge that cannot be used at all (unreachable, stalling, answering no chat completion, refusing the
-             key, not one request answered, every request refused) stops the run with one JudgeUnavailableError
-             that names the URL, what happened and the fix, instead of marking every row invalid
+             key, not one request answered, every request refused, rate-limiting past --rate_limit_patience) stops
+             the run with one JudgeUnavailableError that names the URL, what happened and the fix, instead of
+             marking every row invalid
   the key    read from OPENAI_API_KEY in the environment only, never from a flag or a file (a loopback endpoint,
              the built-in gold judge, needs none); it is never printed, logged or saved: every error text kept is
              redacted, and the URL written to summaries loses any user:password part (public_url)
 
 Names: LOOPBACK_PLACEHOLDER_KEY, is_loopback_url, resolve_api_key, public_url (the key and the URL); ReplyCache;
-JudgeAPIError, JudgeUnavailableError, BadReply (failures); Outcome (one job's result); Judge (the async client);
-run_jobs (the one call the scripts make).
+JudgeAPIError, JudgeUnavailableError, BadReply (failures); Outcome (one job's result); duration_s,
+rate_limit_wait_s, Throttle (rate limits); Judge (the async client); run_jobs (the one call the scripts make).
 
 It decides no number a training script computes. It imports RunError from run_infra.py (JudgeUnavailableError is an
 expected stop, printed as one paragraph); run_infra.py imports nothing of it, so a training run that asks no judge
@@ -29,11 +35,13 @@ never loads openai.
 
 import asyncio
 import contextlib
+import email.utils
 import hashlib
 import ipaddress
 import json
 import os
 import random
+import re
 import sqlite3
 import time
 import urllib.parse
@@ -42,6 +50,7 @@ from typing import Callable, Optional
 
 import openai
 from openai import AsyncOpenAI
+from tqdm.auto import tqdm
 
 from run_infra import RunError
 
@@ -90,7 +99,8 @@ class ReplyCache:
     temperature, the seed when the judge samples (a temperature above 0, or none sent, which leaves the API's
     default; a rerun with another --seed asks afresh) and the ask index (0 for the first ask; 1, 2 ... for the re-asks
     after an unparseable reply), so a rerun replays the same sequence of replies without any request.
-    Only replies are cached; a request that failed (a 429 or 5xx after all its tries) is asked again.
+    Only replies are cached; a request that failed (a 5xx after all its tries, a rate limit past the patience) is
+    asked again.
 
     One race no client can close: a process killed after the server has answered a request but before the reply is
     committed here (the reply still on the wire, or between its arrival and `put`) has paid for that request
@@ -99,6 +109,7 @@ class ReplyCache:
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path  # named by the error that stops a rate-limited run: its replies are kept here
         self.db = sqlite3.connect(path)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("CREATE TABLE IF NOT EXISTS replies "
@@ -131,9 +142,9 @@ class JudgeAPIError(Exception):
 
 class JudgeUnavailableError(RunError, RuntimeError):
     """The judge cannot be used at all: its endpoint cannot be reached, stalls, answers no chat completion or keeps
-    failing before it has answered a single request, it refuses the API key, or every request of the run was
-    refused. Asking the remaining rows would only mark each one invalid (after its own --max_tries), so the run
-    stops. A RunError: printed as one paragraph, without a traceback."""
+    failing before it has answered a single request, it refuses the API key, every request of the run was refused,
+    or it kept rate-limiting past --rate_limit_patience. Asking the remaining rows would only mark each one invalid
+    (after its own --max_tries), so the run stops. A RunError: printed as one paragraph, without a traceback."""
 
 
 class BadReply(Exception):
@@ -151,10 +162,98 @@ class Outcome:
     error: str = ""  # for api_error: the (redacted) error of the request that failed for good
 
 
+# OpenAI writes its x-ratelimit-reset-* headers as Go durations: "1s", "6m0s", "20ms", "1h2m3.5s"
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s)")
+_SECONDS_PER = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def duration_s(text: str) -> Optional[float]:
+    """The seconds a header value says: a plain number ("10", "0.5") or a Go duration ("6m0s", "20ms"); None for
+    anything else (an HTTP-date, a typo)."""
+    text = text.strip()
+    with contextlib.suppress(ValueError):
+        seconds = float(text)
+        return None if seconds != seconds else seconds  # "nan" says nothing; "inf" is a wait no patience outlasts
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(number + unit for number, unit in parts) != text:
+        return None
+    return sum(float(number) * _SECONDS_PER[unit] for number, unit in parts)
+
+
+def rate_limit_wait_s(headers, now: Optional[float] = None) -> Optional[float]:
+    """How long a 429's headers ask the client to wait, in seconds (never below 0), or None when they do not say.
+    First retry-after-ms, then Retry-After in seconds or as an HTTP-date: what the openai client honours when its own
+    retries are on (ours are off, max_retries=0, so no wait is taken twice). Then OpenAI's x-ratelimit-reset-requests
+    and -tokens, the time until that limit refills: of the one spent (its x-ratelimit-remaining-* is 0), else the
+    longer. `now` (time.time()) is for the tests."""
+    headers = {name.lower(): value for name, value in dict(headers).items()}
+    if (value := headers.get("retry-after-ms")) is not None and (ms := duration_s(value)) is not None:
+        return max(ms / 1000, 0.0)
+    if (value := headers.get("retry-after")) is not None:
+        seconds = duration_s(value)
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
+            if seconds is None and (date := email.utils.parsedate_tz(value)) is not None:
+                seconds = email.utils.mktime_tz(date) - (time.time() if now is None else now)
+        if seconds is not None:
+            return max(seconds, 0.0)
+    resets = {kind: duration_s(headers.get(f"x-ratelimit-reset-{kind}", "")) for kind in ("requests", "tokens")}
+    resets = {kind: seconds for kind, seconds in resets.items() if seconds is not None}
+    spent = [s for kind, s in resets.items() if headers.get(f"x-ratelimit-remaining-{kind}", "").strip() == "0"]
+    return max(spent or resets.values(), default=None)
+
+
+class Throttle:
+    """How many requests may be in flight, and from when. At most `limit` at once: a rate limit halves it (down to 1)
+    and it grows back by one after `limit` answers, up to --max_parallel_requests (as TCP does: down fast, up slowly).
+    And none is sent before `until` (time.monotonic()), the end of the wait the last 429 asked for, so the requests
+    wait out a limit together instead of each one meeting it again.
+
+    One semaphore of --max_parallel_requests permits holds the limit, so the requests still queue in order: lowering
+    it keeps back the next permits released (`owed`, then `kept`) instead of returning them; raising it returns one.
+    Always limit + owed + kept = most."""
+
+    def __init__(self, most: int):
+        self.most = self.limit = most
+        self.semaphore = asyncio.Semaphore(most)
+        self.owed = self.kept = 0
+        self.until = 0.0
+        self.cut_at = -float("inf")  # when the limit was last halved
+        self.answers = 0  # answers since the limit last changed
+
+    async def acquire(self) -> None:
+        await self.semaphore.acquire()
+        try:
+            while (wait := self.until - time.monotonic()) > 0:  # (a later 429 may push `until` on while we sleep)
+                await asyncio.sleep(wait)
+        except BaseException:  # cancelled while waiting: the permit goes back
+            self.release()
+            raise
+
+    def release(self) -> None:
+        if self.owed:
+            self.owed, self.kept = self.owed - 1, self.kept + 1
+        else:
+            self.semaphore.release()
+
+    def halve(self) -> None:
+        cut = self.limit - max(1, self.limit // 2)
+        self.limit, self.owed, self.answers, self.cut_at = self.limit - cut, self.owed + cut, 0, time.monotonic()
+
+    def answered(self) -> None:
+        self.answers += 1
+        if self.limit < self.most and self.answers >= self.limit:
+            self.limit, self.answers = self.limit + 1, 0
+            if self.owed:
+                self.owed -= 1
+            else:
+                self.kept -= 1
+                self.semaphore.release()
+
+
 class Judge:
     """The async client, its concurrency limit, the retry policy and the cache."""
 
-    RETRYABLE = (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError)
+    RETRYABLE = (openai.InternalServerError, openai.APIConnectionError)  # faults; a 429 is waited out (rate_limited)
     # what the run-stopping error says of a judge that never answered, by the last failure, and the fix
     STOPPED = {"cannot be reached": "check that the server is running and that --base_url points at it",
                "answers no chat completion": "check that --base_url is the /v1 root of an OpenAI-compatible API",
@@ -167,10 +266,14 @@ class Judge:
         self._api_key = resolve_api_key(args.base_url)
         # max_retries=0: the retry policy below is the only one, so tries are bounded and counted
         self.client = AsyncOpenAI(api_key=self._api_key, base_url=args.base_url, max_retries=0, timeout=args.timeout_s)
-        self.semaphore = asyncio.Semaphore(args.max_parallel_requests)
+        self.url = public_url(args.base_url or str(self.client.base_url))  # the URL asked, for the user's eyes
+        self.throttle = Throttle(args.max_parallel_requests)
         self.jitter = random.Random(args.seed)
-        self.stats = {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0}
+        self.stats = {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0, "rate_limited": 0}
         self.answered = 0  # requests the server answered in this run (cache hits not counted)
+        self.done, self.total = 0, 0  # jobs with a reply (in the cache), and all jobs (ask_all)
+        self.limited_since: Optional[float] = None  # the first 429 that no answer has followed yet (monotonic)
+        self.cuts, self.told_at = 0, -float("inf")  # halvings since then; when a line last told of a limit
 
     def redact(self, text: str) -> str:
         """Belt and braces: no error text we keep may contain the key."""
@@ -178,13 +281,45 @@ class Judge:
 
     def unavailable(self, what: str, cause: str, fix: str) -> JudgeUnavailableError:
         """The error that stops the run: the URL (without credentials), what went wrong, the cause and the fix."""
-        url = public_url(self.args.base_url or str(self.client.base_url))
-        return JudgeUnavailableError(self.redact(f"the judge at {url} {what} ({cause}); {fix}"))
+        return JudgeUnavailableError(self.redact(f"the judge at {self.url} {what} ({cause}); {fix}"))
 
     def backoff_s(self, attempt: int) -> float:
         """Exponential backoff with jitter: half the doubled delay fixed, half uniform."""
         cap = min(self.args.backoff_max_s, self.args.backoff_base_s * 2**attempt)
         return cap / 2 + self.jitter.uniform(0, cap / 2)
+
+    def rate_limited(self, error: openai.RateLimitError, sent: float) -> None:
+        """A 429 to a request sent at `sent` (monotonic). Every request now waits as long as the headers ask (none
+        asked, or 0: the backoff, never a busy loop); the requests in flight are halved, unless this one was sent
+        before the last cut (its 429 tells nothing new); one line tells the user when a spell of limits begins (at
+        most one a minute). When the spell, from its first 429 to the end of the wait asked now, would pass
+        --rate_limit_patience, the run stops instead: one paragraph, the replies so far kept in the cache."""
+        now = time.monotonic()
+        self.stats["rate_limited"] += 1
+        began = self.limited_since is None
+        if began:
+            self.limited_since, self.cuts = now, 0
+        asked = rate_limit_wait_s(error.response.headers)
+        until = max(self.throttle.until, now + (asked or self.backoff_s(self.cuts)))
+        waited, patience = now - self.limited_since, self.args.rate_limit_patience
+        if waited + (until - now) > patience:
+            cause = (f"HTTP 429 for {waited:.1f} s with no answer, then a wait of {until - now:.1f} s more asked, "
+                     f"over --rate_limit_patience {patience:g} s; last error {type(error).__name__}: {error}")
+            fix = (f"the {self.done} of {self.total} prompts answered so far are kept in the reply cache "
+                   f"{self.cache.path}, so a rerun asks only the other {self.total - self.done}: rerun once the limit "
+                   "has lifted, or raise --rate_limit_patience (or lower --max_parallel_requests)")
+            self.throttle.until = float("inf")  # no request leaves after the stop (ask_all cancels them all next)
+            raise self.unavailable("kept rate-limiting", cause, fix) from None
+        self.throttle.until = until
+        if sent >= self.throttle.cut_at:
+            self.throttle.halve()
+            self.cuts += 1
+        if began and now - self.told_at >= 60:
+            self.told_at = now
+            tqdm.write(f"judge: rate limited by {self.url} (HTTP 429) with {self.done} of {self.total} judged: waiting "
+                       f"{until - now:.1f} s{' as it asks' if asked else ''}, and again while it limits, up to "
+                       f"--rate_limit_patience {patience:g} s with no answer; meanwhile {self.throttle.limit} in "
+                       "flight at most")
 
     async def ask_once(self, messages: list, extra: dict, phase: list) -> str:
         """One request: the reply's text. phase[0] turns "answered" once the status and headers are in, so that a
@@ -205,17 +340,33 @@ class Judge:
         raise BadReply("answers no chat completion", f"200 with the body {body[:100].decode(errors='replace')!r}")
 
     async def request(self, prompt: str) -> str:
-        """The reply to `prompt`, after at most --max_tries tries. A failure that holds for every row stops the run
-        (JudgeUnavailableError); one of this prompt alone raises JudgeAPIError."""
+        """The reply to `prompt`, after at most --max_tries tries at faults (429s are waited out, and count none). A
+        failure that holds for every row stops the run (JudgeUnavailableError); one of this prompt alone raises
+        JudgeAPIError."""
         messages = [{"role": "system", "content": self.args.system_prompt}, {"role": "user", "content": prompt}]
         extra = {} if self.args.temperature is None else {"temperature": self.args.temperature}
-        # the slot is held through the backoff waits too: a rate-limited API gets fewer requests
-        async with self.semaphore:
-            for attempt in range(self.args.max_tries):
+        # the slot is held through a fault's backoff too (a failing server gets fewer requests); a 429 hands it back
+        # and queues again behind the wait, so that the halved limit holds at once
+        await self.throttle.acquire()
+        held, tries = True, 0
+        try:
+            while True:
                 self.stats["requests"] += 1
-                phase = ["asked"]
+                phase, sent = ["asked"], time.monotonic()
                 try:  # --timeout_s bounds the whole request: a server that trickles its answer is cut off too
-                    return await asyncio.wait_for(self.ask_once(messages, extra, phase), self.args.timeout_s)
+                    reply = await asyncio.wait_for(self.ask_once(messages, extra, phase), self.args.timeout_s)
+                    self.throttle.answered()
+                    if self.limited_since is not None and sent >= self.limited_since:
+                        self.limited_since = None  # a request sent during the limit was answered: it has lifted
+                    return reply
+                except openai.RateLimitError as e:  # (caught before the APIStatusError it is)
+                    self.rate_limited(e, sent)  # raises once the limit outlasts --rate_limit_patience
+                    self.stats["retries"] += 1
+                    held = False
+                    self.throttle.release()
+                    await self.throttle.acquire()
+                    held = True
+                    continue
                 except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
                     # 401 / 403: a refused key is refused for every row, so the run stops here
                     fix = "check the key in OPENAI_API_KEY (it is read from the environment only)"
@@ -235,15 +386,20 @@ class Judge:
                                "its /v1 root")
                         raise self.unavailable("failed before answering any request", error, fix) from None
                     raise JudgeAPIError(self.redact(error)) from None  # this prompt only (e.g. too long)
-                if attempt + 1 < self.args.max_tries:
-                    self.stats["retries"] += 1
-                    await asyncio.sleep(self.backoff_s(attempt))  # never a blocking sleep in async code
+                tries += 1
+                if tries == self.args.max_tries:
+                    break
+                self.stats["retries"] += 1
+                await asyncio.sleep(self.backoff_s(tries - 1))  # never a blocking sleep in async code
             error = f"gave up after {self.args.max_tries} tries; last error {last_error}"
             if not self.answered:  # unreachable, stalled or failing since the start: no row would be judged
                 # the last failure names what happened, when STOPPED knows it; a plain failure ("failed") does not
                 stopped = what if what in self.STOPPED else "failed before answering any request"
                 raise self.unavailable(stopped, error, self.STOPPED.get(what, "try again later, or raise --max_tries"))
             raise JudgeAPIError(self.redact(error))
+        finally:
+            if held:
+                self.throttle.release()
 
     async def ask(self, prompt: str, parse_fn: Callable[[str], object]) -> Outcome:
         """Ask until parse_fn accepts the reply, at most --max_parse_tries times."""
@@ -275,8 +431,11 @@ class Judge:
         """Run every (prompt, parse_fn) job concurrently; on_done(index, outcome) as each finishes."""
 
         async def run(i: int, prompt: str, parse_fn) -> tuple[int, Outcome]:
-            return i, await self.ask(prompt, parse_fn)
+            outcome = await self.ask(prompt, parse_fn)
+            self.done += outcome.status != "api_error"  # its replies are in the cache (an api_error is asked again)
+            return i, outcome
 
+        self.total = len(jobs)
         outcomes: list[Optional[Outcome]] = [None] * len(jobs)
         tasks = [asyncio.ensure_future(run(i, p, f)) for i, (p, f) in enumerate(jobs)]
         try:
@@ -300,9 +459,11 @@ class Judge:
 def run_jobs(args, jobs: list[tuple[str, Callable[[str], object]]], on_done,
              cache: ReplyCache) -> tuple[list[Outcome], dict]:
     """Ask every (prompt, parse_fn) job with one Judge of `args`: the outcomes in the order of `jobs`, and the
-    client's counts (requests, cache hits, retries, re-asks, failed requests, and judging_s, the seconds spent)."""
+    client's counts (requests, cache hits, retries, re-asks, failed requests, 429s received, and judging_s, the
+    seconds spent)."""
     if not jobs:  # e.g. every pair a tie: nothing to ask
-        return [], {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0, "judging_s": 0.0}
+        return [], {"requests": 0, "cache_hits": 0, "retries": 0, "reasks": 0, "api_errors": 0, "rate_limited": 0,
+                    "judging_s": 0.0}
 
     async def go():
         judge = Judge(args, cache)

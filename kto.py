@@ -4,8 +4,10 @@ preference pairs cut in two or on unpaired thumbs-up / thumbs-down feedback (--f
 
 The policy and a frozen reference both start from the SFT model. One update = `total_batch_size` examples
 (x, y, desirable or not), in micro batches with gradient accumulation. --feedback pairs splits each preference pair
-(x, y_c, y_r) into the desirable example (x, y_c) and the undesirable example (x, y_r); --feedback unpaired reads
-rows of prompt, completion and a boolean label (the layout of the hub's KTO data sets):
+(x, y_c, y_r) into the desirable example (x, y_c) and the undesirable example (x, y_r), both in the same micro batch,
+and reads dpo.py's pairs in dpo.py's order (the same shuffle: shuffled_batches), so that with twice dpo.py's
+--total_episodes and --total_batch_size every update trains on the pairs of dpo.py's update; --feedback unpaired
+reads rows of prompt, completion and a boolean label (the layout of the hub's KTO data sets):
 
   1. the reference point z0, before any gradient: every prompt of a micro batch is paired with the completion of
      the example before it in that micro batch (a mismatched pair, y'), and
@@ -41,6 +43,7 @@ After a crash:    the same command with --resume (and --run_name of the run, if 
                   update is saved as a checkpoint to resume from.
 """
 import copy
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -53,15 +56,15 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState, skip_first_batches
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
-from datasets import concatenate_datasets
 from datasets import get_dataset_split_names, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_qlora_flags, check_query_response, due, frame_markdown, save_pretrained_model, start_processes, upload_to_hub,
+    check_qlora_flags, check_query_response, due, evaluation_rng, frame_markdown, save_pretrained_model,
+    start_processes, upload_to_hub,
 )
 
 
@@ -105,6 +108,9 @@ class Args:
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
+    accept_changed_flags: bool = False
+    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
+    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # models and data
     sft_model_path: str = "models/sft"
@@ -143,15 +149,16 @@ class Args:
     num_train_epochs: int = 1
     """Table 6: 1 epoch"""
     total_episodes: Optional[int] = None
-    """number of examples to train on (a preference pair gives two); None = num_train_epochs x the train examples"""
+    """number of examples to train on (a preference pair gives two: --feedback pairs with twice dpo.py's value reads
+    dpo.py's pairs, in its order); None = num_train_epochs x the train examples"""
     lr: float = 3e-6
     """Table 6: AdamW learning rate"""
     eps: float = 1e-5
     """Table 6: AdamW epsilon"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
-    scheduler: str = "cosine"
-    """Table 6: learning-rate schedule (any name transformers.get_scheduler knows)"""
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Table 6: learning-rate schedule (transformers.get_scheduler's curves, written out: lr_schedule)"""
     warmup_steps: int = 0
     """learning-rate warm-up, in optimizer updates"""
     total_batch_size: int = 64
@@ -275,14 +282,15 @@ def kl_estimate(accelerator, policy, ref_model, batches: List[Dict[str, torch.Te
     return kl_sum / count, reference_point(kl_sum, count)
 
 
-def examples_from_pairs(pairs):
-    """--feedback pairs: every preference pair (x, y_c, y_r) becomes two KTO examples, (x, y_c) desirable and
-    (x, y_r) undesirable, in the columns of EXAMPLE_COLUMNS (the shuffle of training mixes them)."""
-    pairs = pairs.select_columns(["query_token", "chosen_token", "rejected_token"])
-    sides = [pairs.select_columns(["query_token", f"{side}_token"]).rename_column(f"{side}_token", "completion_token")
-             for side in ("chosen", "rejected")]
-    return concatenate_datasets([sides[0].add_column("label", [True] * len(pairs)),
-                                 sides[1].add_column("label", [False] * len(pairs))])
+def pair_halves(rows: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """--feedback pairs, the collate_fn of training: a micro batch of k preference pairs (x, y_c, y_r), in dpo.py's
+    order of the pairs (shuffled_batches), becomes 2k KTO examples in the columns of EXAMPLE_COLUMNS: (x, y_c)
+    desirable for every pair, then (x, y_r) undesirable in the same order. The two halves of a pair are thus k rows
+    apart, so with k >= 2 the KL estimate's roll by one (kl_estimate) never gives a prompt its own pair's response."""
+    pairs = torch.utils.data.default_collate(rows)
+    return {"query_token": pairs["query_token"].repeat(2, 1), "label": torch.arange(2 * len(rows)) < len(rows),
+            "completion_token": torch.cat((pairs["chosen_token"], pairs["rejected_token"])),
+            "row_index": pairs["row_index"].repeat(2)}
 
 
 def feedback_balance(args, labels) -> Tuple[float, Optional[str]]:
@@ -385,8 +393,10 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
     pad_token_id = tokenizer.pad_token_id
     train_dataset, eval_datasets, sample_raw, sample_dataset = load_kto_data(args, tokenizer)
-    args.num_updates = num_updates = count_updates(args, len(train_dataset))
-    balance, warning = feedback_balance(args, train_dataset["label"])  # the paper's advice: lambda_D n_D / (lambda_U n_U)
+    halves = 1 + (args.feedback == "pairs")  # examples a row gives: a preference pair's two halves, or one thumb
+    args.num_updates = num_updates = count_updates(args, halves * len(train_dataset))
+    # the paper's advice: lambda_D n_D / (lambda_U n_U), over the examples (a pair gives one of each kind)
+    balance, warning = feedback_balance(args, train_dataset["label"] if halves == 1 else [True, False] * len(train_dataset))
     if warning:
         accelerator.print(warning)
     run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
@@ -401,16 +411,14 @@ def main(args: Args) -> dict:
     adamw = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
     # accelerate's wrapper would step it once per process)
-    lr_scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
-    # the data order comes from its own generator (reseeded with seed + epoch by the seedable sampler), so
-    # neither sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG
-    train_dataloader = DataLoader(
-        train_dataset, batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
+    lr_scheduler = lr_schedule(adamw, args.scheduler, num_updates, args.warmup_steps)
+    # the data order, from a generator of its own (shuffled_batches); --feedback pairs: dpo.py's pairs in dpo.py's
+    # order (the same shuffle of the same rows), local_micro_batch_size / 2 a micro batch, each as its two halves
+    train_dataloader = shuffled_batches(train_dataset, args.local_micro_batch_size // halves, args.seed,
+                                        pair_halves if halves == 2 else None)
     policy, optimizer, train_dataloader = accelerator.prepare(policy, adamw, train_dataloader)
     accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
-    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+    torch.manual_seed(local_seed)  # draws differ across ranks from here on (evaluation: its own, evaluation_rng)
 
     # ---------------- resume and logs ----------------
     last_good = LastGoodState(run, accelerator, adamw, lr_scheduler)  # the non-finite guard's fallback
@@ -456,7 +464,7 @@ def main(args: Args) -> dict:
             episode = update * args.total_batch_size
             progress.update(1)
             if update % args.log_every == 0 or update == num_updates:
-                means = per_example_means(interval.close(update_lr, episode / len(train_dataset)))
+                means = per_example_means(interval.close(update_lr, episode / (halves * len(train_dataset))))
                 run.log(update, {"episode": episode, **means})
                 progress.set_postfix(loss=f"{means['train/loss']:.4f}", kl=f"{means['train/kl']:.3f}",
                                      tok_s=f"{means['train/tokens_per_s']:.0f}")
@@ -471,6 +479,9 @@ def main(args: Args) -> dict:
     metrics = run_evaluation(num_updates, z0, final=True)  # at the last update's z0 (with --resume, the checkpoint's)
     summary = {**metrics, **per_example_means(interval.last_means),  # the last logging interval's training means
                "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
+               # the budget as spent (report.py's leaderboard reads it): every update read total_batch_size examples
+               "budget/updates": num_updates, "budget/rows_read": num_updates * args.total_batch_size,
+               **({"budget/pairs_read": num_updates * args.total_batch_size // 2} if halves == 2 else {}),
                "wall_time_s": time.time() - start_time}
     # with LoRA the adapters folded into the base: the plain float32 model it computes (merged_policy)
     save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir,
@@ -623,17 +634,20 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
     unwrapped = accelerator.unwrap_model(model)
     dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
     rows_all, responses_all = [], []
-    for batch in dataloader:
-        queries = batch["query_token"]  # (B, Tq), left-padded
-        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
-        with accelerator.autocast():
-            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
-        responses = truncate_response(
-            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
-        )  # (B, Tr)
-        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
-        rows_all.append(rows.cpu())
-        responses_all.append(responses.cpu())
+    # evaluation samples from its own random stream, the same at every evaluation (evaluation_rng): how often and
+    # how much a run evaluates never changes what it trains
+    with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003):
+        for batch in dataloader:
+            queries = batch["query_token"]  # (B, Tq), left-padded
+            queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding all rows share: cut
+            with accelerator.autocast():
+                query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+            responses = truncate_response(
+                tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
+            )  # (B, Tr)
+            rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
+            rows_all.append(rows.cpu())
+            responses_all.append(responses.cpu())
     model.train()
     return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
 
@@ -830,9 +844,11 @@ def check_kto_flags(args) -> None:
     if args.feedback == "unpaired" and args.unpaired_dataset is None:
         raise RunError("--feedback unpaired reads --unpaired_dataset (a folder from data/prepare.py --unpaired); "
                          "pass it, or train on preference pairs with --feedback pairs")
-    if args.local_micro_batch_size < 2:
-        raise RunError("--local_micro_batch_size must be at least 2: the KL estimate pairs each prompt with the "
-                         "completion of another example of its micro batch")
+    if args.local_micro_batch_size < 2 or (args.feedback == "pairs" and (args.local_micro_batch_size < 4
+                                                                         or args.local_micro_batch_size % 2)):
+        raise RunError("--local_micro_batch_size must be at least 2 (--feedback pairs: even and at least 4, the two "
+                       "halves of local_micro_batch_size / 2 pairs): the KL estimate pairs each prompt with the "
+                       "completion of another example (another pair) of its micro batch")
     if min(args.desirable_weight, args.undesirable_weight) <= 0 or args.beta <= 0:
         raise RunError("--beta, --desirable_weight and --undesirable_weight must be positive")
 
@@ -894,8 +910,9 @@ def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "p
 
 
 def load_kto_data(args, tokenizer):
-    """The training examples (EXAMPLE_COLUMNS with row_index), and as in dpo.py every evaluation split of the
-    preference pairs and the SFT validation queries sampled for the sample table. Every split is checked for the
+    """The training rows with row_index: the preference pairs (--feedback pairs: dpo.py's training rows, read as two
+    examples each by pair_halves) or the unpaired examples (EXAMPLE_COLUMNS); and as in dpo.py every evaluation split
+    of the preference pairs and the SFT validation queries sampled for the sample table. Every split is checked for the
     columns read from it and for the tokenizer that made it before any work; --num_eval_samples shortens the
     evaluation splits."""
     if args.feedback == "pairs":
@@ -905,8 +922,7 @@ def load_kto_data(args, tokenizer):
     train_raw = load_split(source, args.train_split)
     check_columns(train_raw, columns, f"{source} split {args.train_split!r}")
     check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{source} split {args.train_split!r}")
-    examples = examples_from_pairs(train_raw) if args.feedback == "pairs" else train_raw
-    train_dataset = with_row_index(examples, EXAMPLE_COLUMNS)
+    train_dataset = with_row_index(train_raw, columns)  # --feedback pairs: a row a pair, split by pair_halves
     eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
     eval_datasets = {}
     for split in eval_split_names:
@@ -1149,6 +1165,16 @@ class LoggingInterval:
                 "last_train_metrics": self.last_means}
 
 
+def shuffled_batches(dataset, batch_size: int, seed: int, collate_fn=None) -> DataLoader:
+    """The training data order: micro batches of batch_size rows (a last partial one dropped) in a shuffle drawn from a
+    generator of its own, which accelerate's seedable sampler (make_accelerator) reseeds with seed + epoch, so neither
+    sampling nor a resume shifts it, and iterating the data never draws from the global torch RNG. The shuffle depends
+    on the number of rows and the seed alone: kto.py --feedback pairs reads dpo.py's pairs in dpo.py's order,
+    local_micro_batch_size / 2 pairs a micro batch, each pair read as its two halves (its collate_fn)."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
+                      generator=torch.Generator().manual_seed(seed), collate_fn=collate_fn)
+
+
 def resumable_micro_batches(loader, skip: int):
     """Micro batches of an accelerate-prepared DataLoader, epoch after epoch without end, starting after
     the first `skip` of them: the data position of a run resumed after skip // accumulation updates.
@@ -1200,6 +1226,28 @@ def breakdown_markdown(rows: List[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
     return "\n".join(lines)
+
+
+def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate of update t (from 0) over num_updates updates, as a multiple of --lr: a linear warm-up from 0
+    over the first warmup_steps updates, then cosine decays to 0 as 0.5 * (1 + cos(pi * progress)) and linear as
+    (T - t) / (T - warmup); constant stays 1 and, as in transformers, ignores the warm-up. These are
+    transformers.get_scheduler's multipliers bit for bit (tests/test_lr_schedule.py), written out because importing
+    get_scheduler loads peft and bitsandbytes through transformers.trainer_utils, about 3 s of every process."""
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"unknown learning-rate schedule {kind!r}: cosine, linear or constant")
+
+    def multiplier(t: int) -> float:  # transformers' arithmetic, in its order, so that every float is the same
+        if kind == "constant":
+            return 1.0
+        if t < warmup_steps:
+            return float(t) / float(max(1, warmup_steps))
+        if kind == "linear":
+            return max(0.0, float(num_updates - t) / float(max(1, num_updates - warmup_steps)))
+        progress = float(t - warmup_steps) / float(max(1, num_updates - warmup_steps))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress)))  # num_cycles 0.5: half a wave
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 if __name__ == "__main__":

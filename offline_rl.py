@@ -62,7 +62,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, NonFiniteError, Run, RunError, check_columns, check_data_tokenizer, check_finite,
-    check_gradient_accumulation, check_query_response, check_reward_tokenizer, due, frame_markdown,
+    check_gradient_accumulation, check_query_response, check_reward_tokenizer, due, evaluation_rng, frame_markdown,
     save_pretrained_model, start_processes,
 )
 
@@ -107,6 +107,9 @@ class Args:
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
+    accept_changed_flags: bool = False
+    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
+    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # ---- method ----
     method: Literal["filter", "rwr", "dt", "best_of_n"] = "dt"
@@ -224,17 +227,6 @@ class Args:
 # The algorithm's pieces: step 1 (the labelled mixture), step 2 (loss weights, the loss, the data order, one
 # update) and step 3 (evaluation)
 # ---------------------------------------------------------------------------------------------
-
-
-def offline_lr_schedule(optimizer, kind: str, num_updates: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """No warm-up; cosine decays to 0 as 0.5 * (1 + cos(pi * t / T)), linear as 1 - t / T, constant stays.
-    The same curves as transformers.get_scheduler, written out because importing that module loads peft."""
-    curves = {
-        "cosine": lambda t: 0.5 * (1.0 + math.cos(math.pi * min(t, num_updates) / num_updates)),
-        "linear": lambda t: max(0.0, 1.0 - t / num_updates),
-        "constant": lambda t: 1.0,
-    }
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, curves[kind])
 
 
 def filter_weights(rewards: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -614,8 +606,11 @@ def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eva
     sample table in the contract's columns. reward_stats = the mixture's (mean, std), to also report the score
     in the normalised units of the DT target."""
     pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    responses = sample_policy(accelerator, model, policy_queries, generation_config, tokenizer,
-                              args.local_rollout_batch_size, "evaluate")
+    # evaluation samples from its own random stream, the same at every evaluation (evaluation_rng): how often and
+    # how much a run evaluates never changes what it trains
+    with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003):
+        responses = sample_policy(accelerator, model, policy_queries, generation_config, tokenizer,
+                                  args.local_rollout_batch_size, "evaluate")
     queries = eval_rows["query_token"]
     scores = score_responses(accelerator, reward_model, queries, responses, pad_token_id, args.local_rollout_batch_size, "evaluate: score")
     has_eos = (responses == eos_token_id).any(1)
@@ -705,9 +700,14 @@ def round_samples(args: Args, run, accelerator, model, reward_model, tokenizer, 
     }
     counters.round_summary.update(
         {f"{k}_iter{iteration + 1}": v for k, v in round_metrics.items() if k != "best_of_n/iteration"})
+    # the budget as spent, over the rounds so far (the summary's, which report.py's leaderboard reads): every
+    # candidate sampled, kept or not, and the prompts they answer
+    budget = {key: counters.round_summary.get(key, 0) + count
+              for key, count in (("budget/responses_sampled", len(candidates)), ("budget/prompts", len(queries)))}
+    counters.round_summary.update(budget)
     # logged at the round's first update: a step after any checkpoint taken before the round, so a resumed run
     # neither keeps a stale copy of this line nor writes it twice
-    log_offline(run, args, update, round_metrics)
+    log_offline(run, args, update, {**round_metrics, **budget})
     accelerator.print(f"[best_of_n] iteration {iteration + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
     return queries, responses, rewards
 
@@ -798,7 +798,7 @@ def main(args: Args) -> dict:
     # ZeRO-3 its weights are already partitioned and only a DeepSpeed engine gathers them for a forward
     adamw = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps)
     model, optimizer = accelerator.prepare(policy, adamw)
-    torch.manual_seed(local_seed)  # generation (mixture, best-of-n, evaluation) differs across processes
+    torch.manual_seed(local_seed)  # generation (mixture, best-of-n) differs across processes; evaluation has its own
 
     # ---------------- data ----------------
     sft_train, eval_dataset = load_offline_data(args, tokenizer)
@@ -811,7 +811,7 @@ def main(args: Args) -> dict:
     samples_per_round, updates_per_round, num_updates = count_offline_updates(args, mixture, len(sft_train))
 
     # ---------------- schedule, data order and resume ----------------
-    scheduler = offline_lr_schedule(optimizer, args.scheduler, num_updates)  # over the updates of every iteration
+    scheduler = lr_schedule(optimizer, args.scheduler, num_updates)  # over the updates of every iteration
     # every shuffle of step 2 comes from one generator seeded like the rest of the run (the same on every process)
     data_order = OfflineDataOrder(args.seed, len(sft_train))
     # saved and restored with the model and optimizer: the schedule and the data position
@@ -882,6 +882,8 @@ def main(args: Args) -> dict:
             "train/tokens": counters.train_tokens,
             "train/updates": num_updates,
             "train/samples_per_round": samples_per_round,
+            # the budget as spent (report.py's leaderboard reads it; best_of_n's samples: round_summary)
+            "budget/updates": counters.update, "budget/rows_read": counters.update * args.total_batch_size,
             "cost/generation_s": costs["generation_s"],
             "cost/labelling_s": costs["labelling_s"],
             "cost/training_s": costs["training_s"],
@@ -1376,6 +1378,28 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
         config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+
+
+def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate of update t (from 0) over num_updates updates, as a multiple of --lr: a linear warm-up from 0
+    over the first warmup_steps updates, then cosine decays to 0 as 0.5 * (1 + cos(pi * progress)) and linear as
+    (T - t) / (T - warmup); constant stays 1 and, as in transformers, ignores the warm-up. These are
+    transformers.get_scheduler's multipliers bit for bit (tests/test_lr_schedule.py), written out because importing
+    get_scheduler loads peft and bitsandbytes through transformers.trainer_utils, about 3 s of every process."""
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"unknown learning-rate schedule {kind!r}: cosine, linear or constant")
+
+    def multiplier(t: int) -> float:  # transformers' arithmetic, in its order, so that every float is the same
+        if kind == "constant":
+            return 1.0
+        if t < warmup_steps:
+            return float(t) / float(max(1, warmup_steps))
+        if kind == "linear":
+            return max(0.0, float(num_updates - t) / float(max(1, num_updates - warmup_steps)))
+        progress = float(t - warmup_steps) / float(max(1, num_updates - warmup_steps))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress)))  # num_cycles 0.5: half a wave
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 if __name__ == "__main__":

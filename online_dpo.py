@@ -11,8 +11,9 @@ prompts each (pairs_per_round / total_batch_size optimizer updates); round r is:
      prompt index, 0 or 1): the samples depend neither on the batch nor on the number of processes
   3. a judge labels each pair: a response without EOS loses to one with EOS (--non_eos_penalty); otherwise the reward
      model (the score at the EOS, Detail 12) or an OpenAI-compatible judge with the paper's prompt (Appendix I) picks
-     the chosen one. Ties, identical responses and unparseable answers are dropped, counted, and replaced by pairs of
-     the next prompt batch (at most --max_draws_per_round batches per round)
+     the chosen one. Ties, identical responses and unparseable answers are dropped and counted: they weigh 0 in the
+     update, as a GRPO group of equal scores has advantage 0 (--max_draws_per_round > 1 replaces them by pairs of
+     further prompt batches instead, which sample more than the budget: budget/responses_sampled counts them)
   4. the reference's sequence log-probs of the round's pairs, computed once: the SFT model (--reference sft), or the
      policy as it is now, at the end of the last round (--reference last_round)
   5. DPO updates on the round's pairs, each pair once, in the order drawn: steps 1-6 of dpo.py (a slot left empty
@@ -39,6 +40,7 @@ After a crash:    the same command with --resume (and --run_name of the run, if 
 """
 import copy
 import hashlib
+import math
 import os
 import re
 import time
@@ -57,13 +59,12 @@ from datasets import Dataset, get_dataset_split_names, load_dataset, load_from_d
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig,
-                          LogitsProcessor, LogitsProcessorList, get_scheduler)
+                          LogitsProcessor, LogitsProcessorList)
 
-from judge_client import JudgeUnavailableError, ReplyCache, resolve_api_key, run_jobs  # --judge endpoint's client
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_qlora_flags, check_query_response, check_reward_tokenizer, due, frame_markdown, save_pretrained_model,
-    start_processes, upload_to_hub,
+    check_qlora_flags, check_query_response, check_reward_tokenizer, due, evaluation_rng, frame_markdown,
+    save_pretrained_model, start_processes, upload_to_hub,
 )
 
 
@@ -83,7 +84,13 @@ class EndpointArgs:
     max_parallel_requests: int = 8
     """requests in flight at once"""
     max_tries: int = 6
-    """tries per request on 429, 5xx, timeouts and connection errors (then the pair is invalid and dropped)"""
+    """tries per request on 5xx, timeouts and connection errors (then the pair is invalid and dropped); a 429 uses up
+    none (--endpoint.rate_limit_patience)"""
+    rate_limit_patience: float = 600.0
+    """seconds a rate limit (HTTP 429) is waited out: the judge waits as the API asks (Retry-After,
+    x-ratelimit-reset-*), with fewer requests in flight, using up no --max_tries, and stops with one error once the API
+    has limited this long with no answer (the replies so far stay in the cache, a rerun asks the rest). 600: many times
+    a per-minute limit's window, yet a quota spent for the day stops the run in 10 minutes instead of hanging it"""
     backoff_base_s: float = 1.0
     """first retry waits about this long; each further retry doubles it (with jitter)"""
     backoff_max_s: float = 60.0
@@ -140,6 +147,9 @@ class Args:
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
+    accept_changed_flags: bool = False
+    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
+    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # models and data
     sft_model_path: str = "models/sft"
@@ -181,10 +191,13 @@ class Args:
     non_eos_penalty: bool = True
     """Detail 23 (EOS trick) for pairs: a response without EOS loses to one with EOS whatever the judge says, two without
     EOS are a tie (dropped), as ppo.py's --non_eos_penalty scores both alike; off: every pair goes to the judge"""
-    max_draws_per_round: int = 4
-    """prompt batches (of pairs_per_round prompts each) a round may sample: a dropped pair is replaced by one of the
-    next batch, so that every update trains on total_batch_size pairs; the slots still empty after this many batches
-    weigh 0 in the loss. 1 = never replace (an update then averages over the pairs it kept)"""
+    max_draws_per_round: int = 1
+    """prompt batches (of pairs_per_round prompts each) a round may sample. 1 (the budget rule of every online
+    method): each prompt of the run is sampled once and every response counts against the budget (2 x total_episodes
+    responses, as ppo.py, rloo.py and grpo.py sample total_episodes); a dropped pair weighs 0 and the update averages
+    over the pairs it kept. More: a dropped pair is replaced by one of the next whole batch, whose every response is
+    sampled on top of the budget (budget/responses_sampled in summary.json counts them, and the leaderboard shows it);
+    the slots still empty after this many batches weigh 0"""
     local_rollout_forward_batch_size: int = 64
     """prompts per generation / scoring chunk on one process (memory knob; the samples do not depend on it)"""
 
@@ -203,16 +216,16 @@ class Args:
     num_train_epochs: int = 1
     """passes over the prompts of --train_split (with --total_episodes None)"""
     total_episodes: Optional[int] = None
-    """number of pairs to train on, one per prompt (a dropped pair is replaced by one of a further prompt, see
-    --max_draws_per_round); None = num_train_epochs x the prompt split"""
+    """the budget, in prompts: each gets a pair of sampled responses (2 x total_episodes responses in all; with
+    --max_draws_per_round > 1 the redrawn batches come on top); None = num_train_epochs x the prompt split"""
     lr: float = 3e-6
     """Table 6: AdamW learning rate"""
     eps: float = 1e-5
     """Table 6: AdamW epsilon"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
-    scheduler: str = "cosine"
-    """Table 6: learning-rate schedule (any name transformers.get_scheduler knows)"""
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Table 6: learning-rate schedule (transformers.get_scheduler's curves, written out: lr_schedule)"""
     warmup_steps: int = 0
     """learning-rate warm-up, in optimizer updates"""
     total_batch_size: int = 64
@@ -358,6 +371,8 @@ def endpoint_verdicts(judge_args, cache_path: str, posts: List[str], firsts: Lis
     requests, retries with backoff, re-asks of an unparseable reply, and the reply cache. A reply that never parses,
     or a request that failed for good, is INVALID; two texts that read the same are a TIE, not asked. Pairs not asked
     stay TIE."""
+    from judge_client import ReplyCache, run_jobs  # here, not at the top: the client loads openai (~0.5 s)
+
     verdicts, jobs, asked_rows = torch.full((len(posts),), TIE), [], []
     for i in asked.nonzero().flatten().tolist():
         first, second = (without_eos_text(text, judge_args.strip_eos_text) for text in (firsts[i], seconds[i]))
@@ -379,6 +394,8 @@ def endpoint_verdicts(judge_args, cache_path: str, posts: List[str], firsts: Lis
 def judge_on_main(args, accelerator, run, queries, responses, has_eos, identical, tokenizer) -> torch.Tensor:
     """--judge endpoint: the main process asks the judge about the pairs (one client, one cache file) and sends the
     verdicts (N,) to the others. A judge that cannot be used at all stops every process with the same error."""
+    from judge_client import JudgeUnavailableError  # the judge's client, loaded by --judge endpoint alone
+
     payload = [None]
     if accelerator.is_main_process:
         pad_token_id = tokenizer.pad_token_id
@@ -480,9 +497,17 @@ class OnlineRounds:
 def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model, reward_model, prompts, tokenizer,
                  round_index: int, update: int) -> None:
     """Steps 1-4 of round `round_index`, whose first update is `update`, into `rounds` (on every process): prompt
-    batches are drawn until pairs_per_round pairs are kept (at most --max_draws_per_round batches; a dropped pair is
-    replaced by a pair of the next batch), the kept pairs in the order drawn, then the reference's log-probs of them."""
+    batches are drawn until pairs_per_round pairs are kept (at most --max_draws_per_round batches, by default one; a
+    dropped pair is replaced by a pair of the next batch), the kept pairs in the order drawn, then the reference's
+    log-probs of them."""
     start_time, draws, counts, batches = time.time(), rounds.draws, {}, []
+    # The budget rule of ppo.py, rloo.py and grpo.py: --total_episodes counts every response sampled, and each update
+    # samples its batch once, whatever the responses turn out to be worth (a GRPO group of equal scores has advantage
+    # 0; it is not redrawn). With --max_draws_per_round 1 online DPO does the same: every prompt is sampled once, a
+    # pair the judge cannot separate weighs 0, and the run samples 2 x total_episodes responses (in whole batches,
+    # as ppo.py's total_episodes: 2 x num_updates x total_batch_size). A redraw
+    # samples a whole further batch on top of that budget; rounds.totals["pairs"] counts every prompt drawn, and the
+    # summary's budget/responses_sampled (what the leaderboard states) is twice it.
     while True:
         draws += 1
         batches.append(draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer, draws, update))
@@ -510,7 +535,8 @@ def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model
     metrics = {f"online/{key}": value for key, value in counts.items()}
     metrics.update({"online/round": round_index, "online/eos_rate": float(has_eos.float().mean()),
                     "online/response_token_len_mean": float(token_len.float().mean()),
-                    "online/round_s": time.time() - start_time})
+                    "online/round_s": time.time() - start_time,
+                    "budget/responses_sampled": 2 * rounds.totals["pairs"]})  # the run's so far, every draw counted
     if reward_model is not None and keep.any():
         scores = torch.cat([batch.scores for batch in batches])[order][keep]  # (kept, 2)
         metrics["online/scores_chosen"] = float(scores.gather(1, chosen[keep].unsqueeze(1)).mean())
@@ -612,12 +638,12 @@ def main(args: Args) -> dict:
     adamw = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     # the schedule (Table 6) counts optimizer updates and is stepped by hand on each update (not prepared:
     # accelerate's wrapper would step it once per process)
-    lr_scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=args.warmup_steps, num_training_steps=num_updates)
+    lr_scheduler = lr_schedule(adamw, args.scheduler, num_updates, args.warmup_steps)
     policy, optimizer = accelerator.prepare(policy, adamw)
     accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the policy and optimizer
     rounds = OnlineRounds()  # the round's pairs (their responses have seeds of their own) and the running counts
     accelerator.register_for_checkpointing(rounds)
-    torch.manual_seed(local_seed)  # sampling differs across ranks from here on
+    torch.manual_seed(local_seed)  # draws differ across ranks from here on (evaluation: its own, evaluation_rng)
 
     # ---------------- resume and logs ----------------
     last_good = LastGoodState(run, accelerator, adamw, lr_scheduler, rounds)  # the non-finite guard's fallback
@@ -681,14 +707,19 @@ def main(args: Args) -> dict:
     summary = {**metrics, **interval.last_means,  # the last logging interval's training means
                **{f"online/{key}_total": value for key, value in rounds.totals.items()},  # every round's counts
                "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
-               "wall_time_s": time.time() - start_time}
+               # the budget as spent (report.py's leaderboard reads it): every prompt drawn, redrawn batches too,
+               # gave two sampled responses, whether its pair was kept or not
+               "budget/responses_sampled": 2 * rounds.totals["pairs"], "budget/prompts": rounds.totals["pairs"],
+               "budget/updates": num_updates, "wall_time_s": time.time() - start_time}
     # with LoRA the adapters folded into the base: the plain float32 model it computes (merged_policy)
     save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir,
                           merge=merged_policy if args.lora_rank > 0 else None)
     if args.push_to_hub and accelerator.is_main_process:
         upload_to_hub(args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
-    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    accelerator.print(f"sampled {2 * rounds.totals['pairs']:,} responses ({rounds.totals['pairs']:,} prompts x 2; the "
+                      f"budget: {2 * num_updates * args.total_batch_size:,}); done in {time.time() - start_time:.0f}s; "
+                      f"run folder {run.dir}")
     return summary
 
 
@@ -881,17 +912,20 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
     unwrapped = accelerator.unwrap_model(model)
     dataloader = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=args.local_eval_batch_size))
     rows_all, responses_all = [], []
-    for batch in dataloader:
-        queries = batch["query_token"]  # (B, Tq), left-padded
-        queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding every row shares is cut
-        with accelerator.autocast():
-            query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
-        responses = truncate_response(
-            tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
-        )  # (B, Tr)
-        rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
-        rows_all.append(rows.cpu())
-        responses_all.append(responses.cpu())
+    # evaluation samples from its own random stream, the same at every evaluation (evaluation_rng): how often and
+    # how much a run evaluates never changes what it trains
+    with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003):
+        for batch in dataloader:
+            queries = batch["query_token"]  # (B, Tq), left-padded
+            queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding all rows share: cut
+            with accelerator.autocast():
+                query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
+            responses = truncate_response(
+                tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
+            )  # (B, Tr)
+            rows, responses = accelerator.gather_for_metrics((batch["row_index"], responses))
+            rows_all.append(rows.cpu())
+            responses_all.append(responses.cpu())
     model.train()
     return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
 
@@ -1120,6 +1154,8 @@ def check_online_flags(args) -> None:
                        "the reference the policy of that very update: every loss starts at log 2 and nothing holds the "
                        "policy near a reference; pass --pairs_per_round of several updates (e.g. 4 x --total_batch_size)")
     if args.judge == "endpoint":
+        from judge_client import resolve_api_key  # the judge's client, loaded by --judge endpoint alone
+
         resolve_api_key(args.endpoint.base_url)  # raises when OPENAI_API_KEY is unset; the key itself is not kept
 
 
@@ -1602,6 +1638,28 @@ def parse_verdict(reply: str) -> Optional[tuple[str, str]]:
         return None
     comparison = _COMPARISON_RE.search(reply)
     return verdicts.pop(), (comparison.group(1) if comparison else "")
+
+
+def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate of update t (from 0) over num_updates updates, as a multiple of --lr: a linear warm-up from 0
+    over the first warmup_steps updates, then cosine decays to 0 as 0.5 * (1 + cos(pi * progress)) and linear as
+    (T - t) / (T - warmup); constant stays 1 and, as in transformers, ignores the warm-up. These are
+    transformers.get_scheduler's multipliers bit for bit (tests/test_lr_schedule.py), written out because importing
+    get_scheduler loads peft and bitsandbytes through transformers.trainer_utils, about 3 s of every process."""
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"unknown learning-rate schedule {kind!r}: cosine, linear or constant")
+
+    def multiplier(t: int) -> float:  # transformers' arithmetic, in its order, so that every float is the same
+        if kind == "constant":
+            return 1.0
+        if t < warmup_steps:
+            return float(t) / float(max(1, warmup_steps))
+        if kind == "linear":
+            return max(0.0, float(num_updates - t) / float(max(1, num_updates - warmup_steps)))
+        progress = float(t - warmup_steps) / float(max(1, num_updates - warmup_steps))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress)))  # num_cycles 0.5: half a wave
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 if __name__ == "__main__":

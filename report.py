@@ -191,6 +191,13 @@ def kl_prompts(p, stage: str, count: int, samples_csv: str, tokenizer):
     return queries, int(args["response_length"])
 
 
+def eval_split_of(p, label: str) -> str:
+    """The split of the task's SFT data whose prompts a policy's samples answer: its run's --eval_split (args.json;
+    the scripts' default, validation, where it names none). The leaderboard's is test, every other mode's validation."""
+    stage = "ilql" if label.startswith("ilql_beta") else label
+    return _load(os.path.join(p.runs, stage, "args.json")).get("eval_split", "validation")
+
+
 def kl_from_sft(p, label: str, samples_csv: str, tokenizer) -> dict:
     """KL(pi || pi_SFT) of a policy: per evaluation prompt (the same prompts, count and response length as its
     evaluation) one response sampled from the policy at temperature 1, the KL of the two models' next-token
@@ -326,9 +333,10 @@ def write_report(p) -> str:
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(p.data, "base_model"))
 
     # 1. policies: gold win rate vs reference with its 95% CI, EOS rate, length, KL from SFT
+    splits = " and ".join(sorted({eval_split_of(p, label) for label, _ in p.policies()})) or "validation"
     lines = ["## Policies on the built-in task", "",
              "Gold-judge win rate against the reference summaries (95% Wilson interval, through the OpenAI-compatible "
-             "endpoint and `judge.py`), EOS rate and mean response length on the validation samples (all drawn at the "
+             f"endpoint and `judge.py`), EOS rate and mean response length on the {splits} samples (all drawn at the "
              "evaluation temperature, 0.01), and the KL from the SFT policy: KL(pi || pi_SFT) of the two models' own "
              "distributions at temperature 1, on one response per evaluation prompt sampled from the policy at "
              "temperature 1 (the per-token KL summed over the vocabulary and over the response up to its EOS, the "
@@ -344,7 +352,8 @@ def write_report(p) -> str:
         score = pd.to_numeric(df["score"], errors="coerce").mean() if "score" in df else float("nan")
         kl = kl_from_sft(p, label, samples_csv, tokenizer)
         policy_rows.append({"policy": label, "win_rate": j.get("win_rate"), "ci_low": j.get("ci_low"), "n": j.get("n"),
-                            "ci_high": j.get("ci_high"), "eos_rate": eos, "length": length, **kl})
+                            "ci_high": j.get("ci_high"), "eos_rate": eos, "length": length, **kl,
+                            "eval_split": eval_split_of(p, label)})
         ci = f"[{_fmt(j.get('ci_low'))}, {_fmt(j.get('ci_high'))}]" if j.get("ci_low") is not None else "n/a"
         lines.append(f"| {label} | {_fmt(j.get('win_rate'))} | {ci} | {j.get('n', 'n/a')} | {j.get('invalid', 'n/a')} | "
                      f"{_fmt(eos)} | {_fmt(length, 1)} | {kl_cell(kl['kl'], kl['kl_se'])} | "
@@ -722,41 +731,41 @@ def distinct_pairs(comparisons: list[dict]) -> int:
 
 
 def budget(kind: str, args: dict, summary: dict) -> str:
-    """What a method spent, from its run's args.json and summary.json: sampled responses, prompts, pairs or
-    examples, and optimizer updates."""
-    def n(x):
-        return f"{int(x):,}"
+    """What a method spent, from the counters its run logged in summary.json (budget/*: the responses it sampled and
+    the prompts they answer, the preference pairs or rows it read, its optimizer updates), never from the settings
+    meant to produce them: a run that sampled more than its flags asked (online DPO's --max_draws_per_round > 1)
+    shows what it sampled. args.json gives only what is no budget (ILQL's beta). A summary without the counters (a
+    run older than them) gives a note that says so."""
+    def n(key: str) -> str:
+        return f"{int(summary[key]):,}"
 
-    def updates(x):
-        return f"{int(x):,} update{'s' * (int(x) != 1)}"
+    def ratio(numerator: str, denominator: str) -> str:  # 4, 2.5, 0.99: the counters' own quotient
+        return f"{summary[numerator] / summary[denominator]:.2f}".rstrip("0").rstrip(".")
 
-    if kind == "sft":
-        return f"{updates(summary.get('train/updates', 0))} on the reference summaries"
-    if kind in ("ppo", "rloo", "grpo"):
-        per = {"rloo": args.get("rloo_k", 2), "grpo": args.get("group_size", 4)}.get(kind, 1)
-        episodes = args["total_episodes"]
-        return (f"{n(episodes)} sampled responses ({n(episodes // per)} prompts x {per}), "
-                f"{updates(episodes // args['total_batch_size'])}")
-    if kind == "online_dpo":
-        pairs = args["total_episodes"]
-        return (f"{n(2 * pairs)} sampled responses ({n(pairs)} prompts x 2; pairs the judge cannot separate are "
-                f"redrawn on top), {updates(pairs // args['total_batch_size'])}")
-    if kind in ("dpo", "ipo"):
-        pairs = args["total_episodes"]
-        return f"{n(pairs)} preference pairs, {updates(pairs // args['total_batch_size'])}"
-    if kind in ("kto", "kto_unpaired"):
-        examples = args["total_episodes"]
-        what = f"examples ({n(examples // 2)} pairs)" if kind == "kto" else "thumbs up / down"
-        return f"{n(examples)} {what}, {updates(examples // args['total_batch_size'])}"
-    if kind == "ilql":
-        episodes = args["total_episodes"]
-        return (f"{n(episodes)} RM-scored responses of the pairs, {updates(episodes // args['total_batch_size'])}, "
-                f"beta {args.get('beta'):g}")
-    if kind == "offline_best_of_n":
-        return f"{n(args['n'] * args['bon_num_prompts'])} sampled responses ({n(args['bon_num_prompts'])} prompts x {args['n']})"
-    if kind.startswith("offline_"):
-        return (f"{n(args['mixture_size'])} SFT responses scored by the RM, {args.get('num_train_epochs', 1)} "
-                f"pass{'es' * (args.get('num_train_epochs', 1) > 1)}")
+    try:
+        updates = f"{n('budget/updates')} update{'s' * (int(summary['budget/updates']) != 1)}"
+        if kind == "sft":
+            return f"{n('budget/rows_read')} reference summaries read, {updates}"
+        if kind in ("ppo", "rloo", "grpo", "online_dpo", "offline_best_of_n"):
+            per = ratio("budget/responses_sampled", "budget/prompts")
+            # online DPO: the sampled pairs it did not train on (the judge could not separate them, or a redraw's spare)
+            untrained = summary.get("online/pairs_total", 0) - summary.get("online/pairs_trained_total", 0)
+            dropped = f"; {untrained:,} pairs dropped" if untrained else ""
+            return (f"{n('budget/responses_sampled')} sampled responses ({n('budget/prompts')} prompts x {per}{dropped}), "
+                    f"{updates}")
+        if kind in ("dpo", "ipo"):
+            return f"{n('budget/pairs_read')} preference pairs, {updates}"
+        if kind == "kto":
+            return f"{n('budget/rows_read')} examples ({n('budget/pairs_read')} pairs), {updates}"
+        if kind == "kto_unpaired":
+            return f"{n('budget/rows_read')} thumbs up / down, {updates}"
+        if kind == "ilql":
+            return f"{n('budget/rows_read')} RM-scored responses of the pairs, {updates}, beta {args.get('beta'):g}"
+        if kind.startswith("offline_"):
+            passes = ratio("budget/rows_read", "mixture/size")
+            return f"{n('mixture/size')} SFT responses scored by the RM, {passes} pass{'es' * (passes != '1')}, {updates}"
+    except KeyError as missing:
+        return f"unknown: summary.json has no {missing.args[0]} (a run older than the budget counters)"
     return ""
 
 
@@ -779,7 +788,8 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     for stage in [s for s in first.stages if s in first.policies_order()]:
         kind = first.kind(stage)
         label = first.judged_label(stage)
-        per_seed, extra = {}, {"kl": [], "kl_se": [], "length": [], "eos_rate": [], "wall": [], "shared": [], "peak": []}
+        per_seed, extra = {}, {"kl": [], "kl_se": [], "length": [], "eos_rate": [], "wall": [], "shared": [], "peak": [],
+                               "eval_split": []}  # per seed the split whose prompts its samples answer
         note = None
         for seed, p in zip(seeds, pipelines):
             res = _load(os.path.join(p.report_dir, "results.json"))
@@ -788,6 +798,7 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
                 raise ValueError(f"leaderboard: seed {seed} has no judged {label} in {p.report_dir}/results.json; run "
                                  f"pipeline.py again to finish that seed")
             per_seed[seed] = row
+            extra["eval_split"].append(row.get("eval_split") or eval_split_of(p, label))
             for key in ("length", "eos_rate"):
                 if row.get(key) is not None:
                     extra[key].append(row[key])
@@ -827,11 +838,15 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     methods = {row["stage"]: row["method"] for row in rows}
 
     n_samples = {r.get("n") for row in rows for r in row["per_seed"].values()} - {None}
+    split = " and ".join(sorted({s for row in rows for s in row["eval_split"]})) or "validation"  # leaderboard: test
+    held_out = (" The test split's prompts share none with the train and validation splits, and no setting was chosen "
+                "on them: ILQL's beta, the reward model's settings and every other setting were chosen by gold win rate "
+                "on the validation split (docs/results.md)." if split == "test" else "")
     lines = ["## Leaderboard: every method on the built-in task", "",
              f"Seeds {', '.join(map(str, seeds))}; each seed trains its own SFT and reward model, and every method of "
              f"that seed starts from them. Gold win rate against the reference summaries on "
-             f"{', '.join(map(str, sorted(n_samples))) or 'the'} validation samples per seed, drawn at the evaluation "
-             f"temperature 0.01 (95% Wilson interval), and over seeds (mean, 95% t-interval). Beats: the baselines "
+             f"{', '.join(map(str, sorted(n_samples))) or 'the'} {split} samples per seed, drawn at the evaluation "
+             f"temperature 0.01 (95% Wilson interval), and over seeds (mean, 95% t-interval).{held_out} Beats: the baselines "
              f"(PPO, DPO, SFT) whose gold win rate this method exceeds under the paired test below (its Holm-corrected "
              f"interval of the per-seed differences lies above 0). KL from SFT: KL(pi || pi_SFT) of the two models' own "
              f"distributions at temperature 1 (one response per evaluation prompt sampled from the policy at "
@@ -861,6 +876,7 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
                      f"{' (shared)' if any(row['shared']) else ''} | "
                      f"{f'{peak:.0f}' if peak is not None else 'n/a'} |")
         table.append({"stage": row["stage"], "method": row["method"], "budget": row["budget"],
+                      "eval_split": " and ".join(sorted(set(row["eval_split"]))),
                       **{f"seed_{s}": r for s, r in zip(seeds, rates_of)}, "mean": mean, "t_low": low, "t_high": high,
                       **{f"beats_{b}": next((c["beats"] for c in mine if c["baseline"] == b), None)
                          for b in ("ppo", "dpo", "sft")},

@@ -46,7 +46,7 @@ from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 from datasets import load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
@@ -94,6 +94,9 @@ class Args:
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
+    accept_changed_flags: bool = False
+    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
+    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # ---- model and data ----
     sft_model_path: str = "models/sft"
@@ -559,8 +562,7 @@ def main(args: Args) -> dict:
     scorer = RewardScorer(model, pad_id)
     adamw = torch.optim.AdamW(scorer.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     # stepped by hand once per optimizer step, so its length is exactly num_updates on any process count
-    lr_scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=args.warmup_steps,
-                                 num_training_steps=num_updates)
+    lr_scheduler = lr_schedule(adamw, args.scheduler, num_updates, args.warmup_steps)
     scorer, optimizer, train_loader = accelerator.prepare(scorer, adamw, train_loader)
     accelerator.register_for_checkpointing(lr_scheduler)  # saved and restored with the scorer and optimizer
     unwrapped = accelerator.unwrap_model(scorer).rm  # the bare sequence-classification model
@@ -616,7 +618,9 @@ def main(args: Args) -> dict:
     summary.update(evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets, tokenizer, num_updates, final=True))
     summary.update({"train_time_s": train_time, "wall_time_s": time.time() - start_time,
                     "tokens_per_s": tokens_seen / max(train_time, 1e-9), "num_updates": num_updates,
-                    "head_init_std": head_std})
+                    "head_init_std": head_std,
+                    # the budget as spent: every update read total_batch_size pairs
+                    "budget/updates": num_updates, "budget/pairs_read": num_updates * args.total_batch_size})
     save_pretrained_model(accelerator, scorer, unwrapped, tokenizer, args.output_dir, prefix="rm.")
     if args.push_to_hub and accelerator.is_main_process:
         upload_to_hub(args)
@@ -948,6 +952,28 @@ def whole_parameters(params: list):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate of update t (from 0) over num_updates updates, as a multiple of --lr: a linear warm-up from 0
+    over the first warmup_steps updates, then cosine decays to 0 as 0.5 * (1 + cos(pi * progress)) and linear as
+    (T - t) / (T - warmup); constant stays 1 and, as in transformers, ignores the warm-up. These are
+    transformers.get_scheduler's multipliers bit for bit (tests/test_lr_schedule.py), written out because importing
+    get_scheduler loads peft and bitsandbytes through transformers.trainer_utils, about 3 s of every process."""
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"unknown learning-rate schedule {kind!r}: cosine, linear or constant")
+
+    def multiplier(t: int) -> float:  # transformers' arithmetic, in its order, so that every float is the same
+        if kind == "constant":
+            return 1.0
+        if t < warmup_steps:
+            return float(t) / float(max(1, warmup_steps))
+        if kind == "linear":
+            return max(0.0, float(num_updates - t) / float(max(1, num_updates - warmup_steps)))
+        progress = float(t - warmup_steps) / float(max(1, num_updates - warmup_steps))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress)))  # num_cycles 0.5: half a wave
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 if __name__ == "__main__":

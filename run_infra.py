@@ -10,10 +10,13 @@ losses, metrics, how models are built and saved); this module keeps what only se
                     written_by_prepare), check_query_response, check_finite, check_reward_tokenizer,
                     check_gradient_accumulation, check_qlora_flags
   processes         start_processes
+  flags             FREE_FLAGS (those a --resume may change), flag_values; evaluation_rng: evaluation's own random
+                    stream, so that evaluating never changes what a run trains
   the run folder    Run: name, lock (claim_lock), --output_dir claim, the inputs' content hashes (content_digest,
-                    INPUT_FILES), logs (TensorBoard, metrics.jsonl, W&B with --track), checkpoints (atomic, with a
-                    manifest) and --resume (or --restart: checkpoints are never deleted implicitly), completion
-                    marks, the non-finite guard; due: whether an action done every N updates falls on this one
+                    INPUT_FILES; each file's hash cached on its size, times and inode), logs (TensorBoard,
+                    metrics.jsonl, W&B with --track), checkpoints (atomic, with a manifest) and --resume (the flags
+                    compared; or --restart: checkpoints are never deleted implicitly), completion marks, the
+                    non-finite guard; due: whether an action done every N updates falls on this one
   the fallback      LastGoodState: after a non-finite value, the state after the last good update as a checkpoint
   outputs           save_pretrained_model, upload_to_hub, frame_markdown; saving: a full disk named, for every save
 
@@ -48,6 +51,56 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoTokenizer
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The flags that decide no number a run computes: they may change between a checkpoint and its --resume (Run compares
+# every other flag and refuses a change unless --accept_changed_flags). tests/test_run.py reads this set.
+# ----------------------------------------------------------------------------------------------------------------------
+FREE_FLAGS = frozenset({
+    # names and folders of the run and its outputs
+    "exp_name", "run_name", "run_dir_root", "output_dir", "overwrite_output_dir", "cache_dir",
+    # checkpoints, resume and locks
+    "checkpoint_every", "checkpoint_keep", "resume", "restart", "take_over_lock", "accept_changed_inputs",
+    "accept_changed_flags",
+    # tracking and uploads
+    "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hub_model_id",
+    # logging and evaluation: evaluation samples from its own random stream (evaluation_rng), so how often and how
+    # much a run evaluates never changes what it trains
+    "eval_every", "num_eval_samples", "local_eval_batch_size", "eval_split", "eval_splits", "eval_temperature",
+    "eval_test_split", "eval_betas", "dt_eval_percentiles", "dt_eval_targets", "num_table_samples",
+    "num_logit_plot_samples", "num_calibration_bins", "print_sample_every", "log_every", "save_policy_every",
+    # where frozen models wait between uses (the same numbers either way)
+    "offload",
+    # the process layout: the checkpoint's process count and DeepSpeed stage are checked on their own
+    # (Run.intact_checkpoint), and the accumulation steps follow from them and the batch-size flags
+    "world_size", "gradient_accumulation_steps",
+    # the judge's network settings (online_dpo.py --judge endpoint): how a reply is fetched, not what it says
+    "base_url", "timeout_s", "max_tries", "backoff_base_s", "backoff_max_s", "max_parallel_requests", "cache_path",
+    "rate_limit_patience",
+})
+
+
+def flag_values(args) -> dict:
+    """Every flag's value as JSON holds it, a nested group's flags under dotted names (ppo.kl_coef)."""
+    def flat(values: dict, prefix: str = ""):
+        for name, value in values.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{name}.")
+            else:
+                yield prefix + name, value
+    return dict(flat(json.loads(json.dumps(asdict(args), default=str))))
+
+
+@contextlib.contextmanager
+def evaluation_rng(accelerator, seed: int):
+    """Evaluation's own random stream: the torch RNG states of the CPU and of this process's accelerator are kept,
+    torch is seeded with `seed` (the same stream at every evaluation), and the kept states are put back after. What
+    training draws next is then what it would have drawn without the evaluation."""
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -303,17 +356,72 @@ INPUT_FILES = {"config.json", "adapter_config.json", "tokenizer.json", "tokenize
 
 def content_digest(path: str) -> Optional[str]:
     """The sha256 of the names and bytes (not times: a byte-identical re-prepare is the same input) of what a run reads
-    of `path`: weights, arrow files (not datasets' cache-*), INPUT_FILES. None for a path that is none (a hub name)."""
+    of `path`: weights, arrow files (not datasets' cache-*), INPUT_FILES. None for a path that is none (a hub name).
+    Each file's own sha256 comes from DIGEST_CACHE while the file is unchanged (file_sha256)."""
     if not os.path.exists(path):
         return None
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(d, f) for d, _, names in os.walk(path) for f in names
         if f in INPUT_FILES or not f.startswith("cache-") and f.endswith((".arrow", ".safetensors", ".bin", ".model")))
-    digest = hashlib.sha256()
+    digest, cache, fresh = hashlib.sha256(), read_digest_cache(), {}
     for file in files:
-        with open(file, "rb") as f:
-            digest.update(os.path.relpath(file, path).encode() + hashlib.file_digest(f, "sha256").digest())
+        digest.update(os.path.relpath(file, path).encode() + file_sha256(file, cache, fresh))
+    write_digest_cache(fresh)
     return digest.hexdigest()
+
+
+# The files' hashes content_digest has made, so that an unchanged input is not read again: a JSON file of
+# {absolute path: [size, mtime_ns, ctime_ns, inode, device, sha256]} in the user's cache folder, shared by the runs of
+# every checkout. RLHF_DIGEST_CACHE names another file; set empty, it turns the cache off.
+DIGEST_CACHE = os.environ.get("RLHF_DIGEST_CACHE", os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "rlhf-details",
+    "content_digests.json"))
+# A file changed less than this before it was hashed is not cached: a file system stamps times coarsely (a clock tick;
+# 1-2 s on some), so a rewrite of the same size right after could carry the very same times.
+SETTLED_NS = 3 * 10**9
+
+
+def file_sha256(file: str, cache: dict, fresh: dict) -> bytes:
+    """A file's sha256: the cached one while its size, mtime, ctime (any write or utime changes it), inode and device
+    are those it was hashed with, else read (and put in `fresh` when the file was settled and did not change during
+    the read)."""
+    key, started, before = os.path.abspath(file), time.time_ns(), os.stat(file)
+    stamp = [before.st_size, before.st_mtime_ns, before.st_ctime_ns, before.st_ino, before.st_dev]
+    entry = cache.get(key)
+    if isinstance(entry, list) and len(entry) == 6 and entry[:5] == stamp:
+        return bytes.fromhex(entry[5])
+    with open(file, "rb") as f:
+        sha256 = hashlib.file_digest(f, "sha256").digest()
+    after = os.stat(file)
+    if [after.st_size, after.st_mtime_ns, after.st_ctime_ns, after.st_ino, after.st_dev] == stamp and \
+            started - max(before.st_mtime_ns, before.st_ctime_ns) > SETTLED_NS:
+        fresh[key] = stamp + [sha256.hex()]
+    return sha256
+
+
+def read_digest_cache() -> dict:
+    with contextlib.suppress(OSError, ValueError):
+        with open(DIGEST_CACHE) as f:
+            cache = json.load(f)
+        return cache if isinstance(cache, dict) else {}
+    return {}
+
+
+def write_digest_cache(fresh: dict) -> None:
+    """Adds `fresh` to the cache file, written whole and then renamed into place (a concurrent run's additions may be
+    lost, never mixed in); entries of files that are gone are dropped. A cache that cannot be written is no error."""
+    if not fresh or not DIGEST_CACHE:
+        return
+    temporary = f"{DIGEST_CACHE}.{os.getpid()}.tmp"
+    try:
+        cache = {key: entry for key, entry in read_digest_cache().items() if os.path.exists(key)} | fresh
+        os.makedirs(os.path.dirname(os.path.abspath(DIGEST_CACHE)), exist_ok=True)
+        with open(temporary, "w") as f:
+            json.dump(cache, f)
+        os.replace(temporary, DIGEST_CACHE)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
 
 
 @contextlib.contextmanager
@@ -377,6 +485,10 @@ class Run:
                            f"replaces them. Pass --resume to continue from the newest, or --restart to delete them and "
                            f"start over (or another --run_name to keep them and start a new run)")
         self.resume_from = self.intact_checkpoint() if args.resume else None
+        # the flags as given (before a script derives any): each checkpoint records them, a resume compares them
+        self.flags, self.changed = flag_values(args), {}
+        if self.resume_from:
+            self.compare_flags()
 
     def saved(self) -> list:
         """The completed checkpoints, oldest first (a killed save never got its name update_N)."""
@@ -411,6 +523,48 @@ class Run:
                            f"this run has {ours[0]} with stage {ours[1]}; launch {theirs[0]} process(es) with the "
                            "original config")
         return path
+
+    def compare_flags(self) -> None:
+        """--resume: the flags that decide numbers (all but FREE_FLAGS) must be the checkpoint's. A change is refused
+        before any model loads, naming each flag (was -> now); --accept_changed_flags goes on with the new values,
+        which then truly apply (Run.start) and args.json records both."""
+        then = self.manifest.get("flags")
+        if then is None:  # a checkpoint of an older version records no flags
+            self.accelerator.print(f"--resume: {self.resume_from} records no flags; they cannot be compared")
+            return
+        self.changed = {name: (then.get(name), now) for name, now in self.flags.items()
+                        if name.split(".")[-1] not in FREE_FLAGS and then.get(name) != now}
+        listed = "; ".join(f"--{name} {was!r} -> {now!r}" for name, (was, now) in self.changed.items())
+        if self.changed and not getattr(self.args, "accept_changed_flags", False):
+            raise RunError(f"--resume: {self.resume_from} was made with other flags than these: {listed}. Resume with "
+                           f"the flags it was made with (its run's args.json lists them), or pass "
+                           "--accept_changed_flags to go on with the new values knowingly (they apply from the next "
+                           "update; args.json records both)")
+        if self.changed:
+            self.accelerator.print(f"--resume with changed flags (--accept_changed_flags): {listed}")
+
+    def apply_changed_flags(self) -> None:
+        """--accept_changed_flags, after the checkpoint is loaded: what it restored from the old flags takes the new
+        values. A param group's eps or weight_decay equal to the old flag takes the new one; a new --lr rescales each
+        restored learning-rate schedule to the new base at the same step (LambdaLR: lr = base x factor(step)); a
+        registered object with a `flags_changed` method (ppo.py's KL controller) is told the changes itself."""
+        for name in ("eps", "weight_decay"):
+            if name in self.changed:
+                was, now = self.changed[name]
+                for group in (g for optimizer in self.accelerator._optimizers for g in optimizer.param_groups):
+                    group[name] = now if group.get(name) == was else group[name]
+        if "lr" in self.changed:
+            was, now = self.changed["lr"]
+            schedules = [getattr(s, "scheduler", s) for s in self.accelerator._schedulers] + [  # prepared or registered
+                o for o in self.accelerator._custom_objects if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
+            for schedule in schedules:
+                schedule.base_lrs = [now if base == was else base for base in schedule.base_lrs]
+                for group, base, factor in zip(schedule.optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas):
+                    group["initial_lr"], group["lr"] = base, base * factor(schedule.last_epoch)
+                schedule._last_lr = [group["lr"] for group in schedule.optimizer.param_groups]
+        for obj in self.accelerator._custom_objects:
+            if hasattr(obj, "flags_changed"):
+                obj.flags_changed(self.changed)
 
     def inputs(self, **paths) -> None:
         """The content hashes (content_digest) of what this run reads, name=path (prepared data and model folders,
@@ -455,11 +609,17 @@ class Run:
         """The trainer state to go on from (the checkpoint's with --resume, else `state`); opens the logs."""
         self.shape, resumed_at = shape, 0
         if self.resume_from:
-            state = json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
+            fresh, state = state, json.load(open(os.path.join(self.resume_from, "trainer_state.json")))
+            missing = sorted(set(fresh) - set(state))
+            if missing:  # a checkpoint of an older version of the script, which kept less state
+                raise RunError(f"--resume: {self.resume_from} was written by an older version of this script (its "
+                               f"trainer state has no {', '.join(missing)}); finish that run with the version that "
+                               "wrote it, or --restart to start over")
             if {key: state.get(key) for key in shape} != shape:
                 raise RunError(f"--resume: the checkpoint belongs to a run with {({k: state.get(k) for k in shape})}, "
                                f"these flags give {shape}; resume with the flags of the original run")
             self.accelerator.load_state(self.resume_from)
+            self.apply_changed_flags()
             self.accelerator.print(f"resumed from {self.resume_from} (update {state['update']})")
             resumed_at = state["update"]
         elif self.main:  # a fresh run: no checkpoints (Run refused them without --restart) or --restart deletes them
@@ -469,6 +629,14 @@ class Run:
         if self.main:
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
             config = asdict(self.args)  # with the derived fields filled in
+            earlier = os.path.join(self.dir, "args.json")  # a resume keeps the record of earlier accepted changes
+            history = json.load(open(earlier)).get("changed_on_resume", []) if self.resume_from and os.path.exists(
+                earlier) else []
+            if self.changed:  # --accept_changed_flags: both values, and the update from which the new ones apply
+                history.append({"after_update": resumed_at,
+                                "flags": {name: {"was": was, "now": now} for name, (was, now) in self.changed.items()}})
+            if history:
+                config["changed_on_resume"] = history
             json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
             if self.args.track:
                 import wandb  # only with --track; it mirrors TensorBoard
@@ -532,7 +700,7 @@ class Run:
                     files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
                              for d, _, names in os.walk(temporary) for f in names}
                     json.dump({"files": files, "num_processes": self.accelerator.num_processes,
-                               "deepspeed_stage": self.stage, "inputs": self.digests},
+                               "deepspeed_stage": self.stage, "inputs": self.digests, "flags": self.flags},
                               open(os.path.join(temporary, "manifest.json"), "w"))
         except Exception:  # e.g. a full disk (named by `saving`), or a serializer's own error
             shutil.rmtree(temporary, ignore_errors=True)  # a failed save leaves no half-written folder behind

@@ -30,6 +30,7 @@ A NaN or inf loss:      stops the run before it reaches the weights; the state a
 
 import copy
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -42,13 +43,13 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import gather_object, set_seed
 from datasets import load_dataset, load_from_disk
-from rouge_score import rouge_scorer
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_qlora_flags, check_query_response, due, frame_markdown, save_pretrained_model, start_processes, upload_to_hub,
+    check_qlora_flags, check_query_response, due, evaluation_rng, frame_markdown, save_pretrained_model,
+    start_processes, upload_to_hub,
 )
 
 
@@ -92,6 +93,9 @@ class Args:
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
+    accept_changed_flags: bool = False
+    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
+    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # ---- model and data ----
     base_model: str = "EleutherAI/pythia-1b-deduped"
@@ -271,40 +275,45 @@ def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset
     loss_sum = torch.zeros((), device=accelerator.device)
     num_targets = torch.zeros((), device=accelerator.device)
     rows = []
-    for begin in range(start, start + local_rows, args.local_eval_batch_size):
-        batch = dataset[begin : min(begin + args.local_eval_batch_size, start + local_rows)]
-        query_responses = batch["query_reference_response_token"].to(accelerator.device)  # (B, Tq + Tr)
-        labels = sft_labels(batch[label_column].to(accelerator.device), pad_token_id)
-        loss, count = next_token_loss(model, query_responses, labels, pad_token_id)
-        loss_sum += loss * count
-        num_targets += count
+    # evaluation samples from its own random stream, the same at every evaluation (evaluation_rng): how often and
+    # how much a run evaluates never changes what it trains
+    with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003):
+        for begin in range(start, start + local_rows, args.local_eval_batch_size):
+            batch = dataset[begin : min(begin + args.local_eval_batch_size, start + local_rows)]
+            query_responses = batch["query_reference_response_token"].to(accelerator.device)  # (B, Tq + Tr)
+            labels = sft_labels(batch[label_column].to(accelerator.device), pad_token_id)
+            loss, count = next_token_loss(model, query_responses, labels, pad_token_id)
+            loss_sum += loss * count
+            num_targets += count
 
-        queries = batch["query_token"].to(accelerator.device)  # (B, Tq), left-padded
-        queries = queries[:, real_columns(queries, pad_token_id)]  # the left padding every row shares is cut
-        context_length = queries.size(1)
-        query_sampled = generate(unwrapped, queries, pad_token_id, generation_config)
-        responses = query_sampled[:, context_length:]  # (B, response_length)
-        postprocessed = truncate_response(eos_token_id, pad_token_id, responses)
-        has_eos = (responses == eos_token_id).any(dim=1)  # (B,)
-        # tokens up to and including the first EOS (response_length when there is none)
-        response_token_len = torch.clamp(first_true_indices(responses == eos_token_id) + 1, max=responses.size(1))
-        for i in range(queries.size(0)):
-            rows.append(
-                {
-                    "query": tokenizer.decode(queries[i][queries[i] != pad_token_id], skip_special_tokens=True),
-                    "response": tokenizer.decode(postprocessed[i], skip_special_tokens=True),
-                    "reference": batch["reference_response"][i],
-                    "score": None,
-                    "response_token_len": int(response_token_len[i]),
-                    "has_eos": bool(has_eos[i]),
-                }
-            )
+            queries = batch["query_token"].to(accelerator.device)  # (B, Tq), left-padded
+            queries = queries[:, real_columns(queries, pad_token_id)]  # the left padding every row shares is cut
+            context_length = queries.size(1)
+            query_sampled = generate(unwrapped, queries, pad_token_id, generation_config)
+            responses = query_sampled[:, context_length:]  # (B, response_length)
+            postprocessed = truncate_response(eos_token_id, pad_token_id, responses)
+            has_eos = (responses == eos_token_id).any(dim=1)  # (B,)
+            # tokens up to and including the first EOS (response_length when there is none)
+            response_token_len = torch.clamp(first_true_indices(responses == eos_token_id) + 1, max=responses.size(1))
+            for i in range(queries.size(0)):
+                rows.append(
+                    {
+                        "query": tokenizer.decode(queries[i][queries[i] != pad_token_id], skip_special_tokens=True),
+                        "response": tokenizer.decode(postprocessed[i], skip_special_tokens=True),
+                        "reference": batch["reference_response"][i],
+                        "score": None,
+                        "response_token_len": int(response_token_len[i]),
+                        "has_eos": bool(has_eos[i]),
+                    }
+                )
     loss_sum = accelerator.reduce(loss_sum, reduction="sum")
     num_targets = accelerator.reduce(num_targets, reduction="sum")
     rows = gather_object(rows)
     model.train()
 
     df = pd.DataFrame(rows, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
+    from rouge_score import rouge_scorer  # here, not at the top: it loads nltk (~0.15 s), which only evaluation needs
+
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
     rouge = {key: 0.0 for key in ("rouge1", "rouge2", "rougeL")}
     for response, reference in zip(df["response"], df["reference"]):
@@ -379,10 +388,10 @@ def main(args: Args) -> dict:
     trained = [p for p in model.parameters() if p.requires_grad]
     adamw = torch.optim.AdamW(trained, lr=args.lr, eps=args.eps)
     # the schedule is not passed to accelerator.prepare, which would step it once per process
-    scheduler = get_scheduler(args.scheduler, adamw, num_warmup_steps=0, num_training_steps=args.num_updates)
+    scheduler = lr_schedule(adamw, args.scheduler, args.num_updates)
     model, optimizer = accelerator.prepare(model, adamw)
     accelerator.register_for_checkpointing(scheduler)  # saved and restored with the model and optimizer
-    torch.manual_seed(local_seed)  # sampling at evaluation differs across processes
+    torch.manual_seed(local_seed)  # dropout (when on) differs across processes; evaluation has its own stream
     batches = sft_batch_indices(len(train_dataset), args.total_batch_size, args.local_micro_batch_size,
                                 args.gradient_accumulation_steps, args.seed, accelerator.process_index)
 
@@ -424,6 +433,8 @@ def main(args: Args) -> dict:
             "train/time_s": state["train_time"],
             "train/tokens_per_s": state["train_tokens"] / state["train_time"],
             "train/updates": args.num_updates,
+            # the budget as spent (report.py's leaderboard reads it): every update read total_batch_size rows
+            "budget/updates": args.num_updates, "budget/rows_read": args.num_updates * args.total_batch_size,
             "wall_time_s": time.time() - start_time,
         }
     )
@@ -778,6 +789,28 @@ def merged_policy(policy) -> torch.nn.Module:
     plain.tie_weights()
     plain.generation_config = copy.deepcopy(model.generation_config)
     return plain.eval()
+
+
+def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate of update t (from 0) over num_updates updates, as a multiple of --lr: a linear warm-up from 0
+    over the first warmup_steps updates, then cosine decays to 0 as 0.5 * (1 + cos(pi * progress)) and linear as
+    (T - t) / (T - warmup); constant stays 1 and, as in transformers, ignores the warm-up. These are
+    transformers.get_scheduler's multipliers bit for bit (tests/test_lr_schedule.py), written out because importing
+    get_scheduler loads peft and bitsandbytes through transformers.trainer_utils, about 3 s of every process."""
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"unknown learning-rate schedule {kind!r}: cosine, linear or constant")
+
+    def multiplier(t: int) -> float:  # transformers' arithmetic, in its order, so that every float is the same
+        if kind == "constant":
+            return 1.0
+        if t < warmup_steps:
+            return float(t) / float(max(1, warmup_steps))
+        if kind == "linear":
+            return max(0.0, float(num_updates - t) / float(max(1, num_updates - warmup_steps)))
+        progress = float(t - warmup_steps) / float(max(1, num_updates - warmup_steps))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(0.5) * 2.0 * progress)))  # num_cycles 0.5: half a wave
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 if __name__ == "__main__":

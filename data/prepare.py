@@ -7,7 +7,9 @@
 It writes processed `DatasetDict`s (`save_to_disk`) whose columns follow the reference
 implementation, so every training script reads TL;DR, HH and the synthetic task alike:
 
-    <output_dir>/sft/          train / validation / test      (SFT, PPO prompts)
+    <output_dir>/sft/          train / validation / test      (SFT, PPO prompts; test: the hub's TL;DR test split,
+                               or the built-in task's 600 posts from a random stream of their own, which the
+                               leaderboard reports; HH has none: its hub test split is the validation here)
     <output_dir>/preference/   train / validation / validation_cnndm   (RM, DPO, ILQL)
     <output_dir>/unpaired/     train / validation   (KTO's thumbs up / down, with --unpaired or --unpaired_only)
     <output_dir>/plots/        token-length histograms (Figures 9-10 of the paper)
@@ -116,7 +118,10 @@ class Args:
     synthetic_num_sft_train: int = 4000
     """synthetic task: SFT training posts"""
     synthetic_num_sft_eval: int = 400
-    """synthetic task: SFT validation and test posts (each)"""
+    """synthetic task: SFT validation posts"""
+    synthetic_num_sft_test: int = 600
+    """synthetic task: SFT test posts, from a random stream of their own and sharing no prompt with train or
+    validation (the leaderboard reports them; no setting is tuned on them)"""
     synthetic_num_pref_train: int = 6000
     """synthetic task: training comparisons"""
     synthetic_num_pref_valid: int = 1000
@@ -871,7 +876,7 @@ def build_synthetic(args: Args) -> dict:
     info = synthetic.generate_raw(
         raw_dir, seed=args.seed, num_sft_train=args.synthetic_num_sft_train, num_sft_eval=args.synthetic_num_sft_eval,
         num_pref_train=args.synthetic_num_pref_train, num_pref_valid=args.synthetic_num_pref_valid,
-        num_cnndm=args.synthetic_num_cnndm)
+        num_cnndm=args.synthetic_num_cnndm, num_sft_test=args.synthetic_num_sft_test)
     texts = []
     for name in ("sft/train.jsonl", "comparisons/train.jsonl"):
         with open(os.path.join(raw_dir, name)) as f:

@@ -324,9 +324,11 @@ def make_cnndm_comparison(post: dict, post_id: str, rng: random.Random) -> tuple
 
 
 def generate_raw(out_dir: str, seed: int = 0, num_sft_train: int = 4000, num_sft_eval: int = 400,
-                 num_pref_train: int = 6000, num_pref_valid: int = 1000, num_cnndm: int = 60) -> dict:
+                 num_pref_train: int = 6000, num_pref_valid: int = 1000, num_cnndm: int = 60,
+                 num_sft_test: int = 600) -> dict:
     """Write the raw hub-schema JSONL files (`sft/{train,validation,test}.jsonl` and
-    `comparisons/{train,validation}.jsonl`); return the row counts and the RM-accuracy ceiling."""
+    `comparisons/{train,validation}.jsonl`); return the row counts and the RM-accuracy ceiling. The test split
+    (`num_sft_test` posts, make_test_split) draws on a random stream of its own; everything else on the main one."""
     rng = random.Random(seed)
     os.makedirs(out_dir, exist_ok=True)
     counts: dict[str, int] = {}
@@ -348,6 +350,11 @@ def generate_raw(out_dir: str, seed: int = 0, num_sft_train: int = 4000, num_sft
             posts[pid] = post
             rows.append({"id": pid, "subreddit": post["subreddit"], "title": post["title"],
                          "post": post["post"], "summary": reference_summary(post["facts"], rng)})
+        if split == "test":
+            # These num_sft_eval posts of the main stream were the test split before it had a stream of its own
+            # (issue 54). They are still drawn, and dropped, so that every later draw of the main stream (the
+            # comparisons) and with it every train and validation file stays byte for byte what it was.
+            rows = make_test_split(seed, num_sft_test, [posts[k] for k in posts if not k.startswith("t3_test")])
         dump(f"sft/{'validation' if split == 'valid' else split}.jsonl", rows)
 
     ceiling = {}
@@ -395,6 +402,36 @@ def generate_raw(out_dir: str, seed: int = 0, num_sft_train: int = 4000, num_sft
         agree += int(g == r["choice"])
     ceiling["validation_realised"] = agree / max(1, len(tldr_rows))
     return {"counts": counts, "ceiling": ceiling}
+
+
+# The test split's stream: the seed plus the 10,000th prime, as the warm-up text (7919) and the thumbs (15485863)
+# have streams of their own, so that adding or resizing the test split moves no other file.
+TEST_STREAM = 104729
+
+
+def prompt_key(post: dict) -> tuple[str, str, str]:
+    """What makes two posts one prompt: subreddit, title and opening paragraph. Truncation (Detail 2) cuts a post
+    from its end and a built-in opening paragraph always fits the query, so posts whose keys differ keep different
+    queries."""
+    return post["subreddit"], post["title"], post["post"].split("\n\n", 1)[0]
+
+
+def make_test_split(seed: int, num: int, other_posts: list[dict]) -> list[dict]:
+    """The test split: `num` posts with their human references, drawn from a stream of their own (TEST_STREAM), each
+    a prompt of its own (prompt_key) that no post of `other_posts` (the train and validation posts) shares: a post
+    that would is drawn again. No setting of the project is chosen on it (docs/results.md): the leaderboard reports
+    it, tuning reads the validation split."""
+    rng = random.Random(seed + TEST_STREAM)
+    taken = {prompt_key(post) for post in other_posts}
+    rows = []
+    while len(rows) < num:
+        post = make_post(rng)
+        if prompt_key(post) in taken:
+            continue
+        taken.add(prompt_key(post))
+        rows.append({"id": f"t3_test{len(rows):05d}", "subreddit": post["subreddit"], "title": post["title"],
+                     "post": post["post"], "summary": reference_summary(post["facts"], rng)})
+    return rows
 
 
 # --------------------------------------------------------------------------------------------

@@ -238,7 +238,7 @@ def tiny_causal_lm(seed: int = 0, vocab_size: int = 16, pad_token_id: int = 1, e
 
 
 SMALL_TASK_FLAGS = [
-    "--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48",
+    "--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48", "--synthetic_num_sft_test", "48",
     "--synthetic_num_pref_train", "256", "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8",
     "--synthetic_warmup_steps", "20", "--no-plots",
 ]

@@ -250,6 +250,7 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
         assert (run_dir / name).exists(), name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["num_updates"] == 2
+    assert summary["budget/updates"] == 2 and summary["budget/pairs_read"] == 32  # the budget as spent
     assert 0.0 <= summary["eval/accuracy"] <= 1.0
     assert summary["eval/accuracy"] == summary["eval/validation/accuracy"]
     assert summary["wall_time_s"] > 0

@@ -204,6 +204,9 @@ def test_smoke_with_options(synthetic_task, tiny_models, tmp_path):
         assert key in summary
     train = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if "grpo/val/ratio" in line]
     assert len(train) == 2
+    # the budget it claims (--total_episodes 16: sampled responses) is what it sampled: 2 prompts x 4 an update
+    assert [m["budget/responses_sampled"] for m in train] == [8, 16] and summary["budget/responses_sampled"] == 16
+    assert summary["budget/prompts"] == 4 and summary["budget/updates"] == 2
     for key in ("objective/kl", "objective/scores", "objective/rlhf_reward", "grpo/policy/approxkl_avg",
                 "grpo/policy/clipfrac_avg", "grpo/loss/policy_avg", "grpo/loss/ptx_avg", "grpo/kl", "train/lr", "episode"):
         assert key in train[0], key

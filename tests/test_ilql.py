@@ -364,6 +364,7 @@ def test_smoke_run_on_the_builtin_task(synthetic_task, tmp_path):
     run_dir = tmp_path / "runs" / run_name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["num_updates"] == 6
+    assert summary["budget/updates"] == 6 and summary["budget/rows_read"] == 48  # the budget as spent
     # synced on optimizer updates 2, 4, 6 (a once-per-epoch sync would give 0 here: 48 of 512 trajectories)
     assert summary["num_target_syncs"] == 3
     assert summary["wall_time_s"] > 0 and math.isfinite(summary["train/loss"])

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from accelerate import Accelerator
-from datasets import load_from_disk
+from datasets import Dataset, load_from_disk
 
 from data import prepare, synthetic
 from test_multiprocess import assert_same_run, run_probe, saved_weights
@@ -113,6 +113,10 @@ def test_flags_that_cannot_work_are_refused():
         kto.check_kto_flags(kto.Args(feedback="unpaired"))
     with pytest.raises(ValueError, match="at least 2"):
         kto.check_kto_flags(kto.Args(local_micro_batch_size=1))
+    for size in (2, 5):  # pairs: both halves of each pair in one micro batch, and at least 2 pairs for the KL estimate
+        with pytest.raises(ValueError, match="even and at least 4"):
+            kto.check_kto_flags(kto.Args(local_micro_batch_size=size))
+    kto.check_kto_flags(kto.Args(feedback="unpaired", unpaired_dataset="thumbs", local_micro_batch_size=3))
     kto.check_kto_flags(kto.Args())
 
 
@@ -165,19 +169,51 @@ def test_kl_estimate_is_the_mean_over_every_micro_batch_of_the_mismatched_pairs(
 
 def test_pairs_become_one_desirable_and_one_undesirable_example_each(synthetic_task):
     pairs = load_from_disk(synthetic_task["preference"])["train"].select(range(6))
-    examples = kto.examples_from_pairs(pairs)
-    assert len(examples) == 12 and sum(examples["label"]) == 6
-    assert examples["completion_token"][:6] == pairs["chosen_token"]
-    assert examples["completion_token"][6:] == pairs["rejected_token"]
-    assert examples["query_token"][:6] == examples["query_token"][6:] == pairs["query_token"]
+    rows = kto.with_row_index(pairs, ["query_token", "chosen_token", "rejected_token"])
+    examples = kto.pair_halves([rows[i] for i in range(6)])  # a micro batch of 6 pairs
+    assert examples["label"].tolist() == [True] * 6 + [False] * 6
+    assert examples["completion_token"][:6].tolist() == pairs["chosen_token"]
+    assert examples["completion_token"][6:].tolist() == pairs["rejected_token"]
+    assert examples["query_token"][:6].tolist() == examples["query_token"][6:].tolist() == pairs["query_token"]
+    assert examples["row_index"].tolist() == list(range(6)) * 2
     # the example layout gives the log-probs of the preference layout (query + response, right-padded)
     model = tiny_causal_lm(vocab_size=1024, pad_token_id=PAD, eos_token_id=EOS)
     pad = json.load(open(os.path.join(synthetic_task["root"], "prep_summary.json")))["pad_token_id"]
-    batch = kto.with_row_index(examples, kto.EXAMPLE_COLUMNS)[:6]
-    ours = kto.example_logprobs(model, batch["query_token"], batch["completion_token"], pad)
+    ours = kto.example_logprobs(model, examples["query_token"][:6], examples["completion_token"][:6], pad)
     theirs = kto.with_row_index(pairs, kto.PAIR_COLUMNS)[:6]
     chosen, _ = kto.concatenated_logprobs(model, theirs, pad)
     assert torch.allclose(ours, chosen, atol=1e-4)
+
+
+def test_pairs_are_dpos_pairs_in_dpos_order():
+    """--feedback pairs (the default) trains on exactly dpo.py's pairs in dpo.py's order: the loaders as each main
+    builds and prepares them (shuffled_batches, make_accelerator's seedable sampler, resumable_micro_batches), KTO with
+    twice DPO's batch and a micro batch of 2 pairs where DPO's holds 4. Every KTO micro batch holds both halves of
+    its pairs, and every update the pairs of DPO's update, over two epochs (each its own shuffle)."""
+    dpo = load_script("dpo")
+    n = 24
+    table = Dataset.from_dict({"query_token": [[i, i] for i in range(n)], "chosen_token": [[100 + i] for i in range(n)],
+                               "rejected_token": [[200 + i] for i in range(n)]})
+    rows = kto.with_row_index(table, ["query_token", "chosen_token", "rejected_token"])
+    dpo_args = dpo.Args(seed=3, total_batch_size=8, local_micro_batch_size=4)  # 6 micro batches an epoch
+    kto_args = kto.Args(seed=3, total_batch_size=16, local_micro_batch_size=4)  # 12 (2 pairs each)
+    kto.check_kto_flags(kto_args)
+    loader = dpo.make_accelerator(dpo_args).prepare(dpo.shuffled_batches(rows, dpo_args.local_micro_batch_size, 3))
+    batches = dpo.resumable_micro_batches(loader, 0)
+    dpo_order = [int(i) for _ in range(12) for i in next(batches)["row_index"]]
+    loader = kto.make_accelerator(kto_args).prepare(
+        kto.shuffled_batches(rows, kto_args.local_micro_batch_size // 2, 3, kto.pair_halves))
+    batches, kto_order = kto.resumable_micro_batches(loader, 0), []
+    for _ in range(24):
+        batch = next(batches)
+        pair_rows = batch["row_index"][:2]
+        assert batch["label"].tolist() == [True, True, False, False]
+        assert batch["row_index"].tolist() == pair_rows.tolist() * 2
+        assert batch["query_token"][:, 0].tolist() == pair_rows.tolist() * 2
+        assert batch["completion_token"][:, 0].tolist() == (pair_rows + 100).tolist() + (pair_rows + 200).tolist()
+        kto_order += pair_rows.tolist()
+    assert kto_order == dpo_order  # so each update of 16 examples holds the 8 pairs of DPO's update
+    assert sorted(dpo_order[:n]) == sorted(dpo_order[n:]) == list(range(n)) and dpo_order[:n] != dpo_order[n:]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -329,6 +365,9 @@ def test_smoke_run_on_builtin_task(feedback, synthetic_task, unpaired_task, tmp_
     run_dir = tmp_path / "runs" / "smoke"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["num_updates"] == 4 and 0.0 <= summary["eval/accuracy"] <= 1.0
+    # the budget as spent: 4 updates of 16 examples (pairs: both halves of 32 pairs; thumbs: 64 of them)
+    assert summary["budget/updates"] == 4 and summary["budget/rows_read"] == 64
+    assert summary.get("budget/pairs_read") == (32 if feedback == "pairs" else None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [row for row in rows if "train/loss" in row]
     assert [row["step"] for row in train] == [1, 2, 3, 4]

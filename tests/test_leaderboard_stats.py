@@ -170,3 +170,49 @@ def test_a_consistently_better_method_beats_under_the_paired_test_where_unpaired
     # KL: the mean over seeds with the standard error of that mean (0.05 per seed: 0.05 x 2 / 4 = 0.025)
     assert " | 1.150 (0.025) | " in rows["RLOO"] and " | 0.000 (0.000) | " in rows["SFT"]
     assert table.loc["rloo", "kl_from_sft_se"] == pytest.approx(0.025)
+
+
+# ---------------------------------------------------------------- the budget column
+# settings that would give other numbers: the column must come from the counters, never from these
+SETTINGS = {"total_episodes": 100, "total_batch_size": 10, "rloo_k": 3, "group_size": 5, "n": 7, "bon_num_prompts": 9,
+            "mixture_size": 11, "num_train_epochs": 3, "beta": 4.0}
+
+
+def counters(**values) -> dict:
+    return {f"budget/{key}": value for key, value in values.items()}
+
+
+@pytest.mark.parametrize("kind, summary, expected", [
+    ("sft", counters(rows_read=20000, updates=1250), "20,000 reference summaries read, 1,250 updates"),
+    ("ppo", counters(responses_sampled=1536, prompts=1536, updates=48),
+     "1,536 sampled responses (1,536 prompts x 1), 48 updates"),
+    ("rloo", counters(responses_sampled=1536, prompts=768, updates=48),
+     "1,536 sampled responses (768 prompts x 2), 48 updates"),
+    ("grpo", counters(responses_sampled=32, prompts=8, updates=2), "32 sampled responses (8 prompts x 4), 2 updates"),
+    ("online_dpo", {**counters(responses_sampled=1536, prompts=768, updates=24), "online/pairs_total": 768,
+                    "online/pairs_trained_total": 741},
+     "1,536 sampled responses (768 prompts x 2; 27 pairs dropped), 24 updates"),
+    # redrawn pairs (--max_draws_per_round > 1) are sampled on top of the flags' budget: the column shows them
+    ("online_dpo", {**counters(responses_sampled=3072, prompts=1536, updates=24), "online/pairs_total": 1536,
+                    "online/pairs_trained_total": 768},
+     "3,072 sampled responses (1,536 prompts x 2; 768 pairs dropped), 24 updates"),
+    ("dpo", counters(pairs_read=960, updates=30), "960 preference pairs, 30 updates"),
+    ("ipo", counters(pairs_read=960, updates=1), "960 preference pairs, 1 update"),
+    ("kto", counters(rows_read=1920, pairs_read=960, updates=30), "1,920 examples (960 pairs), 30 updates"),
+    ("kto_unpaired", counters(rows_read=1920, updates=30), "1,920 thumbs up / down, 30 updates"),
+    ("ilql", counters(rows_read=19200, updates=600), "19,200 RM-scored responses of the pairs, 600 updates, beta 4"),
+    ("offline_best_of_n", counters(responses_sampled=3200, prompts=800, updates=25),
+     "3,200 sampled responses (800 prompts x 4), 25 updates"),
+    ("offline_rwr", {**counters(rows_read=2400, updates=75), "mixture/size": 2400},
+     "2,400 SFT responses scored by the RM, 1 pass, 75 updates"),
+    ("offline_dt", {**counters(rows_read=24000, updates=750), "mixture/size": 2400},
+     "2,400 SFT responses scored by the RM, 10 passes, 750 updates"),
+])
+def test_the_budget_column_reads_the_runs_counters_not_their_settings(kind, summary, expected):
+    assert report.budget(kind, SETTINGS, summary) == expected
+
+
+def test_a_run_without_budget_counters_gets_a_note_not_its_settings():
+    assert report.budget("ppo", SETTINGS, {"episodes": 100}) == \
+        "unknown: summary.json has no budget/updates (a run older than the budget counters)"
+    assert "budget/pairs_read" in report.budget("dpo", SETTINGS, counters(updates=3))

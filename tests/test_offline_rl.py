@@ -341,11 +341,17 @@ def test_smoke_dt_then_filter_and_rwr_reuse_the_cache(smoke_setup):
     summary, _ = run_method(smoke_setup, "rwr")
     assert summary["mixture/cache_hit"] == 1
     assert summary["train/updates"] == 4  # 32 samples / batch 8
+    assert summary["budget/updates"] == 4 and summary["budget/rows_read"] == 32 == summary["mixture/size"]
 
 
 def test_smoke_best_of_n_two_iterations(smoke_setup):
-    summary, _ = run_method(smoke_setup, "best_of_n", "--n", "2", "--bon_num_prompts", "8", "--iterations", "2")
+    summary, run_dir = run_method(smoke_setup, "best_of_n", "--n", "2", "--bon_num_prompts", "8", "--iterations", "2")
     assert summary["train/updates"] == 2
+    # the budget it claims (n x bon_num_prompts a round, 2 rounds) is what it sampled, every candidate counted
+    assert summary["budget/responses_sampled"] == 2 * 8 * 2 and summary["budget/prompts"] == 16
+    assert summary["budget/updates"] == 2 and summary["budget/rows_read"] == 16
+    rounds = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if "best_of_n/iteration" in line]
+    assert [m["budget/responses_sampled"] for m in rounds] == [16, 32]
     for iteration in (1, 2):
         assert summary[f"best_of_n/score_mean_best_iter{iteration}"] >= summary[f"best_of_n/score_mean_all_iter{iteration}"]
 
@@ -353,7 +359,7 @@ def test_smoke_best_of_n_two_iterations(smoke_setup):
 def test_lr_schedule_curves():
     for kind, expected in (("cosine", [1.0, 0.5, 0.0]), ("linear", [1.0, 0.5, 0.0]), ("constant", [1.0, 1.0, 1.0])):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
-        scheduler = offline_rl.offline_lr_schedule(optimizer, kind, num_updates=4)
+        scheduler = offline_rl.lr_schedule(optimizer, kind, num_updates=4)
         seen = []
         for step in range(5):
             if step in (0, 2, 4):

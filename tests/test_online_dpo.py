@@ -250,7 +250,7 @@ def test_reference_is_the_sft_model_or_the_policy_at_the_start_of_the_round(tmp_
     tables, held = {}, {}
     for reference in ("sft", "last_round"):
         args = online.Args(reference=reference, pairs_per_round=8, total_batch_size=8, response_length=6,
-                           local_eval_batch_size=3, local_rollout_forward_batch_size=5)
+                           local_eval_batch_size=3, local_rollout_forward_batch_size=5, max_draws_per_round=4)
         rounds = online.OnlineRounds()
         online.online_round(args, Accelerator(cpu=True), run, rounds, policy, sft, tiny_reward_model(2), prompts,
                             TOKENIZER, round_index=1, update=1)
@@ -266,6 +266,8 @@ def test_reference_is_the_sft_model_or_the_policy_at_the_start_of_the_round(tmp_
     assert torch.allclose(tables["last_round"], by_model["policy"], atol=1e-5)
     assert (by_model["sft"] - by_model["policy"]).abs().max() > 1e-2  # the two references differ
     assert logged[0]["online/round"] == 1 and logged[0]["online/pairs_trained"] == int(held["sft"].keep.sum())
+    # every prompt batch drawn counts against the budget, a redrawn one too (--max_draws_per_round 4)
+    assert logged[0]["budget/responses_sampled"] == 2 * held["sft"].totals["pairs"] == 16 * held["sft"].draws
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,13 +309,18 @@ def test_end_to_end_with_the_gold_judge_and_the_last_round_as_reference(syntheti
         assert first["train/rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
         assert second["train/loss"] != pytest.approx(math.log(2), abs=1e-5)  # the policy has left its reference
         assert first["train/pairs"] + second["train/pairs"] == r["online/pairs_trained"] > 0  # the round's kept pairs
-        assert r["online/pairs_trained"] == min(32, r["online/pairs_kept"]) and r["online/draws"] <= 4
+        assert r["online/pairs_trained"] == min(32, r["online/pairs_kept"]) and r["online/draws"] == 1
     asked = sum(m["online/pairs"] - m["online/decided_by_eos"] - m["online/dropped_no_eos"] - m["online/dropped_ties"]
                 for m in rounds)
     assert 0 < requests and asked <= requests  # every pair the EOS rule left open was asked (plus any re-asks)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["num_updates"] == 4 and summary["online/pairs_trained_total"] == sum(m["online/pairs_trained"] for m in rounds)
-    assert summary["online/pairs_total"] == sum(m["online/pairs"] for m in rounds) >= 64
+    assert summary["online/pairs_total"] == sum(m["online/pairs"] for m in rounds) == 64
+    # the budget it claims (--total_episodes 64 prompts, a pair of responses each) is what it sampled: each prompt once,
+    # a pair the judge cannot separate weighs 0 instead of being redrawn (ppo.py's, rloo.py's and grpo.py's rule)
+    assert [m["budget/responses_sampled"] for m in rounds] == [64, 128]
+    assert summary["budget/responses_sampled"] == 128 and summary["budget/prompts"] == 64
+    assert summary["budget/updates"] == 4
     assert (run_dir / "judge_cache.sqlite").exists()
     assert json.loads((run_dir / "args.json").read_text())["endpoint"]["base_url"] == server.base_url
     samples = pd.read_csv(run_dir / "samples.csv")

@@ -45,7 +45,7 @@ def write_raw_rows(root: str) -> tuple[str, str]:
 
     raw = os.path.join(root, "raw")
     synthetic.generate_raw(raw, seed=0, num_sft_train=64, num_sft_eval=8, num_pref_train=64, num_pref_valid=16,
-                           num_cnndm=2)
+                           num_cnndm=2, num_sft_test=8)
     posts = {}
 
     def long_post(post_id: str, post: str) -> str:

@@ -41,7 +41,12 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
     assert table["seed_1"].between(0, 1).all() and (table["wall_time_s"] > 0).all() and (table["peak_rss_mib"] > 100).all()
     no_kl = set(table.loc[table["kl_from_sft"].isna(), "stage"])
     assert no_kl == {"ilql", "offline_dt"}
-    assert table.set_index("stage").loc["grpo", "budget"] == "32 sampled responses (8 prompts x 4), 2 updates"
+    budgets = table.set_index("stage")["budget"]  # from the runs' counters (summary.json budget/*)
+    assert budgets["grpo"] == "32 sampled responses (8 prompts x 4), 2 updates"
+    assert budgets["ppo"] == "32 sampled responses (32 prompts x 1), 2 updates"
+    assert budgets["online_dpo"].startswith("32 sampled responses (16 prompts x 2") and budgets["online_dpo"].endswith(
+        "), 1 update")  # ci: --total_episodes 16 prompts, nothing redrawn
+    assert budgets["dpo"] == "32 preference pairs, 2 updates" and budgets["kto"] == "32 examples (16 pairs), 2 updates"
     assert (report / "leaderboard.png").stat().st_size > 1000
     # ILQL is judged once per swept beta (ilql.py --eval_betas default 0 1 4), never as one unnamed policy,
     # and gets no KL: its policy is the LM head shifted by the Q heads, which the LM alone does not give

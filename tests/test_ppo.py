@@ -161,6 +161,11 @@ def test_adaptive_kl_controller():
     assert controller.value == pytest.approx(0.05 * (1 + 0.2 * 100 / 1000))
     controller.update(current_kl=5.4, num_episodes=100)  # error -0.1
     assert controller.value == pytest.approx(0.05 * 1.02 * (1 - 0.1 * 0.1))
+    # --resume --accept_changed_flags with a new --ppo.kl_coef: the restored value is replaced by it (Run tells it)
+    controller.flags_changed({"lr": (3e-6, 1e-5)})
+    assert controller.value == pytest.approx(0.05 * 1.02 * (1 - 0.1 * 0.1))
+    controller.flags_changed({"ppo.kl_coef": (0.05, 0.5)})
+    assert controller.value == 0.5
 
 
 def test_running_std_reward_scaling_and_clip():
@@ -475,6 +480,9 @@ def check_run(tmp_path):
     lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     train = [m for m in lines if "ppo/val/ratio" in m]
     assert len(train) == 2
+    # the budget it claims (--total_episodes 16: sampled responses) is what it sampled, counted on every process
+    assert [m["budget/responses_sampled"] for m in train] == [8, 16] and summary["budget/responses_sampled"] == 16
+    assert summary["budget/prompts"] == 16 and summary["budget/updates"] == 2
     for key in ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                 "objective/scores", "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg", "ppo/loss/policy_avg",
                 "ppo/loss/value_avg", "ppo/val/clipfrac_avg", "ppo/val/ratio", "ppo/val/ratio_var",
@@ -586,6 +594,21 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_m
     summaries = [without_timing(json.load(open(d / "summary.json"))) for d in (full_dir, run_dir)]
     assert summaries[0] == summaries[1]
     assert open(full_dir / "samples.csv").read() == open(run_dir / "samples.csv").read()
+
+
+def test_how_often_and_how_much_a_run_evaluates_never_changes_what_it_trains(synthetic_task, tiny_models, tmp_path):
+    """Two 2-update runs that differ only in their evaluation (every update on 8 queries; only the final one on 16)
+    end with the same policy bit for bit: evaluation samples from its own random stream (run_infra.evaluation_rng),
+    so the rollouts of update 2 draw what they would have drawn without the evaluation after update 1."""
+    for name, every, samples in (("often", 1, 8), ("final", 0, 16)):
+        flags = ppo_flags(synthetic_task, tiny_models, tmp_path, run_name=name, output_dir=f"policy_{name}",
+                          eval_every=every, extra=["--print_sample_every", "0"])
+        flags[flags.index("--num_eval_samples") + 1] = str(samples)
+        run_ok([sys.executable, os.path.join(REPO_ROOT, "ppo.py"), *flags], cwd=REPO_ROOT, env=ENV)
+    assert (tmp_path / "runs" / "often" / "samples" / "step_000001.csv").exists()
+    assert not (tmp_path / "runs" / "final" / "samples" / "step_000001.csv").exists()
+    assert_same_safetensors(tmp_path / "policy_often" / "model.safetensors",
+                            tmp_path / "policy_final" / "model.safetensors")
 
 
 def test_nan_reward_model_is_refused_at_load(synthetic_task, tiny_models, tmp_path):

@@ -233,6 +233,7 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
     assert 0.0 <= summary["eval/accuracy"] <= 1.0
     assert summary["eval/validation/accuracy"] == summary["eval/accuracy"]
     assert summary["num_updates"] == 4
+    assert summary["budget/updates"] == 4 and summary["budget/pairs_read"] == 64  # the budget as spent
     assert summary["left_right_pad_diff"] < 1e-3  # Detail 14: almost identical
     for name in ("eval_table.md", "eval_table.csv", "calibration.png", "reward_logits.png", "samples.csv",
                  "metrics.jsonl", "args.json", "samples/step_000002.csv"):

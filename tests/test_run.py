@@ -354,6 +354,48 @@ def test_a_resume_on_data_shuffled_in_place_is_refused_naming_both_hashes(synthe
     assert "resumed from" not in result.stdout
 
 
+def test_a_resume_with_a_changed_learning_rate_is_refused_before_loading(synthetic_task, reference, tmp_path):
+    """The commonest slip: a resume with another --lr. Refused in one paragraph naming the flag (was -> now); the
+    checkpoint's optimizer state would otherwise win silently while args.json recorded the new rate."""
+    checkpoints = copy_of(reference, tmp_path, "changed")
+    result = subprocess.run([sys.executable, SFT, *sft_args(synthetic_task, tmp_path, "changed"), "--resume", "--lr",
+                             "0.03"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"sft.py: error: --resume: {checkpoints / 'update_000009'} was made with other flags than these: --lr 0.001 -> "
+        "0.03. Resume with the flags it was made with (its run's args.json lists them), or pass --accept_changed_flags "
+        "to go on with the new values knowingly (they apply from the next update; args.json records both)")
+    assert "resumed from" not in result.stdout
+
+
+def test_a_resume_may_change_the_flags_that_decide_no_number(synthetic_task, reference, tmp_path):
+    """Evaluation, checkpoint cadence and output folder changed on resume: the run ends with the reference's weights."""
+    copy_of(reference, tmp_path, "free")
+    args = sft_args(synthetic_task, tmp_path, "free")
+    for flag, value in (("--eval_every", "5"), ("--num_eval_samples", "8"), ("--checkpoint_keep", "3")):
+        args[args.index(flag) + 1] = value
+    resumed = run_ok([sys.executable, SFT, *args, "--resume"], cwd=tmp_path, env=ENV)
+    assert "resumed from" in resumed.stdout and "changed flags" not in resumed.stdout
+    assert_same_safetensors(reference / "model_reference" / "model.safetensors",
+                            tmp_path / "model_free" / "model.safetensors")
+
+
+def test_an_accepted_new_learning_rate_continues_the_schedule_from_the_new_base(synthetic_task, reference, tmp_path):
+    """--accept_changed_flags: the restored linear schedule goes on at the same step, scaled to the new base (update
+    10's rate is twice the reference's), and args.json records both values."""
+    copy_of(reference, tmp_path, "faster")
+    args = sft_args(synthetic_task, tmp_path, "faster")
+    args[args.index("--lr") + 1] = "2e-3"
+    resumed = run_ok([sys.executable, SFT, *args, "--resume", "--accept_changed_flags"], cwd=tmp_path, env=ENV)
+    assert "--resume with changed flags (--accept_changed_flags): --lr 0.001 -> 0.002" in resumed.stdout
+    rate = {name: [row["train/lr"] for row in rows(root, name) if row["step"] == 10 and "train/lr" in row]
+            for root, name in ((reference, "reference"), (tmp_path, "faster"))}
+    assert rate["faster"] == [2 * rate["reference"][0]] and rate["reference"][0] > 0
+    recorded = json.load(open(tmp_path / "runs" / "faster" / "args.json"))
+    assert recorded["lr"] == 2e-3
+    assert recorded["changed_on_resume"] == [{"after_update": 9, "flags": {"lr": {"was": 1e-3, "now": 2e-3}}}]
+
+
 def test_processes_leave_their_process_group_at_exit(synthetic_task, tmp_path):
     """Each process of a 2-process torchrun run has left the process group when Python exits (a rank that tears it
     down while another still uses it can abort). An exit handler registered before the script starts runs last, so

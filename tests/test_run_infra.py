@@ -174,6 +174,91 @@ def test_a_resume_on_other_input_contents_is_refused_naming_both(tmp_path, capsy
     assert run.digests["query_dataset"]["sha256"] == changed  # what its own checkpoints will record
 
 
+def uncached_digest(path: str) -> str:
+    """content_digest's definition, computed here without its cache."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names if not f.startswith("cache-")
+                       and f != "state.json"):
+        digest.update(os.path.relpath(file, path).encode() + hashlib.sha256(open(file, "rb").read()).digest())
+    return digest.hexdigest()
+
+
+@pytest.fixture
+def digest_cache(tmp_path, monkeypatch):
+    """content_digest's cache in a file of the test's own; files count as settled once written (SETTLED_NS 0: the
+    test waits a clock tick itself); `opened` lists the input files content_digest reads."""
+    import builtins
+
+    monkeypatch.setattr(run_infra, "DIGEST_CACHE", str(tmp_path / "user_cache" / "content_digests.json"))
+    monkeypatch.setattr(run_infra, "SETTLED_NS", 0)
+    opened, real_open = [], builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if str(file).startswith(str(tmp_path / "data")):
+            opened.append(os.path.basename(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    return opened
+
+
+def test_an_unchanged_input_is_not_read_again_and_a_rewritten_one_is(tmp_path, digest_cache):
+    """The files' hashes are cached by (path, size, mtime, ctime, inode, device): a second content_digest of an
+    unchanged folder reads none of its files; a file rewritten in place with the same size, its mtime even put back
+    (as `cp -p` does), is read again, and the digest is its new contents'."""
+    import time
+
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    arrow, config = data / "train" / "data-00000-of-00001.arrow", data / "config.json"
+    arrow.write_bytes(b"the rows as prepared")
+    config.write_text("{}")
+    time.sleep(0.05)  # past the file system's clock tick: a later write stamps a later ctime
+    first = run_infra.content_digest(str(data))
+    assert sorted(digest_cache) == ["config.json", "data-00000-of-00001.arrow"] and first == uncached_digest(str(data))
+    assert set(json.load(open(run_infra.DIGEST_CACHE))) >= {str(arrow), str(config)}
+
+    digest_cache.clear()
+    assert run_infra.content_digest(str(data)) == first and digest_cache == []  # from the cache: nothing read
+
+    was = os.stat(arrow)
+    with open(arrow, "r+b") as f:  # the same inode, the same size
+        f.write(b"THE")
+    os.utime(arrow, ns=(was.st_atime_ns, was.st_mtime_ns))  # and the same mtime: only the ctime tells
+    now = os.stat(arrow)
+    assert (now.st_size, now.st_mtime_ns, now.st_ino) == (was.st_size, was.st_mtime_ns, was.st_ino)
+    digest_cache.clear()
+    changed = run_infra.content_digest(str(data))
+    assert digest_cache == ["data-00000-of-00001.arrow"]  # read again; config.json still from the cache
+    assert changed != first and changed == uncached_digest(str(data))
+
+
+def test_a_file_hashed_just_after_a_change_is_not_cached(tmp_path, digest_cache, monkeypatch):
+    """A file changed less than SETTLED_NS before its hashing is read every time (a rewrite of the same size within the
+    file system's clock tick could carry the same times); a cache that is off, unreadable or unwritable is no error."""
+    monkeypatch.setattr(run_infra, "SETTLED_NS", 3 * 10**9)  # the default
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "model.safetensors").write_bytes(b"weights")
+    first = run_infra.content_digest(str(data))
+    assert run_infra.content_digest(str(data)) == first and digest_cache == ["model.safetensors"] * 2
+    assert not os.path.exists(run_infra.DIGEST_CACHE)
+
+    monkeypatch.setattr(run_infra, "SETTLED_NS", 0)
+    os.makedirs(os.path.dirname(run_infra.DIGEST_CACHE))
+    with open(run_infra.DIGEST_CACHE, "w") as f:
+        f.write('{"truncated": [1, 2')  # unreadable: as if empty, then written whole
+    assert run_infra.content_digest(str(data)) == first == uncached_digest(str(data))
+    assert str(data / "model.safetensors") in json.load(open(run_infra.DIGEST_CACHE))
+    monkeypatch.setattr(run_infra, "DIGEST_CACHE", str(data / "model.safetensors" / "not_a_folder.json"))
+    assert run_infra.content_digest(str(data)) == first  # unwritable: no cache, the same digest
+    monkeypatch.setattr(run_infra, "DIGEST_CACHE", "")  # RLHF_DIGEST_CACHE= : off
+    digest_cache.clear()
+    assert run_infra.content_digest(str(data)) == first and digest_cache == ["model.safetensors"]
+
+
 # ---------------------------------------------------------------- the same command again, without --resume
 def test_a_run_folder_with_checkpoints_is_refused_without_resume_and_restart_deletes_them_explicitly(tmp_path, capsys):
     run, model, optimizer = make_run(tmp_path)  # a run cut after update 4 that saved every 2 updates
@@ -306,3 +391,133 @@ def test_a_token_column_shifted_by_one_is_refused_naming_the_row():
         run_infra.check_query_response(query_response_data(False, shift_row=2), PAD, "data split 'train'")
     with pytest.raises(RunError, match=r"row 1: .*'query_chosen_token_response_label' is not it"):
         run_infra.check_query_response(query_response_data(True, shift_labels=True), PAD, "data split 'train'")
+
+
+# ---------------------------------------------------------------- --resume with other number-deciding flags
+@dataclass
+class Knobs:
+    kl_coef: float = 0.05
+
+
+@dataclass
+class FlagArgs(RunArgs):
+    """RunArgs with flags that decide numbers (lr, eps, a nested --ppo.kl_coef) and one that does not (eval_every)."""
+    lr: float = 1e-3
+    eps: float = 1e-8
+    eval_every: int = 5
+    accept_changed_flags: bool = False
+    ppo: Knobs = None
+
+    def __post_init__(self):
+        self.ppo = self.ppo or Knobs()
+
+
+class KLCoefficient:
+    """A registered object told the accepted changes (as ppo.py's AdaptiveKLController is)."""
+    def __init__(self, value: float):
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+    def flags_changed(self, changed: dict) -> None:
+        self.value = changed.get("ppo.kl_coef", (None, self.value))[1]
+
+
+def flag_run(tmp_path, num_updates: int = 10, **kw):
+    """A Run over a layer, its AdamW (lr and eps from the flags), a linear schedule and a KL coefficient, all
+    registered for checkpointing as a script registers them."""
+    args = FlagArgs(str(tmp_path / "runs"), str(tmp_path / "out"), **kw)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda t: max(0.0, (num_updates - t) / num_updates))
+    model, optimizer, schedule = accelerator.prepare(model, adamw, schedule)
+    kl = KLCoefficient(args.ppo.kl_coef)
+    accelerator.register_for_checkpointing(kl)
+    return Run(args, accelerator), model, optimizer, schedule, kl
+
+
+def test_a_resume_with_changed_flags_is_refused_naming_each_before_anything_loads(tmp_path, capsys):
+    run, model, optimizer, schedule, _ = flag_run(tmp_path)
+    run.start({"update": 0}, num_updates=10)
+    step(model, optimizer)
+    schedule.step()
+    run.checkpoint(1, {})
+    checkpoint = tmp_path / "runs" / "unit" / "checkpoints" / "update_000001"
+    assert json.load(open(checkpoint / "manifest.json"))["flags"]["ppo.kl_coef"] == 0.05
+
+    with pytest.raises(RunError) as refused:  # refused in Run(), before a script loads any model
+        flag_run(tmp_path, resume=True, lr=0.03, ppo=Knobs(kl_coef=0.5), eval_every=1)
+    assert str(refused.value) == (
+        f"--resume: {checkpoint} was made with other flags than these: --lr 0.001 -> 0.03; --ppo.kl_coef 0.05 -> 0.5. "
+        "Resume with the flags it was made with (its run's args.json lists them), or pass --accept_changed_flags to "
+        "go on with the new values knowingly (they apply from the next update; args.json records both)")
+    # the flags that decide no number may change freely (run_infra.FREE_FLAGS)
+    resumed = flag_run(tmp_path, resume=True, eval_every=1, checkpoint_keep=5, overwrite_output_dir=True)[0]
+    assert resumed.resume_from == str(checkpoint) and resumed.changed == {}
+
+
+def test_accepted_changed_flags_take_effect_and_args_json_records_both(tmp_path, capsys):
+    run, model, optimizer, schedule, _ = flag_run(tmp_path)
+    run.start({"update": 0}, num_updates=10)
+    for update in (1, 2, 3):
+        step(model, optimizer)
+        schedule.step()
+    run.checkpoint(3, {})
+
+    run, model, optimizer, schedule, kl = flag_run(tmp_path, resume=True, accept_changed_flags=True, lr=2e-3,
+                                                   eps=1e-6, ppo=Knobs(kl_coef=0.5))
+    assert "--resume with changed flags (--accept_changed_flags): --lr 0.001 -> 0.002; --eps 1e-08 -> 1e-06; " \
+           "--ppo.kl_coef 0.05 -> 0.5" in capsys.readouterr().out
+    kl.value = 123.0  # what a checkpoint restores is then replaced by the new flag
+    run.start({"update": 0}, num_updates=10)
+    group = optimizer.param_groups[0]
+    # the restored schedule continues at step 3, from the new base: 2e-3 x (10 - 3) / 10
+    assert schedule.scheduler.last_epoch == 3 and group["lr"] == 2e-3 * (7 / 10) and group["initial_lr"] == 2e-3
+    assert group["eps"] == 1e-6 and kl.value == 0.5
+    step(model, optimizer)
+    schedule.step()
+    assert group["lr"] == 2e-3 * (6 / 10)
+    recorded = json.load(open(tmp_path / "runs" / "unit" / "args.json"))
+    assert recorded["lr"] == 2e-3 and recorded["changed_on_resume"] == [{"after_update": 3, "flags": {
+        "lr": {"was": 1e-3, "now": 2e-3}, "eps": {"was": 1e-8, "now": 1e-6}, "ppo.kl_coef": {"was": 0.05, "now": 0.5}}}]
+
+
+def test_every_free_flag_is_a_flag_of_some_script_and_none_decides_a_number():
+    """FREE_FLAGS names real flags (no stale name) and none of the flags that obviously decide numbers; every
+    training script has --accept_changed_flags."""
+    import ast
+    from conftest import training_scripts
+    fields = {}
+    for path in training_scripts():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ClassDef):
+                names = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign)}
+                fields.setdefault(os.path.basename(path), set()).update(names)
+    every = set().union(*fields.values())
+    assert run_infra.FREE_FLAGS - every == set()
+    assert not run_infra.FREE_FLAGS & {"seed", "lr", "eps", "weight_decay", "scheduler", "total_episodes",
+                                       "total_batch_size", "local_micro_batch_size", "temperature", "response_length",
+                                       "kl_coef", "beta", "bf16", "disable_dropout", "query_dataset", "sft_model_path"}
+    assert all("accept_changed_flags" in names for names in fields.values()), fields.keys()
+
+
+def test_a_checkpoint_of_an_older_script_version_is_refused_naming_what_it_lacks(tmp_path):
+    """A trainer state without a key this version keeps (e.g. ppo.py's budget counters, added later): one paragraph,
+    not a KeyError in the middle of the loop."""
+    run, model, optimizer = make_run(tmp_path)
+    run.start({"update": 0}, num_updates=4)
+    step(model, optimizer)
+    run.checkpoint(1, {})
+    resumed = make_run(tmp_path, resume=True)[0]
+    with pytest.raises(RunError) as refused:
+        resumed.start({"update": 0, "budget": {}}, num_updates=4)
+    checkpoint = tmp_path / "runs" / "unit" / "checkpoints" / "update_000001"
+    assert str(refused.value) == (
+        f"--resume: {checkpoint} was written by an older version of this script (its trainer state has no budget); "
+        "finish that run with the version that wrote it, or --restart to start over")

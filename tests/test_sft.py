@@ -232,6 +232,8 @@ def test_smoke_run_saves_a_loadable_model(request, tmp_path):
         assert isinstance(summary[key], (int, float)), key
     assert 0.0 <= summary["eval/eos_rate"] <= 1.0
     assert summary["train/updates"] == 2
+    assert summary["budget/updates"] == 2 and summary["budget/rows_read"] == 2 * json.load(
+        open(run_dir / "args.json"))["total_batch_size"]  # the budget as spent
     with open(run_dir / "metrics.jsonl") as f:
         logged = [json.loads(line) for line in f]
     assert [row["step"] for row in logged if "train/loss" in row] == [1, 2]

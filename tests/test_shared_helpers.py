@@ -27,6 +27,9 @@ from code_lines import docstring_nodes  # noqa: E402  (what a docstring is: the 
 # The scripts that must be found (a finder that breaks finds fewer); others join by existing.
 KNOWN_TRAINING_SCRIPTS = {"sft.py", "reward.py", "ppo.py", "rloo.py", "dpo.py", "kto.py", "online_dpo.py", "ilql.py",
                           "offline_rl.py"}
+# The scripts with an --lr schedule (sft, reward, the preference methods, ilql, offline_rl; ppo, rloo and grpo
+# anneal by hand): each keeps a copy of lr_schedule, transformers.get_scheduler's curves written out.
+LR_SCHEDULE_SCRIPTS = {"sft.py", "reward.py", "dpo.py", "kto.py", "online_dpo.py", "ilql.py", "offline_rl.py"}
 # Not a training script (it trains nothing), but it shares the judge's prompt, parser and model helpers.
 OTHER_SHARING_SCRIPTS = ["judge.py"]
 # The judge's HTTP client (judge_client.py): a module of its own, imported by the scripts that call a judge.
@@ -150,6 +153,8 @@ def test_shared_definitions_and_constants_are_identical_across_scripts():
     # what the comparison must see, or it compares nothing: a helper every script shares, decorated definitions, and
     # the judge's prompt template that online_dpo.py copies from judge.py (a module-level constant)
     assert "real_columns" in shared and set(shared["real_columns"]) >= KNOWN_TRAINING_SCRIPTS
+    # the learning-rate schedule written out in place of transformers.get_scheduler (tests/test_lr_schedule.py)
+    assert set(shared.get("lr_schedule", {})) >= LR_SCHEDULE_SCRIPTS, "a script lost its copy of lr_schedule"
     decorated = {name for source in sources.values() for name, nodes in top_level_nodes(source).items()
                  if any(getattr(node, "decorator_list", None) for node in nodes)}
     assert decorated & set(shared), "no shared definition has a decorator: are decorators compared?"

@@ -185,8 +185,8 @@ def neox_config(shape: str, pad_token_id: int, eos_token_id: int = 0):
 
 # The task prepared when none is given: the quickstart's split sizes (enough rows for the default --rows) with a
 # short base-model warm-up and small evaluation splits.
-PREP_FLAGS = ["--synthetic_warmup_steps", "20", "--synthetic_num_sft_eval", "48", "--synthetic_num_pref_valid", "64",
-              "--synthetic_num_cnndm", "8", "--no-plots"]
+PREP_FLAGS = ["--synthetic_warmup_steps", "20", "--synthetic_num_sft_eval", "48", "--synthetic_num_sft_test", "48",
+              "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8", "--no-plots"]
 
 
 @dataclass

@@ -588,8 +588,9 @@ def main(args: Args) -> int:
         task_dir = os.path.join(work, "task")
         if not os.path.exists(os.path.join(task_dir, "task.json")):
             # the small task of tests/conftest.py (prepare_small_task): ~1 minute
-            small = ["--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48", "--synthetic_num_pref_train",
-                     "256", "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8",
+            small = ["--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48", "--synthetic_num_sft_test",
+                     "48", "--synthetic_num_pref_train", "256", "--synthetic_num_pref_valid", "64",
+                     "--synthetic_num_cnndm", "8",
                      "--synthetic_warmup_steps", "20", "--no-plots"]
             print(f"preparing a small built-in task in {task_dir} (once; later calls reuse it)", flush=True)
             shutil.rmtree(task_dir, ignore_errors=True)

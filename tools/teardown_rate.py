@@ -1,0 +1,91 @@
+"""How often a finished 2-process DeepSpeed run on the CPU fails at exit: run one small training script N times
+under `accelerate launch --config_file zero3.yaml --num_processes 2` (DeepSpeed's CPU accelerator, gloo) on a small
+built-in task, and count the runs that wrote their model yet ended with a failed exit (e.g. a rank aborting in the
+interpreter's teardown: "terminate called without an active exception", exit -6).
+
+    python tools/teardown_rate.py --runs 20                       # sft.py under zero3.yaml
+    python tools/teardown_rate.py --runs 20 --script offline_rl     # the Decision Transformer (a reward model too)
+
+Prints one line per run (exit code, seconds, whether the model was saved, the abort line if any) and the rate
+failures / runs. It decides no number of any run; docs/results.md reports what it measured."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_TASK = ["--synthetic_num_sft_train", "256", "--synthetic_num_sft_eval", "48", "--synthetic_num_sft_test", "48",
+              "--synthetic_num_pref_train", "256",
+              "--synthetic_num_pref_valid", "64", "--synthetic_num_cnndm", "8", "--synthetic_warmup_steps", "20",
+              "--no-plots"]
+
+
+def reward_model(task: str) -> str:
+    """A reward model for offline_rl.py: the base model with a fresh scalar head (made once)."""
+    path = os.path.join(task, "rm")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        base = os.path.join(task, "base_model")
+        AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(path)
+        AutoTokenizer.from_pretrained(base).save_pretrained(path)
+    return path
+
+
+def script_flags(script: str, task: str, run_dir: str) -> list:
+    """A small run of `script` (a few updates) on the task prepared in `task`, with a short evaluation."""
+    base, sft = os.path.join(task, "base_model"), os.path.join(task, "sft")
+    length = ["--response_length", str(json.load(open(os.path.join(task, "task.json")))["sft_response_length"])]
+    if script == "sft":
+        return ["--base_model", base, "--query_dataset", sft, *length, "--total_episodes", "64", "--total_batch_size",
+                "32", "--local_micro_batch_size", "8", "--num_eval_samples", "8"]
+    if script == "offline_rl":  # the Decision Transformer on an RM-labelled mixture (test_multiprocess.py's flags)
+        return ["--method", "dt", "--dt_eval_targets", "0", "--sft_model_path", base, "--reward_model_path",
+                reward_model(task), "--query_dataset", sft, "--preference_dataset", os.path.join(task, "preference"),
+                *length, "--cache_dir", os.path.join(run_dir, "cache"), "--mixture_size", "32", "--total_batch_size",
+                "8", "--local_micro_batch_size", "4", "--num_eval_samples", "4", "--local_rollout_batch_size", "8"]
+    raise SystemExit(f"--script {script}: this tool knows sft and offline_rl")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20, help="how many runs")
+    parser.add_argument("--script", default="sft", help="the training script (sft, offline_rl)")
+    parser.add_argument("--config", default="zero3.yaml", help="the accelerate config the README ships")
+    parser.add_argument("--workdir", default=None, help="where the task and the runs go (default: a temporary folder)")
+    args = parser.parse_args()
+    work = args.workdir or tempfile.mkdtemp(prefix="teardown_")
+    task = os.path.join(work, "task")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not os.path.exists(os.path.join(task, "task.json")):
+        subprocess.run([sys.executable, os.path.join(REPO_ROOT, "data", "prepare.py"), "--task", "synthetic",
+                        "--output_dir", task, *SMALL_TASK], check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+    failures = 0
+    for i in range(args.runs):
+        out = os.path.join(work, f"model_{i}")
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   os.path.join(REPO_ROOT, args.config), "--num_processes", "2", "--mixed_precision", "no",
+                   os.path.join(REPO_ROOT, f"{args.script}.py"),
+                   *script_flags(args.script, task, os.path.join(work, f"run_{i}")), "--checkpoint_every", "0",
+                   "--output_dir", out,
+                   "--run_dir_root", os.path.join(work, "runs"), "--run_name", f"run_{i}", "--seed", str(i + 1)]
+        start = time.time()
+        result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        saved = os.path.exists(os.path.join(out, "model.safetensors"))
+        abort = next((line for line in result.stderr.splitlines() if "terminate called" in line), "")
+        failures += result.returncode != 0
+        print(f"run {i + 1}/{args.runs}: exit {result.returncode}, {time.time() - start:.0f} s, "
+              f"model saved {saved}{', ' + abort if abort else ''}", flush=True)
+        if result.returncode != 0:  # the whole output of a failed run, to read (PYTHONFAULTHANDLER=1: the stacks)
+            open(os.path.join(work, f"run_{i}.stderr"), "w").write(result.stderr)
+        if result.returncode != 0 and not abort:  # another failure: the script's own error lines
+            print("\n".join(line for line in result.stderr.splitlines() if "error" in line.lower())[-2000:], flush=True)
+    print(f"{args.script}.py under {args.config}, 2 processes: {failures} failed exits in {args.runs} runs")
+
+
+if __name__ == "__main__":
+    main()
