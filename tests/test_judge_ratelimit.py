@@ -72,7 +72,8 @@ def test_a_rate_limit_is_waited_out_with_one_line_and_fewer_requests_in_flight(t
         else:
             waves.append([now])
     sizes = [len(wave) for wave in waves]
-    assert len(sizes) >= 2 and all(size <= 8 / 2**i for i, size in enumerate(sizes)), sizes
+    # (on a loaded machine a wave can arrive split in two: each part is still at most half of the 8 before the limit)
+    assert len(sizes) >= 2 and sizes[0] <= 8 and all(size <= 4 for size in sizes[1:]), sizes
     assert 2.0 < took < 30, f"{took:.1f} s"  # it waited as asked (1 s, twice at least), and no longer than needed
     lines = [line for line in capsys.readouterr().out.splitlines() if "rate limited" in line]
     assert len(lines) == 1, lines
