@@ -5,6 +5,7 @@ interpreter's teardown: "terminate called without an active exception", exit -6)
 
     python tools/teardown_rate.py --runs 20                       # sft.py under zero3.yaml
     python tools/teardown_rate.py --runs 20 --script offline_rl     # the Decision Transformer (a reward model too)
+    python tools/teardown_rate.py --runs 80 --script probe          # a 2-process gather probe; probe_destroy
 
 Prints one line per run (exit code, seconds, whether the model was saved, the abort line if any) and the rate
 failures / runs. It decides no number of any run; docs/results.md reports what it measured."""
@@ -12,6 +13,7 @@ failures / runs. It decides no number of any run; docs/results.md reports what i
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,28 +53,60 @@ def script_flags(script: str, task: str, run_dir: str) -> list:
     raise SystemExit(f"--script {script}: this tool knows sft and offline_rl")
 
 
+# the smallest run that meets the abort: two torchrun processes over gloo, one gather and one reduce, rank 0 writes
+# a file; `probe` leaves without destroying the process group, `probe_destroy` destroys it first (as run_infra's
+# exit handler does for every script)
+PROBE = """import sys, torch
+from accelerate import Accelerator
+accelerator = Accelerator(cpu=True)
+x = torch.arange(4.0) + accelerator.process_index
+gathered, total = accelerator.gather(x), accelerator.reduce(x, "sum")
+if accelerator.is_main_process:
+    torch.save((gathered, total), sys.argv[1])
+"""
+
+
+def probe_command(script: str, work: str, i: int) -> list:
+    """torchrun on 2 processes of PROBE (with the process group destroyed at its end for probe_destroy)."""
+    path = os.path.join(work, f"{script}.py")
+    if not os.path.exists(path):
+        destroy = "torch.distributed.destroy_process_group()\n" if script.endswith("destroy") else ""
+        open(path, "w").write(PROBE + destroy)
+    with socket.socket() as s:  # a free rendezvous port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), path,
+            os.path.join(work, f"model_{i}", "model.safetensors")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="how many runs")
-    parser.add_argument("--script", default="sft", help="the training script (sft, offline_rl)")
+    parser.add_argument("--script", default="sft", help="sft, offline_rl, or probe / probe_destroy (torchrun only)")
     parser.add_argument("--config", default="zero3.yaml", help="the accelerate config the README ships")
     parser.add_argument("--workdir", default=None, help="where the task and the runs go (default: a temporary folder)")
     args = parser.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="teardown_")
     task = os.path.join(work, "task")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if not os.path.exists(os.path.join(task, "task.json")):
+    if args.script.startswith("probe"):  # torchrun's processes on the CPU, over gloo
+        env["ACCELERATE_USE_CPU"] = "true"
+    if not args.script.startswith("probe") and not os.path.exists(os.path.join(task, "task.json")):
         subprocess.run([sys.executable, os.path.join(REPO_ROOT, "data", "prepare.py"), "--task", "synthetic",
                         "--output_dir", task, *SMALL_TASK], check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
     failures = 0
     for i in range(args.runs):
         out = os.path.join(work, f"model_{i}")
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   os.path.join(REPO_ROOT, args.config), "--num_processes", "2", "--mixed_precision", "no",
-                   os.path.join(REPO_ROOT, f"{args.script}.py"),
-                   *script_flags(args.script, task, os.path.join(work, f"run_{i}")), "--checkpoint_every", "0",
-                   "--output_dir", out,
-                   "--run_dir_root", os.path.join(work, "runs"), "--run_name", f"run_{i}", "--seed", str(i + 1)]
+        if args.script.startswith("probe"):
+            os.makedirs(out, exist_ok=True)
+            command = probe_command(args.script, work, i)
+        else:
+            command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       os.path.join(REPO_ROOT, args.config), "--num_processes", "2", "--mixed_precision", "no",
+                       os.path.join(REPO_ROOT, f"{args.script}.py"),
+                       *script_flags(args.script, task, os.path.join(work, f"run_{i}")), "--checkpoint_every", "0",
+                       "--output_dir", out, "--run_dir_root", os.path.join(work, "runs"), "--run_name", f"run_{i}",
+                       "--seed", str(i + 1)]
         start = time.time()
         result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=900)
         saved = os.path.exists(os.path.join(out, "model.safetensors"))
@@ -84,7 +118,8 @@ def main() -> None:
             open(os.path.join(work, f"run_{i}.stderr"), "w").write(result.stderr)
         if result.returncode != 0 and not abort:  # another failure: the script's own error lines
             print("\n".join(line for line in result.stderr.splitlines() if "error" in line.lower())[-2000:], flush=True)
-    print(f"{args.script}.py under {args.config}, 2 processes: {failures} failed exits in {args.runs} runs")
+    how = "torchrun" if args.script.startswith("probe") else args.config
+    print(f"{args.script}.py under {how}, 2 processes: {failures} failed exits in {args.runs} runs")
 
 
 if __name__ == "__main__":
