@@ -249,13 +249,9 @@ tokens = grpo.minibatch_tokens(torch.tensor({mask!r})[rank], 2, 1, accelerator.r
 gathered = accelerator.gather(advantages)
 if accelerator.is_main_process:
     torch.save((gathered, tokens), {out!r})
-# leave together and without the interpreter's teardown, as tests/mp_probe.py does: a rank of this probe once
-# aborted there ("terminate called without an active exception") after its work was done (docs/results.md)
-import os
-torch.distributed.barrier()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+# a process group left alive at exit can abort a rank in C++ teardown ("terminate called without an active
+# exception"); destroyed first, as run_infra's exit handler does for every script, it does not (docs/results.md)
+torch.distributed.destroy_process_group()
 """
 
 
