@@ -1096,7 +1096,10 @@ class LoggingInterval:
 
     def close(self, lr: float, epoch: float) -> Dict[str, float]:
         """The interval's means (and throughput, learning rate, epoch); a new interval starts."""
-        means = dict(zip(TRAIN_STATS, np.mean(self.rows, axis=0).tolist()))
+        # an update that trained on no pair (online DPO: every pair of it a tie) has NaN means: each quantity is
+        # averaged over the updates that did, and one that none did is left out of this log line
+        columns = np.array(self.rows, dtype=float).T
+        means = {key: float(np.nanmean(c)) for key, c in zip(TRAIN_STATS, columns) if not np.isnan(c).all()}
         means["train/tokens_per_s"] = self.tokens / (time.time() - self.start)
         means["train/lr"] = lr
         means["train/epoch"] = epoch

@@ -693,8 +693,9 @@ def main(args: Args) -> dict:
             if update % args.log_every == 0 or update == num_updates:
                 means = interval.close(update_lr, episode / len(train_dataset))
                 run.log(update, {"episode": episode, **means})
-                progress.set_postfix(loss=f"{means['train/loss']:.4f}", acc=f"{means['train/rewards/accuracy']:.3f}",
-                                     tok_s=f"{means['train/tokens_per_s']:.0f}")
+                # (no loss in an interval whose pairs were all ties)
+                progress.set_postfix(loss=f"{means.get('train/loss', math.nan):.4f}",
+                                     pairs=f"{means['train/pairs']:.0f}", tok_s=f"{means['train/tokens_per_s']:.0f}")
             if due(args.eval_every, update, num_updates):
                 run_evaluation(update)
                 interval.restart_clock()  # evaluation time is not training throughput
@@ -1519,7 +1520,10 @@ class LoggingInterval:
 
     def close(self, lr: float, epoch: float) -> Dict[str, float]:
         """The interval's means (and throughput, learning rate, epoch); a new interval starts."""
-        means = dict(zip(TRAIN_STATS, np.mean(self.rows, axis=0).tolist()))
+        # an update that trained on no pair (online DPO: every pair of it a tie) has NaN means: each quantity is
+        # averaged over the updates that did, and one that none did is left out of this log line
+        columns = np.array(self.rows, dtype=float).T
+        means = {key: float(np.nanmean(c)) for key, c in zip(TRAIN_STATS, columns) if not np.isnan(c).all()}
         means["train/tokens_per_s"] = self.tokens / (time.time() - self.start)
         means["train/lr"] = lr
         means["train/epoch"] = epoch

@@ -301,13 +301,18 @@ def test_end_to_end_with_the_gold_judge_and_the_last_round_as_reference(syntheti
         requests = server.request_count
     run_dir = runs / "e2e"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [m for m in metrics if "train/loss" in m]
+    train = [m for m in metrics if "train/pairs" in m]
     rounds = [m for m in metrics if "online/round" in m]
     assert [m["step"] for m in train] == [1, 2, 3, 4] and [m["online/round"] for m in rounds] == [1, 2]
     for first, second, r in zip(train[::2], train[1::2], rounds):
+        assert first["train/pairs"] > 0  # a round's kept pairs fill its first update first
         assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
         assert first["train/rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
-        assert second["train/loss"] != pytest.approx(math.log(2), abs=1e-5)  # the policy has left its reference
+        if second["train/pairs"] > 0:
+            assert second["train/loss"] != pytest.approx(math.log(2), abs=1e-5)  # the policy has left its reference
+        else:  # every pair left for it was a tie: no means are logged for it, never NaN
+            assert "train/loss" not in second
+            assert not any(isinstance(value, float) and math.isnan(value) for value in second.values())
         assert first["train/pairs"] + second["train/pairs"] == r["online/pairs_trained"] > 0  # the round's kept pairs
         assert r["online/pairs_trained"] == min(32, r["online/pairs_kept"]) and r["online/draws"] == 1
     asked = sum(m["online/pairs"] - m["online/decided_by_eos"] - m["online/dropped_no_eos"] - m["online/dropped_ties"]
@@ -452,3 +457,20 @@ def test_resuming_from_the_non_finite_fallback_equals_resuming_from_the_ordinary
     lines = {run: [without_timing(json.loads(line)) for line in open(runs / run / "metrics.jsonl")]
              for run in ("poisoned", "ordinary")}
     assert lines["poisoned"] == lines["ordinary"]
+
+
+def test_an_update_whose_pairs_were_all_ties_leaves_the_logged_means_finite():
+    """With one draw per prompt (the default) an update can train on no pair: its row of means is NaN (0 / 0). The
+    interval averages each quantity over the updates that trained, and leaves out one that none did; the pair count
+    (0 for such an update) is averaged over every update."""
+    interval = online.LoggingInterval({"interval": [], "interval_tokens": 0, "interval_time": 0.0,
+                                       "last_train_metrics": {}})
+    width = len(online.TRAIN_STATS) - 1
+    interval.add([math.nan] * width + [0.0], 0)
+    interval.add([1.0] * width + [4.0], 10)
+    means = interval.close(1e-3, 0.5)
+    assert means["train/loss"] == 1.0 and means["train/pairs"] == 2.0
+    interval.add([math.nan] * width + [0.0], 0)
+    means = interval.close(1e-3, 0.5)
+    assert "train/loss" not in means and means["train/pairs"] == 0.0
+    assert all(not math.isnan(value) for value in means.values())
