@@ -263,6 +263,21 @@ def prepare_small_task(out_dir: str, *extra: str) -> dict:
     }
 
 
+# The longest work starts first, so that the two xdist workers end together: pytest-xdist hands out tests (and
+# whole xdist_group groups, each kept on one worker) in collection order, and a pipeline of several minutes handed
+# out last would leave the other worker idle. First the end-to-end pipeline runs, then the grouped tests, then the
+# rest, each part in its collection order (a sort by a key is stable).
+LONG_FIRST = ("test_pipeline.py::test_pipeline_ci_mode", "test_ablate.py::test_ablate_ci")
+
+
+def pytest_collection_modifyitems(config, items):
+    def part(item):
+        if any(name in item.nodeid for name in LONG_FIRST):
+            return 0
+        return 1 if item.get_closest_marker("xdist_group") else 2
+    items.sort(key=part)
+
+
 @pytest.fixture(scope="session")
 def synthetic_task(tmp_path_factory) -> dict:
     """Paths of a small prepared built-in task: base_model, sft, preference, task_json."""

@@ -628,6 +628,7 @@ class RequestGate:
         self.opened.set()
 
 
+@pytest.mark.slow  # judge_client's cache, which a fork of a training script does not change: full suite only
 def test_sigkill_mid_run_then_rerun_pays_for_nothing_twice(tmp_path):
     """judge.py killed by SIGKILL mid-run and run again with the same arguments and cache: the
     rerun's verdicts and win rate equal an uninterrupted run's, and no prompt was answered twice."""

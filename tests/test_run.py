@@ -115,6 +115,7 @@ def test_a_finished_run_marks_its_output_complete_and_records_its_checkpoints(re
     assert not os.path.exists(reference / "runs" / "reference" / "run.lock")  # released at the end
 
 
+@pytest.mark.slow  # run_infra's save path, which a fork of a script does not change: full suite only
 def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(synthetic_task, reference, tmp_path):
     args = sft_args(synthetic_task, tmp_path, "cut")
     killed = subprocess.run(patched(KILL_DURING_SAVE, args), cwd=tmp_path, env=ENV, capture_output=True, text=True,
@@ -240,6 +241,7 @@ def test_a_second_run_into_a_live_run_folder_is_refused_and_a_dead_runs_lock_is_
         time.sleep(0.2)
         assert json.load(open(lock)) == {"host": os.uname().nodename, "pid": first.pid,
                                          "started": psutil.Process(first.pid).create_time()}
+        first.send_signal(signal.SIGSTOP)  # alive but paused: it holds its lock without taking the second run's CPU
         second = subprocess.run([sys.executable, SFT, *args], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                                 timeout=300)
         assert second.returncode != 0 and "Traceback" not in second.stderr
@@ -258,6 +260,7 @@ def test_a_second_run_into_a_live_run_folder_is_refused_and_a_dead_runs_lock_is_
     assert not lock.exists()
 
 
+@pytest.mark.slow  # run_infra's save path, which a fork of a script does not change: full suite only
 def test_a_full_disk_during_a_save_is_a_clear_error_and_leaves_nothing_behind(synthetic_task, reference, tmp_path):
     args = sft_args(synthetic_task, tmp_path, "full_disk")
     result = subprocess.run(patched(DISK_FULL_DURING_SAVE, args), cwd=tmp_path, env=ENV, capture_output=True, text=True,
