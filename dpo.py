@@ -50,7 +50,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
     check_qlora_flags, check_query_response, due, evaluation_rng, frame_markdown, save_pretrained_model,
-    start_processes, upload_to_hub,
+    checkpointed, gathered_for_generation, start_processes, upload_to_hub,
 )
 
 
@@ -92,6 +92,10 @@ class Args:
     refused: --resume continues it)"""
     take_over_lock: bool = False
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    process_group_timeout_min: float = 60.0
+    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
+    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
+    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
     accept_changed_flags: bool = False
@@ -158,6 +162,15 @@ class Args:
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+    gather_for_generation: bool = True
+    """under ZeRO-3, gather the policy's weights once for each generate call of the evaluation's samples instead of
+    layer by layer at every decode step (as TRL's unwrap_model_for_generation does); the same samples either way.
+    Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
+    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
+    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
+    default: the paper trained without it"""
 
     # memory: LoRA and QLoRA
     lora_rank: int = 0
@@ -548,7 +561,7 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
         for batch in dataloader:
             queries = batch["query_token"]  # (B, Tq), left-padded
             queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding all rows share: cut
-            with accelerator.autocast():
+            with accelerator.autocast(), gathered_for_generation(model, args.gather_for_generation):
                 query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
             responses = truncate_response(
                 tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
@@ -662,7 +675,7 @@ def load_lora_policy_and_reference(args, accelerator, tokenizer):
         policy.resize_token_embeddings(len(tokenizer))
     if args.disable_dropout:  # Detail 7
         disable_dropout(policy)
-    policy = lora_policy(policy, args)
+    policy = checkpointed(lora_policy(policy, args), args.gradient_checkpointing)
     if not args.load_in_4bit:  # on the device already for --precompute_ref_logprobs (a 4-bit model loads there)
         policy.to(accelerator.device)
     return policy, AdaptersOff(policy)
@@ -810,7 +823,8 @@ def make_accelerator(args) -> Accelerator:
     accumulation over args.gradient_accumulation_steps micro batches (derived from the batch sizes), a data order
     that a resumed run can find its place in, bf16 autocast with --bf16 (None: where CUDA supports it), and under
     DeepSpeed the micro batch and the gradient clipping (configure_deepspeed)."""
-    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
+    # first: the batch arithmetic depends on the process count
+    args.world_size = start_processes(args.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
                              "total_batch_size / (local_micro_batch_size * world_size)")
     check_gradient_accumulation(args, accumulation, args.world_size)
@@ -935,7 +949,7 @@ def load_policy_and_reference(args, accelerator, tokenizer):
     if args.disable_dropout:  # Detail 7
         disable_dropout(policy)
     disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
-    return policy, prepare_frozen_model(accelerator, ref_model)
+    return checkpointed(policy, args.gradient_checkpointing), prepare_frozen_model(accelerator, ref_model)
 
 
 def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
@@ -1100,7 +1114,9 @@ class LoggingInterval:
         # averaged over the updates that did, and one that none did is left out of this log line
         columns = np.array(self.rows, dtype=float).T
         means = {key: float(np.nanmean(c)) for key, c in zip(TRAIN_STATS, columns) if not np.isnan(c).all()}
-        means["train/tokens_per_s"] = self.tokens / (time.time() - self.start)
+        elapsed = time.time() - self.start  # (the updates' .tolist() waited for the device)
+        means["train/tokens_per_s"] = self.tokens / elapsed
+        means["time/update_s"] = elapsed / len(self.rows)  # each update's wall time, averaged over the interval
         means["train/lr"] = lr
         means["train/epoch"] = epoch
         self.last_means = means

@@ -70,7 +70,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
     check_query_response, check_reward_tokenizer, due, evaluation_rng, save_pretrained_model, saving, start_processes,
-    upload_to_hub,
+    checkpointed, upload_to_hub,
 )
 
 
@@ -142,6 +142,10 @@ class Args:
     refused: --resume continues it)"""
     take_over_lock: bool = False
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    process_group_timeout_min: float = 60.0
+    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
+    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
+    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
     accept_changed_flags: bool = False
@@ -204,6 +208,11 @@ class Args:
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
+    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
+    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
+    default: the paper trained without it"""
 
     # evaluation, sampling and logging
     eval_every: int = 500
@@ -597,14 +606,17 @@ def ilql_generate(
 
     Detail 23: EOS is an ordinary token and never stops a row early (fixed-length sampling, the caller
     truncates after the first EOS). The loop only ends early once EVERY row holds an EOS, filling the
-    rest with [PAD]: what is kept after truncation is the same as with the full length.
+    rest with [PAD]: what is kept after truncation is the same as with the full length. With several
+    processes it ends once every row of EVERY process holds one: under ZeRO-3 each forward pass gathers
+    the weights from all processes, so all of them must run as many; a process whose rows are done
+    runs the forward passes without sampling (its tokens and its random stream are those it stops with).
     A manual loop rather than `generate`: the logits need the heads' Q and V at every step."""
     batch = queries.size(0)
     attention_mask = queries != pad_token_id
     position_ids = attention_mask.long().cumsum(1) - attention_mask.long()  # left pads do not count
     input_ids = torch.masked_fill(queries, ~attention_mask, 0)
     responses = torch.full((batch, response_length), pad_token_id, dtype=queries.dtype, device=queries.device)
-    cache = None
+    cache, done = None, False
     for t in range(response_length):
         output = model.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -615,9 +627,14 @@ def ilql_generate(
         lm_logits = model.lm.get_output_embeddings()(hidden)  # (B, V)
         _, target_qs, value = model.heads(hidden)
         scores = advantage_shifted_scores(lm_logits, target_qs, value, beta, top_k, pad_token_id)
-        tokens = torch.multinomial(F.softmax(scores / temperature, dim=-1), num_samples=1)  # (B, 1)
-        responses[:, t] = tokens[:, 0]
-        if (responses[:, : t + 1] == eos_token_id).any(1).all():
+        if not done:  # (a process done before the others feeds its last tokens again, and keeps nothing)
+            tokens = torch.multinomial(F.softmax(scores / temperature, dim=-1), num_samples=1)  # (B, 1)
+            responses[:, t] = tokens[:, 0]
+            done = bool((responses[:, : t + 1] == eos_token_id).any(1).all())
+        running = torch.tensor([float(not done)], device=queries.device)  # the processes still sampling
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(running)
+        if running.item() == 0:
             break
         input_ids = tokens
         attention_mask = torch.cat((attention_mask, torch.ones_like(tokens, dtype=torch.bool)), dim=1)
@@ -808,7 +825,8 @@ def make_ilql_accelerator(args: Args) -> Accelerator:
     """Join the processes, do the batch arithmetic (a batch that does not divide fails here) and make the
     accelerator: gradient accumulation over total_batch_size / (local_micro_batch_size x world_size) micro batches,
     the seeded data order, bf16 when asked (or available), and DeepSpeed's micro batch and clipping (Detail 8)."""
-    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
+    # first: the batch arithmetic depends on the process count
+    args.world_size = start_processes(args.process_group_timeout_min).num_processes
     gradient_accumulation_steps = exact_div(
         args.total_batch_size, args.local_micro_batch_size * args.world_size,
         "total_batch_size / (local_micro_batch_size x world_size)",
@@ -868,7 +886,7 @@ def load_ilql_models(args, accelerator, tokenizer):
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > lm.config.vocab_size:
         lm.resize_token_embeddings(len(tokenizer))
-    model = ILQLModel(lm, args.ilql.two_qs)
+    model = ILQLModel(checkpointed(lm, args.gradient_checkpointing), args.ilql.two_qs)
     if args.disable_dropout:  # Detail 7
         disable_dropout(model)
     reward_model = None
@@ -956,6 +974,7 @@ class IlqlCounters:
         self.update = update
         self.episode += batch_size
         self.train_time += seconds
+        self.interval_stats.setdefault("time/update_s", []).append(seconds)  # logged as the interval's mean
 
     def close_interval(self, lr: float, num_trajectories: int) -> dict:
         """The training means of the logging interval that ends here (interval_means); a new interval opens."""

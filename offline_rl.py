@@ -63,7 +63,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, NonFiniteError, Run, RunError, check_columns, check_data_tokenizer, check_finite,
     check_gradient_accumulation, check_query_response, check_reward_tokenizer, due, evaluation_rng, frame_markdown,
-    save_pretrained_model, start_processes,
+    checkpointed, gathered_for_generation, save_pretrained_model, start_processes,
 )
 
 
@@ -105,6 +105,10 @@ class Args:
     refused: --resume continues it)"""
     take_over_lock: bool = False
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    process_group_timeout_min: float = 60.0
+    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
+    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
+    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
     accept_changed_flags: bool = False
@@ -205,6 +209,16 @@ class Args:
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+    gather_for_generation: bool = True
+    """under ZeRO-3, gather the policy's weights once for each chunk it samples (the mixture, best-of-n's
+    candidates, the evaluation) instead of layer by layer at every decode step (as TRL's
+    unwrap_model_for_generation does); the same samples either way. Off: for a model too large to hold whole on one
+    device. No effect without ZeRO-3"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
+    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
+    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
+    default: the paper trained without it"""
     local_rollout_batch_size: int = 64
     """sequences per generate / reward-model call on one process (mixture, best-of-n, evaluation)"""
 
@@ -320,9 +334,10 @@ def best_of_n_select(scores: torch.Tensor, responses: torch.Tensor, n: int):
 
 
 @torch.no_grad()
-def sample_policy(accelerator, model, queries: torch.Tensor, generation_config, tokenizer, batch_size: int, desc: str):
+def sample_policy(accelerator, model, queries: torch.Tensor, generation_config, tokenizer, batch_size: int, desc: str,
+                  gather: bool):
     """Fixed-length responses (Detail 23) to left-padded queries (N, W), truncated after the first EOS:
-    (N, response_length), the same on every process."""
+    (N, response_length), the same on every process. gather: --gather_for_generation (ZeRO-3)."""
     unwrapped = accelerator.unwrap_model(model)
     was_training = unwrapped.training
     unwrapped.eval()
@@ -333,7 +348,8 @@ def sample_policy(accelerator, model, queries: torch.Tensor, generation_config, 
         query = queries[rows]
         query = query[:, real_columns(query, tokenizer.pad_token_id)]  # the left padding every query shares is cut
         query = query.to(accelerator.device)
-        query_response = generate(unwrapped, query, tokenizer.pad_token_id, generation_config)
+        with gathered_for_generation(model, gather):  # ZeRO-3: the weights gathered once for the chunk
+            query_response = generate(unwrapped, query, tokenizer.pad_token_id, generation_config)
         response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, query_response[:, query.size(1) :])
         pairs += list(zip(rows, response.cpu().tolist()))
     unwrapped.train(was_training)
@@ -429,7 +445,8 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
         prompts = torch.tensor(picked["query_token"], dtype=torch.long)
         config = sampling_config(args, tokenizer, args.mixture_temperature)
         start = time.time()
-        generated = sample_policy(accelerator, policy, prompts, config, tokenizer, args.local_rollout_batch_size, "mixture: generate")
+        generated = sample_policy(accelerator, policy, prompts, config, tokenizer, args.local_rollout_batch_size,
+                                  "mixture: generate", args.gather_for_generation)
         generation_time = time.time() - start
         queries += prompts.tolist()
         query_texts += picked["query"]
@@ -526,7 +543,7 @@ def best_of_n_candidates(args: Args, accelerator, model, reward_model, tokenizer
     config = sampling_config(args, tokenizer, args.bon_temperature)
     start = time.time()
     candidates = sample_policy(accelerator, model, candidates_q, config, tokenizer, args.local_rollout_batch_size,
-                               f"{desc}: sample")
+                               f"{desc}: sample", args.gather_for_generation)
     costs["generation_s"] += time.time() - start
     start = time.time()
     scores = score_responses(accelerator, reward_model, candidates_q, candidates, tokenizer.pad_token_id,
@@ -610,7 +627,7 @@ def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eva
     # how much a run evaluates never changes what it trains
     with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003):
         responses = sample_policy(accelerator, model, policy_queries, generation_config, tokenizer,
-                                  args.local_rollout_batch_size, "evaluate")
+                                  args.local_rollout_batch_size, "evaluate", args.gather_for_generation)
     queries = eval_rows["query_token"]
     scores = score_responses(accelerator, reward_model, queries, responses, pad_token_id, args.local_rollout_batch_size, "evaluate: score")
     has_eos = (responses == eos_token_id).any(1)
@@ -854,9 +871,11 @@ def main(args: Args) -> dict:
             loss, tokens = train_update(args, accelerator, model, optimizer, run, update, queries, responses,
                                         global_batch, batch_weights, pad_token_id)
         scheduler.step()
-        counters.add_update(loss, tokens, time.time() - update_start)
+        update_s = time.time() - update_start  # training alone (a best-of-n round's sampling is cost/generation_s)
+        counters.add_update(loss, tokens, update_s)
         metrics = {
             "train/loss": loss,
+            "time/update_s": update_s,
             "train/lr": scheduler.get_last_lr()[0],
             "train/tokens_per_s": counters.train_tokens / counters.costs["training_s"],
             "train/weight_max": batch_weights.max().item(),
@@ -910,7 +929,8 @@ def make_offline_accelerator(args: Args) -> Accelerator:
     """Join the processes, do the batch arithmetic (a batch that does not divide fails here) and make the
     accelerator: gradient accumulation over total_batch_size / (local_micro_batch_size * world_size) micro batches,
     bf16 when asked (or available), and DeepSpeed's micro batch and clipping (Detail 8)."""
-    args.world_size = start_processes().num_processes  # first: the accumulation steps depend on the number of processes
+    # first: the accumulation steps depend on the number of processes
+    args.world_size = start_processes(args.process_group_timeout_min).num_processes
     gradient_accumulation_steps = exact_div(
         args.total_batch_size,
         args.local_micro_batch_size * args.world_size,
@@ -962,7 +982,7 @@ def load_offline_models(args: Args, tokenizer):
             model.resize_token_embeddings(len(tokenizer))
         if args.disable_dropout:
             disable_dropout(model)
-    return policy, reward_model
+    return checkpointed(policy, args.gradient_checkpointing), reward_model
 
 
 def load_offline_data(args: Args, tokenizer):

@@ -10,8 +10,8 @@ prompts each (pairs_per_round / total_batch_size optimizer updates); round r is:
      truncated after the first EOS (Detail 23). Each response's noise has a seed of its own (seed, prompt batch,
      prompt index, 0 or 1): the samples depend neither on the batch nor on the number of processes
   3. a judge labels each pair: a response without EOS loses to one with EOS (--non_eos_penalty); otherwise the reward
-     model (the score at the EOS, Detail 12) or an OpenAI-compatible judge with the paper's prompt (Appendix I) picks
-     the chosen one. Ties, identical responses and unparseable answers are dropped and counted: they weigh 0 in the
+     model (the score at the EOS, Detail 12), an OpenAI-compatible judge with the paper's prompt (Appendix I) or a reward
+     from code (--judge reward_fn, the user's --reward_fn) picks the chosen one. Ties, identical responses and unparseable answers are dropped and counted: they weigh 0 in the
      update, as a GRPO group of equal scores has advantage 0 (--max_draws_per_round > 1 replaces them by pairs of
      further prompt batches instead, which sample more than the budget: budget/responses_sampled counts them)
   4. the reference's sequence log-probs of the round's pairs, computed once: the SFT model (--reference sft), or the
@@ -64,8 +64,9 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
     check_qlora_flags, check_query_response, check_reward_tokenizer, due, evaluation_rng, frame_markdown,
-    save_pretrained_model, start_processes, upload_to_hub,
+    checkpointed, gathered_for_generation, save_pretrained_model, start_processes, upload_to_hub,
 )
+from user_reward import check_rewards, load_reward_fn, reward_fn_errors  # --reward_fn: load and check (user_reward.py)
 
 
 @dataclass
@@ -145,6 +146,10 @@ class Args:
     refused: --resume continues it)"""
     take_over_lock: bool = False
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    process_group_timeout_min: float = 60.0
+    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
+    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
+    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
     accept_changed_flags: bool = False
@@ -172,11 +177,18 @@ class Args:
     """split of --query_dataset whose queries are sampled for samples.csv"""
 
     # online pairs: sampling, judging, reference
-    judge: Literal["rm", "endpoint"] = "rm"
-    """who labels each sampled pair: the reward model (the higher score at the EOS, Detail 12) or an OpenAI-compatible
-    judge with the paper's prompt (--endpoint.*; the built-in task's gold judge, or an LLM)"""
+    judge: Literal["rm", "endpoint", "reward_fn"] = "rm"
+    """who labels each sampled pair: the reward model (the higher score at the EOS, Detail 12), an OpenAI-compatible
+    judge with the paper's prompt (--endpoint.*; the built-in task's gold judge, or an LLM), or a reward from code
+    (--reward_fn: the higher of its two scores; no reward model is loaded)"""
     reward_model_path: str = "models/rm"
     """--judge rm: the reward model (saved by reward.py), trained with the policy's tokenizer"""
+    reward_fn: Optional[str] = None
+    """--judge reward_fn: path.py:function, a reward from code as ppo.py's --reward_fn: fn(queries, responses,
+    **columns) returns one float per response, given the decoded queries and responses and, by name, the prompt rows'
+    other columns (a list each); each process calls it on the pairs of its own prompts. Equal scores are a tie (the
+    pair is dropped and counted). The built-in task's rule: data/synthetic.py:key_fact_share; docs/usage.md's "Write
+    your own reward" shows how"""
     endpoint: EndpointArgs = field(default_factory=EndpointArgs)
     """--judge endpoint: the judge's endpoint, model and retry policy"""
     reference: Literal["sft", "last_round"] = "sft"
@@ -242,6 +254,15 @@ class Args:
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
+    gather_for_generation: bool = True
+    """under ZeRO-3, gather the policy's weights once for each generate call (the pairs of each round, the
+    evaluation's samples) instead of layer by layer at every decode step (as TRL's unwrap_model_for_generation does);
+    the same samples either way. Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
+    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
+    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
+    default: the paper trained without it"""
 
     # memory: LoRA and QLoRA
     lora_rank: int = 0
@@ -302,10 +323,11 @@ class GumbelSampler(LogitsProcessor):
         self.generators, self.temperature = generators, temperature
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        # one draw of V uniforms per row and step; U = 0 (-log(-log 0) = -inf) is moved to the smallest float
-        uniform = torch.stack([torch.rand(scores.size(1), generator=g) for g in self.generators])  # (B, V)
-        gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
-        return scores.float() / self.temperature + gumbel.to(scores.device)
+        # one draw of V uniforms per row and step, on the generator's device (the scores', see sample_pairs: no
+        # B x V copy per step); U = 0 (-log(-log 0) = -inf) is moved to the smallest float
+        uniform = torch.stack([torch.rand(scores.size(1), generator=g, device=g.device) for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))  # (B, V)
+        return scores.float() / self.temperature + gumbel
 
 
 @torch.no_grad()
@@ -316,7 +338,8 @@ def sample_pairs(args, lm, queries: torch.Tensor, prompt_indices: torch.Tensor, 
     pad_token_id = tokenizer.pad_token_id
     queries = queries.repeat_interleave(2, dim=0)  # rows 2i and 2i + 1: the two responses to prompt i
     queries = queries[:, real_columns(queries, pad_token_id)]  # the left padding every row shares is cut
-    generators = [torch.Generator().manual_seed(sample_seed(args.seed, draw, int(p), k))
+    # each row's generator lives where the model computes: a seed draws the same noise on every device of one type
+    generators = [torch.Generator(queries.device).manual_seed(sample_seed(args.seed, draw, int(p), k))
                   for p in prompt_indices.tolist() for k in (0, 1)]
     attention_mask = queries != pad_token_id
     sequences = lm.generate(  # decoding greedily the scores GumbelSampler made noisy: a draw at --temperature
@@ -425,11 +448,11 @@ class JudgedPairs(NamedTuple):
     chosen: torch.Tensor  # (N,): the index (0 or 1) of the chosen response
     keep: torch.Tensor  # (N,): False for a dropped pair
     counts: Dict[str, int]  # label_pairs' counts
-    scores: Optional[torch.Tensor]  # (N, 2): the reward model's scores; None with --judge endpoint
+    scores: Optional[torch.Tensor]  # (N, 2): the reward model's (or --reward_fn's) scores; None with --judge endpoint
 
 
 @torch.no_grad()
-def draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer, draw: int, update: int) -> JudgedPairs:
+def draw_pairs(args, accelerator, run, policy, reward_model, reward_fn, prompts, tokenizer, draw, update) -> JudgedPairs:
     """Steps 1-3 for prompt batch `draw` (1, 2, ...): two responses to each prompt, labelled; whole on every process."""
     pad_token_id, device = tokenizer.pad_token_id, accelerator.device
     # 1. this process's share of the prompts (Detail 21: every process draws the same permutation)
@@ -441,11 +464,14 @@ def draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer,
     responses, scores = [], []
     for chunk in torch.arange(rows.numel()).split(args.local_rollout_forward_batch_size):
         chunk_queries = queries[chunk].to(device)
-        with accelerator.autocast():
+        with accelerator.autocast(), gathered_for_generation(policy, args.gather_for_generation):
             pair = sample_pairs(args, accelerator.unwrap_model(policy), chunk_queries, rows[chunk], draw, tokenizer)
+            both = chunk_queries.repeat_interleave(2, 0), pair.flatten(0, 1)  # the two responses of each pair
             if reward_model is not None:  # Detail 12: the score at the EOS
-                scores.append(get_score(reward_model, chunk_queries.repeat_interleave(2, 0), pair.flatten(0, 1),
-                                        pad_token_id).float().view(-1, 2))
+                scores.append(get_score(reward_model, *both, pad_token_id).float().view(-1, 2))
+            elif reward_fn is not None:  # --judge reward_fn: the user's function, on this process's prompts
+                scores.append(function_scores(torch.zeros((len(both[0]), 0), device=device), reward_fn, tokenizer, *both,
+                                              prompts, rows[chunk].repeat_interleave(2).tolist()).view(-1, 2))
         responses.append(pair)
     policy.train()
     gathered = accelerator.gather((queries.to(device), torch.cat(responses)) + ((torch.cat(scores),) if scores else ()))
@@ -453,7 +479,7 @@ def draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer,
     has_eos = (responses == tokenizer.eos_token_id).any(2)  # (N, 2)
     identical = (responses[:, 0] == responses[:, 1]).all(1)  # (N,)
     # 3. the judge's verdicts, then the labels (Detail 23 first: a response without EOS loses)
-    scores = gathered[2].cpu() if reward_model is not None else None  # (N, 2)
+    scores = gathered[2].cpu() if len(gathered) > 2 else None  # (N, 2): the reward model's or --reward_fn's
     if scores is not None:
         run.guard(update, **{"online/scores": scores})  # a NaN score would decide a label
         verdicts = rm_verdicts(scores)
@@ -494,8 +520,8 @@ class OnlineRounds:
         vars(self).update(state)
 
 
-def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model, reward_model, prompts, tokenizer,
-                 round_index: int, update: int) -> None:
+def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model, reward_model, reward_fn, prompts,
+                 tokenizer, round_index: int, update: int) -> None:
     """Steps 1-4 of round `round_index`, whose first update is `update`, into `rounds` (on every process): prompt
     batches are drawn until pairs_per_round pairs are kept (at most --max_draws_per_round batches, by default one; a
     dropped pair is replaced by a pair of the next batch), the kept pairs in the order drawn, then the reference's
@@ -510,7 +536,7 @@ def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model
     # summary's budget/responses_sampled (what the leaderboard states) is twice it.
     while True:
         draws += 1
-        batches.append(draw_pairs(args, accelerator, run, policy, reward_model, prompts, tokenizer, draws, update))
+        batches.append(draw_pairs(args, accelerator, run, policy, reward_model, reward_fn, prompts, tokenizer, draws, update))
         counts = {key: counts.get(key, 0) + value for key, value in batches[-1].counts.items()}
         if counts["pairs_kept"] >= args.pairs_per_round or draws - rounds.draws == args.max_draws_per_round:
             break
@@ -537,7 +563,7 @@ def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model
                     "online/response_token_len_mean": float(token_len.float().mean()),
                     "online/round_s": time.time() - start_time,
                     "budget/responses_sampled": 2 * rounds.totals["pairs"]})  # the run's so far, every draw counted
-    if reward_model is not None and keep.any():
+    if batches[0].scores is not None and keep.any():  # --judge rm or reward_fn
         scores = torch.cat([batch.scores for batch in batches])[order][keep]  # (kept, 2)
         metrics["online/scores_chosen"] = float(scores.gather(1, chosen[keep].unsqueeze(1)).mean())
         metrics["online/scores_rejected"] = float(scores.gather(1, 1 - chosen[keep].unsqueeze(1)).mean())
@@ -608,7 +634,7 @@ def online_dpo_update(args, accelerator, run, policy, optimizer, rounds, first: 
 
 def main(args: Args) -> dict:
     start_time = time.time()
-    check_online_flags(args)
+    reward_fn = check_online_flags(args)  # and --judge reward_fn's function, loaded before any model
     # ---------------- processes, batch arithmetic (Table 6: 64 pairs per update), run folder ----------------
     accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
     check_qlora_flags(args, accelerator)
@@ -678,8 +704,8 @@ def main(args: Args) -> dict:
             with last_good.kept(update, interval.state()):  # a non-finite value: the state after update - 1 is saved
                 round_index, first = divmod(update - 1, updates_per_round)  # first: the update's place in its round
                 if first == 0:  # steps 1-4: a new round of pairs, sampled from the policy as it is now
-                    online_round(args, accelerator, run, rounds, policy, ref_model, reward_model, train_dataset,
-                                 tokenizer, round_index + 1, update)
+                    online_round(args, accelerator, run, rounds, policy, ref_model, reward_model, reward_fn,
+                                 train_dataset, tokenizer, round_index + 1, update)
                 sums, kept, tokens = online_dpo_update(args, accelerator, run, policy, optimizer, rounds,
                                                        first * args.total_batch_size, update, pad_token_id)  # step 5
             update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
@@ -919,7 +945,7 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
         for batch in dataloader:
             queries = batch["query_token"]  # (B, Tq), left-padded
             queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding all rows share: cut
-            with accelerator.autocast():
+            with accelerator.autocast(), gathered_for_generation(model, args.gather_for_generation):
                 query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
             responses = truncate_response(
                 tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
@@ -998,7 +1024,7 @@ def load_lora_policy_and_reference(args, accelerator, tokenizer):
         policy.resize_token_embeddings(len(tokenizer))
     if args.disable_dropout:  # Detail 7
         disable_dropout(policy)
-    policy = lora_policy(policy, args)
+    policy = checkpointed(lora_policy(policy, args), args.gradient_checkpointing)
     if not args.load_in_4bit:  # on the device already for --precompute_ref_logprobs (a 4-bit model loads there)
         policy.to(accelerator.device)
     return policy, AdaptersOff(policy)
@@ -1141,8 +1167,9 @@ def check_dpo_flags(args) -> None:
         raise RunError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
 
 
-def check_online_flags(args) -> None:
-    """dpo.py's flag checks and the online ones, before any load (--judge endpoint: the API key, or a loopback URL)."""
+def check_online_flags(args):
+    """dpo.py's flag checks and the online ones, before any load (--judge endpoint: the API key, or a loopback URL).
+    Returns the --reward_fn function of --judge reward_fn (else None), loaded here, before any model."""
     check_dpo_flags(args)
     if args.temperature <= 0:
         raise RunError(f"--temperature must be > 0: at 0 both responses to a prompt are the same (got {args.temperature})")
@@ -1158,6 +1185,7 @@ def check_online_flags(args) -> None:
         from judge_client import resolve_api_key  # the judge's client, loaded by --judge endpoint alone
 
         resolve_api_key(args.endpoint.base_url)  # raises when OPENAI_API_KEY is unset; the key itself is not kept
+    return load_reward_fn(args.reward_fn, args.judge)  # (user_reward.py)
 
 
 def check_rounds(args, num_updates: int, num_prompts: int) -> int:
@@ -1175,7 +1203,8 @@ def make_accelerator(args) -> Accelerator:
     accumulation over args.gradient_accumulation_steps micro batches (derived from the batch sizes), a data order
     that a resumed run can find its place in, bf16 autocast with --bf16 (None: where CUDA supports it), and under
     DeepSpeed the micro batch and the gradient clipping (configure_deepspeed)."""
-    args.world_size = start_processes().num_processes  # first: the batch arithmetic depends on the process count
+    # first: the batch arithmetic depends on the process count
+    args.world_size = start_processes(args.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
                              "total_batch_size / (local_micro_batch_size * world_size)")
     check_gradient_accumulation(args, accumulation, args.world_size)
@@ -1300,7 +1329,7 @@ def load_policy_and_reference(args, accelerator, tokenizer):
     if args.disable_dropout:  # Detail 7
         disable_dropout(policy)
     disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
-    return policy, prepare_frozen_model(accelerator, ref_model)
+    return checkpointed(policy, args.gradient_checkpointing), prepare_frozen_model(accelerator, ref_model)
 
 
 def load_judge_reward_model(args, accelerator, tokenizer):
@@ -1482,6 +1511,23 @@ def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_
     return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
 
 
+def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, responses: torch.Tensor, prompts, rows):
+    """--reward_fn: the reward models' scores (B, n) and, joined as column n, the scores the user's function gives B
+    responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
+    EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
+    `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
+    user_reward.py names the row of an exception and checks the answer: one finite number per response. No function:
+    the scores as they are."""
+    if reward_fn is None:
+        return scores
+    texts, answers = ([s.strip() for s in tokenizer.batch_decode(x, skip_special_tokens=True)] for x in (queries, responses))
+    columns = prompts.select_columns([c for c in prompts.column_names if "_token" not in c]).with_format(None)[rows]
+    # an exception, or an answer that is not one finite number per response: one paragraph naming the row
+    with reward_fn_errors(reward_fn, texts, answers, columns):
+        values = check_rewards(reward_fn, reward_fn(texts, answers, **columns), texts, answers, columns)
+    return torch.cat((scores, scores.new_tensor(values).unsqueeze(1)), 1)  # float32, as the RMs' scores
+
+
 def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
     """Sample continuations of LEFT-padded queries with the KV cache -> query_responses (B, Tq + Tr)."""
     context_length = queries.size(1)
@@ -1524,7 +1570,9 @@ class LoggingInterval:
         # averaged over the updates that did, and one that none did is left out of this log line
         columns = np.array(self.rows, dtype=float).T
         means = {key: float(np.nanmean(c)) for key, c in zip(TRAIN_STATS, columns) if not np.isnan(c).all()}
-        means["train/tokens_per_s"] = self.tokens / (time.time() - self.start)
+        elapsed = time.time() - self.start  # (the updates' .tolist() waited for the device)
+        means["train/tokens_per_s"] = self.tokens / elapsed
+        means["time/update_s"] = elapsed / len(self.rows)  # each update's wall time, averaged over the interval
         means["train/lr"] = lr
         means["train/epoch"] = epoch
         self.last_means = means

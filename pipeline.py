@@ -162,8 +162,12 @@ SETTINGS["full"] = {**SETTINGS["quickstart"], "ppo": flags_with(SETTINGS["quicks
 # RLOO (rloo.py) on PPO's sizes and episodes, with its own defaults: the paper's k = 2 responses per query and one
 # pass over each batch
 SETTINGS["full"]["rloo"] = SETTINGS["full"]["ppo"]
+# a reward from code instead of the reward model (--reward_fn): the built-in task's rule, the share of the post's key
+# facts a summary states (data/synthetic.py; the stage runs in the project folder)
+RULE_REWARD = ["--reward_fn", "data/synthetic.py:key_fact_share"]
 # leaderboard: every method on one budget, from each seed's own SFT and reward model. Online methods sample 1,536
-# responses each (the quickstart PPO's 48 updates of 32): PPO one per query, RLOO 2 per query (k), GRPO 4 (G), online
+# responses each (the quickstart PPO's 48 updates of 32): PPO one per query, RLOO 2 per query (k), GRPO 4 (G),
+# REINFORCE++ one, REINFORCE++-baseline 4 (the group whose mean score it subtracts, GRPO's size), online
 # DPO two per query as 768 pairs (24 updates of 32 pairs; a pair the RM cannot separate weighs 0, never redrawn, as
 # none of the others redraws). DPO, IPO and KTO train on the same 960 preference pairs in the same order (KTO: both
 # halves of each, 1,920 examples; or as many thumbs); ILQL and the offline methods keep full mode's settings, which
@@ -173,6 +177,10 @@ SETTINGS["leaderboard"] = {
     **SETTINGS["quickstart"],
     "rloo": SETTINGS["quickstart"]["ppo"],
     "grpo": SETTINGS["quickstart"]["ppo"],
+    # GRPO (rule reward): GRPO's budget and flags, scored by the task's rule alone (RULE_REWARD), no reward model
+    "grpo_rule": SETTINGS["quickstart"]["ppo"] + RULE_REWARD,
+    "reinforce_pp": SETTINGS["quickstart"]["ppo"],
+    "reinforce_pp_baseline": SETTINGS["quickstart"]["ppo"] + ["--samples_per_prompt", "4", "--reinforce_pp.baseline", "group"],
     # IPO's squared loss on the per-token mean log-ratio, regressed onto 1 / (2 beta): beta 0.5, a target of 1 nat
     # (docs/results.md compares it with 0.1 on one seed)
     "ipo": flags_with(SETTINGS["quickstart"]["dpo"], {"--loss_type": "ipo", "--beta": "0.5"}),
@@ -218,7 +226,10 @@ SETTINGS["ci"] = {
             "--num_eval_samples", "32"],
 }
 SETTINGS["ci"]["kto_unpaired"] = SETTINGS["ci"]["kto"]
-SETTINGS["ci"]["grpo"] = SETTINGS["ci"]["rloo"]
+SETTINGS["ci"]["grpo"] = SETTINGS["ci"]["reinforce_pp"] = SETTINGS["ci"]["rloo"]
+SETTINGS["ci"]["grpo_rule"] = SETTINGS["ci"]["rloo"] + RULE_REWARD
+SETTINGS["ci"]["reinforce_pp_baseline"] = SETTINGS["ci"]["rloo"] + ["--samples_per_prompt", "4", "--reinforce_pp.baseline",
+                                                                    "group"]
 SETTINGS["ci"]["ipo"] = SETTINGS["ci"]["dpo"] + ["--loss_type", "ipo", "--beta", "0.5"]
 SETTINGS["ci"]["online_dpo"] = flags_with(SETTINGS["ci"]["dpo"], {"--total_episodes": "16"})
 # ci checks the leaderboard's artefacts on the leaderboard's split, the test split, at a small size (ILQL keeps its
@@ -243,17 +254,22 @@ ABOUT = {"prep": ("the built-in task: posts, preference pairs, a tokenizer and a
 FULL_STAGES = ["prep", "sft", "rm", "ppo", "rloo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt",
                "offline_best_of_n", "judge", "report"]
 # every method the project ships (the leaderboard's rows, in its order); --extra forks go before the judge
-LEADERBOARD_STAGES = ["prep", "unpaired", "sft", "rm", "ppo", "rloo", "grpo", "online_dpo", "dpo", "ipo", "kto",
-                      "kto_unpaired", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n",
+LEADERBOARD_STAGES = ["prep", "unpaired", "sft", "rm", "ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline",
+                      "online_dpo", "dpo", "ipo", "kto", "kto_unpaired", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n",
                       "judge", "report"]
 ABOUT.update({"grpo": ("GRPO against the reward model (grpo.py)", "2 min"),
+              "grpo_rule": ("GRPO scored by the task's rule alone, no reward model (grpo.py --reward_fn)", "2 min"),
+              "reinforce_pp": ("REINFORCE++ against the reward model (reinforce_pp.py)", "2 min"),
+              "reinforce_pp_baseline": ("REINFORCE++-baseline (reinforce_pp.py --reinforce_pp.baseline group)", "2 min"),
               "online_dpo": ("online DPO, pairs judged by the reward model (online_dpo.py)", "2 min"),
               "ipo": ("IPO on the preference pairs (dpo.py --loss_type ipo)", "under 1 min")})
 # policies whose samples are judged, in the report's order (--extra forks follow)
-POLICY_STAGES = ["sft", "ppo", "rloo", "grpo", "online_dpo", "dpo", "ipo", "kto", "kto_unpaired", "ilql",
-                 "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n"]
+POLICY_STAGES = ["sft", "ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline", "online_dpo", "dpo", "ipo", "kto",
+                 "kto_unpaired", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n"]
 # the script of each stage that is not `<stage>.py` (a fork of the project without one of them skips its stages)
-SCRIPTS = {"rm": "reward.py", "ipo": "dpo.py", "kto_unpaired": "kto.py", "prep": "data/prepare.py",
+SCRIPTS = {"rm": "reward.py", "ipo": "dpo.py", "kto_unpaired": "kto.py", "reinforce_pp_baseline": "reinforce_pp.py",
+           "grpo_rule": "grpo.py",
+           "prep": "data/prepare.py",
            "unpaired": "data/prepare.py", "judge": "judge.py", "report": "report.py"}
 KTO_STAGES = {"prep": ["unpaired"], "dpo": ["kto", "kto_unpaired"]}  # --kto: the stages that follow these
 
@@ -371,8 +387,10 @@ class Pipeline:
         kind, script = self.kind(stage), self.extras.get(stage, (None,))[0]
         if kind.startswith("offline_"):
             return self.cmd_offline(kind[len("offline_"):], stage, script)
-        # forks share their parent's command: rloo.py and grpo.py take ppo.py's, online_dpo.py and IPO dpo.py's
-        builder = {"rloo": "ppo", "grpo": "ppo", "ipo": "dpo", "online_dpo": "dpo", "kto_unpaired": "kto"}.get(kind, kind)
+        # forks share their parent's command: rloo.py, grpo.py and reinforce_pp.py take ppo.py's, online_dpo.py and IPO
+        # dpo.py's
+        builder = {"rloo": "ppo", "grpo": "ppo", "grpo_rule": "ppo", "reinforce_pp": "ppo", "reinforce_pp_baseline": "ppo", "ipo": "dpo",
+                   "online_dpo": "dpo", "kto_unpaired": "kto"}.get(kind, kind)
         return getattr(self, f"cmd_{builder}")(stage, script)
 
     # ---------------------------------------------------------------- bookkeeping
@@ -499,9 +517,11 @@ class Pipeline:
                        "--output_dir", f"{self.models}/{stage}", *self.flags(stage))
 
     def cmd_ppo(self, stage: str = "ppo", script: str | None = None) -> list[str]:
-        """ppo.py, and its forks rloo.py and grpo.py (the same flags)."""
-        return self.py(script or f"{self.kind(stage)}.py", *self.common(stage), "--sft_model_path", f"{self.models}/sft",
-                       "--reward_model_path", f"{self.models}/rm", "--query_dataset", f"{self.data}/sft",
+        """ppo.py, and its forks rloo.py, grpo.py and reinforce_pp.py (the same flags). GRPO (rule reward) is scored by
+        its --reward_fn alone (RULE_REWARD): an empty --reward_model_path, so that no reward model loads."""
+        rule_alone = self.kind(stage) == "grpo_rule"
+        return self.py(script or SCRIPTS.get(self.kind(stage), f"{self.kind(stage)}.py"), *self.common(stage), "--sft_model_path", f"{self.models}/sft",
+                       "--reward_model_path", *([] if rule_alone else [f"{self.models}/rm"]), "--query_dataset", f"{self.data}/sft",
                        "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/{stage}",
                        *self.flags(stage))
 

@@ -588,7 +588,8 @@ def write_seed_report(out: str, seeds: list[int]) -> str:
 # --------------------------------------------------------------------------------------------
 # The leaderboard (pipeline.py --mode leaderboard): every method on every seed, one table and one plot.
 # --------------------------------------------------------------------------------------------
-NAMES = {"sft": "SFT", "ppo": "PPO", "rloo": "RLOO", "grpo": "GRPO", "online_dpo": "online DPO (RM judge)", "dpo": "DPO",
+NAMES = {"sft": "SFT", "ppo": "PPO", "rloo": "RLOO", "grpo": "GRPO", "grpo_rule": "GRPO (rule reward)", "reinforce_pp": "REINFORCE++",
+         "reinforce_pp_baseline": "REINFORCE++-baseline", "online_dpo": "online DPO (RM judge)", "dpo": "DPO",
          "ipo": "IPO", "kto": "KTO (pairs)", "kto_unpaired": "KTO (thumbs up / down)", "ilql": "ILQL",
          "offline_filter": "MLE with filtering", "offline_rwr": "RWR", "offline_dt": "Decision Transformer",
          "offline_best_of_n": "best-of-n"}
@@ -746,7 +747,7 @@ def budget(kind: str, args: dict, summary: dict) -> str:
         updates = f"{n('budget/updates')} update{'s' * (int(summary['budget/updates']) != 1)}"
         if kind == "sft":
             return f"{n('budget/rows_read')} reference summaries read, {updates}"
-        if kind in ("ppo", "rloo", "grpo", "online_dpo", "offline_best_of_n"):
+        if kind in ("ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline", "online_dpo", "offline_best_of_n"):
             per = ratio("budget/responses_sampled", "budget/prompts")
             # online DPO: the sampled pairs it did not train on (the judge could not separate them, or a redraw's spare)
             untrained = summary.get("online/pairs_total", 0) - summary.get("online/pairs_trained_total", 0)

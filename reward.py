@@ -50,7 +50,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_query_response, due, save_pretrained_model, start_processes, upload_to_hub,
+    checkpointed, check_query_response, due, save_pretrained_model, start_processes, upload_to_hub,
 )
 
 
@@ -92,6 +92,10 @@ class Args:
     refused: --resume continues it)"""
     take_over_lock: bool = False
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    process_group_timeout_min: float = 60.0
+    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
+    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
+    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
     accept_changed_flags: bool = False
@@ -154,6 +158,11 @@ class Args:
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow there)"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
+    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
+    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
+    default: the paper trained without it"""
 
     # ---- evaluation and logging ----
     eval_every: int = 0
@@ -244,8 +253,8 @@ def reward_update(args, accelerator, run, scorer, optimizer, lr_scheduler, batch
     of each in one forward pass, the pairwise loss and its gradient (accumulated), checked by the non-finite guard
     before its backward pass, then one AdamW step after the last and one step of the schedule. Returns the means over
     every micro batch of the update and every process of the loss, the accuracy and both rewards, and `tokens_seen`
-    counted on by this update's tokens (all processes)."""
-    stats = {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
+    counted on by this update's tokens (all processes), and the update's wall time ("update_s")."""
+    update_start, stats = time.time(), {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
     for _ in range(args.gradient_accumulation_steps):
         batch = next(batches)
         with accelerator.accumulate(scorer):
@@ -270,7 +279,8 @@ def reward_update(args, accelerator, run, scorer, optimizer, lr_scheduler, batch
         raise RuntimeError("gradient accumulation went out of step with the update loop")
     lr_scheduler.step()
     # averages over every micro batch of the update and every process
-    return {k: accelerator.gather(torch.stack(v)).float().mean().item() for k, v in stats.items()}, tokens_seen
+    means = {k: accelerator.gather(torch.stack(v)).float().mean().item() for k, v in stats.items()}
+    return {**means, "update_s": time.time() - update_start}, tokens_seen  # (.item() waited for the device)
 
 
 @torch.no_grad()
@@ -517,7 +527,7 @@ def calibration_bins(frame: pd.DataFrame, num_bins: int) -> pd.DataFrame:
 def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic and precision ----------------
-    args.world_size = num_processes = start_processes().num_processes
+    args.world_size = num_processes = start_processes(args.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * num_processes,
                              "total_batch_size / (local_micro_batch_size * world_size)")
     check_gradient_accumulation(args, accumulation, num_processes)
@@ -600,7 +610,7 @@ def main(args: Args) -> dict:
                              "train/rewards/margins": means["chosen"] - means["rejected"],
                              "train/rewards/accuracy": means["accuracy"], "train/lr": lr_scheduler.get_last_lr()[0],
                              "train/epoch": update * args.total_batch_size / len(train_set),
-                             "train/tokens_per_s": tokens_per_s})
+                             "train/tokens_per_s": tokens_per_s, "time/update_s": means["update_s"]})
         if due(args.eval_every, update, num_updates):
             evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets, tokenizer, update, final=False)
         # the trainer state after this update, checkpointed after its logging and evaluation (a resumed run
@@ -724,7 +734,7 @@ def build_reward_model(args, tokenizer):
     head_std = init_reward_head(model, args.reward_head_init, args.reward_head_init_std)
     if args.disable_dropout:
         disable_dropout(model)  # Detail 7
-    return model, head_std
+    return checkpointed(model, args.gradient_checkpointing), head_std
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:

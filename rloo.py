@@ -7,7 +7,8 @@ One update = one rollout of `total_batch_size` episodes, rloo_k per query, follo
            2. sample exactly `response_length` tokens at temperature 0.7, no early stop (Detail 23)
            3. truncate each response after its first EOS, fill the rest with [PAD]   (Detail 23)
            4. score query + truncated response with the RM, read at the EOS          (Details 12, 14);
-              several RMs: each scored, scaled on its own, then joined (--reward_combine)
+              several RMs: each scored, scaled on its own, then joined (--reward_combine); a reward from code
+              (--reward_fn) is one more scorer, or the only one
            5. EOS trick: no EOS in the response -> score = penalty_reward_value (-1)  (Detail 23)
            6. sequence reward: the score - kl_coef * the KL summed over the response
            7. advantage: the reward - the mean reward of the other rloo_k - 1 responses to the query
@@ -42,12 +43,14 @@ from accelerate.utils import gather_object, set_seed
 from datasets import load_dataset, load_from_disk
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+from transformers.integrations import deepspeed_config, is_deepspeed_zero3_enabled
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
     check_qlora_flags, check_query_response, check_reward_tokenizer, due, evaluation_rng, save_pretrained_model,
-    start_processes, upload_to_hub,
+    checkpointed, gathered_for_generation, start_processes, synced_time, upload_to_hub,
 )
+from user_reward import check_rewards, reward_fn_errors, reward_fn_of  # --reward_fn: load and check (user_reward.py)
 
 
 @dataclass
@@ -117,6 +120,10 @@ class Args:
     refused: --resume continues it)"""
     take_over_lock: bool = False
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    process_group_timeout_min: float = 60.0
+    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
+    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
+    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
     accept_changed_flags: bool = False
@@ -128,12 +135,21 @@ class Args:
     """the SFT policy: initial policy, reference policy, and the tokenizer"""
     reward_model_path: List[str] = field(default_factory=lambda: ["models/rm"])
     """the reward model (saved by reward.py with the Detail 15 normalisation folded in); several paths make an
-    ensemble whose scores --reward_combine joins into one"""
+    ensemble whose scores --reward_combine joins into one. None at all (the flag without a path) with --reward_fn:
+    the function alone scores, and no reward model is loaded, which saves its weights (a model of the policy's size,
+    in bf16 with --bf16) and its forward pass over every rollout and evaluation batch"""
+    reward_fn: Optional[str] = None
+    """path.py:function, a reward from code (TRL, OpenRLHF and verl take such functions): fn(queries, responses,
+    **columns) returns one float per response, given the decoded queries and responses and, by name, the prompt rows'
+    other columns (a list each, e.g. a task's answer key); each process calls it on its own rows. One more scorer beside
+    the reward models, the last: scaled and joined like them (--reward_combine, --reward_weights), then the EOS trick
+    (Detail 23) once. Its time is logged as time/reward_fn_share, part of time/scoring_share. None = no function.
+    The built-in task's rule: data/synthetic.py:key_fact_share; docs/usage.md's "Write your own reward" shows how"""
     reward_combine: Literal["mean", "sum", "min"] = "mean"
     """how the scores of several reward models become one, each after its own scaling: mean, weighted sum
     (--reward_weights) or min (the conservative ensemble of Coste et al. 2024); one reward model: its score"""
     reward_weights: Optional[List[float]] = None
-    """--reward_combine sum: one weight per reward model; None = 1 each"""
+    """--reward_combine sum: one weight per reward model, then one for --reward_fn; None = 1 each"""
     trust_remote_code: bool = False
     """passed to from_pretrained"""
 
@@ -186,6 +202,11 @@ class Args:
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. On the CPU
     the run computes in float32 unless --bf16 asks for bf16 (slow)"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
+    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
+    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
+    default: the paper trained without it"""
 
     # memory and speed (trlX / OpenRLHF)
     num_layers_unfrozen: int = -1
@@ -199,7 +220,13 @@ class Args:
     on top; needs --lora_rank. The settings are the QLoRA paper's (Dettmers et al. 2023); each 4-bit layer computes in
     the run's dtype (bf16 with --bf16, else float32), and the saved model has the adapters merged in float32"""
     offload: bool = False
-    """keep the reference and reward models on CPU between uses (GPU runs; with ZeRO-3, DeepSpeed param offload)"""
+    """keep the reference and reward models on CPU between uses (GPU runs): by hand, brought to the device once per
+    rollout and per evaluation from pinned memory; with ZeRO-3, DeepSpeed's parameter offload, from CPU partitions"""
+    gather_for_generation: bool = True
+    """under ZeRO-3, gather the policy's weights once for each rollout and evaluation (sampling and the scoring passes
+    on the unwrapped model) instead of layer by layer at every decode step (as TRL's unwrap_model_for_generation and
+    the reference reproduction do); the same samples either way. Off: for a model too large to hold whole on one
+    device. No effect without ZeRO-3"""
 
     # evaluation and logging
     eval_every: int = 20
@@ -229,47 +256,54 @@ class Rollout:
     responses: torch.Tensor  # (B, T) the responses truncated after their first EOS, [PAD] after it (Detail 23)
     logprobs: torch.Tensor  # (B, T) the policy's temperature-scaled log-probabilities of the sampled tokens
     ref_logprobs: torch.Tensor  # (B, T) the reference policy's, likewise
-    rm_scores: torch.Tensor  # (B, n) each reward model's raw score, before the EOS trick
+    rm_scores: torch.Tensor  # (B, n) each reward model's raw score (then --reward_fn's), before the EOS trick
 
 
 @torch.no_grad()
 def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config, timers,
-            offload_by_hand: bool) -> Rollout:
+            bring_frozen_to: Optional[torch.device], reward_fn, prompts, rows) -> Rollout:
     """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size: sample, score with the policy,
-    the reference and the reward models (Rollout). offload_by_hand: move the frozen models to the device around each
-    use (--offload, see place_frozen_models)."""
+    the reference and the reward models (Rollout). bring_frozen_to: the device the frozen models come to for the
+    whole rollout (--offload; None: they stay where they are; see place_frozen_models)."""
     unwrapped = accelerator.unwrap_model(model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
     context_length = queries.size(1)
     out = {f.name: [] for f in fields(Rollout)}
-    for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
-        query = queries[start : start + args.local_rollout_forward_batch_size]
-        t0 = time.time()
-        # 2. fixed-length sampling with the KV cache; EOS can be sampled but never stops generation
-        query_response = generate(unwrapped.policy, query, pad_id, generation_config)
-        t1 = time.time()
-        response = query_response[:, context_length:]  # (b, T)
-        # temperature-scaled logprobs from a full forward pass: the same computation as the update,
-        # so the first ratio is exactly 1 without dropout (Detail 7); the head only where a response token is predicted
-        actions = slice(context_length - 1, -1)
-        logits = forward(unwrapped.policy, query_response, pad_id, read=actions).logits  # (b, T, V)
-        logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
-        ref_model = ref_policy if ref_policy is not None else unwrapped.policy
-        with placed_on(ref_model, accelerator.device, offload_by_hand and ref_policy is not None):
+    # the frozen models come to the device once for the whole rollout (--offload), and under ZeRO-3 the policy's
+    # weights are gathered once for it (--gather_for_generation), not layer by layer at each decode step
+    with placed_on((ref_policy, *reward_models), bring_frozen_to), \
+            gathered_for_generation(model, args.gather_for_generation):
+        for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
+            query = queries[start : start + args.local_rollout_forward_batch_size]
+            t0 = synced_time(accelerator.device)  # (a GPU's queued work done: each phase timed alone)
+            # 2. fixed-length sampling with the KV cache; EOS can be sampled but never stops generation
+            query_response = generate(unwrapped.policy, query, pad_id, generation_config)
+            t1 = synced_time(accelerator.device)
+            response = query_response[:, context_length:]  # (b, T)
+            # temperature-scaled logprobs from a full forward pass: the same computation as the update, so the first
+            # ratio is exactly 1 without dropout (Detail 7); the head only where a response token is predicted
+            actions = slice(context_length - 1, -1)
+            logits = forward(unwrapped.policy, query_response, pad_id, read=actions).logits  # (b, T, V)
+            logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
             ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id, actions)
-        ref_logprob, _ = action_logprobs(ref_logits, response, args.temperature, pad_id)
-        del logits, ref_logits
-        # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
-        truncated = truncate_response(eos_id, pad_id, response)
-        score = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
-        timers["generation"] += t1 - t0
-        timers["scoring"] += time.time() - t1
-        out["query_responses"].append(query_response)
-        out["responses"].append(truncated)
-        out["logprobs"].append(logprob)
-        out["ref_logprobs"].append(ref_logprob)
-        out["rm_scores"].append(score)
+            ref_logprob, _ = action_logprobs(ref_logits, response, args.temperature, pad_id)
+            del logits, ref_logits
+            # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
+            truncated = truncate_response(eos_id, pad_id, response)
+            score = ensemble_scores(reward_models, query, truncated, pad_id)
+            # --reward_fn: one more column, the user's function of the texts and of the prompt rows' other columns
+            t2 = synced_time(accelerator.device)
+            prompt_rows = rows.repeat_interleave(len(queries) // len(rows))[start : start + len(query)].tolist()
+            score = function_scores(score, reward_fn, tokenizer, query, truncated, prompts, prompt_rows)  # (b, n + 1)
+            timers["reward_fn"] = timers.get("reward_fn", 0.0) + time.time() - t2
+            timers["generation"] += t1 - t0
+            timers["scoring"] += synced_time(accelerator.device) - t1
+            out["query_responses"].append(query_response)
+            out["responses"].append(truncated)
+            out["logprobs"].append(logprob)
+            out["ref_logprobs"].append(ref_logprob)
+            out["rm_scores"].append(score)
     return Rollout(**{name: torch.cat(chunks, 0) for name, chunks in out.items()})
 
 
@@ -527,12 +561,14 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
         "time/generation_share": timers["generation"] / timers["wall"],
         "time/scoring_share": timers["scoring"] / timers["wall"],
         "time/training_share": timers["training"] / timers["wall"],
+        "time/update_s": timers["wall"],  # the update's wall time: rollout, scoring and training
+        **({"time/reward_fn_share": timers["reward_fn"] / timers["wall"]} if args.reward_fn else {}),  # of scoring
     }
 
 
 @torch.no_grad()
 def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenizer, generation_config,
-                 offload_by_hand: bool):
+                 bring_frozen_to: Optional[torch.device], reward_fn):
     """The evaluation's samples: sample the first num_eval_samples validation queries (split evenly across ranks so
     that every rank runs the same number of generate calls), score them and return the rows of the sample table."""
     unwrapped = accelerator.unwrap_model(model)
@@ -541,8 +577,10 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
     start_row = accelerator.process_index * per_rank
     rows = []
     # evaluation samples from its own random stream, the same at every evaluation (evaluation_rng): how often
-    # and how much a run evaluates never changes what it trains
-    with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003):
+    # and how much a run evaluates never changes what it trains. The reward models come to the device once for the
+    # whole evaluation (--offload), and the policy's ZeRO-3 weights are gathered once for it (--gather_for_generation)
+    with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003), \
+            placed_on(reward_models, bring_frozen_to), gathered_for_generation(model, args.gather_for_generation):
         for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
             batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
             query = torch.tensor(batch["query_token"], device=accelerator.device)
@@ -550,7 +588,8 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
             context_length = query.size(1)
             query_response = generate(unwrapped.policy, query, pad_id, generation_config)
             truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
-            scores = ensemble_scores(reward_models, query, truncated, pad_id, accelerator.device, offload_by_hand)
+            scores = ensemble_scores(reward_models, query, truncated, pad_id)
+            scores = function_scores(scores, reward_fn, tokenizer, query, truncated, eval_dataset, range(start, start + len(query)))
             score = combine_scores(scores, args.reward_combine, args.reward_weights)  # raw: no EOS trick, no scaling
             _, last_index = response_mask(truncated, pad_id)
             has_eos = (truncated == eos_id).any(1)
@@ -617,7 +656,8 @@ def next_state(state: dict, start_time: float, timers: dict, metrics: dict, samp
 def main(args: Args) -> dict:
     start_time = time.time()
     bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    start_processes()  # first: the batch arithmetic below depends on the number of processes
+    # first: the batch arithmetic below depends on the number of processes
+    start_processes(args.process_group_timeout_min)
     accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
     hp = args.rloo  # the algorithm's knobs, --rloo.*
     num_processes, device = accelerator.num_processes, accelerator.device
@@ -625,7 +665,7 @@ def main(args: Args) -> dict:
     accelerator.gradient_accumulation_steps = gradient_accumulation_steps
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3
-    check_flags(args, accelerator, hp.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
+    reward_fn = check_flags(args, accelerator, hp.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
     if args.rloo_k < 2 or local_batch_size % args.rloo_k:  # each process holds whole groups of rloo_k responses
         raise RunError(f"--rloo_k {args.rloo_k} must be at least 2 and divide the local batch {local_batch_size}")
     run = Run(args, accelerator)  # run name and folder (run_infra.py)
@@ -647,7 +687,7 @@ def main(args: Args) -> dict:
                               weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, adamw)
     # the frozen models need no optimizer state (Detail 8); --offload decides where they live between uses
-    reward_models, ref_policy, offload_by_hand = place_frozen_models(args, accelerator, reward_models, ref_policy, zero3)
+    reward_models, ref_policy, bring_frozen_to = place_frozen_models(args, accelerator, reward_models, ref_policy, zero3)
 
     # ---------------- data ----------------
     train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=hp.ptx_coef > 0)
@@ -659,11 +699,11 @@ def main(args: Args) -> dict:
     generation_config = sampling_config(args, tokenizer, args.temperature)
     eval_generation_config = sampling_config(args, tokenizer, args.eval_temperature)
     eval_rows = functools.partial(eval_samples, args, accelerator, model, reward_models, eval_dataset, tokenizer,
-                                  eval_generation_config, offload_by_hand)
+                                  eval_generation_config, bring_frozen_to, reward_fn)
 
     # ---------------- stateful pieces and resume ----------------
     kl_controller = AdaptiveKLController(hp.kl_coef, hp.target_kl, hp.kl_horizon, hp.adaptive_kl)
-    reward_moments = [RunningMoments() for _ in args.reward_model_path]  # one per reward model
+    reward_moments = [RunningMoments() for _ in range(len(args.reward_model_path) + (reward_fn is not None))]  # scorers
     # saved and restored with the models, the optimizer and the RNG states. The data position and the learning
     # rate need no entry: both are functions of the update number (see the loop)
     accelerator.register_for_checkpointing(kl_controller, *reward_moments)
@@ -677,7 +717,7 @@ def main(args: Args) -> dict:
                     disable=not accelerator.is_local_main_process)
     for update in progress:
         with last_good.kept(update, state):  # a non-finite rollout leaves the state after update - 1 as a checkpoint
-            update_start, timers = time.time(), {"generation": 0.0, "scoring": 0.0}
+            update_start, timers = synced_time(device), {"generation": 0.0, "scoring": 0.0}
             # linear decay to 0 over the run (Table 7)
             lr = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
             optimizer.param_groups[0]["lr"] = lr  # the one group: the policy's
@@ -689,23 +729,23 @@ def main(args: Args) -> dict:
             queries = query_tokens[rows].repeat_interleave(args.rloo_k, 0).to(device)  # 1. Detail 21
             with accelerator.autocast():
                 data = rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config,
-                               timers, offload_by_hand)
+                               timers, bring_frozen_to, reward_fn, train_dataset, rows)
 
             # ---------------- steps 5-7: EOS trick, sequence reward, leave-one-out advantage ----------------
-            t_shaping = time.time()
+            t_shaping = synced_time(device)
             scored = rewards_and_advantages(args, hp, data, eos_id, pad_id, kl_controller.value, reward_moments,
                                             accelerator.gather)
             # non-finite guard on the rollout, before any optimizer step uses it. The raw RM scores are checked
             # themselves: the EOS trick would hide a NaN score of a response without EOS.
             run.guard(update, **{"rollout/rm_scores": data.rm_scores, "rollout/rewards": scored.rewards,
                                  "rollout/advantages": scored.advantages})
-            timers["scoring"] += time.time() - t_shaping
+            timers["scoring"] += synced_time(device) - t_shaping
 
             # ---------------- the update: K epochs x minibatches x micro batches ----------------
-            t_train = time.time()
+            t_train = synced_time(device)
             stats = rloo_update(args, hp, accelerator, model, optimizer, data, scored, update, run.guard, ptx, pad_id)
-            timers["training"] = time.time() - t_train
-            timers["wall"] = time.time() - update_start
+            timers["training"] = synced_time(device) - t_train
+            timers["wall"] = synced_time(device) - update_start
 
             # ---------------- logging: whole-update averages gathered across ranks ----------------
             metrics = update_metrics(args, accelerator, update, lr, kl_controller.value, data, scored, stats, timers,
@@ -855,22 +895,22 @@ def batch_arithmetic(args, hp, num_processes: int):
 
 
 def check_flags(args, accelerator, num_mini_batches: int, gradient_accumulation_steps: int, num_updates: int,
-                zero3: bool) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded."""
+                zero3: bool):
+    """Flag combinations that cannot work, refused before anything is loaded. Returns the --reward_fn function (None
+    without the flag), loaded here: a missing file or function name stops the run before any model loads."""
     check_gradient_accumulation(args, gradient_accumulation_steps, accelerator.num_processes, num_mini_batches)
     check_qlora_flags(args, accelerator)
     if num_updates < 1:
         raise RunError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
-    if args.reward_weights is not None and (args.reward_combine != "sum"
-                                            or len(args.reward_weights) != len(args.reward_model_path)):
-        raise RunError(f"--reward_weights needs --reward_combine sum and one weight per --reward_model_path "
-                         f"({len(args.reward_model_path)}), got {args.reward_weights} with {args.reward_combine}")
+    # the scorers, each reward model and then the --reward_fn function: at least one, --reward_weights one each
+    reward_fn = reward_fn_of(args)  # (user_reward.py)
     if args.lora_rank > 0 and args.num_layers_unfrozen >= 0:
         raise RunError("choose one of --lora_rank and --num_layers_unfrozen (each builds its own reference)")
     if args.offload and args.num_layers_unfrozen >= 0:
         raise RunError("--offload cannot move a Hydra reference: it shares its trunk with the policy")
     if zero3 and args.num_layers_unfrozen >= 0:
         raise RunError("Hydra shares modules between policy and reference, which ZeRO-3 cannot partition")
+    return reward_fn
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
@@ -902,11 +942,13 @@ def load_models(args, tokenizer, bf16: bool):
     # float32 master weights whatever the checkpoint's dtype (Pythia's hub weights are float16); bf16 is autocast
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, trust_remote_code=remote,
                                                   **quantized_loading(args, bf16))  # QLoRA: a 4-bit base
-    reward_models = [AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=frozen_dtype, trust_remote_code=remote) for path in args.reward_model_path]
     ref_policy = None  # with LoRA: the policy with its adapters disabled
-    if args.lora_rank <= 0 and args.num_layers_unfrozen < 0:  # a frozen copy of the SFT model
-        ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=frozen_dtype, trust_remote_code=remote)
+    with zero3_offloaded_init(args.offload):  # --offload under ZeRO-3: their partitions in CPU memory
+        reward_models = [AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=frozen_dtype, trust_remote_code=remote) for path in args.reward_model_path]
+        if args.lora_rank <= 0 and args.num_layers_unfrozen < 0:  # a frozen copy of the SFT model
+            ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=frozen_dtype,
+                                                              trust_remote_code=remote)
     loaded = zip((policy, *reward_models, ref_policy), (args.sft_model_path, *args.reward_model_path, args.sft_model_path))
     for model, path in ((m, p) for m, p in loaded if m is not None):
         checked_for_training(model, path, tokenizer, args.disable_dropout or model is ref_policy)
@@ -916,7 +958,7 @@ def load_models(args, tokenizer, bf16: bool):
         policy = lora_policy(policy, args)
     elif args.num_layers_unfrozen >= 0:
         ref_policy = build_hydra_reference(policy, args.num_layers_unfrozen)
-    return policy, reward_models, ref_policy
+    return checkpointed(policy, args.gradient_checkpointing), reward_models, ref_policy
 
 
 def checked_for_training(model: nn.Module, path: str, tokenizer, no_dropout: bool) -> nn.Module:
@@ -963,22 +1005,29 @@ def build_hydra_reference(policy: nn.Module, num_layers_unfrozen: int) -> nn.Mod
 
 
 @contextlib.contextmanager
-def placed_on(model: nn.Module, device: torch.device, offload: bool):
-    """--offload: keep a frozen model on CPU and bring it to the accelerator only while it is used."""
-    if offload:
-        model.to(device)
+def placed_on(models, device: Optional[torch.device]):
+    """--offload without ZeRO-3: the frozen models (None entries skipped) wait in CPU memory between phases and come
+    to `device` once for a whole phase (a rollout, an evaluation), not around each chunk; device None (no --offload,
+    no accelerator, or ZeRO-3, whose engine offloads by itself) leaves them where they are. The weights are copied to
+    the device without blocking, from CPU memory pinned (page-locked) at the first move, which a GPU copies from
+    asynchronously. Going back copies nothing: a frozen weight never changes, so each tensor is pointed at its pinned
+    CPU copy again."""
+    tensors = [t for m in models if m is not None for t in (*m.parameters(), *m.buffers())] if device else []
+    kept = [t.data.pin_memory() if device.type == "cuda" and not t.data.is_pinned() else t.data for t in tensors]
+    for tensor, cpu in zip(tensors, kept):
+        tensor.data = cpu.to(device, non_blocking=True)
     try:
-        yield model
+        yield
     finally:
-        if offload:
-            model.to("cpu")
+        for tensor, cpu in zip(tensors, kept):
+            tensor.data = cpu
 
 
 def place_frozen_models(args, accelerator, reward_models, ref_policy, zero3: bool):
     """The reward model and the reference policy: placed on the device, kept on the CPU between uses (--offload),
     or under ZeRO-3 partitioned in a DeepSpeed inference engine that offloads them itself (Detail 8). Returns
-    them and offload_by_hand: whether rollout() and eval_samples() move them to the device around each use (--offload
-    with an accelerator and without ZeRO-3)."""
+    them and the device rollout() and eval_samples() bring them to for each phase (placed_on): the accelerator with
+    --offload without ZeRO-3, else None (they stay where they are)."""
     device = accelerator.device
     reward_models = [prepare_frozen_model(accelerator, model, offload=args.offload) for model in reward_models]
     if args.num_layers_unfrozen >= 0:
@@ -987,7 +1036,22 @@ def place_frozen_models(args, accelerator, reward_models, ref_policy, zero3: boo
         ref_policy = prepare_frozen_model(accelerator, ref_policy, offload=args.offload)
     if args.offload and not zero3 and device.type == "cpu":
         accelerator.print("--offload: no accelerator present, models already live on CPU")
-    return reward_models, ref_policy, args.offload and not zero3 and device.type != "cpu"
+    return reward_models, ref_policy, device if args.offload and not zero3 and device.type != "cpu" else None
+
+
+def zero3_offloaded_init(offload: bool):
+    """--offload under ZeRO-3 (Detail 8): the frozen models are built inside DeepSpeed's ZeRO-3 Init with their
+    partitions in pinned CPU memory (offload_param cpu), where their inference engine (prepare_frozen_model) keeps
+    them, bringing each layer to the device for its forward. Without it, from_pretrained under the launch's
+    zero3_init_flag partitions them onto the device, and the engine's offload setting would never apply (DeepSpeed
+    offloads only the weights it partitions itself). from_pretrained's own Init runs inside this one, which decides
+    where the partitions live; dtype and micro batch are the launch's config. Elsewhere a no-op."""
+    if not (offload and is_deepspeed_zero3_enabled()):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    offloaded = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
+    return deepspeed.zero.Init(config_dict_or_path={**deepspeed_config(), "zero_optimization": offloaded})
 
 
 def seed_sampling(local_seed: int) -> None:
@@ -1199,13 +1263,27 @@ def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_
     return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
 
 
-def ensemble_scores(reward_models, queries, responses, pad_token_id: int, device, offload_by_hand: bool) -> torch.Tensor:
+def ensemble_scores(reward_models, queries, responses, pad_token_id: int) -> torch.Tensor:
     """Raw scores (B, n) of the responses under each of the n reward models, one column each (Detail 12)."""
-    columns = []
-    for reward_model in reward_models:
-        with placed_on(reward_model, device, offload_by_hand):
-            columns.append(get_score(reward_model, queries, responses, pad_token_id).float())
-    return torch.stack(columns, 1)
+    columns = [get_score(reward_model, queries, responses, pad_token_id).float() for reward_model in reward_models]
+    return torch.stack(columns, 1) if columns else torch.zeros((queries.size(0), 0), device=queries.device)
+
+
+def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, responses: torch.Tensor, prompts, rows):
+    """--reward_fn: the reward models' scores (B, n) and, joined as column n, the scores the user's function gives B
+    responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
+    EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
+    `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
+    user_reward.py names the row of an exception and checks the answer: one finite number per response. No function:
+    the scores as they are."""
+    if reward_fn is None:
+        return scores
+    texts, answers = ([s.strip() for s in tokenizer.batch_decode(x, skip_special_tokens=True)] for x in (queries, responses))
+    columns = prompts.select_columns([c for c in prompts.column_names if "_token" not in c]).with_format(None)[rows]
+    # an exception, or an answer that is not one finite number per response: one paragraph naming the row
+    with reward_fn_errors(reward_fn, texts, answers, columns):
+        values = check_rewards(reward_fn, reward_fn(texts, answers, **columns), texts, answers, columns)
+    return torch.cat((scores, scores.new_tensor(values).unsqueeze(1)), 1)  # float32, as the RMs' scores
 
 
 def combine_scores(scores: torch.Tensor, rule: str, weights: Optional[List[float]]) -> torch.Tensor:

@@ -9,7 +9,10 @@ losses, metrics, how models are built and saved); this module keeps what only se
   input checks      check_columns, check_data_tokenizer (tokenizer_fingerprint, tokenizer_difference,
                     written_by_prepare), check_query_response, check_finite, check_reward_tokenizer,
                     check_gradient_accumulation, check_qlora_flags
-  processes         start_processes
+  memory            checkpointed: --gradient_checkpointing on a model that trains; gathered_for_generation: the
+                    policy's ZeRO-3 partitions gathered once for a whole rollout or evaluation
+  processes         start_processes (with the process group's timeout); synced_time: a phase's end, the GPU's
+                    queued work done
   flags             FREE_FLAGS (those a --resume may change), flag_values; evaluation_rng: evaluation's own random
                     stream, so that evaluating never changes what a run trains
   the run folder    Run: name, lock (claim_lock), --output_dir claim, the inputs' content hashes (content_digest,
@@ -30,6 +33,7 @@ checkpoint of that update holds. It imports no training script.
 
 import atexit
 import contextlib
+import datetime
 import glob
 import hashlib
 import json
@@ -70,8 +74,12 @@ FREE_FLAGS = frozenset({
     "eval_every", "num_eval_samples", "local_eval_batch_size", "eval_split", "eval_splits", "eval_temperature",
     "eval_test_split", "eval_betas", "dt_eval_percentiles", "dt_eval_targets", "num_table_samples",
     "num_logit_plot_samples", "num_calibration_bins", "print_sample_every", "log_every", "save_policy_every",
-    # where frozen models wait between uses (the same numbers either way)
-    "offload",
+    # where frozen models wait between uses, whether generation gathers the policy's ZeRO-3 partitions once
+    # (gathered_for_generation), and whether the backward pass reruns each layer instead of keeping its activations
+    # (checkpointed): the same numbers either way
+    "offload", "gather_for_generation", "gradient_checkpointing",
+    # how long a collective waits for the other processes before the run fails (a wait, not a number)
+    "process_group_timeout_min",
     # the process layout: the checkpoint's process count and DeepSpeed stage are checked on their own
     # (Run.intact_checkpoint), and the accumulation steps follow from them and the batch-size flags
     "world_size", "gradient_accumulation_steps",
@@ -242,14 +250,18 @@ def check_query_response(dataset, pad_token_id: int, where: str) -> None:
 
 def check_finite(model, path: str) -> None:
     """Bad input: a loaded model whose weights hold NaN or inf (a diverged run's save), named with its first such
-    tensor."""
+    tensor. Under ZeRO-3 a loaded weight is partitioned: each process holds a shard of it (ds_tensor) and the weight
+    itself is empty, so each one is gathered whole for its check, one at a time, on every process (all of them call
+    this, as they all load the model)."""
     files = glob.glob(os.path.join(path, "*.safetensors")) if os.path.isdir(path) else []
     for name, weight in model.named_parameters():
-        if weight.is_floating_point() and not torch.isfinite(weight).all():
-            raise NonFiniteError(
-                f"{files[0] if len(files) == 1 else path} holds non-finite weights: {name} has "
-                f"{int((~torch.isfinite(weight)).sum())} NaN or inf values of {weight.numel()}; load a model whose "
-                "weights are finite (e.g. a checkpoint from before its run diverged)")
+        with (sys.modules["deepspeed"].zero.GatheredParameters([weight]) if hasattr(weight, "ds_id")
+              else contextlib.nullcontext()):  # (a weight ZeRO-3 partitioned: deepspeed is loaded)
+            if weight.is_floating_point() and not torch.isfinite(weight).all():
+                raise NonFiniteError(
+                    f"{files[0] if len(files) == 1 else path} holds non-finite weights: {name} has "
+                    f"{int((~torch.isfinite(weight)).sum())} NaN or inf values of {weight.numel()}; load a model whose "
+                    "weights are finite (e.g. a checkpoint from before its run diverged)")
 
 
 def check_reward_tokenizer(tokenizer, sft_model_path: str, reward_model_path: str, trust_remote_code: bool) -> None:
@@ -303,18 +315,57 @@ def check_qlora_flags(args, accelerator) -> None:
                           "computes with it: pip install bitsandbytes") from error
 
 
+def checkpointed(model, on: bool):
+    """--gradient_checkpointing on a model that trains: transformers' activation checkpointing, non-reentrant
+    (torch.utils.checkpoint with use_reentrant=False). The forward pass keeps only each decoder layer's input; the
+    backward pass runs the layer again to get its activations, one more forward pass for the activation memory of all
+    layers but one. The rerun repeats the same operations on the same inputs (dropout is off, Detail 7; with it on,
+    torch restores the RNG state for the rerun), so the loss and gradients are those of a run without it. It applies
+    only to a forward pass in training mode with gradients on: rollouts, references and evaluations are not rerun.
+    transformers 5 names the method activation_checkpointing_enable (gradient_checkpointing_enable is its deprecated
+    alias, the only name before 5); a peft (LoRA) model passes the call on to its transformers model. transformers 5
+    also hooks the input embeddings so that their output requires grad, which reentrant checkpointing needs under
+    frozen embeddings (LoRA); the non-reentrant kind passes gradients to the adapters without it."""
+    if on:  # the method's name in transformers 5, else the name before 5 (in 5 a deprecated alias of it)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
+    return model
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Processes, locks, the run folder, checkpoints and resume, the non-finite guard and its fallback
 # ----------------------------------------------------------------------------------------------------------------------
-def start_processes() -> PartialState:
+def start_processes(timeout_min: float = 60.0) -> PartialState:
     """Join the run's process group before anything reads the process count, and leave it at exit. accelerate picks a
     backend by itself only for GPUs; on the CPU we name gloo (`torchrun` ranks, or DeepSpeed with DS_ACCELERATOR=cpu):
-    it ships with torch and needs no other library."""
+    it ships with torch and needs no other library. `timeout_min` (--process_group_timeout_min): how long a collective
+    waits for the other processes before it fails; accelerate hands it to torch.distributed.init_process_group, or
+    under DeepSpeed to deepspeed.init_distributed, which hands it on to torch (their own default: 10 minutes)."""
     atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
+    timeout = datetime.timedelta(minutes=timeout_min)
     if torch.cuda.is_available():
-        return PartialState()
+        return PartialState(timeout=timeout)
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    return PartialState(backend="gloo") if deepspeed else PartialState(cpu=True)
+    return PartialState(backend="gloo", timeout=timeout) if deepspeed else PartialState(cpu=True, timeout=timeout)
+
+
+def synced_time(device: torch.device) -> float:
+    """time.time() once the work queued on `device` is done (torch.cuda.synchronize on a GPU, where kernels run after
+    the Python call returns; nothing to wait for on the CPU), so that a logged phase time is that phase's own."""
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    return time.time()
+
+
+def gathered_for_generation(model, on: bool):
+    """--gather_for_generation: under ZeRO-3 each process holds a shard of every weight of `model` (the prepared
+    engine), and a forward pass outside the engine (generate, and the rollout's scoring passes on the unwrapped model)
+    all-gathers every layer on its way, at every decode step. In this context the whole model is gathered once on
+    every process, the engine's per-layer fetch-and-release hooks are off, and on exit both are as before: DeepSpeed's
+    own unwrap_model_for_generation (the idea of TRL's function of that name). The weights are the same, so are the
+    sampled tokens and every log-probability; it needs the whole model's memory on each device (turn it off for a
+    model too large for that). A no-op without ZeRO-3 (no engine, or another stage: the weights are whole)."""
+    zero3 = on and getattr(model, "zero_optimization_stage", lambda: 0)() == 3  # (a DeepSpeed engine of ZeRO-3)
+    # (deepspeed is loaded wherever a DeepSpeed engine exists)
+    return sys.modules["deepspeed"].zero.unwrap_model_for_generation(model) if zero3 else contextlib.nullcontext()
 
 
 def claim_lock(path: str, take_over: bool = False, other: str = "--run_name") -> None:

@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
     check_qlora_flags, check_query_response, due, evaluation_rng, frame_markdown, save_pretrained_model,
-    start_processes, upload_to_hub,
+    checkpointed, gathered_for_generation, start_processes, synced_time, upload_to_hub,
 )
 
 
@@ -91,6 +91,10 @@ class Args:
     refused: --resume continues it)"""
     take_over_lock: bool = False
     """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    process_group_timeout_min: float = 60.0
+    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
+    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
+    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
     accept_changed_inputs: bool = False
     """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
     accept_changed_flags: bool = False
@@ -146,6 +150,15 @@ class Args:
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow there)"""
+    gather_for_generation: bool = True
+    """under ZeRO-3, gather the policy's weights once for each generate call of the evaluation's samples instead of
+    layer by layer at every decode step (as TRL's unwrap_model_for_generation does); the same samples either way.
+    Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
+    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
+    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
+    default: the paper trained without it"""
 
     # ---- memory: LoRA and QLoRA ----
     lora_rank: int = 0
@@ -250,10 +263,12 @@ def sft_update(args, accelerator, run, model, optimizer, scheduler, dataset, bat
     lr = scheduler.get_last_lr()[0]  # the rate this update used
     scheduler.step()
     stats = accelerator.reduce(stats, reduction="sum")
-    train_time = state["train_time"] + (time.time() - update_start)
+    update_s = synced_time(accelerator.device) - update_start  # (a GPU's queued work done)
+    train_time = state["train_time"] + update_s
     train_tokens = state["train_tokens"] + int(stats[2])
     last_loss = (stats[0] / stats[1]).item()  # mean over every micro-batch of the update, all processes
-    metrics = {"train/loss": last_loss, "train/lr": lr, "train/tokens_per_s": train_tokens / train_time}
+    metrics = {"train/loss": last_loss, "train/lr": lr, "train/tokens_per_s": train_tokens / train_time,
+               "time/update_s": update_s}
     return {"train_tokens": train_tokens, "train_time": train_time, "last_loss": last_loss}, metrics
 
 
@@ -289,7 +304,8 @@ def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset
             queries = batch["query_token"].to(accelerator.device)  # (B, Tq), left-padded
             queries = queries[:, real_columns(queries, pad_token_id)]  # the left padding every row shares is cut
             context_length = queries.size(1)
-            query_sampled = generate(unwrapped, queries, pad_token_id, generation_config)
+            with gathered_for_generation(model, args.gather_for_generation):  # ZeRO-3: the weights gathered once
+                query_sampled = generate(unwrapped, queries, pad_token_id, generation_config)
             responses = query_sampled[:, context_length:]  # (B, response_length)
             postprocessed = truncate_response(eos_token_id, pad_token_id, responses)
             has_eos = (responses == eos_token_id).any(dim=1)  # (B,)
@@ -348,7 +364,8 @@ def evaluate_and_log_sft(run, args, accelerator, model, tokenizer, eval_datasets
 def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic and precision ----------------
-    args.world_size = start_processes().num_processes  # first: the accumulation steps depend on the process count
+    # first: the accumulation steps depend on the process count
+    args.world_size = start_processes(args.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
                              "total_batch_size / (local_micro_batch_size * world_size)")
     check_gradient_accumulation(args, accumulation, args.world_size)
@@ -520,7 +537,7 @@ def load_sft_model(args, tokenizer) -> torch.nn.Module:
         disable_dropout(model)
     if args.lora_rank > 0:
         model = lora_policy(model, args)
-    return model
+    return checkpointed(model, args.gradient_checkpointing)
 
 
 def count_updates(args, num_rows: int) -> int:

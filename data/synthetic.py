@@ -164,6 +164,19 @@ def gold_prefer(post: str, summary_a: str, summary_b: str) -> str:
     return "A" if ka <= kb else "B"
 
 
+def key_fact_share(queries: list[str], responses: list[str], **columns) -> list[float]:
+    """A verifiable reward from code, for --reward_fn data/synthetic.py:key_fact_share (ppo.py, rloo.py, grpo.py,
+    online_dpo.py): the share of the post's key facts that the summary states, the rule a user would write first. The
+    facts are read from the query's post, as the gold judge reads them; the prompt rows' other columns are not needed.
+    It is not the gold judge, which also takes off for invented and repeated facts, filler words, a summary that is not
+    one sentence ending with a period, and length: a policy trained on this rule alone is free to pile those up."""
+    shares = []
+    for query, response in zip(queries, responses):
+        facts = set(extract_facts(_post_part(query)))
+        shares.append(len(facts & set(extract_facts(response))) / len(facts) if facts else 0.0)
+    return shares
+
+
 # --------------------------------------------------------------------------------------------
 # 3. Posts, reference summaries and the "policies" that wrote the compared summaries.
 # --------------------------------------------------------------------------------------------

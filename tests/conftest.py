@@ -263,19 +263,20 @@ def prepare_small_task(out_dir: str, *extra: str) -> dict:
     }
 
 
-# The longest work starts first, so that the two xdist workers end together: pytest-xdist hands out tests (and
-# whole xdist_group groups, each kept on one worker) in collection order, and a pipeline of several minutes handed
-# out last would leave the other worker idle. First the end-to-end pipeline runs, then the grouped tests, then the
-# rest, each part in its collection order (a sort by a key is stable).
-LONG_FIRST = ("test_pipeline.py::test_pipeline_ci_mode", "test_ablate.py::test_ablate_ci")
-
-
-def pytest_collection_modifyitems(config, items):
-    def part(item):
-        if any(name in item.nodeid for name in LONG_FIRST):
-            return 0
-        return 1 if item.get_closest_marker("xdist_group") else 2
-    items.sort(key=part)
+@pytest.fixture(scope="session")
+def ci_pipeline(tmp_path_factory) -> tuple:
+    """`pipeline.py --mode ci` once a session, with a fork outside the project named by --extra: its folder and its
+    command. test_pipeline checks its artefacts and reruns it; test_ablate takes its prep, SFT and RM as the ablations'
+    upstream (the pipeline's own layout, which ablate.py would otherwise make with the same stages). The tests that use
+    it are one xdist_group("ci_pipeline"), so that one worker runs it once."""
+    root = tmp_path_factory.mktemp("ci_pipeline")
+    out, fork = root / "qs", root / "forks" / "my_rloo.py"  # a fork kept outside the project still imports run_infra
+    fork.parent.mkdir()
+    fork.write_text(open(os.path.join(REPO_ROOT, "rloo.py")).read())
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "pipeline.py"), "--mode", "ci", "--out", str(out), "--extra",
+           f"{fork}:rloo"]
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT, timeout=1200)
+    return out, cmd
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ accelerator.prepare, and the seed of the process's global torch RNG after main()
         tests/mp_probe.py sft OUT_DIR -- ...
 
 Writes OUT_DIR/rank{R}.pt = {"weights": {name: tensor}, "initial_seed": int, "world_size": int, "engines": [class
-name of each prepared module], "zero_stage": DeepSpeed's ZeRO stage or None}. Under ZeRO-3 only rank 0 holds weights.
+name of each prepared module], "checkpointing": [its modules marked for activation checkpointing], "zero_stage":
+DeepSpeed's ZeRO stage or None}. Under ZeRO-3 only rank 0 holds weights.
 The script runs unchanged: the probe only wraps Accelerator.prepare to keep a handle on its modules."""
 
 import importlib.util
@@ -43,9 +44,11 @@ def recording_prepare(self, *objects, **kwargs):
 Accelerator.prepare = recording_prepare
 module.main(tyro.cli(module.Args, args=argv))
 
-weights, engines = {}, []
+weights, engines, checkpointing = {}, [], []
 for i, (accelerator, obj) in enumerate(prepared):
     engines.append(type(obj).__name__)  # DeepSpeedEngine under DeepSpeed, DistributedDataParallel under torchrun
+    # modules that rerun in the backward pass (--gradient_checkpointing: transformers marks each decoder layer)
+    checkpointing.append(sum(getattr(module, "gradient_checkpointing", False) is True for module in obj.modules()))
     # get_state_dict gathers ZeRO-3's partitions (every rank takes part; only rank 0 receives them)
     state_dict = accelerator.get_state_dict(obj)
     for name, tensor in (state_dict or {}).items():
@@ -54,7 +57,7 @@ plugin = prepared[0][0].state.deepspeed_plugin if prepared else None
 rank = int(os.environ.get("RANK", "0"))
 os.makedirs(out_dir, exist_ok=True)
 torch.save({"weights": weights, "initial_seed": torch.initial_seed(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-            "engines": engines, "zero_stage": plugin.zero_stage if plugin is not None else None},
+            "engines": engines, "checkpointing": checkpointing, "zero_stage": plugin.zero_stage if plugin is not None else None},
            os.path.join(out_dir, f"rank{rank}.pt"))
 # leave together, once every rank's record is written, and without the interpreter's teardown: under ZeRO-3 a rank
 # sometimes aborted there ("terminate called without an active exception", exit -6) after all its work was done,

@@ -19,13 +19,17 @@ import ablate  # noqa: E402
 
 
 @pytest.mark.slow  # the end-to-end runs: in the full suite, out of the quick `-m "not slow"` check
-def test_ablate_ci_rows_2_and_7_write_table_csv_and_plots(tmp_path):
-    up, out = tmp_path / "upstream", tmp_path / "ablations"
+@pytest.mark.xdist_group("ci_pipeline")  # the worker that runs the session's ci pipeline (conftest), run once
+def test_ablate_ci_rows_2_and_7_write_table_csv_and_plots(ci_pipeline, tmp_path):
+    """The upstream is the session's `pipeline.py --mode ci` folder (conftest), which holds the prep, SFT and RM that
+    ablate.py would make with those very stages (test_a_missing_upstream_is_made_by_the_pipelines_first_stages)."""
+    up, out = ci_pipeline[0], tmp_path / "ablations"
     cmd = [sys.executable, os.path.join(REPO_ROOT, "ablate.py"), "--mode", "ci", "--rows", "2", "7", "--seeds", "1",
            "--upstream", str(up), "--out", str(out), "--jobs", "2", "--threads", "1"]
     first = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
-    assert "running the pipeline's prep, SFT and RM stages" in first.stdout  # the missing upstream was made
+    assert "is incomplete" not in first.stdout and "to run: the upstream" not in first.stdout  # taken as it is
+    assert f"--sft_model_path {up / 'models' / 'sft'}" in first.stdout  # the baseline PPO starts from its SFT
     # a progress line per run: prep, 2 SFT, 2 probes, 2 PPO; two at a time, and the toggled SFT after its data
     assert first.stdout.count("--- [") == 7, first.stdout[-3000:]
     assert first.stdout.index("] prep_token_truncation: done") < first.stdout.index("=== [sft_token_truncation_s1]")
@@ -62,6 +66,24 @@ def test_ablate_ci_rows_2_and_7_write_table_csv_and_plots(tmp_path):
     again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "7 runs, 7 done already" in again.stdout and "--- [" not in again.stdout
+
+
+def test_a_missing_upstream_is_made_by_the_pipelines_first_stages(tmp_path):
+    """An upstream folder without the prep, SFT and RM stages is made first by the pipeline in the ablation's mode,
+    every other stage skipped (the ci run above takes a complete upstream, so this is where the branch is checked)."""
+    up = tmp_path / "upstream"
+    ab = ablate.Ablation(ablate.Args(mode="ci", upstream=str(up), out=str(tmp_path / "out"), rows=[2], dry_run=True))
+    assert not ab.upstream_ready()
+    cmd = ab.pipeline_cmd()
+    assert cmd[1:6] == [os.path.join(REPO_ROOT, "pipeline.py"), "--mode", "ci", "--out", str(up)]
+    import pipeline
+
+    assert cmd[6] == "--skip" and set(cmd[7:]) == set(pipeline.FULL_STAGES) - {"prep", "sft", "rm"}
+    for stage in ("prep", "sft", "rm"):  # ready once the three stages are marked done, not before
+        assert not ab.upstream_ready()
+        os.makedirs(up / "stages", exist_ok=True)
+        (up / "stages" / f"{stage}.json").write_text("{}")
+    assert ab.upstream_ready()
 
 
 def test_reused_base_model_prep_reproduces_the_upstream_data(synthetic_task, tmp_path):

@@ -344,6 +344,9 @@ def test_end_to_end_ours_at_the_tiny_shape(tmp_path):
         assert summary["rate_ours"] > 0, walls  # NaN: the run at N2 was not slower
         assert summary["rss_ours"] > 50 and "ratio" not in summary
     assert [s["trainer"] for s in report["summaries"]] == ["sft", "dpo"]
+    # per step (issue 51): every update's time/update_s read back, dpo.py's too (--log_every 1)
+    assert all(summary["step_ours"] > 0 for summary in report["summaries"])
+    assert [len(r["step_s"]) for r in report["runs"]] == [1, 4800 // 8, 1, 4800 // 8]  # batch 8: one per update
     table = (out / "bench.md").read_text()
     assert "Shape: tiny, GPT-NeoX with random weights" in table and "query 24 + response 8 tokens" in table
     assert "| sft.py | fp32 | 8 -> 4800 |" in table and "| dpo.py | fp32 | 8 -> 4800 |" in table
@@ -371,3 +374,42 @@ def test_end_to_end_sft(synthetic_task, tmp_path):
     assert "sft.py vs TRL 1.16.0 SFTTrainer" in (out / "bench.md").read_text()
     trl_log = open(report["runs"][3]["log"]).read()
     assert '"trl_trainer": "SFTTrainer", "rows": 32, "bf16": false' in trl_log
+
+
+def test_per_step_medians_beside_the_rates(tmp_path):
+    """Each run's step times (ours: time/update_s of its metrics.jsonl, in step order; TRL: the callback's file): the
+    summary's per-step time of a side is the median over its runs' steps but each run's first, and ours / TRL per
+    step is TRL's step time over ours; the table gives them under the rates."""
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": 2, "time/update_s": 0.5}, {"step": 1, "time/update_s": 9.0}, {"step": 2, "eval/score": 1.0}]
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert bench_trl.step_times("ours", str(tmp_path / "x.log"), str(metrics)) == [9.0, 0.5]
+    (tmp_path / "x.log.steps.json").write_text("[7.0, 2.0, 3.0]")
+    assert bench_trl.step_times("trl", str(tmp_path / "x.log"), str(metrics)) == [7.0, 2.0, 3.0]
+    assert bench_trl.step_times("before", str(tmp_path / "x.log"), str(tmp_path / "none.jsonl")) is None
+    # ours: steps 1.0 and 2.0 after a slow first one (left out); TRL: 3.0 and 4.0, then 5.0 in the second run
+    runs = [dict(run("reward", "ours", 0, 16, 10.0), step_s=[8.0, 1.0]),
+            dict(run("reward", "ours", 0, 48, 12.0), step_s=[8.0, 2.0, 1.0]),
+            dict(run("reward", "trl", 0, 16, 20.0), step_s=[9.0, 3.0]),
+            dict(run("reward", "trl", 0, 48, 30.0), step_s=[9.0, 4.0, 5.0])]
+    s = bench_trl.summarize(runs, "reward", "fp32")
+    assert s["step_ours"] == pytest.approx(1.0) and s["step_trl"] == pytest.approx(4.0)
+    assert s["step_ratio_trl"] == pytest.approx(4.0)
+    assert s["ratio"] == pytest.approx((32 / 2) / (32 / 10))  # the two-run difference, as before
+    text = bench_trl.table([s], ["CPU: test"], {"reward": "1.16.0"})
+    assert "| reward.py | fp32 | 1.000 | 4.000 | **4.00** |" in text
+    assert "| trainer | precision | ours s/step | TRL s/step | ours/TRL per step |" in text
+    # runs without step times (a copy of the project from before time/update_s): no per-step table
+    plain = bench_trl.summarize([dict(r, step_s=None) for r in runs], "reward", "fp32")
+    assert plain["step_ours"] is None and "step_ratio_trl" not in plain
+    assert "s/step" not in bench_trl.table([plain], ["CPU: test"], {"reward": "1.16.0"})
+
+
+def test_the_trl_side_times_each_step_between_the_ends_of_two_steps(monkeypatch):
+    """The TrainerCallback of TRL's side: training begins at t = 1, steps end at 3 and 6 -> steps of 2 and 3 s."""
+    callback = bench_trl.StepTimes()
+    monkeypatch.setattr(callback, "now", iter([1.0, 3.0, 6.0]).__next__)  # the clock, read after a GPU's sync
+    callback.on_train_begin(None, None, None)
+    callback.on_step_end(None, None, None)
+    callback.on_step_end(None, None, None)
+    assert callback.seconds() == [2.0, 3.0]

@@ -257,6 +257,7 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in train] == [1, 2]
+    assert all(0 < m["time/update_s"] < summary["wall_time_s"] for m in train)  # each update's (issue 51)
     # the policy starts as the reference: the first update's rewards are exactly zero and its loss log 2
     assert train[0]["train/rewards/chosen"] == pytest.approx(0.0, abs=1e-3)
     assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-3)

@@ -204,6 +204,7 @@ def test_smoke_with_options(synthetic_task, tiny_models, tmp_path):
         assert key in summary
     train = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if "grpo/val/ratio" in line]
     assert len(train) == 2
+    assert all(0 < m["time/update_s"] < summary["wall_time_s"] for m in train)  # each update's (issue 51)
     # the budget it claims (--total_episodes 16: sampled responses) is what it sampled: 2 prompts x 4 an update
     assert [m["budget/responses_sampled"] for m in train] == [8, 16] and summary["budget/responses_sampled"] == 16
     assert summary["budget/prompts"] == 4 and summary["budget/updates"] == 2
@@ -219,9 +220,12 @@ def test_smoke_with_options(synthetic_task, tiny_models, tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_models, tmp_path):
-    """5 updates, a checkpoint every 2; killed during update 3 and resumed, the run ends like one never interrupted."""
+    """5 updates, a checkpoint every 2; killed during update 3 and resumed, the run ends like one never interrupted.
+    With DAPO's dynamic sampling the data position is the prompt batches drawn so far, which the resumed run takes from
+    the checkpoint's budget (GSPO's ratio and DAPO's overlong shaping on too)."""
     extra = ["--checkpoint_every", "2", "--grpo.adaptive_kl", "--grpo.ptx_coef", "0.1", "--grpo.scale_rewards",
-             "--grpo.loss_normalizer", "batch_token_mean", "--eval_every", "3"]
+             "--grpo.loss_normalizer", "batch_token_mean", "--eval_every", "3", "--grpo.max_draws_per_update", "2",
+             "--grpo.ratio_level", "sequence", "--grpo.overlong_buffer", "8"]
     run_ok(grpo_command(synthetic_task, tiny_models, tmp_path, "full", 40, extra), cwd=REPO_ROOT, env=ENV)
     killed = grpo_command(synthetic_task, tiny_models, tmp_path, "killed", 40, extra)
     kill_after_checkpoint(killed, tmp_path / "runs" / "killed" / "checkpoints" / "update_000002", cwd=REPO_ROOT, env=ENV)
@@ -231,6 +235,9 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_m
     rows = [[without_timing(json.loads(line)) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
             for name in ("full", "killed")]
     assert len(rows[0]) == 5 + 1 + 1 and rows[0] == rows[1]
+    # some update drew more than its one batch of 2 prompts, and the budget counts them all (G = 4 responses each)
+    budgets = [(row["budget/prompts"], row["budget/responses_sampled"]) for row in rows[0] if "budget/prompts" in row]
+    assert budgets[-1][0] > 5 * 2 and all(responses == 4 * prompts for prompts, responses in budgets)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_the_leaderboard_evaluates_every_policy_on_every_test_prompt_and_the_oth
     board = pipeline.Pipeline(pipeline.Args(mode="leaderboard", out=str(tmp_path / "lb")))
     prep = pipeline.flag_values(board.command("prep"))
     assert int(prep["--synthetic_num_sft_test"]) >= 500
-    assert set(POLICY_STAGES) <= set(board.stages) and len(POLICY_STAGES) == 14
+    assert set(POLICY_STAGES) <= set(board.stages) and len(POLICY_STAGES) == 17
     for stage in POLICY_STAGES:
         flags = pipeline.flag_values(board.command(stage))
         assert flags["--eval_split"] == "test", stage

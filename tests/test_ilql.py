@@ -384,6 +384,8 @@ def test_smoke_run_on_the_builtin_task(synthetic_task, tmp_path):
     assert (run_dir / "samples" / "step_000003.csv").exists() and (run_dir / "samples" / "step_000006.csv").exists()
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("train/loss_cql" in line for line in lines) and all("step" in line for line in lines)
+    train = [line for line in lines if "train/loss" in line]
+    assert train and all(0 < line["time/update_s"] < summary["wall_time_s"] for line in train)  # issue 51
     # the LM and the heads are saved next to each other
     assert (output_dir / "model.safetensors").exists() and (output_dir / "tokenizer.json").exists()
     heads = load_file(str(output_dir / "ilql_heads.safetensors"))

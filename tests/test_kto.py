@@ -371,6 +371,7 @@ def test_smoke_run_on_builtin_task(feedback, synthetic_task, unpaired_task, tmp_
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [row for row in rows if "train/loss" in row]
     assert [row["step"] for row in train] == [1, 2, 3, 4]
+    assert all(0 < row["time/update_s"] < summary["wall_time_s"] for row in train)  # each update's (issue 51)
     assert [row["step"] for row in rows if "eval/accuracy" in row] == [2, 4]
     # the policy starts as the reference: r = 0 and z0 = 0, so every example's loss is 1 - sigmoid(0) = 0.5
     assert train[0]["train/loss"] == pytest.approx(0.5, abs=1e-6)

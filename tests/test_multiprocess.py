@@ -143,9 +143,21 @@ def grpo_flags(task: dict) -> list:
             "--num_eval_samples", "8", "--eval_every", "2", "--lr", "1e-4"]
 
 
+def reinforce_pp_flags(task: dict) -> list:
+    # as RLOO's (near-greedy sampling, one minibatch per epoch), one response per query: 8 queries of other scores,
+    # whose returns are whitened with the statistics of the global batch, so 2 processes train as 1 only if they
+    # gather them
+    return ["--sft_model_path", task["base_model"], "--reward_model_path", reward_model(task),
+            "--query_dataset", task["sft"], "--response_length", str(task["task"]["sft_response_length"]),
+            "--total_episodes", "32", "--total_batch_size", "8", "--local_micro_batch_size", "4",
+            "--local_rollout_forward_batch_size", "4", "--reinforce_pp.num_ppo_epochs", "2",
+            "--reinforce_pp.ptx_coef", "0.1", "--temperature", "0.001", "--num_eval_samples", "8", "--eval_every", "2",
+            "--lr", "1e-4"]
+
+
 SCRIPTS = {"sft": sft_flags, "reward": reward_flags, "dpo": dpo_flags, "ilql": ilql_flags, "ppo": ppo_flags,
            "rloo": rloo_flags, "offline_rl": offline_rl_flags, "kto": kto_flags, "online_dpo": online_dpo_flags,
-           "grpo": grpo_flags}
+           "grpo": grpo_flags, "reinforce_pp": reinforce_pp_flags}
 
 
 def test_every_training_script_runs_here():
@@ -228,7 +240,7 @@ def assert_same_run(script, two, two_rows, one, one_rows, what: str):
     for a, b in zip(two_rows, one_rows):
         assert a.keys() == b.keys(), what
         for key in a:
-            if key.startswith(("train/", "objective/", "ppo/", "rloo/", "grpo/", "online/", "loss")) \
+            if key.startswith(("train/", "objective/", "ppo/", "rloo/", "grpo/", "reinforce_pp/", "online/", "loss")) \
                     and isinstance(a[key], float):
                 # a clip fraction counts values past a threshold: a 1e-8 difference can flip one token
                 tolerance = dict(abs=0.01) if "clipfrac" in key else dict(rel=1e-4, abs=1e-5)

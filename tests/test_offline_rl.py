@@ -314,6 +314,9 @@ def run_method(setup: dict, method: str, *extra: str) -> tuple[dict, str]:
     assert os.path.exists(os.path.join(root, f"model_{method}", "model.safetensors"))
     for key in ("cost/generation_s", "cost/labelling_s", "cost/training_s", "wall_time_s"):
         assert summary[key] > 0, key
+    # each update's wall time (issue 51): its training, which the summary's cost/training_s adds up
+    train = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if "train/loss" in line]
+    assert train and sum(m["time/update_s"] for m in train) == pytest.approx(summary["cost/training_s"])
     return summary, run_dir
 
 

@@ -118,6 +118,40 @@ def test_a_batch_split_across_two_processes_samples_what_one_process_samples():
         assert PAD not in response[:end] and all(t == PAD for t in response[end:])
 
 
+def test_gumbel_noise_is_drawn_by_generators_on_the_queries_device(monkeypatch):
+    """Each row's generator lives on the device of the queries (the scores' device), so the B x V noise of a decode
+    step is drawn there rather than on the CPU and copied over (issue 52); for a fixed seed on one device type the
+    tokens are those of the draw written out here with per-row CPU generators: argmax(logits / T + G) per step."""
+    model = tiny_causal_lm(pad_token_id=PAD, eos_token_id=EOS)
+    args = SimpleNamespace(seed=3, temperature=0.9, response_length=5)
+    queries, rows = torch.tensor([[3, 5, 6, 7], [8, 9, 10, 11]]), torch.tensor([4, 9])  # (no padding to cut)
+    expected = []
+    for row, query in zip(rows.tolist(), queries):
+        for k in (0, 1):
+            g = torch.Generator().manual_seed(online.sample_seed(args.seed, 1, row, k))
+            tokens = query.tolist()
+            for _ in range(args.response_length):
+                with torch.no_grad():
+                    logits = model(torch.tensor([tokens])).logits[0, -1].float()
+                logits[PAD] = float("-inf")
+                u = torch.rand(logits.numel(), generator=g).clamp_(min=torch.finfo(torch.float32).tiny)
+                tokens.append(int((logits / args.temperature - torch.log(-torch.log(u))).argmax()))
+            response = tokens[-args.response_length:]
+            end = response.index(EOS) + 1 if EOS in response else len(response)
+            expected.append(response[:end] + [PAD] * (len(response) - end))  # truncated after the first EOS
+    made = []
+
+    class Recorded(torch.Generator):
+        def __new__(cls, *args, **kwargs):
+            made.append(args + tuple(kwargs.values()))
+            return super().__new__(cls, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "Generator", Recorded)
+    responses = online.sample_pairs(args, model, queries, rows, 1, TOKENIZER)  # (2, 2, 5)
+    assert made == [(queries.device,)] * 4, made
+    assert responses.flatten(0, 1).tolist() == expected
+
+
 # ------------------------------------------------------------------------------------------------
 # labels: reward model, the EOS rule, the gold judge's endpoint
 # ------------------------------------------------------------------------------------------------
@@ -252,8 +286,8 @@ def test_reference_is_the_sft_model_or_the_policy_at_the_start_of_the_round(tmp_
         args = online.Args(reference=reference, pairs_per_round=8, total_batch_size=8, response_length=6,
                            local_eval_batch_size=3, local_rollout_forward_batch_size=5, max_draws_per_round=4)
         rounds = online.OnlineRounds()
-        online.online_round(args, Accelerator(cpu=True), run, rounds, policy, sft, tiny_reward_model(2), prompts,
-                            TOKENIZER, round_index=1, update=1)
+        online.online_round(args, Accelerator(cpu=True), run, rounds, policy, sft, tiny_reward_model(2), None, prompts,
+                            TOKENIZER, round_index=1, update=1)  # (None: no --reward_fn)
         tables[reference], held[reference] = rounds.ref_table, rounds
         assert rounds.index == 1 and rounds.keep.shape == (8,) and rounds.ref_table.shape == (8, 2)
         assert rounds.totals["pairs_trained"] == int(rounds.keep.sum()) and rounds.totals["draws"] == rounds.draws >= 1
@@ -304,6 +338,8 @@ def test_end_to_end_with_the_gold_judge_and_the_last_round_as_reference(syntheti
     train = [m for m in metrics if "train/pairs" in m]
     rounds = [m for m in metrics if "online/round" in m]
     assert [m["step"] for m in train] == [1, 2, 3, 4] and [m["online/round"] for m in rounds] == [1, 2]
+    # each update's wall time (issue 51), a round's sampling in its first update
+    assert all(m["time/update_s"] > 0 for m in train) and train[0]["time/update_s"] >= rounds[0]["online/round_s"]
     for first, second, r in zip(train[::2], train[1::2], rounds):
         assert first["train/pairs"] > 0  # a round's kept pairs fill its first update first
         assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-5)

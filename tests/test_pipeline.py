@@ -13,26 +13,24 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow  # the end-to-end runs: in the full suite, out of the quick `-m "not slow"` check
-def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
-    """The leaderboard's stages at minimal sizes, with a fork outside the project named by --extra: every artefact of
-    the report and of the leaderboard is written, every method is a row, and the fork is one of them."""
-    out = tmp_path / "qs"
-    fork = tmp_path / "forks" / "my_rloo.py"  # a fork kept outside the project folder still imports run_infra
-    fork.parent.mkdir()
-    fork.write_text(open(os.path.join(REPO_ROOT, "rloo.py")).read())
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "pipeline.py"), "--mode", "ci", "--out", str(out), "--extra",
-           f"{fork}:rloo"]
-    subprocess.run(cmd, check=True, cwd=REPO_ROOT, timeout=1200)
+@pytest.mark.xdist_group("ci_pipeline")  # the worker that runs the session's ci pipeline (conftest) for test_ablate too
+def test_pipeline_ci_mode_produces_every_artefact(ci_pipeline):
+    """The leaderboard's stages at minimal sizes, with a fork outside the project named by --extra (conftest's
+    `ci_pipeline`): every artefact of the report and of the leaderboard is written, every method is a row, and the
+    fork is one of them."""
+    out, cmd = ci_pipeline
     report = out / "report"
     text = (report / "results.md").read_text()
     results = json.loads((report / "results.json").read_text())
     policies = {r["policy"] for r in results["policies"]}
-    assert {"sft", "ppo", "rloo", "grpo", "online_dpo", "dpo", "ipo", "kto", "kto_unpaired", "my_rloo"} <= policies
+    assert {"sft", "ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline", "online_dpo", "dpo", "ipo", "kto",
+            "kto_unpaired", "my_rloo"} <= policies
 
     # the leaderboard: one row a method in the pipeline's order, the fork's row last, the plot beside it
     board = (report / "leaderboard.md").read_text()
     methods = [line.split(" | ")[0].lstrip("| ") for line in board.splitlines() if line.startswith("| ")][2:]
-    assert methods == ["SFT", "PPO", "RLOO", "GRPO", "online DPO (RM judge)", "DPO", "IPO", "KTO (pairs)",
+    assert methods == ["SFT", "PPO", "RLOO", "GRPO", "GRPO (rule reward)", "REINFORCE++", "REINFORCE++-baseline", "online DPO (RM judge)", "DPO",
+                       "IPO", "KTO (pairs)",
                        "KTO (thumbs up / down)", "ILQL", "MLE with filtering", "RWR", "Decision Transformer",
                        "best-of-n", "my_rloo (fork of rloo.py's stage rloo)"]
     import pandas as pd
@@ -42,7 +40,8 @@ def test_pipeline_ci_mode_produces_every_artefact(tmp_path):
     no_kl = set(table.loc[table["kl_from_sft"].isna(), "stage"])
     assert no_kl == {"ilql", "offline_dt"}
     budgets = table.set_index("stage")["budget"]  # from the runs' counters (summary.json budget/*)
-    assert budgets["grpo"] == "32 sampled responses (8 prompts x 4), 2 updates"
+    assert budgets["grpo"] == budgets["reinforce_pp_baseline"] == "32 sampled responses (8 prompts x 4), 2 updates"
+    assert budgets["reinforce_pp"] == "32 sampled responses (32 prompts x 1), 2 updates"
     assert budgets["ppo"] == "32 sampled responses (32 prompts x 1), 2 updates"
     assert budgets["online_dpo"].startswith("32 sampled responses (16 prompts x 2") and budgets["online_dpo"].endswith(
         "), 1 update")  # ci: --total_episodes 16 prompts, nothing redrawn
@@ -483,8 +482,15 @@ def test_the_ilql_row_is_the_pipelines_beta_and_ipo_is_dpo_with_its_loss():
     online = p.command("online_dpo")
     assert online[online.index("--reward_model_path") + 1].endswith("models/rm")
     # one budget: every online method samples as many responses as PPO
-    episodes = {s: int(p.command(s)[p.command(s).index("--total_episodes") + 1]) for s in ("ppo", "rloo", "grpo", "online_dpo")}
-    assert episodes == {"ppo": 1536, "rloo": 1536, "grpo": 1536, "online_dpo": 768}  # online DPO: pairs of 2
+    sampling = ("ppo", "rloo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "online_dpo")
+    episodes = {s: int(p.command(s)[p.command(s).index("--total_episodes") + 1]) for s in sampling}
+    assert episodes == {"ppo": 1536, "rloo": 1536, "grpo": 1536, "reinforce_pp": 1536, "reinforce_pp_baseline": 1536,
+                        "online_dpo": 768}  # online DPO: pairs of 2
+    # REINFORCE++-baseline is reinforce_pp.py with a group of 4 per query (GRPO's) whose mean score it subtracts
+    plain, baseline = p.command("reinforce_pp"), p.command("reinforce_pp_baseline")
+    assert plain[1].endswith("/reinforce_pp.py") and baseline[1].endswith("/reinforce_pp.py")
+    assert baseline[baseline.index("--reinforce_pp.baseline") + 1] == "group" and "--reinforce_pp.baseline" not in plain
+    assert baseline[baseline.index("--samples_per_prompt") + 1] == "4" and "--samples_per_prompt" not in plain
 
 
 def test_threads_default_to_the_idle_cores(monkeypatch):

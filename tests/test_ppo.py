@@ -228,7 +228,8 @@ def tiny_rollout(accelerator, policy, critic, reward_model, ref_policy, length=6
     tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
     model.eval()
     data = ppo.rollout(args, accelerator, model, ref_policy, [reward_model], queries, tok, fixed_config(length), timers,
-                       offload_by_hand=False)  # with a critic, the rollout holds its values too (Detail 22)
+                       bring_frozen_to=None, reward_fn=None, prompts=None,  # no --reward_fn
+                       rows=torch.arange(len(queries)))  # with a critic, the rollout holds its values too (Detail 22)
     return model, queries, data
 
 
@@ -480,6 +481,8 @@ def check_run(tmp_path):
     lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     train = [m for m in lines if "ppo/val/ratio" in m]
     assert len(train) == 2
+    # each update's wall time (issue 51): the one episodes_per_second divides the batch by (8 responses)
+    assert all(m["time/update_s"] == pytest.approx(8 / m["episodes_per_second"]) for m in train)
     # the budget it claims (--total_episodes 16: sampled responses) is what it sampled, counted on every process
     assert [m["budget/responses_sampled"] for m in train] == [8, 16] and summary["budget/responses_sampled"] == 16
     assert summary["budget/prompts"] == 16 and summary["budget/updates"] == 2

@@ -38,7 +38,7 @@ def tiny_path(tmp_path_factory):
 
 def qlora_args(load_in_4bit: bool = True, lora_rank: int = 8, **more) -> SimpleNamespace:
     return SimpleNamespace(load_in_4bit=load_in_4bit, lora_rank=lora_rank, lora_alpha=16.0, bf16=False,
-                           disable_dropout=True, trust_remote_code=False, **more)
+                           disable_dropout=True, trust_remote_code=False, gradient_checkpointing=False, **more)
 
 
 def load_lora(path: str, load_in_4bit: bool):

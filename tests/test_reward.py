@@ -240,6 +240,8 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
         assert (run_dir / name).exists(), name
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3, 4]
+    # each update's wall time (issue 51), logged with it: a part of the whole run's
+    assert all(0 < m["time/update_s"] < summary["wall_time_s"] for m in metrics if "train/loss" in m)
     # the pairwise metrics carry dpo.py's names (one vocabulary across the scripts)
     train = next(m for m in metrics if "train/loss" in m)
     assert {"train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",

@@ -122,6 +122,7 @@ def test_smoke_with_options(synthetic_task, tiny_models, tmp_path):
         assert key in summary
     train = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if "rloo/val/ratio" in line]
     assert len(train) == 2
+    assert all(0 < m["time/update_s"] < summary["wall_time_s"] for m in train)  # each update's (issue 51)
     # the budget it claims (--total_episodes 16: sampled responses) is what it sampled: 2 prompts x 4 an update
     assert [m["budget/responses_sampled"] for m in train] == [8, 16] and summary["budget/responses_sampled"] == 16
     assert summary["budget/prompts"] == 4 and summary["budget/updates"] == 2

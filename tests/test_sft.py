@@ -237,6 +237,8 @@ def test_smoke_run_saves_a_loadable_model(request, tmp_path):
     with open(run_dir / "metrics.jsonl") as f:
         logged = [json.loads(line) for line in f]
     assert [row["step"] for row in logged if "train/loss" in row] == [1, 2]
+    # each update's wall time (issue 51), logged with it: a part of the whole run's
+    assert all(0 < row["time/update_s"] < summary["wall_time_s"] for row in logged if "train/loss" in row)
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir))
 
 

@@ -35,18 +35,29 @@ OTHER_SHARING_SCRIPTS = ["judge.py"]
 # The judge's HTTP client (judge_client.py): a module of its own, imported by the scripts that call a judge.
 JUDGE_CLIENT = "judge_client"
 JUDGE_CLIENT_USERS = {"judge.py", "online_dpo.py"}
+# The user's reward function (--reward_fn), loaded and its answers checked (user_reward.py): a module of its own, imported
+# by the scripts that call it, found by their copy of function_scores (ppo.py, rloo.py, grpo.py, online_dpo.py, forks).
+USER_REWARD = "user_reward"
 # Names that legitimately differ per script, kept minimal:
 # - Args and main: each script's own flags and its own algorithm's loop;
 # - the step a fork replaces, under the name of the step in the script it forked from, so that the two read alike:
 #   rloo.py's steps from scores to advantages (the leave-one-out baseline, no critic, no GAE) under ppo.py's
-#   `rewards_and_advantages`, returning its own `RewardsAndAdvantages`; and each preference method's logged training
+#   `rewards_and_advantages`, returning its own `RewardsAndAdvantages` (grpo.py's group-relative advantages and
+#   reinforce_pp.py's whitened returns likewise); and each preference method's logged training
 #   statistics (`TRAIN_STATS`: DPO's rewards and margins, KTO's KL estimate, z0 and desirable/undesirable sums, online
 #   DPO's pair counts).
 PER_SCRIPT = {"Args", "main", "rewards_and_advantages", "RewardsAndAdvantages", "TRAIN_STATS"}
 # Names that one script defines as its own version of a shared piece: left out for that script only, still compared
 # among every other script that defines them. script -> names. ppo.py's rollout (and its Rollout) also reads the
-# critic's values; rloo.py and grpo.py share one critic-free copy of it, compared between the two.
+# critic's values; rloo.py, grpo.py and reinforce_pp.py share one critic-free copy of it, compared among the three.
 OWN = {"ppo.py": {"Rollout", "rollout"}}
+# The copies a fork of rloo.py takes from elsewhere, compared like every copy: reinforce_pp.py (REINFORCE++) keeps
+# rloo.py's pieces (the critic-free rollout among them), has its own update (`reinforce_pp_update`, the shared
+# clipped_policy_loss on each token), returns (`discounted_returns`) and group check (`check_groups`), and copies
+# ppo.py's per-token rewards and whitening: each copy must be found where it is expected, or a rename would leave it
+# uncompared.
+FORK_COPIES = {"per_token_rewards": {"ppo.py", "reinforce_pp.py"}, "masked_whiten": {"ppo.py", "reinforce_pp.py"},
+               "rollout": {"rloo.py", "grpo.py", "reinforce_pp.py"}}
 
 
 def sharing_scripts() -> list:
@@ -160,6 +171,8 @@ def test_shared_definitions_and_constants_are_identical_across_scripts():
     assert decorated & set(shared), "no shared definition has a decorator: are decorators compared?"
     assert {"judge.py", "online_dpo.py"} <= set(shared.get("PAIRWISE_JUDGE_TEMPLATE", {})), \
         "online_dpo.py should keep the judge's prompt template, a copy of judge.py's"
+    for name, holders in FORK_COPIES.items():
+        assert holders <= set(shared.get(name, {})), f"{name} should be compared in {sorted(holders)}"
     # a script's own names are names it defines (a stale entry would only hide nothing, but reads as a rule)
     stale = {script: sorted(names - set(top_level_nodes(sources[script]))) for script, names in OWN.items()
              if script in sources and names - set(top_level_nodes(sources[script]))}
@@ -259,8 +272,9 @@ def test_data_preparation_has_its_own_copy_of_the_tokenizer_fingerprint():
 
 def test_scripts_import_no_other_script_nor_the_data_package():
     """A script is self-contained: of the repository's own modules it imports run_infra.py, and the scripts that call
-    a judge (JUDGE_CLIENT_USERS: judge.py, online_dpo.py) judge_client.py too; never another script nor the data
-    package. run_infra.py imports none of the repository's modules; judge_client.py imports run_infra.py alone."""
+    a judge (JUDGE_CLIENT_USERS: judge.py, online_dpo.py) judge_client.py too, and the scripts that call a --reward_fn
+    (those with a copy of function_scores) user_reward.py; never another script nor the data package. run_infra.py
+    imports none of the repository's modules; judge_client.py and user_reward.py import run_infra.py alone."""
     ours = repo_modules()
 
     def imports(module: str) -> set:
@@ -268,12 +282,18 @@ def test_scripts_import_no_other_script_nor_the_data_package():
 
     for script in sharing_scripts():
         allowed = {RUN_MODULE} | ({JUDGE_CLIENT} if script in JUDGE_CLIENT_USERS else set())
+        if "function_scores" in top_level_code(open(os.path.join(REPO_ROOT, script)).read()):
+            allowed |= {USER_REWARD}
         assert imports(script) <= allowed, f"{script} imports {sorted(imports(script) - allowed)}"
     assert not imports(f"{RUN_MODULE}.py"), f"{RUN_MODULE}.py imports {sorted(imports(f'{RUN_MODULE}.py'))}: it " \
         "imports no script nor the judge's client"
     if os.path.exists(os.path.join(REPO_ROOT, f"{JUDGE_CLIENT}.py")):  # its existence: tests/test_layout.py
         extra = imports(f"{JUDGE_CLIENT}.py") - {RUN_MODULE}
         assert not extra, f"{JUDGE_CLIENT}.py imports {sorted(extra)}: of the repository's modules, only {RUN_MODULE}"
+    extra = imports(f"{USER_REWARD}.py") - {RUN_MODULE}
+    assert not extra, f"{USER_REWARD}.py imports {sorted(extra)}: of the repository's modules, only {RUN_MODULE}"
+    users = {s for s in sharing_scripts() if USER_REWARD in imports(s)}
+    assert {"ppo.py", "rloo.py", "grpo.py", "online_dpo.py"} <= users, f"--reward_fn's scripts: only {sorted(users)}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

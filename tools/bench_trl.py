@@ -58,6 +58,10 @@ What it does, step by step:
      evaluation take the same time at N1 and N2 rows and cancel. The ratios of repeat r are ours / TRL and ours /
      before; the table gives the median rate of each side, the median of each ratio (and every ratio), and each
      side's median peak memory over its runs at N2.
+     Per step, beside them: each optimizer step's wall time, ours from the time/update_s of every update in the
+     run's metrics.jsonl (dpo.py runs with --log_every 1 for it), TRL's from a TrainerCallback (the time between the
+     ends of two steps); a side's median over every step of its runs but each run's first, and ours / TRL as TRL's
+     step time over ours. It needs no second run, and start-up noise does not enter it.
   6. `bench.md` (the table, also printed, with the CPU model and what it has: AVX2, AVX-512, bf16 instructions,
      and the shape) and `bench.json` (every run: command, rows, wall time, peak memory, exit code) in --out.
 
@@ -228,6 +232,10 @@ class Args:
     """what runs: ours (this folder's scripts, always), before (--before_repo's scripts), trl (TRL's trainers)"""
     before_repo: Optional[str] = None
     """another copy of this project (e.g. `git worktree add ../before <commit>`): the scripts of the side before"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing on every side: our scripts' --gradient_checkpointing (the side before needs a copy
+    that has the flag), TRL's gradient_checkpointing=True, both non-reentrant; off = neither (our default, TRL's
+    set off here so that both sides keep every activation)"""
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,6 +357,13 @@ def summarize(runs: list[dict], trainer: str, precision: str, sides: tuple = ("o
         if other in sides and "ours" in sides:
             ratios = [ours / theirs for ours, theirs in zip(rates["ours"], rates[other])]
             summary.update({each: ratios, key: median(ratios)})
+    # per step: each side's median step time over its runs (both sizes, every repeat; each run's first step left
+    # out), and ours / X by it: X's step time over ours (> 1: ours is faster)
+    for side in sides:
+        summary[f"step_{side}"] = median_step([r for r in mine if r["side"] == side])
+    for other in ("trl", "before"):
+        if other in sides and summary["step_ours"] and summary[f"step_{other}"]:
+            summary[f"step_ratio_{other}"] = summary[f"step_{other}"] / summary["step_ours"]
     return summary
 
 
@@ -688,6 +703,7 @@ def our_command(trainer: str, precision: str, n: int, paths: dict, work: str, ru
               "--output_dir", os.path.join(work, "out", f"{side}_{trainer}"), "--overwrite_output_dir",
               "--checkpoint_every", "0", "--bf16", str(precision == "bf16"), "--lr", str(s["lr"]),
               "--total_batch_size", str(s["batch"]), "--local_micro_batch_size", str(s["micro"])]
+    common += ["--gradient_checkpointing"] if s.get("gradient_checkpointing") else []
     py = [sys.executable, os.path.join(repo, SCRIPT[trainer])]
     eval_rows = ["--num_eval_samples", str(s["eval_rows"])]
     eval_batch = ["--local_eval_batch_size", str(s["eval_batch"])]
@@ -705,7 +721,7 @@ def our_command(trainer: str, precision: str, n: int, paths: dict, work: str, ru
                               "--query_dataset", paths["sft_data"], "--response_length", str(paths["response_length"]),
                               "--num_train_epochs", "1", "--beta", str(s["beta"]), "--loss_type", "sigmoid",
                               "--scheduler", s["scheduler"], "--weight_decay", str(s["weight_decay"]),
-                              "--eval_every", "0", *eval_batch, *eval_rows]
+                              "--eval_every", "0", "--log_every", "1", *eval_batch, *eval_rows]
     return py + common + ["--sft_model_path", paths["sft_model"], "--reward_model_path", paths["reward_model"],
                           "--query_dataset", paths["rows"], "--response_length", str(paths["response_length"]),
                           "--total_episodes", str(n), "--local_rollout_forward_batch_size",
@@ -746,6 +762,29 @@ def timed(cmd: list[str], env: dict, log_path: str, cwd: str = REPO_ROOT) -> tup
         wall = time.perf_counter() - start
     with open(rss_path) as f:
         return wall, code, int(f.read()) / 1024
+
+
+def step_times(side: str, log_path: str, metrics_path: str) -> Optional[list[float]]:
+    """Each optimizer step's wall time of one run, in order (seconds): ours and before from the run's metrics.jsonl
+    (time/update_s, one row per update), TRL's from the file its StepTimes callback wrote next to the log. None when
+    the run wrote none (a failed run, or a copy of the project from before time/update_s)."""
+    try:
+        if side == "trl":
+            with open(log_path + ".steps.json") as f:
+                return [float(t) for t in json.load(f)]
+        with open(metrics_path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        times = [row["time/update_s"] for row in sorted(rows, key=lambda row: row["step"]) if "time/update_s" in row]
+        return times or None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def median_step(runs: list[dict]) -> Optional[float]:
+    """The median step time over every step of `runs` but each run's first (which also warms up kernels, caches and
+    the allocator); None when they hold no such step."""
+    steps = [t for r in runs for t in (r.get("step_s") or [])[1:]]
+    return statistics.median(steps) if steps else None
 
 
 def tail(path: str, lines: int = 15) -> str:
@@ -793,7 +832,8 @@ def trl_child(spec_path: str) -> None:
         output_dir=spec["output_dir"], per_device_train_batch_size=s["micro"],
         gradient_accumulation_steps=s["batch"] // s["micro"], num_train_epochs=1, learning_rate=s["lr"],
         lr_scheduler_type=s["scheduler"], warmup_steps=0, weight_decay=s["weight_decay"], adam_epsilon=1e-5,
-        max_grad_norm=0.0, gradient_checkpointing=False, bf16=bf16, use_cpu=not torch.cuda.is_available(),
+        max_grad_norm=0.0, gradient_checkpointing=bool(s.get("gradient_checkpointing")),
+        gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=bf16, use_cpu=not torch.cuda.is_available(),
         report_to="none", save_strategy="no", eval_strategy="no", logging_steps=10, disable_tqdm=True, seed=1,
         dataloader_num_workers=0,
     )
@@ -841,10 +881,43 @@ def trl_child(spec_path: str) -> None:
         trainer = PPOTrainer(args=config, processing_class=tokenizer, model=causal_lm(spec["model"]),
                              ref_model=causal_lm(spec["model"]), reward_model=scorer(spec["reward_model"]),
                              value_model=scorer(spec["reward_model"]), train_dataset=train, eval_dataset=evaluation)
+    from transformers import TrainerCallback
+
+    steps = type("StepTimesCallback", (StepTimes, TrainerCallback), {})()  # each optimizer step's wall time
+    trainer.add_callback(steps)
     trainer.train()
+    with open(spec["step_times"], "w") as f:  # each step's wall time, read by step_times
+        json.dump(steps.seconds(), f)
     # what the trainer ran with, for the run's log: its class, rows, autocast precision and threads
     print(json.dumps({"trl_trainer": type(trainer).__name__, "rows": len(train), "bf16": bf16,
                       "mixed_precision": str(trainer.accelerator.mixed_precision), "threads": torch.get_num_threads()}))
+
+
+class StepTimes:
+    """When training began and when each optimizer step ended (a GPU's queued work done first), so that a step's wall
+    time is the time between the ends of two steps (the first: from the start of training). These are two events of
+    a transformers TrainerCallback, which trl_child mixes in: TRL's trainers, PPOTrainer's own loop too, call
+    on_train_begin and on_step_end."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+
+    @staticmethod
+    def now() -> float:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.ends = [self.now()]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(self.now())
+
+    def seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.ends, self.ends[1:])]
 
 
 def trl_spec(trainer: str, precision: str, n: int, paths: dict, work: str, threads: int, settings: dict) -> dict:
@@ -883,7 +956,26 @@ def table(summaries: list[dict], header: list[str], versions: dict, sides: tuple
     note = ("A rate is (N2 - N1) rows / (wall time at N2 - wall time at N1) of whole processes; runs interleaved "
             f"({', '.join(names[side] for side in sides)}) per size and repeat; n/a: the run at N2 was not slower than "
             "at N1 (use more rows). Peak RSS: the median over the runs at N2 of each run's largest resident set.")
-    return "\n".join([*header, "", *lines, "", note])
+    return "\n".join([*header, "", *lines, "", note, *step_table(summaries, sides, names)])
+
+
+def step_table(summaries: list[dict], sides: list[str], names: dict) -> list[str]:
+    """The per-step measure beside the rates: each side's median step time and ours / X by it (none when no run
+    logged its steps)."""
+    if not any(s.get(f"step_{side}") for s in summaries for side in sides):
+        return []
+    others = [side for side in sides if side != "ours"]
+    columns = ["trainer", "precision", *(f"{names[side]} s/step" for side in sides),
+               *(f"ours/{names[side]} per step" for side in others)]
+    lines = ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for s in summaries:
+        steps = [f"{s[f'step_{side}']:.3f}" if s.get(f"step_{side}") else "n/a" for side in sides]
+        ratios = [f"**{s[f'step_ratio_{side}']:.2f}**" if s.get(f"step_ratio_{side}") else "n/a" for side in others]
+        lines.append("| " + " | ".join([SCRIPT[s["trainer"]], s["precision"], *steps, *ratios]) + " |")
+    return lines + ["", "s/step: the median wall time of one optimizer step over every run of the side (both sizes, "
+                        "every repeat), each run's first step left out; ours: each update's time/update_s in its "
+                        "metrics.jsonl, TRL: the time between the ends of two steps (a TrainerCallback); ours/X per "
+                        "step: X's step time over ours."]
 
 
 def check_sides(args: Args) -> list[str]:
@@ -909,6 +1001,8 @@ def main(args: Args) -> dict:
         raise ValueError(f"--rows takes two numbers, N1 N2 (got {args.rows})")
     sides = check_sides(args)
     settings = settings_for(args.shape)
+    for trainer_settings in settings.values():  # both sides read it from the settings (bench.json records it)
+        trainer_settings["gradient_checkpointing"] = args.gradient_checkpointing
     if args.shape != "builtin" and (args.pipeline_dir or args.task_dir or args.sft_model or args.reward_model):
         raise ValueError(f"--shape {args.shape} makes its own data and models; leave out --pipeline_dir, --task_dir, "
                          "--sft_model and --reward_model (or use --shape builtin)")
@@ -951,21 +1045,23 @@ def main(args: Args) -> dict:
         run_paths = {**paths, "rows": row_data[trainer, n]}
         name = f"{trainer}_{precision}_{side}_n{n}_r{repeat}"
         run_env, cwd = dict(env), REPO_ROOT
+        log_path = os.path.join(work, "logs", f"{name}.log")
         if side == "trl":
             spec_path = os.path.join(work, "specs", f"{name}.json")
             os.makedirs(os.path.dirname(spec_path), exist_ok=True)
+            spec = trl_spec(trainer, precision, n, run_paths, work, threads, settings[trainer])
             with open(spec_path, "w") as f:
-                json.dump(trl_spec(trainer, precision, n, run_paths, work, threads, settings[trainer]), f, indent=1)
+                json.dump({**spec, "step_times": log_path + ".steps.json"}, f, indent=1)
             cmd = [pythons[versions[trainer]], os.path.abspath(__file__), TRL_FLAG, spec_path]
             if precision == "bf16":
                 run_env["ACCELERATE_MIXED_PRECISION"] = "bf16"  # read by TRL 1.12 PPOTrainer's own Accelerator
         else:  # ours, or the same command with the scripts of --before_repo, run from there
             cwd = before_repo if side == "before" else REPO_ROOT
             cmd = our_command(trainer, precision, n, run_paths, work, name, settings[trainer], cwd, side)
-        log_path = os.path.join(work, "logs", f"{name}.log")
         wall, code, rss = timed(cmd, run_env, log_path, cwd)
         record = {"trainer": trainer, "precision": precision, "repeat": repeat, "rows": n, "side": side,
                   "wall_s": round(wall, 3), "peak_rss_mib": round(rss, 1), "returncode": code, "ok": code == 0,
+                  "step_s": step_times(side, log_path, os.path.join(work, "runs", name, "metrics.jsonl")),
                   "command": cmd, "cwd": cwd, "log": log_path}
         runs.append(record)
         status = (f"{wall:.1f} s, peak {rss:.0f} MiB" if code == 0

@@ -28,7 +28,8 @@ import tempfile
 import tokenize
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORKS = [("ppo.py", "rloo.py"), ("rloo.py", "grpo.py"), ("dpo.py", "kto.py"), ("dpo.py", "online_dpo.py")]
+FORKS = [("ppo.py", "rloo.py"), ("rloo.py", "grpo.py"), ("rloo.py", "reinforce_pp.py"), ("dpo.py", "kto.py"),
+         ("dpo.py", "online_dpo.py")]
 STRING_NODES = (ast.Constant, ast.JoinedStr)
 
 

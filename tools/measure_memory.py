@@ -5,6 +5,8 @@
     python tools/measure_memory.py --scripts sft.py dpo.py ppo.py --modes plain lora qlora   # LoRA vs QLoRA
     python tools/measure_memory.py --hidden_size 1024 --num_layers 16 --output_dir artifacts/memory_1024
     python tools/measure_memory.py --task_dir artifacts/quickstart/data   # an already prepared task
+    python tools/measure_memory.py --scripts sft.py ppo.py --modes plain checkpointing   # --gradient_checkpointing
+    python tools/measure_memory.py --recipe [--gpu_gib 40]   # the README's per-size flags; measures nothing
 
 What it does, step by step:
   1. the built-in task: `--task_dir` (a folder written by `python data/prepare.py --task synthetic`), or a
@@ -20,6 +22,10 @@ What it does, step by step:
      wall time, and the parameter counts of the model handed to accelerator.prepare;
   4. a Markdown table (`memory.md`, also printed) and a CSV (`memory.csv`) in --output_dir, followed by a
      back-of-envelope estimate for the paper's 6.9B PPO setting on 8 GPUs (an estimate, not a measurement).
+
+--recipe measures nothing: from the same accounting per phase (phase_estimate) at Pythia 1B, 2.8B and 6.9B it
+prints the flags of the README's per-size commands for 8 GPUs of 80 GiB (recipe: ZeRO stage, micro batch and
+accumulation, generation chunk, --gradient_checkpointing, --offload) and their estimated peaks.
 
 Why this parent process never imports torch: on Linux a child's ru_maxrss starts from the peak RSS of
 the process that started it (the kernel carries the old address space's high-water mark across exec).
@@ -52,7 +58,8 @@ BUILD_FLAG = "--_build"  # internal: `measure_memory.py --_build spec.json resul
 # script's default. The other modes are the memory options the scripts have (grep for lora / load_in_4bit /
 # offload / unfrozen / precompute): LoRA on a float32 base and QLoRA (LoRA on a 4-bit NF4 base) in sft.py,
 # dpo.py and ppo.py, PPO's Hydra and offload (trlX / OpenRLHF), and DPO's precomputed reference log-probs (the
-# reference model is freed before training). reward.py, ilql.py and offline_rl.py have no memory option.
+# reference model is freed before training), and --gradient_checkpointing (every script has it; measured here in
+# sft.py, reward.py, dpo.py and ppo.py). reward.py, ilql.py and offline_rl.py have no other memory option.
 # offline_rl.py runs its default method (dt).
 # The values of --lora_rank and --num_layers_unfrozen come from this tool's flags (see mode_flags).
 RUNS = [
@@ -69,6 +76,10 @@ RUNS = [
     ("ppo.py", "qlora"),
     ("ppo.py", "hydra"),
     ("ppo.py", "offload"),
+    ("sft.py", "checkpointing"),
+    ("reward.py", "checkpointing"),
+    ("dpo.py", "checkpointing"),
+    ("ppo.py", "checkpointing"),
     ("rloo.py", "plain"),
     ("ilql.py", "plain"),
     ("offline_rl.py", "plain"),
@@ -90,7 +101,13 @@ class Args:
     scripts: list[str] = field(default_factory=lambda: list(SCRIPTS))
     """scripts to measure (names with or without .py)"""
     modes: Optional[list[str]] = None
-    """memory modes to measure (plain, lora, qlora, hydra, offload, precompute_ref); None = every mode of each script"""
+    """memory modes to measure (plain, lora, qlora, hydra, offload, precompute_ref, checkpointing); None = every mode of
+    each script"""
+    recipe: bool = False
+    """print the README's per-size commands and the table of their estimated peaks (recipe_commands, recipe_table:
+    flags from the estimate for 8 GPUs of --gpu_gib) and exit without measuring anything"""
+    gpu_gib: float = 80.0
+    """--recipe: GiB of memory of each of the 8 GPUs (the README's commands assume 80: GPU_GIB)"""
 
     # ---- the model (GPT-NeoX, Pythia's architecture; the rest of the config comes from the task's base model) ----
     hidden_size: int = 512
@@ -309,6 +326,8 @@ def mode_flags(script: str, mode: str, args: Args) -> list:
     """The flags that select a memory mode."""
     if mode == "plain":
         return []
+    if mode == "checkpointing":  # activation checkpointing of every model that trains
+        return ["--gradient_checkpointing"]
     if mode in ("lora", "qlora"):  # LoRA on the float32 base, or on the 4-bit base (QLoRA)
         return ["--lora_rank", str(args.lora_rank)] + (["--load_in_4bit"] if mode == "qlora" else [])
     return {
@@ -453,103 +472,248 @@ def gpt_neox_params(h: int, layers: int, vocab: int, intermediate: int, lm_head:
 
 
 def paper_estimate(measured_params: Optional[int] = None, measured_config: Optional[dict] = None) -> str:
-    """Per-GPU memory of ppo.py at Pythia-6.9B on 8 GPUs in bf16, from the ZeRO paper's accounting."""
+    """Per-GPU memory of ppo.py at Pythia-6.9B on 8 GPUs in bf16 with the paper's batches, from phase_estimate's
+    accounting (below): ZeRO-2, ZeRO-3, ZeRO-3 with --offload, each with and without --gradient_checkpointing."""
     GiB = 2**30
-    # Pythia-6.9B (its config.json): hidden 4096, 32 layers, 32 heads, MLP 16384, vocabulary 50432
-    h, L, V, i = 4096, 32, 50432, 16384
-    N = 8  # GPUs (zero2.yaml / zero3.yaml: num_processes 8)
+    h, L, i, V = PYTHIA_SIZES["6.9b"]
+    N = NUM_GPUS
     policy = gpt_neox_params(h, L, V, i)  # 6,857,302,016: the published Pythia-6.9B count
     critic = gpt_neox_params(h, L, V, i, lm_head=False)  # Detail 22: the critic is a copy of the RM
     reward_model, reference = critic, policy
     trained = policy + critic  # PolicyAndValue: one module, one AdamW
     frozen = reference + reward_model
-    # ppo.py defaults (the paper's): --local_micro_batch_size 8, --local_rollout_forward_batch_size 64,
-    # queries of 512 tokens (data/prepare.py --query_length) + 53 response tokens (--response_length)
-    b, b_roll, s, r = 8, 64, 512 + 53, 53
-
-    # Model states per GPU, mixed-precision AdamW (ZeRO paper, Rajbhandari et al. 2020, Sec. 3.1), P = trained params:
-    #   bf16 weights 2P + bf16 gradients 2P + fp32 master weights 4P + AdamW moments m, v 4P + 4P
-    #   ZeRO-2 (zero2.yaml): weights replicated, gradients and optimizer states split over N:  2P + (2P + 12P) / N
-    #   ZeRO-3 (zero3.yaml): everything split over N:                                           (2P + 2P + 12P) / N
-    zero2_states = 2 * trained + (2 + 12) * trained / N
-    zero3_states = (2 + 2 + 12) * trained / N
-    # Frozen reference + reward model, bf16 (2 bytes per parameter), F = their parameters:
-    #   zero2.yaml with --offload: kept in CPU memory, each moved whole to the GPU while it runs -> max of the two
-    #   zero3.yaml with --offload: a ZeRO-3 inference engine with offload_param to CPU; the GPU holds only the
-    #   layers being gathered, at most DeepSpeed's default stage3_max_live_parameters (1e9) -> <= 2 GB;
-    #   CPU memory holds each rank's 1/N partition: 2F / N per rank, 2F per node
-    zero2_frozen = 2 * max(reference, reward_model)
-    zero3_frozen_gpu_cap = 2 * 1e9
-    frozen_cpu_per_rank = 2 * frozen / N
-    # Activations kept for the backward pass of one micro batch, per transformer layer in 16-bit, without
-    # recomputation, with a fused attention kernel that stores no s x s score matrix (Korthikanti et al. 2022,
-    # Sec. 4.1, whose full count is s*b*h*(34 + 5*a*s/h); the second term is the attention scores): ~34*s*b*h bytes.
-    # Policy and critic both run forward on the batch: 2 models x L layers. Plus the vocabulary-sized outputs:
-    # bf16 logits over the sequence (2*b*s*V) and fp32 log-softmax over the response (4*b*r*V, about 3 copies).
-    activations = 2 * L * 34 * s * b * h + 2 * b * s * V + 3 * 4 * b * r * V
-    # Rollout: generation keeps a key/value cache of 2 (K and V) x L layers x b_roll x s x h in bf16
-    kv_cache = 2 * L * b_roll * s * h * 2
-
-    # ZeRO-3 gathers the trained model's layers as they run: at most stage3_max_live_parameters (1e9) in bf16
-    zero3_gathered = 2 * 1e9
-
-    # ppo.py runs three phases one after the other, so the peak is the largest of them (the frozen models are
-    # moved back to the CPU, or their gathered layers released, before the policy trains):
-    #   rollout  = model states + KV cache of the generation          (policy samples responses)
-    #   scoring  = model states + the frozen models' GPU share        (reference logprobs, RM scores)
-    #   training = model states + activations of one micro batch      (PPO epochs)
-    phases = {
-        "zero2": {"rollout": zero2_states + kv_cache, "scoring": zero2_states + zero2_frozen,
-                  "training": zero2_states + activations},
-        "zero3": {"rollout": zero3_states + zero3_gathered + kv_cache,
-                  "scoring": zero3_states + zero3_frozen_gpu_cap,
-                  "training": zero3_states + zero3_gathered + activations},
-    }
-    peak2, peak3 = max(phases["zero2"].values()), max(phases["zero3"].values())
+    c = RECIPE_SCRIPTS["ppo.py"]
+    b, chunk, s, r = c["micro"], c["chunk"][1], c["s"], c["r"]  # ppo.py's defaults (the paper's)
+    settings = {"zero2": (2, False), "zero3": (3, False), "zero3 --offload": (3, True)}
+    plain = {k: phase_estimate("ppo.py", "6.9b", st, b, chunk, False, off) for k, (st, off) in settings.items()}
+    ckpt = {k: phase_estimate("ppo.py", "6.9b", st, b, chunk, True, off) for k, (st, off) in settings.items()}
+    activations = 2 * L * 34 * s * b * h
+    activations_ckpt = 2 * (L * 2 * s * b * h + 34 * s * b * h)
+    kv_cache = 2 * L * chunk * s * h * 2
 
     def gib(x: float) -> str:
         return f"{x / GiB:.1f}"
 
+    def row(name: str, values, formula: str = "") -> str:
+        return f"| {name} | " + " | ".join(values) + f" | {formula} |"
+
+    states = [2 * trained + 14 * trained / N, 16 * trained / N, 16 * trained / N]
     lines = [
         "## Worked example: PPO at Pythia-6.9B on 8 GPUs (an estimate, not a measurement)",
         "",
         f"Policy {policy:,} + critic {critic:,} parameters trained (P = {trained / 1e9:.2f}B) with AdamW in bf16 "
         f"(fp32 master weights and two fp32 moments); frozen reference {reference:,} + reward model {reward_model:,} "
-        f"(F = {frozen / 1e9:.2f}B) in bf16, both with `--offload`. Counts from the GPT-NeoX formula in "
-        "`gpt_neox_params`"
+        f"(F = {frozen / 1e9:.2f}B) in bf16. Counts from the GPT-NeoX formula in `gpt_neox_params`"
         + (f" (which gives {measured_params:,} for the measured model above: exactly its checkpoint's count)"
-           if measured_params is not None else "") + ". GiB per GPU (N = 8 processes):",
+           if measured_params is not None else "")
+        + f". ppo.py's defaults: micro batch {b}, rollout chunk {chunk}, {s} tokens. GiB per GPU (N = {N} processes); "
+        "the accounting is `phase_estimate`'s:",
         "",
-        "| per GPU | ZeRO-2 (zero2.yaml) | ZeRO-3 (zero3.yaml) | formula (ZeRO-2 ; ZeRO-3) |",
-        "| --- | --- | --- | --- |",
-        f"| bf16 weights of policy + critic | {gib(2 * trained)} | {gib(2 * trained / N)} | 2P ; 2P/N |",
-        f"| bf16 gradients | {gib(2 * trained / N)} | {gib(2 * trained / N)} | 2P/N |",
-        f"| fp32 master weights + AdamW m, v | {gib(12 * trained / N)} | {gib(12 * trained / N)} | 12P/N |",
-        f"| **model states** (always resident) | **{gib(zero2_states)}** | **{gib(zero3_states)}** | 2P+14P/N ; 16P/N |",
-        f"| gathered layers of policy + critic | 0 | <= {gib(zero3_gathered)} | - ; 2 x stage3_max_live_parameters |",
-        f"| reference + RM on the GPU while scoring | {gib(zero2_frozen)} (one at a time, whole) | "
-        f"<= {gib(zero3_frozen_gpu_cap)} (gathered layers) | 2 max(ref, RM) ; 2 x stage3_max_live_parameters |",
-        f"| reference + RM in CPU RAM | {gib(2 * frozen)} per process ({gib(N * 2 * frozen)} per node) | "
-        f"{gib(frozen_cpu_per_rank)} per process ({gib(2 * frozen)} per node) | 2F ; 2F/N |",
-        f"| activations, micro batch {b} x {s} tokens, no checkpointing | {gib(activations)} | {gib(activations)} | "
-        "2L x 34sbh + 2bsV + 12brV |",
-        f"| generation KV cache, rollout batch {b_roll} | {gib(kv_cache)} | {gib(kv_cache)} | 2 x L x b x s x h x 2 |",
-        f"| rollout phase (states + KV cache) | {gib(phases['zero2']['rollout'])} | {gib(phases['zero3']['rollout'])} | |",
-        f"| scoring phase (states + frozen models) | {gib(phases['zero2']['scoring'])} | "
-        f"{gib(phases['zero3']['scoring'])} | |",
-        f"| training phase (states + activations) | {gib(phases['zero2']['training'])} | "
-        f"{gib(phases['zero3']['training'])} | |",
-        f"| **estimated peak** (the largest phase) | **{gib(peak2)}** | **{gib(peak3)}** | |",
+        "| per GPU | ZeRO-2 (zero2.yaml) | ZeRO-3 (zero3.yaml) | ZeRO-3 with --offload | formula |",
+        "| --- | --- | --- | --- | --- |",
+        row("bf16 weights of policy + critic", [gib(2 * trained), gib(2 * trained / N), gib(2 * trained / N)],
+            "2P ; 2P/N"),
+        row("bf16 gradients + fp32 master weights + AdamW m, v", [gib(14 * trained / N)] * 3, "14P/N"),
+        row("**model states** (always resident)", [f"**{gib(x)}**" for x in states], "2P+14P/N ; 16P/N"),
+        row("reference + RM on the GPU between phases", [gib(2 * frozen), gib(2 * frozen / N), "0"],
+            "2F ; 2F/N ; 0 (CPU partitions, 2F/N per process)"),
+        row("policy + critic gathered for a rollout (--gather_for_generation)", ["0", gib(2 * trained),
+                                                                                  gib(2 * trained)], "- ; 2P"),
+        row(f"activations, micro batch {b}, no checkpointing", [gib(activations)] * 3, "2 x L x 34sbh"),
+        row(f"activations, micro batch {b}, --gradient_checkpointing", [gib(activations_ckpt)] * 3,
+            "2 x (L x 2sbh + 34sbh)"),
+        row(f"generation KV cache, rollout chunk {chunk}", [gib(kv_cache)] * 3, "2 x L x chunk x s x h x 2"),
+        row("rollout phase", [gib(p["generation"]) for p in plain.values()]),
+        row("training phase", [gib(p["training"]) for p in plain.values()]),
+        row("training phase with --gradient_checkpointing", [gib(p["training"]) for p in ckpt.values()]),
+        row("**estimated peak** (the largest phase)", [f"**{gib(max(p.values()))}**" for p in plain.values()]),
+        row("**estimated peak with --gradient_checkpointing**", [f"**{gib(max(p.values()))}**" for p in ckpt.values()]),
         "",
-        f"Reading it: with ZeRO-2 the replicated bf16 weights of two 6.9B models ({gib(2 * trained)} GiB) and the "
-        f"activations of micro batch {b} need more than an 80 GiB GPU; ZeRO-3, which shards the weights too, fits, "
-        "with the frozen models' weights in CPU RAM. Activations grow linearly with `--local_micro_batch_size` "
-        "(halve it and they halve) and the KV cache with `--local_rollout_forward_batch_size`. Not counted: the "
-        "CUDA context (~0.5-1 GiB), DeepSpeed's communication buckets (reduce_bucket_size 5e8 elements, ~1 GiB in "
-        "bf16), the temporary fp32 gradient partition of the optimizer step, allocator fragmentation, and PyTorch's "
-        "temporary buffers: real peaks are higher than this table. Measure on the GPUs before trusting it.",
+        f"Reading it: ZeRO-2 replicates the bf16 weights of two 6.9B models ({gib(2 * trained)} GiB) and keeps the "
+        f"frozen pair whole on every GPU (or, with --offload, brings both for each rollout): more than the "
+        f"{HEADROOM:.0%} of an 80 GiB GPU the recipe allows, with or without checkpointing. ZeRO-3 shards the "
+        "states; its rollout holds the policy and critic gathered whole (`--gather_for_generation`), its training "
+        "phase the activations, which `--gradient_checkpointing` cuts from all layers' to the layers' inputs plus "
+        "one layer's. `--offload` (ZeRO-3 parameter offload) takes the frozen models' shards off the GPU. "
+        "Activations grow linearly with `--local_micro_batch_size` and the KV cache with "
+        "`--local_rollout_forward_batch_size`. Not counted: the CUDA context (~0.5-1 GiB), DeepSpeed's "
+        "communication buckets, allocator fragmentation and PyTorch's temporary buffers: real peaks are higher than "
+        f"this table, hence the {HEADROOM:.0%} headroom. Measure on the GPUs before trusting it.",
     ]
     return "\n".join(lines)
+
+
+# ================================================================================================
+# The paper's sizes on 80 GB GPUs: per-phase estimate and the README's per-size flags (no measurement)
+# ================================================================================================
+# Pythia's configurations (config.json of EleutherAI/pythia-{size}-deduped): hidden, layers, MLP width, vocabulary
+PYTHIA_SIZES = {"1b": (2048, 16, 8192, 50304), "2.8b": (2560, 32, 10240, 50304), "6.9b": (4096, 32, 16384, 50432)}
+GPU_GIB = 80  # the GPU the recipe assumes: one of 8 (zero2.yaml / zero3.yaml) with 80 GiB, an A100 or H100 80 GB
+NUM_GPUS = 8
+# The estimate counts weights, gradients, optimizer states, activations, the LM head's outputs and the KV cache. The
+# rest (CUDA context, DeepSpeed's communication buckets, the optimizer step's temporary fp32 gradients, allocator
+# fragmentation, PyTorch's temporary buffers) has no formula here: a recipe may fill HEADROOM of the GPU, not all.
+HEADROOM = 0.85
+LIVE_PARAMETERS = 1e9  # DeepSpeed's stage3_max_live_parameters default: ZeRO-3 holds at most this many gathered
+# What the estimate reads of each script's defaults (the paper's; TL;DR's widths from data/prepare.py): sequences
+# per row (a preference pair is two), tokens per sequence (query 512 + response 53, or + the RM's 169), response
+# tokens the LM head computes (0: a scalar head only), rows per process and minibatch (total_batch_size / 8 /
+# num_mini_batches), the default micro batch, the flag of the generation (or scoring) chunk and its default, and
+# the models that train and that stay frozen ("lm": a causal LM, "rm": a scalar-head model: reward model, critic).
+RECIPE_SCRIPTS = {
+    "sft.py": {"seqs": 1, "s": 565, "r": 53, "rows": 128 // 8, "micro": 16, "chunk": ("--local_eval_batch_size", 32),
+               "trained": ("lm",), "frozen": (), "offload_flag": False},
+    "reward.py": {"seqs": 2, "s": 681, "r": 0, "rows": 64 // 8, "micro": 8, "chunk": None,
+                  "trained": ("rm",), "frozen": (), "offload_flag": False},
+    "dpo.py": {"seqs": 2, "s": 681, "r": 169, "rows": 64 // 8, "micro": 8, "chunk": ("--local_eval_batch_size", 8),
+               "trained": ("lm",), "frozen": ("lm",), "offload_flag": False},
+    "ppo.py": {"seqs": 1, "s": 565, "r": 53, "rows": 512 // 8, "micro": 8,
+               "chunk": ("--local_rollout_forward_batch_size", 64), "trained": ("lm", "rm"), "frozen": ("lm", "rm"),
+               "offload_flag": True},
+}
+
+
+def phase_estimate(script: str, size: str, stage: int, micro: int, chunk: int, checkpointing: bool, offload: bool,
+                   gpus: int = NUM_GPUS) -> dict:
+    """Bytes per GPU in each phase of `script` at Pythia-`size` under ZeRO-`stage` on `gpus` GPUs in bf16 (phases run
+    one after the other; the run's peak is the largest). The accounting:
+      model states (P trained parameters; ZeRO paper, Rajbhandari et al. 2020, Sec. 3.1): bf16 weights 2P, bf16
+        gradients 2P, fp32 master weights and AdamW's m and v 12P; ZeRO-2 splits gradients and optimizer states over
+        the GPUs (2P + 14P/N), ZeRO-3 the weights too (16P/N), and gathers a trained model's layers as they run, at
+        most LIVE_PARAMETERS at a time;
+      frozen models (reference, reward model; bf16, 2 bytes per parameter): ZeRO-2 keeps them whole on every GPU, or
+        with --offload in CPU memory, brought whole to the GPU for a phase (both for a PPO rollout); ZeRO-3 keeps 1/N
+        of them on each GPU and gathers at most LIVE_PARAMETERS of one at a time as it runs, or with --offload (ZeRO-3
+        parameter offload) keeps its partitions in CPU memory and none on the GPU between uses;
+      activations of one micro batch of B sequences of s tokens (Korthikanti et al. 2022, Sec. 4.1, 16-bit, with a
+        fused attention kernel that stores no s x s scores): 34 s B h bytes per layer and trained model, all L layers
+        kept; with --gradient_checkpointing each layer keeps its bf16 input (2 s B h) and one layer at a time is rerun
+        in the backward pass (34 s B h);
+      the LM head's outputs over the r response positions it computes: bf16 logits and about three fp32 copies of
+        the log-softmax, 14 B r V bytes;
+      generation (a PPO rollout, an SFT or DPO evaluation's samples) in chunks: the key/value cache, 2 (K and V) x L x
+        chunk x s x h x 2 bytes, and under ZeRO-3 the trained engine's weights gathered whole for the phase
+        (--gather_for_generation, on by default: 2P); a PPO rollout also scores each chunk with no-grad forwards (one
+        layer's activations at a time and the head's outputs) after its generation has freed the cache;
+      DPO's reference forward on each micro batch (no grad): one layer's activations and the head's outputs;
+      the optimizer step: the GPU's gradient partition in fp32 (4P/N) beside the model states."""
+    h, L, i, V = PYTHIA_SIZES[size]
+    c = RECIPE_SCRIPTS[script]
+    params = {"lm": gpt_neox_params(h, L, V, i), "rm": gpt_neox_params(h, L, V, i, lm_head=False)}
+    trained = sum(params[m] for m in c["trained"])
+    frozen = [params[m] for m in c["frozen"]]
+    states = 2 * trained + 14 * trained / gpus if stage == 2 else 16 * trained / gpus
+    gathered = 0 if stage == 2 else 2 * min(LIVE_PARAMETERS, max(params[m] for m in c["trained"]))
+    if stage == 2:  # frozen weights on the GPU between phases, and those brought for a phase (--offload)
+        resident, brought = (0, 2 * sum(frozen)) if offload else (2 * sum(frozen), 0)
+    else:
+        resident, brought = (0 if offload else 2 * sum(frozen) / gpus), 2 * min([LIVE_PARAMETERS, *frozen])
+    s, r, B = c["s"], c["r"], c["seqs"] * micro
+    layer = lambda rows: 34 * s * rows * h  # noqa: E731  one layer's activations, bytes
+    head = lambda rows: 14 * rows * r * V  # noqa: E731  the LM head's outputs, bytes
+    kept = L * 2 * s * B * h + layer(B) if checkpointing else L * layer(B)
+    phases = {"training": states + resident + gathered + len(c["trained"]) * kept + head(B),
+              "step": states + resident + 4 * trained / gpus}
+    if c["chunk"] is not None:
+        engine = 0 if stage == 2 else 2 * trained  # ZeRO-3, --gather_for_generation
+        kv_cache = 2 * L * chunk * s * h * 2
+        scoring = layer(chunk) + head(chunk) if script == "ppo.py" else 0
+        phases["generation"] = states + resident + engine + (brought if script == "ppo.py" else 0) + max(kv_cache,
+                                                                                                        scoring)
+    if script == "dpo.py":
+        phases["reference"] = states + resident + (0 if stage == 2 else brought) + layer(B) + head(B)
+    return phases
+
+
+MIN_MICRO = 4  # rows: below this micro batch a recipe turns checkpointing on instead
+
+
+def halvings(n: int) -> list:
+    """n, n/2, ..., 1 (the micro batches and chunks a recipe tries, largest first)."""
+    return [n >> k for k in range(n.bit_length())]
+
+
+def recipe(script: str, size: str, gpu_gib: float = GPU_GIB) -> dict:
+    """The flags of `script` at Pythia-`size` on 8 GPUs of `gpu_gib`: the first setting, in this order, whose
+    estimated peak fits HEADROOM of the GPU: ZeRO-2 before ZeRO-3 (no gathers), no offload before --offload (no CPU
+    transfers; ppo.py only), then micro batches of at least MIN_MICRO rows without checkpointing before
+    --gradient_checkpointing (whose second forward pass costs more than a smaller micro batch, down to MIN_MICRO),
+    each the largest micro batch first, then the largest chunk. The update stays the paper's: gradient accumulation
+    makes up the rows per process that a smaller micro batch leaves out."""
+    c = RECIPE_SCRIPTS[script]
+    budget = HEADROOM * gpu_gib * 2**30
+    batches = [(False, m) for m in halvings(c["micro"]) if m >= min(MIN_MICRO, c["micro"])]
+    batches += [(True, m) for m in halvings(c["micro"])]
+    for stage in (2, 3):
+        for offload in (False, True) if c["offload_flag"] else (False,):
+            for checkpointing, micro in batches:
+                for chunk in halvings(c["chunk"][1]) if c["chunk"] else [0]:
+                    peak = max(phase_estimate(script, size, stage, micro, chunk, checkpointing, offload).values())
+                    if peak <= budget:
+                        return {"stage": stage, "offload": offload, "checkpointing": checkpointing, "micro": micro,
+                                "accumulation": c["rows"] // micro, "chunk": chunk, "peak_gib": peak / 2**30}
+    raise ValueError(f"{script} at Pythia-{size} fits no setting on a {gpu_gib} GiB GPU by this estimate")
+
+
+def recipe_flags(script: str, settings: dict) -> list:
+    """A recipe as the command-line flags of the script (after `--config_file zeroN.yaml script`)."""
+    c = RECIPE_SCRIPTS[script]
+    flags = ["--local_micro_batch_size", str(settings["micro"]), "--gradient_accumulation_steps",
+             str(settings["accumulation"])]
+    if c["chunk"] is not None:
+        flags += [c["chunk"][0], str(settings["chunk"])]
+    return flags + (["--gradient_checkpointing"] if settings["checkpointing"] else []) + (
+        ["--offload"] if settings["offload"] else [])
+
+
+# The README's per-size commands, with the per-size flags spliced in: {flags}
+README_COMMANDS = {
+    "sft.py": "sft.py --base_model EleutherAI/pythia-{size}-deduped \\\n    {flags} \\\n"
+              "    --query_dataset data/processed/tldr/sft --output_dir models/sft_{size}",
+    "reward.py": "reward.py --sft_model_path models/sft_{size} \\\n    {flags} \\\n"
+                 "    --preference_dataset data/processed/tldr/preference --query_dataset data/processed/tldr/sft "
+                 "--output_dir models/rm_{size}",
+    "ppo.py": "ppo.py --sft_model_path models/sft_{size} --reward_model_path models/rm_{size} \\\n    {flags} \\\n"
+              "    --query_dataset data/processed/tldr/sft --output_dir models/ppo_{size}",
+    "dpo.py": "dpo.py --sft_model_path models/sft_{size} \\\n    {flags} \\\n"
+              "    --preference_dataset data/processed/tldr/preference --query_dataset data/processed/tldr/sft "
+              "--output_dir models/dpo_{size}",
+}
+
+
+def recipe_commands(gpu_gib: float = GPU_GIB) -> str:
+    """The README's per-size block (`python tools/measure_memory.py --recipe` prints it)."""
+    lines = []
+    for size in PYTHIA_SIZES:
+        lines.append(f"# Pythia-{size.upper()}")
+        for script, command in README_COMMANDS.items():
+            try:
+                settings = recipe(script, size, gpu_gib)
+            except ValueError as error:
+                lines.append(f"# {error}")
+                continue
+            flags = " ".join(recipe_flags(script, settings))
+            lines.append(f"accelerate launch --config_file zero{settings['stage']}.yaml "
+                         + command.format(size=size, flags=flags))
+    return "\n".join(lines)
+
+
+def recipe_table(gpu_gib: float = GPU_GIB) -> str:
+    """Each recipe with its estimated peak and that of the same flags without checkpointing (Markdown)."""
+    rows = ["| size | script | ZeRO | micro x accumulation | chunk | checkpointing | offload | estimated peak GiB "
+            "| without checkpointing |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for size in PYTHIA_SIZES:
+        for script in README_COMMANDS:
+            try:
+                r = recipe(script, size, gpu_gib)
+            except ValueError:
+                rows.append(f"| {size} | {script} | fits no setting | | | | | | |")
+                continue
+            plain = max(phase_estimate(script, size, r["stage"], r["micro"], r["chunk"], False, r["offload"]).values())
+            rows.append(f"| {size} | {script} | {r['stage']} | {r['micro']} x {r['accumulation']} | {r['chunk'] or '-'} "
+                        f"| {'yes' if r['checkpointing'] else 'no'} | {'yes' if r['offload'] else 'no'} "
+                        f"| {r['peak_gib']:.1f} | {plain / 2**30:.1f} |")
+    return "\n".join(rows)
 
 
 # ================================================================================================
@@ -573,6 +737,9 @@ def select_runs(args: Args) -> list:
 def main(args: Args) -> int:
     from tqdm import tqdm
 
+    if args.recipe:
+        print(recipe_commands(args.gpu_gib) + "\n\n" + recipe_table(args.gpu_gib))
+        return 0
     t_start = time.time()
     runs = select_runs(args)
     if args.intermediate_size is None:
