@@ -1,6 +1,7 @@
-"""The user's reward function (--reward_fn path.py:function of ppo.py, rloo.py, grpo.py and online_dpo.py): loaded from
-its file, and its answers checked. Like run_infra.py, whose RunError it raises, it decides no number: each script calls
-the function itself and turns its answers into its reward tensor (function_scores, the same copy in each).
+"""The user's reward function (--reward_fn path.py:function of ppo.py, rloo.py, grpo.py, reinforce_pp.py and
+online_dpo.py): loaded from its file, and its answers checked. Like run_infra.py, whose RunError it raises, it
+decides no number: each script calls the function itself and turns its answers into its reward tensor
+(function_scores, the same copy in each).
 
   load_reward_fn(spec)    the function, run from its file when the run starts, before any model loads: a missing file
                           or name is one error (reward_fn_of(args): with the checks of the scorers the flags name)
