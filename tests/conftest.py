@@ -264,6 +264,21 @@ def prepare_small_task(out_dir: str, *extra: str) -> dict:
 
 
 @pytest.fixture(scope="session")
+def tiny_models(synthetic_task, tmp_path_factory) -> dict:
+    """For the runs of ppo.py's forks (test_rloo, test_grpo, test_reinforce_pp): the base model stands in for the SFT
+    policy; the RM is the base model with a fresh scalar head, seeded, so every worker makes the same one."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    tokenizer = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(synthetic_task["base_model"], num_labels=1).save_pretrained(root / "rm")
+    tokenizer.save_pretrained(root / "rm")
+    return {"sft": synthetic_task["base_model"], "rm": str(root / "rm")}
+
+
+@pytest.fixture(scope="session")
 def ci_pipeline(tmp_path_factory) -> tuple:
     """`pipeline.py --mode ci` once a session, with a fork outside the project named by --extra: its folder and its
     command. test_pipeline checks its artefacts and reruns it; test_ablate takes its prep, SFT and RM as the ablations'

@@ -199,19 +199,6 @@ def test_whitening_over_two_processes_is_that_of_one(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Subprocess runs on the built-in task
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_models(synthetic_task, tmp_path_factory):
-    """The base model stands in for the SFT policy; an RM is the base model with a fresh scalar head."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    root = tmp_path_factory.mktemp("reinforce_pp_models")
-    tokenizer = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_pretrained(synthetic_task["base_model"], num_labels=1).save_pretrained(root / "rm")
-    tokenizer.save_pretrained(root / "rm")
-    return {"sft": synthetic_task["base_model"], "rm": str(root / "rm")}
-
-
 def reinforce_pp_command(synthetic_task, tiny_models, root, run_name, total_episodes=16, extra=()):
     """A small run: updates of 8 episodes, 2 epochs x 2 minibatches x 2 micro batches."""
     task = json.load(open(synthetic_task["task_json"]))
