@@ -70,7 +70,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
     check_query_response, check_reward_tokenizer, due, evaluation_rng, save_pretrained_model, saving, start_processes,
-    checkpointed, upload_to_hub,
+    checkpointed, leave_processes, upload_to_hub,
 )
 
 
@@ -1301,3 +1301,4 @@ def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)

@@ -64,7 +64,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
     check_qlora_flags, check_query_response, due, evaluation_rng, frame_markdown, save_pretrained_model,
-    checkpointed, gathered_for_generation, start_processes, upload_to_hub,
+    checkpointed, gathered_for_generation, leave_processes, start_processes, upload_to_hub,
 )
 
 
@@ -1271,3 +1271,4 @@ def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)

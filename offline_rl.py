@@ -63,7 +63,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, NonFiniteError, Run, RunError, check_columns, check_data_tokenizer, check_finite,
     check_gradient_accumulation, check_query_response, check_reward_tokenizer, due, evaluation_rng, frame_markdown,
-    checkpointed, gathered_for_generation, save_pretrained_model, start_processes,
+    checkpointed, gathered_for_generation, save_pretrained_model, leave_processes, start_processes,
 )
 
 
@@ -1424,3 +1424,4 @@ def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)

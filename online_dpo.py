@@ -64,7 +64,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
     check_qlora_flags, check_query_response, check_reward_tokenizer, due, evaluation_rng, frame_markdown,
-    checkpointed, gathered_for_generation, save_pretrained_model, start_processes, upload_to_hub,
+    checkpointed, gathered_for_generation, save_pretrained_model, leave_processes, start_processes, upload_to_hub,
 )
 from user_reward import check_rewards, load_reward_fn, reward_fn_errors  # --reward_fn: load and check (user_reward.py)
 
@@ -1716,3 +1716,4 @@ def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)

@@ -50,7 +50,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    checkpointed, check_query_response, due, save_pretrained_model, start_processes, upload_to_hub,
+    checkpointed, check_query_response, due, save_pretrained_model, leave_processes, start_processes, upload_to_hub,
 )
 
 
@@ -988,3 +988,4 @@ def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)

@@ -48,7 +48,7 @@ from transformers.integrations import deepspeed_config, is_deepspeed_zero3_enabl
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
     check_qlora_flags, check_query_response, check_reward_tokenizer, due, evaluation_rng, save_pretrained_model,
-    checkpointed, gathered_for_generation, start_processes, synced_time, upload_to_hub,
+    checkpointed, gathered_for_generation, leave_processes, start_processes, synced_time, upload_to_hub,
 )
 from user_reward import check_rewards, reward_fn_errors, reward_fn_of  # --reward_fn: load and check (user_reward.py)
 
@@ -1429,3 +1429,4 @@ def merged_policy(policy) -> torch.nn.Module:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)

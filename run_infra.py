@@ -341,11 +341,25 @@ def start_processes(timeout_min: float = 60.0) -> PartialState:
     waits for the other processes before it fails; accelerate hands it to torch.distributed.init_process_group, or
     under DeepSpeed to deepspeed.init_distributed, which hands it on to torch (their own default: 10 minutes)."""
     atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
-    timeout = datetime.timedelta(minutes=timeout_min)
-    if torch.cuda.is_available():
-        return PartialState(timeout=timeout)
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    return PartialState(backend="gloo", timeout=timeout) if deepspeed else PartialState(cpu=True, timeout=timeout)
+    backend = {} if torch.cuda.is_available() else {"backend": "gloo"} if deepspeed else {"cpu": True}
+    return PartialState(timeout=datetime.timedelta(minutes=timeout_min), **backend)
+
+
+def leave_processes() -> None:
+    """End a process that joined a process group, once its script's main() has returned: every exit handler now (the
+    group destroyed, TensorBoard's and W&B's files closed, temporary folders removed), then os._exit(0), without the
+    interpreter's teardown. Why: DeepSpeed keeps its own references to the process groups (every ZeRO-3 parameter,
+    its engines, deepspeed.utils.groups), so destroying them at exit cannot stop gloo's worker threads. A worker that
+    drops the last C++ reference of a tensor Python also holds (the last collectives') must take the GIL, and once
+    the interpreter's teardown has begun Python ends such a thread with pthread_exit: the unwind through gloo's
+    noexcept run loop calls std::terminate, "terminate called without an active exception" and exit -6 after the run
+    saved everything (PyTorch issue 190489). Without the teardown no thread outlives a living interpreter. The
+    scripts call it after main(), never inside it (the tests run main() in their own process)."""
+    if torch.distributed.is_initialized():  # (one process without a launcher has no group: the usual exit)
+        atexit._run_exitfuncs()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
 
 
 def synced_time(device: torch.device) -> float:
@@ -451,9 +465,8 @@ def file_sha256(file: str, cache: dict, fresh: dict) -> bytes:
 
 
 def read_digest_cache() -> dict:
-    with contextlib.suppress(OSError, ValueError):
-        with open(DIGEST_CACHE) as f:
-            cache = json.load(f)
+    with contextlib.suppress(OSError, ValueError), open(DIGEST_CACHE) as f:
+        cache = json.load(f)
         return cache if isinstance(cache, dict) else {}
     return {}
 

@@ -59,12 +59,10 @@ os.makedirs(out_dir, exist_ok=True)
 torch.save({"weights": weights, "initial_seed": torch.initial_seed(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             "engines": engines, "checkpointing": checkpointing, "zero_stage": plugin.zero_stage if plugin is not None else None},
            os.path.join(out_dir, f"rank{rank}.pt"))
-# leave together, once every rank's record is written, and without the interpreter's teardown: under ZeRO-3 a rank
-# sometimes aborted there ("terminate called without an active exception", exit -6) after all its work was done,
-# even with the process group destroyed first. The records above are what the tests check; that abort is a
-# known teardown problem of its own (docs/results.md, Test suite), not a result of the run
+# leave together, once every rank's record is written, the way the scripts leave after main() (run_infra's
+# leave_processes: the exit handlers, then no interpreter teardown, where a ZeRO-3 rank could abort)
 if torch.distributed.is_initialized():
     torch.distributed.barrier()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+import run_infra  # noqa: E402  (on sys.path above)
+
+run_infra.leave_processes()

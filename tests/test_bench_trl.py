@@ -113,6 +113,18 @@ def test_rows_must_fill_whole_batches():
         bench_trl.rows_of("dpo", [48, 96])
     with pytest.raises(ValueError, match="N1 < N2"):
         bench_trl.rows_of("sft", [64, 32])
+    assert bench_trl.rows_of("sft", [8], "pythia410m") == (8,)  # one size: per-step times and memory only
+    with pytest.raises(ValueError, match="not a multiple of sft's batch of 8"):
+        bench_trl.rows_of("sft", [12], "pythia410m")
+
+
+def test_one_size_gives_memory_and_no_rate():
+    """Runs of one size (--rows N): each side's peak memory is reported, the two-run rate and the ratio are NaN."""
+    runs = [dict(run("sft", side, 0, 8, wall), peak_rss_mib=rss) for side, wall, rss in
+            (("ours", 100.0, 1000.0), ("trl", 90.0, 1200.0))]
+    s = bench_trl.summarize(runs, "sft", "fp32")
+    assert s["rss_ours"] == 1000.0 and s["rss_trl"] == 1200.0
+    assert math.isnan(s["rate_ours"]) and math.isnan(s["ratio"])
 
 
 def test_conversion_keeps_the_tokens_of_every_row(synthetic_task):

@@ -38,6 +38,14 @@ def test_profile_of_a_small_sft_run(synthetic_task, tmp_path):
     assert report["plain_seconds"] > 0 and report["achieved_gflops"] > 0
     assert report["matmul_gflops_large"] > 0 and report["matmul_gflops_model_shape"] > 0
     assert "GFLOP/s" in (out / "profile.md").read_text()
+    # the phases: the imports before main(), main()'s direct calls (the training loop's and the model loading's
+    # among them) and main's own lines add up to the script's profiled time; each is a measured, nonnegative time
+    phases = dict(report["phases"])
+    assert phases["module body before main() (imports)"] > 0.5  # torch and transformers load there
+    assert phases["sft.py:sft_update"] > 0 and phases["main()'s own lines"] >= 0, phases
+    assert all(seconds >= -1e-6 for seconds in phases.values()), phases
+    assert sum(phases.values()) <= report["profiled_seconds"] + 1e-6
+    assert "| phase (under cProfile" in (out / "profile.md").read_text()
     # torch.mm is timed at the hidden size of the model the run built (recorded when it was tagged; None otherwise)
     hidden = json.load(open(os.path.join(synthetic_task["base_model"], "config.json")))["hidden_size"]
     assert report["flop_accounting"]["hidden_size"] == hidden

@@ -521,3 +521,59 @@ def test_a_checkpoint_of_an_older_script_version_is_refused_naming_what_it_lacks
     assert str(refused.value) == (
         f"--resume: {checkpoint} was written by an older version of this script (its trainer state has no budget); "
         "finish that run with the version that wrote it, or --restart to start over")
+
+
+# A process that joined a process group, then leave_processes(): an exit handler registered before the group (so it
+# runs after run_infra's, which destroys it), and an object whose __del__ only the interpreter's teardown would run.
+LEAVE_PROBE = """import atexit, os, socket, sys, torch
+sys.path.insert(0, {root!r})
+import run_infra
+out = {out!r}
+atexit.register(lambda: open(os.path.join(out, "handlers_ran"), "w").write(str(torch.distributed.is_initialized())))
+class Teardown:
+    def __del__(self, open=open, path=os.path.join(out, "teardown_ran")):  # (names bound now: teardown clears globals)
+        open(path, "w").write("yes")
+keep = Teardown()
+if {join!r}:
+    run_infra.start_processes()  # (registers the group's destruction at exit)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+run_infra.leave_processes()
+print("main went on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_leaving_after_a_process_group_runs_the_exit_handlers_and_skips_the_teardown(tmp_path, join):
+    """With a process group: the exit handlers run (the group destroyed first), the interpreter's teardown does not
+    (where a gloo worker thread can abort the process under DeepSpeed, docs/results.md), exit 0. Without one (a run
+    of one process), leave_processes returns and the process ends as usual."""
+    script = tmp_path / "leave_probe.py"
+    script.write_text(LEAVE_PROBE.format(root=REPO_ROOT, out=str(tmp_path), join=join))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "handlers_ran").read_text() == "False"  # ran, after the group was destroyed
+    assert (tmp_path / "teardown_ran").exists() is not join
+    assert ("main went on" in result.stdout) is not join
+
+
+def test_every_training_script_leaves_its_processes_right_after_main():
+    """Each script that joins a process group (start_processes) ends its __main__ block with main(...) and then
+    leave_processes(), so a user's multi-process run never reaches the teardown that could abort it."""
+    import ast
+
+    missing = []
+    for name in sorted(os.listdir(REPO_ROOT)):
+        if not name.endswith(".py") or name == "run_infra.py":
+            continue
+        source = open(os.path.join(REPO_ROOT, name)).read()
+        if "start_processes(" not in source:
+            continue
+        block = [node for node in ast.parse(source).body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+        calls = [ast.unparse(statement.value.func) for statement in block[-1].body if isinstance(statement, ast.Expr)] if block else []
+        if calls != ["main", "leave_processes"]:
+            missing.append(f"{name}: {calls}")
+    assert not missing, missing

@@ -91,12 +91,9 @@ def recording_rollout(args, *rest, **kwargs):
     record["per_layer"] = recorded_rollout(dataclasses.replace(args, gather_for_generation=False), *rest, **kwargs)
     os.makedirs(out_dir, exist_ok=True)
     torch.save(record, os.path.join(out_dir, f"rank{int(os.environ.get('RANK', '0'))}.pt"))
-    # leave together, without the rest of the run and the interpreter's teardown (as tests/mp_probe.py does: a ZeRO-3
-    # rank sometimes aborts there after all its work is done)
+    # leave together, without the rest of the run (run_infra's leave_processes, as the scripts leave after main())
     torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    sys.modules["run_infra"].leave_processes()
 
 
 ppo.place_frozen_models, ppo.rollout = recording_place, recording_rollout

@@ -199,7 +199,7 @@ class Args:
     """which comparisons to run: any of sft reward dpo ppo"""
     rows: Optional[list[int]] = None
     """N1 N2: rows (SFT rows, preference pairs, PPO episodes) of the short and the long run; each a multiple of the
-    trainer's batch. None = per trainer: sft, reward and dpo 256 2048, ppo 128 512 (builtin); at the other shapes
+    trainer's batch. One N: runs of that size only (per-step times and peak memory, no two-run rate). None = per trainer: sft, reward and dpo 256 2048, ppo 128 512 (builtin); at the other shapes
     sft, reward and ppo 16 48, dpo 8 24"""
     repeats: int = 3
     """runs of each (side, N); the table gives the median"""
@@ -286,18 +286,19 @@ def resolve_precisions(requested: list[str], cpu: dict) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def rows_of(trainer: str, rows: Optional[list[int]], shape: str = "builtin") -> tuple[int, int]:
-    """N1 < N2 for one trainer, each a whole number of its batches (our scripts drop an incomplete last batch)."""
+def rows_of(trainer: str, rows: Optional[list[int]], shape: str = "builtin") -> tuple:
+    """N1 < N2 for one trainer, each a whole number of its batches (our scripts drop an incomplete last batch); or
+    one N alone (per-step times and peak memory, no two-run rate)."""
     s = settings_for(shape)[trainer]
-    n1, n2 = s["rows"] if rows is None else rows
+    sizes = tuple(s["rows"] if rows is None else rows)
     batch = s["batch"]
-    if not 0 < n1 < n2:
-        raise ValueError(f"--rows {n1} {n2}: need 0 < N1 < N2")
-    for n in (n1, n2):
+    if len(sizes) == 2 and not 0 < sizes[0] < sizes[1] or min(sizes) <= 0:
+        raise ValueError(f"--rows {' '.join(map(str, sizes))}: need 0 < N1 < N2 (or one N > 0)")
+    for n in sizes:
         if n % batch:
             raise ValueError(f"--rows: {n} is not a multiple of {trainer}'s batch of {batch}; use "
                              f"{n // batch * batch or batch} or {(n // batch + 1) * batch}")
-    return n1, n2
+    return sizes
 
 
 def schedule(trainers: list[str], precisions: list[str], repeats: int, rows: dict,
@@ -330,8 +331,8 @@ def summarize(runs: list[dict], trainer: str, precision: str, sides: tuple = ("o
     measured). None when no repeat is complete."""
     mine = [r for r in runs if r["trainer"] == trainer and r["precision"] == precision and r["ok"]]
     walls = {(r["side"], r["repeat"], r["rows"]): r["wall_s"] for r in mine}
-    sizes = sorted({r["rows"] for r in mine})
-    if len(sizes) < 2:
+    sizes = sorted({r["rows"] for r in mine})  # one size: no rate (NaN), the per-step times and memory only
+    if not sizes:
         return None
     n1, n2 = sizes[0], sizes[-1]
     sides = [s for s in SIDES if s in sides]
@@ -997,8 +998,8 @@ def main(args: Args) -> dict:
     unknown = [t for t in args.trainers if t not in TRAINERS]
     if unknown:
         raise ValueError(f"--trainers {' '.join(unknown)}: expected some of {' '.join(TRAINERS)}")
-    if args.rows is not None and len(args.rows) != 2:
-        raise ValueError(f"--rows takes two numbers, N1 N2 (got {args.rows})")
+    if args.rows is not None and len(args.rows) not in (1, 2):
+        raise ValueError(f"--rows takes two numbers, N1 N2, or one N (got {args.rows})")
     sides = check_sides(args)
     settings = settings_for(args.shape)
     for trainer_settings in settings.values():  # both sides read it from the settings (bench.json records it)
@@ -1027,7 +1028,7 @@ def main(args: Args) -> dict:
     if args.shape == "builtin":
         paths = prepare_inputs(args, work, env)
     else:
-        longest = {kind: max([rows[t][1] for t in args.trainers if kind_of[t] == kind], default=0)
+        longest = {kind: max([rows[t][-1] for t in args.trainers if kind_of[t] == kind], default=0)
                    for kind in ("sft", "preference")}
         paths = make_shape_inputs(args.shape, work, longest)
     shape_line = describe_shape(args.shape, paths, settings, args.trainers)

@@ -91,6 +91,24 @@ def time_shares(prof_path: str, wall: float) -> dict:
     return {"profiled_seconds": total, "plain_seconds": wall, "shares": {k: v / total for k, v in parts.items()}}
 
 
+def phases(stats: pstats.Stats, script: str) -> List[tuple]:
+    """A run's fixed costs and work, phase by phase, from its cProfile stats: the script's module body before main()
+    (its imports), each function main() calls directly (the cumulative seconds of its calls from main, all calls of
+    one function together), and main's own lines; longest first. [(phase, seconds)]."""
+    own = {key: value for key, value in stats.stats.items() if os.path.exists(key[0]) and os.path.samefile(key[0], script)}
+    main_key = next((key for key in own if key[2] == "main"), None)
+    module_key = next((key for key in own if key[2] == "<module>"), None)
+    if main_key is None or module_key is None:
+        return []
+    main_total = stats.stats[main_key][3]
+    called = [(f"{os.path.basename(key[0])}:{key[2]}" if key[0] != "~" else key[2], callers[main_key][3])
+              for key, (_, _, _, _, callers) in stats.stats.items() if main_key in callers]
+    called.sort(key=lambda item: -item[1])
+    rest = main_total - sum(seconds for _, seconds in called)
+    return [("module body before main() (imports)", stats.stats[module_key][3] - main_total), *called,
+            ("main()'s own lines", rest)]
+
+
 class Call:
     """One forward call of a transformer body or an output layer, with the FLOPs of its forward and its backward.
     `computed`: the token positions (body) or rows (output layer) it ran on; `needed`: how many of them the run
@@ -415,6 +433,8 @@ def main(args: Args, argv: List[str]) -> None:
     flops = counted["flops"]
     if args.cprofile:
         report = time_shares(os.path.join(args.out, "cprofile.stats"), wall)
+        script = argv[0] if os.path.isabs(argv[0]) else os.path.join(REPO_ROOT, argv[0])
+        report["phases"] = phases(pstats.Stats(os.path.join(args.out, "cprofile.stats")), script)
         model_share = report["shares"]["transformer forward passes"] + report["shares"]["backward"]
     else:  # no shares: the rate is over the whole plain run
         report, model_share = {"profiled_seconds": None, "plain_seconds": wall, "shares": None}, 1.0
@@ -439,7 +459,11 @@ def main(args: Args, argv: List[str]) -> None:
             "| where the time goes (share of the profiled run) | share |", "| --- | --- |",
             *[f"| {name} | {share:.0%} |" for name, share in report["shares"].items()], "",
             f"Matmul FLOPs of the run: {flops / 1e9:.1f} GFLOP; over the plain run's time in forward + backward "
-            f"({model_share:.0%} of {wall:.1f} s): **{report['achieved_gflops']:.1f} GFLOP/s**, {machine}",
+            f"({model_share:.0%} of {wall:.1f} s): **{report['achieved_gflops']:.1f} GFLOP/s**, {machine}", "",
+            "| phase (under cProfile: the module body, then each call main() makes) | s | share |",
+            "| --- | --- | --- |",
+            *[f"| {name} | {seconds:.2f} | {seconds / report['profiled_seconds']:.0%} |"
+              for name, seconds in report["phases"]],
         ]
     else:
         lines = [

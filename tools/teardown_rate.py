@@ -5,7 +5,9 @@ interpreter's teardown: "terminate called without an active exception", exit -6)
 
     python tools/teardown_rate.py --runs 20                       # sft.py under zero3.yaml
     python tools/teardown_rate.py --runs 20 --script offline_rl     # the Decision Transformer (a reward model too)
-    python tools/teardown_rate.py --runs 80 --script probe          # a 2-process gather probe; probe_destroy
+    python tools/teardown_rate.py --runs 80 --script probe          # a 2-process gather probe; probe_destroy,
+                                                                    # probe_leave (ends as the scripts end)
+    python tools/teardown_rate.py --runs 20 --script probe --backtrace   # the native stack of each abort
 
 Prints one line per run (exit code, seconds, whether the model was saved, the abort line if any) and the rate
 failures / runs. It decides no number of any run; docs/results.md reports what it measured."""
@@ -54,9 +56,12 @@ def script_flags(script: str, task: str, run_dir: str) -> list:
 
 
 # the smallest run that meets the abort: two torchrun processes over gloo, one gather and one reduce, rank 0 writes
-# a file; `probe` leaves without destroying the process group, `probe_destroy` destroys it first (as run_infra's
-# exit handler does for every script)
+# a file. Every variant imports run_infra first (so that they differ only in how they end): `probe` ends as a plain
+# script does, `probe_destroy` destroys the process group first (what run_infra's exit handler does at exit),
+# `probe_leave` calls run_infra.leave_processes() (what the scripts do after main())
 PROBE = """import sys, torch
+sys.path.insert(0, {root!r})
+import run_infra
 from accelerate import Accelerator
 accelerator = Accelerator(cpu=True)
 x = torch.arange(4.0) + accelerator.process_index
@@ -64,14 +69,37 @@ gathered, total = accelerator.gather(x), accelerator.reduce(x, "sum")
 if accelerator.is_main_process:
     torch.save((gathered, total), sys.argv[1])
 """
+ENDINGS = {"probe": "", "probe_destroy": "torch.distributed.destroy_process_group()\n",
+           "probe_leave": "run_infra.leave_processes()\n"}
+# --backtrace: a preloaded library whose std::terminate handler prints the native stack (how the cause was found:
+# a gloo worker thread dropping a tensor, taking the GIL during the interpreter's teardown; docs/results.md)
+TERMINATE_HANDLER = r"""#include <exception>
+#include <execinfo.h>
+#include <cstdio>
+#include <cstdlib>
+static void handler() {
+  void* frames[64];
+  fprintf(stderr, "terminate: native stack\n");
+  backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
+  abort();
+}
+__attribute__((constructor)) static void install() { std::set_terminate(handler); }
+"""
+
+
+def terminate_handler(work: str) -> str:
+    """Compile TERMINATE_HANDLER (g++) into work/ and return the library's path, for LD_PRELOAD."""
+    source, library = os.path.join(work, "terminate_handler.cpp"), os.path.join(work, "terminate_handler.so")
+    open(source, "w").write(TERMINATE_HANDLER)
+    subprocess.run(["g++", "-shared", "-fPIC", "-O1", "-o", library, source], check=True)
+    return library
 
 
 def probe_command(script: str, work: str, i: int) -> list:
-    """torchrun on 2 processes of PROBE (with the process group destroyed at its end for probe_destroy)."""
+    """torchrun on 2 processes of PROBE, ended as ENDINGS[script] says."""
     path = os.path.join(work, f"{script}.py")
     if not os.path.exists(path):
-        destroy = "torch.distributed.destroy_process_group()\n" if script.endswith("destroy") else ""
-        open(path, "w").write(PROBE + destroy)
+        open(path, "w").write(PROBE.format(root=REPO_ROOT) + ENDINGS[script])
     with socket.socket() as s:  # a free rendezvous port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -82,7 +110,9 @@ def probe_command(script: str, work: str, i: int) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="how many runs")
-    parser.add_argument("--script", default="sft", help="sft, offline_rl, or probe / probe_destroy (torchrun only)")
+    parser.add_argument("--script", default="sft", help="sft, offline_rl, or probe / probe_destroy / probe_leave "
+                        "(torchrun only)")
+    parser.add_argument("--backtrace", action="store_true", help="print each abort's native stack (needs g++)")
     parser.add_argument("--config", default="zero3.yaml", help="the accelerate config the README ships")
     parser.add_argument("--workdir", default=None, help="where the task and the runs go (default: a temporary folder)")
     args = parser.parse_args()
@@ -91,6 +121,8 @@ def main() -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if args.script.startswith("probe"):  # torchrun's processes on the CPU, over gloo
         env["ACCELERATE_USE_CPU"] = "true"
+    if args.backtrace:
+        env["LD_PRELOAD"] = terminate_handler(work)
     if not args.script.startswith("probe") and not os.path.exists(os.path.join(task, "task.json")):
         subprocess.run([sys.executable, os.path.join(REPO_ROOT, "data", "prepare.py"), "--task", "synthetic",
                         "--output_dir", task, *SMALL_TASK], check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
