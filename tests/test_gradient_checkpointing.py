@@ -206,7 +206,7 @@ def test_readme_per_size_commands_are_the_recipe_and_fit_the_estimate():
 
 
 def test_bench_trl_runs_our_side_with_the_flag_when_asked():
-    """tools/bench_trl.py --gradient_checkpointing (the pending peak-memory comparison in docs/results.md): our
+    """tools/bench_trl.py --gradient_checkpointing (the peak-memory comparison in docs/results.md, Memory): our
     command carries the flag only then (TRL's side reads the same setting into its config)."""
     import bench_trl
 

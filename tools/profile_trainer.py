@@ -94,17 +94,27 @@ def time_shares(prof_path: str, wall: float) -> dict:
 def phases(stats: pstats.Stats, script: str) -> List[tuple]:
     """A run's fixed costs and work, phase by phase, from its cProfile stats: the script's module body before main()
     (its imports), each function main() calls directly (the cumulative seconds of its calls from main, all calls of
-    one function together), and main's own lines; longest first. [(phase, seconds)]."""
-    own = {key: value for key, value in stats.stats.items() if os.path.exists(key[0]) and os.path.samefile(key[0], script)}
+    one function together; those under 1 % of main's time in one row), and main's own lines; longest first.
+    [(phase, seconds)]."""
+    own = {key: value for key, value in stats.stats.items()
+           if os.path.exists(key[0]) and os.path.samefile(key[0], script)}
     main_key = next((key for key in own if key[2] == "main"), None)
     module_key = next((key for key in own if key[2] == "<module>"), None)
     if main_key is None or module_key is None:
         return []
     main_total = stats.stats[main_key][3]
-    called = [(f"{os.path.basename(key[0])}:{key[2]}" if key[0] != "~" else key[2], callers[main_key][3])
-              for key, (_, _, _, _, callers) in stats.stats.items() if main_key in callers]
+    def name(key) -> str:
+        if key[2] == "decorate_context":  # torch.no_grad's wrapper: name the script's functions it wraps
+            wrapped = sorted({k[2] for k, (*_, callers) in own.items() if key in callers})
+            return f"{os.path.basename(script)}:{' / '.join(wrapped)} (under torch.no_grad)"
+        return f"{os.path.basename(key[0])}:{key[2]}" if key[0] != "~" else key[2]
+
+    called = [(name(key), callers[main_key][3]) for key, (*_, callers) in stats.stats.items() if main_key in callers]
     called.sort(key=lambda item: -item[1])
     rest = main_total - sum(seconds for _, seconds in called)
+    small = [seconds for _, seconds in called if seconds < 0.01 * main_total]  # folded into one row
+    called = [item for item in called if item[1] >= 0.01 * main_total]
+    called.append(("other calls of main() (each < 1 %)", sum(small)))
     return [("module body before main() (imports)", stats.stats[module_key][3] - main_total), *called,
             ("main()'s own lines", rest)]
 
