@@ -90,6 +90,7 @@ __attribute__((constructor)) static void install() { std::set_terminate(handler)
 def terminate_handler(work: str) -> str:
     """Compile TERMINATE_HANDLER (g++) into work/ and return the library's path, for LD_PRELOAD."""
     source, library = os.path.join(work, "terminate_handler.cpp"), os.path.join(work, "terminate_handler.so")
+    os.makedirs(work, exist_ok=True)
     open(source, "w").write(TERMINATE_HANDLER)
     subprocess.run(["g++", "-shared", "-fPIC", "-O1", "-o", library, source], check=True)
     return library
