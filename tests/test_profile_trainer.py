@@ -73,3 +73,33 @@ def test_profile_of_a_small_sft_run(synthetic_task, tmp_path):
     markdown = (out / "profile.md").read_text()
     assert "| transformer body |" in markdown and "| output layer (LM head, score head) |" in markdown
     assert "Measured / minimum: **" in markdown
+
+
+def test_a_run_needs_no_tyro(tmp_path):
+    """--python runs the three runs in another environment (TRL's, which has no tyro): a run as main() starts it
+    (`--mode M --out DIR -- script ...`) must not import tyro. Here tyro fails to import, and the run still ends."""
+    blocker = tmp_path / "blocked"
+    blocker.mkdir()
+    (blocker / "tyro.py").write_text("raise ImportError('tyro is not installed in this environment')\n")
+    script = tmp_path / "work.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').write('ran')\n")
+    env = {**ENV, "PYTHONPATH": str(blocker)}
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "tools", "profile_trainer.py"), "--mode", "plain", "--out",
+           str(tmp_path / "out"), "--", str(script), str(tmp_path / "marker")]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "marker").read_text() == "ran"
+    assert json.loads((tmp_path / "out" / "plain.json").read_text())["wall"] > 0
+
+
+def test_functions_found_in_another_environment(tmp_path):
+    """A profile made with --python names the other environment's files: a function is found there by its path
+    inside site-packages (the same release), never by its bare name."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+    from profile_trainer import same_source
+
+    ours = os.path.join(os.sep, "venv", "lib", "python3.11", "site-packages", "transformers", "models", "x.py")
+    other = os.path.join(os.sep, "trl-venv", "lib", "python3.11", "site-packages", "transformers", "models", "x.py")
+    elsewhere = os.path.join(os.sep, "trl-venv", "lib", "python3.11", "site-packages", "transformers", "y.py")
+    assert same_source(other, ours) and not same_source(elsewhere, ours)
+    assert same_source(__file__, __file__) and not same_source(str(tmp_path / "x.py"), ours)

@@ -37,8 +37,6 @@ import time
 from dataclasses import dataclass
 from typing import List
 
-import tyro
-
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -52,6 +50,10 @@ class Args:
     """all = the three runs and the report; plain / cprofile / flops = one run in this process (used by `all`)"""
     cprofile: bool = True
     """run the cProfile pass (--no-cprofile skips it: no time shares, the FLOP rate is over the whole plain run)"""
+    python: str = sys.executable
+    """the Python of the three runs: this one, or another environment's with torch and transformers, e.g. the TRL
+    environment tools/bench_trl.py made, to profile TRL's trainer the same way: `--python <venv>/bin/python --
+    tools/bench_trl.py --_trl <a spec.json of its work folder>` (that environment needs no tyro)"""
 
 
 def run_script(argv: List[str]) -> None:
@@ -66,11 +68,20 @@ def run_script(argv: List[str]) -> None:
             raise
 
 
+def same_source(filename: str, other: str) -> bool:
+    """Whether a profiled file is `other`, this environment's copy of it: the same file, or the same path inside
+    site-packages (a run in another environment with the same releases, --python)."""
+    if os.path.exists(filename) and os.path.samefile(filename, other):
+        return True
+    inside = os.sep + "site-packages" + os.sep
+    return inside in filename and inside in other and filename.split(inside)[-1] == other.split(inside)[-1]
+
+
 def cumulative(stats: pstats.Stats, function) -> float:
     """Cumulative seconds of one Python function (all its calls, recursion counted once)."""
     code = function.__code__
     for (filename, line, name), (_, _, _, ct, _) in stats.stats.items():
-        if name == code.co_name and line == code.co_firstlineno and os.path.samefile(filename, code.co_filename):
+        if name == code.co_name and line == code.co_firstlineno and same_source(filename, code.co_filename):
             return ct
     return 0.0
 
@@ -436,7 +447,7 @@ def main(args: Args, argv: List[str]) -> None:
     for mode in modes:
         print(f"[profile] {mode} run of {' '.join(argv)}", flush=True)
         script_argv = [arg.replace("{mode}", mode) for arg in argv]  # e.g. --run_name prof_{mode}: a folder per run
-        command = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--out", args.out, "--", *script_argv]
+        command = [args.python, os.path.abspath(__file__), "--mode", mode, "--out", args.out, "--", *script_argv]
         subprocess.run(command, cwd=REPO_ROOT, env=env, check=True)
     wall = json.load(open(os.path.join(args.out, "plain.json")))["wall"]
     counted = json.load(open(os.path.join(args.out, "flops.json")))
@@ -490,8 +501,13 @@ def main(args: Args, argv: List[str]) -> None:
 if __name__ == "__main__":
     split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
     own, script_argv = sys.argv[1:split], sys.argv[split + 1 :]
-    parsed = tyro.cli(Args, args=own)
-    if parsed.mode == "all":
-        main(parsed, script_argv)
+    if len(own) == 4 and own[0] == "--mode" and own[2] == "--out":  # one run, as main() starts it: maybe with --python
+        child(own[1], own[3], script_argv)
     else:
-        child(parsed.mode, parsed.out, script_argv)
+        import tyro
+
+        parsed = tyro.cli(Args, args=own)
+        if parsed.mode == "all":
+            main(parsed, script_argv)
+        else:
+            child(parsed.mode, parsed.out, script_argv)
