@@ -5,9 +5,10 @@ human rater (chosen) and one not (rejected), with the pairwise loss -log sigmoid
 
   model    1. the SFT model's transformer trunk plus a bias-free linear head, weights drawn
               from N(0, std = 1 / sqrt(d_model + 1)); --reward_head_init library is the ablation      (Detail 11)
-  train    2. chosen and rejected rows of a micro batch in one forward pass; a sequence's reward is
-              the head's output at its EOS: the first [PAD] of the response minus 1 (the last
-              token when there is no pad)                                                             (Detail 12)
+  train    2. chosen and rejected of a micro batch in one forward call: each query once, both responses
+              reading its keys and values (--score_query_once; the reference runs two whole rows); a
+              sequence's reward is the head's output at its EOS: the first [PAD] of the response minus 1
+              (the last token when there is no pad)                                                   (Detail 12)
            3. loss -log sigmoid(r_chosen - r_rejected); 1 epoch, AdamW (eps 1e-5, lr 3e-6), cosine
               schedule, batch 64                                                             (Detail 10, Table 4)
   after    4. score the SFT reference summaries with a left-padded query (as PPO does) and as one
@@ -158,6 +159,12 @@ class Args:
     bf16: Optional[bool] = None
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow there)"""
+    score_query_once: bool = True
+    """each pair's query goes through the model once and its chosen and rejected responses read the query's keys and
+    values, instead of two whole rows (query + chosen, query + rejected) as the reference code and TRL run them: the
+    same rewards and gradients up to float rounding (causal attention: no query token sees a response), for less
+    compute. Reads the split's query_token, chosen_token and rejected_token columns. With --gradient_checkpointing
+    the rows run whole (transformers keeps no key/value cache under checkpointing)"""
     gradient_checkpointing: bool = False
     """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
     only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
@@ -198,14 +205,17 @@ class RewardScorer(torch.nn.Module):
 
     Training goes through this wrapper so that accelerate's DDP / DeepSpeed wrapper sees the whole
     scoring computation as one forward call (gradient synchronisation and accumulation hook into it).
-    Returns what `get_reward` returns: per-token reward logits (B, T), rewards (B,), EOS indices (B,)."""
+    Returns what `get_reward` returns: per-token reward logits (B, T), rewards (B,), EOS indices (B,); called with
+    queries and two response batches, what `get_pair_rewards` returns."""
 
     def __init__(self, rm, pad_token_id: int):
         super().__init__()
         self.rm = rm
         self.pad_token_id = pad_token_id
 
-    def forward(self, query_responses: torch.Tensor, context_length: int):
+    def forward(self, query_responses: torch.Tensor, context_length: int, pair: Optional[tuple] = None):
+        if pair is not None:  # query_responses holds the queries alone, pair the (chosen, rejected) responses
+            return get_pair_rewards(self.rm, query_responses, *pair, self.pad_token_id)
         return get_reward(self.rm, query_responses, self.pad_token_id, context_length)
 
 
@@ -255,14 +265,23 @@ def reward_update(args, accelerator, run, scorer, optimizer, lr_scheduler, batch
     every micro batch of the update and every process of the loss, the accuracy and both rewards, and `tokens_seen`
     counted on by this update's tokens (all processes), and the update's wall time ("update_s")."""
     update_start, stats = time.time(), {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
+    query_once = args.score_query_once and not args.gradient_checkpointing  # no key/value cache under checkpointing
     for _ in range(args.gradient_accumulation_steps):
         batch = next(batches)
         with accelerator.accumulate(scorer):
-            b = batch["query_chosen_token"].size(0)
-            query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
-            query_responses = query_responses[:, real_columns(query_responses, pad_token_id)]  # (2B, T)
-            _, rewards, _ = scorer(query_responses, 0)  # (2B,), read at each EOS (Detail 12)
-            chosen_rewards, rejected_rewards = rewards[:b], rewards[b:]
+            if query_once:  # each query once, both responses after it (--score_query_once)
+                queries = batch["query_token"][:, real_columns(batch["query_token"], pad_token_id)]  # (B, Tq)
+                responses = torch.cat((batch["chosen_token"], batch["rejected_token"]), dim=0)
+                responses = responses[:, real_columns(responses, pad_token_id)]  # (2B, Tr)
+                chosen_rewards, rejected_rewards = scorer(queries, 0, responses.chunk(2))  # (B,), (B,) at each EOS
+                tokens = 2 * (queries != pad_token_id).sum() + (responses != pad_token_id).sum()  # both rows' tokens
+            else:  # chosen and rejected as whole right-padded rows (the reference's)
+                b = batch["query_chosen_token"].size(0)
+                query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)
+                query_responses = query_responses[:, real_columns(query_responses, pad_token_id)]  # (2B, T)
+                _, rewards, _ = scorer(query_responses, 0)  # (2B,), read at each EOS (Detail 12)
+                chosen_rewards, rejected_rewards = rewards[:b], rewards[b:]
+                tokens = (query_responses != pad_token_id).sum()
             loss = pairwise_loss(chosen_rewards, rejected_rewards)
             # non-finite guard before backward: a NaN never reaches the gradients or the weights
             run.guard(update, **{"train/loss": loss, "train/rewards/chosen": chosen_rewards,
@@ -270,7 +289,7 @@ def reward_update(args, accelerator, run, scorer, optimizer, lr_scheduler, batch
             accelerator.backward(loss)
             optimizer.step()  # a no-op until the last micro batch of the update
             optimizer.zero_grad()
-        tokens_seen += int((query_responses != pad_token_id).sum()) * accelerator.num_processes
+        tokens_seen += int(tokens) * accelerator.num_processes
         stats["loss"].append(loss.detach())
         stats["accuracy"].append((chosen_rewards > rejected_rewards).float().mean().detach())
         stats["chosen"].append(chosen_rewards.detach().float().mean())
@@ -563,7 +582,8 @@ def main(args: Args) -> dict:
     # the shuffle has its own generator (reseeded with seed + epoch by the seedable sampler), so iterating
     # the data never draws from the global torch RNG
     train_loader = DataLoader(
-        train_set.with_format("torch", columns=["query_chosen_token", "query_rejected_token"]),
+        train_set.with_format("torch", columns=["query_chosen_token", "query_rejected_token", "query_token",
+                                                "chosen_token", "rejected_token"]),
         batch_size=args.local_micro_batch_size, shuffle=True, drop_last=True,
         generator=torch.Generator().manual_seed(args.seed),
     )
@@ -589,7 +609,9 @@ def main(args: Args) -> dict:
     # ---------------- training: one forward pass over chosen + rejected per micro batch ----------------
     accelerator.print(f"{num_updates} optimizer steps of {args.total_batch_size} pairs "
                       f"({args.local_micro_batch_size} per micro batch x {gradient_accumulation_steps} accumulation "
-                      f"x {num_processes} processes), head init std {head_std:.5f}")
+                      f"x {num_processes} processes), head init std {head_std:.5f}, "
+                      + ("each query scored once" if args.score_query_once and not args.gradient_checkpointing else
+                         "whole rows" + " (--gradient_checkpointing keeps no key/value cache)" * args.score_query_once))
     scorer.train()
     # the running counters continue from the checkpoint, so the summary covers the whole run
     tokens_seen, train_time_before = state["tokens_seen"], state["train_time"]
@@ -671,7 +693,8 @@ def load_reward_data(args, tokenizer, accelerator):
     references of Details 14 and 15 (scored after training; loaded now so that a bad split fails early). Every
     split is checked for the columns read from it and for the tokenizer that made it, before any training."""
     train_set = load_split(args.preference_dataset, args.train_split)
-    check_columns(train_set, ["query_chosen_token", "query_rejected_token", "query_chosen_token_len"],
+    check_columns(train_set, ["query_chosen_token", "query_rejected_token", "query_chosen_token_len", "query_token",
+                              "chosen_token", "rejected_token"],
                   f"{args.preference_dataset} split {args.train_split!r}")
     # the data must come from this tokenizer (Detail 12 also finds the EOS by its pad id)
     check_data_tokenizer(train_set, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {args.train_split!r}")
@@ -930,6 +953,31 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
     sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
     return reward_logits, rewards, sequence_lengths
+
+
+def get_pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, pad_token_id: int):
+    """Rewards of two responses to each query, the query run once (--score_query_once): the LEFT-padded queries (B, Tq)
+    go through the trunk, which keeps their keys and values; each query's cache is repeated for its two RIGHT-padded
+    responses (chosen (B, Tr), rejected (B, Tr)), which run after it with positions counting on from the query's real
+    tokens. Causal attention lets no query token see a response, so each reward is the one get_reward reads from the
+    row query + response (Detail 12, at the response's last token before its first [PAD]), up to float rounding, and
+    the query's gradient is the sum of both rows'. Returns the chosen and the rejected rewards (B,), (B,)."""
+    backbone = getattr(model, model.base_model_prefix)
+    query_mask = queries != pad_token_id
+    cache = backbone(input_ids=torch.masked_fill(queries, ~query_mask, 0), attention_mask=query_mask,
+                     position_ids=query_mask.long().cumsum(1) - query_mask.long(), use_cache=True,
+                     return_dict=True).past_key_values
+    cache.batch_repeat_interleave(2)  # rows q0, q0, q1, q1, ...: each query for its chosen, then its rejected
+    responses = torch.stack((chosen, rejected), dim=1).flatten(0, 1)  # (2B, Tr): c0, r0, c1, r1, ...
+    response_mask = responses != pad_token_id
+    positions = (query_mask.sum(1).repeat_interleave(2).unsqueeze(1) + response_mask.long().cumsum(1)
+                 - response_mask.long())
+    hidden = backbone(input_ids=torch.masked_fill(responses, ~response_mask, 0), position_ids=positions,
+                      attention_mask=torch.cat((query_mask.repeat_interleave(2, dim=0), response_mask), dim=1),
+                      past_key_values=cache, return_dict=True).last_hidden_state  # (2B, Tr, d)
+    eos_index = first_true_indices(~response_mask) - 1  # (2B,): the last token before the first [PAD]
+    rewards = model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), eos_index]).squeeze(-1)
+    return rewards[0::2], rewards[1::2]
 
 
 def resumable_micro_batches(loader, skip: int):

@@ -99,6 +99,35 @@ def test_reward_index_left_padded_query():
     assert index_from_zero.tolist() == [-1, -1, 6]
 
 
+def test_query_once_gives_the_whole_rows_rewards_and_gradients():
+    """--score_query_once: each query runs once and both responses read its keys and values. The rewards are those
+    of the whole rows query + chosen and query + rejected (left-padded queries of different lengths, responses of
+    different lengths, one without a pad), and so are the pairwise loss's gradients, up to float rounding."""
+    model = tiny_rm().train()  # train mode: the cache is built with gradients (no dropout in tiny_rm)
+    queries = torch.tensor([[PAD, PAD, 5, 6, 7], [PAD, 8, 9, 10, 11], [30, 31, 32, 33, 34]])
+    chosen = torch.tensor([[12, 13, EOS, PAD], [14, 15, 16, EOS], [40, EOS, PAD, PAD]])
+    rejected = torch.tensor([[17, EOS, PAD, PAD], [18, 19, EOS, PAD], [41, 42, 43, EOS]])
+
+    def whole_rows():
+        rows = torch.cat((torch.cat((queries, chosen), 1), torch.cat((queries, rejected), 1)))
+        rewards = reward.get_reward(model, rows, PAD, queries.size(1))[1]
+        return rewards[:3], rewards[3:]
+
+    grads = []
+    for score in (whole_rows, lambda: reward.get_pair_rewards(model, queries, chosen, rejected, PAD)):
+        model.zero_grad()
+        chosen_rewards, rejected_rewards = score()
+        reward.pairwise_loss(chosen_rewards, rejected_rewards).backward()
+        grads.append(({n: p.grad.clone() for n, p in model.named_parameters()}, chosen_rewards, rejected_rewards))
+    (whole, c1, r1), (once, c2, r2) = grads
+    torch.testing.assert_close(c2, c1, atol=1e-5, rtol=0)
+    torch.testing.assert_close(r2, r1, atol=1e-5, rtol=0)
+    assert not torch.allclose(c1, r1)  # the two responses score differently: a mix-up of rows would show
+    for name, grad in whole.items():
+        torch.testing.assert_close(once[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert any(grad.abs().max() > 1e-4 for grad in whole.values())  # the gradients compared are not all zero
+
+
 @pytest.mark.parametrize("hidden_size", [256, 1024])
 def test_head_init_std(hidden_size):
     from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification
