@@ -47,7 +47,7 @@ from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 from datasets import load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, DynamicCache
 
 from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
     LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
@@ -964,9 +964,9 @@ def get_pair_rewards(model, queries: torch.Tensor, chosen: torch.Tensor, rejecte
     the query's gradient is the sum of both rows'. Returns the chosen and the rejected rewards (B,), (B,)."""
     backbone = getattr(model, model.base_model_prefix)
     query_mask = queries != pad_token_id
-    cache = backbone(input_ids=torch.masked_fill(queries, ~query_mask, 0), attention_mask=query_mask,
-                     position_ids=query_mask.long().cumsum(1) - query_mask.long(), use_cache=True,
-                     return_dict=True).past_key_values
+    cache = DynamicCache()  # the queries' keys and values, filled in place by their pass
+    backbone(input_ids=torch.masked_fill(queries, ~query_mask, 0), attention_mask=query_mask,
+             position_ids=query_mask.long().cumsum(1) - query_mask.long(), past_key_values=cache, use_cache=True)
     cache.batch_repeat_interleave(2)  # rows q0, q0, q1, q1, ...: each query for its chosen, then its rejected
     responses = torch.stack((chosen, rejected), dim=1).flatten(0, 1)  # (2B, Tr): c0, r0, c1, r1, ...
     response_mask = responses != pad_token_id
