@@ -2,7 +2,7 @@
 
     python pipeline.py                 # the quickstart (about 20 minutes on 2 CPU cores)
     python pipeline.py --mode full     # adds ILQL and the four offline methods, on seeds 1 2 3
-    python pipeline.py --mode leaderboard                    # every method, seeds 1 2 3: one table, one plot
+    python pipeline.py --mode leaderboard                    # every method, seeds 1-5: one table, one plot
     python pipeline.py --mode leaderboard --extra my.py:rloo # ... with a forked script beside them
     python pipeline.py --mode ci       # every stage with minimal steps: checks every artefact is produced
     python pipeline.py --force ppo     # rerun one stage (and nothing else)
@@ -14,13 +14,15 @@ run while its outputs are complete (prep's task.json, a training stage's model f
 run.json) and the command asked now is the one it ran (else the pipeline stops: `--force <stage>` redoes it), so an
 interrupted pipeline picks up at the stage it was in, and a training stage that was interrupted after one
 of its checkpoints (`--checkpoint_every`) continues from it with `--resume` (a forced one starts over with
-`--restart`, which deletes them: the scripts never delete checkpoints unasked). One pipeline at a time works in an
+`--restart`, which deletes them: the scripts never delete checkpoints unasked). A seed is finished only on the CPU
+type it started on (`<out>/cpu.json` and `<out>/seed_<n>/cpu.json` name it): resumed on another, its stages rerun
+from the start, since seeded digits hold on one CPU type only. One pipeline at a time works in an
 `--out` folder (its lock: `<out>/pipeline.lock`); a second one is refused. The report lands in `<out>/report/`:
 `results.md` (also printed) and the plots. With several seeds (`--seeds 1 2 3`, the default of `--mode full`)
 the task (prep: data, tokenizer, base model) is made once and every later stage runs once per seed in
 `<out>/seed_<n>/`, each with its own report; `<out>/report/seeds.md` then sets the seeds side by side
 (mean and standard deviation of each policy's gold win rate, the RM accuracies). `--mode leaderboard` runs every
-method the project ships on seeds 1 2 3 with one budget and writes `<out>/report/leaderboard.md` and
+method the project ships on seeds 1 2 3 4 5 with one budget and writes `<out>/report/leaderboard.md` and
 `leaderboard.png` (gold win rate against KL from SFT); `--mode ci` runs the same stages at minimal sizes.
 
 This file is glue, not an algorithm: it may import the project's `data` package (the built-in task
@@ -34,6 +36,7 @@ import dataclasses
 import glob
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -62,7 +65,8 @@ class Args:
     """seed of every stage (with one seed)"""
     seeds: list[int] = field(default_factory=list)
     """training seeds: each runs every stage after prep in <out>/seed_<n>/ (prep uses the first seed: one task for
-    all). Empty: --seed alone in quickstart and ci modes, 1 2 3 in full and leaderboard modes"""
+    all). Empty: --seed alone in quickstart and ci modes, 1 2 3 in full mode, 1 2 3 4 5 in leaderboard mode (the
+    paired test over seeds needs that many to separate methods)"""
     threads: int = 0
     """torch threads per stage; 0 = the cores that are idle when the stage starts (at least 1), so that a machine
     shared with other work is not oversubscribed"""
@@ -275,7 +279,7 @@ KTO_STAGES = {"prep": ["unpaired"], "dpo": ["kto", "kto_unpaired"]}  # --kto: th
 
 
 def resolve_seeds(args: Args) -> list[int]:
-    return list(args.seeds) or ([1, 2, 3] if args.mode in ("full", "leaderboard") else [args.seed])
+    return list(args.seeds) or {"full": [1, 2, 3], "leaderboard": [1, 2, 3, 4, 5]}.get(args.mode, [args.seed])
 
 
 MODE_STAGES = {"quickstart": QUICKSTART_STAGES, "full": FULL_STAGES, "leaderboard": LEADERBOARD_STAGES,
@@ -331,6 +335,19 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def cpu_type() -> str:
+    """The CPU type a seeded run's digits belong to: the model name (/proc/cpuinfo, else platform.processor()) and
+    whether its vector instructions include AVX-512 (avx512f), which changes the rounding of float sums."""
+    name, flags = platform.processor() or platform.machine() or "unknown CPU", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in f if ":" in line)}
+        name, flags = info.get("model name", name), info.get("flags", "")  # the last processor's: all are alike
+    except OSError:
+        pass
+    return f"{name}, {'with' if 'avx512f' in flags.split() else 'without'} AVX-512 (avx512f)"
+
+
 def idle_cores() -> int:
     """The cores (of those this process may use) that no other runnable thread occupies now: the median over half a
     second of the kernel's count of running threads, less this one reading it. At least 1; all usable cores where
@@ -370,6 +387,7 @@ class Pipeline:
         stages = mode_stages(args.mode, args.kto)
         stages = stages[:stages.index("judge")] + list(self.extras) + stages[stages.index("judge"):]
         self.stages = [s for s in stages if s not in args.skip and self._script_exists(s)]
+        self.cpu, self.cpu_reruns = cpu_type(), set()  # check_cpu fills the reruns as the seed starts
 
     def _script_exists(self, stage: str) -> bool:
         if stage in self.extras:
@@ -398,12 +416,39 @@ class Pipeline:
         shared = stage in ("prep", "unpaired")  # the task's data: one for every seed
         return os.path.join(self.shared_stage_dir if shared else self.stage_dir, f"{stage}.json")
 
+    def forced(self, stage: str) -> bool:
+        """--force names it (or all), or it ran on another CPU type (check_cpu)."""
+        return stage in self.args.force or "all" in self.args.force or stage in self.cpu_reruns
+
     def done(self, stage: str) -> bool:
         """A stage is done when it left its marker and its outputs are complete (see incomplete), unless forced."""
         if stage in ("judge", "report"):  # cheap (the judge caches every verdict) and they read every stage
             return False
-        forced = stage in self.args.force or "all" in self.args.force
-        return os.path.exists(self.marker(stage)) and not forced and self.incomplete(stage) is None
+        return os.path.exists(self.marker(stage)) and not self.forced(stage) and self.incomplete(stage) is None
+
+    def check_cpu(self) -> set[str]:
+        """The stages to rerun because they ran on another CPU type than this one, and this CPU type recorded in
+        <out>/cpu.json (the shared task: prep, unpaired) and the seed's folder. A seeded run's digits hold on one CPU
+        type only, so a seed is never finished on another: every stage of a seed folder whose cpu.json names another
+        type reruns from the start, and every stage of every seed where the task's does (prep makes a new task)."""
+        def recorded(folder: str) -> str | None:
+            try:
+                return json.load(open(os.path.join(folder, "cpu.json")))["cpu"]
+            except (OSError, ValueError, KeyError, TypeError):
+                return None  # a folder from before the record: taken as this CPU type's
+
+        task, own = recorded(self.out), recorded(self.base)
+        reruns = set()
+        if task not in (None, self.cpu) or own not in (None, self.cpu):
+            shared = {"prep", "unpaired"} if task in (None, self.cpu) else set()
+            reruns = set(self.stages) - shared
+            print(f"=== {self.base} ran on another CPU type ({own if own not in (None, self.cpu) else task}; this one: "
+                  f"{self.cpu}), whose float rounding differs: its stages {', '.join(s for s in self.stages if s in reruns)} "
+                  f"rerun from the start", flush=True)
+        for folder in {self.out, self.base}:
+            with open(os.path.join(folder, "cpu.json"), "w") as f:
+                json.dump({"cpu": self.cpu}, f)
+        return reruns
 
     def incomplete(self, stage: str) -> str | None:
         """Why a stage's outputs are not complete, or None: prep's task folder holds task.json (data/prepare.py
@@ -488,8 +533,7 @@ class Pipeline:
 
     def resumable(self, stage: str) -> bool:
         """A training stage that was interrupted after saving a checkpoint, not forced to start over."""
-        forced = stage in self.args.force or "all" in self.args.force
-        return not forced and self.has_checkpoints(stage)
+        return not self.forced(stage) and self.has_checkpoints(stage)
 
     def py(self, script: str, *flags: str) -> list[str]:
         return [sys.executable, os.path.join(REPO_ROOT, script), *flags]
@@ -617,6 +661,7 @@ class Pipeline:
     # ---------------------------------------------------------------- driver
     def main(self) -> None:
         t_start = time.time()
+        self.cpu_reruns = self.check_cpu()
         for number, stage in enumerate(self.stages, 1):
             what, how_long = ABOUT.get(stage, ABOUT.get(stage.split("_")[0], (stage, "a few min")))
             print(f"\n##### stage {number} of {len(self.stages)}: {stage}: {what} (about {how_long})", flush=True)
@@ -647,7 +692,7 @@ class Pipeline:
                     raise RuntimeError(f"[{stage}] ended, but {problem}; rerun it: python pipeline.py --force {stage}")
             with open(self.marker(stage), "w") as f:
                 json.dump({"stage": stage, "wall_time_s": round(time.time() - t0, 1), "finished": time.time(),
-                           **self.usage, "command": cmd and self.recorded(cmd)}, f)
+                           **self.usage, "cpu": self.cpu, "command": cmd and self.recorded(cmd)}, f)
         print(f"\npipeline finished in {time.time() - t_start:.0f} s (this invocation); report: {self.report_dir}/results.md")
 
 

@@ -843,7 +843,11 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     held_out = (" The test split's prompts share none with the train and validation splits, and no setting was chosen "
                 "on them: ILQL's beta, the reward model's settings and every other setting were chosen by gold win rate "
                 "on the validation split (docs/results.md)." if split == "test" else "")
+    # the CPU type every stage ran on (pipeline.py's cpu.json: a seed resumed on another type is rerun there)
+    cpus = sorted({_load(os.path.join(folder, "cpu.json")).get("cpu") or "not recorded"
+                   for folder in [out, *(os.path.dirname(p.report_dir) for p in pipelines)]})
     lines = ["## Leaderboard: every method on the built-in task", "",
+             f"CPU type of every stage: {' and '.join(cpus)}. "
              f"Seeds {', '.join(map(str, seeds))}; each seed trains its own SFT and reward model, and every method of "
              f"that seed starts from them. Gold win rate against the reference summaries on "
              f"{', '.join(map(str, sorted(n_samples))) or 'the'} {split} samples per seed, drawn at the evaluation "

@@ -134,6 +134,7 @@ def fake_pipelines(out) -> list:
             os.makedirs(os.path.join(p.runs, stage))
             (base / "runs" / stage / "args.json").write_text(json.dumps(ARGS[stage]))
         (base / "report" / "results.json").write_text(json.dumps({"policies": policies}))
+        (base / "cpu.json").write_text(json.dumps({"cpu": "CPU A, with AVX-512 (avx512f)"}))  # pipeline.check_cpu's record
         pipelines.append(p)
     return pipelines
 
@@ -143,7 +144,10 @@ def test_a_consistently_better_method_beats_under_the_paired_test_where_unpaired
     _, rloo_low, rloo_high = report.mean_and_t_interval(WIN["rloo"])
     assert rloo_low < ppo_high and ppo_low < rloo_high  # unpaired, the two cannot be told apart
 
-    text = report.write_leaderboard(str(tmp_path), SEEDS, fake_pipelines(tmp_path))
+    pipelines = fake_pipelines(tmp_path)
+    (tmp_path / "cpu.json").write_text(json.dumps({"cpu": "CPU A, with AVX-512 (avx512f)"}))
+    text = report.write_leaderboard(str(tmp_path), SEEDS, pipelines)
+    assert "CPU type of every stage: CPU A, with AVX-512 (avx512f). Seeds 1, 2, 3, 4;" in text
     paired = pd.read_csv(tmp_path / "report" / "leaderboard_paired.csv")
     pairs = paired.set_index(["method", "baseline"])
     assert len(paired) == 9  # every method against the baselines (PPO, DPO, SFT) but itself: 6 distinct pairs

@@ -2,6 +2,7 @@
 and a second invocation must skip the finished stages (restartable)."""
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -118,7 +119,7 @@ def test_several_seeds_share_the_task_and_keep_their_own_runs(tmp_path):
     assert pipeline.resolve_seeds(pipeline.Args(mode="full")) == [1, 2, 3]
     assert pipeline.resolve_seeds(pipeline.Args(seed=4)) == [4]
     assert pipeline.resolve_seeds(pipeline.Args(mode="full", seeds=[5, 6])) == [5, 6]
-    assert pipeline.resolve_seeds(pipeline.Args(mode="leaderboard")) == [1, 2, 3]
+    assert pipeline.resolve_seeds(pipeline.Args(mode="leaderboard")) == [1, 2, 3, 4, 5]  # the paired test's 5 seeds
     args = pipeline.Args(mode="full", out=str(tmp_path), seed=2)
     p = pipeline.Pipeline(args, seed_dir="seed_2", data_seed=1)
     prep, sft = p.cmd_prep(), p.cmd_sft()
@@ -193,6 +194,46 @@ def test_a_stage_counts_as_done_only_when_its_outputs_are_complete(tmp_path):
     assert p.done("sft") and p.incomplete("sft") is None
     os.remove(os.path.join(p.models, "sft", "run.json"))
     assert not p.done("sft") and "has no readable run.json" in p.incomplete("sft")
+
+
+def test_a_seed_is_finished_only_on_the_cpu_type_it_started_on(tmp_path, monkeypatch, capsys):
+    """Seeded digits hold on one CPU type: a seed resumed on another reruns every stage from the start (an interrupted
+    one with --restart, not --resume), and one whose task came from another type reruns the task too."""
+    sys.path.insert(0, REPO_ROOT)
+    import pipeline
+
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    assert pipeline.cpu_type().endswith(f"{'with' if 'avx512f' in flags else 'without'} AVX-512 (avx512f)")
+    args = pipeline.Args(mode="full", out=str(tmp_path))
+
+    def seed_pipeline(cpu):  # seed 2's pipeline on a machine of CPU type `cpu`
+        monkeypatch.setattr(pipeline, "cpu_type", lambda: cpu)
+        p = pipeline.Pipeline(dataclasses.replace(args, seed=2), seed_dir="seed_2", data_seed=1)
+        p.stages, ran = ["prep", "sft", "rm"], []
+        p.run = lambda stage, cmd: ran.append((stage, cmd[-1])) or (fake_stage_output(p, stage, complete=True) if stage != "prep" else
+                                                                    open(os.path.join(p.data, "task.json"), "w").write("{}"))
+        return p, ran
+
+    p, ran = seed_pipeline("CPU A")
+    os.makedirs(p.data, exist_ok=True)
+    p.main()
+    assert [stage for stage, _ in ran] == ["prep", "sft", "rm"]
+    assert json.load(open(tmp_path / "cpu.json")) == json.load(open(tmp_path / "seed_2" / "cpu.json")) == {"cpu": "CPU A"}
+    assert json.load(open(p.marker("sft")))["cpu"] == "CPU A"
+    p, ran = seed_pipeline("CPU A")
+    p.main()
+    assert ran == []  # the same type: every stage done
+    os.makedirs(os.path.join(p.runs, "rm", "checkpoints", "update_000002"))  # as if rm had been interrupted on type A
+    os.remove(os.path.join(p.models, "rm", "run.json"))
+    json.dump({"cpu": "CPU B"}, open(tmp_path / "cpu.json", "w"))  # as if another seed had remade the task on type B
+    p, ran = seed_pipeline("CPU B")
+    p.main()  # the task stays; the seed's stages rerun, the interrupted one started over
+    assert [stage for stage, _ in ran] == ["sft", "rm"] and ran[1][1] == "--restart" and ran[0][1] != "--resume"
+    assert "ran on another CPU type (CPU A; this one: CPU B)" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "seed_2" / "cpu.json")) == {"cpu": "CPU B"}
+    p, ran = seed_pipeline("CPU C")  # the task too: prep and every stage rerun
+    p.main()
+    assert [stage for stage, _ in ran] == ["prep", "sft", "rm"]
 
 
 def test_pipeline_reruns_an_incomplete_stage_and_stops_when_a_stage_ends_incomplete(tmp_path, capsys):
