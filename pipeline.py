@@ -437,6 +437,12 @@ class Pipeline:
             except (OSError, ValueError, KeyError, TypeError):
                 return None  # a folder from before the record: taken as this CPU type's
 
+        def recorded_marker(path: str) -> str | None:
+            try:
+                return json.load(open(path)).get("cpu")
+            except (OSError, ValueError, AttributeError):
+                return None
+
         task, own = recorded(self.out), recorded(self.base)
         reruns = set()
         if task not in (None, self.cpu) or own not in (None, self.cpu):
@@ -448,7 +454,8 @@ class Pipeline:
         for folder in {self.out, self.base}:
             with open(os.path.join(folder, "cpu.json"), "w") as f:
                 json.dump({"cpu": self.cpu}, f)
-        return reruns
+        # a stage whose marker names another type (a rerun cut short before it reached that stage) reruns too
+        return reruns | {stage for stage in self.stages if recorded_marker(self.marker(stage)) not in (None, self.cpu)}
 
     def incomplete(self, stage: str) -> str | None:
         """Why a stage's outputs are not complete, or None: prep's task folder holds task.json (data/prepare.py

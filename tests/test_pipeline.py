@@ -226,11 +226,16 @@ def test_a_seed_is_finished_only_on_the_cpu_type_it_started_on(tmp_path, monkeyp
     os.makedirs(os.path.join(p.runs, "rm", "checkpoints", "update_000002"))  # as if rm had been interrupted on type A
     os.remove(os.path.join(p.models, "rm", "run.json"))
     json.dump({"cpu": "CPU B"}, open(tmp_path / "cpu.json", "w"))  # as if another seed had remade the task on type B
+    json.dump({"stage": "prep", "cpu": "CPU B"}, open(p.marker("prep"), "w"))
     p, ran = seed_pipeline("CPU B")
     p.main()  # the task stays; the seed's stages rerun, the interrupted one started over
     assert [stage for stage, _ in ran] == ["sft", "rm"] and ran[1][1] == "--restart" and ran[0][1] != "--resume"
     assert "ran on another CPU type (CPU A; this one: CPU B)" in capsys.readouterr().out
     assert json.load(open(tmp_path / "seed_2" / "cpu.json")) == {"cpu": "CPU B"}
+    json.dump({"stage": "rm", "cpu": "CPU A"}, open(p.marker("rm"), "w"))  # a rerun on B cut short before rm
+    p, ran = seed_pipeline("CPU B")
+    p.main()
+    assert [stage for stage, _ in ran] == ["rm"]  # its marker still names type A
     p, ran = seed_pipeline("CPU C")  # the task too: prep and every stage rerun
     p.main()
     assert [stage for stage, _ in ran] == ["prep", "sft", "rm"]
