@@ -28,7 +28,6 @@ After a crash:    the same command with --resume: it continues from the latest c
                   an uninterrupted run (--checkpoint_every sets how often).
 """
 
-import contextlib
 import copy
 import functools
 import json
@@ -36,27 +35,37 @@ import os
 import random
 import time
 from dataclasses import dataclass, field, fields
-from typing import List, Literal, Optional
+from typing import Annotated, List, Literal, Optional
 
 import numpy as np
-import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import gather_object, set_seed
-from datasets import load_dataset, load_from_disk
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
-from transformers.integrations import deepspeed_config, is_deepspeed_zero3_enabled
 
-from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_qlora_flags, check_query_response, check_reward_tokenizer, due, evaluation_rng, save_pretrained_model,
-    checkpointed, gathered_for_generation, leave_processes, start_processes, synced_time, upload_to_hub,
+from rlhf_utils import models, records
+from rlhf_utils.flags import RunFlags, check_flags  # the run's flags
+from rlhf_utils.rewards import check_rewards, reward_fn_errors  # --reward_fn: load and check
+from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
+    LastGoodState,
+    Run,
+    RunError,
+    check_columns,
+    check_data_tokenizer,
+    check_finite,
+    check_query_response,
+    check_reward_tokenizer,
+    due,
+    evaluation_rng,
+    leave_processes,
+    load_split,
+    start_processes,
+    synced_time,
 )
-from user_reward import check_rewards, reward_fn_errors, reward_fn_of  # --reward_fn: load and check (user_reward.py)
 
 
 @dataclass
@@ -132,46 +141,8 @@ class Args:
     """the name of this experiment"""
     seed: int = 1
     """seed of weights and data order on every rank (sampling uses seed + process_index * 100003)"""
-    run_name: Optional[str] = None
-    """None -> {exp_name}__{seed}__{unix time}; outputs go to {run_dir_root}/{run_name}"""
-    track: bool = False
-    """log to Weights & Biases (mirrors TensorBoard)"""
-    wandb_project_name: str = "tldr_summarize"
-    """the W&B project"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team)"""
-    push_to_hub: bool = False
-    """upload the final policy to the Hugging Face hub"""
-    hub_model_id: Optional[str] = None
-    """hub repository id for --push_to_hub (None -> run_name)"""
     output_dir: str = "models/grpo"
     """where the final policy and its tokenizer are saved"""
-    run_dir_root: str = "runs"
-    """root folder of run outputs (args, metrics, TensorBoard, sample tables)"""
-    overwrite_output_dir: bool = False
-    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
-    checkpoint_every: int = 100
-    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
-    runs/{run_name}/checkpoints every this many updates (0 = never)"""
-    checkpoint_keep: int = 1
-    """how many of the newest checkpoints to keep"""
-    resume: bool = False
-    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
-    the resumed run ends with the same weights and metrics as one that was never interrupted"""
-    restart: bool = False
-    """delete the checkpoints of --run_name and start over (without it, a run folder that holds checkpoints is
-    refused: --resume continues it)"""
-    take_over_lock: bool = False
-    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
-    process_group_timeout_min: float = 60.0
-    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
-    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
-    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
-    accept_changed_inputs: bool = False
-    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
-    accept_changed_flags: bool = False
-    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
-    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # models
     sft_model_path: str = "models/sft"
@@ -285,6 +256,10 @@ class Args:
     grpo: GrpoHParams = field(default_factory=GrpoHParams)
     """GRPO hyperparameters"""
 
+    run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
+    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
+    they decide no number"""
+
 
 # ---------------------------------------------------------------------------------------------
 # Steps 1-5, the rollout: ppo.py's without the critic (the same code as rloo.py's)
@@ -307,7 +282,7 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             bring_frozen_to: Optional[torch.device], reward_fn, prompts, rows) -> Rollout:
     """Steps 2-5 for one local batch, in chunks of local_rollout_forward_batch_size: sample, score with the policy,
     the reference and the reward models (Rollout). bring_frozen_to: the device the frozen models come to for the
-    whole rollout (--offload; None: they stay where they are; see place_frozen_models)."""
+    whole rollout (--offload; None: they stay where they are; see models.place_frozen_models)."""
     unwrapped = accelerator.unwrap_model(model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     queries = queries[:, real_columns(queries, pad_id)]  # the left padding every query of the batch shares is cut
@@ -315,8 +290,8 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
     out = {f.name: [] for f in fields(Rollout)}
     # the frozen models come to the device once for the whole rollout (--offload), and under ZeRO-3 the policy's
     # weights are gathered once for it (--gather_for_generation), not layer by layer at each decode step
-    with placed_on((ref_policy, *reward_models), bring_frozen_to), \
-            gathered_for_generation(model, args.gather_for_generation):
+    with models.placed_on((ref_policy, *reward_models), bring_frozen_to), \
+            models.gathered_for_generation(model, args.gather_for_generation):
         for start in range(0, queries.size(0), args.local_rollout_forward_batch_size):
             query = queries[start : start + args.local_rollout_forward_batch_size]
             t0 = synced_time(accelerator.device)  # (a GPU's queued work done: each phase timed alone)
@@ -717,7 +692,7 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
     # and how much a run evaluates never changes what it trains. The reward models come to the device once for the
     # whole evaluation (--offload), and the policy's ZeRO-3 weights are gathered once for it (--gather_for_generation)
     with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003), \
-            placed_on(reward_models, bring_frozen_to), gathered_for_generation(model, args.gather_for_generation):
+            models.placed_on(reward_models, bring_frozen_to), models.gathered_for_generation(model, args.gather_for_generation):
         for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
             batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
             query = torch.tensor(batch["query_token"], device=accelerator.device)
@@ -746,55 +721,11 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
     return gather_object(rows)
 
 
-def log_evaluation(run, args, update: int, rows: list):
-    """Save the rows of the evaluation after `update` (eval_samples) as samples/step_{update}.csv and log its
-    metrics at that update; return the metrics and the table."""
-    table = pd.DataFrame(rows)
-    run.save_table(table, f"samples/step_{update:06d}.csv")
-    metrics = {"eval/score": float(table["score"].mean()), "eval/eos_rate": float(table["has_eos"].mean()),
-               "eval/response_token_len_mean": float(table["response_token_len"].mean())}
-    run.log(update, {"episode": update * args.total_batch_size, **metrics})
-    return metrics, table
-
-
-def fresh_trainer_state() -> dict:
-    """The trainer state of a run that starts at update 0: the time totals, the budget spent (responses sampled and the
-    prompts they answer, counted as they are sampled) and the last metrics, for the summary."""
-    return {"update": 0, "wall_time_s": 0.0, "metrics": {},
-            "totals": {"generation": 0.0, "scoring": 0.0, "training": 0.0, "wall": 0.0},
-            "budget": {"budget/responses_sampled": 0, "budget/prompts": 0}}
-
-
-def run_summary(args, state: dict, eval_metrics: dict, num_updates: int, start_time: float) -> dict:
-    """summary.json: the final evaluation, the last update's objective/ metrics, and the run's speed and time shares
-    (the interrupted part of a resumed run included)."""
-    totals = state["totals"]
-    return {
-        **eval_metrics,
-        **{k: v for k, v in state["metrics"].items() if k.startswith("objective/")},
-        "episodes": num_updates * args.total_batch_size,
-        "episodes_per_second": num_updates * args.total_batch_size / totals["wall"],
-        "time/generation_share": totals["generation"] / totals["wall"],
-        "time/scoring_share": totals["scoring"] / totals["wall"],
-        "time/training_share": totals["training"] / totals["wall"],
-        **state["budget"], "budget/updates": num_updates,  # the budget as spent (report.py's leaderboard reads it)
-        "wall_time_s": time.time() - start_time,
-    }
-
-
-def next_state(state: dict, start_time: float, timers: dict, metrics: dict, sampled: dict) -> dict:
-    """The trainer state after an update: the run's wall time, the time totals and the budget spent (this update's
-    `timers` and `sampled` counts added to the state's), and the update's metrics."""
-    return {"wall_time_s": time.time() - start_time, "metrics": metrics,
-            "totals": {key: state["totals"][key] + timers[key] for key in state["totals"]},
-            "budget": {key: state["budget"][key] + sampled[key] for key in state["budget"]}}
-
-
 def main(args: Args) -> dict:
     start_time = time.time()
     bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     # first: the batch arithmetic below depends on the number of processes
-    start_processes(args.process_group_timeout_min)
+    start_processes(args.run.process_group_timeout_min)
     accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
     hp = args.grpo  # the algorithm's knobs, --grpo.*
     num_processes, device = accelerator.num_processes, accelerator.device
@@ -805,7 +736,7 @@ def main(args: Args) -> dict:
     reward_fn = check_flags(args, accelerator, hp.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
     if args.group_size < 2 or local_batch_size % args.group_size:  # each process holds whole groups: never split
         raise RunError(f"--group_size {args.group_size} must be at least 2 and divide the local batch {local_batch_size}")
-    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path, query_dataset=args.query_dataset)
 
     # ---------------- seeding (labelled, deliberate) ----------------
@@ -824,7 +755,7 @@ def main(args: Args) -> dict:
                               weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, adamw)
     # the frozen models need no optimizer state (Detail 8); --offload decides where they live between uses
-    reward_models, ref_policy, bring_frozen_to = place_frozen_models(args, accelerator, reward_models, ref_policy, zero3)
+    reward_models, ref_policy, bring_frozen_to = models.place_frozen_models(args, accelerator, reward_models, ref_policy, zero3)
 
     # ---------------- data ----------------
     train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=hp.ptx_coef > 0)
@@ -847,7 +778,7 @@ def main(args: Args) -> dict:
     # position is the prompts drawn so far, the trainer state's budget/prompts)
     accelerator.register_for_checkpointing(kl_controller, *reward_moments)
     last_good = LastGoodState(run, accelerator, adamw, kl_controller, *reward_moments)  # the non-finite guard's fallback
-    state = run.start(fresh_trainer_state(), num_updates=num_updates, total_batch_size=args.total_batch_size)
+    state = run.start(records.fresh_trainer_state(), num_updates=num_updates, total_batch_size=args.total_batch_size)
     start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
     accelerator.print(f"{args.exp_name}: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} "
                       f"processes x {local_batch_size}); {hp.num_ppo_epochs} epochs x {hp.num_mini_batches} "
@@ -893,7 +824,7 @@ def main(args: Args) -> dict:
             kl_controller.update(accelerator.gather(scored.kl.sum(1)).mean().item(), args.total_batch_size)
             # the budget spent: the responses this update sampled and the prompts they answer, on every process (with
             # dynamic sampling `rows` holds every prompt drawn, of the groups dropped too)
-            state = next_state(state, start_time, timers, metrics, {"budget/responses_sampled": len(rows) * args.group_size
+            state = records.next_state(state, start_time, timers, metrics, {"budget/responses_sampled": len(rows) * args.group_size
                                * num_processes, "budget/prompts": len(rows) * num_processes})
             run.log(update, {**metrics, **state["budget"]})
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
@@ -903,24 +834,24 @@ def main(args: Args) -> dict:
                               + tokenizer.decode(data.responses[0], skip_special_tokens=True))
         del data, scored, stats
         if due(args.eval_every, update, num_updates):
-            log_evaluation(run, args, update, eval_rows())
+            records.log_evaluation(run, args, update, eval_rows())
         if due(args.save_policy_every, update, num_updates):
-            save_policy(accelerator, model, tokenizer, os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"),
+            models.save_policy(accelerator, model, tokenizer, os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"),
                         args.lora_rank > 0)
         # resumable checkpoint, after this update's logging and evaluation: a resumed run starts with the next
         # update, with the RNG states as they are now (not at the final update: the model is saved)
-        if due(args.checkpoint_every, update, num_updates):
+        if due(args.run.checkpoint_every, update, num_updates):
             run.checkpoint(update, state)
     progress.close()
 
     # ---------------- final evaluation and outputs ----------------
-    eval_metrics, table = log_evaluation(run, args, num_updates, eval_rows())
-    save_policy(accelerator, model, tokenizer, args.output_dir, args.lora_rank > 0)
-    summary = run_summary(args, state, eval_metrics, num_updates, start_time)
+    eval_metrics, table = records.log_evaluation(run, args, num_updates, eval_rows())
+    models.save_policy(accelerator, model, tokenizer, args.output_dir, args.lora_rank > 0)
+    summary = records.run_summary(args, state, eval_metrics, num_updates, start_time)
     run.save_table(table, "samples.csv")
     run.finish(summary)
-    if args.push_to_hub and accelerator.is_main_process:
-        upload_to_hub(args)
+    if args.run.push_to_hub and accelerator.is_main_process:
+        models.upload_to_hub(args)
     accelerator.print(json.dumps(summary, indent=2))
     return summary
 
@@ -1034,25 +965,6 @@ def batch_arithmetic(args, hp, num_processes: int):
     return local_batch_size, gradient_accumulation_steps, num_updates
 
 
-def check_flags(args, accelerator, num_mini_batches: int, gradient_accumulation_steps: int, num_updates: int,
-                zero3: bool):
-    """Flag combinations that cannot work, refused before anything is loaded. Returns the --reward_fn function (None
-    without the flag), loaded here: a missing file or function name stops the run before any model loads."""
-    check_gradient_accumulation(args, gradient_accumulation_steps, accelerator.num_processes, num_mini_batches)
-    check_qlora_flags(args, accelerator)
-    if num_updates < 1:
-        raise RunError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
-    # the scorers, each reward model and then the --reward_fn function: at least one, --reward_weights one each
-    reward_fn = reward_fn_of(args)  # (user_reward.py)
-    if args.lora_rank > 0 and args.num_layers_unfrozen >= 0:
-        raise RunError("choose one of --lora_rank and --num_layers_unfrozen (each builds its own reference)")
-    if args.offload and args.num_layers_unfrozen >= 0:
-        raise RunError("--offload cannot move a Hydra reference: it shares its trunk with the policy")
-    if zero3 and args.num_layers_unfrozen >= 0:
-        raise RunError("Hydra shares modules between policy and reference, which ZeRO-3 cannot partition")
-    return reward_fn
-
-
 def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
     """The tokenizer of model_path with a [PAD] distinct from EOS (Detail 3), added when it has none: the loss
     masks, the truncation after the first EOS (Detail 23) and the reward's EOS lookup (Detail 12) tell the end of a
@@ -1083,7 +995,7 @@ def load_models(args, tokenizer, bf16: bool):
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32, trust_remote_code=remote,
                                                   **quantized_loading(args, bf16))  # QLoRA: a 4-bit base
     ref_policy = None  # with LoRA: the policy with its adapters disabled
-    with zero3_offloaded_init(args.offload):  # --offload under ZeRO-3: their partitions in CPU memory
+    with models.zero3_offloaded_init(args.offload):  # --offload under ZeRO-3: their partitions in CPU memory
         reward_models = [AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=frozen_dtype, trust_remote_code=remote) for path in args.reward_model_path]
         if args.lora_rank <= 0 and args.num_layers_unfrozen < 0:  # a frozen copy of the SFT model
@@ -1098,7 +1010,7 @@ def load_models(args, tokenizer, bf16: bool):
         policy = lora_policy(policy, args)
     elif args.num_layers_unfrozen >= 0:
         ref_policy = build_hydra_reference(policy, args.num_layers_unfrozen)
-    return checkpointed(policy, args.gradient_checkpointing), reward_models, ref_policy
+    return models.checkpointed(policy, args.gradient_checkpointing), reward_models, ref_policy
 
 
 def checked_for_training(model: nn.Module, path: str, tokenizer, no_dropout: bool) -> nn.Module:
@@ -1144,56 +1056,6 @@ def build_hydra_reference(policy: nn.Module, num_layers_unfrozen: int) -> nn.Mod
     return reference.eval()
 
 
-@contextlib.contextmanager
-def placed_on(models, device: Optional[torch.device]):
-    """--offload without ZeRO-3: the frozen models (None entries skipped) wait in CPU memory between phases and come
-    to `device` once for a whole phase (a rollout, an evaluation), not around each chunk; device None (no --offload,
-    no accelerator, or ZeRO-3, whose engine offloads by itself) leaves them where they are. The weights are copied to
-    the device without blocking, from CPU memory pinned (page-locked) at the first move, which a GPU copies from
-    asynchronously. Going back copies nothing: a frozen weight never changes, so each tensor is pointed at its pinned
-    CPU copy again."""
-    tensors = [t for m in models if m is not None for t in (*m.parameters(), *m.buffers())] if device else []
-    kept = [t.data.pin_memory() if device.type == "cuda" and not t.data.is_pinned() else t.data for t in tensors]
-    for tensor, cpu in zip(tensors, kept):
-        tensor.data = cpu.to(device, non_blocking=True)
-    try:
-        yield
-    finally:
-        for tensor, cpu in zip(tensors, kept):
-            tensor.data = cpu
-
-
-def place_frozen_models(args, accelerator, reward_models, ref_policy, zero3: bool):
-    """The reward model and the reference policy: placed on the device, kept on the CPU between uses (--offload),
-    or under ZeRO-3 partitioned in a DeepSpeed inference engine that offloads them itself (Detail 8). Returns
-    them and the device rollout() and eval_samples() bring them to for each phase (placed_on): the accelerator with
-    --offload without ZeRO-3, else None (they stay where they are)."""
-    device = accelerator.device
-    reward_models = [prepare_frozen_model(accelerator, model, offload=args.offload) for model in reward_models]
-    if args.num_layers_unfrozen >= 0:
-        ref_policy.to(device)  # Hydra: the reference shares the policy's frozen trunk
-    elif ref_policy is not None:
-        ref_policy = prepare_frozen_model(accelerator, ref_policy, offload=args.offload)
-    if args.offload and not zero3 and device.type == "cpu":
-        accelerator.print("--offload: no accelerator present, models already live on CPU")
-    return reward_models, ref_policy, device if args.offload and not zero3 and device.type != "cpu" else None
-
-
-def zero3_offloaded_init(offload: bool):
-    """--offload under ZeRO-3 (Detail 8): the frozen models are built inside DeepSpeed's ZeRO-3 Init with their
-    partitions in pinned CPU memory (offload_param cpu), where their inference engine (prepare_frozen_model) keeps
-    them, bringing each layer to the device for its forward. Without it, from_pretrained under the launch's
-    zero3_init_flag partitions them onto the device, and the engine's offload setting would never apply (DeepSpeed
-    offloads only the weights it partitions itself). from_pretrained's own Init runs inside this one, which decides
-    where the partitions live; dtype and micro batch are the launch's config. Elsewhere a no-op."""
-    if not (offload and is_deepspeed_zero3_enabled()):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    offloaded = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
-    return deepspeed.zero.Init(config_dict_or_path={**deepspeed_config(), "zero_optimization": offloaded})
-
-
 def seed_sampling(local_seed: int) -> None:
     """The seed of this process's random draws from here on (sampling, the update's permutations): Python, NumPy
     and torch (all devices), each seeded with local_seed."""
@@ -1216,15 +1078,6 @@ def load_query_data(args, tokenizer, ptx: bool):
     for split, dataset in ((args.train_split, train_dataset), (args.eval_split, eval_dataset)):
         check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
     return train_dataset, eval_dataset
-
-
-def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
-    """The policy (safetensors) and the tokenizer in `path` (run_infra's save_pretrained_model: ZeRO-3 shards
-    gathered, a full disk named); with LoRA the plain float32 model it computes (merged_policy: every adapter folded
-    into its base layer, a 4-bit base dequantized first)."""
-    policy = accelerator.unwrap_model(model).policy
-    save_pretrained_model(accelerator, model, policy, tokenizer, path, prefix="policy.",
-                          merge=merged_policy if lora else None)
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
@@ -1261,59 +1114,6 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     if q * b != a:
         raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name. A local
-    folder whose arrow files are damaged (cut short, overwritten) is one RunError naming the split's folder and the fix,
-    raised before anything else reads it: its table is read and checked once here."""
-    if not os.path.isdir(path):
-        return load_dataset(path, split=split)
-    import pyarrow  # (only its error types: what a damaged arrow file raises)
-
-    def damaged(error: Exception, folder: str) -> RunError:
-        return RunError(f"the prepared data in {folder} cannot be read: {type(error).__name__}: {error}. Its arrow file "
-                        "is damaged (cut short or overwritten, e.g. by a copy that stopped or a full disk); prepare it "
-                        "again with data/prepare.py (the task's flags, the same --output_dir) or copy it anew")
-
-    try:
-        dataset_dict = load_from_disk(path)
-    except (OSError, pyarrow.ArrowException) as error:  # which split's folder: the first that does not load alone
-        for folder in sorted(os.path.join(path, d) for d in os.listdir(path)):
-            try:
-                if os.path.exists(os.path.join(folder, "state.json")):
-                    load_from_disk(folder)
-            except (OSError, pyarrow.ArrowException) as its_error:
-                raise damaged(its_error, folder) from its_error
-        raise damaged(error, path) from error
-    if split not in dataset_dict:
-        raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-    try:  # the arrow file is memory-mapped: its buffers must lie within it and match the row count
-        dataset_dict[split].data.validate()
-    except (OSError, pyarrow.ArrowException) as error:
-        raise damaged(error, os.path.join(path, split)) from error
-    return dataset_dict[split]
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
-    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
-    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
-    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -1414,7 +1214,7 @@ def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, respons
     responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
     EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
     `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
-    user_reward.py names the row of an exception and checks the answer: one finite number per response. No function:
+    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No function:
     the scores as they are."""
     if reward_fn is None:
         return scores
@@ -1509,64 +1309,6 @@ def lora_policy(model, args):
     )
 
 
-def merged_policy(policy) -> torch.nn.Module:
-    """A LoRA policy (peft) as the plain transformers model it computes: every adapted layer's weight becomes
-    W + delta, delta = peft's get_delta_weight (B A scaled by alpha / rank), in float32 and CPU memory, with no
-    quantization config, so that the saved folder loads with a plain from_pretrained (judge.py, report.py, the next
-    stage). A 4-bit base layer (QLoRA) is first dequantized to the very weights its forward used while the adapters
-    trained. (peft's merge_and_unload would quantize W + delta back to 4 bits: a second rounding, which moves the
-    merged model away from the one trained.) The policy itself is left as it is."""
-    from accelerate import init_empty_weights
-    from peft.tuners.lora import LoraLayer
-
-    try:
-        from bitsandbytes.functional import dequantize_4bit
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:  # plain LoRA needs no bitsandbytes: none of its layers is 4-bit
-        Linear4bit = ()
-
-    def on_cpu(tensor: torch.Tensor) -> torch.Tensor:  # a float32 copy, never a view of the policy's tensors
-        return tensor.detach().to("cpu", torch.float32, copy=True)
-
-    def weight_of(layer) -> torch.Tensor:  # the weight a linear layer computes with
-        if isinstance(layer, Linear4bit):
-            return on_cpu(dequantize_4bit(layer.weight.data, layer.weight.quant_state))
-        return on_cpu(layer.weight)
-
-    model = policy.get_base_model()  # the transformers model, its linear layers wrapped by peft's LoRA layers
-    adapted = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
-    state = {}
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if any(name.startswith(f"{outer}.") for outer in adapted):
-            continue  # the inside of an adapted layer (its base layer and adapters), folded in below
-        if name in adapted:
-            base, weight = module.get_base_layer(), weight_of(module.get_base_layer())
-            for adapter in module.active_adapters:
-                if adapter not in module.merged_adapters:
-                    weight = weight + on_cpu(module.get_delta_weight(adapter))  # W + delta
-            state[prefix + "weight"] = weight
-            if base.bias is not None:
-                state[prefix + "bias"] = on_cpu(base.bias)
-            continue
-        for key, tensor in module.named_parameters(recurse=False):
-            quantized = isinstance(module, Linear4bit) and key == "weight"
-            state[prefix + key] = weight_of(module) if quantized else on_cpu(tensor)
-        for key, tensor in module.named_buffers(recurse=False):
-            state[prefix + key] = tensor.detach().to("cpu", copy=True)
-    config = copy.deepcopy(model.config)
-    config.__dict__.pop("quantization_config", None)  # a plain float32 model, like every other stage's
-    with init_empty_weights():  # no random initialisation, nor a draw from the RNG: every weight comes from `state`
-        plain = type(model)(config)
-    missing = set(plain.state_dict()) - set(state)
-    if missing:
-        raise RuntimeError(f"merged_policy: no weights for {sorted(missing)[:5]} in {type(model).__name__}")
-    plain.load_state_dict({key: state[key] for key in plain.state_dict()}, assign=True)
-    plain.tie_weights()
-    plain.generation_config = copy.deepcopy(model.generation_config)
-    return plain.eval()
-
-
 if __name__ == "__main__":
-    main(tyro.cli(Args))
-    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)
+    main(tyro.cli(Args, use_underscores=True))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (rlhf_utils/run.py)

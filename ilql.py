@@ -42,7 +42,6 @@ Single process:   python ilql.py --init_from base --model_path EleutherAI/pythia
 Several GPUs:     accelerate launch --config_file zero2.yaml ilql.py --seed 1
 """
 
-import contextlib
 import functools
 import json
 import math
@@ -51,7 +50,7 @@ import time
 from copy import deepcopy
 from dataclasses import dataclass, field
 from functools import reduce
-from typing import Dict, List, Literal, Optional, Sequence, Tuple
+from typing import Annotated, Dict, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
 import pandas as pd
@@ -61,16 +60,30 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, skip_first_batches
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
-from datasets import concatenate_datasets, load_dataset, load_from_disk
+from datasets import concatenate_datasets
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_query_response, check_reward_tokenizer, due, evaluation_rng, save_pretrained_model, saving, start_processes,
-    checkpointed, leave_processes, upload_to_hub,
+from rlhf_utils import models
+from rlhf_utils.flags import RunFlags  # the run's flags
+from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
+    LastGoodState,
+    Run,
+    RunError,
+    check_columns,
+    check_data_tokenizer,
+    check_finite,
+    check_gradient_accumulation,
+    check_query_response,
+    check_reward_tokenizer,
+    due,
+    evaluation_rng,
+    leave_processes,
+    load_split,
+    saving,
+    start_processes,
 )
 
 
@@ -111,46 +124,8 @@ class Args:
     """the name of this experiment (the script's file stem)"""
     seed: int = 1
     """seed of weights and data order (every rank); sampling uses seed + process_index * 100003"""
-    run_name: Optional[str] = None
-    """run name; None -> f"{exp_name}__{seed}__{int(time.time())}"; outputs go to {run_dir_root}/{run_name}"""
-    run_dir_root: str = "runs"
-    """folder that holds the run folders (args.json, metrics.jsonl, TensorBoard, samples, summary)"""
-    track: bool = False
-    """mirror the TensorBoard logs to Weights & Biases"""
-    wandb_project_name: str = "tldr_summarize"
-    """W&B project (with --track)"""
-    wandb_entity: Optional[str] = None
-    """W&B entity (with --track); None = your default entity"""
-    push_to_hub: bool = False
-    """upload the trained LM, its ILQL heads and the tokenizer to the Hugging Face hub"""
-    hub_model_id: Optional[str] = None
-    """hub repository id for --push_to_hub; None -> the run name"""
     output_dir: str = "models/ilql"
     """where the LM (safetensors), its tokenizer and ilql_heads.safetensors are saved"""
-    overwrite_output_dir: bool = False
-    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
-    checkpoint_every: int = 100
-    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
-    runs/{run_name}/checkpoints every this many updates (0 = never)"""
-    checkpoint_keep: int = 1
-    """how many of the newest checkpoints to keep"""
-    resume: bool = False
-    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
-    the resumed run ends with the same weights and metrics as one that was never interrupted"""
-    restart: bool = False
-    """delete the checkpoints of --run_name and start over (without it, a run folder that holds checkpoints is
-    refused: --resume continues it)"""
-    take_over_lock: bool = False
-    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
-    process_group_timeout_min: float = 60.0
-    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
-    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
-    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
-    accept_changed_inputs: bool = False
-    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
-    accept_changed_flags: bool = False
-    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
-    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # models and data
     init_from: Literal["base", "sft"] = "base"
@@ -234,6 +209,10 @@ class Args:
     """log training metrics every N optimizer updates, averaged over every micro batch since the last log"""
     print_sample_every: int = 1
     """print a few samples of the evaluations at updates that are multiples of N (and of the final one); 0 = never"""
+
+    run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
+    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
+    they decide no number"""
 
     # derived at run time (not flags)
     world_size: tyro.conf.Suppress[Optional[int]] = None
@@ -397,7 +376,7 @@ class ILQLHeads(nn.Module):
         of a value: a step of alpha = 0.001 of the gap would round away and the targets would never move.
         Low-precision targets therefore accumulate the average in float32 copies and get the rounded result."""
         targets, onlines = list(self.target_q_heads.parameters()), list(self.q_heads.parameters())
-        with whole_parameters(targets + onlines):  # ZeRO-3 (zero3.yaml) holds slices: average the whole tensors
+        with models.whole_parameters(targets + onlines):  # ZeRO-3 (zero3.yaml) holds slices: average the whole tensors
             if self.target_fp32 is None and any(p.dtype != torch.float32 for p in targets):
                 self.target_fp32 = [p.detach().float().clone() for p in targets]
             for i, (target, online) in enumerate(zip(targets, onlines)):
@@ -703,7 +682,7 @@ def main(args: Args) -> dict:
     accelerator = make_ilql_accelerator(args)
     if args.model_path is None:
         args.model_path = DEFAULT_MODEL_PATHS[args.init_from]  # --init_from picks the starting model
-    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(model_path=args.model_path, reward_model_path=args.reward_model_path,
                preference_dataset=args.preference_dataset, query_dataset=args.query_dataset)
 
@@ -798,7 +777,7 @@ def main(args: Args) -> dict:
         if due(args.eval_every, update, num_updates):
             evaluate(update, counters.episode, [args.beta], final=False)
             counters.interval_start = time.time()  # evaluation time is not training throughput
-        if due(args.checkpoint_every, update, num_updates):
+        if due(args.run.checkpoint_every, update, num_updates):
             run.checkpoint(update, counters.state())
     progress.close()
 
@@ -810,8 +789,8 @@ def main(args: Args) -> dict:
     accelerator.wait_for_everyone()
     save_model(accelerator, model, tokenizer, args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
-    if args.push_to_hub and accelerator.is_main_process:  # --output_dir whole: the LM, its tokenizer and the heads
-        upload_to_hub(args)
+    if args.run.push_to_hub and accelerator.is_main_process:  # --output_dir whole: the LM, its tokenizer and the heads
+        models.upload_to_hub(args)
     accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
     return summary
 
@@ -826,7 +805,7 @@ def make_ilql_accelerator(args: Args) -> Accelerator:
     accelerator: gradient accumulation over total_batch_size / (local_micro_batch_size x world_size) micro batches,
     the seeded data order, bf16 when asked (or available), and DeepSpeed's micro batch and clipping (Detail 8)."""
     # first: the batch arithmetic depends on the process count
-    args.world_size = start_processes(args.process_group_timeout_min).num_processes
+    args.world_size = start_processes(args.run.process_group_timeout_min).num_processes
     gradient_accumulation_steps = exact_div(
         args.total_batch_size, args.local_micro_batch_size * args.world_size,
         "total_batch_size / (local_micro_batch_size x world_size)",
@@ -886,7 +865,7 @@ def load_ilql_models(args, accelerator, tokenizer):
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > lm.config.vocab_size:
         lm.resize_token_embeddings(len(tokenizer))
-    model = ILQLModel(checkpointed(lm, args.gradient_checkpointing), args.ilql.two_qs)
+    model = ILQLModel(models.checkpointed(lm, args.gradient_checkpointing), args.ilql.two_qs)
     if args.disable_dropout:  # Detail 7
         disable_dropout(model)
     reward_model = None
@@ -901,7 +880,7 @@ def load_ilql_models(args, accelerator, tokenizer):
         if len(tokenizer) > reward_model.config.vocab_size:
             reward_model.resize_token_embeddings(len(tokenizer))
         disable_dropout(reward_model)  # frozen and deterministic whatever --disable_dropout says
-        reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
+        reward_model = models.prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
     return model, reward_model
 
 
@@ -1056,11 +1035,11 @@ class TargetCopies:
 
 
 def save_model(accelerator, model, tokenizer, args) -> None:
-    """The LM (safetensors) and its tokenizer in --output_dir (run_infra's save_pretrained_model: ZeRO-3 shards
+    """The LM (safetensors) and its tokenizer in --output_dir (run_infra's models.save_pretrained_model: ZeRO-3 shards
     gathered, a full disk named), the V, Q and target-Q heads next to it in ilql_heads.safetensors with the sampling
     settings in ilql_heads.json."""
     unwrapped = accelerator.unwrap_model(model)
-    state_dict = save_pretrained_model(accelerator, model, unwrapped.lm, tokenizer, args.output_dir, prefix="lm.")
+    state_dict = models.save_pretrained_model(accelerator, model, unwrapped.lm, tokenizer, args.output_dir, prefix="lm.")
     if not accelerator.is_main_process:
         return
     heads_state = {k[len("heads."):]: v.contiguous() for k, v in state_dict.items() if k.startswith("heads.")}
@@ -1083,59 +1062,6 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     if q * b != a:
         raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name. A local
-    folder whose arrow files are damaged (cut short, overwritten) is one RunError naming the split's folder and the fix,
-    raised before anything else reads it: its table is read and checked once here."""
-    if not os.path.isdir(path):
-        return load_dataset(path, split=split)
-    import pyarrow  # (only its error types: what a damaged arrow file raises)
-
-    def damaged(error: Exception, folder: str) -> RunError:
-        return RunError(f"the prepared data in {folder} cannot be read: {type(error).__name__}: {error}. Its arrow file "
-                        "is damaged (cut short or overwritten, e.g. by a copy that stopped or a full disk); prepare it "
-                        "again with data/prepare.py (the task's flags, the same --output_dir) or copy it anew")
-
-    try:
-        dataset_dict = load_from_disk(path)
-    except (OSError, pyarrow.ArrowException) as error:  # which split's folder: the first that does not load alone
-        for folder in sorted(os.path.join(path, d) for d in os.listdir(path)):
-            try:
-                if os.path.exists(os.path.join(folder, "state.json")):
-                    load_from_disk(folder)
-            except (OSError, pyarrow.ArrowException) as its_error:
-                raise damaged(its_error, folder) from its_error
-        raise damaged(error, path) from error
-    if split not in dataset_dict:
-        raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-    try:  # the arrow file is memory-mapped: its buffers must lie within it and match the row count
-        dataset_dict[split].data.validate()
-    except (OSError, pyarrow.ArrowException) as error:
-        raise damaged(error, os.path.join(path, split)) from error
-    return dataset_dict[split]
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
-    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
-    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
-    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -1256,18 +1182,6 @@ def resumable_micro_batches(loader, skip: int):
         epoch, skip = epoch + 1, 0
 
 
-def whole_parameters(params: list):
-    """A context in which `params` (None entries skipped) are whole tensors that may be changed in place. Under
-    ZeRO-3 (zero3.yaml) each process holds only a slice of each weight: the slices are gathered on entry and
-    rank 0's values are sliced back out on exit (every rank computes the same change). Elsewhere it does nothing."""
-    params = [p for p in params if p is not None]
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-
-
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     """Under DeepSpeed (zero2.yaml / zero3.yaml; Detail 8) set what accelerate would fill as "auto": the micro batch
     per process, and no gradient clipping (the paper clips none; accelerate's "auto" clips at 1.0)."""
@@ -1300,5 +1214,5 @@ def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
-    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)
+    main(tyro.cli(Args, use_underscores=True))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (rlhf_utils/run.py)

@@ -43,8 +43,8 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
-from typing import Literal, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, Optional, Tuple
 
 import numpy as np
 import pandas as pd
@@ -55,15 +55,30 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
-from datasets import Dataset, load_dataset, load_from_disk
+from datasets import Dataset, load_from_disk
 from huggingface_hub import HfApi
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
-from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, NonFiniteError, Run, RunError, check_columns, check_data_tokenizer, check_finite,
-    check_gradient_accumulation, check_query_response, check_reward_tokenizer, due, evaluation_rng, frame_markdown,
-    checkpointed, gathered_for_generation, save_pretrained_model, leave_processes, start_processes,
+from rlhf_utils import models
+from rlhf_utils.flags import RunFlags  # the run's flags
+from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
+    LastGoodState,
+    NonFiniteError,
+    Run,
+    RunError,
+    check_columns,
+    check_data_tokenizer,
+    check_finite,
+    check_gradient_accumulation,
+    check_query_response,
+    check_reward_tokenizer,
+    due,
+    evaluation_rng,
+    frame_markdown,
+    leave_processes,
+    load_split,
+    start_processes,
 )
 
 
@@ -74,46 +89,8 @@ class Args:
     """the name of this experiment (the run name starts with it)"""
     seed: int = 1
     """seed of the mixture draw, weights and data order (the same on every process); sampling uses seed + 100003 * rank"""
-    run_name: Optional[str] = None
-    """None -> f"{exp_name}__{seed}__{unix time}"; every file of the run goes under runs/{run_name}/"""
-    track: bool = False
-    """log to Weights and Biases (it mirrors TensorBoard)"""
-    wandb_project_name: str = "tldr_summarize"
-    """the W&B project (with --track)"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team); None = your default entity"""
-    push_to_hub: bool = False
-    """upload the aligned model and tokenizer to the Hugging Face hub"""
-    hub_model_id: Optional[str] = None
-    """hub repository for --push_to_hub; None -> f"{sft model name}__{exp_name}__{method}__{seed}" """
     output_dir: str = "models/offline_rl"
     """where the aligned model and tokenizer are saved (safetensors)"""
-    run_dir_root: str = "runs"
-    """folder that holds runs/{run_name}/"""
-    overwrite_output_dir: bool = False
-    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
-    checkpoint_every: int = 100
-    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
-    runs/{run_name}/checkpoints every this many updates (0 = never)"""
-    checkpoint_keep: int = 1
-    """how many of the newest checkpoints to keep"""
-    resume: bool = False
-    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
-    the resumed run ends with the same weights and metrics as one that was never interrupted"""
-    restart: bool = False
-    """delete the checkpoints of --run_name and start over (without it, a run folder that holds checkpoints is
-    refused: --resume continues it)"""
-    take_over_lock: bool = False
-    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
-    process_group_timeout_min: float = 60.0
-    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
-    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
-    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
-    accept_changed_inputs: bool = False
-    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
-    accept_changed_flags: bool = False
-    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
-    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # ---- method ----
     method: Literal["filter", "rwr", "dt", "best_of_n"] = "dt"
@@ -232,6 +209,10 @@ class Args:
     num_table_samples: int = 4
     """rows of each sample table printed to the console and logged to TensorBoard"""
 
+    run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
+    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
+    they decide no number"""
+
     # ---- derived at run time (not flags) ----
     world_size: tyro.conf.Suppress[Optional[int]] = None
     """number of processes"""
@@ -348,7 +329,7 @@ def sample_policy(accelerator, model, queries: torch.Tensor, generation_config, 
         query = queries[rows]
         query = query[:, real_columns(query, tokenizer.pad_token_id)]  # the left padding every query shares is cut
         query = query.to(accelerator.device)
-        with gathered_for_generation(model, gather):  # ZeRO-3: the weights gathered once for the chunk
+        with models.gathered_for_generation(model, gather):  # ZeRO-3: the weights gathered once for the chunk
             query_response = generate(unwrapped, query, tokenizer.pad_token_id, generation_config)
         response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, query_response[:, query.size(1) :])
         pairs += list(zip(rows, response.cpu().tolist()))
@@ -796,7 +777,7 @@ def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic and precision ----------------
     accelerator = make_offline_accelerator(args)
-    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path,
                preference_dataset=args.preference_dataset, query_dataset=args.query_dataset)
 
@@ -810,7 +791,7 @@ def main(args: Args) -> dict:
     # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
     check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
     policy, reward_model = load_offline_models(args, tokenizer)
-    reward_model = prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
+    reward_model = models.prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
     # the policy samples the mixture before it trains: it goes through accelerator.prepare first, because under
     # ZeRO-3 its weights are already partitioned and only a DeepSpeed engine gathers them for a forward
     adamw = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.eps)
@@ -886,7 +867,7 @@ def main(args: Args) -> dict:
         log_offline(run, args, update, metrics)
         if due(args.eval_every, update, num_updates):
             evaluate(update, final=False)
-        if due(args.checkpoint_every, update, num_updates):
+        if due(args.run.checkpoint_every, update, num_updates):
             run.checkpoint(update, counters.state())
     progress.close()
 
@@ -911,9 +892,9 @@ def main(args: Args) -> dict:
             "wall_time_s": time.time() - start_time,
         }
     )
-    save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)
+    models.save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)
     run.finish(summary)
-    if accelerator.is_main_process and args.push_to_hub:
+    if accelerator.is_main_process and args.run.push_to_hub:
         push_offline_model(args)
     accelerator.print(json.dumps(summary, indent=2))
     return summary
@@ -930,7 +911,7 @@ def make_offline_accelerator(args: Args) -> Accelerator:
     accelerator: gradient accumulation over total_batch_size / (local_micro_batch_size * world_size) micro batches,
     bf16 when asked (or available), and DeepSpeed's micro batch and clipping (Detail 8)."""
     # first: the accumulation steps depend on the number of processes
-    args.world_size = start_processes(args.process_group_timeout_min).num_processes
+    args.world_size = start_processes(args.run.process_group_timeout_min).num_processes
     gradient_accumulation_steps = exact_div(
         args.total_batch_size,
         args.local_micro_batch_size * args.world_size,
@@ -982,7 +963,7 @@ def load_offline_models(args: Args, tokenizer):
             model.resize_token_embeddings(len(tokenizer))
         if args.disable_dropout:
             disable_dropout(model)
-    return checkpointed(policy, args.gradient_checkpointing), reward_model
+    return models.checkpointed(policy, args.gradient_checkpointing), reward_model
 
 
 def load_offline_data(args: Args, tokenizer):
@@ -1192,7 +1173,7 @@ def log_offline(run, args: Args, step: int, metrics: dict) -> None:
 
 def push_offline_model(args: Args) -> None:
     """--push_to_hub: upload --output_dir (None -> f"{sft model name}__{exp_name}__{method}__{seed}")."""
-    hub_model_id = args.hub_model_id or (
+    hub_model_id = args.run.hub_model_id or (
         f"{os.path.basename(args.sft_model_path.rstrip('/'))}__{args.exp_name}__{args.method}__{args.seed}"
     )
     api = HfApi()
@@ -1211,59 +1192,6 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     if q * b != a:
         raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name. A local
-    folder whose arrow files are damaged (cut short, overwritten) is one RunError naming the split's folder and the fix,
-    raised before anything else reads it: its table is read and checked once here."""
-    if not os.path.isdir(path):
-        return load_dataset(path, split=split)
-    import pyarrow  # (only its error types: what a damaged arrow file raises)
-
-    def damaged(error: Exception, folder: str) -> RunError:
-        return RunError(f"the prepared data in {folder} cannot be read: {type(error).__name__}: {error}. Its arrow file "
-                        "is damaged (cut short or overwritten, e.g. by a copy that stopped or a full disk); prepare it "
-                        "again with data/prepare.py (the task's flags, the same --output_dir) or copy it anew")
-
-    try:
-        dataset_dict = load_from_disk(path)
-    except (OSError, pyarrow.ArrowException) as error:  # which split's folder: the first that does not load alone
-        for folder in sorted(os.path.join(path, d) for d in os.listdir(path)):
-            try:
-                if os.path.exists(os.path.join(folder, "state.json")):
-                    load_from_disk(folder)
-            except (OSError, pyarrow.ArrowException) as its_error:
-                raise damaged(its_error, folder) from its_error
-        raise damaged(error, path) from error
-    if split not in dataset_dict:
-        raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-    try:  # the arrow file is memory-mapped: its buffers must lie within it and match the row count
-        dataset_dict[split].data.validate()
-    except (OSError, pyarrow.ArrowException) as error:
-        raise damaged(error, os.path.join(path, split)) from error
-    return dataset_dict[split]
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
-    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
-    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
-    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -1423,5 +1351,5 @@ def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
-    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)
+    main(tyro.cli(Args, use_underscores=True))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (rlhf_utils/run.py)

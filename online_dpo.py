@@ -38,7 +38,6 @@ After a crash:    the same command with --resume (and --run_name of the run, if 
                   log-prob or reward-model score stops the run before it reaches the weights, and the state after the
                   last good update is saved as a checkpoint to resume from.
 """
-import copy
 import hashlib
 import math
 import os
@@ -46,7 +45,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
-from typing import Dict, List, Literal, NamedTuple, Optional, Tuple
+from typing import Annotated, Dict, List, Literal, NamedTuple, Optional, Tuple
 
 import numpy as np
 import pandas as pd
@@ -55,18 +54,38 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
-from datasets import Dataset, get_dataset_split_names, load_dataset, load_from_disk
+from datasets import Dataset, get_dataset_split_names, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig,
-                          LogitsProcessor, LogitsProcessorList)
-
-from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_qlora_flags, check_query_response, check_reward_tokenizer, due, evaluation_rng, frame_markdown,
-    checkpointed, gathered_for_generation, save_pretrained_model, leave_processes, start_processes, upload_to_hub,
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
 )
-from user_reward import check_rewards, load_reward_fn, reward_fn_errors  # --reward_fn: load and check (user_reward.py)
+
+from rlhf_utils import models, records
+from rlhf_utils.flags import RunFlags  # the run's flags
+from rlhf_utils.rewards import check_rewards, load_reward_fn, reward_fn_errors  # --reward_fn: load and check
+from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
+    LastGoodState,
+    Run,
+    RunError,
+    check_columns,
+    check_data_tokenizer,
+    check_finite,
+    check_gradient_accumulation,
+    check_qlora_flags,
+    check_query_response,
+    check_reward_tokenizer,
+    due,
+    evaluation_rng,
+    leave_processes,
+    load_split,
+    start_processes,
+)
 
 
 @dataclass
@@ -115,46 +134,8 @@ class Args:
     seed: int = 1
     """seed of weights, prompt order and of each prompt's two responses (from seed, round and prompt index, the same
     on any number of processes); the evaluation samples use seed + process_index * 100003"""
-    run_name: Optional[str] = None
-    """run name; None -> f"{exp_name}__{seed}__{int(time.time())}"; outputs go to {run_dir_root}/{run_name}"""
-    run_dir_root: str = "runs"
-    """folder that holds the run folders (args.json, metrics.jsonl, TensorBoard, samples, summary)"""
-    track: bool = False
-    """mirror the TensorBoard logs to Weights & Biases"""
-    wandb_project_name: str = "tldr_summarize"
-    """W&B project (with --track)"""
-    wandb_entity: Optional[str] = None
-    """W&B entity (with --track); None = your default entity"""
-    push_to_hub: bool = False
-    """upload the trained policy and tokenizer to the Hugging Face hub"""
-    hub_model_id: Optional[str] = None
-    """hub repository id for --push_to_hub; None -> the run name"""
     output_dir: str = "models/online_dpo"
     """where the trained policy and its tokenizer are saved (safetensors)"""
-    overwrite_output_dir: bool = False
-    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
-    checkpoint_every: int = 100
-    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
-    runs/{run_name}/checkpoints every this many updates (0 = never)"""
-    checkpoint_keep: int = 1
-    """how many of the newest checkpoints to keep"""
-    resume: bool = False
-    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
-    the resumed run ends with the same weights and metrics as one that was never interrupted"""
-    restart: bool = False
-    """delete the checkpoints of --run_name and start over (without it, a run folder that holds checkpoints is
-    refused: --resume continues it)"""
-    take_over_lock: bool = False
-    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
-    process_group_timeout_min: float = 60.0
-    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
-    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
-    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
-    accept_changed_inputs: bool = False
-    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
-    accept_changed_flags: bool = False
-    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
-    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # models and data
     sft_model_path: str = "models/sft"
@@ -289,6 +270,10 @@ class Args:
     print_sample_every: int = 1
     """updates between printed samples: an evaluation at a multiple of it prints a few (the final one always);
     0 = never"""
+
+    run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
+    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
+    they decide no number"""
 
     # derived at run time (not flags)
     world_size: tyro.conf.Suppress[Optional[int]] = None
@@ -464,7 +449,7 @@ def draw_pairs(args, accelerator, run, policy, reward_model, reward_fn, prompts,
     responses, scores = [], []
     for chunk in torch.arange(rows.numel()).split(args.local_rollout_forward_batch_size):
         chunk_queries = queries[chunk].to(device)
-        with accelerator.autocast(), gathered_for_generation(policy, args.gather_for_generation):
+        with accelerator.autocast(), models.gathered_for_generation(policy, args.gather_for_generation):
             pair = sample_pairs(args, accelerator.unwrap_model(policy), chunk_queries, rows[chunk], draw, tokenizer)
             both = chunk_queries.repeat_interleave(2, 0), pair.flatten(0, 1)  # the two responses of each pair
             if reward_model is not None:  # Detail 12: the score at the EOS
@@ -638,7 +623,7 @@ def main(args: Args) -> dict:
     # ---------------- processes, batch arithmetic (Table 6: 64 pairs per update), run folder ----------------
     accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
     check_qlora_flags(args, accelerator)
-    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset,
                query_dataset=args.query_dataset, reward_model_path=args.reward_model_path)
 
@@ -686,7 +671,8 @@ def main(args: Args) -> dict:
         """Detail 19: the implicit reward model on the preference splits; samples of the policy."""
         pairs = evaluate_preferences(accelerator, policy, ref_model, {}, eval_datasets, args, pad_token_id)
         sampled = sample_responses(accelerator, policy, tokenizer, sample_dataset, generation_config, args)
-        metrics = write_evaluation(run, args, update, final, pairs, eval_datasets, sampled, sample_raw, tokenizer)
+        report = preference_report(pairs, eval_datasets)  # Detail 19's accuracy table and the eval/ metrics
+        metrics = records.write_evaluation(run, args, update, final, report, sampled, sample_raw, tokenizer)
         run.log(update, {"episode": update * args.total_batch_size, **metrics})
         return metrics
 
@@ -726,7 +712,7 @@ def main(args: Args) -> dict:
                 run_evaluation(update)
                 interval.restart_clock()  # evaluation time is not training throughput
             # after the update's logging and evaluation, so a resumed run repeats neither
-            if due(args.checkpoint_every, update, num_updates):
+            if due(args.run.checkpoint_every, update, num_updates):
                 run.checkpoint(update, interval.state())
 
     # ---------------- final evaluation and outputs ----------------
@@ -738,11 +724,11 @@ def main(args: Args) -> dict:
                # gave two sampled responses, whether its pair was kept or not
                "budget/responses_sampled": 2 * rounds.totals["pairs"], "budget/prompts": rounds.totals["pairs"],
                "budget/updates": num_updates, "wall_time_s": time.time() - start_time}
-    # with LoRA the adapters folded into the base: the plain float32 model it computes (merged_policy)
-    save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir,
-                          merge=merged_policy if args.lora_rank > 0 else None)
-    if args.push_to_hub and accelerator.is_main_process:
-        upload_to_hub(args)
+    # with LoRA the adapters folded into the base: the plain float32 model it computes (models.merged_policy)
+    models.save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir,
+                          merge=models.merged_policy if args.lora_rank > 0 else None)
+    if args.run.push_to_hub and accelerator.is_main_process:
+        models.upload_to_hub(args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
     accelerator.print(f"sampled {2 * rounds.totals['pairs']:,} responses ({rounds.totals['pairs']:,} prompts x 2; the "
                       f"budget: {2 * num_updates * args.total_batch_size:,}); done in {time.time() - start_time:.0f}s; "
@@ -945,7 +931,7 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
         for batch in dataloader:
             queries = batch["query_token"]  # (B, Tq), left-padded
             queries = queries[:, real_columns(queries, tokenizer.pad_token_id)]  # the left padding all rows share: cut
-            with accelerator.autocast(), gathered_for_generation(model, args.gather_for_generation):
+            with accelerator.autocast(), models.gathered_for_generation(model, args.gather_for_generation):
                 query_responses = generate(unwrapped, queries, tokenizer.pad_token_id, generation_config)
             responses = truncate_response(
                 tokenizer.eos_token_id, tokenizer.pad_token_id, query_responses[:, queries.size(1):]
@@ -955,34 +941,6 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
             responses_all.append(responses.cpu())
     model.train()
     return torch.cat(rows_all), torch.cat(responses_all)  # (N,), (N, Tr)
-
-
-def sample_table(tokenizer, raw, rows: torch.Tensor, responses: torch.Tensor):
-    """The samples table (the columns every policy script writes) of sample_responses' rows (N,) and truncated
-    responses (N, Tr), and its metrics: the EOS rate and the mean response length."""
-    has_eos = (responses == tokenizer.eos_token_id).any(1)
-    # tokens up to and including the first EOS (all of them when there is none)
-    token_len = torch.where(has_eos, first_true_indices(responses == tokenizer.eos_token_id) + 1, responses.size(1))
-    query_tokens, references = raw["query_token"], raw["reference_response"]
-    records = []
-    for i, row in enumerate(rows.tolist()):
-        query = query_tokens[row]
-        records.append({
-            "query": tokenizer.decode([t for t in query if t != tokenizer.pad_token_id], skip_special_tokens=True),
-            "response": tokenizer.decode(
-                [t for t in responses[i].tolist() if t != tokenizer.pad_token_id], skip_special_tokens=True
-            ),
-            "reference": references[row],
-            "score": None,  # no reward model in DPO
-            "response_token_len": int(token_len[i]),
-            "has_eos": bool(has_eos[i]),
-        })
-    table = pd.DataFrame(records, columns=["query", "response", "reference", "score", "response_token_len", "has_eos"])
-    metrics = {
-        "eval/eos_rate": float(has_eos.float().mean()),
-        "eval/response_token_len_mean": float(token_len.float().mean()),
-    }
-    return table, metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1024,7 +982,7 @@ def load_lora_policy_and_reference(args, accelerator, tokenizer):
         policy.resize_token_embeddings(len(tokenizer))
     if args.disable_dropout:  # Detail 7
         disable_dropout(policy)
-    policy = checkpointed(lora_policy(policy, args), args.gradient_checkpointing)
+    policy = models.checkpointed(lora_policy(policy, args), args.gradient_checkpointing)
     if not args.load_in_4bit:  # on the device already for --precompute_ref_logprobs (a 4-bit model loads there)
         policy.to(accelerator.device)
     return policy, AdaptersOff(policy)
@@ -1098,64 +1056,6 @@ def lora_policy(model, args):
     )
 
 
-def merged_policy(policy) -> torch.nn.Module:
-    """A LoRA policy (peft) as the plain transformers model it computes: every adapted layer's weight becomes
-    W + delta, delta = peft's get_delta_weight (B A scaled by alpha / rank), in float32 and CPU memory, with no
-    quantization config, so that the saved folder loads with a plain from_pretrained (judge.py, report.py, the next
-    stage). A 4-bit base layer (QLoRA) is first dequantized to the very weights its forward used while the adapters
-    trained. (peft's merge_and_unload would quantize W + delta back to 4 bits: a second rounding, which moves the
-    merged model away from the one trained.) The policy itself is left as it is."""
-    from accelerate import init_empty_weights
-    from peft.tuners.lora import LoraLayer
-
-    try:
-        from bitsandbytes.functional import dequantize_4bit
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:  # plain LoRA needs no bitsandbytes: none of its layers is 4-bit
-        Linear4bit = ()
-
-    def on_cpu(tensor: torch.Tensor) -> torch.Tensor:  # a float32 copy, never a view of the policy's tensors
-        return tensor.detach().to("cpu", torch.float32, copy=True)
-
-    def weight_of(layer) -> torch.Tensor:  # the weight a linear layer computes with
-        if isinstance(layer, Linear4bit):
-            return on_cpu(dequantize_4bit(layer.weight.data, layer.weight.quant_state))
-        return on_cpu(layer.weight)
-
-    model = policy.get_base_model()  # the transformers model, its linear layers wrapped by peft's LoRA layers
-    adapted = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
-    state = {}
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if any(name.startswith(f"{outer}.") for outer in adapted):
-            continue  # the inside of an adapted layer (its base layer and adapters), folded in below
-        if name in adapted:
-            base, weight = module.get_base_layer(), weight_of(module.get_base_layer())
-            for adapter in module.active_adapters:
-                if adapter not in module.merged_adapters:
-                    weight = weight + on_cpu(module.get_delta_weight(adapter))  # W + delta
-            state[prefix + "weight"] = weight
-            if base.bias is not None:
-                state[prefix + "bias"] = on_cpu(base.bias)
-            continue
-        for key, tensor in module.named_parameters(recurse=False):
-            quantized = isinstance(module, Linear4bit) and key == "weight"
-            state[prefix + key] = weight_of(module) if quantized else on_cpu(tensor)
-        for key, tensor in module.named_buffers(recurse=False):
-            state[prefix + key] = tensor.detach().to("cpu", copy=True)
-    config = copy.deepcopy(model.config)
-    config.__dict__.pop("quantization_config", None)  # a plain float32 model, like every other stage's
-    with init_empty_weights():  # no random initialisation, nor a draw from the RNG: every weight comes from `state`
-        plain = type(model)(config)
-    missing = set(plain.state_dict()) - set(state)
-    if missing:
-        raise RuntimeError(f"merged_policy: no weights for {sorted(missing)[:5]} in {type(model).__name__}")
-    plain.load_state_dict({key: state[key] for key in plain.state_dict()}, assign=True)
-    plain.tie_weights()
-    plain.generation_config = copy.deepcopy(model.generation_config)
-    return plain.eval()
-
-
 # ---------------------------------------------------------------------------------------------
 # The setup that decides numbers: flags, processes and batches, tokenizer, data, models
 # ---------------------------------------------------------------------------------------------
@@ -1185,7 +1085,7 @@ def check_online_flags(args):
         from judge_client import resolve_api_key  # the judge's client, loaded by --judge endpoint alone
 
         resolve_api_key(args.endpoint.base_url)  # raises when OPENAI_API_KEY is unset; the key itself is not kept
-    return load_reward_fn(args.reward_fn, args.judge)  # (user_reward.py)
+    return load_reward_fn(args.reward_fn, args.judge)  # (rlhf_utils/rewards.py)
 
 
 def check_rounds(args, num_updates: int, num_prompts: int) -> int:
@@ -1204,7 +1104,7 @@ def make_accelerator(args) -> Accelerator:
     that a resumed run can find its place in, bf16 autocast with --bf16 (None: where CUDA supports it), and under
     DeepSpeed the micro batch and the gradient clipping (configure_deepspeed)."""
     # first: the batch arithmetic depends on the process count
-    args.world_size = start_processes(args.process_group_timeout_min).num_processes
+    args.world_size = start_processes(args.run.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
                              "total_batch_size / (local_micro_batch_size * world_size)")
     check_gradient_accumulation(args, accumulation, args.world_size)
@@ -1314,7 +1214,7 @@ def count_updates(args, num_rows: int) -> int:
 def load_policy_and_reference(args, accelerator, tokenizer):
     """The two models of DPO, both the SFT model: the policy, with float32 master weights (bf16 is autocast), and
     the frozen reference, which may live in bf16 and never drops out (it must give the same log-probs every time).
-    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (prepare_frozen_model)."""
+    Detail 8: under ZeRO-3 the reference runs in a DeepSpeed inference engine (models.prepare_frozen_model)."""
     policy = AutoModelForCausalLM.from_pretrained(
         args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
     )
@@ -1329,7 +1229,7 @@ def load_policy_and_reference(args, accelerator, tokenizer):
     if args.disable_dropout:  # Detail 7
         disable_dropout(policy)
     disable_dropout(ref_model)  # the reference is frozen and deterministic whatever --disable_dropout says
-    return checkpointed(policy, args.gradient_checkpointing), prepare_frozen_model(accelerator, ref_model)
+    return models.checkpointed(policy, args.gradient_checkpointing), models.prepare_frozen_model(accelerator, ref_model)
 
 
 def load_judge_reward_model(args, accelerator, tokenizer):
@@ -1346,28 +1246,7 @@ def load_judge_reward_model(args, accelerator, tokenizer):
     if reward_model.config.vocab_size < len(tokenizer):
         reward_model.resize_token_embeddings(len(tokenizer))
     disable_dropout(reward_model)  # frozen: the same score every time
-    return prepare_frozen_model(accelerator, reward_model)
-
-
-def prepare_frozen_model(accelerator, model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-    """Place a model that only runs forward (reference policy, reward model). Under ZeRO-3 from_pretrained has
-    already partitioned its weights, so it runs in a DeepSpeed inference engine that gathers each layer for its
-    forward; `offload` keeps the weights in CPU memory between uses (the paper's 6.9B setting, Detail 8).
-    Elsewhere it moves to the device (or stays on the CPU for a script that moves it by hand on use)."""
-    model.requires_grad_(False).eval()
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        return model.to("cpu" if offload else accelerator.device)
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu" if offload else "none"}},
-        "bf16": {"enabled": plugin.deepspeed_config.get("bf16", {}).get("enabled") is True},
-    }
-    engine = deepspeed.initialize(model=model, config=config)[0]
-    engine.eval()
-    return engine.module
+    return models.prepare_frozen_model(accelerator, reward_model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1381,38 +1260,6 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     if q * b != a:
         raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name. A local
-    folder whose arrow files are damaged (cut short, overwritten) is one RunError naming the split's folder and the fix,
-    raised before anything else reads it: its table is read and checked once here."""
-    if not os.path.isdir(path):
-        return load_dataset(path, split=split)
-    import pyarrow  # (only its error types: what a damaged arrow file raises)
-
-    def damaged(error: Exception, folder: str) -> RunError:
-        return RunError(f"the prepared data in {folder} cannot be read: {type(error).__name__}: {error}. Its arrow file "
-                        "is damaged (cut short or overwritten, e.g. by a copy that stopped or a full disk); prepare it "
-                        "again with data/prepare.py (the task's flags, the same --output_dir) or copy it anew")
-
-    try:
-        dataset_dict = load_from_disk(path)
-    except (OSError, pyarrow.ArrowException) as error:  # which split's folder: the first that does not load alone
-        for folder in sorted(os.path.join(path, d) for d in os.listdir(path)):
-            try:
-                if os.path.exists(os.path.join(folder, "state.json")):
-                    load_from_disk(folder)
-            except (OSError, pyarrow.ArrowException) as its_error:
-                raise damaged(its_error, folder) from its_error
-        raise damaged(error, path) from error
-    if split not in dataset_dict:
-        raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-    try:  # the arrow file is memory-mapped: its buffers must lie within it and match the row count
-        dataset_dict[split].data.validate()
-    except (OSError, pyarrow.ArrowException) as error:
-        raise damaged(error, os.path.join(path, split)) from error
-    return dataset_dict[split]
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -1516,7 +1363,7 @@ def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, respons
     responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
     EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
     `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
-    user_reward.py names the row of an exception and checks the answer: one finite number per response. No function:
+    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No function:
     the scores as they are."""
     if reward_fn is None:
         return scores
@@ -1585,39 +1432,6 @@ class LoggingInterval:
     def state(self) -> dict:
         return {"interval": self.rows, "interval_tokens": self.tokens, "interval_time": time.time() - self.start,
                 "last_train_metrics": self.last_means}
-
-
-def write_evaluation(run, args, update: int, final: bool, pairs: Dict[str, pd.DataFrame], eval_datasets, sampled,
-                     sample_raw, tokenizer) -> Dict[str, float]:
-    """An evaluation's metrics and outputs: samples/step_N.csv and the TensorBoard text tabs; after training also
-    samples.csv, the accuracy table (eval_table.csv, eval_table.md, printed) and every scored pair (eval_pairs.csv)."""
-    metrics, table_rows, frame = preference_report(pairs, eval_datasets)
-    samples, sample_metrics = sample_table(tokenizer, sample_raw, *sampled)
-    metrics.update(sample_metrics)
-    run.save_table(samples, f"samples/step_{update:06d}.csv")
-    if not run.main:
-        return metrics
-    run.writer.add_text("eval/accuracy_table", breakdown_markdown(table_rows), update)  # TensorBoard's text tab
-    run.writer.add_text("eval/samples", frame_markdown(samples.head(8)), update)
-    if final:
-        run.save_table(samples, "samples.csv")
-        run.save_table(pd.DataFrame(table_rows), "eval_table.csv")
-        with open(os.path.join(run.dir, "eval_table.md"), "w") as f:
-            f.write(breakdown_markdown(table_rows) + "\n")
-        run.save_table(frame, "eval_pairs.csv")
-        print(breakdown_markdown(table_rows))
-    if args.print_sample_every > 0 and (final or update % args.print_sample_every == 0):
-        for row in samples.head(2).itertuples():
-            print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\nREFERENCE: {row.reference}")
-    return metrics
-
-
-def breakdown_markdown(rows: List[dict]) -> str:
-    """The accuracy table as Markdown, in reward.py's layout so the RM and DPO tables sit side by side."""
-    lines = ["| dataset split | metric | key | value | n |", "| --- | --- | --- | ---: | ---: |"]
-    for r in rows:
-        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {r['n']} |")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1715,5 +1529,5 @@ def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
-    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)
+    main(tyro.cli(Args, use_underscores=True))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (rlhf_utils/run.py)

@@ -303,7 +303,7 @@ def parse_extras(extras: list[str], mode: str = "leaderboard", kto: bool = False
     is one error naming it: a missing file, an unknown stage, a stage that makes no policy (NO_POLICY), a stage the
     mode does not run (the fork takes that stage's command and settings, which the mode then lacks), a name taken by
     a project stage or given twice. main() calls it before the lock and before any stage runs."""
-    from run_infra import RunError
+    from rlhf_utils.run import RunError
 
     stages = mode_stages(mode, kto)
     known = [s for s in LEADERBOARD_STAGES if s not in NO_POLICY]
@@ -496,7 +496,7 @@ class Pipeline:
         process.returncode = code = os.waitstatus_to_exitcode(status)
         self.usage["peak_rss_mib"] = usage.ru_maxrss / 1024  # Linux counts ru_maxrss in KiB
         if code:
-            from run_infra import RunError
+            from rlhf_utils.run import RunError
 
             raise RunError(f"[{stage}] failed (exit code {code}), its own error above; the pipeline picks up there when "
                            f"run again")
@@ -524,7 +524,7 @@ class Pipeline:
         now = self.recorded(cmd)
         if then is None or then == now:
             return
-        from run_infra import RunError
+        from rlhf_utils.run import RunError
 
         old, new = flag_values(then), flag_values(now)
         differ = [f"{k} {old.get(k, '(absent)')} then, {new.get(k, '(absent)')} now" for k in dict.fromkeys([*old, *new])
@@ -704,7 +704,7 @@ class Pipeline:
 
 
 def main(args: Args) -> None:
-    from run_infra import claim_lock  # the training runs' lock; its refusal prints as one line
+    from rlhf_utils.run import claim_lock  # the training runs' lock; its refusal prints as one line
 
     parse_extras(args.extra, args.mode, args.kto)  # a bad --extra stops here, before the lock and every stage
     os.makedirs(args.out, exist_ok=True)
@@ -732,4 +732,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, use_underscores=True))

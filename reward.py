@@ -29,13 +29,12 @@ or inf loss or reward stops the run before it reaches the weights; the state aft
 that update's checkpoint, from which --resume goes on as from an ordinary one.
 """
 
-import contextlib
 import json
 import math
 import os
 import time
-from dataclasses import dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, Optional
 
 import numpy as np
 import pandas as pd
@@ -44,14 +43,26 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, skip_first_batches
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
-from datasets import load_dataset, load_from_disk
+from datasets import load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DynamicCache
 
-from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    checkpointed, check_query_response, due, save_pretrained_model, leave_processes, start_processes, upload_to_hub,
+from rlhf_utils import models
+from rlhf_utils.flags import RunFlags  # the run's flags
+from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
+    LastGoodState,
+    Run,
+    RunError,
+    check_columns,
+    check_data_tokenizer,
+    check_finite,
+    check_gradient_accumulation,
+    check_query_response,
+    due,
+    leave_processes,
+    load_split,
+    start_processes,
 )
 
 
@@ -62,46 +73,8 @@ class Args:
     """the name of this experiment (the run name starts with it)"""
     seed: int = 1
     """seed for the head initialisation and the data order (the same on every process)"""
-    run_name: Optional[str] = None
-    """name of the run; None -> f"{exp_name}__{seed}__{int(time.time())}" """
-    track: bool = False
-    """mirror the TensorBoard logs to Weights and Biases"""
-    wandb_project_name: str = "tldr_summarize"
-    """the W&B project name (with --track)"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team); None -> your default entity"""
-    push_to_hub: bool = False
-    """upload the trained reward model and tokenizer to the Hugging Face hub"""
-    hub_model_id: Optional[str] = None
-    """the hub repository for --push_to_hub; None -> the run name"""
     output_dir: str = "models/rm"
     """where the trained reward model and its tokenizer are saved (safetensors)"""
-    run_dir_root: str = "runs"
-    """logs, metrics, tables and plots go to {run_dir_root}/{run_name}/"""
-    overwrite_output_dir: bool = False
-    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
-    checkpoint_every: int = 100
-    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
-    runs/{run_name}/checkpoints every this many updates (0 = never)"""
-    checkpoint_keep: int = 1
-    """how many of the newest checkpoints to keep"""
-    resume: bool = False
-    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
-    the resumed run ends with the same weights and metrics as one that was never interrupted"""
-    restart: bool = False
-    """delete the checkpoints of --run_name and start over (without it, a run folder that holds checkpoints is
-    refused: --resume continues it)"""
-    take_over_lock: bool = False
-    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
-    process_group_timeout_min: float = 60.0
-    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
-    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
-    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
-    accept_changed_inputs: bool = False
-    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
-    accept_changed_flags: bool = False
-    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
-    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # ---- model and data ----
     sft_model_path: str = "models/sft"
@@ -186,6 +159,10 @@ class Args:
     log_every: int = 1
     """write training metrics every N optimizer steps"""
 
+    run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
+    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
+    they decide no number"""
+
     # ---- derived at run time (not flags) ----
     world_size: tyro.conf.Suppress[Optional[int]] = None
     """number of processes"""
@@ -232,7 +209,7 @@ def init_reward_head(model, mode: str, std: Optional[float]) -> float:
         raise RunError("--reward_head_init_std only applies to --reward_head_init paper")
     else:
         std = model.config.initializer_range
-    with torch.no_grad(), whole_parameters([model.score.weight, model.score.bias]):
+    with torch.no_grad(), models.whole_parameters([model.score.weight, model.score.bias]):
         torch.nn.init.normal_(model.score.weight, mean=0.0, std=std)
         if model.score.bias is not None:
             torch.nn.init.zeros_(model.score.bias)
@@ -336,7 +313,7 @@ def fold_reward_bias(model, bias: float) -> None:
     by w . delta = -bias. The value is also stored as `config.reward_normalization_bias` (already applied;
     never subtract it again)."""
     norm = final_norm_of(model)
-    with torch.no_grad(), whole_parameters([model.score.weight, norm.bias]):
+    with torch.no_grad(), models.whole_parameters([model.score.weight, norm.bias]):
         w = model.score.weight[0].detach().float()  # (d,)
         norm.bias.add_((-bias * w / w.dot(w)).to(norm.bias.dtype))
 
@@ -546,7 +523,7 @@ def calibration_bins(frame: pd.DataFrame, num_bins: int) -> pd.DataFrame:
 def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic and precision ----------------
-    args.world_size = num_processes = start_processes(args.process_group_timeout_min).num_processes
+    args.world_size = num_processes = start_processes(args.run.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * num_processes,
                              "total_batch_size / (local_micro_batch_size * world_size)")
     check_gradient_accumulation(args, accumulation, num_processes)
@@ -565,7 +542,7 @@ def main(args: Args) -> dict:
         mixed_precision="bf16" if args.bf16 else "no",
     )
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset, query_dataset=args.query_dataset)
     set_seed(args.seed)  # same weights and data order on every process
 
@@ -635,10 +612,10 @@ def main(args: Args) -> dict:
                              "train/tokens_per_s": tokens_per_s, "time/update_s": means["update_s"]})
         if due(args.eval_every, update, num_updates):
             evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets, tokenizer, update, final=False)
-        # the trainer state after this update, checkpointed after its logging and evaluation (a resumed run
+        # the trainer state after this update, models.checkpointed after its logging and evaluation (a resumed run
         # repeats neither)
         state = {"tokens_seen": tokens_seen, "train_time": train_time_before + time.time() - train_start}
-        if due(args.checkpoint_every, update, num_updates):
+        if due(args.run.checkpoint_every, update, num_updates):
             run.checkpoint(update, state)
     progress.close()
     train_time = train_time_before + time.time() - train_start
@@ -653,9 +630,9 @@ def main(args: Args) -> dict:
                     "head_init_std": head_std,
                     # the budget as spent: every update read total_batch_size pairs
                     "budget/updates": num_updates, "budget/pairs_read": num_updates * args.total_batch_size})
-    save_pretrained_model(accelerator, scorer, unwrapped, tokenizer, args.output_dir, prefix="rm.")
-    if args.push_to_hub and accelerator.is_main_process:
-        upload_to_hub(args)
+    models.save_pretrained_model(accelerator, scorer, unwrapped, tokenizer, args.output_dir, prefix="rm.")
+    if args.run.push_to_hub and accelerator.is_main_process:
+        models.upload_to_hub(args)
     run.finish(summary)
     if accelerator.is_main_process:
         print(json.dumps({k: summary[k] for k in ("eval/accuracy", "left_right_pad_diff", "train_time_s")}))
@@ -757,7 +734,7 @@ def build_reward_model(args, tokenizer):
     head_std = init_reward_head(model, args.reward_head_init, args.reward_head_init_std)
     if args.disable_dropout:
         disable_dropout(model)  # Detail 7
-    return checkpointed(model, args.gradient_checkpointing), head_std
+    return models.checkpointed(model, args.gradient_checkpointing), head_std
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
@@ -873,38 +850,6 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     return q
 
 
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name. A local
-    folder whose arrow files are damaged (cut short, overwritten) is one RunError naming the split's folder and the fix,
-    raised before anything else reads it: its table is read and checked once here."""
-    if not os.path.isdir(path):
-        return load_dataset(path, split=split)
-    import pyarrow  # (only its error types: what a damaged arrow file raises)
-
-    def damaged(error: Exception, folder: str) -> RunError:
-        return RunError(f"the prepared data in {folder} cannot be read: {type(error).__name__}: {error}. Its arrow file "
-                        "is damaged (cut short or overwritten, e.g. by a copy that stopped or a full disk); prepare it "
-                        "again with data/prepare.py (the task's flags, the same --output_dir) or copy it anew")
-
-    try:
-        dataset_dict = load_from_disk(path)
-    except (OSError, pyarrow.ArrowException) as error:  # which split's folder: the first that does not load alone
-        for folder in sorted(os.path.join(path, d) for d in os.listdir(path)):
-            try:
-                if os.path.exists(os.path.join(folder, "state.json")):
-                    load_from_disk(folder)
-            except (OSError, pyarrow.ArrowException) as its_error:
-                raise damaged(its_error, folder) from its_error
-        raise damaged(error, path) from error
-    if split not in dataset_dict:
-        raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-    try:  # the arrow file is memory-mapped: its buffers must lie within it and match the row count
-        dataset_dict[split].data.validate()
-    except (OSError, pyarrow.ArrowException) as error:
-        raise damaged(error, os.path.join(path, split)) from error
-    return dataset_dict[split]
-
-
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """Per row, the index of the first True; the row length when the row has no True."""
     row_len = bools.size(-1)
@@ -1000,18 +945,6 @@ def resumable_micro_batches(loader, skip: int):
         epoch, skip = epoch + 1, 0
 
 
-def whole_parameters(params: list):
-    """A context in which `params` (None entries skipped) are whole tensors that may be changed in place. Under
-    ZeRO-3 (zero3.yaml) each process holds only a slice of each weight: the slices are gathered on entry and
-    rank 0's values are sliced back out on exit (every rank computes the same change). Elsewhere it does nothing."""
-    params = [p for p in params if p is not None]
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-
-
 def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
     """The learning rate of update t (from 0) over num_updates updates, as a multiple of --lr: a linear warm-up from 0
     over the first warmup_steps updates, then cosine decays to 0 as 0.5 * (1 + cos(pi * progress)) and linear as
@@ -1035,5 +968,5 @@ def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
-    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)
+    main(tyro.cli(Args, use_underscores=True))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (rlhf_utils/run.py)

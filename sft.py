@@ -28,13 +28,12 @@ A NaN or inf loss:      stops the run before it reaches the weights; the state a
                         that update's checkpoint, from which --resume goes on as from an ordinary one.
 """
 
-import copy
 import json
 import math
 import os
 import time
-from dataclasses import dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, Optional
 
 import pandas as pd
 import torch
@@ -42,14 +41,28 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import gather_object, set_seed
-from datasets import load_dataset, load_from_disk
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from run_infra import (  # the run infrastructure: decides no number (run_infra.py)
-    LastGoodState, Run, RunError, check_columns, check_data_tokenizer, check_finite, check_gradient_accumulation,
-    check_qlora_flags, check_query_response, due, evaluation_rng, frame_markdown, save_pretrained_model,
-    checkpointed, gathered_for_generation, leave_processes, start_processes, synced_time, upload_to_hub,
+from rlhf_utils import models
+from rlhf_utils.flags import RunFlags  # the run's flags
+from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
+    LastGoodState,
+    Run,
+    RunError,
+    check_columns,
+    check_data_tokenizer,
+    check_finite,
+    check_gradient_accumulation,
+    check_qlora_flags,
+    check_query_response,
+    due,
+    evaluation_rng,
+    frame_markdown,
+    leave_processes,
+    load_split,
+    start_processes,
+    synced_time,
 )
 
 
@@ -60,46 +73,8 @@ class Args:
     """the name of this experiment (the run name starts with it)"""
     seed: int = 1
     """seed of weights and data order (the same on every process); sampling uses seed + 100003 * rank"""
-    run_name: Optional[str] = None
-    """None -> f"{exp_name}__{seed}__{unix time}"; every file of the run goes under runs/{run_name}/"""
-    track: bool = False
-    """log to Weights and Biases (it mirrors TensorBoard)"""
-    wandb_project_name: str = "tldr_summarize"
-    """the W&B project (with --track)"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team); None = your default entity"""
-    push_to_hub: bool = False
-    """upload the trained model and tokenizer to the Hugging Face hub"""
-    hub_model_id: Optional[str] = None
-    """hub repository for --push_to_hub; None -> the run name"""
     output_dir: str = "models/sft"
     """where the trained model and tokenizer are saved (safetensors)"""
-    run_dir_root: str = "runs"
-    """folder that holds runs/{run_name}/"""
-    overwrite_output_dir: bool = False
-    """allow --output_dir to hold another run's model (it is replaced at the end); off: such a folder is an error"""
-    checkpoint_every: int = 100
-    """save a resumable checkpoint (model, optimizer, schedule, data position, RNG states) to
-    runs/{run_name}/checkpoints every this many updates (0 = never)"""
-    checkpoint_keep: int = 1
-    """how many of the newest checkpoints to keep"""
-    resume: bool = False
-    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
-    the resumed run ends with the same weights and metrics as one that was never interrupted"""
-    restart: bool = False
-    """delete the checkpoints of --run_name and start over (without it, a run folder that holds checkpoints is
-    refused: --resume continues it)"""
-    take_over_lock: bool = False
-    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
-    process_group_timeout_min: float = 60.0
-    """minutes a process waits in a collective (a barrier, a gather) for the other processes before the run stops
-    with a timeout error: the main process alone hashes the inputs, deletes old checkpoints or waits on a judge while
-    the others wait. 60: several times the longest of these lone waits (NCCL's and DeepSpeed's own default: 10)"""
-    accept_changed_inputs: bool = False
-    """--resume although a data or model folder this run reads has other contents than the checkpoint recorded"""
-    accept_changed_flags: bool = False
-    """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
-    update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
 
     # ---- model and data ----
     base_model: str = "EleutherAI/pythia-1b-deduped"
@@ -181,6 +156,10 @@ class Args:
     """sampling temperature of the evaluation summaries (0.01: almost greedy, as in the reference)"""
     num_table_samples: int = 4
     """rows of the sample table printed to the console and logged to TensorBoard / W&B at each evaluation"""
+
+    run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
+    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
+    they decide no number"""
 
     # ---- derived at run time (not flags) ----
     world_size: tyro.conf.Suppress[Optional[int]] = None
@@ -304,7 +283,7 @@ def evaluate_sft(args: Args, accelerator: Accelerator, model, tokenizer, dataset
             queries = batch["query_token"].to(accelerator.device)  # (B, Tq), left-padded
             queries = queries[:, real_columns(queries, pad_token_id)]  # the left padding every row shares is cut
             context_length = queries.size(1)
-            with gathered_for_generation(model, args.gather_for_generation):  # ZeRO-3: the weights gathered once
+            with models.gathered_for_generation(model, args.gather_for_generation):  # ZeRO-3: the weights gathered once
                 query_sampled = generate(unwrapped, queries, pad_token_id, generation_config)
             responses = query_sampled[:, context_length:]  # (B, response_length)
             postprocessed = truncate_response(eos_token_id, pad_token_id, responses)
@@ -365,7 +344,7 @@ def main(args: Args) -> dict:
     start_time = time.time()
     # ---------------- processes, batch arithmetic and precision ----------------
     # first: the accumulation steps depend on the process count
-    args.world_size = start_processes(args.process_group_timeout_min).num_processes
+    args.world_size = start_processes(args.run.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
                              "total_batch_size / (local_micro_batch_size * world_size)")
     check_gradient_accumulation(args, accumulation, args.world_size)
@@ -377,7 +356,7 @@ def main(args: Args) -> dict:
     )
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     check_qlora_flags(args, accelerator)
-    run = Run(args, accelerator)  # run name and folder (run_infra.py)
+    run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(query_dataset=args.query_dataset, base_model=args.base_model)
 
     # ---------------- seeding ----------------
@@ -418,7 +397,7 @@ def main(args: Args) -> dict:
     state = run.start({"update": 0, "train_tokens": 0, "train_time": 0.0, "last_loss": float("nan")},
                       num_updates=args.num_updates)
     start_update = state["update"]
-    if args.resume:  # accelerate's count of micro batches, in this run's: a checkpoint of more processes counts fewer
+    if args.run.resume:  # accelerate's count of micro batches, in this run's: a checkpoint of more processes counts fewer
         accelerator.step = start_update * args.gradient_accumulation_steps
 
     # ---------------- training: steps 1-4 ----------------
@@ -436,7 +415,7 @@ def main(args: Args) -> dict:
         if due(args.eval_every, update, args.num_updates):
             evaluate_and_log_sft(run, args, accelerator, model, tokenizer, eval_datasets, generation_config,
                                  label_column, update, final=False)
-        if due(args.checkpoint_every, update, args.num_updates):
+        if due(args.run.checkpoint_every, update, args.num_updates):
             run.checkpoint(update, state)
     progress.close()
 
@@ -455,11 +434,11 @@ def main(args: Args) -> dict:
             "wall_time_s": time.time() - start_time,
         }
     )
-    # with LoRA the adapters folded into the base: the plain float32 model it computes (merged_policy)
-    save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir,
-                          merge=merged_policy if args.lora_rank > 0 else None)
-    if args.push_to_hub and accelerator.is_main_process:
-        upload_to_hub(args)
+    # with LoRA the adapters folded into the base: the plain float32 model it computes (models.merged_policy)
+    models.save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir,
+                          merge=models.merged_policy if args.lora_rank > 0 else None)
+    if args.run.push_to_hub and accelerator.is_main_process:
+        models.upload_to_hub(args)
     run.finish(summary)
     accelerator.print(json.dumps(summary, indent=2))
     return summary
@@ -537,7 +516,7 @@ def load_sft_model(args, tokenizer) -> torch.nn.Module:
         disable_dropout(model)
     if args.lora_rank > 0:
         model = lora_policy(model, args)
-    return checkpointed(model, args.gradient_checkpointing)
+    return models.checkpointed(model, args.gradient_checkpointing)
 
 
 def count_updates(args, num_rows: int) -> int:
@@ -573,7 +552,7 @@ def write_sft_samples(run, args, split: str, prefix: str, step: int, final: bool
     if not run.main:
         return
     run.writer.add_text(f"{prefix}/samples", frame_markdown(table), step)  # TensorBoard's text tab
-    if args.track:
+    if args.run.track:
         import wandb
 
         wandb.log({f"{prefix}/samples": wandb.Table(dataframe=df.head(args.num_table_samples))}, step=step)
@@ -593,38 +572,6 @@ def exact_div(a: int, b: int, what: str = "batch size") -> int:
     if q * b != a:
         raise RunError(f"{what}: {a} is not divisible by {b}; pick sizes so that it divides exactly")
     return q
-
-
-def load_split(path: str, split: str):
-    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name. A local
-    folder whose arrow files are damaged (cut short, overwritten) is one RunError naming the split's folder and the fix,
-    raised before anything else reads it: its table is read and checked once here."""
-    if not os.path.isdir(path):
-        return load_dataset(path, split=split)
-    import pyarrow  # (only its error types: what a damaged arrow file raises)
-
-    def damaged(error: Exception, folder: str) -> RunError:
-        return RunError(f"the prepared data in {folder} cannot be read: {type(error).__name__}: {error}. Its arrow file "
-                        "is damaged (cut short or overwritten, e.g. by a copy that stopped or a full disk); prepare it "
-                        "again with data/prepare.py (the task's flags, the same --output_dir) or copy it anew")
-
-    try:
-        dataset_dict = load_from_disk(path)
-    except (OSError, pyarrow.ArrowException) as error:  # which split's folder: the first that does not load alone
-        for folder in sorted(os.path.join(path, d) for d in os.listdir(path)):
-            try:
-                if os.path.exists(os.path.join(folder, "state.json")):
-                    load_from_disk(folder)
-            except (OSError, pyarrow.ArrowException) as its_error:
-                raise damaged(its_error, folder) from its_error
-        raise damaged(error, path) from error
-    if split not in dataset_dict:
-        raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
-    try:  # the arrow file is memory-mapped: its buffers must lie within it and match the row count
-        dataset_dict[split].data.validate()
-    except (OSError, pyarrow.ArrowException) as error:
-        raise damaged(error, os.path.join(path, split)) from error
-    return dataset_dict[split]
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
@@ -750,64 +697,6 @@ def lora_policy(model, args):
     )
 
 
-def merged_policy(policy) -> torch.nn.Module:
-    """A LoRA policy (peft) as the plain transformers model it computes: every adapted layer's weight becomes
-    W + delta, delta = peft's get_delta_weight (B A scaled by alpha / rank), in float32 and CPU memory, with no
-    quantization config, so that the saved folder loads with a plain from_pretrained (judge.py, report.py, the next
-    stage). A 4-bit base layer (QLoRA) is first dequantized to the very weights its forward used while the adapters
-    trained. (peft's merge_and_unload would quantize W + delta back to 4 bits: a second rounding, which moves the
-    merged model away from the one trained.) The policy itself is left as it is."""
-    from accelerate import init_empty_weights
-    from peft.tuners.lora import LoraLayer
-
-    try:
-        from bitsandbytes.functional import dequantize_4bit
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:  # plain LoRA needs no bitsandbytes: none of its layers is 4-bit
-        Linear4bit = ()
-
-    def on_cpu(tensor: torch.Tensor) -> torch.Tensor:  # a float32 copy, never a view of the policy's tensors
-        return tensor.detach().to("cpu", torch.float32, copy=True)
-
-    def weight_of(layer) -> torch.Tensor:  # the weight a linear layer computes with
-        if isinstance(layer, Linear4bit):
-            return on_cpu(dequantize_4bit(layer.weight.data, layer.weight.quant_state))
-        return on_cpu(layer.weight)
-
-    model = policy.get_base_model()  # the transformers model, its linear layers wrapped by peft's LoRA layers
-    adapted = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
-    state = {}
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if any(name.startswith(f"{outer}.") for outer in adapted):
-            continue  # the inside of an adapted layer (its base layer and adapters), folded in below
-        if name in adapted:
-            base, weight = module.get_base_layer(), weight_of(module.get_base_layer())
-            for adapter in module.active_adapters:
-                if adapter not in module.merged_adapters:
-                    weight = weight + on_cpu(module.get_delta_weight(adapter))  # W + delta
-            state[prefix + "weight"] = weight
-            if base.bias is not None:
-                state[prefix + "bias"] = on_cpu(base.bias)
-            continue
-        for key, tensor in module.named_parameters(recurse=False):
-            quantized = isinstance(module, Linear4bit) and key == "weight"
-            state[prefix + key] = weight_of(module) if quantized else on_cpu(tensor)
-        for key, tensor in module.named_buffers(recurse=False):
-            state[prefix + key] = tensor.detach().to("cpu", copy=True)
-    config = copy.deepcopy(model.config)
-    config.__dict__.pop("quantization_config", None)  # a plain float32 model, like every other stage's
-    with init_empty_weights():  # no random initialisation, nor a draw from the RNG: every weight comes from `state`
-        plain = type(model)(config)
-    missing = set(plain.state_dict()) - set(state)
-    if missing:
-        raise RuntimeError(f"merged_policy: no weights for {sorted(missing)[:5]} in {type(model).__name__}")
-    plain.load_state_dict({key: state[key] for key in plain.state_dict()}, assign=True)
-    plain.tie_weights()
-    plain.generation_config = copy.deepcopy(model.generation_config)
-    return plain.eval()
-
-
 def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
     """The learning rate of update t (from 0) over num_updates updates, as a multiple of --lr: a linear warm-up from 0
     over the first warmup_steps updates, then cosine decays to 0 as 0.5 * (1 + cos(pi * progress)) and linear as
@@ -831,5 +720,5 @@ def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
-    leave_processes()  # after a multi-process run: exit without the teardown that can abort (run_infra.py)
+    main(tyro.cli(Args, use_underscores=True))
+    leave_processes()  # after a multi-process run: exit without the teardown that can abort (rlhf_utils/run.py)

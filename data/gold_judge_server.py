@@ -420,4 +420,4 @@ def main(args: ServerArgs) -> None:
 if __name__ == "__main__":
     import tyro
 
-    main(tyro.cli(ServerArgs))
+    main(tyro.cli(ServerArgs, use_underscores=True))

@@ -949,7 +949,7 @@ def resolve_lengths(args: Args) -> None:
             setattr(args, name, default)
 
 
-# The same text as run_infra.py's copy (tests/test_shared_helpers.py compares them): data preparation
+# The same text as run_module.py's copy (tests/test_shared_helpers.py compares them): data preparation
 # imports no training script.
 def tokenizer_fingerprint(tokenizer) -> dict:
     """The identity of the tokenizer of token ids: a digest of its vocabulary (added tokens such as [PAD] included),
@@ -1055,4 +1055,4 @@ def print_summary(summary: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, use_underscores=True))

@@ -34,18 +34,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # The environment of every training subprocess a test starts: one thread each, whatever the caller exported, and the
 # repository on the module path, so that a script run from elsewhere (tests/mp_probe.py loads one by its path; runpy
-# runs one from a temporary folder) still imports run_infra.py beside it.
+# runs one from a temporary folder) still imports run_module.py beside it.
 # A test that needs more (e.g. ACCELERATE_USE_CPU for torchrun on a CPU) extends it: {**ENV, "NAME": "value"}.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
 
 
-RUN_MODULE = "run_infra"  # the run module every training script imports (run_infra.py)
+RUN_MODULE = "run_infra"  # the run module every training script imports (run_module.py)
 
 
 def constructs_run(tree: ast.Module) -> bool:
-    """Whether a module calls the run module's `Run`: `Run(...)` after `from run_infra import Run` (under any alias),
-    or `run_infra.Run(...)` after `import run_infra` (under any alias). A class of its own named Run does not count."""
+    """Whether a module calls the run module's `Run`: `Run(...)` after `from rlhf_utils.run import Run` (under any alias),
+    or `run_module.Run(...)` after `import run_infra` (under any alias). A class of its own named Run does not count."""
     run_names, module_names = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == RUN_MODULE:
@@ -159,18 +159,18 @@ def assert_last_good_checkpoint(checkpoints, update: int) -> dict:
 
 
 # A training run with one NaN planted in an otherwise ordinary run: the quantities of the `call`-th run.guard of
-# `update` become NaN (the script runs in a Python whose run_infra.Run.guard is wrapped so). Every script guards its
+# `update` become NaN (the script runs in a Python whose run_module.Run.guard is wrapped so). Every script guards its
 # loss before the backward pass that would use it, so this stops a run where a NaN loss would. A resumed run, without
 # the plant, trains on.
 NAN_AT = """
-import runpy, sys, torch, run_infra
-guard, calls = run_infra.Run.guard, []
+import runpy, sys, torch; from rlhf_utils import run as run_module
+guard, calls = run_module.Run.guard, []
 def planted(self, update, **quantities):
     calls.append(update)
     if update == {update} and calls.count(update) == {call}:
         quantities = {{name: torch.full_like(value, float("nan")) for name, value in quantities.items()}}
     guard(self, update, **quantities)
-run_infra.Run.guard = planted
+run_module.Run.guard = planted
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -210,9 +210,9 @@ def assert_same_checkpoint(ordinary, fallback) -> None:
             for manifest in manifests:
                 manifest.get("files", {}).pop("trainer_state.json", None)
                 # the flags but those that decide no number (the two runs differ in name and folders)
-                import run_infra
+                from rlhf_utils import run as run_module
                 manifest["flags"] = {k: v for k, v in manifest.get("flags", {}).items()
-                                     if k.split(".")[-1] not in run_infra.FREE_FLAGS}
+                                     if k.split(".")[-1] not in run_module.FREE_FLAGS}
             assert manifests[0] == manifests[1], name
         else:
             assert open(paths[0], "rb").read() == open(paths[1], "rb").read(), f"{name} differs between {ordinary} and {fallback}"

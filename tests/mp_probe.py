@@ -23,7 +23,7 @@ from accelerate import Accelerator
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 script, out_dir = sys.argv[1], sys.argv[2]
 argv = sys.argv[4:] if len(sys.argv) > 3 and sys.argv[3] == "--" else sys.argv[3:]
-sys.path.insert(0, REPO_ROOT)  # the scripts import run_infra.py from the repository root
+sys.path.insert(0, REPO_ROOT)  # the scripts import run_module.py from the repository root
 spec = importlib.util.spec_from_file_location(script, os.path.join(REPO_ROOT, f"{script}.py"))
 module = importlib.util.module_from_spec(spec)
 sys.modules[script] = module  # tyro reads the docstrings of nested dataclasses through the module
@@ -63,6 +63,6 @@ torch.save({"weights": weights, "initial_seed": torch.initial_seed(), "world_siz
 # leave_processes: the exit handlers, then no interpreter teardown, where a ZeRO-3 rank could abort)
 if torch.distributed.is_initialized():
     torch.distributed.barrier()
-import run_infra  # noqa: E402  (on sys.path above)
+from rlhf_utils import run as run_module  # noqa: E402  (on sys.path above)
 
-run_infra.leave_processes()
+run_module.leave_processes()

@@ -498,7 +498,7 @@ def test_a_byte_identical_re_prepare_is_the_same_input_and_other_lengths_are_not
     content_digest): preparing again with the same flags writes the same bytes, so a resume on it goes on; another
     --query_length is other data, which a resume refuses. The prepared splits also pass the shared check that every
     response starts where its query ends (check_query_response)."""
-    import run_infra
+    from rlhf_utils import run as run_module
 
     kw = dict(sft_data=os.path.join(FIXTURES, "tldr_sft"), preference_data=os.path.join(FIXTURES, "tldr_comparisons"),
               sft_response_length=24, rm_response_length=32, cnndm_query_length=128, cnndm_response_length=32)
@@ -506,13 +506,13 @@ def test_a_byte_identical_re_prepare_is_the_same_input_and_other_lengths_are_not
     folders = [run_prepare(tmp_path / name, base, query_length=length, **kw)
                for name, length in (("first", 128), ("again", 128), ("longer", 136))]
     for data in ("sft", "preference"):
-        first, again, longer = (run_infra.content_digest(os.path.join(folder, data)) for folder in folders)
+        first, again, longer = (run_module.content_digest(os.path.join(folder, data)) for folder in folders)
         assert first == again != longer, data
     pad = AutoTokenizer.from_pretrained(base).pad_token_id
     for root in (folders[0], synthetic_task["root"]):
         for data in ("sft", "preference"):
             for split, dataset in load_from_disk(os.path.join(root, data)).items():
-                run_infra.check_query_response(dataset, pad, f"{root}/{data} split {split!r}")  # no false alarm
+                run_module.check_query_response(dataset, pad, f"{root}/{data} split {split!r}")  # no false alarm
 
 
 # ---------------------------------------------------------------- damaged local source files: path:line, nothing saved

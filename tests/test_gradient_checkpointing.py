@@ -1,4 +1,4 @@
-"""--gradient_checkpointing (run_infra.checkpointed) and the per-size recipe of the README (issue 52, item 3).
+"""--gradient_checkpointing (run_module.checkpointed) and the per-size recipe of the README (issue 52, item 3).
 
 - Every training script has the flag, off by default, with one help text, and passes it to checkpointed() for the
   models it trains.
@@ -26,7 +26,7 @@ from conftest import REPO_ROOT, tiny_causal_lm, training_scripts
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 import measure_memory  # noqa: E402
-from run_infra import checkpointed  # noqa: E402
+from rlhf_utils.run import checkpointed  # noqa: E402
 
 
 def args_field(tree: ast.Module, name: str):

@@ -2,12 +2,12 @@
 
 Layout: module docstring (the numbered steps) -> Args -> the algorithm's pieces ->
 `main` -> its optional features and the number-deciding setup -> the helpers copied from other scripts. No banner;
-every script imports the run module (run_infra.py), whatever decides no number lives there once, and no script
+every script imports the run module (run_module.py), whatever decides no number lives there once, and no script
 defines a name of its own that the run module defines.
 
 Targets, in lines of code (issue 49: count code, not comments; tools/code_lines.py says what a line of code is:
 comments, docstrings and blank lines do not count, and this file measures with it): every training script <= 950
-(online_dpo.py <= 1,050); run_infra.py <= 600; every `main` <= 100 (its docstring not counted); the forks' code diffs
+(online_dpo.py <= 1,050); run_module.py <= 600; every `main` <= 100 (its docstring not counted); the forks' code diffs
 (`diff` of the two files reduced to their lines of code, the lines starting with < or >): ppo.py->rloo.py <= 160,
 rloo.py->grpo.py <= 150, rloo.py->reinforce_pp.py <= 110, dpo.py->kto.py <= 280, dpo.py->online_dpo.py <= 470; no
 top-level definition that its script never uses.
@@ -86,7 +86,7 @@ def test_every_training_script_reads_as_the_algorithm_first(script):
     args, main = top_level(tree, "Args", ast.ClassDef), top_level(tree, "main", ast.FunctionDef)
     assert args is not None and main is not None, f"{script}: expected a top-level Args and main"
     assert first_line(args) < first_line(main), f"{script}: Args comes before main"
-    assert BANNER.lower() not in source.lower(), f"{script}: no '{BANNER}' banner (the run infrastructure is run_infra.py)"
+    assert BANNER.lower() not in source.lower(), f"{script}: no '{BANNER}' banner (the run infrastructure is run_module.py)"
     assert imports_run_module(tree), f"{script} does not import {RUN_MODULE}"
     # what the run module defines lives there once
     infra = set(top_level_sources(open(os.path.join(REPO_ROOT, f"{RUN_MODULE}.py")).read()))
@@ -143,7 +143,7 @@ def test_every_copy_sits_on_the_same_side_of_main():
 
 
 def test_judge_and_the_run_module_keep_their_place():
-    """judge.py imports the run module and its HTTP client's module (judge_client.py) and redefines nothing of either;
+    """judge.py imports the run module and its HTTP client's module (rlhf_utils/judge_client.py) and redefines nothing of either;
     the run module imports nothing of the judge's client."""
     source, tree = parsed("judge.py")
     client_path = os.path.join(REPO_ROOT, f"{JUDGE_CLIENT}.py")

@@ -20,7 +20,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPTN
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 offline_rl = load_script("offline_rl")
-import run_infra  # noqa: E402  (the run infrastructure the scripts import)
+from rlhf_utils import run as run_module  # noqa: E402  (the run infrastructure the scripts import)
 
 PAD, EOS, VOCAB = 1, 0, 32
 
@@ -145,7 +145,7 @@ def test_the_gradient_of_an_update_does_not_depend_on_the_micro_batch_size():
         prepared.train()
         args = SimpleNamespace(local_micro_batch_size=micro_batch_size, gradient_accumulation_steps=8 // micro_batch_size)
         run = SimpleNamespace(accelerator=accelerator)
-        run.guard = lambda update, **quantities: run_infra.Run.guard(run, update, **quantities)
+        run.guard = lambda update, **quantities: run_module.Run.guard(run, update, **quantities)
         loss, tokens = offline_rl.train_update(args, accelerator, prepared, optimizer, run, 1, queries, responses, rows,
                                                weights, PAD)
         return loss, tokens, {name: p.detach().clone() for name, p in accelerator.unwrap_model(prepared).named_parameters()}

@@ -443,14 +443,14 @@ def test_lora_run_saves_a_plain_float32_model(memory, reference, synthetic_task,
 
 
 NAN_IN_LOSS = """
-import runpy, sys, torch, run_infra
-guard, calls = run_infra.Run.guard, []
+import runpy, sys, torch; from rlhf_utils import run as run_module
+guard, calls = run_module.Run.guard, []
 def planted(self, update, **quantities):
     calls.append(update) if "train/loss" in quantities else None
     if "train/loss" in quantities and update == {update} and calls.count(update) == {call}:
         quantities = {{name: torch.full_like(value, float("nan")) for name, value in quantities.items()}}
     guard(self, update, **quantities)
-run_infra.Run.guard = planted
+run_module.Run.guard = planted
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -601,7 +601,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_m
 
 def test_how_often_and_how_much_a_run_evaluates_never_changes_what_it_trains(synthetic_task, tiny_models, tmp_path):
     """Two 2-update runs that differ only in their evaluation (every update on 8 queries; only the final one on 16)
-    end with the same policy bit for bit: evaluation samples from its own random stream (run_infra.evaluation_rng),
+    end with the same policy bit for bit: evaluation samples from its own random stream (run_module.evaluation_rng),
     so the rollouts of update 2 draw what they would have drawn without the evaluation after update 1."""
     for name, every, samples in (("often", 1, 8), ("final", 0, 16)):
         flags = ppo_flags(synthetic_task, tiny_models, tmp_path, run_name=name, output_dir=f"policy_{name}",

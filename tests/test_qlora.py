@@ -25,7 +25,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, EOS = 1, 2
 
 sft, dpo, kto, ppo = load_script("sft"), load_script("dpo"), load_script("kto"), load_script("ppo")
-import run_infra  # noqa: E402  (the run infrastructure the scripts import)
+from rlhf_utils import run as run_module  # noqa: E402  (the run infrastructure the scripts import)
 
 
 @pytest.fixture(scope="module")
@@ -215,12 +215,12 @@ def fake_accelerator(zero_stage):
 
 def test_check_qlora_flags():
     for zero_stage in (None, 2, 3):
-        run_infra.check_qlora_flags(qlora_args(load_in_4bit=False), fake_accelerator(zero_stage))  # off: nothing to check
-    run_infra.check_qlora_flags(qlora_args(), fake_accelerator(2))  # ZeRO-2 keeps the 4-bit base whole on every process
+        run_module.check_qlora_flags(qlora_args(load_in_4bit=False), fake_accelerator(zero_stage))  # off: nothing to check
+    run_module.check_qlora_flags(qlora_args(), fake_accelerator(2))  # ZeRO-2 keeps the 4-bit base whole on every process
     with pytest.raises(ValueError, match=r"--load_in_4bit \(QLoRA\) .* needs --lora_rank > 0"):
-        run_infra.check_qlora_flags(qlora_args(lora_rank=0), fake_accelerator(None))
+        run_module.check_qlora_flags(qlora_args(lora_rank=0), fake_accelerator(None))
     with pytest.raises(ValueError, match="cannot run under DeepSpeed ZeRO-3, .* Use zero2.yaml"):
-        run_infra.check_qlora_flags(qlora_args(), fake_accelerator(3))
+        run_module.check_qlora_flags(qlora_args(), fake_accelerator(3))
 
 
 def has_lora_flags(script: str) -> bool:

@@ -23,8 +23,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from data.synthetic import gold_breakdown, key_fact_share  # noqa: E402
-from run_infra import RunError  # noqa: E402
-from user_reward import load_reward_fn  # noqa: E402
+from rlhf_utils.run import RunError  # noqa: E402
+from rlhf_utils.rewards import load_reward_fn  # noqa: E402
 
 grpo = load_script("grpo")
 RULE = "data/synthetic.py:key_fact_share"

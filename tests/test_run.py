@@ -1,4 +1,4 @@
-"""The run infrastructure (run_infra.py's `Run`, which every training script imports), tested through sft.py, the
+"""The run infrastructure (run_module.py's `Run`, which every training script imports), tested through sft.py, the
 cheapest script that uses it. Each test interrupts or damages a run the way a long run meets it in practice
 and checks that the run either ends exactly like one that was never interrupted or stops with a clear message:
 
@@ -316,13 +316,13 @@ def test_a_full_output_folder_on_a_real_disk_names_it_and_the_size_of_the_model(
 
 # sft.py names its inputs in one line of main (run.inputs); where it does not yet, the runner adds the call there
 NAMES_ITS_INPUTS = """
-import run_infra
-claim = run_infra.Run.claim_output_dir
+from rlhf_utils import run as run_module
+claim = run_module.Run.claim_output_dir
 def claim_output_dir(self):
     if not self.digests:
         self.inputs(query_dataset=self.args.query_dataset, base_model=self.args.base_model)
     claim(self)
-run_infra.Run.claim_output_dir = claim_output_dir
+run_module.Run.claim_output_dir = claim_output_dir
 """
 
 
@@ -348,7 +348,7 @@ def test_a_resume_on_data_shuffled_in_place_is_refused_naming_both_hashes(synthe
     result = subprocess.run(patched(NAMES_ITS_INPUTS, [*args, "--resume"]), cwd=tmp_path, env=ENV, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    from run_infra import content_digest
+    from rlhf_utils.run import content_digest
 
     assert result.stderr.strip().splitlines()[-1] == (
         f"sft.py: error: --resume: {checkpoint} was made from other contents than these inputs hold: --query_dataset "

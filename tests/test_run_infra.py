@@ -1,4 +1,4 @@
-"""run_infra.py's own pieces, in one process and cheap (a 4 x 4 layer, a tiny dataset): the expected-error hook, the
+"""run_module.py's own pieces, in one process and cheap (a 4 x 4 layer, a tiny dataset): the expected-error hook, the
 lock, the inputs' content hashes on --resume, the finite checks at load and before a checkpoint, a full disk (a real
 small tmpfs; skipped, with the reason, where mounting is refused) and the query/response check of token columns.
 The training scripts meet the same code end to end in tests/test_run.py."""
@@ -16,8 +16,8 @@ import torch
 from accelerate import Accelerator
 from datasets import Dataset, DatasetInfo
 
-import run_infra
-from run_infra import NonFiniteError, Run, RunError
+from rlhf_utils import run as run_module
+from rlhf_utils.run import NonFiniteError, Run, RunError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,7 +59,7 @@ def step(model, optimizer) -> None:
 def test_an_expected_error_is_one_paragraph_from_rank_0_and_a_failed_exit(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(f"import sys\nsys.path.insert(0, {REPO_ROOT!r})\nimport run_infra\n"
-                      "raise (run_infra.RunError if sys.argv[1] == 'expected' else KeyError)('bad flag: --x 3')\n")
+                      "raise (run_module.RunError if sys.argv[1] == 'expected' else KeyError)('bad flag: --x 3')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     ran = {(kind, rank): subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, timeout=120,
@@ -75,12 +75,12 @@ def test_an_expected_error_is_one_paragraph_from_rank_0_and_a_failed_exit(tmp_pa
 def test_the_expected_errors_are_value_errors_and_the_non_finite_stop_is_one():
     assert issubclass(RunError, ValueError)
     assert issubclass(NonFiniteError, RunError) and issubclass(NonFiniteError, RuntimeError)
-    from judge_client import JudgeUnavailableError  # the judge's client: a judge that cannot be used stops the run
+    from rlhf_utils.judge_client import JudgeUnavailableError  # the judge's client: a judge that cannot be used stops the run
     assert issubclass(JudgeUnavailableError, RunError)
 
 
 def test_the_run_module_loads_no_http_client():
-    """The judge's HTTP client lives in judge_client.py, which imports run_infra; run_infra imports nothing of it, so
+    """The judge's HTTP client lives in rlhf_utils/judge_client.py, which imports run_infra; run_infra imports nothing of it, so
     a training script pays for neither openai nor the client's sqlite cache."""
     loaded = subprocess.run([sys.executable, "-c", "import sys, run_infra; print(sorted({'openai', 'sqlite3', "
                              "'judge_client'} & set(sys.modules)))"], capture_output=True, text=True, timeout=120,
@@ -148,7 +148,7 @@ def test_a_resume_on_other_input_contents_is_refused_naming_both(tmp_path, capsy
     run.start({"update": 0}, num_updates=4)
     step(model, optimizer)
     run.checkpoint(1, {})
-    digest = run_infra.content_digest(str(data))
+    digest = run_module.content_digest(str(data))
     checkpoint = tmp_path / "runs" / "unit" / "checkpoints" / "update_000001"
     assert json.load(open(checkpoint / "manifest.json"))["inputs"] == {
         "query_dataset": {"path": str(data), "sha256": digest},
@@ -161,7 +161,7 @@ def test_a_resume_on_other_input_contents_is_refused_naming_both(tmp_path, capsy
     make_run(tmp_path, resume=True)[0].inputs(query_dataset=str(data))
 
     (data / "train" / "data-00000-of-00001.arrow").write_bytes(b"the rows shuffled")  # other contents
-    changed = run_infra.content_digest(str(data))
+    changed = run_module.content_digest(str(data))
     with pytest.raises(RunError) as refused:
         make_run(tmp_path, resume=True)[0].inputs(query_dataset=str(data))
     assert str(refused.value) == (
@@ -216,12 +216,12 @@ def test_an_unchanged_input_is_not_read_again_and_a_rewritten_one_is(tmp_path, d
     arrow.write_bytes(b"the rows as prepared")
     config.write_text("{}")
     time.sleep(0.05)  # past the file system's clock tick: a later write stamps a later ctime
-    first = run_infra.content_digest(str(data))
+    first = run_module.content_digest(str(data))
     assert sorted(digest_cache) == ["config.json", "data-00000-of-00001.arrow"] and first == uncached_digest(str(data))
-    assert set(json.load(open(run_infra.DIGEST_CACHE))) >= {str(arrow), str(config)}
+    assert set(json.load(open(run_module.DIGEST_CACHE))) >= {str(arrow), str(config)}
 
     digest_cache.clear()
-    assert run_infra.content_digest(str(data)) == first and digest_cache == []  # from the cache: nothing read
+    assert run_module.content_digest(str(data)) == first and digest_cache == []  # from the cache: nothing read
 
     was = os.stat(arrow)
     with open(arrow, "r+b") as f:  # the same inode, the same size
@@ -230,7 +230,7 @@ def test_an_unchanged_input_is_not_read_again_and_a_rewritten_one_is(tmp_path, d
     now = os.stat(arrow)
     assert (now.st_size, now.st_mtime_ns, now.st_ino) == (was.st_size, was.st_mtime_ns, was.st_ino)
     digest_cache.clear()
-    changed = run_infra.content_digest(str(data))
+    changed = run_module.content_digest(str(data))
     assert digest_cache == ["data-00000-of-00001.arrow"]  # read again; config.json still from the cache
     assert changed != first and changed == uncached_digest(str(data))
 
@@ -242,21 +242,21 @@ def test_a_file_hashed_just_after_a_change_is_not_cached(tmp_path, digest_cache,
     data = tmp_path / "data"
     data.mkdir()
     (data / "model.safetensors").write_bytes(b"weights")
-    first = run_infra.content_digest(str(data))
-    assert run_infra.content_digest(str(data)) == first and digest_cache == ["model.safetensors"] * 2
-    assert not os.path.exists(run_infra.DIGEST_CACHE)
+    first = run_module.content_digest(str(data))
+    assert run_module.content_digest(str(data)) == first and digest_cache == ["model.safetensors"] * 2
+    assert not os.path.exists(run_module.DIGEST_CACHE)
 
     monkeypatch.setattr(run_infra, "SETTLED_NS", 0)
-    os.makedirs(os.path.dirname(run_infra.DIGEST_CACHE))
-    with open(run_infra.DIGEST_CACHE, "w") as f:
+    os.makedirs(os.path.dirname(run_module.DIGEST_CACHE))
+    with open(run_module.DIGEST_CACHE, "w") as f:
         f.write('{"truncated": [1, 2')  # unreadable: as if empty, then written whole
-    assert run_infra.content_digest(str(data)) == first == uncached_digest(str(data))
-    assert str(data / "model.safetensors") in json.load(open(run_infra.DIGEST_CACHE))
+    assert run_module.content_digest(str(data)) == first == uncached_digest(str(data))
+    assert str(data / "model.safetensors") in json.load(open(run_module.DIGEST_CACHE))
     monkeypatch.setattr(run_infra, "DIGEST_CACHE", str(data / "model.safetensors" / "not_a_folder.json"))
-    assert run_infra.content_digest(str(data)) == first  # unwritable: no cache, the same digest
+    assert run_module.content_digest(str(data)) == first  # unwritable: no cache, the same digest
     monkeypatch.setattr(run_infra, "DIGEST_CACHE", "")  # RLHF_DIGEST_CACHE= : off
     digest_cache.clear()
-    assert run_infra.content_digest(str(data)) == first and digest_cache == ["model.safetensors"]
+    assert run_module.content_digest(str(data)) == first and digest_cache == ["model.safetensors"]
 
 
 # ---------------------------------------------------------------- the same command again, without --resume
@@ -313,12 +313,12 @@ def test_a_loaded_model_with_a_non_finite_weight_is_refused_naming_file_and_tens
     from conftest import tiny_causal_lm
 
     model = tiny_causal_lm()
-    run_infra.check_finite(model, "any/path")  # finite: nothing to say
+    run_module.check_finite(model, "any/path")  # finite: nothing to say
     with torch.no_grad():
         model.gpt_neox.layers[1].mlp.dense_h_to_4h.weight[3, 5] = float("nan")
     model.save_pretrained(tmp_path / "diverged")
     with pytest.raises(NonFiniteError) as refused:
-        run_infra.check_finite(model, str(tmp_path / "diverged"))
+        run_module.check_finite(model, str(tmp_path / "diverged"))
     assert str(refused.value).startswith(f"{tmp_path / 'diverged' / 'model.safetensors'} holds non-finite weights: "
                                          "gpt_neox.layers.1.mlp.dense_h_to_4h.weight has 1 NaN or inf values of 2048")
 
@@ -352,7 +352,7 @@ def test_a_full_output_folder_names_it_and_the_size_of_the_model(tmp_path, small
     accelerator, model = Accelerator(cpu=True), tiny_causal_lm()
     needed = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     with pytest.raises(RunError) as full:
-        run_infra.save_pretrained_model(accelerator, model, model, Tokenizer(), str(out))
+        run_module.save_pretrained_model(accelerator, model, model, Tokenizer(), str(out))
     assert str(full.value) == (f"the disk holding {out} is full: the final model was not saved (it needs about "
                                f"{needed / 2**20:.1f} MiB). Free space there, then run again (--resume: from the newest "
                                "checkpoint, if any)")
@@ -380,17 +380,17 @@ def query_response_data(prepared: bool, shift_row: Optional[int] = None, shift_l
 
 def test_a_token_column_shifted_by_one_is_refused_naming_the_row():
     for prepared in (True, False):
-        run_infra.check_query_response(query_response_data(prepared), PAD, "data split 'train'")  # intact: no error
+        run_module.check_query_response(query_response_data(prepared), PAD, "data split 'train'")  # intact: no error
     with pytest.raises(RunError) as shifted:
-        run_infra.check_query_response(query_response_data(True, shift_row=1), PAD, "data split 'train'")
+        run_module.check_query_response(query_response_data(True, shift_row=1), PAD, "data split 'train'")
     assert str(shifted.value) == (
         "data split 'train' row 1: the response in 'query_chosen_token' does not start where the query ends: its first "
         "tokens are not the row's query_token; prepare the data again with data/prepare.py")
     with pytest.raises(RunError, match=r"^data split 'train' row 2: .* 'query_chosen_token_response_label' is not it "
                                        r"with the query masked by \[PAD\] \(0\)"):
-        run_infra.check_query_response(query_response_data(False, shift_row=2), PAD, "data split 'train'")
+        run_module.check_query_response(query_response_data(False, shift_row=2), PAD, "data split 'train'")
     with pytest.raises(RunError, match=r"row 1: .*'query_chosen_token_response_label' is not it"):
-        run_infra.check_query_response(query_response_data(True, shift_labels=True), PAD, "data split 'train'")
+        run_module.check_query_response(query_response_data(True, shift_labels=True), PAD, "data split 'train'")
 
 
 # ---------------------------------------------------------------- --resume with other number-deciding flags
@@ -457,7 +457,7 @@ def test_a_resume_with_changed_flags_is_refused_naming_each_before_anything_load
         f"--resume: {checkpoint} was made with other flags than these: --lr 0.001 -> 0.03; --ppo.kl_coef 0.05 -> 0.5. "
         "Resume with the flags it was made with (its run's args.json lists them), or pass --accept_changed_flags to "
         "go on with the new values knowingly (they apply from the next update; args.json records both)")
-    # the flags that decide no number may change freely (run_infra.FREE_FLAGS)
+    # the flags that decide no number may change freely (run_module.FREE_FLAGS)
     resumed = flag_run(tmp_path, resume=True, eval_every=1, checkpoint_keep=5, overwrite_output_dir=True)[0]
     assert resumed.resume_from == str(checkpoint) and resumed.changed == {}
 
@@ -500,8 +500,8 @@ def test_every_free_flag_is_a_flag_of_some_script_and_none_decides_a_number():
                 names = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign)}
                 fields.setdefault(os.path.basename(path), set()).update(names)
     every = set().union(*fields.values())
-    assert run_infra.FREE_FLAGS - every == set()
-    assert not run_infra.FREE_FLAGS & {"seed", "lr", "eps", "weight_decay", "scheduler", "total_episodes",
+    assert run_module.FREE_FLAGS - every == set()
+    assert not run_module.FREE_FLAGS & {"seed", "lr", "eps", "weight_decay", "scheduler", "total_episodes",
                                        "total_batch_size", "local_micro_batch_size", "temperature", "response_length",
                                        "kl_coef", "beta", "bf16", "disable_dropout", "query_dataset", "sft_model_path"}
     assert all("accept_changed_flags" in names for names in fields.values()), fields.keys()
@@ -527,7 +527,7 @@ def test_a_checkpoint_of_an_older_script_version_is_refused_naming_what_it_lacks
 # runs after run_infra's, which destroys it), and an object whose __del__ only the interpreter's teardown would run.
 LEAVE_PROBE = """import atexit, os, socket, sys, torch
 sys.path.insert(0, {root!r})
-import run_infra
+from rlhf_utils import run as run_module
 out = {out!r}
 atexit.register(lambda: open(os.path.join(out, "handlers_ran"), "w").write(str(torch.distributed.is_initialized())))
 class Teardown:
@@ -535,12 +535,12 @@ class Teardown:
         open(path, "w").write("yes")
 keep = Teardown()
 if {join!r}:
-    run_infra.start_processes()  # (registers the group's destruction at exit)
+    run_module.start_processes()  # (registers the group's destruction at exit)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
-run_infra.leave_processes()
+run_module.leave_processes()
 print("main went on", flush=True)
 """
 
@@ -567,7 +567,7 @@ def test_every_training_script_leaves_its_processes_right_after_main():
 
     missing = []
     for name in sorted(os.listdir(REPO_ROOT)):
-        if not name.endswith(".py") or name == "run_infra.py":
+        if not name.endswith(".py") or name == "run_module.py":
             continue
         source = open(os.path.join(REPO_ROOT, name)).read()
         if "start_processes(" not in source:

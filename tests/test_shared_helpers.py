@@ -1,5 +1,5 @@
 """The copies cannot drift. Every line that decides a number stays in its script, so helpers shared between scripts
-are copied on purpose (one file = one algorithm); what decides no number lives once in run_infra.py. Copies drift,
+are copied on purpose (one file = one algorithm); what decides no number lives once in run_module.py. Copies drift,
 so every top-level definition (a function or class, its decorators included) and every top-level assignment (a
 constant such as a prompt template or a compiled pattern) that more than one script defines must be the same code
 in all of them: copies compare as code, by their syntax trees (`ast.dump`) with every docstring dropped, so a fork
@@ -32,10 +32,10 @@ KNOWN_TRAINING_SCRIPTS = {"sft.py", "reward.py", "ppo.py", "rloo.py", "dpo.py", 
 LR_SCHEDULE_SCRIPTS = {"sft.py", "reward.py", "dpo.py", "kto.py", "online_dpo.py", "ilql.py", "offline_rl.py"}
 # Not a training script (it trains nothing), but it shares the judge's prompt, parser and model helpers.
 OTHER_SHARING_SCRIPTS = ["judge.py"]
-# The judge's HTTP client (judge_client.py): a module of its own, imported by the scripts that call a judge.
+# The judge's HTTP client (rlhf_utils/judge_client.py): a module of its own, imported by the scripts that call a judge.
 JUDGE_CLIENT = "judge_client"
 JUDGE_CLIENT_USERS = {"judge.py", "online_dpo.py"}
-# The user's reward function (--reward_fn), loaded and its answers checked (user_reward.py): a module of its own, imported
+# The user's reward function (--reward_fn), loaded and its answers checked (rlhf_utils/rewards.py): a module of its own, imported
 # by the scripts that call it, found by their copy of function_scores (ppo.py, rloo.py, grpo.py, online_dpo.py, forks).
 USER_REWARD = "user_reward"
 # Names that legitimately differ per script, kept minimal:
@@ -142,7 +142,7 @@ def test_the_training_scripts_are_found_not_listed():
     found = set(training_scripts())
     missing = KNOWN_TRAINING_SCRIPTS - found
     assert not missing, f"the finder missed {sorted(missing)} (found {sorted(found)})"
-    # none of these constructs run_infra.Run
+    # none of these constructs run_module.Run
     assert not {"judge.py", f"{RUN_MODULE}.py", f"{JUDGE_CLIENT}.py", "ablate.py", "pipeline.py", "report.py"} & found
 
 
@@ -154,7 +154,7 @@ def test_a_new_fork_is_found_by_existing(tmp_path):
     (tmp_path / "grpo_variant.py").write_text(open(os.path.join(REPO_ROOT, "rloo.py")).read())
     (tmp_path / "aliased.py").write_text("import run_infra as infra\n\ndef main(args):\n    run = infra.Run(args, None)\n")
     (tmp_path / "own_run.py").write_text("class Run:\n    pass\n\ndef main(args):\n    run = Run()\n")
-    (tmp_path / "no_main.py").write_text("from run_infra import Run\n\ndef start(args):\n    return Run(args, None)\n")
+    (tmp_path / "no_main.py").write_text("from rlhf_utils.run import Run\n\ndef start(args):\n    return Run(args, None)\n")
     assert find(str(tmp_path)) == ["aliased.py", "grpo_variant.py"]
 
 
@@ -257,8 +257,8 @@ def repo_modules() -> set:
 
 
 def test_data_preparation_has_its_own_copy_of_the_tokenizer_fingerprint():
-    """data/prepare.py writes the tokenizer fingerprint that run_infra.py's check_data_tokenizer compares with the
-    model's: it keeps its own copy, the same code as run_infra.py's (compared as the other copies are), and imports
+    """data/prepare.py writes the tokenizer fingerprint that run_module.py's check_data_tokenizer compares with the
+    model's: it keeps its own copy, the same code as run_module.py's (compared as the other copies are), and imports
     neither run_infra nor any script (data preparation knows no trainer)."""
     prepare = open(os.path.join(REPO_ROOT, "data", "prepare.py")).read()
     ours = top_level_code(prepare).get("tokenizer_fingerprint")
@@ -271,10 +271,10 @@ def test_data_preparation_has_its_own_copy_of_the_tokenizer_fingerprint():
 
 
 def test_scripts_import_no_other_script_nor_the_data_package():
-    """A script is self-contained: of the repository's own modules it imports run_infra.py, and the scripts that call
-    a judge (JUDGE_CLIENT_USERS: judge.py, online_dpo.py) judge_client.py too, and the scripts that call a --reward_fn
-    (those with a copy of function_scores) user_reward.py; never another script nor the data package. run_infra.py
-    imports none of the repository's modules; judge_client.py and user_reward.py import run_infra.py alone."""
+    """A script is self-contained: of the repository's own modules it imports run_module.py, and the scripts that call
+    a judge (JUDGE_CLIENT_USERS: judge.py, online_dpo.py) rlhf_utils/judge_client.py too, and the scripts that call a --reward_fn
+    (those with a copy of function_scores) rlhf_utils/rewards.py; never another script nor the data package. run_module.py
+    imports none of the repository's modules; rlhf_utils/judge_client.py and rlhf_utils/rewards.py import run_module.py alone."""
     ours = repo_modules()
 
     def imports(module: str) -> set:

@@ -1,13 +1,13 @@
 """Traps of the GPU launch that a 1-process CPU run cannot show (issue 52, item 4), shown on the CPU where their
 mechanism runs there:
-- every script passes --process_group_timeout_min to run_infra.start_processes, and that timeout reaches the process
+- every script passes --process_group_timeout_min to run_module.start_processes, and that timeout reaches the process
   group that DeepSpeed starts (a barrier nobody else joins fails after it, not after torch's default);
 - check_finite finds a NaN in a weight that ZeRO-3 partitioned when it was loaded (each process holds a shard, the
   weight itself is empty);
 - ilql.py's sampling loop, which ends once every row holds an EOS, keeps the processes in step under ZeRO-3 when one
   process's rows end first (each forward pass all-gathers the weights from all processes);
 - (online_dpo.py's Gumbel noise drawn on the queries' device: tests/test_online_dpo.py)
-- the timers of ppo.py, rloo.py and grpo.py read run_infra.synced_time, which waits for a GPU's queued work.
+- the timers of ppo.py, rloo.py and grpo.py read run_module.synced_time, which waits for a GPU's queued work.
 The 2-process checks run in one launch of tests/zero3_traps_probe.py (slow)."""
 
 import ast
@@ -84,11 +84,11 @@ def test_the_phase_timers_wait_for_the_device(script):
 
 
 def test_synced_time_synchronizes_a_gpu_and_not_the_cpu(monkeypatch):
-    import run_infra
+    from rlhf_utils import run as run_module
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
-    run_infra.synced_time(torch.device("cpu"))
+    run_module.synced_time(torch.device("cpu"))
     assert calls == []
-    run_infra.synced_time(torch.device("cuda", 0))
+    run_module.synced_time(torch.device("cuda", 0))
     assert calls == [torch.device("cuda", 0)]

@@ -27,7 +27,7 @@ import tyro
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 out_dir, argv = sys.argv[1], sys.argv[3:] if sys.argv[2:3] == ["--"] else sys.argv[2:]
-sys.path.insert(0, REPO_ROOT)  # the scripts import run_infra.py from the repository root
+sys.path.insert(0, REPO_ROOT)  # the scripts import run_module.py from the repository root
 spec = importlib.util.spec_from_file_location("ppo", os.path.join(REPO_ROOT, "ppo.py"))
 ppo = importlib.util.module_from_spec(spec)
 sys.modules["ppo"] = ppo  # tyro reads the docstrings of nested dataclasses through the module

@@ -3,7 +3,7 @@
     DS_ACCELERATOR=cpu accelerate launch --config_file zero3.yaml --num_processes 2 --mixed_precision no \
         tests/zero3_traps_probe.py OUT_DIR FINITE_MODEL NAN_MODEL TIMEOUT_MIN
 
-1. run_infra.start_processes(TIMEOUT_MIN) joins the process group, as every script does with
+1. run_module.start_processes(TIMEOUT_MIN) joins the process group, as every script does with
    --process_group_timeout_min.
 2. check_finite on NAN_MODEL loaded by from_pretrained under ZeRO-3's init (every weight partitioned, empty on each
    process): does it find the NaN?
@@ -25,11 +25,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
-import run_infra  # noqa: E402
+from rlhf_utils import run as run_module  # noqa: E402
 from conftest import load_script  # noqa: E402
 
 out_dir, finite_model, nan_model, timeout_min = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-state = run_infra.start_processes(timeout_min)  # 1.
+state = run_module.start_processes(timeout_min)  # 1.
 from accelerate import Accelerator  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -41,9 +41,9 @@ rank, record = accelerator.process_index, {}
 nan_lm = AutoModelForCausalLM.from_pretrained(nan_model)
 record["partitioned"] = all(hasattr(p, "ds_id") and p.numel() == 0 for p in nan_lm.parameters())
 try:
-    run_infra.check_finite(nan_lm, nan_model)
+    run_module.check_finite(nan_lm, nan_model)
     record["check_finite"] = "passed"
-except run_infra.NonFiniteError as error:
+except run_module.NonFiniteError as error:
     record["check_finite"] = str(error)
 
 # 3. ilql_generate with rows that end early on rank 0 only

@@ -181,7 +181,7 @@ def child_main(script: str, result_path: str, argv: list) -> None:
 
     name = script[: -len(".py")]
     module = load_script(name)
-    args = tyro.cli(module.Args, args=argv, prog=script)
+    args = tyro.cli(module.Args, args=argv, prog=script, use_underscores=True)
     sys.argv = [os.path.join(REPO_ROOT, script), *argv]  # what the script would see if run directly
 
     # Every script hands the model it trains, and its AdamW, to accelerator.prepare (the first module it
@@ -856,4 +856,4 @@ if __name__ == "__main__":
     else:
         import tyro
 
-        sys.exit(main(tyro.cli(Args)))
+        sys.exit(main(tyro.cli(Args, use_underscores=True)))

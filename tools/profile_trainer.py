@@ -506,7 +506,7 @@ if __name__ == "__main__":
     else:
         import tyro
 
-        parsed = tyro.cli(Args, args=own)
+        parsed = tyro.cli(Args, args=own, use_underscores=True)
         if parsed.mode == "all":
             main(parsed, script_argv)
         else:

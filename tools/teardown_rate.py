@@ -58,10 +58,10 @@ def script_flags(script: str, task: str, run_dir: str) -> list:
 # the smallest run that meets the abort: two torchrun processes over gloo, one gather and one reduce, rank 0 writes
 # a file. Every variant imports run_infra first (so that they differ only in how they end): `probe` ends as a plain
 # script does, `probe_destroy` destroys the process group first (what run_infra's exit handler does at exit),
-# `probe_leave` calls run_infra.leave_processes() (what the scripts do after main())
+# `probe_leave` calls run_module.leave_processes() (what the scripts do after main())
 PROBE = """import sys, torch
 sys.path.insert(0, {root!r})
-import run_infra
+from rlhf_utils import run as run_module
 from accelerate import Accelerator
 accelerator = Accelerator(cpu=True)
 x = torch.arange(4.0) + accelerator.process_index
@@ -70,7 +70,7 @@ if accelerator.is_main_process:
     torch.save((gathered, total), sys.argv[1])
 """
 ENDINGS = {"probe": "", "probe_destroy": "torch.distributed.destroy_process_group()\n",
-           "probe_leave": "run_infra.leave_processes()\n"}
+           "probe_leave": "run_module.leave_processes()\n"}
 # --backtrace: a preloaded library whose std::terminate handler prints the native stack (how the cause was found:
 # a gloo worker thread dropping a tensor, taking the GIL during the interpreter's teardown; docs/results.md)
 TERMINATE_HANDLER = r"""#include <exception>

@@ -24,7 +24,7 @@ losses, metrics, how models are built and saved); this module keeps what only se
   outputs           save_pretrained_model, upload_to_hub, frame_markdown; saving: a full disk named, for every save
 
 judge.py imports its input checks and RunError from here as well. The judge's HTTP client (judge.py, online_dpo.py
---judge endpoint) is judge_client.py, which imports RunError from here; this module imports nothing of it (nor
+--judge endpoint) is rlhf_utils/judge_client.py, which imports RunError from here; this module imports nothing of it (nor
 openai), so a training run that asks no judge never loads an HTTP client.
 
 Its rule: it never changes an uninterrupted run, and a resume or a fallback restores exactly what an ordinary
@@ -44,7 +44,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -53,9 +53,9 @@ import pyarrow.compute
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
+from datasets import load_dataset, load_from_disk
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoTokenizer
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The flags that decide no number a run computes: they may change between a checkpoint and its --resume (Run compares
@@ -89,15 +89,29 @@ FREE_FLAGS = frozenset({
 })
 
 
+# the groups of flags whose names are flat on the command line (tyro.conf.OmitArgPrefixes): the run's (RunFlags,
+# rlhf_utils/flags.py), recorded flat in args.json and a checkpoint's flags as before the group existed
+FLAT_GROUPS = ("run",)
+
+
+def flat_config(args) -> dict:
+    """The flags as args.json records them: a dict of asdict(args), the flat groups' flags at the top level."""
+    config = asdict(args)
+    for group in FLAT_GROUPS:
+        config.update(config.pop(group, {}))
+    return config
+
+
 def flag_values(args) -> dict:
-    """Every flag's value as JSON holds it, a nested group's flags under dotted names (ppo.kl_coef)."""
+    """Every flag's value as JSON holds it, a nested group's flags under dotted names (ppo.kl_coef), the flat
+    groups' under their own names (resume)."""
     def flat(values: dict, prefix: str = ""):
         for name, value in values.items():
             if isinstance(value, dict):
                 yield from flat(value, f"{prefix}{name}.")
             else:
                 yield prefix + name, value
-    return dict(flat(json.loads(json.dumps(asdict(args), default=str))))
+    return dict(flat(json.loads(json.dumps(flat_config(args), default=str))))
 
 
 @contextlib.contextmanager
@@ -136,6 +150,38 @@ sys.excepthook = print_expected_error
 # ----------------------------------------------------------------------------------------------------------------------
 # Input checks: bad flags and bad inputs fail before any model loads, naming the file and the fix
 # ----------------------------------------------------------------------------------------------------------------------
+def load_split(path: str, split: str):
+    """A processed split: a local `save_to_disk` folder (the built-in task, tests) or a hub dataset name. A local
+    folder whose arrow files are damaged (cut short, overwritten) is one RunError naming the split's folder and the fix,
+    raised before anything else reads it: its table is read and checked once here."""
+    if not os.path.isdir(path):
+        return load_dataset(path, split=split)
+    import pyarrow  # (only its error types: what a damaged arrow file raises)
+
+    def damaged(error: Exception, folder: str) -> RunError:
+        return RunError(f"the prepared data in {folder} cannot be read: {type(error).__name__}: {error}. Its arrow file "
+                        "is damaged (cut short or overwritten, e.g. by a copy that stopped or a full disk); prepare it "
+                        "again with data/prepare.py (the task's flags, the same --output_dir) or copy it anew")
+
+    try:
+        dataset_dict = load_from_disk(path)
+    except (OSError, pyarrow.ArrowException) as error:  # which split's folder: the first that does not load alone
+        for folder in sorted(os.path.join(path, d) for d in os.listdir(path)):
+            try:
+                if os.path.exists(os.path.join(folder, "state.json")):
+                    load_from_disk(folder)
+            except (OSError, pyarrow.ArrowException) as its_error:
+                raise damaged(its_error, folder) from its_error
+        raise damaged(error, path) from error
+    if split not in dataset_dict:
+        raise RunError(f"{path} has no split {split!r}; it has {list(dataset_dict.keys())}")
+    try:  # the arrow file is memory-mapped: its buffers must lie within it and match the row count
+        dataset_dict[split].data.validate()
+    except (OSError, pyarrow.ArrowException) as error:
+        raise damaged(error, os.path.join(path, split)) from error
+    return dataset_dict[split]
+
+
 def check_columns(dataset, columns: list, where: str) -> None:
     """Bad input fails here with the row and the fix, not deep inside a library: every needed column is present,
     and every token column has one length in all rows (processed data is padded to fixed lengths)."""
@@ -315,22 +361,6 @@ def check_qlora_flags(args, accelerator) -> None:
                           "computes with it: pip install bitsandbytes") from error
 
 
-def checkpointed(model, on: bool):
-    """--gradient_checkpointing on a model that trains: transformers' activation checkpointing, non-reentrant
-    (torch.utils.checkpoint with use_reentrant=False). The forward pass keeps only each decoder layer's input; the
-    backward pass runs the layer again to get its activations, one more forward pass for the activation memory of all
-    layers but one. The rerun repeats the same operations on the same inputs (dropout is off, Detail 7; with it on,
-    torch restores the RNG state for the rerun), so the loss and gradients are those of a run without it. It applies
-    only to a forward pass in training mode with gradients on: rollouts, references and evaluations are not rerun.
-    transformers 5 names the method activation_checkpointing_enable (gradient_checkpointing_enable is its deprecated
-    alias, the only name before 5); a peft (LoRA) model passes the call on to its transformers model. transformers 5
-    also hooks the input embeddings so that their output requires grad, which reentrant checkpointing needs under
-    frozen embeddings (LoRA); the non-reentrant kind passes gradients to the adapters without it."""
-    if on:  # the method's name in transformers 5, else the name before 5 (in 5 a deprecated alias of it)
-        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
-    return model
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Processes, locks, the run folder, checkpoints and resume, the non-finite guard and its fallback
 # ----------------------------------------------------------------------------------------------------------------------
@@ -367,19 +397,6 @@ def synced_time(device: torch.device) -> float:
     the Python call returns; nothing to wait for on the CPU), so that a logged phase time is that phase's own."""
     torch.cuda.synchronize(device) if device.type == "cuda" else None
     return time.time()
-
-
-def gathered_for_generation(model, on: bool):
-    """--gather_for_generation: under ZeRO-3 each process holds a shard of every weight of `model` (the prepared
-    engine), and a forward pass outside the engine (generate, and the rollout's scoring passes on the unwrapped model)
-    all-gathers every layer on its way, at every decode step. In this context the whole model is gathered once on
-    every process, the engine's per-layer fetch-and-release hooks are off, and on exit both are as before: DeepSpeed's
-    own unwrap_model_for_generation (the idea of TRL's function of that name). The weights are the same, so are the
-    sampled tokens and every log-probability; it needs the whole model's memory on each device (turn it off for a
-    model too large for that). A no-op without ZeRO-3 (no engine, or another stage: the weights are whole)."""
-    zero3 = on and getattr(model, "zero_optimization_stage", lambda: 0)() == 3  # (a DeepSpeed engine of ZeRO-3)
-    # (deepspeed is loaded wherever a DeepSpeed engine exists)
-    return sys.modules["deepspeed"].zero.unwrap_model_for_generation(model) if zero3 else contextlib.nullcontext()
 
 
 def claim_lock(path: str, take_over: bool = False, other: str = "--run_name") -> None:
@@ -521,34 +538,34 @@ class Run:
     (models, optimizers, registered objects, RNG states). `shape` must match between a checkpoint and a resume."""
 
     def __init__(self, args, accelerator):
-        self.args, self.accelerator, self.main, root = args, accelerator, accelerator.is_main_process, args.run_dir_root
-        if args.run_name is None and args.resume:  # the run of this experiment and seed whose checkpoints are newest
+        self.args, self.accelerator, self.main, root = args, accelerator, accelerator.is_main_process, args.run.run_dir_root
+        if args.run.run_name is None and args.run.resume:  # the run of this experiment and seed whose checkpoints are newest
             runs = glob.glob(os.path.join(root, f"{args.exp_name}__{args.seed}__*", "checkpoints"))
             if not runs:
                 raise RunError(f"--resume: no run {root}/{args.exp_name}__{args.seed}__* has a checkpoint; "
                                "pass --run_name")
-            args.run_name = os.path.basename(os.path.dirname(max(runs, key=os.path.getmtime)))
+            args.run.run_name = os.path.basename(os.path.dirname(max(runs, key=os.path.getmtime)))
         # one name for all processes: their clocks may disagree on the second
-        name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-        args.run_name = broadcast_object_list([name])[0]
-        self.dir, self.shape, self.writer = os.path.join(root, args.run_name), {}, None
+        name = args.run.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+        args.run.run_name = broadcast_object_list([name])[0]
+        self.dir, self.shape, self.writer = os.path.join(root, args.run.run_name), {}, None
         # the inputs' content hashes (inputs) and the manifest of the checkpoint to resume
         self.digests, self.manifest = {}, {}
         self.stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None)  # None: no DeepSpeed
         self.checkpoints, self.lock = os.path.join(self.dir, "checkpoints"), os.path.join(self.dir, "run.lock")
         if self.main:  # one live run per folder: the lock holds its host, pid and start time (claim_lock)
             os.makedirs(self.dir, exist_ok=True)
-            claim_lock(self.lock, getattr(args, "take_over_lock", False))
-        self.restart = getattr(args, "restart", False)  # (an Args without the flag: never starts over)
-        if args.resume and self.restart:
+            claim_lock(self.lock, args.run.take_over_lock)
+        self.restart = args.run.restart
+        if args.run.resume and self.restart:
             raise RunError("--resume continues the run's newest checkpoint and --restart deletes its checkpoints; "
                            "pass one of them")
-        if not args.resume and not self.restart and self.saved():  # checkpoints are never deleted implicitly
-            raise RunError(f"the run folder {self.dir} holds checkpoints of an earlier run named {args.run_name!r} "
+        if not args.run.resume and not self.restart and self.saved():  # checkpoints are never deleted implicitly
+            raise RunError(f"the run folder {self.dir} holds checkpoints of an earlier run named {args.run.run_name!r} "
                            f"(newest: {os.path.basename(self.latest_checkpoint())}); this launch neither continues nor "
                            f"replaces them. Pass --resume to continue from the newest, or --restart to delete them and "
                            f"start over (or another --run_name to keep them and start a new run)")
-        self.resume_from = self.intact_checkpoint() if args.resume else None
+        self.resume_from = self.intact_checkpoint() if args.run.resume else None
         # the flags as given (before a script derives any): each checkpoint records them, a resume compares them
         self.flags, self.changed = flag_values(args), {}
         if self.resume_from:
@@ -599,7 +616,7 @@ class Run:
         self.changed = {name: (then.get(name), now) for name, now in self.flags.items()
                         if name.split(".")[-1] not in FREE_FLAGS and then.get(name) != now}
         listed = "; ".join(f"--{name} {was!r} -> {now!r}" for name, (was, now) in self.changed.items())
-        if self.changed and not getattr(self.args, "accept_changed_flags", False):
+        if self.changed and not self.args.run.accept_changed_flags:
             raise RunError(f"--resume: {self.resume_from} was made with other flags than these: {listed}. Resume with "
                            f"the flags it was made with (its run's args.json lists them), or pass "
                            "--accept_changed_flags to go on with the new values knowingly (they apply from the next "
@@ -645,7 +662,7 @@ class Run:
                 moved = f" in {then['path']}" if then["path"] != now["path"] else ""
                 changed.append(f"--{name} {now['path']} (sha256 {then['sha256'][:12]}{moved} then, "
                                f"{now['sha256'][:12]} now)")
-        if changed and not getattr(self.args, "accept_changed_inputs", False):
+        if changed and not self.args.run.accept_changed_inputs:
             raise RunError(f"--resume: {self.resume_from} was made from other contents than these inputs hold: "
                            f"{'; '.join(changed)}. Resume with the inputs it was made from, or pass "
                            "--accept_changed_inputs to go on with these knowingly")
@@ -656,9 +673,9 @@ class Run:
         """Refuse an --output_dir that holds another run's files, then mark it as this run's (run.json, not
         complete)."""
         out, mark = self.args.output_dir, os.path.join(self.args.output_dir, "run.json")
-        if os.path.isdir(out) and os.listdir(out) and not (self.args.overwrite_output_dir or self.args.resume):
+        if os.path.isdir(out) and os.listdir(out) and not (self.args.run.overwrite_output_dir or self.args.run.resume):
             owner = json.load(open(mark)).get("run_name") if os.path.exists(mark) else None
-            if owner != self.args.run_name:
+            if owner != self.args.run.run_name:
                 raise RunError(
                     f"--output_dir {out} already holds "
                     f"{'the run ' + repr(owner) if owner else 'files of another run'}; "
@@ -667,7 +684,7 @@ class Run:
         self.accelerator.wait_for_everyone()  # every process checked before the mark changes
         if self.main:
             os.makedirs(out, exist_ok=True)
-            json.dump({"run_name": self.args.run_name}, open(mark, "w"))
+            json.dump({"run_name": self.args.run.run_name}, open(mark, "w"))
 
     def start(self, state: dict, **shape) -> dict:
         """The trainer state to go on from (the checkpoint's with --resume, else `state`); opens the logs."""
@@ -692,7 +709,7 @@ class Run:
             shutil.rmtree(self.checkpoints, ignore_errors=True)  # (with a killed save's temporary folder, if any)
         if self.main:
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
-            config = asdict(self.args)  # with the derived fields filled in
+            config = flat_config(self.args)  # with the derived fields filled in
             earlier = os.path.join(self.dir, "args.json")  # a resume keeps the record of earlier accepted changes
             history = json.load(open(earlier)).get("changed_on_resume", []) if self.resume_from and os.path.exists(
                 earlier) else []
@@ -702,10 +719,10 @@ class Run:
             if history:
                 config["changed_on_resume"] = history
             json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
-            if self.args.track:
+            if self.args.run.track:
                 import wandb  # only with --track; it mirrors TensorBoard
-                wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, sync_tensorboard=True,
-                           config=config, name=self.args.run_name, save_code=True)
+                wandb.init(project=self.args.run.wandb_project_name, entity=self.args.run.wandb_entity, sync_tensorboard=True,
+                           config=config, name=self.args.run.run_name, save_code=True)
             self.writer = SummaryWriter(self.dir, purge_step=resumed_at + 1 if self.resume_from else None)
             self.writer.add_text("hyperparameters",
                                  "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
@@ -772,7 +789,7 @@ class Run:
         if self.main:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(temporary, final)
-            for old in self.saved()[:-self.args.checkpoint_keep]:  # --checkpoint_keep 0 keeps all ([:-0] is empty)
+            for old in self.saved()[:-self.args.run.checkpoint_keep]:  # --checkpoint_keep 0 keeps all ([:-0] is empty)
                 shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         return final
@@ -801,7 +818,7 @@ class Run:
         if self.main:
             json.dump(summary, open(os.path.join(self.dir, "summary.json"), "w"), indent=2)
             self.writer.close()  # (a W&B run ends with the process)
-            json.dump({"run_name": self.args.run_name, "complete": True},
+            json.dump({"run_name": self.args.run.run_name, "complete": True},
                       open(os.path.join(self.args.output_dir, "run.json"), "w"))
             os.remove(self.lock)
 
@@ -858,53 +875,6 @@ def due(every: int, update: int, num_updates: Optional[int] = None) -> bool:
 # ----------------------------------------------------------------------------------------------------------------------
 # Outputs
 # ----------------------------------------------------------------------------------------------------------------------
-def save_pretrained_model(accelerator, wrapped, model, tokenizer, output_dir: str, prefix: str = "",
-                          merge: Optional[Callable] = None) -> Optional[dict]:
-    """save_pretrained (safetensors) of `model` and its tokenizer in output_dir. The weights are those of
-    accelerator.get_state_dict(wrapped), which every process calls (ZeRO-3 gathers the shards); `prefix` is the
-    name of `model` inside the wrapper (reward.py's "rm.", ppo.py's "policy."), dropped from the saved names.
-    Returns that gathered state dict, whole, on the main process (ilql.py saves its heads from it), else None.
-
-    `merge` (with LoRA: the script's merged_policy, which decides the saved numbers) saves merge(model) instead, the
-    plain model that `model` computes; under ZeRO-3 every process takes part in gathering `model`'s partitioned
-    weights first, and the main process merges and saves. A full disk is named either way."""
-    accelerator.wait_for_everyone()
-    then = "Free space there, then run again (--resume: from the newest checkpoint, if any)"
-    if merge is not None:
-        gathered = contextlib.nullcontext()
-        if getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
-            import deepspeed  # only under ZeRO-3
-
-            gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
-        with gathered:
-            if accelerator.is_main_process:
-                merged = merge(model)
-                needed = sum(p.numel() * p.element_size() for p in merged.parameters())
-                with saving(output_dir, "the final model", needed, then):
-                    merged.save_pretrained(output_dir, safe_serialization=True)
-                    tokenizer.save_pretrained(output_dir)
-        return None
-    state_dict = accelerator.get_state_dict(wrapped)
-    if not accelerator.is_main_process:
-        return None
-    own = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
-    with saving(output_dir, "the final model", sum(v.numel() * v.element_size() for v in own.values()), then):
-        model.save_pretrained(output_dir, state_dict=own)
-        tokenizer.save_pretrained(output_dir)
-    return state_dict
-
-
-def upload_to_hub(args) -> None:
-    """--push_to_hub: upload --output_dir (the model and its tokenizer) to the hub repository --hub_model_id
-    (None: the run name). Main process only, after save_pretrained_model."""
-    from huggingface_hub import HfApi  # only with --push_to_hub
-
-    hub_model_id = args.hub_model_id if args.hub_model_id is not None else args.run_name
-    api = HfApi()
-    api.create_repo(hub_model_id, exist_ok=True)
-    api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
-
-
 def frame_markdown(df: pd.DataFrame) -> str:
     """A small pandas table as markdown for TensorBoard's text tab (pipes and newlines escaped)."""
 

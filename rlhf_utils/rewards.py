@@ -1,5 +1,5 @@
 """The user's reward function (--reward_fn path.py:function of ppo.py, rloo.py, grpo.py, reinforce_pp.py and
-online_dpo.py): loaded from its file, and its answers checked. Like run_infra.py, whose RunError it raises, it
+online_dpo.py): loaded from its file, and its answers checked. Like rlhf_utils/run.py, whose RunError it raises, it
 decides no number: each script calls the function itself and turns its answers into its reward tensor
 (function_scores, the same copy in each).
 
@@ -15,7 +15,7 @@ The function is `fn(queries, responses, **columns) -> one float per response`: t
 (lists of str) and, by name, each other column of the prompt rows (a list with one entry per response). Each process
 calls it on its own rows. docs/usage.md, "Write your own reward", has an example.
 
-A module of its own, as judge_client.py is: only the scripts that take --reward_fn import it, and run_infra.py
+A module of its own, as rlhf_utils/judge_client.py is: only the scripts that take --reward_fn import it, and rlhf_utils/run.py
 imports none of it.
 """
 
@@ -27,7 +27,7 @@ import sys
 import traceback
 from typing import Callable, Optional
 
-from run_infra import RunError
+from rlhf_utils.run import RunError
 
 HOW = ("it must return one finite number per response, in their order (docs/usage.md, \"Write your own reward\": "
        "fn(queries, responses, **columns) -> list of floats)")

@@ -28,8 +28,8 @@ Names: LOOPBACK_PLACEHOLDER_KEY, is_loopback_url, resolve_api_key, public_url (t
 JudgeAPIError, JudgeUnavailableError, BadReply (failures); Outcome (one job's result); duration_s,
 rate_limit_wait_s, Throttle (rate limits); Judge (the async client); run_jobs (the one call the scripts make).
 
-It decides no number a training script computes. It imports RunError from run_infra.py (JudgeUnavailableError is an
-expected stop, printed as one paragraph); run_infra.py imports nothing of it, so a training run that asks no judge
+It decides no number a training script computes. It imports RunError from rlhf_utils/run.py (JudgeUnavailableError is an
+expected stop, printed as one paragraph); rlhf_utils/run.py imports nothing of it, so a training run that asks no judge
 never loads openai.
 """
 
@@ -52,7 +52,7 @@ import openai
 from openai import AsyncOpenAI
 from tqdm.auto import tqdm
 
-from run_infra import RunError
+from rlhf_utils.run import RunError
 
 # the API key sent to a loopback endpoint when OPENAI_API_KEY is unset (the gold judge checks no key)
 LOOPBACK_PLACEHOLDER_KEY = "sk-loopback-placeholder"
