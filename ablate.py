@@ -66,7 +66,8 @@ ALL_ROWS = [2, 3, 7, 11, 15, 22, 23, 24, 25]
 class Args:
     mode: Literal["default", "ci"] = "default"
     """default: the budgets below (BUDGET), sized for every row on 3 seeds on 2 CPU cores (`--dry_run` prints the
-    time estimate); ci: minimal steps (upstream from `pipeline.py --mode ci`), to check that every artefact is produced"""
+    time estimate); ci: minimal steps (upstream from `pipeline.py --mode ci`),
+    to check that every artefact is produced"""
     rows: list[int] = field(default_factory=lambda: list(ALL_ROWS))
     """which details to ablate (numbers of the paper's details)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
@@ -75,7 +76,8 @@ class Args:
     """the baseline data, SFT and reward model (a pipeline.py output folder); made with pipeline.py when missing.
     None -> artifacts/quickstart (mode default) or artifacts/ablations_ci_upstream (mode ci)"""
     out: Optional[str] = None
-    """where data, runs, logs, the table and the plots go; None -> artifacts/ablations (mode ci: artifacts/ablations_ci)"""
+    """where data, runs, logs, the table and the plots go; None -> artifacts/ablations
+    (mode ci: artifacts/ablations_ci)"""
     threads: int = 0
     """torch threads per run (OMP_NUM_THREADS); 0 = leave the environment's setting"""
     jobs: int = 1
@@ -167,7 +169,8 @@ ARMS = {
     # itself will not do as the baseline, since a run on another thread count sums in another order and ends
     # as a different RM
     "rm_normalised": Arm("rm_normalised", "rm", seedless=True, budget="rm_upstream"),
-    "rm_unnormalised": Arm("rm_unnormalised", "rm", extra=["--no-normalize_reward"], seedless=True, budget="rm_upstream"),
+    "rm_unnormalised": Arm("rm_unnormalised", "rm", extra=["--no-normalize_reward"], seedless=True,
+                           budget="rm_upstream"),
     # PPO (rows 7, 15, 22-25) and the Detail 7 probe
     "ppo_baseline": Arm("ppo_baseline", "ppo"),
     "ppo_dropout": Arm("ppo_dropout", "ppo", extra=["--no-disable_dropout"]),
@@ -225,7 +228,8 @@ def mid_sentence(ab: "Ablation", arm: Arm) -> float:
 
     folder = ab.data_dir(arm)
     if folder not in ab._samples_cache:
-        ab._samples_cache[folder] = mid_sentence_share(list(load_from_disk(os.path.join(folder, "sft"))["train"]["query"]))
+        ab._samples_cache[folder] = mid_sentence_share(
+            list(load_from_disk(os.path.join(folder, "sft"))["train"]["query"]))
     return ab._samples_cache[folder]
 
 
@@ -269,7 +273,8 @@ ROWS = {
         Metric("PPO ratio, first minibatch (variance over episodes)",
                lambda ab, arm, key: series(ab, key, "ppo/val/ratio_var")[0], "up",
                "0 without dropout, positive with it", digits=6),
-        Metric("PPO KL (last quarter of updates)", lambda ab, arm, key: mean(last_quarter(series(ab, key, "objective/kl"))),
+        Metric("PPO KL (last quarter of updates)",
+               lambda ab, arm, key: mean(last_quarter(series(ab, key, "objective/kl"))),
                None, "no number given", arms=("ppo_baseline", "ppo_dropout")),
     ]),
     11: Row(11, "reward head init: library default N(0, 0.02) (baseline: N(0, 1/sqrt(d+1)))", "rm_baseline",
@@ -279,10 +284,12 @@ ROWS = {
         Metric("RM train loss, first 10 updates", lambda ab, arm, key: mean(series(ab, key, "train/loss")[:10]),
                None, "follows Stiennon et al.; no ablation in the paper"),
     ]),
-    15: Row(15, "reward model not normalised (baseline: references score mean 0)", "ppo_normalised_rm", "ppo_unnormalised_rm", [
+    15: Row(15, "reward model not normalised (baseline: references score mean 0)", "ppo_normalised_rm",
+            "ppo_unnormalised_rm", [
         Metric("PPO RM score of the final policy", lambda ab, arm, key: summary_of(ab, key)["eval/score"], "shift",
                "shifted by the normalisation bias (see the note above)"),
-        Metric("PPO KL (last quarter of updates)", lambda ab, arm, key: mean(last_quarter(series(ab, key, "objective/kl"))),
+        Metric("PPO KL (last quarter of updates)",
+               lambda ab, arm, key: mean(last_quarter(series(ab, key, "objective/kl"))),
                "same", "unchanged (expected: a constant shift of the score)"),
         Metric("PPO gold win rate", lambda ab, arm, key: samples(ab, key)["gold_win_rate"], "same",
                "unchanged (expected: a constant shift of the score)"),
@@ -313,7 +320,8 @@ ROWS = {
                "lower"),
     ]),
     25: Row(25, "advantage whitening off (baseline: on)", "ppo_baseline", "ppo_no_advantage_whitening", [
-        Metric("PPO approx. KL per update (mean)", lambda ab, arm, key: mean(series(ab, key, "ppo/policy/approxkl_avg")),
+        Metric("PPO approx. KL per update (mean)",
+               lambda ab, arm, key: mean(series(ab, key, "ppo/policy/approxkl_avg")),
                "up", "higher: less stable updates (expected)", digits=4),
         Metric("PPO approx. KL per update (max)", lambda ab, arm, key: max(series(ab, key, "ppo/policy/approxkl_avg")),
                "up", "higher: less stable updates (expected)", digits=4),
@@ -379,11 +387,13 @@ class Ablation:
         path = self.up("data", "args.json")
         up_args = json.load(open(path)) if os.path.exists(path) else {}
         lengths = []
-        for flag in ("query_length", "sft_response_length", "rm_response_length", "cnndm_query_length", "cnndm_response_length"):
+        for flag in ("query_length", "sft_response_length", "rm_response_length", "cnndm_query_length",
+                     "cnndm_response_length"):
             lengths += [f"--{flag}", str(up_args.get(flag, "?"))]
         folder = os.path.join(self.out, "data", name)
         cmd = self.py("data/prepare.py", "--task", "tldr", "--base_model", self.up("data", "base_model"),
-                      "--sft_data", self.up("data", "raw", "sft"), "--preference_data", self.up("data", "raw", "comparisons"),
+                      "--sft_data", self.up("data", "raw", "sft"),
+                      "--preference_data", self.up("data", "raw", "comparisons"),
                       "--output_dir", folder, *lengths, "--no-plots", *flags)
         return Run(f"prep_{name}", "prep", cmd, os.path.join(folder, "prep_summary.json"))
 
@@ -403,7 +413,8 @@ class Ablation:
             cmd = self.py("reward.py", *common, "--sft_model_path", self.up("models", "sft"), "--preference_dataset",
                           os.path.join(data, "preference"), "--query_dataset", os.path.join(data, "sft"), *flags)
         else:  # ppo or the Detail 7 probe
-            flags = pipeline.flags_with(pipeline.flags_with(self.settings["ppo"], self.budget["ppo"]), self.budget["probe"] if arm.kind == "probe" else {})
+            flags = pipeline.flags_with(pipeline.flags_with(self.settings["ppo"], self.budget["ppo"]),
+                                        self.budget["probe"] if arm.kind == "probe" else {})
             rm = os.path.join(self.models, arm.reward_model) if arm.reward_model else self.up("models", "rm")
             cmd = self.py("ppo.py", *common, "--sft_model_path", self.up("models", "sft"), "--reward_model_path", rm,
                           "--query_dataset", os.path.join(data, "sft"), "--response_length", response_length, *flags)
@@ -473,8 +484,9 @@ class Ablation:
         left = (sum(self.estimate(r.kind) for r in todo) / max(1, self.args.jobs)
                 + (self.estimate("pipeline") if need_upstream else 0))
         counts = {k: sum(r.kind == k for r in todo) for k in ("prep", "sft", "rm", "probe", "ppo")}
-        print(f"ablation plan: rows {self.args.rows}, seeds {self.args.seeds}, {len(runs)} runs, {len(runs) - len(todo)} done "
-              f"already; to run: {'the upstream pipeline (prep, SFT, RM), ' if need_upstream else ''}"
+        print(f"ablation plan: rows {self.args.rows}, seeds {self.args.seeds}, {len(runs)} runs, "
+              f"{len(runs) - len(todo)} done already; to run: "
+              f"{'the upstream pipeline (prep, SFT, RM), ' if need_upstream else ''}"
               + ", ".join(f"{n} {k}" for k, n in counts.items() if n)
               + f"\nestimated time: {left / 60:.0f} min (2 quiet CPU cores; a shared machine is slower)", flush=True)
         if self.args.dry_run:
@@ -483,7 +495,8 @@ class Ablation:
             return []
         if need_upstream:
             t0 = time.time()
-            print(f"=== upstream {self.upstream} is incomplete: running the pipeline's prep, SFT and RM stages", flush=True)
+            print(f"=== upstream {self.upstream} is incomplete: running the pipeline's prep, SFT and RM stages",
+                  flush=True)
             if not self.execute("upstream_pipeline", self.pipeline_cmd()):
                 raise SystemExit("the upstream pipeline failed; see the log above")
             self.record("upstream_pipeline", "pipeline", time.time() - t0)
@@ -519,7 +532,8 @@ class Ablation:
                 left_runs = [r for r in todo if not events[r.key].is_set() and r.key != run.key]
                 remaining = sum(self.estimate(r.kind) for r in left_runs) / max(1, self.args.jobs)
                 print(f"--- [{finished[0]}/{len(todo)}] {run.key}: {'done' if ok else 'FAILED'} in {seconds:.0f} s; "
-                      f"elapsed {(time.time() - t_start) / 60:.1f} min, about {remaining / 60:.0f} min left", flush=True)
+                      f"elapsed {(time.time() - t_start) / 60:.1f} min, about {remaining / 60:.0f} min left",
+                      flush=True)
             events[run.key].set()
 
         # runs start in plan order (the runs others read come first), at most --jobs at a time
@@ -569,7 +583,8 @@ class Ablation:
                         "digits": metric.digits}
                 for side, arr in (("baseline", b), ("toggled", t)):
                     line[f"{side}_mean"] = float(arr.mean()) if len(arr) else float("nan")
-                    line[f"{side}_std"] = float(arr.std(ddof=1)) if len(arr) > 1 else (0.0 if len(arr) else float("nan"))
+                    line[f"{side}_std"] = (float(arr.std(ddof=1)) if len(arr) > 1
+                                           else (0.0 if len(arr) else float("nan")))
                 line["difference"] = line["toggled_mean"] - line["baseline_mean"]
                 common = sorted(set(values["baseline"]) & set(values["toggled"]))  # seeds of both arms: paired
                 diffs = np.array([values["toggled"][s] - values["baseline"][s] for s in common])
@@ -599,7 +614,8 @@ class Ablation:
         if paired:
             se = (t - b).std(ddof=1) / np.sqrt(len(b))
         else:
-            se = np.sqrt((b.var(ddof=1) / len(b) if len(b) > 1 else 0.0) + (t.var(ddof=1) / len(t) if len(t) > 1 else 0.0))
+            se = np.sqrt((b.var(ddof=1) / len(b) if len(b) > 1 else 0.0)
+                         + (t.var(ddof=1) / len(t) if len(t) > 1 else 0.0))
         tol = 1e-6 * max(1.0, abs(b.mean()))
         constant_baseline = bool(np.all(np.abs(b - b[0]) <= tol))
         one_side = bool(np.all(t - b[0] > tol) or np.all(t - b[0] < -tol))
@@ -653,32 +669,39 @@ class Ablation:
         planned = {run.key for run in self.plan()}
         timed = {k: t for k, t in self.timings.items() if k in planned}
         own = sum(t["wall_time_s"] for t in timed.values())
-        span = (max(t["finished"] for t in timed.values()) - min(t["finished"] - t["wall_time_s"] for t in timed.values())
+        span = (max(t["finished"] for t in timed.values())
+                - min(t["finished"] - t["wall_time_s"] for t in timed.values())
                 if timed else 0.0)
         upstream_s = sum(json.load(open(self.up("stages", f"{s}.json")))["wall_time_s"]
                          for s in ("prep", "sft", "rm") if os.path.exists(self.up("stages", f"{s}.json")))
         bias = self.normalisation_bias()
         b = self.budget
+        untimed = ("" if len(timed) == len(planned)
+                   else f"; {len(planned) - len(timed)} of the {len(planned)} runs have no timing")
         text = [
             "# Detail ablations on the built-in task",
             "",
             f"Every implementation detail below toggled on its own, seeds {' '.join(map(str, self.args.seeds))}, "
-            f"each against the baseline with the same seed (`python ablate.py{' --mode ci' if self.args.mode == 'ci' else ''}"
-            f"{f' --jobs {self.args.jobs}' if self.args.jobs != 1 else ''}{f' --threads {self.args.threads}' if self.args.threads else ''}"
+            "each against the baseline with the same seed "
+            f"(`python ablate.py{' --mode ci' if self.args.mode == 'ci' else ''}"
+            f"{f' --jobs {self.args.jobs}' if self.args.jobs != 1 else ''}"
+            f"{f' --threads {self.args.threads}' if self.args.threads else ''}"
             f"{' --rows ' + ' '.join(map(str, self.args.rows)) if self.args.rows != ALL_ROWS else ''}`).",
             "",
-            f"- **Run time**: {(own + upstream_s) / 60:.0f} min in all: {own / 60:.1f} min for the {len(timed)} ablation runs "
-            f"(sum of their wall times{'' if len(timed) == len(planned) else f'; {len(planned) - len(timed)} of the {len(planned)} runs have no timing'}; "
-            f"first start to last finish {span / 60:.1f} min) and {upstream_s / 60:.1f} min for the upstream pipeline's prep, SFT and RM "
+            f"- **Run time**: {(own + upstream_s) / 60:.0f} min in all: {own / 60:.1f} min for the {len(timed)} "
+            f"ablation runs (sum of their wall times{untimed}; first start to last finish {span / 60:.1f} min) and "
+            f"{upstream_s / 60:.1f} min for the upstream pipeline's prep, SFT and RM "
             f"(`{os.path.relpath(self.upstream, REPO_ROOT)}`, its stage times).",
             f"- **Machine**: {self.machine()}. Load average at the end: "
-            f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min; above the core count, other jobs shared the cores and the times are upper bounds).",
-            f"- **Budgets** ({self.args.mode} mode): SFT {' '.join(pipeline.flags_with(self.settings['sft'], b['sft']))}; "
-            f"RM {' '.join(pipeline.flags_with(self.settings['rm'], b['rm']))} (row 15's unnormalised RM: the upstream RM's "
-            f"{' '.join(pipeline.flags_with(self.settings['rm'], b['rm_upstream']))}); PPO "
+            f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min; above the core count, other jobs "
+            "shared the cores and the times are upper bounds).",
+            f"- **Budgets** ({self.args.mode} mode): SFT "
+            f"{' '.join(pipeline.flags_with(self.settings['sft'], b['sft']))}; "
+            f"RM {' '.join(pipeline.flags_with(self.settings['rm'], b['rm']))} (row 15's unnormalised RM: the "
+            f"upstream RM's {' '.join(pipeline.flags_with(self.settings['rm'], b['rm_upstream']))}); PPO "
             f"{' '.join(pipeline.flags_with(self.settings['ppo'], b['ppo']))}; Detail 7 probe: the PPO flags with "
-            f"{' '.join(f'{k} {v}' for k, v in b['probe'].items())}. Data, SFT model and RM of the PPO runs: the upstream's "
-            "(seed 1); the seed varies the ablated stage.",
+            f"{' '.join(f'{k} {v}' for k, v in b['probe'].items())}. Data, SFT model and RM of the PPO runs: the "
+            "upstream's (seed 1); the seed varies the ablated stage.",
             "- **Expected** paraphrases what the paper says the detail is for; where it gives no measurement the "
             "column says so, and *(expected)* marks an expectation that follows from the mechanism rather than a "
             "number in the paper. **Reproduced here**: *yes* when the toggle moves the metric that way, where a "
@@ -689,14 +712,16 @@ class Ablation:
             "reports the direction of a measured effect the paper does not predict.",
             f"- Detail 15: the two RMs are one training run, saved with and without the normalisation; the references' "
             f"mean reward before it is {bias:+.3f}, so the unnormalised RM scores every response {bias:+.3f} against "
-            "the normalised one." if bias is not None else "- Detail 15: the normalised RM's bias is unknown (no run yet).",
+            "the normalised one." if bias is not None
+            else "- Detail 15: the normalised RM's bias is unknown (no run yet).",
             "- Detail 7: the ratio comes from a one-update probe run (one epoch, one minibatch, micro-batches of one "
             "episode): its mean ratio is the first minibatch's, its variance is over the episodes' mean ratios.",
             f"- Detail 23: both arms run PPO with `--response_length {EOS_TRICK_RESPONSE_LENGTH}` (the task's: "
-            f"{pipeline.TASK['sft_response_length']}), a budget the SFT policy often overruns; with the task's length every "
-            "response ends in time and the trick never fires.",
+            f"{pipeline.TASK['sft_response_length']}), a budget the SFT policy often overruns; with the task's length "
+            "every response ends in time and the trick never fires.",
             "",
-            "| detail | toggle | metric | baseline (mean ± std) | toggled (mean ± std) | difference (paired by seed, mean ± std) | expected | reproduced here |",
+            "| detail | toggle | metric | baseline (mean ± std) | toggled (mean ± std) "
+            "| difference (paired by seed, mean ± std) | expected | reproduced here |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for ln in lines_data:
@@ -705,16 +730,19 @@ class Ablation:
             def fmt(m: float, s: float, n: int) -> str:
                 return "n/a" if n == 0 else f"{m:.{d}f} ± {s:.{d}f}"
 
-            text.append(f"| {ln['detail']} | {ln['toggle']} | {ln['metric']} | {fmt(ln['baseline_mean'], ln['baseline_std'], ln['n_baseline'])} "
-                        f"(n={ln['n_baseline']}) | {fmt(ln['toggled_mean'], ln['toggled_std'], ln['n_toggled'])} (n={ln['n_toggled']}) | "
-                        f"{ln['difference']:+.{d}f} ± {ln['difference_std']:.{d}f} | {ln['paper']} | {ln['verdict']} |")
+            text.append(f"| {ln['detail']} | {ln['toggle']} | {ln['metric']} | "
+                        f"{fmt(ln['baseline_mean'], ln['baseline_std'], ln['n_baseline'])} (n={ln['n_baseline']}) | "
+                        f"{fmt(ln['toggled_mean'], ln['toggled_std'], ln['n_toggled'])} (n={ln['n_toggled']}) | "
+                        f"{ln['difference']:+.{d}f} ± {ln['difference_std']:.{d}f} | "
+                        f"{ln['paper']} | {ln['verdict']} |")
         plots = self.plot(lines_data)
-        text += ["", "Plots (every seed's value, baseline vs toggled, a line joining the two runs of a seed): " + ", ".join(f"`{p}`" for p in plots), ""]
+        text += ["", "Plots (every seed's value, baseline vs toggled, a line joining the two runs of a seed): "
+                 + ", ".join(f"`{p}`" for p in plots), ""]
         out = "\n".join(text)
         with open(os.path.join(self.out, "ablations.md"), "w") as f:
             f.write(out)
-        columns = ["detail", "toggle", "metric", "baseline_mean", "baseline_std", "toggled_mean", "toggled_std", "difference",
-                   "difference_std",
+        columns = ["detail", "toggle", "metric", "baseline_mean", "baseline_std", "toggled_mean", "toggled_std",
+                   "difference", "difference_std",
                    "n_baseline", "n_toggled", "baseline_values", "toggled_values", "expect", "paper", "verdict"]
         with open(os.path.join(self.out, "ablations.csv"), "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState, skip_first_batches
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
+from accelerate.utils import set_seed
 from datasets import get_dataset_split_names, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -62,6 +62,7 @@ from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, inpu
     evaluation_rng,
     leave_processes,
     load_split,
+    resumable_accelerator,
     start_processes,
 )
 
@@ -724,16 +725,9 @@ def make_accelerator(args) -> Accelerator:
     args.gradient_accumulation_steps = accumulation  # recorded in args.json
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(
-        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        # the shuffle of epoch e depends on (seed, e) alone, so a resumed run finds its place in the data
-        # (see resumable_micro_batches)
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        mixed_precision="bf16" if args.bf16 else "no",
-    )
+    # gradient accumulation over the micro batches counted here, synced on that count alone (an update may straddle
+    # two epochs); the data order seeded by --seed, so that a resumed run finds its place (resumable_micro_batches)
+    accelerator = resumable_accelerator(args.gradient_accumulation_steps, args.seed, args.bf16)
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     return accelerator
 

@@ -262,7 +262,7 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Steps 1-5, the rollout: ppo.py's without the critic (the same code as rloo.py's)
+# Steps 1-5, the rollout: ppo.py's without the critic (the same code as rloo.py's and reinforce_pp.py's)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -326,7 +326,8 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
 
 
 # ---------------------------------------------------------------------------------------------
-# The pieces of the rollout and the update that ppo.py, rloo.py and grpo.py share (the same code in each)
+# The pieces of the rollout and the update that ppo.py, rloo.py, grpo.py and reinforce_pp.py share (the same code
+# in each)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -493,8 +494,12 @@ class RewardsAndAdvantages:
     scores: torch.Tensor  # (B,) after the EOS trick and the optional scaling and clipping
     contains_eos: torch.Tensor  # (B,)
     kl: torch.Tensor  # (B, T) per-token k1 KL of the rollout, logged only (the loss computes its own)
-    non_score_reward: torch.Tensor  # (B, T) 0: GRPO puts no KL into the reward
     advantages: torch.Tensor  # (B,)
+
+    def objective(self) -> dict:
+        """Per-episode values of GRPO's own logged as objective/{name} (update_metrics): none, as its reward is the
+        score itself (the KL enters the loss) and objective/scores logs it."""
+        return {}
 
 
 @torch.no_grad()
@@ -510,7 +515,7 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
         for column, moments in enumerate(reward_moments):
             moments.update(gather(scores[:, column]))
         scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
-    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) J2: several reward models, one score
+    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) several reward models joined into one score
     contains_eos = (responses == eos_token_id).any(1)
     if args.non_eos_penalty:  # 5. Detail 23: EOS trick, once per response, on the joined score
         scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
@@ -521,7 +526,7 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
     # 6. the reward is the score (the KL enters the loss, step 8); 7. group-relative advantages
     kl = kl_per_token(data.logprobs, data.ref_logprobs, "k1") * mask
     advantages = grpo_advantages(scores, args.group_size, hp.advantage_std, gather)
-    return RewardsAndAdvantages(mask, last_index, scores, contains_eos, kl, torch.zeros_like(kl), advantages)
+    return RewardsAndAdvantages(mask, last_index, scores, contains_eos, kl, advantages)
 
 
 class DynamicSampling:
@@ -635,7 +640,8 @@ def grpo_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, 
 
 
 # ---------------------------------------------------------------------------------------------
-# The update's metrics and the evaluation, shared by ppo.py, rloo.py and grpo.py (the same code in each)
+# The update's metrics and the evaluation, shared by ppo.py, rloo.py, grpo.py and reinforce_pp.py (the same code in
+# each)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -650,7 +656,7 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
              "vf_clipfrac": "val/clipfrac_avg", "ratio": "val/ratio"}  # those a method has (no critic: no vf_*)
     logged = [key for key in names if key in stats] + [key for key in stats if key not in names]
     gather = accelerator.gather
-    kl_sum, non_score_sum = gather(scored.kl.sum(1)), gather(scored.non_score_reward.sum(1))
+    kl_sum = gather(scored.kl.sum(1))
     entropy_sum, scores = gather((-data.logprobs * scored.mask).sum(1)), gather(scored.scores)
     stats = {name: gather(value) for name, value in stats.items()}
     num_eos_tokens = gather((data.responses == eos_token_id).sum().unsqueeze(0)).sum()
@@ -660,8 +666,8 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
         "objective/kl": kl_sum.mean().item(),
         "objective/kl_coef": kl_coef,
         "objective/entropy": entropy_sum.mean().item(),
-        "objective/non_score_reward": non_score_sum.mean().item(),
-        "objective/rlhf_reward": non_score_sum.mean().item() + scores.mean().item(),
+        # the method's own per-episode values (its RewardsAndAdvantages.objective: the KL penalty, the reward with it)
+        **{f"objective/{name}": gather(value).mean().item() for name, value in scored.objective().items()},
         "objective/scores": scores.mean().item(),
         **({f"objective/scores_rm{j}": gather(data.rm_scores[:, j]).mean().item()  # each reward model's raw score
             for j in range(data.rm_scores.size(1))} if data.rm_scores.size(1) > 1 else {}),

@@ -43,7 +43,6 @@ Several GPUs:     accelerate launch --config_file zero2.yaml ilql.py --seed 1
 """
 
 import functools
-import json
 import math
 import os
 import time
@@ -52,21 +51,19 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Annotated, Dict, List, Literal, Optional, Sequence, Tuple
 
-import numpy as np
 import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, skip_first_batches
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
+from accelerate.utils import set_seed
 from datasets import concatenate_datasets
-from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from rlhf_utils import models
+from rlhf_utils import models, records
 from rlhf_utils.flags import RunFlags  # the run's flags
 from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
     LastGoodState,
@@ -75,14 +72,15 @@ from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, inpu
     check_columns,
     check_data_tokenizer,
     check_finite,
-    check_gradient_accumulation,
+    check_ilql_flags,
     check_query_response,
+    check_response_starts,
     check_reward_tokenizer,
     due,
     evaluation_rng,
     leave_processes,
     load_split,
-    saving,
+    resumable_accelerator,
     start_processes,
 )
 
@@ -300,33 +298,6 @@ def action_positions(query_token_len: torch.Tensor, response_token_len: torch.Te
     mask = offsets < response_token_len.unsqueeze(1)  # (B, Tr)
     positions = (query_token_len.long().unsqueeze(1) - 1 + offsets).clamp(max=seq_len - 2)  # (B, Tr)
     return positions, mask
-
-
-def check_response_starts(pairs, pad_token_id: int, where: str, chunk: int = 4096) -> None:
-    """Bad input: action_positions takes each response's start from query_token_len, the loss its tokens from the
-    label column (the response tokens, [PAD] elsewhere). The two must agree: in every row and for each side of the
-    pair, the labelled tokens form one run that starts at index query_token_len. Where they do not (a query_token_len
-    from another tokenization, a label column written by other code), every state and action of the row would be
-    read at the wrong token without an error; this stops at the first such row, naming it."""
-    for side in ("chosen", "rejected"):
-        column = f"query_{side}_token_response_label"
-        for first_row in range(0, len(pairs), chunk):
-            rows = pairs.select_columns([column, "query_token_len"]).with_format("numpy")[first_row : first_row + chunk]
-            labelled = np.asarray(rows[column]) != pad_token_id  # (N, T)
-            starts = np.where(labelled.any(1), labelled.argmax(1), -1)  # first labelled index; -1 = none
-            ends = labelled.shape[1] - labelled[:, ::-1].argmax(1)  # one past the last labelled index
-            query_lengths = np.asarray(rows["query_token_len"])
-            bad = np.flatnonzero((starts != query_lengths) | (ends - starts != labelled.sum(1)))
-            if bad.size:
-                i = int(bad[0])
-                found = "no response token" if starts[i] < 0 else f"its first response token at index {starts[i]}" + (
-                    "" if ends[i] - starts[i] == labelled[i].sum() else " and [PAD] gaps inside the response")
-                raise RunError(
-                    f"{where} row {first_row + i} ({side}): query_token_len is {int(query_lengths[i])} but {column!r} "
-                    f"has {found}; the response must start at query_token_len and run without a gap, or ILQL reads its "
-                    "states and actions at the wrong tokens. Prepare the data again with data/prepare.py, which writes "
-                    "the labels and query_token_len together"
-                )
 
 
 def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -735,8 +706,8 @@ def main(args: Args) -> dict:
     last_good = LastGoodState(run, accelerator, adamw, lr_scheduler)
     # the trainer state: running counters and the open logging interval. The flags that fix the data order, the
     # schedule and the target syncs (the shape) must be those of the checkpoint's run
-    counters = IlqlCounters(run.start(
-        IlqlCounters.fresh(), num_updates=num_updates, total_batch_size=args.total_batch_size,
+    counters = records.IlqlCounters(run.start(
+        records.IlqlCounters.fresh(), num_updates=num_updates, total_batch_size=args.total_batch_size,
         world_size=args.world_size, steps_for_target_q_sync=args.ilql.steps_for_target_q_sync))
     if counters.update == 0:
         run.log(0, {"episode": 0, **data_metrics})  # a resumed run kept this line of metrics.jsonl
@@ -787,7 +758,7 @@ def main(args: Args) -> dict:
     summary = {**metrics, **counters.last_train_metrics, **data_metrics, **counters.totals(),
                "wall_time_s": time.time() - start_time}
     accelerator.wait_for_everyone()
-    save_model(accelerator, model, tokenizer, args)
+    models.save_ilql_model(accelerator, model, tokenizer, args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
     if args.run.push_to_hub and accelerator.is_main_process:  # --output_dir whole: the LM, its tokenizer and the heads
         models.upload_to_hub(args)
@@ -796,7 +767,8 @@ def main(args: Args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# The setup main runs on: processes and batch arithmetic, inputs, models, counters, evaluation, saving
+# The setup main runs on: processes and batch arithmetic, inputs, models, the data's metrics, evaluation, the target
+# copies a checkpoint carries (refusals, counters, records and saving: rlhf_utils/)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -814,30 +786,11 @@ def make_ilql_accelerator(args: Args) -> Accelerator:
     args.gradient_accumulation_steps = gradient_accumulation_steps  # args.json records the value used
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(
-        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        # the shuffled order of pass e over the data is a function of (seed, e) alone, so a resumed run can
-        # rebuild the pass it was in and skip the micro batches already used (see resumable_micro_batches)
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        mixed_precision="bf16" if args.bf16 else "no",
-    )
+    # gradient accumulation on the micro-step count, the seeded data order that resumable_micro_batches needs
+    # (rlhf_utils/run.py)
+    accelerator = resumable_accelerator(args.gradient_accumulation_steps, args.seed, args.bf16)
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     return accelerator
-
-
-def check_ilql_flags(args, gradient_accumulation_steps: int) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded. gradient_accumulation_steps: the value
-    the batch sizes give, total_batch_size / (local_micro_batch_size x world_size)."""
-    check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
-    if args.eval_temperature <= 0:
-        raise RunError(f"--eval_temperature must be positive, got {args.eval_temperature}")
-    if args.ilql.steps_for_target_q_sync < 1:
-        raise RunError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
-    if args.reward_source == "rm" and args.reward_model_path is None:
-        raise RunError("--reward_source rm needs --reward_model_path")
 
 
 def load_data(args, tokenizer):
@@ -916,100 +869,19 @@ def add_update_means(accelerator, update_stats: dict, update_tokens: int, interv
     return int(accelerator.reduce(torch.tensor(update_tokens, device=accelerator.device), reduction="sum"))
 
 
-def interval_means(interval_stats: dict, interval_tokens: int, interval_start: float, lr: float, epoch: float,
-                   num_target_syncs: int) -> dict:
-    """The training metrics of a logging interval: each statistic's mean over the interval, and throughput,
-    learning rate, epoch and target syncs at its end."""
-    means = {key: sum(values) / len(values) for key, values in interval_stats.items()}
-    means["train/tokens_per_s"] = interval_tokens / (time.time() - interval_start)
-    means["train/lr"] = lr
-    means["train/epoch"] = epoch
-    means["train/num_target_syncs"] = num_target_syncs
-    return means
-
-
-class IlqlCounters:
-    """The running counters of training, which a checkpoint saves in trainer_state.json next to accelerate's state
-    (models, optimizer, schedule, RNG): completed updates (the data position: update x gradient_accumulation_steps
-    micro batches), episodes, target syncs, training seconds, the last logged training means, and the open logging
-    interval: per update, each statistic averaged over every micro batch of every process, and the tokens of all
-    processes. Already reduced, they are the same on every process, so the main process's copy in the checkpoint is
-    every process's (and JSON keeps the floats exactly)."""
-
-    @staticmethod
-    def fresh() -> dict:
-        """The trainer state of a run that starts from the first update."""
-        return {"update": 0, "episode": 0, "num_target_syncs": 0, "train_time": 0.0, "last_train_metrics": {},
-                "interval_stats": {}, "interval_tokens": 0}
-
-    def __init__(self, state: dict):
-        self.update, self.episode, self.num_target_syncs = state["update"], state["episode"], state["num_target_syncs"]
-        self.train_time = state["train_time"]  # optimisation only (no evaluation, no RM labelling)
-        self.last_train_metrics: Dict[str, float] = state["last_train_metrics"]
-        self.interval_stats: Dict[str, List[float]] = state["interval_stats"]
-        self.interval_tokens, self.interval_start = state["interval_tokens"], time.time()
-
-    def end_update(self, update: int, batch_size: int, seconds: float) -> None:
-        self.update = update
-        self.episode += batch_size
-        self.train_time += seconds
-        self.interval_stats.setdefault("time/update_s", []).append(seconds)  # logged as the interval's mean
-
-    def close_interval(self, lr: float, num_trajectories: int) -> dict:
-        """The training means of the logging interval that ends here (interval_means); a new interval opens."""
-        self.last_train_metrics = interval_means(self.interval_stats, self.interval_tokens, self.interval_start, lr,
-                                                 self.episode / num_trajectories, self.num_target_syncs)
-        self.interval_stats, self.interval_tokens, self.interval_start = {}, 0, time.time()
-        return self.last_train_metrics
-
-    def state(self) -> dict:
-        """The trainer state a checkpoint saves (taken between updates): a copy, so later updates leave it as it is."""
-        return {"update": self.update, "episode": self.episode, "num_target_syncs": self.num_target_syncs,
-                "train_time": self.train_time, "last_train_metrics": self.last_train_metrics,
-                "interval_tokens": self.interval_tokens,
-                "interval_stats": {key: list(values) for key, values in self.interval_stats.items()}}
-
-    def totals(self) -> dict:
-        """The counters the summary reports."""
-        return {"num_updates": self.update, "episodes": self.episode, "num_target_syncs": self.num_target_syncs,
-                "train_time_s": self.train_time,
-                # the budget as spent (report.py's leaderboard reads it): trajectories (RM-scored responses) read
-                "budget/updates": self.update, "budget/rows_read": self.episode}
-
-
 def evaluate_and_save(run, accelerator, model, reward_model, tokenizer, eval_raw, eval_dataset, args,
                       update: int, episode: int, betas: List[float], final: bool) -> dict:
     """Sample the evaluation queries at each beta (ilql_sample_table) and log the metrics; the table of --beta
-    becomes samples/step_N.csv (and samples.csv at the end), each swept beta samples_beta{b}.csv."""
-    metrics, tables = {}, {}
+    becomes samples/step_N.csv (and samples.csv at the end), each swept beta samples_beta{b}.csv
+    (records.write_ilql_evaluation)."""
+    tables, beta_metrics = {}, {}
     for beta in betas:
         # evaluation samples from its own random stream, the same at every evaluation and beta (evaluation_rng): how
         # often and how much a run evaluates never changes what it trains
         with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003):
-            table, beta_metrics = ilql_sample_table(accelerator, model, reward_model, tokenizer, eval_raw,
-                                                    eval_dataset, beta, args)
-        tables[beta] = table
-        metrics.update({f"eval/beta_{beta_name(beta)}/{k}": v for k, v in beta_metrics.items()})
-        if beta == args.beta:
-            metrics.update({f"eval/{k}": v for k, v in beta_metrics.items()})
-    default_table = tables[args.beta]
-    run.save_table(default_table, f"samples/step_{update:06d}.csv")
-    if final:
-        run.save_table(default_table, "samples.csv")
-        for beta in args.eval_betas:
-            run.save_table(tables[beta], f"samples_beta{beta_name(beta)}.csv")
-    printing = args.print_sample_every > 0 and (final or update % args.print_sample_every == 0)
-    if accelerator.is_main_process and printing:
-        for row in default_table.head(2).itertuples():
-            print(f"--- update {update}, beta {args.beta}\nQUERY: {row.query[-200:]}\n"
-                  f"RESPONSE: {row.response}\nREFERENCE: {row.reference}")
-    run.log(update, {"episode": episode, **metrics})
-    return metrics
-
-
-def beta_name(beta: float) -> str:
-    """0.0 -> "0", 4.0 -> "4", 0.5 -> "0.5": the suffix of samples_beta{b}.csv and of the metric names."""
-    return f"{beta:g}"
+            tables[beta], beta_metrics[beta] = ilql_sample_table(accelerator, model, reward_model, tokenizer, eval_raw,
+                                                                 eval_dataset, beta, args)
+    return records.write_ilql_evaluation(run, accelerator, args, update, episode, tables, beta_metrics, final)
 
 
 class TargetCopies:
@@ -1032,23 +904,6 @@ class TargetCopies:
         copies = state["target_fp32"]
         targets = list(self.heads.target_q_heads.parameters())
         self.heads.target_fp32 = None if copies is None else [c.to(t.device) for c, t in zip(copies, targets)]
-
-
-def save_model(accelerator, model, tokenizer, args) -> None:
-    """The LM (safetensors) and its tokenizer in --output_dir (run_infra's models.save_pretrained_model: ZeRO-3 shards
-    gathered, a full disk named), the V, Q and target-Q heads next to it in ilql_heads.safetensors with the sampling
-    settings in ilql_heads.json."""
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = models.save_pretrained_model(accelerator, model, unwrapped.lm, tokenizer, args.output_dir, prefix="lm.")
-    if not accelerator.is_main_process:
-        return
-    heads_state = {k[len("heads."):]: v.contiguous() for k, v in state_dict.items() if k.startswith("heads.")}
-    with saving(args.output_dir, "the ILQL heads", sum(v.numel() * v.element_size() for v in heads_state.values()),
-                "Free space there, then run again (--resume: from the newest checkpoint, if any)"):
-        save_file(heads_state, os.path.join(args.output_dir, "ilql_heads.safetensors"))
-        with open(os.path.join(args.output_dir, "ilql_heads.json"), "w") as f:
-            json.dump({"hidden_size": unwrapped.lm.config.hidden_size, "two_qs": args.ilql.two_qs,
-                       "beta": args.beta, "top_k": args.top_k, "temperature": args.eval_temperature}, f, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ Several:          accelerate launch [--config_file zero2.yaml] offline_rl.py ...
 """
 
 import functools
-import hashlib
 import json
 import math
 import os
@@ -55,12 +54,11 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
-from datasets import Dataset, load_from_disk
-from huggingface_hub import HfApi
+from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
-from rlhf_utils import models
+from rlhf_utils import models, records
 from rlhf_utils.flags import RunFlags  # the run's flags
 from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
     LastGoodState,
@@ -70,13 +68,15 @@ from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, inpu
     check_columns,
     check_data_tokenizer,
     check_finite,
-    check_gradient_accumulation,
+    check_offline_flags,
+    check_preference_columns,
     check_query_response,
     check_reward_tokenizer,
+    check_round_size,
     due,
     evaluation_rng,
-    frame_markdown,
     leave_processes,
+    load_or_build_mixture,
     load_split,
     start_processes,
 )
@@ -642,7 +642,8 @@ def alignment_data(args: Args, accelerator, model, reward_model, tokenizer, cost
     every method (Table 3)."""
     if args.method == "best_of_n":
         return None, {}, {}
-    mixture, mixture_stats = load_or_build_mixture(args, accelerator, model, reward_model, tokenizer)
+    build = functools.partial(build_mixture, args, accelerator, model, reward_model, tokenizer)
+    mixture, mixture_stats = load_or_build_mixture(args, accelerator, build)  # cached, or build() (rlhf_utils/run.py)
     summary = dict(mixture_stats)
     costs["generation_s"] += mixture_stats["mixture/generation_s"]
     costs["labelling_s"] += mixture_stats["mixture/labelling_s"]
@@ -668,7 +669,7 @@ def dt_targets(args: Args, mixture, summary: dict) -> dict:
 
 
 def round_samples(args: Args, run, accelerator, model, reward_model, tokenizer, sft_train, mixture,
-                  data_order: "OfflineDataOrder", counters: "OfflineCounters", update: int, iteration: int,
+                  data_order: "OfflineDataOrder", counters: "records.OfflineCounters", update: int, iteration: int,
                   resumed: bool):
     """Step 2 (a): the training samples of the round that starts at `update` (or, `resumed`, goes on there after a
     resume): queries (N, W) left-padded, responses (N, Tr) right-padded, rewards (N,). filter, rwr and dt read the
@@ -705,7 +706,7 @@ def round_samples(args: Args, run, accelerator, model, reward_model, tokenizer, 
     counters.round_summary.update(budget)
     # logged at the round's first update: a step after any checkpoint taken before the round, so a resumed run
     # neither keeps a stale copy of this line nor writes it twice
-    log_offline(run, args, update, {**round_metrics, **budget})
+    records.log_offline(run, args, update, {**round_metrics, **budget})
     accelerator.print(f"[best_of_n] iteration {iteration + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
     return queries, responses, rewards
 
@@ -767,9 +768,9 @@ def offline_evaluation(args: Args, run, accelerator, model, reward_model, tokeni
             tokenizer, eval_rows["query"], [target] * len(eval_rows["query"]), tokenizer.pad_token_id)
         raw_metrics, df = evaluate_policy(args, accelerator, model, reward_model, tokenizer, eval_rows, queries,
                                           eval_config, reward_stats)
-        metrics = write_offline_evaluation(args, run, step, target, final, raw_metrics, df)
+        metrics = records.write_offline_evaluation(args, run, step, target, final, raw_metrics, df)
         out.update(metrics)
-        log_offline(run, args, step, metrics)
+        records.log_offline(run, args, step, metrics)
     return out
 
 
@@ -818,11 +819,11 @@ def main(args: Args) -> dict:
     last_good = LastGoodState(run, accelerator, adamw, scheduler, data_order)  # the non-finite guard's fallback
     # the running counters; --resume takes them from the checkpoint, whose run must share the flags that fix the
     # number of updates and the data order
-    counters = OfflineCounters(run.start(
-        OfflineCounters.fresh(costs), num_updates=num_updates, method=args.method, iterations=args.iterations,
+    counters = records.OfflineCounters(run.start(
+        records.OfflineCounters.fresh(costs), num_updates=num_updates, method=args.method, iterations=args.iterations,
         total_batch_size=args.total_batch_size, world_size=args.world_size))
     if mixture_stats and counters.update == 0:
-        log_offline(run, args, 0, mixture_stats)  # a resumed run kept this line of metrics.jsonl
+        records.log_offline(run, args, 0, mixture_stats)  # a resumed run kept this line of metrics.jsonl
 
     # step 3's evaluation, on the first num_eval_samples rows of the eval split
     evaluate = functools.partial(offline_evaluation, args, run, accelerator, model, reward_model, tokenizer,
@@ -864,7 +865,7 @@ def main(args: Args) -> dict:
         }
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
-        log_offline(run, args, update, metrics)
+        records.log_offline(run, args, update, metrics)
         if due(args.eval_every, update, num_updates):
             evaluate(update, final=False)
         if due(args.run.checkpoint_every, update, num_updates):
@@ -895,14 +896,16 @@ def main(args: Args) -> dict:
     models.save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)
     run.finish(summary)
     if accelerator.is_main_process and args.run.push_to_hub:
-        push_offline_model(args)
+        models.push_offline_model(args)
     accelerator.print(json.dumps(summary, indent=2))
     return summary
 
 
 # ---------------------------------------------------------------------------------------------
-# The setup main runs on: processes and batch arithmetic, models, inputs, the cached mixture, rows per
-# process, evaluation tables, counters, the upload
+# The setup main runs on: processes and batch arithmetic, models, inputs, rows per process, the evaluation rows,
+# the number of updates. What decides no number lives in rlhf_utils/, in sections titled for offline_rl.py: the
+# refusals, input checks and the mixture's cache (run.py), the evaluation tables, log lines and counters
+# (records.py), the upload (models.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -926,23 +929,6 @@ def make_offline_accelerator(args: Args) -> Accelerator:
     )
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     return accelerator
-
-
-def check_offline_flags(args: Args, gradient_accumulation_steps: int) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded. gradient_accumulation_steps: the value
-    the batch sizes give, total_batch_size / (local_micro_batch_size * world_size)."""
-    check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
-    if args.iterations < 1:
-        raise RunError(f"--iterations must be >= 1, got {args.iterations}")
-    if args.method != "best_of_n" and args.iterations != 1:
-        raise RunError("--iterations > 1 re-samples from the updated policy: only --method best_of_n does that")
-    if args.rwr_beta <= 0 or args.rwr_max_weight <= 0:
-        raise RunError("--rwr_beta and --rwr_max_weight must be positive")
-    if args.n < 1:
-        raise RunError(f"--n must be >= 1, got {args.n}")
-    percentiles = list(args.dt_eval_percentiles) + ([args.dt_target_percentile] if args.dt_target_percentile is not None else [])
-    if any(not 0 <= p <= 100 for p in percentiles):
-        raise RunError(f"--dt_eval_percentiles and --dt_target_percentile are percentiles in [0, 100], got {percentiles}")
 
 
 def load_offline_models(args: Args, tokenizer):
@@ -986,92 +972,10 @@ def load_offline_data(args: Args, tokenizer):
     return sft_train, eval_dataset
 
 
-# the columns each split is read for (check_columns runs on every split before it is used)
+# the columns each split is read for (check_columns runs on every split before it is used; the preference split's:
+# rlhf_utils/run.py's OFFLINE_PREFERENCE_COLUMNS)
 TRAIN_COLUMNS = {"mixture": ["query_token", "query", "reference_response_token"], "best_of_n": ["query_token"]}
-PREFERENCE_COLUMNS = ["query", "query_token", "chosen", "rejected", "chosen_token", "rejected_token",
-                      "chosen_token_len", "rejected_token_len"]
 EVAL_COLUMNS = ["query", "query_token", "reference_response"]
-
-
-def check_preference_columns(preference, args: Args) -> None:
-    """check_columns for the preference split the mixture reads. query_token may mix query lengths (build_mixture
-    leaves rows of another length out), so only its presence is checked; the response columns must have one length."""
-    where = f"{args.preference_dataset} split {args.preference_split!r}"
-    check_columns(preference, [c for c in PREFERENCE_COLUMNS if c != "query_token"], where)
-    if "query_token" not in preference.column_names:
-        check_columns(preference, ["query_token"], where)  # raises the missing-column error
-
-
-def check_round_size(args: Args, samples_per_round: int, episodes_per_round: int, updates_per_round: int,
-                     num_prompts: int) -> None:
-    """A round must fill at least one update batch (best-of-n: with prompts of the train split)."""
-    if args.method == "best_of_n" and samples_per_round > num_prompts:
-        raise RunError(f"--bon_num_prompts {samples_per_round} > {num_prompts} prompts in {args.train_split}")
-    if updates_per_round == 0:
-        raise RunError(f"{episodes_per_round} training samples do not fill one update of {args.total_batch_size}")
-    if samples_per_round < args.total_batch_size:
-        raise RunError(f"{samples_per_round} training samples are fewer than one batch of {args.total_batch_size}")
-
-
-def fingerprint(path: str) -> str:
-    """What identifies a model or dataset for the cache: a local folder's file names, sizes and modification
-    times (so a retrained model at the same path invalidates the cache), or the hub name itself."""
-    if not os.path.isdir(path):
-        return path
-    entries = []
-    for root, _, files in sorted(os.walk(path)):
-        for name in sorted(files):
-            stat = os.stat(os.path.join(root, name))
-            entries.append(f"{os.path.relpath(os.path.join(root, name), path)}:{stat.st_size}:{stat.st_mtime_ns}")
-    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
-
-
-def mixture_key(args: Args) -> dict:
-    """Every argument the mixture depends on; a cached mixture is reused only when all of them match."""
-    def where(path: str) -> str:  # a local folder by its absolute path, a hub name as it is
-        return os.path.abspath(path) if os.path.isdir(path) else path
-
-    return {
-        "sft_model_path": where(args.sft_model_path),
-        "sft_model_fingerprint": fingerprint(args.sft_model_path),
-        "reward_model_path": where(args.reward_model_path),
-        "reward_model_fingerprint": fingerprint(args.reward_model_path),
-        "query_dataset": where(args.query_dataset),
-        "query_dataset_fingerprint": fingerprint(args.query_dataset),
-        "preference_dataset": where(args.preference_dataset),
-        "preference_dataset_fingerprint": fingerprint(args.preference_dataset),
-        "train_split": args.train_split,
-        "preference_split": args.preference_split,
-        "response_length": args.response_length,
-        "mixture_size": args.mixture_size,
-        "mixture_weights": list(args.mixture_weights),
-        "mixture_temperature": args.mixture_temperature,
-        "non_eos_penalty": args.non_eos_penalty,
-        "penalty_reward_value": args.penalty_reward_value,
-        "seed": args.seed,
-    }
-
-
-def load_or_build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> Tuple[Dataset, dict]:
-    """The cached mixture when its recorded arguments match, else a fresh one (saved by the main process)."""
-    key = mixture_key(args)
-    folder = os.path.join(args.cache_dir, "mixture_" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16])
-    meta_path = os.path.join(folder, "meta.json")
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta["args"] == key:
-            accelerator.print(f"[mixture] reusing {folder}")
-            return load_from_disk(os.path.join(folder, "dataset")), {**meta["stats"], "mixture/cache_hit": 1}
-        accelerator.print(f"[mixture] {folder} was built with other arguments; rebuilding it")
-    dataset, stats = build_mixture(args, accelerator, policy, reward_model, tokenizer)
-    if accelerator.is_main_process:
-        os.makedirs(folder, exist_ok=True)
-        dataset.save_to_disk(os.path.join(folder, "dataset"))
-        with open(meta_path, "w") as f:  # written last: its presence marks a complete cache
-            json.dump({"args": key, "stats": stats}, f, indent=2)
-    accelerator.wait_for_everyone()
-    return dataset, {**stats, "mixture/cache_hit": 0}
 
 
 def local_rows(num_rows: int, accelerator) -> list:
@@ -1104,31 +1008,6 @@ def offline_eval_rows(args: Args, eval_dataset) -> dict:
     }
 
 
-def write_offline_evaluation(args: Args, run, step: int, target: Optional[float], final: bool, raw_metrics: dict,
-                             df: pd.DataFrame) -> dict:
-    """Write one evaluation table (dt: the one at `target`) and return its metrics under their logged names. The
-    table at --dt_target (every method's only table) goes to samples/step_N.csv, at the end also to samples.csv; dt's
-    final tables also to samples_target_T.csv. Its first rows go to TensorBoard and the console."""
-    main_table = target is None or target == args.dt_target
-    metrics = {f"eval/{k}": v for k, v in raw_metrics.items()} if main_table else {}
-    if target is not None and final:
-        metrics.update({f"eval/target_{target:+.1f}/{k}": v for k, v in raw_metrics.items()})
-    if main_table:
-        run.save_table(df, f"samples/step_{step:06d}.csv")
-        if final:
-            run.save_table(df, "samples.csv")
-    if target is not None and final:
-        run.save_table(df, f"samples_target_{target:+.1f}.csv")
-    name = "eval" if target is None else f"eval/target_{target:+.1f}"
-    table = df.head(args.num_table_samples)[["query", "response", "reference", "score"]]
-    if run.main:
-        run.writer.add_text(f"{name}/samples", frame_markdown(table), step)  # TensorBoard's text tab
-        for row in table.itertuples(index=False):
-            tqdm.write(f"[{name} step {step}] query: ...{row.query[-120:]!r}\n  response: {row.response!r}  score {row.score:.3f}")
-        tqdm.write(f"[{name} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in raw_metrics.items()))
-    return metrics
-
-
 def count_offline_updates(args: Args, mixture, num_prompts: int) -> Tuple[int, int, int]:
     """Training samples per round (best_of_n: one per prompt, else the mixture's), updates per round (--total_episodes,
     or --num_train_epochs passes over the round's samples, in full batches) and of the whole run (--iterations
@@ -1138,47 +1017,6 @@ def count_offline_updates(args: Args, mixture, num_prompts: int) -> Tuple[int, i
     updates_per_round = episodes_per_round // args.total_batch_size
     check_round_size(args, samples_per_round, episodes_per_round, updates_per_round, num_prompts)
     return samples_per_round, updates_per_round, updates_per_round * args.iterations
-
-
-class OfflineCounters:
-    """The running counters of step 2, which a checkpoint saves in trainer_state.json next to accelerate's state
-    (models, optimizer, schedule, data order, RNG): completed updates, input tokens trained on, the last update's
-    loss, the wall seconds per stage (Table 3) and best-of-n's per-round metrics."""
-
-    @staticmethod
-    def fresh(costs: dict) -> dict:
-        """The trainer state of a run that starts from the first update, with the seconds step 1 took (`costs`)."""
-        return {"update": 0, "train_tokens": 0, "last_loss": float("nan"), "costs": costs, "round_summary": {}}
-
-    def __init__(self, state: dict):
-        self.update, self.train_tokens, self.last_loss = state["update"], state["train_tokens"], state["last_loss"]
-        self.costs, self.round_summary = state["costs"], state["round_summary"]
-
-    def add_update(self, loss: float, tokens: int, seconds: float) -> None:
-        self.update += 1
-        self.train_tokens += tokens
-        self.last_loss = loss
-        self.costs["training_s"] += seconds
-
-    def state(self) -> dict:
-        """The trainer state a checkpoint saves (taken between updates): a copy, so later updates leave it as it is."""
-        return {"update": self.update, "train_tokens": self.train_tokens, "last_loss": self.last_loss,
-                "costs": dict(self.costs), "round_summary": dict(self.round_summary)}
-
-
-def log_offline(run, args: Args, step: int, metrics: dict) -> None:
-    """Log metrics at an update, with the number of samples trained on so far (`episode`)."""
-    run.log(step, {"episode": step * args.total_batch_size, **metrics})
-
-
-def push_offline_model(args: Args) -> None:
-    """--push_to_hub: upload --output_dir (None -> f"{sft model name}__{exp_name}__{method}__{seed}")."""
-    hub_model_id = args.run.hub_model_id or (
-        f"{os.path.basename(args.sft_model_path.rstrip('/'))}__{args.exp_name}__{args.method}__{args.seed}"
-    )
-    api = HfApi()
-    api.create_repo(hub_model_id, exist_ok=True)
-    api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,10 +10,11 @@ prompts each (pairs_per_round / total_batch_size optimizer updates); round r is:
      truncated after the first EOS (Detail 23). Each response's noise has a seed of its own (seed, prompt batch,
      prompt index, 0 or 1): the samples depend neither on the batch nor on the number of processes
   3. a judge labels each pair: a response without EOS loses to one with EOS (--non_eos_penalty); otherwise the reward
-     model (the score at the EOS, Detail 12), an OpenAI-compatible judge with the paper's prompt (Appendix I) or a reward
-     from code (--judge reward_fn, the user's --reward_fn) picks the chosen one. Ties, identical responses and unparseable answers are dropped and counted: they weigh 0 in the
-     update, as a GRPO group of equal scores has advantage 0 (--max_draws_per_round > 1 replaces them by pairs of
-     further prompt batches instead, which sample more than the budget: budget/responses_sampled counts them)
+     model (the score at the EOS, Detail 12), an OpenAI-compatible judge with the paper's prompt (Appendix I) or a
+     reward from code (--judge reward_fn, the user's --reward_fn) picks the chosen one. Ties, identical responses and
+     unparseable answers are dropped and counted: they weigh 0 in the update, as a GRPO group of equal scores has
+     advantage 0 (--max_draws_per_round > 1 replaces them by pairs of further prompt batches instead, which sample more
+     than the budget: budget/responses_sampled counts them)
   4. the reference's sequence log-probs of the round's pairs, computed once: the SFT model (--reference sft), or the
      policy as it is now, at the end of the last round (--reference last_round)
   5. DPO updates on the round's pairs, each pair once, in the order drawn: steps 1-6 of dpo.py (a slot left empty
@@ -43,8 +44,7 @@ import math
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
+from dataclasses import dataclass, field
 from typing import Annotated, Dict, List, Literal, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list, set_seed
+from accelerate.utils import set_seed
 from datasets import Dataset, get_dataset_split_names, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -67,7 +67,7 @@ from transformers import (
 )
 
 from rlhf_utils import models, records
-from rlhf_utils.flags import RunFlags  # the run's flags
+from rlhf_utils.flags import EndpointFlags, RunFlags, check_online_dpo_flags  # flags and refusals (no number)
 from rlhf_utils.rewards import check_rewards, load_reward_fn, reward_fn_errors  # --reward_fn: load and check
 from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
     LastGoodState,
@@ -84,44 +84,26 @@ from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, inpu
     evaluation_rng,
     leave_processes,
     load_split,
+    resumable_accelerator,
     start_processes,
 )
 
 
 @dataclass
-class EndpointArgs:
+class EndpointArgs(EndpointFlags):
     """--judge endpoint: an OpenAI-compatible chat endpoint asked with the paper's pairwise prompt (judge.py's client
-    and flags; the API key is read from OPENAI_API_KEY only, never from a flag, and never logged or saved)"""
+    and flags; the API key is read from OPENAI_API_KEY only, never from a flag, and never logged or saved). The flags
+    of how a reply is fetched (base_url, concurrency, retries, backoff, timeout, rate limits, the cache's file) are
+    EndpointFlags' (rlhf_utils/flags.py); these are the ones that decide a verdict"""
 
     model: str = "gpt-3.5-turbo-0125"
     """judge model (the paper's reference code: gpt-3.5-turbo-0125; the built-in task: gold-judge-<digest>)"""
-    base_url: Optional[str] = None
-    """the endpoint's /v1 root, e.g. the built-in gold judge's; None -> the openai default"""
     system_prompt: str = "You are a helpful assistant."
     """system message sent before the judge prompt (the reference code's)"""
     temperature: Optional[float] = None
     """sampling temperature of the judge; None sends none (the API default)"""
-    max_parallel_requests: int = 8
-    """requests in flight at once"""
-    max_tries: int = 6
-    """tries per request on 5xx, timeouts and connection errors (then the pair is invalid and dropped); a 429 uses up
-    none (--endpoint.rate_limit_patience)"""
-    rate_limit_patience: float = 600.0
-    """seconds a rate limit (HTTP 429) is waited out: the judge waits as the API asks (Retry-After,
-    x-ratelimit-reset-*), with fewer requests in flight, using up no --max_tries, and stops with one error once the API
-    has limited this long with no answer (the replies so far stay in the cache, a rerun asks the rest). 600: many times
-    a per-minute limit's window, yet a quota spent for the day stops the run in 10 minutes instead of hanging it"""
-    backoff_base_s: float = 1.0
-    """first retry waits about this long; each further retry doubles it (with jitter)"""
-    backoff_max_s: float = 60.0
-    """upper bound on one backoff wait"""
-    timeout_s: float = 120.0
-    """per-request timeout of the client"""
     max_parse_tries: int = 3
     """asks per pair when the reply has no parseable verdict (then the pair is invalid and dropped)"""
-    cache_path: Optional[str] = None
-    """sqlite file caching every reply (judge.py's cache); None -> runs/{run_name}/judge_cache.sqlite, so a resumed
-    run asks nothing twice"""
     strip_eos_text: str = "<|endoftext|>"
     """an EOS spelling removed from the end of each response before the judge reads it ("" keeps it)"""
 
@@ -182,8 +164,9 @@ class Args:
     temperature: float = 1.0
     """sampling temperature of the two responses (1 = the policy itself, as the online DPO objective assumes); > 0"""
     non_eos_penalty: bool = True
-    """Detail 23 (EOS trick) for pairs: a response without EOS loses to one with EOS whatever the judge says, two without
-    EOS are a tie (dropped), as ppo.py's --non_eos_penalty scores both alike; off: every pair goes to the judge"""
+    """Detail 23 (EOS trick) for pairs: a response without EOS loses to one with EOS whatever the judge says, two
+    without EOS are a tie (dropped), as ppo.py's --non_eos_penalty scores both alike; off: every pair goes to the
+    judge"""
     max_draws_per_round: int = 1
     """prompt batches (of pairs_per_round prompts each) a round may sample. 1 (the budget rule of every online
     method): each prompt of the run is sampled once and every response counts against the budget (2 x total_episodes
@@ -375,11 +358,11 @@ def endpoint_verdicts(judge_args, cache_path: str, posts: List[str], firsts: Lis
                       asked: torch.Tensor):
     """--judge endpoint: the verdicts (B,) of the asked pairs, and the client's counts. Each asked pair gets the
     paper's prompt (Appendix I) with its two responses in an order drawn from the pair's texts (pair_order: the
-    judge's position bias cannot favour response 0), through the judge's client (judge_client.run_jobs): concurrent
-    requests, retries with backoff, re-asks of an unparseable reply, and the reply cache. A reply that never parses,
-    or a request that failed for good, is INVALID; two texts that read the same are a TIE, not asked. Pairs not asked
-    stay TIE."""
-    from judge_client import ReplyCache, run_jobs  # here, not at the top: the client loads openai (~0.5 s)
+    judge's position bias cannot favour response 0), through the judge's client (judge_client.run_cached_jobs):
+    concurrent requests, retries with backoff, re-asks of an unparseable reply, and the reply cache. A reply that never
+    parses, or a request that failed for good, is INVALID; two texts that read the same are a TIE, not asked. Pairs
+    not asked stay TIE."""
+    from rlhf_utils.judge_client import run_cached_jobs  # here, not at the top: the client loads openai (~0.5 s)
 
     verdicts, jobs, asked_rows = torch.full((len(posts),), TIE), [], []
     for i in asked.nonzero().flatten().tolist():
@@ -389,11 +372,7 @@ def endpoint_verdicts(judge_args, cache_path: str, posts: List[str], firsts: Lis
         swap = pair_order(judge_args.seed, posts[i], first, second)  # 1: the second response is Summary A
         jobs.append((pairwise_prompt(posts[i], *((second, first) if swap else (first, second))), parse_verdict))
         asked_rows.append((i, swap))
-    cache = ReplyCache(cache_path)
-    try:
-        outcomes, stats = run_jobs(judge_args, jobs, lambda i, outcome: None, cache)
-    finally:
-        cache.close()
+    outcomes, stats = run_cached_jobs(judge_args, jobs, cache_path)
     for (i, swap), outcome in zip(asked_rows, outcomes):
         verdicts[i] = INVALID if outcome.status != "ok" else int((outcome.parsed[0] == "B") != bool(swap))
     return verdicts, stats
@@ -401,29 +380,22 @@ def endpoint_verdicts(judge_args, cache_path: str, posts: List[str], firsts: Lis
 
 def judge_on_main(args, accelerator, run, queries, responses, has_eos, identical, tokenizer) -> torch.Tensor:
     """--judge endpoint: the main process asks the judge about the pairs (one client, one cache file) and sends the
-    verdicts (N,) to the others. A judge that cannot be used at all stops every process with the same error."""
-    from judge_client import JudgeUnavailableError  # the judge's client, loaded by --judge endpoint alone
+    verdicts (N,) to the others (judge_client.on_main_process). A judge that cannot be used at all stops every process
+    with the same error."""
+    from rlhf_utils.judge_client import endpoint_client_args, on_main_process  # loaded by --judge endpoint alone
 
-    payload = [None]
-    if accelerator.is_main_process:
-        pad_token_id = tokenizer.pad_token_id
+    pad_token_id = tokenizer.pad_token_id
+
+    def ask() -> List[int]:  # on the main process: what the judge reads, the texts without [PAD]
         posts = [tokenizer.decode(q[q != pad_token_id], skip_special_tokens=True).strip() for q in queries]
         texts = [[tokenizer.decode(r[r != pad_token_id], skip_special_tokens=True) for r in pair] for pair in responses]
         _, _, asked = judged_pairs(has_eos, identical, args.non_eos_penalty)
-        judge_args = SimpleNamespace(**asdict(args.endpoint), seed=args.seed)
-        cache_path = args.endpoint.cache_path or os.path.join(run.dir, "judge_cache.sqlite")
-        try:
-            verdicts, stats = endpoint_verdicts(judge_args, cache_path, posts, [t[0] for t in texts],
-                                                [t[1] for t in texts], asked)
-            payload = [verdicts.tolist()]
-            if stats["retries"] or stats["api_errors"]:  # the client's trouble, shown (the dropped pairs are counted)
-                print(f"judge: {stats['requests']} requests, {stats['retries']} retries, {stats['api_errors']} failed")
-        except JudgeUnavailableError as error:
-            payload = [str(error)]
-    payload = broadcast_object_list(payload)
-    if isinstance(payload[0], str):
-        raise JudgeUnavailableError(payload[0])
-    return torch.tensor(payload[0])
+        judge_args, cache_path = endpoint_client_args(args.endpoint, args.seed, run.dir)
+        verdicts, _ = endpoint_verdicts(judge_args, cache_path, posts, [t[0] for t in texts], [t[1] for t in texts],
+                                        asked)
+        return verdicts.tolist()
+
+    return torch.tensor(on_main_process(accelerator, ask))
 
 
 class JudgedPairs(NamedTuple):
@@ -437,7 +409,8 @@ class JudgedPairs(NamedTuple):
 
 
 @torch.no_grad()
-def draw_pairs(args, accelerator, run, policy, reward_model, reward_fn, prompts, tokenizer, draw, update) -> JudgedPairs:
+def draw_pairs(args, accelerator, run, policy, reward_model, reward_fn, prompts, tokenizer, draw: int,
+               update: int) -> JudgedPairs:
     """Steps 1-3 for prompt batch `draw` (1, 2, ...): two responses to each prompt, labelled; whole on every process."""
     pad_token_id, device = tokenizer.pad_token_id, accelerator.device
     # 1. this process's share of the prompts (Detail 21: every process draws the same permutation)
@@ -455,8 +428,8 @@ def draw_pairs(args, accelerator, run, policy, reward_model, reward_fn, prompts,
             if reward_model is not None:  # Detail 12: the score at the EOS
                 scores.append(get_score(reward_model, *both, pad_token_id).float().view(-1, 2))
             elif reward_fn is not None:  # --judge reward_fn: the user's function, on this process's prompts
-                scores.append(function_scores(torch.zeros((len(both[0]), 0), device=device), reward_fn, tokenizer, *both,
-                                              prompts, rows[chunk].repeat_interleave(2).tolist()).view(-1, 2))
+                scores.append(function_scores(torch.zeros((len(both[0]), 0), device=device), reward_fn, tokenizer,
+                                              *both, prompts, rows[chunk].repeat_interleave(2).tolist()).view(-1, 2))
         responses.append(pair)
     policy.train()
     gathered = accelerator.gather((queries.to(device), torch.cat(responses)) + ((torch.cat(scores),) if scores else ()))
@@ -521,7 +494,8 @@ def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model
     # summary's budget/responses_sampled (what the leaderboard states) is twice it.
     while True:
         draws += 1
-        batches.append(draw_pairs(args, accelerator, run, policy, reward_model, reward_fn, prompts, tokenizer, draws, update))
+        batches.append(draw_pairs(args, accelerator, run, policy, reward_model, reward_fn, prompts, tokenizer, draws,
+                                  update))
         counts = {key: counts.get(key, 0) + value for key, value in batches[-1].counts.items()}
         if counts["pairs_kept"] >= args.pairs_per_round or draws - rounds.draws == args.max_draws_per_round:
             break
@@ -555,11 +529,7 @@ def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model
     # logged at the round's first update: after any checkpoint taken before the round, so a resumed run neither keeps
     # a stale copy of this line nor writes it twice
     run.log(update, metrics)
-    if counts["pairs_kept"] < counts["pairs"]:
-        accelerator.print(
-            f"round {round_index}: {counts['pairs'] - counts['pairs_kept']} of {counts['pairs']} pairs dropped (ties "
-            f"{counts['dropped_ties']}, invalid {counts['dropped_invalid']}, no EOS in either {counts['dropped_no_eos']})"
-            f"; {counts['draws']} prompt batch(es) drawn, {counts['pairs_trained']} of {args.pairs_per_round} slots filled")
+    records.print_round_drops(accelerator, round_index, counts, args.pairs_per_round)  # when it dropped pairs: why
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,7 +552,8 @@ def online_dpo_update(args, accelerator, run, policy, optimizer, rounds, first: 
     kept = int(rounds.keep[first : first + args.total_batch_size].sum())
     sums, tokens = torch.zeros(len(TRAIN_STATS) - 1, device=accelerator.device), 0
     for micro in range(args.gradient_accumulation_steps):
-        start = first + (accelerator.process_index * args.gradient_accumulation_steps + micro) * args.local_micro_batch_size
+        micro_batch = accelerator.process_index * args.gradient_accumulation_steps + micro  # the micro batch's place in the update
+        start = first + micro_batch * args.local_micro_batch_size
         rows = torch.arange(start, start + args.local_micro_batch_size)  # in the order drawn
         batch = {**{name: rounds.pairs[name][rows].to(accelerator.device) for name in PAIR_COLUMNS}, "row_index": rows}
         weights = rounds.keep[rows].float().to(accelerator.device)  # a dropped pair weighs 0
@@ -596,7 +567,8 @@ def online_dpo_update(args, accelerator, run, policy, optimizer, rounds, first: 
             )
             # the mean over the update's kept pairs on every process: backward divides by the accumulation steps and
             # the gradient average by the processes, so the sum is scaled up by both first
-            loss = (losses * weights).sum() * (args.gradient_accumulation_steps * accelerator.num_processes) / max(kept, 1)
+            loss = ((losses * weights).sum() * (args.gradient_accumulation_steps * accelerator.num_processes)
+                    / max(kept, 1))
             # non-finite guard before backward: a NaN never reaches the gradients or the weights
             run.guard(update, **{
                 "train/loss": loss, "train/logps/chosen": policy_chosen, "train/logps/rejected": policy_rejected,
@@ -1068,30 +1040,22 @@ def check_dpo_flags(args) -> None:
 
 
 def check_online_flags(args):
-    """dpo.py's flag checks and the online ones, before any load (--judge endpoint: the API key, or a loopback URL).
-    Returns the --reward_fn function of --judge reward_fn (else None), loaded here, before any model."""
+    """dpo.py's flag checks and the online ones, before any load (rlhf_utils/flags.py: check_online_dpo_flags; --judge
+    endpoint: the API key, or a loopback URL). Returns the --reward_fn function of --judge reward_fn (else None),
+    loaded here, before any model."""
     check_dpo_flags(args)
-    if args.temperature <= 0:
-        raise RunError(f"--temperature must be > 0: at 0 both responses to a prompt are the same (got {args.temperature})")
-    if args.max_draws_per_round < 1:
-        raise RunError(f"--max_draws_per_round must be >= 1 (1 = never replace a dropped pair), got {args.max_draws_per_round}")
     if args.pairs_per_round is None:
         args.pairs_per_round = args.total_batch_size  # recorded in args.json
-    if args.reference == "last_round" and args.pairs_per_round <= args.total_batch_size:  # a round of one update
-        raise RunError(f"--reference last_round with --pairs_per_round {args.pairs_per_round} (one update per round) makes "
-                       "the reference the policy of that very update: every loss starts at log 2 and nothing holds the "
-                       "policy near a reference; pass --pairs_per_round of several updates (e.g. 4 x --total_batch_size)")
-    if args.judge == "endpoint":
-        from judge_client import resolve_api_key  # the judge's client, loaded by --judge endpoint alone
-
-        resolve_api_key(args.endpoint.base_url)  # raises when OPENAI_API_KEY is unset; the key itself is not kept
+    check_online_dpo_flags(args)
     return load_reward_fn(args.reward_fn, args.judge)  # (rlhf_utils/rewards.py)
 
 
 def check_rounds(args, num_updates: int, num_prompts: int) -> int:
-    """The updates per round: --pairs_per_round in whole batches, the run in whole rounds, a round within the prompts."""
+    """The updates per round: --pairs_per_round in whole batches, the run in whole rounds, a round within the
+    prompts."""
     updates_per_round = exact_div(args.pairs_per_round, args.total_batch_size, "pairs_per_round / total_batch_size")
-    exact_div(num_updates, updates_per_round, f"the run's {num_updates} updates / {updates_per_round} updates per round")
+    exact_div(num_updates, updates_per_round,
+              f"the run's {num_updates} updates / {updates_per_round} updates per round")
     if args.pairs_per_round > num_prompts:
         raise RunError(f"--pairs_per_round {args.pairs_per_round} is more than the {num_prompts} prompts of "
                          f"{args.query_dataset} split {args.train_split!r}")
@@ -1111,16 +1075,9 @@ def make_accelerator(args) -> Accelerator:
     args.gradient_accumulation_steps = accumulation  # recorded in args.json
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(
-        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        # the shuffle of epoch e depends on (seed, e) alone, so a resumed run finds its place in the data
-        # (see resumable_micro_batches)
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        mixed_precision="bf16" if args.bf16 else "no",
-    )
+    # gradient accumulation over the micro batches counted here, synced on that count alone (an update may straddle
+    # two epochs); the data order seeded by --seed, so that a resumed run finds its place (resumable_micro_batches)
+    accelerator = resumable_accelerator(args.gradient_accumulation_steps, args.seed, args.bf16)
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     return accelerator
 

@@ -122,14 +122,15 @@ SETTINGS = {
         # two epochs over the 6000 training pairs (12032 episodes) at batch 64 (Table 4's) and lr 1e-3, where Table 4
         # runs 1 epoch over 92k pairs: a deliberate difference for a dataset 15x smaller (the settings tried and
         # their accuracies: docs/results.md)
-        "rm": ["--lr", "1e-3", "--total_batch_size", "64", "--local_micro_batch_size", "32", "--total_episodes", "12032",
-               "--num_normalization_samples", "512", "--local_eval_batch_size", "64", "--checkpoint_every", "25"],
-        "ppo": ["--lr", "1e-4", "--total_episodes", "1536", "--total_batch_size", "32", "--local_micro_batch_size", "16",
-                "--local_rollout_forward_batch_size", "32", "--num_eval_samples", "200", "--eval_every", "8",
-                "--checkpoint_every", "8"],
+        "rm": ["--lr", "1e-3", "--total_batch_size", "64", "--local_micro_batch_size", "32",
+               "--total_episodes", "12032", "--num_normalization_samples", "512", "--local_eval_batch_size", "64",
+               "--checkpoint_every", "25"],
+        "ppo": ["--lr", "1e-4", "--total_episodes", "1536", "--total_batch_size", "32",
+                "--local_micro_batch_size", "16", "--local_rollout_forward_batch_size", "32",
+                "--num_eval_samples", "200", "--eval_every", "8", "--checkpoint_every", "8"],
         "dpo": ["--lr", "3e-4", "--beta", "0.1", "--total_episodes", "960", "--total_batch_size", "32",
-                "--local_micro_batch_size", "16", "--local_eval_batch_size", "32", "--eval_every", "0", "--num_eval_samples", "200",
-                "--checkpoint_every", "10"],
+                "--local_micro_batch_size", "16", "--local_eval_batch_size", "32", "--eval_every", "0",
+                "--num_eval_samples", "200", "--checkpoint_every", "10"],
         # from SFT (trlX started from the base model, which the tiny base model is too weak for), with RM scores as
         # rewards (trlX used the +-1 labels, which the Q heads fit too weakly for the advantage to reach the first
         # tokens), a fast target (alpha 1: the terminal reward travels back one token per sync), a light CQL term
@@ -156,13 +157,15 @@ SETTINGS = {
 # dpo.py's pairs in dpo.py's order, both halves of a pair in one micro batch). On
 # the thumbs up / down, as many rated summaries and updates; the raters give few thumbs up (about a third), so
 # lambda_D = 2 puts lambda_D n_D / (lambda_U n_U) inside the KTO paper's [1, 4/3] (kto.py warns otherwise)
-KTO = ["--lr", "3e-4", "--beta", "0.1", "--total_episodes", "1920", "--total_batch_size", "64", "--local_micro_batch_size",
-       "16", "--local_eval_batch_size", "32", "--eval_every", "0", "--num_eval_samples", "200", "--checkpoint_every", "10"]
+KTO = ["--lr", "3e-4", "--beta", "0.1", "--total_episodes", "1920", "--total_batch_size", "64",
+       "--local_micro_batch_size", "16", "--local_eval_batch_size", "32", "--eval_every", "0",
+       "--num_eval_samples", "200", "--checkpoint_every", "10"]
 SETTINGS["quickstart"]["kto"] = KTO
 SETTINGS["quickstart"]["kto_unpaired"] = KTO + ["--desirable_weight", "2"]
 # full: the same sizes, but PPO runs twice as long, so the over-optimisation curve (RM score up, gold score
 # down) has room to show
-SETTINGS["full"] = {**SETTINGS["quickstart"], "ppo": flags_with(SETTINGS["quickstart"]["ppo"], {"--total_episodes": "3072"})}
+SETTINGS["full"] = {**SETTINGS["quickstart"],
+                    "ppo": flags_with(SETTINGS["quickstart"]["ppo"], {"--total_episodes": "3072"})}
 # RLOO (rloo.py) on PPO's sizes and episodes, with its own defaults: the paper's k = 2 responses per query and one
 # pass over each batch
 SETTINGS["full"]["rloo"] = SETTINGS["full"]["ppo"]
@@ -184,7 +187,8 @@ SETTINGS["leaderboard"] = {
     # GRPO (rule reward): GRPO's budget and flags, scored by the task's rule alone (RULE_REWARD), no reward model
     "grpo_rule": SETTINGS["quickstart"]["ppo"] + RULE_REWARD,
     "reinforce_pp": SETTINGS["quickstart"]["ppo"],
-    "reinforce_pp_baseline": SETTINGS["quickstart"]["ppo"] + ["--samples_per_prompt", "4", "--reinforce_pp.baseline", "group"],
+    "reinforce_pp_baseline": SETTINGS["quickstart"]["ppo"] + ["--samples_per_prompt", "4",
+                                                              "--reinforce_pp.baseline", "group"],
     # IPO's squared loss on the per-token mean log-ratio, regressed onto 1 / (2 beta): beta 0.5, a target of 1 nat
     # (docs/results.md compares it with 0.1 on one seed)
     "ipo": flags_with(SETTINGS["quickstart"]["dpo"], {"--loss_type": "ipo", "--beta": "0.5"}),
@@ -220,8 +224,8 @@ SETTINGS["ci"] = {
              "--num_eval_samples", "32", "--eval_every", "1"],
     "dpo": ["--lr", "1e-4", "--total_batch_size", "16", "--local_micro_batch_size", "8", "--total_episodes", "32",
             "--num_eval_samples", "32"],
-    "ilql": ["--reward_source", "rm", "--total_episodes", "48", "--total_batch_size", "8", "--local_micro_batch_size", "4",
-             "--num_eval_samples", "6"],
+    "ilql": ["--reward_source", "rm", "--total_episodes", "48", "--total_batch_size", "8",
+             "--local_micro_batch_size", "4", "--num_eval_samples", "6"],
     "offline_filter": OFFLINE_CI,
     "offline_rwr": OFFLINE_CI,
     "offline_dt": OFFLINE_CI,
@@ -232,8 +236,8 @@ SETTINGS["ci"] = {
 SETTINGS["ci"]["kto_unpaired"] = SETTINGS["ci"]["kto"]
 SETTINGS["ci"]["grpo"] = SETTINGS["ci"]["reinforce_pp"] = SETTINGS["ci"]["rloo"]
 SETTINGS["ci"]["grpo_rule"] = SETTINGS["ci"]["rloo"] + RULE_REWARD
-SETTINGS["ci"]["reinforce_pp_baseline"] = SETTINGS["ci"]["rloo"] + ["--samples_per_prompt", "4", "--reinforce_pp.baseline",
-                                                                    "group"]
+SETTINGS["ci"]["reinforce_pp_baseline"] = SETTINGS["ci"]["rloo"] + ["--samples_per_prompt", "4",
+                                                                    "--reinforce_pp.baseline", "group"]
 SETTINGS["ci"]["ipo"] = SETTINGS["ci"]["dpo"] + ["--loss_type", "ipo", "--beta", "0.5"]
 SETTINGS["ci"]["online_dpo"] = flags_with(SETTINGS["ci"]["dpo"], {"--total_episodes": "16"})
 # ci checks the leaderboard's artefacts on the leaderboard's split, the test split, at a small size (ILQL keeps its
@@ -258,18 +262,20 @@ ABOUT = {"prep": ("the built-in task: posts, preference pairs, a tokenizer and a
 FULL_STAGES = ["prep", "sft", "rm", "ppo", "rloo", "dpo", "ilql", "offline_filter", "offline_rwr", "offline_dt",
                "offline_best_of_n", "judge", "report"]
 # every method the project ships (the leaderboard's rows, in its order); --extra forks go before the judge
-LEADERBOARD_STAGES = ["prep", "unpaired", "sft", "rm", "ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline",
-                      "online_dpo", "dpo", "ipo", "kto", "kto_unpaired", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n",
-                      "judge", "report"]
+LEADERBOARD_STAGES = ["prep", "unpaired", "sft", "rm", "ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp",
+                      "reinforce_pp_baseline", "online_dpo", "dpo", "ipo", "kto", "kto_unpaired", "ilql",
+                      "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n", "judge", "report"]
 ABOUT.update({"grpo": ("GRPO against the reward model (grpo.py)", "2 min"),
               "grpo_rule": ("GRPO scored by the task's rule alone, no reward model (grpo.py --reward_fn)", "2 min"),
               "reinforce_pp": ("REINFORCE++ against the reward model (reinforce_pp.py)", "2 min"),
-              "reinforce_pp_baseline": ("REINFORCE++-baseline (reinforce_pp.py --reinforce_pp.baseline group)", "2 min"),
+              "reinforce_pp_baseline": ("REINFORCE++-baseline (reinforce_pp.py --reinforce_pp.baseline group)",
+                                        "2 min"),
               "online_dpo": ("online DPO, pairs judged by the reward model (online_dpo.py)", "2 min"),
               "ipo": ("IPO on the preference pairs (dpo.py --loss_type ipo)", "under 1 min")})
 # policies whose samples are judged, in the report's order (--extra forks follow)
-POLICY_STAGES = ["sft", "ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline", "online_dpo", "dpo", "ipo", "kto",
-                 "kto_unpaired", "ilql", "offline_filter", "offline_rwr", "offline_dt", "offline_best_of_n"]
+POLICY_STAGES = ["sft", "ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline", "online_dpo",
+                 "dpo", "ipo", "kto", "kto_unpaired", "ilql", "offline_filter", "offline_rwr", "offline_dt",
+                 "offline_best_of_n"]
 # the script of each stage that is not `<stage>.py` (a fork of the project without one of them skips its stages)
 SCRIPTS = {"rm": "reward.py", "ipo": "dpo.py", "kto_unpaired": "kto.py", "reinforce_pp_baseline": "reinforce_pp.py",
            "grpo_rule": "grpo.py",
@@ -315,8 +321,8 @@ def parse_extras(extras: list[str], mode: str = "leaderboard", kto: bool = False
             raise RunError(f"--extra {item}: stage {stage} makes no policy ({NO_POLICY[stage]}), so a fork of it has "
                            f"nothing to judge; --extra takes a policy stage: {', '.join(known)}")
         if not path or stage not in known:
-            raise RunError(f"--extra {item}: expected path.py:stage with a stage of {', '.join(known)} (the stage whose "
-                           f"command and settings the fork takes)")
+            raise RunError(f"--extra {item}: expected path.py:stage with a stage of {', '.join(known)} "
+                           "(the stage whose command and settings the fork takes)")
         if stage not in stages:
             modes = [m for m in MODE_STAGES if stage in mode_stages(m)]
             with_kto = [m for m in MODE_STAGES if stage not in mode_stages(m) and stage in mode_stages(m, kto=True)]
@@ -407,8 +413,9 @@ class Pipeline:
             return self.cmd_offline(kind[len("offline_"):], stage, script)
         # forks share their parent's command: rloo.py, grpo.py and reinforce_pp.py take ppo.py's, online_dpo.py and IPO
         # dpo.py's
-        builder = {"rloo": "ppo", "grpo": "ppo", "grpo_rule": "ppo", "reinforce_pp": "ppo", "reinforce_pp_baseline": "ppo", "ipo": "dpo",
-                   "online_dpo": "dpo", "kto_unpaired": "kto"}.get(kind, kind)
+        builder = {"rloo": "ppo", "grpo": "ppo", "grpo_rule": "ppo", "reinforce_pp": "ppo",
+                   "reinforce_pp_baseline": "ppo", "ipo": "dpo", "online_dpo": "dpo",
+                   "kto_unpaired": "kto"}.get(kind, kind)
         return getattr(self, f"cmd_{builder}")(stage, script)
 
     # ---------------------------------------------------------------- bookkeeping
@@ -449,8 +456,8 @@ class Pipeline:
             shared = {"prep", "unpaired"} if task in (None, self.cpu) else set()
             reruns = set(self.stages) - shared
             print(f"=== {self.base} ran on another CPU type ({own if own not in (None, self.cpu) else task}; this one: "
-                  f"{self.cpu}), whose float rounding differs: its stages {', '.join(s for s in self.stages if s in reruns)} "
-                  f"rerun from the start", flush=True)
+                  f"{self.cpu}), whose float rounding differs: its stages "
+                  f"{', '.join(s for s in self.stages if s in reruns)} rerun from the start", flush=True)
         for folder in {self.out, self.base}:
             with open(os.path.join(folder, "cpu.json"), "w") as f:
                 json.dump({"cpu": self.cpu}, f)
@@ -486,7 +493,8 @@ class Pipeline:
         env["OMP_NUM_THREADS"] = str(threads)
         import torch
 
-        if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, named: no "Setting accelerator" warning per stage
+        # DeepSpeed's CPU accelerator, named: no "Setting accelerator" warning per stage
+        if not torch.cuda.is_available():
             env.setdefault("DS_ACCELERATOR", "cpu")
         printable = " ".join(cmd[1:]) if cmd[0] == sys.executable else " ".join(cmd)
         print(f"\n=== [{stage}] python {printable}  ({threads} torch thread{'s' * (threads > 1)})", flush=True)
@@ -498,13 +506,13 @@ class Pipeline:
         if code:
             from rlhf_utils.run import RunError
 
-            raise RunError(f"[{stage}] failed (exit code {code}), its own error above; the pipeline picks up there when "
-                           f"run again")
+            raise RunError(f"[{stage}] failed (exit code {code}), its own error above; "
+                           "the pipeline picks up there when run again")
 
     def recorded(self, cmd: list[str]) -> list[str]:
-        """The command as a stage marker keeps it: without the interpreter, --resume and --restart, with {out} and {repo} for the
-        two folders (a moved folder is the same command). The longer folder is named first, so that an --out whose
-        path begins the project's (/tmp/lb and /tmp/lb_clone) does not swallow it."""
+        """The command as a stage marker keeps it: without the interpreter, --resume and --restart, with {out} and
+        {repo} for the two folders (a moved folder is the same command). The longer folder is named first, so that an
+        --out whose path begins the project's (/tmp/lb and /tmp/lb_clone) does not swallow it."""
         folders = sorted([(self.out, "{out}"), (REPO_ROOT, "{repo}")], key=lambda folder: -len(folder[0]))
         out = []
         for token in cmd[1:]:
@@ -527,10 +535,11 @@ class Pipeline:
         from rlhf_utils.run import RunError
 
         old, new = flag_values(then), flag_values(now)
-        differ = [f"{k} {old.get(k, '(absent)')} then, {new.get(k, '(absent)')} now" for k in dict.fromkeys([*old, *new])
-                  if old.get(k) != new.get(k)]
-        raise RunError(f"[{stage}] finished in {self.out} with another command than this pipeline asks ({'; '.join(differ)}); "
-                       f"pass --force {stage} to redo it (--force all: every stage), or another --out")
+        differ = [f"{k} {old.get(k, '(absent)')} then, {new.get(k, '(absent)')} now"
+                  for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+        raise RunError(f"[{stage}] finished in {self.out} with another command than this pipeline asks "
+                       f"({'; '.join(differ)}); pass --force {stage} to redo it (--force all: every stage), "
+                       "or another --out")
 
     def has_checkpoints(self, stage: str) -> bool:
         """The stage's run folder holds a checkpoint (runs/<stage>/checkpoints/update_N): its script refuses to run
@@ -547,12 +556,13 @@ class Pipeline:
 
     def common(self, stage: str) -> list[str]:
         # the pipeline owns its model folders, so a rerun may replace what an earlier version left there
-        return ["--seed", str(self.args.seed), "--run_name", stage, "--run_dir_root", self.runs, "--overwrite_output_dir"]
+        return ["--seed", str(self.args.seed), "--run_name", stage, "--run_dir_root", self.runs,
+                "--overwrite_output_dir"]
 
     # ---------------------------------------------------------------- stages
     def cmd_prep(self, stage: str = "prep", script: str | None = None) -> list[str]:
-        return self.py("data/prepare.py", "--task", "synthetic", "--output_dir", self.data, "--seed", str(self.data_seed),
-                       *self.settings["prep"])
+        return self.py("data/prepare.py", "--task", "synthetic", "--output_dir", self.data,
+                       "--seed", str(self.data_seed), *self.settings["prep"])
 
     def flags(self, stage: str) -> list[str]:
         return self.settings[self.kind(stage)]
@@ -571,8 +581,10 @@ class Pipeline:
         """ppo.py, and its forks rloo.py, grpo.py and reinforce_pp.py (the same flags). GRPO (rule reward) is scored by
         its --reward_fn alone (RULE_REWARD): an empty --reward_model_path, so that no reward model loads."""
         rule_alone = self.kind(stage) == "grpo_rule"
-        return self.py(script or SCRIPTS.get(self.kind(stage), f"{self.kind(stage)}.py"), *self.common(stage), "--sft_model_path", f"{self.models}/sft",
-                       "--reward_model_path", *([] if rule_alone else [f"{self.models}/rm"]), "--query_dataset", f"{self.data}/sft",
+        return self.py(script or SCRIPTS.get(self.kind(stage), f"{self.kind(stage)}.py"), *self.common(stage),
+                       "--sft_model_path", f"{self.models}/sft",
+                       "--reward_model_path", *([] if rule_alone else [f"{self.models}/rm"]),
+                       "--query_dataset", f"{self.data}/sft",
                        "--response_length", str(TASK["sft_response_length"]), "--output_dir", f"{self.models}/{stage}",
                        *self.flags(stage))
 
@@ -586,8 +598,8 @@ class Pipeline:
                        *self.flags(stage))
 
     def cmd_unpaired(self, stage: str = "unpaired", script: str | None = None) -> list[str]:
-        return self.py("data/prepare.py", "--task", "synthetic", "--output_dir", self.data, "--seed", str(self.data_seed),
-                       "--unpaired_only")
+        return self.py("data/prepare.py", "--task", "synthetic", "--output_dir", self.data,
+                       "--seed", str(self.data_seed), "--unpaired_only")
 
     def cmd_kto(self, stage: str = "kto", script: str | None = None) -> list[str]:
         """kto.py on the preference pairs (stage kto) or on the raters' thumbs up / down (kto_unpaired)."""
@@ -641,7 +653,8 @@ class Pipeline:
         if stage != "ilql":
             return stage
         flags = self.flags(stage)
-        return f"ilql_beta{float(flags[flags.index('--beta') + 1]) if '--beta' in flags else 1.0:g}"  # ilql.py's default
+        # 1.0: ilql.py's default
+        return f"ilql_beta{float(flags[flags.index('--beta') + 1]) if '--beta' in flags else 1.0:g}"
 
     def stage_judge(self) -> None:
         from data.gold_judge_server import serve_in_thread
@@ -655,7 +668,8 @@ class Pipeline:
         with serve_in_thread() as server:
             cmd = self.py("judge.py", "--csv", *[p for _, p in policies], "--labels", *[label for label, _ in policies],
                           "--base_url", server.base_url, "--model", server.model_name, "--output_dir",
-                          os.path.join(self.runs, "judge"), "--cache_path", os.path.join(self.runs, "judge_cache.sqlite"),
+                          os.path.join(self.runs, "judge"),
+                          "--cache_path", os.path.join(self.runs, "judge_cache.sqlite"),
                           "--tokenizer_path", f"{self.data}/base_model", "--seed", str(self.args.seed))
             self.run("judge", cmd)
 
@@ -700,7 +714,8 @@ class Pipeline:
             with open(self.marker(stage), "w") as f:
                 json.dump({"stage": stage, "wall_time_s": round(time.time() - t0, 1), "finished": time.time(),
                            **self.usage, "cpu": self.cpu, "command": cmd and self.recorded(cmd)}, f)
-        print(f"\npipeline finished in {time.time() - t_start:.0f} s (this invocation); report: {self.report_dir}/results.md")
+        print(f"\npipeline finished in {time.time() - t_start:.0f} s (this invocation); "
+              f"report: {self.report_dir}/results.md")
 
 
 def main(args: Args) -> None:
@@ -719,7 +734,8 @@ def main(args: Args) -> None:
             pipelines = []
             for seed in seeds:
                 print(f"\n##### seed {seed} of {seeds}", flush=True)
-                pipelines.append(Pipeline(dataclasses.replace(args, seed=seed), seed_dir=f"seed_{seed}", data_seed=seeds[0]))
+                pipelines.append(Pipeline(dataclasses.replace(args, seed=seed), seed_dir=f"seed_{seed}",
+                                          data_seed=seeds[0]))
                 pipelines[-1].main()
         import report
 

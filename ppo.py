@@ -238,8 +238,8 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Steps 1-5, the rollout: PPO's own, as it also reads the critic's values (rloo.py and grpo.py share a copy
-# without the critic)
+# Steps 1-5, the rollout: PPO's own, as it also reads the critic's values (rloo.py, grpo.py and reinforce_pp.py
+# share a copy without the critic)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -307,7 +307,8 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
 
 
 # ---------------------------------------------------------------------------------------------
-# The pieces of the rollout and the update that ppo.py, rloo.py and grpo.py share (the same code in each)
+# The pieces of the rollout and the update that ppo.py, rloo.py, grpo.py and reinforce_pp.py share (the same code
+# in each)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -473,6 +474,11 @@ class RewardsAndAdvantages:
     advantages: torch.Tensor  # (B, T)
     returns: torch.Tensor  # (B, T)
 
+    def objective(self) -> dict:
+        """Per-episode values logged as objective/{name} (update_metrics): the KL penalty summed over the response,
+        and the reward with it (score + penalty)."""
+        return {"non_score_reward": self.non_score_reward.sum(1), "rlhf_reward": self.non_score_reward.sum(1) + self.scores}
+
 
 @torch.no_grad()
 def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token_id: int, kl_coef: float,
@@ -488,7 +494,7 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
         for column, moments in enumerate(reward_moments):
             moments.update(gather(scores[:, column]))
         scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
-    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) J2: several reward models, one score
+    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) several reward models joined into one score
     contains_eos = (responses == eos_token_id).any(1)
     if args.non_eos_penalty:  # 5. Detail 23: EOS trick, once per response, on the joined score
         scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
@@ -564,7 +570,8 @@ def ppo_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, u
 
 
 # ---------------------------------------------------------------------------------------------
-# The update's metrics and the evaluation, shared by ppo.py, rloo.py and grpo.py (the same code in each)
+# The update's metrics and the evaluation, shared by ppo.py, rloo.py, grpo.py and reinforce_pp.py (the same code in
+# each)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -579,7 +586,7 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
              "vf_clipfrac": "val/clipfrac_avg", "ratio": "val/ratio"}  # those a method has (no critic: no vf_*)
     logged = [key for key in names if key in stats] + [key for key in stats if key not in names]
     gather = accelerator.gather
-    kl_sum, non_score_sum = gather(scored.kl.sum(1)), gather(scored.non_score_reward.sum(1))
+    kl_sum = gather(scored.kl.sum(1))
     entropy_sum, scores = gather((-data.logprobs * scored.mask).sum(1)), gather(scored.scores)
     stats = {name: gather(value) for name, value in stats.items()}
     num_eos_tokens = gather((data.responses == eos_token_id).sum().unsqueeze(0)).sum()
@@ -589,8 +596,8 @@ def update_metrics(args, accelerator, update: int, lr: float, kl_coef: float, da
         "objective/kl": kl_sum.mean().item(),
         "objective/kl_coef": kl_coef,
         "objective/entropy": entropy_sum.mean().item(),
-        "objective/non_score_reward": non_score_sum.mean().item(),
-        "objective/rlhf_reward": non_score_sum.mean().item() + scores.mean().item(),
+        # the method's own per-episode values (its RewardsAndAdvantages.objective: the KL penalty, the reward with it)
+        **{f"objective/{name}": gather(value).mean().item() for name, value in scored.objective().items()},
         "objective/scores": scores.mean().item(),
         **({f"objective/scores_rm{j}": gather(data.rm_scores[:, j]).mean().item()  # each reward model's raw score
             for j in range(data.rm_scores.size(1))} if data.rm_scores.size(1) > 1 else {}),

@@ -239,7 +239,8 @@ def gold_win(query: str, response: str, reference: str) -> float:
     """1 if the gold judge prefers the response to the reference in both A/B orders, 0 if in neither, half when
     it prefers it in one order only. As in judge.py, both texts lose an EOS spelling at their end first, and two
     identical texts are a tie: half a win."""
-    response, reference = without_eos_text(response, synthetic.EOS_TEXT), without_eos_text(reference, synthetic.EOS_TEXT)
+    response, reference = (without_eos_text(response, synthetic.EOS_TEXT),
+                           without_eos_text(reference, synthetic.EOS_TEXT))
     if response == reference:
         return 0.5
     return 0.5 * (synthetic.gold_prefer(query, response, reference) == "A") + \
@@ -253,7 +254,8 @@ def ppo_curve(p) -> pd.DataFrame:
     evaluations = sorted(glob.glob(os.path.join(p.runs, "ppo", "samples", "step_*.csv")))
     sft = os.path.join(p.runs, "sft", "samples.csv")
     if evaluations and os.path.exists(sft) and \
-            set(pd.read_csv(sft, keep_default_na=False)["query"]) == set(pd.read_csv(evaluations[0], keep_default_na=False)["query"]):
+            set(pd.read_csv(sft, keep_default_na=False)["query"]) == \
+            set(pd.read_csv(evaluations[0], keep_default_na=False)["query"]):
         evaluations.insert(0, sft)
     for path in evaluations:
         step = int(os.path.basename(path)[len("step_"):-len(".csv")]) if path != sft else 0
@@ -282,7 +284,8 @@ def dt_targets(run_dir: str) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("target").reset_index(drop=True) if rows else pd.DataFrame()
 
 
-def rm_and_gold_plot(frame: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str, report_dir: str, name: str) -> str:
+def rm_and_gold_plot(frame: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str, report_dir: str,
+                     name: str) -> str:
     """The mean RM score (left axis) and the gold win rate (right axis, 0 to 1) of samples against `x`; returns the
     file name. A frame with `<column>_low` / `<column>_high` columns (several seeds, write_seed_report) also gets
     the band between them. Called by write_report and write_seed_report, which have chosen matplotlib's Agg backend."""
@@ -297,7 +300,8 @@ def rm_and_gold_plot(frame: pd.DataFrame, x: str, xlabel: str, ylabel: str, titl
             ax.fill_between(frame[x], frame[f"{column}_low"], frame[f"{column}_high"], color=color, alpha=0.2,
                             label=f"{label}: range over seeds")
     # the RM axis spans at least 0 to 1 as the gold axis does, so that a change of 0.03 looks like one on either axis
-    values = pd.concat([frame[c] for c in ("rm_score", "rm_score_low", "rm_score_high") if c in frame]).dropna().to_numpy()
+    values = pd.concat([frame[c] for c in ("rm_score", "rm_score_low", "rm_score_high")
+                        if c in frame]).dropna().to_numpy()
     low, high = float(np.min(values, initial=0.0)), float(np.max(values, initial=1.0))
     margin = 0.05 * (high - low)  # a point beyond 0-1 is not drawn on the frame
     low, high = (low - margin if low < 0 else low), (high + margin if high > 1 else high)
@@ -341,7 +345,8 @@ def write_report(p) -> str:
              "distributions at temperature 1, on one response per evaluation prompt sampled from the policy at "
              "temperature 1 (the per-token KL summed over the vocabulary and over the response up to its EOS, the "
              "mean over prompts, nats, with its standard error).", "",
-             "| policy | gold win rate | 95% CI | n | invalid | EOS rate | mean length (tokens) | KL from SFT (SE) | mean RM score |",
+             "| policy | gold win rate | 95% CI | n | invalid | EOS rate | mean length (tokens) | KL from SFT (SE) "
+             "| mean RM score |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     policy_rows = []
     for label, samples_csv in p.policies():
@@ -355,9 +360,9 @@ def write_report(p) -> str:
                             "ci_high": j.get("ci_high"), "eos_rate": eos, "length": length, **kl,
                             "eval_split": eval_split_of(p, label)})
         ci = f"[{_fmt(j.get('ci_low'))}, {_fmt(j.get('ci_high'))}]" if j.get("ci_low") is not None else "n/a"
-        lines.append(f"| {label} | {_fmt(j.get('win_rate'))} | {ci} | {j.get('n', 'n/a')} | {j.get('invalid', 'n/a')} | "
-                     f"{_fmt(eos)} | {_fmt(length, 1)} | {kl_cell(kl['kl'], kl['kl_se'])} | "
-                     f"{_fmt(float(score)) if not np.isnan(score) else 'n/a'} |")
+        lines.append(f"| {label} | {_fmt(j.get('win_rate'))} | {ci} | {j.get('n', 'n/a')} | "
+                     f"{j.get('invalid', 'n/a')} | {_fmt(eos)} | {_fmt(length, 1)} | "
+                     f"{kl_cell(kl['kl'], kl['kl_se'])} | {_fmt(float(score)) if not np.isnan(score) else 'n/a'} |")
     notes = {row["policy"]: row["kl_note"] for row in policy_rows if row["kl_note"]}
     if notes:
         lines += ["", "KL from SFT n/a: " + "; ".join(f"{label}: {why}" for label, why in notes.items()) + "."]
@@ -367,9 +372,9 @@ def write_report(p) -> str:
     dpo = _load(os.path.join(p.runs, "dpo", "summary.json"))
     by_split = task.get("ceiling_by_split", {})
     lines += ["", "## Reward models (validation preference split)", "",
-              "Accuracy against the raters' labels; the ceiling is the accuracy of the gold judge itself on those noisy "
-              "labels (expected value from the known noise). batch10: policy pairs also compared in training; batch11: "
-              "pairs never compared in training (Detail 6).", "",
+              "Accuracy against the raters' labels; the ceiling is the accuracy of the gold judge itself on those "
+              "noisy labels (expected value from the known noise). batch10: policy pairs also compared in training; "
+              "batch11: pairs never compared in training (Detail 6).", "",
               "| model | accuracy | 95% CI | batch10 | batch11 | ceiling (overall / batch10 / batch11) |",
               "| --- | --- | --- | --- | --- | --- |"]
     for name, summary in (("reward model (reward.py)", rm), ("DPO implicit reward (dpo.py)", dpo)):
@@ -421,10 +426,13 @@ def write_report(p) -> str:
     if len(curve):
         curve.to_csv(os.path.join(p.report_dir, "ppo_overoptimisation.csv"), index=False)
         plots.append(rm_and_gold_plot(curve, "step", "PPO update", "mean RM score",
-                                      "PPO: RM score and gold judge along training", p.report_dir, "ppo_rm_vs_gold.png"))
-        lines += ["", "## PPO along training (over-optimisation check)", "", "| update | mean RM score | gold win rate | gold score | EOS rate |",
+                                      "PPO: RM score and gold judge along training", p.report_dir,
+                                      "ppo_rm_vs_gold.png"))
+        lines += ["", "## PPO along training (over-optimisation check)", "",
+                  "| update | mean RM score | gold win rate | gold score | EOS rate |",
                   "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {r.step} | {_fmt(r.rm_score)} | {_fmt(r.gold_win_rate)} | {_fmt(r.gold_score)} | {_fmt(r.eos_rate)} |"
+        lines += [f"| {r.step} | {_fmt(r.rm_score)} | {_fmt(r.gold_win_rate)} | {_fmt(r.gold_score)} | "
+                  f"{_fmt(r.eos_rate)} |"
                   for r in curve.itertuples()]
     dt = dt_targets(os.path.join(p.runs, "offline_dt"))
     if len(dt):
@@ -434,11 +442,12 @@ def write_report(p) -> str:
                                       "Decision Transformer: outcome against the target it is given", p.report_dir,
                                       "dt_targets.png"))
         lines += ["", "## Decision Transformer: outcome against the target in its prompt", "",
-                  "Targets at percentiles of the labelled mixture's normalised rewards lie inside what the model saw in "
-                  "training; the others are the seed's (Table 1).", "",
-                  "| target | mixture percentile | mean RM score | gold win rate | n |", "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {r.target:+.1f} | {'' if pd.isna(r.percentile) else f'{r.percentile:g}th'} | {_fmt(r.rm_score)} | "
-                  f"{_fmt(r.gold_win_rate)} | {r.n} |" for r in dt.itertuples()]
+                  "Targets at percentiles of the labelled mixture's normalised rewards lie inside what the model saw "
+                  "in training; the others are the seed's (Table 1).", "",
+                  "| target | mixture percentile | mean RM score | gold win rate | n |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r.target:+.1f} | {'' if pd.isna(r.percentile) else f'{r.percentile:g}th'} | "
+                  f"{_fmt(r.rm_score)} | {_fmt(r.gold_win_rate)} | {r.n} |" for r in dt.itertuples()]
     copies = {"length_controlled_win_rate.png": os.path.join(p.runs, "judge", "length_controlled_win_rate.png")}
     copies["rm_calibration.png"] = next(iter(glob.glob(os.path.join(p.runs, "rm", "*calibration*.png"))), "")
     for name, src in copies.items():
@@ -450,8 +459,8 @@ def write_report(p) -> str:
     with open(os.path.join(p.report_dir, "results.md"), "w") as f:
         f.write(text)
     with open(os.path.join(p.report_dir, "results.json"), "w") as f:
-        json.dump({"policies": policy_rows, "rm": rm, "dpo": dpo, "ceiling": task.get("ceiling"), "plots": plots}, f, indent=2,
-                  default=float)
+        json.dump({"policies": policy_rows, "rm": rm, "dpo": dpo, "ceiling": task.get("ceiling"), "plots": plots}, f,
+                  indent=2, default=float)
     return text
 
 
@@ -545,7 +554,8 @@ def write_seed_report(out: str, seeds: list[int]) -> str:
         return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float("nan")
 
     lines = ["## Seeds side by side", "",
-             f"Seeds {', '.join(map(str, seeds))}: one task (data, tokenizer, base model), every training stage once per seed. "
+             f"Seeds {', '.join(map(str, seeds))}: one task (data, tokenizer, base model), "
+             "every training stage once per seed. "
              f"RM-accuracy ceiling: {', '.join(_fmt(c) for c in ceilings)}.", "",
              "| metric | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | std |",
              "| --- | " + " | ".join("---" for _ in seeds) + " | --- | --- |"]
@@ -553,7 +563,8 @@ def write_seed_report(out: str, seeds: list[int]) -> str:
     for name, values in rows.items():
         mean, std = stats(values)
         summary[name] = {"per_seed": {str(s): values.get(s) for s in seeds}, "mean": mean, "std": std}
-        lines.append(f"| {name} | " + " | ".join(_fmt(values.get(s)) for s in seeds) + f" | {_fmt(mean)} | {_fmt(std)} |")
+        lines.append(f"| {name} | " + " | ".join(_fmt(values.get(s)) for s in seeds)
+                     + f" | {_fmt(mean)} | {_fmt(std)} |")
     report_dir = os.path.join(out, "report")
     os.makedirs(report_dir, exist_ok=True)
     policies = [n for n in rows if n.endswith("gold win rate")]
@@ -588,8 +599,9 @@ def write_seed_report(out: str, seeds: list[int]) -> str:
 # --------------------------------------------------------------------------------------------
 # The leaderboard (pipeline.py --mode leaderboard): every method on every seed, one table and one plot.
 # --------------------------------------------------------------------------------------------
-NAMES = {"sft": "SFT", "ppo": "PPO", "rloo": "RLOO", "grpo": "GRPO", "grpo_rule": "GRPO (rule reward)", "reinforce_pp": "REINFORCE++",
-         "reinforce_pp_baseline": "REINFORCE++-baseline", "online_dpo": "online DPO (RM judge)", "dpo": "DPO",
+NAMES = {"sft": "SFT", "ppo": "PPO", "rloo": "RLOO", "grpo": "GRPO", "grpo_rule": "GRPO (rule reward)",
+         "reinforce_pp": "REINFORCE++", "reinforce_pp_baseline": "REINFORCE++-baseline",
+         "online_dpo": "online DPO (RM judge)", "dpo": "DPO",
          "ipo": "IPO", "kto": "KTO (pairs)", "kto_unpaired": "KTO (thumbs up / down)", "ilql": "ILQL",
          "offline_filter": "MLE with filtering", "offline_rwr": "RWR", "offline_dt": "Decision Transformer",
          "offline_best_of_n": "best-of-n"}
@@ -747,13 +759,14 @@ def budget(kind: str, args: dict, summary: dict) -> str:
         updates = f"{n('budget/updates')} update{'s' * (int(summary['budget/updates']) != 1)}"
         if kind == "sft":
             return f"{n('budget/rows_read')} reference summaries read, {updates}"
-        if kind in ("ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline", "online_dpo", "offline_best_of_n"):
+        if kind in ("ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline", "online_dpo",
+                    "offline_best_of_n"):
             per = ratio("budget/responses_sampled", "budget/prompts")
             # online DPO: the sampled pairs it did not train on (the judge could not separate them, or a redraw's spare)
             untrained = summary.get("online/pairs_total", 0) - summary.get("online/pairs_trained_total", 0)
             dropped = f"; {untrained:,} pairs dropped" if untrained else ""
-            return (f"{n('budget/responses_sampled')} sampled responses ({n('budget/prompts')} prompts x {per}{dropped}), "
-                    f"{updates}")
+            return (f"{n('budget/responses_sampled')} sampled responses "
+                    f"({n('budget/prompts')} prompts x {per}{dropped}), {updates}")
         if kind in ("dpo", "ipo"):
             return f"{n('budget/pairs_read')} preference pairs, {updates}"
         if kind == "kto":
@@ -764,7 +777,8 @@ def budget(kind: str, args: dict, summary: dict) -> str:
             return f"{n('budget/rows_read')} RM-scored responses of the pairs, {updates}, beta {args.get('beta'):g}"
         if kind.startswith("offline_"):
             passes = ratio("budget/rows_read", "mixture/size")
-            return f"{n('mixture/size')} SFT responses scored by the RM, {passes} pass{'es' * (passes != '1')}, {updates}"
+            return (f"{n('mixture/size')} SFT responses scored by the RM, {passes} pass{'es' * (passes != '1')}, "
+                    f"{updates}")
     except KeyError as missing:
         return f"unknown: summary.json has no {missing.args[0]} (a run older than the budget counters)"
     return ""
@@ -789,8 +803,8 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     for stage in [s for s in first.stages if s in first.policies_order()]:
         kind = first.kind(stage)
         label = first.judged_label(stage)
-        per_seed, extra = {}, {"kl": [], "kl_se": [], "length": [], "eos_rate": [], "wall": [], "shared": [], "peak": [],
-                               "eval_split": []}  # per seed the split whose prompts its samples answer
+        per_seed, extra = {}, {"kl": [], "kl_se": [], "length": [], "eos_rate": [], "wall": [], "shared": [],
+                               "peak": [], "eval_split": []}  # per seed the split whose prompts its samples answer
         note = None
         for seed, p in zip(seeds, pipelines):
             res = _load(os.path.join(p.report_dir, "results.json"))
@@ -841,8 +855,8 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     n_samples = {r.get("n") for row in rows for r in row["per_seed"].values()} - {None}
     split = " and ".join(sorted({s for row in rows for s in row["eval_split"]})) or "validation"  # leaderboard: test
     held_out = (" The test split's prompts share none with the train and validation splits, and no setting was chosen "
-                "on them: ILQL's beta, the reward model's settings and every other setting were chosen by gold win rate "
-                "on the validation split (docs/results.md)." if split == "test" else "")
+                "on them: ILQL's beta, the reward model's settings and every other setting were chosen by gold win "
+                "rate on the validation split (docs/results.md)." if split == "test" else "")
     # the CPU type every stage ran on (pipeline.py's cpu.json: a seed resumed on another type is rerun there)
     cpus = sorted({_load(os.path.join(folder, "cpu.json")).get("cpu") or "not recorded"
                    for folder in [out, *(os.path.dirname(p.report_dir) for p in pipelines)]})
@@ -851,14 +865,14 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
              f"Seeds {', '.join(map(str, seeds))}; each seed trains its own SFT and reward model, and every method of "
              f"that seed starts from them. Gold win rate against the reference summaries on "
              f"{', '.join(map(str, sorted(n_samples))) or 'the'} {split} samples per seed, drawn at the evaluation "
-             f"temperature 0.01 (95% Wilson interval), and over seeds (mean, 95% t-interval).{held_out} Beats: the baselines "
-             f"(PPO, DPO, SFT) whose gold win rate this method exceeds under the paired test below (its Holm-corrected "
-             f"interval of the per-seed differences lies above 0). KL from SFT: KL(pi || pi_SFT) of the two models' own "
-             f"distributions at temperature 1 (one response per evaluation prompt sampled from the policy at "
-             f"temperature 1, the per-token KL over the whole vocabulary summed over the response up to its EOS, the "
-             f"mean over prompts), averaged over seeds, in nats, with its standard error in parentheses. Wall time: the "
-             f"stage's mean over seeds, marked shared where another job held a core as one of its runs started; peak "
-             f"memory: the stage process's highest resident set over seeds.", "",
+             f"temperature 0.01 (95% Wilson interval), and over seeds (mean, 95% t-interval).{held_out} Beats: the "
+             f"baselines (PPO, DPO, SFT) whose gold win rate this method exceeds under the paired test below (its "
+             f"Holm-corrected interval of the per-seed differences lies above 0). KL from SFT: KL(pi || pi_SFT) of the "
+             f"two models' own distributions at temperature 1 (one response per evaluation prompt sampled from the "
+             f"policy at temperature 1, the per-token KL over the whole vocabulary summed over the response up to its "
+             f"EOS, the mean over prompts), averaged over seeds, in nats, with its standard error in parentheses. Wall "
+             f"time: the stage's mean over seeds, marked shared where another job held a core as one of its runs "
+             f"started; peak memory: the stage process's highest resident set over seeds.", "",
              "| method | budget | " + " | ".join(f"seed {s}" for s in seeds) +
              " | mean [95% t-interval] | beats (paired, Holm) | KL from SFT (SE) | mean length | EOS rate | "
              "wall time (s) | peak memory (MiB) |",
@@ -940,8 +954,8 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     fig.tight_layout()
     fig.savefig(os.path.join(report_dir, "leaderboard.png"), dpi=100)
     plt.close(fig)
-    lines += ["", "Plot: `leaderboard.png` (gold win rate against KL from SFT, one point a method and seed); the tables as "
-              "CSV: `leaderboard.csv`, `leaderboard_paired.csv`."]
+    lines += ["", "Plot: `leaderboard.png` (gold win rate against KL from SFT, one point a method and seed); "
+              "the tables as CSV: `leaderboard.csv`, `leaderboard_paired.csv`."]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(report_dir, "leaderboard.md"), "w") as f:
         f.write(text)

@@ -41,14 +41,14 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator, skip_first_batches
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
+from accelerate import skip_first_batches
+from accelerate.utils import set_seed
 from datasets import load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DynamicCache
 
-from rlhf_utils import models
+from rlhf_utils import models, records
 from rlhf_utils.flags import RunFlags  # the run's flags
 from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
     LastGoodState,
@@ -62,6 +62,7 @@ from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, inpu
     due,
     leave_processes,
     load_split,
+    resumable_accelerator,
     start_processes,
 )
 
@@ -448,11 +449,11 @@ def run_evaluation(scorer, accelerator, eval_sets: dict, pad_token_id: int, eos_
 
 
 def evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets: dict, tokenizer, step: int, final: bool) -> dict:
-    """One evaluation on every preference split (run_evaluation): its outputs written (save_reward_evaluation), its
-    metrics logged at `step` and returned; the scorer is left in training mode."""
+    """One evaluation on every preference split (run_evaluation): its outputs written (records.save_reward_evaluation),
+    its metrics logged at `step` and returned; the scorer is left in training mode."""
     metrics, rows, calibration, logit_rows, frame = run_evaluation(scorer, accelerator, eval_sets, tokenizer.pad_token_id,
                                                                    tokenizer.eos_token_id, args)
-    save_reward_evaluation(run, frame, rows, calibration, logit_rows, tokenizer.eos_token, step, final)
+    records.save_reward_evaluation(run, frame, rows, calibration, logit_rows, tokenizer.eos_token, step, final)
     run.log(step, {"episode": step * args.total_batch_size, **metrics})
     scorer.train()
     return metrics
@@ -534,13 +535,9 @@ def main(args: Args) -> dict:
     # total_batch_size; the accumulation counter simply runs on into the next epoch.
     # use_seedable_sampler: the shuffle of epoch e depends on (seed, e) only, which is what lets a resumed
     # run find its place in the data (see resumable_micro_batches)
-    accelerator = Accelerator(
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        mixed_precision="bf16" if args.bf16 else "no",
-    )
+    # gradient accumulation over the micro batches counted here, synced on that count alone (an update may straddle
+    # two epochs); the data order seeded by --seed, so that a resumed run finds its place (resumable_micro_batches)
+    accelerator = resumable_accelerator(gradient_accumulation_steps, args.seed, args.bf16)
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset, query_dataset=args.query_dataset)
@@ -640,7 +637,8 @@ def main(args: Args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# The number-deciding setup (tokenizer, data, model, DeepSpeed) and the evaluation outputs main writes
+# The number-deciding setup (tokenizer, data, model, DeepSpeed); the evaluation outputs main writes are
+# rlhf_utils/records.py's save_reward_evaluation
 # ---------------------------------------------------------------------------------------------
 
 
@@ -744,97 +742,6 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
         config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
-
-
-def save_reward_evaluation(run, frame, rows, calibration: dict, logit_rows: list, eos_text: str, step: int,
-                           final: bool) -> None:
-    """The outputs of one evaluation: the sample table samples/step_N.csv; after the final one also samples.csv,
-    the Table 5 analogue (eval_table.md / .csv, printed), calibration.csv and the Detail 13 / 18 plots."""
-    if not run.main:
-        return
-    samples = samples_frame(frame, eos_text)
-    run.save_table(samples, f"samples/step_{step:06d}.csv")
-    if final:
-        run.save_table(samples, "samples.csv")
-        table = markdown_table(rows)
-        with open(os.path.join(run.dir, "eval_table.md"), "w") as f:
-            f.write(table + "\n")
-        run.save_table(pd.DataFrame(rows), "eval_table.csv")
-        run.save_table(pd.concat([c.assign(dataset_split=s) for s, c in calibration.items()]), "calibration.csv")
-        save_plots(run.dir, calibration, logit_rows)
-        print(table)
-
-
-def markdown_table(rows: list[dict]) -> str:
-    """The Table 5 analogue as Markdown."""
-    lines = ["| dataset split | metric | key | value | 95% CI | n |", "| --- | --- | --- | ---: | --- | ---: |"]
-    for r in rows:
-        ci = f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]" if "ci_low" in r else ""
-        lines.append(f"| {r['dataset_split']} | {r['group']} | {r['key']} | {r['value']:.4f} | {ci} | {r['n']} |")
-    return "\n".join(lines)
-
-
-def save_plots(run_dir: str, calibration: dict, logit_rows: list[dict]) -> None:
-    """Figure 5 (right) analogue and the Detail 13 per-token reward logits, as PNG files."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 4))
-    lim = max(float(np.abs(c["mean_diff"]).max()) for c in calibration.values())
-    x = np.linspace(-lim, lim, 200)
-    ax.plot(x, 1 / (1 + np.exp(-x)), color="black", label="perfect calibration 1/(1+e^-d)")
-    for split_name, c in calibration.items():
-        line = ax.plot(c["mean_diff"], c["accuracy"], marker="o", label=split_name)[0]
-        for x_, y_, n in zip(c["mean_diff"], c["accuracy"], c["n"]):  # how many pairs each point rests on
-            ax.annotate(f"{n}", (x_, y_), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=6,
-                        color=line.get_color())
-    ax.set_xlabel("score difference d = r(A) - r(B)\n(numbers: pairs per point, each pair in both orders)")
-    ax.set_ylabel("fraction of pairs where raters prefer A")
-    ax.set_title("Reward model calibration (Detail 18)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "calibration.png"), dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, row in enumerate(logit_rows):
-        steps = np.arange(len(row["logits"]))
-        line = ax.plot(steps, row["logits"], marker=".", label=f"sequence {i}")[0]
-        marker = "*" if row["ends_with_eos"] else "x"
-        ax.plot(steps[-1], row["logits"][-1], marker=marker, markersize=14, color=line.get_color())
-    ax.axhline(0.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("response token index (star: EOS, where the reward is read)")
-    ax.set_ylabel("reward logit")
-    ax.set_title("Per-token reward logits (Detail 13)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "reward_logits.png"), dpi=120)
-    plt.close(fig)
-
-
-def samples_frame(frame: pd.DataFrame, eos_text: str) -> pd.DataFrame:
-    """One row per validation response in the project's samples schema, plus the pair's metadata."""
-    out = []
-    for role, other in (("chosen", "rejected"), ("rejected", "chosen")):
-        out.append(pd.DataFrame({
-            "query": frame["query"],
-            "response": frame[role].str.replace(eos_text, "", regex=False),
-            "reference": "",  # preference rows carry no reference summary
-            "score": frame[f"{role}_score"],
-            "response_token_len": frame[f"{role}_token_len"],
-            "has_eos": frame[f"{role}_has_eos"],
-            "role": role,
-            "pair_index": frame.index,
-            "policy": frame[f"{role}_policy"],
-            "other_score": frame[f"{other}_score"],
-            "dataset_split": frame["dataset_split"],
-            "batch": frame["batch"],
-            "split": frame["split"],
-            "confidence": frame["confidence"],
-        }))
-    return pd.concat(out).sort_values(["dataset_split", "pair_index", "role"]).reset_index(drop=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ _here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ]; then
     if [ ! -x "$_here/.venv/bin/python" ]; then
         echo "setup.sh: creating the virtual environment $_here/.venv"
-        python3 -m venv "$_here/.venv" || { echo "setup.sh: python3 -m venv failed (Debian/Ubuntu: apt install python3-venv)"; return 1 2>/dev/null || exit 1; }
+        python3 -m venv "$_here/.venv" || {
+            echo "setup.sh: python3 -m venv failed (Debian/Ubuntu: apt install python3-venv)"
+            return 1 2>/dev/null || exit 1
+        }
     fi
     . "$_here/.venv/bin/activate"
 fi
@@ -21,6 +24,9 @@ if python -c "import torch" >/dev/null 2>&1; then
 else
     _torch="python -m pip install torch==2.13.0"
 fi
-{ $_torch && python -m pip install -r "$_here/requirements.txt"; } >"$_here/.venv-pip.log" 2>&1 \
-    || { tail -n 20 "$_here/.venv-pip.log"; echo "setup.sh: pip failed (full log: $_here/.venv-pip.log)"; return 1 2>/dev/null || exit 1; }
+{ $_torch && python -m pip install -r "$_here/requirements.txt"; } >"$_here/.venv-pip.log" 2>&1 || {
+    tail -n 20 "$_here/.venv-pip.log"
+    echo "setup.sh: pip failed (full log: $_here/.venv-pip.log)"
+    return 1 2>/dev/null || exit 1
+}
 echo "setup.sh: ready ($(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -44,7 +44,7 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from rlhf_utils import models
+from rlhf_utils import models, records
 from rlhf_utils.flags import RunFlags  # the run's flags
 from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
     LastGoodState,
@@ -58,7 +58,6 @@ from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, inpu
     check_query_response,
     due,
     evaluation_rng,
-    frame_markdown,
     leave_processes,
     load_split,
     start_processes,
@@ -335,7 +334,7 @@ def evaluate_and_log_sft(run, args, accelerator, model, tokenizer, eval_datasets
         metrics, table = evaluate_sft(args, accelerator, model, tokenizer, dataset, generation_config, label_column)
         metrics = {f"{prefix}/{key}": value for key, value in metrics.items()}
         summary.update(metrics)
-        write_sft_samples(run, args, split, prefix, step, final, metrics, table)
+        records.write_sft_samples(run, args, split, prefix, step, final, metrics, table)
         run.log(step, {"episode": step * args.total_batch_size, **metrics})
     return summary
 
@@ -445,7 +444,8 @@ def main(args: Args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# The number-deciding setup (tokenizer, data, model, DeepSpeed) and the outputs main writes
+# The number-deciding setup (tokenizer, data, model, DeepSpeed); the sample tables main writes are
+# rlhf_utils/records.py's write_sft_samples
 # ---------------------------------------------------------------------------------------------
 
 
@@ -537,28 +537,6 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
         config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
-
-
-def write_sft_samples(run, args, split: str, prefix: str, step: int, final: bool, metrics: dict,
-                      df: pd.DataFrame) -> None:
-    """The sample table of one evaluation of one split: runs/{run_name}/samples/step_N.csv (and samples.csv after
-    training; `_test` added for the test split), its first --num_table_samples rows in TensorBoard (and W&B) and
-    on the console, with the metrics."""
-    suffix = "" if split == args.eval_split else f"_{split}"
-    run.save_table(df, f"samples/step_{step:06d}{suffix}.csv")
-    if final:
-        run.save_table(df, f"samples{suffix}.csv")
-    table = df.head(args.num_table_samples)[["query", "response", "reference"]]
-    if not run.main:
-        return
-    run.writer.add_text(f"{prefix}/samples", frame_markdown(table), step)  # TensorBoard's text tab
-    if args.run.track:
-        import wandb
-
-        wandb.log({f"{prefix}/samples": wandb.Table(dataframe=df.head(args.num_table_samples))}, step=step)
-    for row in table.itertuples(index=False):
-        tqdm.write(f"[{split} step {step}] query: ...{row.query[-200:]!r}\n  response: {row.response!r}\n  reference: {row.reference!r}")
-    tqdm.write(f"[{split} step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,9 +70,13 @@ GOLD_JUDGE_MODEL = f"gold-judge-{_gold_judge_version()}"
 # --------------------------------------------------------------------------------------------
 # 1. The prompts. Placeholders are `{name}`; every other brace is literal text of the prompt.
 # --------------------------------------------------------------------------------------------
+# A backslash that ends a line inside a prompt continues that line: the prompt has no line break
+# there (it keeps the source within 120 columns).
 # Appendix I of the paper (itself adapted from Rafailov et al., 2023). The seed's backslashes are
 # Python line continuations in the original source, so the sentences run on without a break.
-PAIRWISE_JUDGE_TEMPLATE = """Which of the following summaries does a better job of summarizing the most important points in the given forum post, without including unimportant or irrelevant details? Judge based on accuracy, coverage, and coherence.
+PAIRWISE_JUDGE_TEMPLATE = """Which of the following summaries does a better job of summarizing the most important \
+points in the given forum post, without including unimportant or irrelevant details? Judge based on accuracy, \
+coverage, and coherence.
 
 Post:
 {post}
@@ -83,20 +87,29 @@ Summary A:
 Summary B:
 {summary_b}
 
-FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. SECOND, on a new line, state only "A" or "B" to indicate your choice. Your response should use the format:
+FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. SECOND, on a new \
+line, state only "A" or "B" to indicate your choice. Your response should use the format:
 
 Comparison: <one-sentence comparison and explanation>
 Preferred: <"A" or "B">"""
 
 # Appendix A of the offline-RLHF paper (Hu et al.), with the number of assistants, their names,
 # the question and the answers made placeholders (the paper hard-codes five assistants).
-MULTI_ANSWER_JUDGE_TEMPLATE = """Please act as an impartial judge and evaluate the quality of the responses provided by {num_assistants} AI assistants to the user question. You should choose the assistant that follows the user's instructions and answers the user's questions better. Your evaluation should consider factors such as the helpfulness, relevance, and level of detail of their responses.
+MULTI_ANSWER_JUDGE_TEMPLATE = """Please act as an impartial judge and evaluate the quality of the responses provided \
+by {num_assistants} AI assistants to the user question. You should choose the assistant that follows the user's \
+instructions and answers the user's questions better. Your evaluation should consider factors such as the helpfulness, \
+relevance, and level of detail of their responses.
 
-Begin your evaluation by comparing the {num_assistants} responses and provide a short explanation. Avoid any position biases and ensure that the order in which the responses were presented does not influence your decision. Do not allow the length of the responses to influence your evaluation. Do not favor certain names of the assistants. Be as objective as possible. After providing your explanation, output your final verdict by strictly following this format:
+Begin your evaluation by comparing the {num_assistants} responses and provide a short explanation. Avoid any position \
+biases and ensure that the order in which the responses were presented does not influence your decision. Do not allow \
+the length of the responses to influence your evaluation. Do not favor certain names of the assistants. Be as \
+objective as possible. After providing your explanation, output your final verdict by strictly following this format:
 
 {Assistant name}: {score}, where the range of {score} is 1 to 10.
 
-The answers can have the same score, but you should distinguish them as much as possible. You should give the assistant's scores one by one after all the explanations. The followings are the question and answers of Assistant {assistant_names},
+The answers can have the same score, but you should distinguish them as much as possible. You should give the \
+assistant's scores one by one after all the explanations. The followings are the question and answers of Assistant \
+{assistant_names},
 
 User Question:
 {question}
@@ -108,7 +121,8 @@ MULTI_ANSWER_BLOCK_TEMPLATE = """The answer of Assistant {name}:
 {answer}"""
 
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
-_PLACEHOLDER_RE = re.compile(r"\{(post|summary_a|summary_b|num_assistants|assistant_names|question|answers|name|answer)\}")
+_PLACEHOLDER_RE = re.compile(
+    r"\{(post|summary_a|summary_b|num_assistants|assistant_names|question|answers|name|answer)\}")
 
 
 def number_word(n: int) -> str:
@@ -137,7 +151,8 @@ def _template_regex(template: str, groups: dict[str, str]) -> re.Pattern:
 _PAIRWISE_RE = _template_regex(PAIRWISE_JUDGE_TEMPLATE, {"post": ".*", "summary_a": ".*", "summary_b": ".*"})
 _MULTI_RE = _template_regex(
     MULTI_ANSWER_JUDGE_TEMPLATE,
-    {"num_assistants": r"\w+", "assistant_names": r"[\w, ]+?", "question": ".*?", "answers": "The answer of Assistant .*"},
+    {"num_assistants": r"\w+", "assistant_names": r"[\w, ]+?", "question": ".*?",
+     "answers": "The answer of Assistant .*"},
 )
 
 
@@ -243,9 +258,11 @@ class GoldJudgeServer(ThreadingHTTPServer):
                  latency_s: float, model_name: str):
         check_loopback(host)
         if not (0.0 <= fail_rate and 0.0 <= garbage_rate and fail_rate + garbage_rate <= 1.0):
-            raise ValueError(f"need 0 <= fail_rate, garbage_rate and fail_rate + garbage_rate <= 1, got {fail_rate}, {garbage_rate}")
+            raise ValueError("need 0 <= fail_rate, garbage_rate and fail_rate + garbage_rate <= 1, "
+                             f"got {fail_rate}, {garbage_rate}")
         super().__init__((host, port), _Handler)
-        self.fail_rate, self.garbage_rate, self.latency_s, self.model_name = fail_rate, garbage_rate, latency_s, model_name
+        self.fail_rate, self.garbage_rate = fail_rate, garbage_rate
+        self.latency_s, self.model_name = latency_s, model_name
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._stats = {"requests": 0, "ok": 0, "status_429": 0, "status_500": 0, "garbage": 0, "bad_request": 0}

@@ -189,7 +189,8 @@ def load_raw(local: Optional[str], hub_name: str, config: Optional[str] = None, 
     if local is None:
         return load_dataset(hub_name, config) if config else load_dataset(hub_name)
     if not os.path.isdir(local):
-        raise FileNotFoundError(f"{local} is not a folder; pass a folder holding <split>.jsonl or <split>.parquet files")
+        raise FileNotFoundError(f"{local} is not a folder; "
+                                "pass a folder holding <split>.jsonl or <split>.parquet files")
     data_files = {}
     for name in sorted(os.listdir(local)):
         stem, ext = os.path.splitext(name)
@@ -480,7 +481,8 @@ def process_hh_row(row: dict, tokenizer, args: Args, where: str) -> dict:
     out = {
         "query": query, "query_token": left_pad(q_tokens, args.query_length, pad), "query_token_len": len(q_tokens),
         "query_truncated": truncated,
-        "chosen": " " + chosen.strip(), "chosen_token": right_pad(c_tokens, r_len, pad), "chosen_token_len": len(c_tokens),
+        "chosen": " " + chosen.strip(), "chosen_token": right_pad(c_tokens, r_len, pad),
+        "chosen_token_len": len(c_tokens),
         "rejected": " " + rejected.strip(), "rejected_token": right_pad(r_tokens, r_len, pad),
         "rejected_token_len": len(r_tokens), "chosen_policy": "chosen", "rejected_policy": "rejected",
         "confidence": -1, "is_cnndm": False, "response_too_long": too_long,
@@ -575,7 +577,8 @@ def as_text(value, field: str, where: str, prompt: bool):
             return " ".join(m["content"] for m in value)
         return "".join(f"\n\n{names.get(m.get('role'), str(m.get('role')).capitalize())}: {m['content']}"
                        for m in value) + ASSISTANT
-    raise ValueError(f"{where}: {field!r} is {type(value).__name__}, not text (or a list of chat messages); {FEEDBACK_FIX}")
+    raise ValueError(f"{where}: {field!r} is {type(value).__name__}, not text (or a list of chat messages); "
+                     f"{FEEDBACK_FIX}")
 
 
 def check_feedback_row(row, where: str) -> tuple[str, str, bool]:
@@ -584,17 +587,20 @@ def check_feedback_row(row, where: str) -> tuple[str, str, bool]:
         raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}; {FEEDBACK_FIX}")
     missing = [field for field in ("prompt", "completion", "label") if row.get(field) is None]
     if missing:
-        raise ValueError(f"{where}: missing {', '.join(map(repr, missing))} (the row has {sorted(row)}); {FEEDBACK_FIX}")
+        raise ValueError(f"{where}: missing {', '.join(map(repr, missing))} (the row has {sorted(row)}); "
+                         f"{FEEDBACK_FIX}")
     if not isinstance(row["label"], bool):
         raise ValueError(f"{where}: label is {row['label']!r} ({type(row['label']).__name__}), not a boolean; write it "
                          f"as true (desirable) or false (undesirable)")
-    prompt, completion = as_text(row["prompt"], "prompt", where, True), as_text(row["completion"], "completion", where, False)
+    prompt, completion = (as_text(row["prompt"], "prompt", where, True),
+                          as_text(row["completion"], "completion", where, False))
     if not completion.strip():
         raise ValueError(f"{where}: the completion is empty; a rated response cannot be empty: {FEEDBACK_FIX}")
     return prompt, completion, row["label"]
 
 
-TLDR_FIELDS = re.compile(r"SUBREDDIT: r/(?P<subreddit>.*?)\n\nTITLE: (?P<title>.*?)\n\nPOST: (?P<post>.*)\n\nTL;DR:", re.S)
+TLDR_FIELDS = re.compile(r"SUBREDDIT: r/(?P<subreddit>.*?)\n\nTITLE: (?P<title>.*?)\n\nPOST: (?P<post>.*)"
+                         r"\n\nTL;DR:", re.S)
 
 
 def process_feedback_row(prompt: str, completion: str, label: bool, tokenizer, args: Args, where: str) -> dict:
@@ -705,7 +711,8 @@ def drop_long(dataset, name: str, report: dict):
     n_long = sum(dataset["response_too_long"])
     report[f"{name}_dropped_long_response"] = n_long
     if n_long:
-        print(f"[prepare] {name}: dropped {n_long} rows whose response exceeds its length (--long_response_policy drop)")
+        print(f"[prepare] {name}: dropped {n_long} rows whose response exceeds its length "
+              "(--long_response_policy drop)")
     return dataset.filter(lambda r: not r["response_too_long"]).remove_columns("response_too_long")
 
 
@@ -716,7 +723,8 @@ def check_not_empty(name: str, kept: int, read: int, dropped: dict) -> None:
     if kept:
         return
     if read == 0:
-        raise ValueError(f"{name}: the source split holds no rows; nothing was saved. Add rows to it or remove its file")
+        raise ValueError(f"{name}: the source split holds no rows; nothing was saved. "
+                         "Add rows to it or remove its file")
     reasons = "; ".join(f"{count} {why}" for why, count in dropped.items() if count)
     raise ValueError(f"{name}: no row is left of the {read} rows read ({reasons or 'none dropped'}); nothing was "
                      "saved. Fix the source rows or the flags named here, or remove the split's file")
@@ -987,7 +995,8 @@ def main(args: Args) -> dict:
         "rows": {f"{name}/{split}": len(ds) for name in ("sft", "preference") for split, ds in result[name].items()},
         "max_lengths": {
             "query_token_len": max(max(ds["query_token_len"]) for ds in result["sft"].values()),
-            "reference_response_token_len": max(max(ds["reference_response_token_len"]) for ds in result["sft"].values()),
+            "reference_response_token_len": max(max(ds["reference_response_token_len"])
+                                                for ds in result["sft"].values()),
             "chosen_token_len": max(max(ds["chosen_token_len"]) for ds in result["preference"].values()),
             "rejected_token_len": max(max(ds["rejected_token_len"]) for ds in result["preference"].values()),
         },

@@ -27,6 +27,9 @@ A judge is a remote service that fails, so each question goes through the same p
 Names: LOOPBACK_PLACEHOLDER_KEY, is_loopback_url, resolve_api_key, public_url (the key and the URL); ReplyCache;
 JudgeAPIError, JudgeUnavailableError, BadReply (failures); Outcome (one job's result); duration_s,
 rate_limit_wait_s, Throttle (rate limits); Judge (the async client); run_jobs (the one call the scripts make).
+For online_dpo.py's --judge endpoint: endpoint_client_args (its flags as the client reads them), run_cached_jobs
+(run_jobs with the cache file opened and closed around it), on_main_process (the main process asks, every process
+gets the answer or the same error).
 
 It decides no number a training script computes. It imports RunError from rlhf_utils/run.py (JudgeUnavailableError is an
 expected stop, printed as one paragraph); rlhf_utils/run.py imports nothing of it, so a training run that asks no judge
@@ -45,7 +48,8 @@ import re
 import sqlite3
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import openai
@@ -473,3 +477,45 @@ def run_jobs(args, jobs: list[tuple[str, Callable[[str], object]]], on_done,
         return outcomes, judge.stats
 
     return asyncio.run(go())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# online_dpo.py --judge endpoint: the client's flags, the cache file around run_jobs, the main process's answer
+# ----------------------------------------------------------------------------------------------------------------------
+def endpoint_client_args(endpoint, seed: int, run_dir: str) -> tuple:
+    """online_dpo.py's --endpoint.* flags and its --seed as the client reads them (args.model, args.seed, ...), and
+    the reply cache's file: --endpoint.cache_path, or None -> {run_dir}/judge_cache.sqlite, so a resumed run asks
+    nothing twice."""
+    cache_path = endpoint.cache_path or os.path.join(run_dir, "judge_cache.sqlite")
+    return SimpleNamespace(**asdict(endpoint), seed=seed), cache_path
+
+
+def run_cached_jobs(args, jobs: list[tuple[str, Callable[[str], object]]],
+                    cache_path: str) -> tuple[list[Outcome], dict]:
+    """run_jobs with the reply cache at cache_path, opened for these jobs and closed after, whatever happens; the
+    client's trouble (retries, failed requests) printed in one line (the caller counts the pairs it drops)."""
+    cache = ReplyCache(cache_path)
+    try:
+        outcomes, stats = run_jobs(args, jobs, lambda i, outcome: None, cache)
+    finally:
+        cache.close()
+    if stats["retries"] or stats["api_errors"]:
+        print(f"judge: {stats['requests']} requests, {stats['retries']} retries, {stats['api_errors']} failed")
+    return outcomes, stats
+
+
+def on_main_process(accelerator, ask: Callable[[], object]):
+    """ask() on the main process alone (one client, one cache file), its answer sent to every process. A judge that
+    cannot be used at all (JudgeUnavailableError) stops every process with the same error."""
+    from accelerate.utils import broadcast_object_list  # here: judge.py, which never calls this, runs without it
+
+    payload = [(None, None)]  # (the answer, the error's text)
+    if accelerator.is_main_process:
+        try:
+            payload = [(ask(), None)]
+        except JudgeUnavailableError as error:
+            payload = [(None, str(error))]
+    answer, error = broadcast_object_list(payload)[0]
+    if error is not None:
+        raise JudgeUnavailableError(error)
+    return answer

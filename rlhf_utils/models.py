@@ -9,6 +9,9 @@
   saving      save_pretrained_model (safetensors, ZeRO-3 shards gathered, a full disk named), save_policy (the PPO
               family's policy out of its wrapper), merged_policy (a LoRA policy written as the plain model it
               computes), upload_to_hub
+  ilql.py     save_ilql_model: the LM, its tokenizer, and its V, Q and target-Q heads beside them
+  offline_rl.py
+              push_offline_model: --push_to_hub, under its own default repository name
 
 What it never does: build a model, choose its dtype, dropout, head or adapters, or change a weight a run trains
 with. The scripts decide all of that; a placement here moves tensors and a save writes them, and tests check that
@@ -17,10 +20,13 @@ the saved model computes what the trained one did (merged_policy: tests/test_qlo
 
 import contextlib
 import copy
+import json
+import os
 import sys
 from typing import Callable, Optional
 
 import torch
+from safetensors.torch import save_file
 from transformers.integrations import deepspeed_config, is_deepspeed_zero3_enabled
 
 from rlhf_utils.run import saving
@@ -256,3 +262,39 @@ def upload_to_hub(args) -> None:
     api = HfApi()
     api.create_repo(hub_model_id, exist_ok=True)
     api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# offline_rl.py: the upload of its aligned model
+# ----------------------------------------------------------------------------------------------------------------------
+def push_offline_model(args) -> None:
+    """offline_rl.py's --push_to_hub: upload --output_dir (--hub_model_id None ->
+    f"{sft model name}__{exp_name}__{method}__{seed}"). Main process only, after save_pretrained_model."""
+    from huggingface_hub import HfApi  # only with --push_to_hub
+
+    hub_model_id = args.run.hub_model_id or (
+        f"{os.path.basename(args.sft_model_path.rstrip('/'))}__{args.exp_name}__{args.method}__{args.seed}"
+    )
+    api = HfApi()
+    api.create_repo(hub_model_id, exist_ok=True)
+    api.upload_folder(folder_path=args.output_dir, repo_id=hub_model_id)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# ilql.py: the LM and its ILQL heads
+# ----------------------------------------------------------------------------------------------------------------------
+def save_ilql_model(accelerator, model, tokenizer, args) -> None:
+    """ilql.py's model: the LM (safetensors) and its tokenizer in --output_dir (save_pretrained_model: ZeRO-3 shards
+    gathered, a full disk named), the V, Q and target-Q heads next to it in ilql_heads.safetensors with the sampling
+    settings in ilql_heads.json."""
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = save_pretrained_model(accelerator, model, unwrapped.lm, tokenizer, args.output_dir, prefix="lm.")
+    if not accelerator.is_main_process:
+        return
+    heads_state = {k[len("heads."):]: v.contiguous() for k, v in state_dict.items() if k.startswith("heads.")}
+    with saving(args.output_dir, "the ILQL heads", sum(v.numel() * v.element_size() for v in heads_state.values()),
+                "Free space there, then run again (--resume: from the newest checkpoint, if any)"):
+        save_file(heads_state, os.path.join(args.output_dir, "ilql_heads.safetensors"))
+        with open(os.path.join(args.output_dir, "ilql_heads.json"), "w") as f:
+            json.dump({"hidden_size": unwrapped.lm.config.hidden_size, "two_qs": args.ilql.two_qs,
+                       "beta": args.beta, "top_k": args.top_k, "temperature": args.eval_temperature}, f, indent=2)

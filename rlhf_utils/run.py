@@ -22,6 +22,13 @@ losses, metrics, how models are built and saved); this module keeps what only se
                     non-finite guard; due: whether an action done every N updates falls on this one
   the fallback      LastGoodState: after a non-finite value, the state after the last good update as a checkpoint
   outputs           save_pretrained_model, upload_to_hub, frame_markdown; saving: a full disk named, for every save
+  ilql.py           check_ilql_flags: its refusals; check_response_starts: its responses start at query_token_len;
+                    resumable_accelerator: its Accelerator, from the accumulation count, data seed and bf16 that
+                    the script decides
+  offline_rl.py     check_offline_flags, check_round_size: its refusals; check_preference_columns
+                    (OFFLINE_PREFERENCE_COLUMNS): the preference split its mixture reads; load_or_build_mixture
+                    (mixture_key, path_fingerprint): the cache of its labelled mixture under --cache_dir, whose
+                    content the script's build_mixture decides
 
 judge.py imports its input checks and RunError from here as well. The judge's HTTP client (judge.py, online_dpo.py
 --judge endpoint) is rlhf_utils/judge_client.py, which imports RunError from here; this module imports nothing of it (nor
@@ -51,8 +58,8 @@ import pandas as pd
 import psutil
 import pyarrow.compute
 import torch
-from accelerate import PartialState
-from accelerate.utils import broadcast_object_list
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list
 from datasets import load_dataset, load_from_disk
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoTokenizer
@@ -884,3 +891,171 @@ def frame_markdown(df: pd.DataFrame) -> str:
     lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# offline_rl.py: its refusals and input checks, and the cache of its labelled mixture
+# ----------------------------------------------------------------------------------------------------------------------
+def check_offline_flags(args, gradient_accumulation_steps: int) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded. gradient_accumulation_steps: the value
+    the batch sizes give, total_batch_size / (local_micro_batch_size * world_size)."""
+    check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
+    if args.iterations < 1:
+        raise RunError(f"--iterations must be >= 1, got {args.iterations}")
+    if args.method != "best_of_n" and args.iterations != 1:
+        raise RunError("--iterations > 1 re-samples from the updated policy: only --method best_of_n does that")
+    if args.rwr_beta <= 0 or args.rwr_max_weight <= 0:
+        raise RunError("--rwr_beta and --rwr_max_weight must be positive")
+    if args.n < 1:
+        raise RunError(f"--n must be >= 1, got {args.n}")
+    target_percentile = [args.dt_target_percentile] if args.dt_target_percentile is not None else []
+    percentiles = list(args.dt_eval_percentiles) + target_percentile
+    if any(not 0 <= p <= 100 for p in percentiles):
+        raise RunError("--dt_eval_percentiles and --dt_target_percentile are percentiles in [0, 100], "
+                       f"got {percentiles}")
+
+
+# the columns of the preference split offline_rl.py's mixture reads
+OFFLINE_PREFERENCE_COLUMNS = ["query", "query_token", "chosen", "rejected", "chosen_token", "rejected_token",
+                              "chosen_token_len", "rejected_token_len"]
+
+
+def check_preference_columns(preference, args) -> None:
+    """check_columns for the preference split the mixture reads. query_token may mix query lengths (build_mixture
+    leaves rows of another length out), so only its presence is checked; the response columns must have one length."""
+    where = f"{args.preference_dataset} split {args.preference_split!r}"
+    check_columns(preference, [c for c in OFFLINE_PREFERENCE_COLUMNS if c != "query_token"], where)
+    if "query_token" not in preference.column_names:
+        check_columns(preference, ["query_token"], where)  # raises the missing-column error
+
+
+def check_round_size(args, samples_per_round: int, episodes_per_round: int, updates_per_round: int,
+                     num_prompts: int) -> None:
+    """A round must fill at least one update batch (best-of-n: with prompts of the train split)."""
+    if args.method == "best_of_n" and samples_per_round > num_prompts:
+        raise RunError(f"--bon_num_prompts {samples_per_round} > {num_prompts} prompts in {args.train_split}")
+    if updates_per_round == 0:
+        raise RunError(f"{episodes_per_round} training samples do not fill one update of {args.total_batch_size}")
+    if samples_per_round < args.total_batch_size:
+        raise RunError(f"{samples_per_round} training samples are fewer than one batch of {args.total_batch_size}")
+
+
+def path_fingerprint(path: str) -> str:
+    """What identifies a model or dataset for the cache: a local folder's file names, sizes and modification
+    times (so a retrained model at the same path invalidates the cache), or the hub name itself."""
+    if not os.path.isdir(path):
+        return path
+    entries = []
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            stat = os.stat(os.path.join(root, name))
+            entries.append(f"{os.path.relpath(os.path.join(root, name), path)}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
+
+
+def mixture_key(args) -> dict:
+    """Every argument offline_rl.py's mixture depends on; a cached mixture is reused only when all of them match."""
+    def where(path: str) -> str:  # a local folder by its absolute path, a hub name as it is
+        return os.path.abspath(path) if os.path.isdir(path) else path
+
+    return {
+        "sft_model_path": where(args.sft_model_path),
+        "sft_model_fingerprint": path_fingerprint(args.sft_model_path),
+        "reward_model_path": where(args.reward_model_path),
+        "reward_model_fingerprint": path_fingerprint(args.reward_model_path),
+        "query_dataset": where(args.query_dataset),
+        "query_dataset_fingerprint": path_fingerprint(args.query_dataset),
+        "preference_dataset": where(args.preference_dataset),
+        "preference_dataset_fingerprint": path_fingerprint(args.preference_dataset),
+        "train_split": args.train_split,
+        "preference_split": args.preference_split,
+        "response_length": args.response_length,
+        "mixture_size": args.mixture_size,
+        "mixture_weights": list(args.mixture_weights),
+        "mixture_temperature": args.mixture_temperature,
+        "non_eos_penalty": args.non_eos_penalty,
+        "penalty_reward_value": args.penalty_reward_value,
+        "seed": args.seed,
+    }
+
+
+def load_or_build_mixture(args, accelerator, build) -> tuple:
+    """offline_rl.py's labelled mixture: the cached one under --cache_dir when its recorded arguments (mixture_key)
+    match, else build() -> (dataset, stats), the script's build_mixture, saved by the main process. Returns the
+    dataset and its stats, with mixture/cache_hit."""
+    key = mixture_key(args)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    folder = os.path.join(args.cache_dir, "mixture_" + digest[:16])
+    meta_path = os.path.join(folder, "meta.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta["args"] == key:
+            accelerator.print(f"[mixture] reusing {folder}")
+            return load_from_disk(os.path.join(folder, "dataset")), {**meta["stats"], "mixture/cache_hit": 1}
+        accelerator.print(f"[mixture] {folder} was built with other arguments; rebuilding it")
+    dataset, stats = build()
+    if accelerator.is_main_process:
+        os.makedirs(folder, exist_ok=True)
+        dataset.save_to_disk(os.path.join(folder, "dataset"))
+        with open(meta_path, "w") as f:  # written last: its presence marks a complete cache
+            json.dump({"args": key, "stats": stats}, f, indent=2)
+    accelerator.wait_for_everyone()
+    return dataset, {**stats, "mixture/cache_hit": 0}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# ilql.py: its refusals, the check that its responses start at query_token_len, and its accelerator's plumbing
+# ----------------------------------------------------------------------------------------------------------------------
+def check_ilql_flags(args, gradient_accumulation_steps: int) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded. gradient_accumulation_steps: the value
+    the batch sizes give, total_batch_size / (local_micro_batch_size x world_size)."""
+    check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
+    if args.eval_temperature <= 0:
+        raise RunError(f"--eval_temperature must be positive, got {args.eval_temperature}")
+    if args.ilql.steps_for_target_q_sync < 1:
+        raise RunError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
+    if args.reward_source == "rm" and args.reward_model_path is None:
+        raise RunError("--reward_source rm needs --reward_model_path")
+
+
+def check_response_starts(pairs, pad_token_id: int, where: str, chunk: int = 4096) -> None:
+    """Bad input: ilql.py's action_positions takes each response's start from query_token_len, the loss its tokens from
+    the label column (the response tokens, [PAD] elsewhere). The two must agree: in every row and for each side of the
+    pair, the labelled tokens form one run that starts at index query_token_len. Where they do not (a query_token_len
+    from another tokenization, a label column written by other code), every state and action of the row would be
+    read at the wrong token without an error; this stops at the first such row, naming it."""
+    for side in ("chosen", "rejected"):
+        column = f"query_{side}_token_response_label"
+        for first_row in range(0, len(pairs), chunk):
+            rows = pairs.select_columns([column, "query_token_len"]).with_format("numpy")[first_row : first_row + chunk]
+            labelled = np.asarray(rows[column]) != pad_token_id  # (N, T)
+            starts = np.where(labelled.any(1), labelled.argmax(1), -1)  # first labelled index; -1 = none
+            ends = labelled.shape[1] - labelled[:, ::-1].argmax(1)  # one past the last labelled index
+            query_lengths = np.asarray(rows["query_token_len"])
+            bad = np.flatnonzero((starts != query_lengths) | (ends - starts != labelled.sum(1)))
+            if bad.size:
+                i = int(bad[0])
+                found = "no response token" if starts[i] < 0 else f"its first response token at index {starts[i]}" + (
+                    "" if ends[i] - starts[i] == labelled[i].sum() else " and [PAD] gaps inside the response")
+                raise RunError(
+                    f"{where} row {first_row + i} ({side}): query_token_len is {int(query_lengths[i])} but {column!r} "
+                    f"has {found}; the response must start at query_token_len and run without a gap, or ILQL reads its "
+                    "states and actions at the wrong tokens. Prepare the data again with data/prepare.py, which writes "
+                    "the labels and query_token_len together"
+                )
+
+
+def resumable_accelerator(gradient_accumulation_steps: int, data_seed: int, bf16: bool) -> Accelerator:
+    """ilql.py's Accelerator, from the numbers the script decides: gradient accumulation over
+    gradient_accumulation_steps micro batches, the data order seeded with data_seed, bf16 autocast or none."""
+    return Accelerator(
+        # sync on the micro-step count only: an update may straddle two epochs (--total_episodes)
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        # the shuffled order of pass e over the data is a function of (seed, e) alone, so a resumed run can
+        # rebuild the pass it was in and skip the micro batches already used (see resumable_micro_batches)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed),
+        mixed_precision="bf16" if bf16 else "no",
+    )

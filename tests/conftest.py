@@ -34,34 +34,38 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # The environment of every training subprocess a test starts: one thread each, whatever the caller exported, and the
 # repository on the module path, so that a script run from elsewhere (tests/mp_probe.py loads one by its path; runpy
-# runs one from a temporary folder) still imports run_module.py beside it.
+# runs one from a temporary folder) still imports the rlhf_utils package beside it.
 # A test that needs more (e.g. ACCELERATE_USE_CPU for torchrun on a CPU) extends it: {**ENV, "NAME": "value"}.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
 
 
-RUN_MODULE = "run_infra"  # the run module every training script imports (run_module.py)
+RUN_MODULE = "rlhf_utils.run"  # the run module every training script imports (rlhf_utils/run.py)
 
 
 def constructs_run(tree: ast.Module) -> bool:
-    """Whether a module calls the run module's `Run`: `Run(...)` after `from rlhf_utils.run import Run` (under any alias),
-    or `run_module.Run(...)` after `import run_infra` (under any alias). A class of its own named Run does not count."""
-    run_names, module_names = set(), set()
+    """Whether a module calls the run module's `Run`: `Run(...)` after `from rlhf_utils.run import Run` (under any
+    alias), or `run.Run(...)` after `from rlhf_utils import run` (under any alias), `import rlhf_utils.run as run` or
+    `import rlhf_utils.run` (then `rlhf_utils.run.Run(...)`). A class of its own named Run does not count."""
+    package, _, name = RUN_MODULE.rpartition(".")
+    run_names, module_names = set(), set()  # the names the Run class and the run module are bound to
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == RUN_MODULE:
+        if isinstance(node, ast.ImportFrom) and node.module == RUN_MODULE and node.level == 0:
             run_names |= {alias.asname or alias.name for alias in node.names if alias.name == "Run"}
+        elif isinstance(node, ast.ImportFrom) and node.module == package and node.level == 0:
+            module_names |= {alias.asname or alias.name for alias in node.names if alias.name == name}
         elif isinstance(node, ast.Import):
             module_names |= {alias.asname or alias.name for alias in node.names if alias.name == RUN_MODULE}
     return any(isinstance(node, ast.Call) and (
         (isinstance(node.func, ast.Name) and node.func.id in run_names)
-        or (isinstance(node.func, ast.Attribute) and node.func.attr == "Run" and isinstance(node.func.value, ast.Name)
-            and node.func.value.id in module_names))
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == "Run"
+            and ast.unparse(node.func.value) in module_names))
         for node in ast.walk(tree))
 
 
 def training_scripts(root: str = REPO_ROOT) -> list:
     """The training scripts, found rather than listed: every top-level *.py of the repository that defines a
-    top-level `main` and constructs the run module's run object (`Run(...)` from run_infra). A new or renamed fork
+    top-level `main` and constructs the run module's run object (`Run(...)` from rlhf_utils.run). A new or renamed fork
     joins every test that uses this list by existing. File names, sorted."""
     found = []
     for path in sorted(glob.glob(os.path.join(root, "*.py"))):
@@ -159,9 +163,9 @@ def assert_last_good_checkpoint(checkpoints, update: int) -> dict:
 
 
 # A training run with one NaN planted in an otherwise ordinary run: the quantities of the `call`-th run.guard of
-# `update` become NaN (the script runs in a Python whose run_module.Run.guard is wrapped so). Every script guards its
-# loss before the backward pass that would use it, so this stops a run where a NaN loss would. A resumed run, without
-# the plant, trains on.
+# `update` become NaN (the script runs in a Python whose rlhf_utils.run.Run.guard is wrapped so). Every script guards
+# its loss before the backward pass that would use it, so this stops a run where a NaN loss would. A resumed run,
+# without the plant, trains on.
 NAN_AT = """
 import runpy, sys, torch; from rlhf_utils import run as run_module
 guard, calls = run_module.Run.guard, []
@@ -285,7 +289,7 @@ def ci_pipeline(tmp_path_factory) -> tuple:
     upstream (the pipeline's own layout, which ablate.py would otherwise make with the same stages). The tests that use
     it are one xdist_group("ci_pipeline"), so that one worker runs it once."""
     root = tmp_path_factory.mktemp("ci_pipeline")
-    out, fork = root / "qs", root / "forks" / "my_rloo.py"  # a fork kept outside the project still imports run_infra
+    out, fork = root / "qs", root / "forks" / "my_rloo.py"  # a fork kept outside the project still imports rlhf_utils
     fork.parent.mkdir()
     fork.write_text(open(os.path.join(REPO_ROOT, "rloo.py")).read())
     cmd = [sys.executable, os.path.join(REPO_ROOT, "pipeline.py"), "--mode", "ci", "--out", str(out), "--extra",

@@ -23,7 +23,7 @@ from accelerate import Accelerator
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 script, out_dir = sys.argv[1], sys.argv[2]
 argv = sys.argv[4:] if len(sys.argv) > 3 and sys.argv[3] == "--" else sys.argv[3:]
-sys.path.insert(0, REPO_ROOT)  # the scripts import run_module.py from the repository root
+sys.path.insert(0, REPO_ROOT)  # the scripts import rlhf_utils from the repository root
 spec = importlib.util.spec_from_file_location(script, os.path.join(REPO_ROOT, f"{script}.py"))
 module = importlib.util.module_from_spec(spec)
 sys.modules[script] = module  # tyro reads the docstrings of nested dataclasses through the module
@@ -42,7 +42,7 @@ def recording_prepare(self, *objects, **kwargs):
 
 
 Accelerator.prepare = recording_prepare
-module.main(tyro.cli(module.Args, args=argv))
+module.main(tyro.cli(module.Args, args=argv, use_underscores=True))  # as the scripts parse their flags
 
 weights, engines, checkpointing = {}, [], []
 for i, (accelerator, obj) in enumerate(prepared):
@@ -59,7 +59,7 @@ os.makedirs(out_dir, exist_ok=True)
 torch.save({"weights": weights, "initial_seed": torch.initial_seed(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             "engines": engines, "checkpointing": checkpointing, "zero_stage": plugin.zero_stage if plugin is not None else None},
            os.path.join(out_dir, f"rank{rank}.pt"))
-# leave together, once every rank's record is written, the way the scripts leave after main() (run_infra's
+# leave together, once every rank's record is written, the way the scripts leave after main() (rlhf_utils.run's
 # leave_processes: the exit handlers, then no interpreter teardown, where a ZeRO-3 rank could abort)
 if torch.distributed.is_initialized():
     torch.distributed.barrier()

@@ -494,7 +494,7 @@ def test_references_carry_a_habit_the_gold_judge_penalises():
 
 # ---------------------------------------------------------------- issue 40: what a resume compares, what every script checks
 def test_a_byte_identical_re_prepare_is_the_same_input_and_other_lengths_are_not(tmp_path, synthetic_task):
-    """The training runs save a content hash of each prepared folder they read in their checkpoints (run_infra's
+    """The training runs save a content hash of each prepared folder they read in their checkpoints (rlhf_utils.run's
     content_digest): preparing again with the same flags writes the same bytes, so a resume on it goes on; another
     --query_length is other data, which a resume refuses. The prepared splits also pass the shared check that every
     response starts where its query ends (check_query_response)."""
@@ -553,7 +553,7 @@ def test_a_damaged_local_jsonl_names_file_and_line_and_saves_nothing(tmp_path, s
 def test_a_damaged_prepared_split_is_one_error_naming_its_folder_and_the_fix(tmp_path, synthetic_task, damage):
     import shutil
 
-    from conftest import load_script
+    from rlhf_utils.run import RunError, load_split  # every script's one load_split
 
     data = tmp_path / "sft"
     shutil.copytree(synthetic_task["sft"], data)
@@ -563,13 +563,12 @@ def test_a_damaged_prepared_split_is_one_error_naming_its_folder_and_the_fix(tmp
         os.truncate(arrow, size // 2)
     else:
         arrow.write_bytes(bytes(size))
-    sft = load_script("sft")  # load_split is the same code in every script (tests/test_shared_helpers.py)
-    assert len(sft.load_split(synthetic_task["sft"], "train")) > 0  # the intact task loads
-    with pytest.raises(sft.RunError) as error:
-        sft.load_split(str(data), "train")
+    assert len(load_split(synthetic_task["sft"], "train")) > 0  # the intact task loads
+    with pytest.raises(RunError) as error:
+        load_split(str(data), "train")
     message = str(error.value)
     assert message.startswith(f"the prepared data in {data / 'train'} cannot be read: ")
     assert "prepare it again with data/prepare.py" in message and "\n" not in message
     assert ("OSError: Expected to be able to read" if damage == "truncated" else "ArrowInvalid") in message
-    with pytest.raises(sft.RunError, match=re.escape(f"the prepared data in {data / 'train'} cannot be read")):
-        sft.load_split(str(data), "validation")  # another split of the folder: the damaged one is named
+    with pytest.raises(RunError, match=re.escape(f"the prepared data in {data / 'train'} cannot be read")):
+        load_split(str(data), "validation")  # another split of the folder: the damaged one is named

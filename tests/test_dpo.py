@@ -18,6 +18,8 @@ from accelerate import Accelerator
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlhf_utils import records
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_COLUMNS = ["query", "response", "reference", "score", "response_token_len", "has_eos"]
 PAD, EOS = 1, 2
@@ -220,7 +222,7 @@ def test_implicit_reward_breakdown_table():
     assert keyed[("accuracy by confidence", "9")]["value"] == pytest.approx(1 / 3)
     assert keyed[("accuracy by split", "valid2")]["value"] == 0.5
     assert keyed[("reward", "max")]["value"] == 0.6 and keyed[("reward", "max")]["n"] == 8
-    markdown = dpo.breakdown_markdown(rows)
+    markdown = records.breakdown_markdown(rows)  # (rlhf_utils/records.py)
     assert markdown.splitlines()[0] == "| dataset split | metric | key | value | n |"
     assert "| validation | accuracy | overall | 0.5000 | 4 |" in markdown
 

@@ -2,9 +2,9 @@
 memory and come to the device once per phase (a rollout, an evaluation), not around every chunk of it. On the CPU
 the by-hand offload is off (the models already live there), so these tests give the placement its target device
 themselves: the CPU, to count the moves of a rollout and an evaluation on tiny models (a move to the CPU computes
-what a move to a GPU computes); where a GPU is present, the pinned copies are checked too. placed_on and
-eval_samples are copies in ppo.py, rloo.py and grpo.py (tests/test_shared_helpers.py keeps them identical), so
-ppo.py's stand for all."""
+what a move to a GPU computes); where a GPU is present, the pinned copies are checked too. placed_on lives once, in
+rlhf_utils/models.py; rollout and eval_samples, which call it, are copies in ppo.py, rloo.py, grpo.py and
+reinforce_pp.py (tests/test_shared_helpers.py keeps them identical), so ppo.py's stand for all."""
 
 import contextlib
 from types import SimpleNamespace
@@ -15,6 +15,8 @@ from accelerate import Accelerator
 from conftest import load_script
 from datasets import Dataset
 from transformers import GenerationConfig, GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+from rlhf_utils import models
 
 ppo = load_script("ppo")
 PAD, EOS, VOCAB = 19, 3, 20
@@ -34,11 +36,11 @@ def test_placed_on_pins_once_on_a_gpu():
     pins nothing new and copies nothing back (the very storage of the first)."""
     ref = tiny(GPTNeoXForCausalLM, 2)
     values = [p.detach().clone() for p in ref.parameters()]
-    with ppo.placed_on((ref, None), torch.device("cuda")):  # None: LoRA's reference, nothing to move
+    with models.placed_on((ref, None), torch.device("cuda")):  # None: LoRA's reference, nothing to move
         assert all(p.is_cuda for p in ref.parameters())
     pinned = [p.data_ptr() for p in ref.parameters()]
     assert all(p.is_pinned() and not p.is_cuda and torch.equal(p, v) for p, v in zip(ref.parameters(), values))
-    with ppo.placed_on((ref,), torch.device("cuda")):
+    with models.placed_on((ref,), torch.device("cuda")):
         assert all(p.is_cuda for p in ref.parameters())
     assert [p.data_ptr() for p in ref.parameters()] == pinned  # pinned at the first move only
 
@@ -59,7 +61,7 @@ def test_offload_moves_the_frozen_models_once_per_rollout_and_once_per_evaluatio
     torch.manual_seed(1)
     queries = torch.randint(4, 18, (6, 5))
     eval_dataset = Dataset.from_dict({"query_token": queries.tolist(), "reference_response": ["r"] * 6})
-    moves, original = [], ppo.placed_on
+    moves, original = [], models.placed_on
 
     @contextlib.contextmanager
     def counted(models, device):
@@ -75,7 +77,7 @@ def test_offload_moves_the_frozen_models_once_per_rollout_and_once_per_evaluatio
         return data, ppo.eval_samples(args, accelerator, model, [reward_model], eval_dataset, tokenizer, config,
                                       bring_frozen_to=device, reward_fn=None)
 
-    monkeypatch.setattr(ppo, "placed_on", counted)
+    monkeypatch.setattr(models, "placed_on", counted)  # (ppo.py calls models.placed_on)
     plain = phases(None)
     assert moves == []
     offloaded = phases(torch.device("cpu"))

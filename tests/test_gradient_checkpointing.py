@@ -1,4 +1,5 @@
-"""--gradient_checkpointing (run_module.checkpointed) and the per-size recipe of the README (issue 52, item 3).
+"""--gradient_checkpointing (rlhf_utils/models.py: checkpointed) and the per-size recipe of the README (issue 52,
+item 3).
 
 - Every training script has the flag, off by default, with one help text, and passes it to checkpointed() for the
   models it trains.
@@ -21,12 +22,12 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, tiny_causal_lm, training_scripts
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 import measure_memory  # noqa: E402
-from rlhf_utils.run import checkpointed  # noqa: E402
+
+from rlhf_utils.models import checkpointed  # noqa: E402
 
 
 def args_field(tree: ast.Module, name: str):
@@ -47,8 +48,8 @@ def test_every_training_script_has_the_flag_and_passes_it_on():
         assert field is not None, f"{script} has no --gradient_checkpointing"
         default, helps[script] = field
         assert default is False, f"{script}: --gradient_checkpointing must be off by default (the paper's runs)"
-        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-                 and getattr(node.func, "id", None) == "checkpointed"]
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)  # (models.checkpointed, or imported)
+                 and ast.unparse(node.func) in ("checkpointed", "models.checkpointed")]
         assert any(ast.unparse(call.args[1]) == "args.gradient_checkpointing" for call in calls), \
             f"{script} never passes --gradient_checkpointing to checkpointed()"
     assert len(set(helps.values())) == 1, "one help text for the one flag"

@@ -65,7 +65,7 @@ def test_reward_is_the_score_and_the_kl_stays_out_of_it():
     assert out.mask.sum(1).tolist() == [2, 4, 1, 3]
     # the logged KL is the rollout's k1 over the kept tokens; the reward holds none of it
     assert out.kl.sum(1).tolist() == pytest.approx([(1 - 0.5) + (1 - 0.25), 4 * (1 - 0.5), 0.0, 3 * (1 - 0.25)])
-    assert (out.non_score_reward == 0).all()
+    assert out.objective() == {}  # nothing of GRPO's own beside the score: no KL penalty in the reward to log
     # another reference, another kl_coef: the same scores and advantages
     args.grpo.kl_coef = 10.0
     data = dataclasses.replace(data, ref_logprobs=torch.full((4, 4), -5.0))
@@ -195,11 +195,11 @@ def test_smoke_with_options(synthetic_task, tiny_models, tmp_path):
     # the budget it claims (--total_episodes 16: sampled responses) is what it sampled: 2 prompts x 4 an update
     assert [m["budget/responses_sampled"] for m in train] == [8, 16] and summary["budget/responses_sampled"] == 16
     assert summary["budget/prompts"] == 4 and summary["budget/updates"] == 2
-    for key in ("objective/kl", "objective/scores", "objective/rlhf_reward", "grpo/policy/approxkl_avg",
+    for key in ("objective/kl", "objective/scores", "grpo/policy/approxkl_avg",
                 "grpo/policy/clipfrac_avg", "grpo/loss/policy_avg", "grpo/loss/ptx_avg", "grpo/kl", "train/lr", "episode"):
         assert key in train[0], key
-    for row in train:  # the reward holds no KL
-        assert row["objective/non_score_reward"] == 0 and row["objective/rlhf_reward"] == row["objective/scores"]
+    for row in train:  # the reward holds no KL: no always-zero penalty is logged, the score is the reward
+        assert "objective/non_score_reward" not in row and "objective/rlhf_reward" not in row
     assert train[1]["objective/kl_coef"] != train[0]["objective/kl_coef"]  # the adaptive controller moved
     assert train[0]["grpo/loss/ptx_avg"] > 0 and train[1]["grpo/kl"] > 0  # the policy left the reference
     assert (tmp_path / "policy_smoke" / "model.safetensors").exists()

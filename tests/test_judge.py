@@ -26,8 +26,8 @@ from data import gold_judge_server as gjs  # noqa: E402
 from data.synthetic import gold_prefer, make_post, policy_summary, reference_summary  # noqa: E402
 
 judge = load_script("judge")
-from rlhf_utils import run as run_module  # noqa: E402  (the run infrastructure the scripts import)
 from rlhf_utils import judge_client  # noqa: E402  (the judge's HTTP client judge.py imports)
+from rlhf_utils import run as run_module  # noqa: E402  (the run infrastructure the scripts import)
 
 POLICIES = ["good", "drop", "short", "filler", "runon", "invent", "title", "ref"]
 
@@ -883,7 +883,7 @@ def test_agreement_mode_matches_hand_computation(tmp_path, synthetic_task):
                                         local_micro_batch_size=5))
         asked = server.request_count
     pairs = pd.read_csv(tmp_path / "out" / "agreement_pairs.csv", keep_default_na=False)
-    ds = judge.load_split(synthetic_task["preference"], "validation").select(range(16))
+    ds = run_module.load_split(synthetic_task["preference"], "validation").select(range(16))
     # by hand: the gold verdict and the RM's scores, one pair at a time, unbatched. A score is the score head's
     # output at the row's last real token (its EOS: rows are query + response + EOS, right-padded), here through the
     # model's own forward on the row without its padding, so no mask, position or index of judge.py's is involved

@@ -166,5 +166,5 @@ def field_help(script: str, cls: str, name: str) -> tuple:
 
 def test_the_patience_is_one_flag_with_one_help_in_every_script_that_asks_a_judge():
     ours = field_help("judge.py", "Args", "rate_limit_patience")
-    assert field_help("online_dpo.py", "EndpointArgs", "rate_limit_patience") == ours
+    assert field_help("rlhf_utils/flags.py", "EndpointFlags", "rate_limit_patience") == ours  # online_dpo.py's
     assert ours[0] == 600.0 and "429" in ours[1]

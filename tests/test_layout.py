@@ -1,42 +1,93 @@
-"""One layout in every training script, and the size targets of issues 39 and 49, committed so that they keep holding.
+"""One layout in every training script, the package of what decides no number, and the size targets of issues 39,
+49 and 62, committed so that they keep holding.
 
 Layout: module docstring (the numbered steps) -> Args -> the algorithm's pieces ->
 `main` -> its optional features and the number-deciding setup -> the helpers copied from other scripts. No banner;
-every script imports the run module (run_module.py), whatever decides no number lives there once, and no script
-defines a name of its own that the run module defines.
+every script imports the run module (rlhf_utils/run.py), and whatever decides no number lives once in the package
+rlhf_utils/ (INFRASTRUCTURE: no training script nor judge.py defines one of its names), each of whose modules opens
+with a docstring that says what it holds and what it never does. The top level holds the scripts, data/, tests/,
+tools/, docs/, the pipeline's entry points and rlhf_utils/, and nothing else in Python.
 
 Targets, in lines of code (issue 49: count code, not comments; tools/code_lines.py says what a line of code is:
 comments, docstrings and blank lines do not count, and this file measures with it): every training script <= 950
-(online_dpo.py <= 1,050); run_module.py <= 600; every `main` <= 100 (its docstring not counted); the forks' code diffs
-(`diff` of the two files reduced to their lines of code, the lines starting with < or >): ppo.py->rloo.py <= 160,
-rloo.py->grpo.py <= 150, rloo.py->reinforce_pp.py <= 110, dpo.py->kto.py <= 280, dpo.py->online_dpo.py <= 470; no
-top-level definition that its script never uses.
+(online_dpo.py <= 1,050); every `main` <= 100 (its docstring not counted); the forks' code diffs (`diff` of the two
+files reduced to their lines of code, the lines starting with < or >): ppo.py->rloo.py <= 160, rloo.py->grpo.py <=
+150, rloo.py->reinforce_pp.py <= 110, dpo.py->kto.py <= 280, dpo.py->online_dpo.py <= 470; no top-level definition
+that its script never uses. Only the scripts have a size cap: no module outside them has one (issue 62).
+
+The command lines: every script's --help flags are the committed list tests/help_flags.json (tools/help_flags.py
+writes it), and --help shows the run's flags as their own group with flat names, spelled with underscores.
 
 The training scripts are found (conftest.training_scripts), not listed: a fork meets every rule here by existing."""
 
 import ast
+import contextlib
+import dataclasses
+import functools
+import io
+import json
 import os
+import re
+import runpy
 import sys
 from collections import defaultdict
 
 import pytest
 from conftest import REPO_ROOT, RUN_MODULE, training_scripts
-from test_shared_helpers import (JUDGE_CLIENT, imported_modules, read_sources, shared_copies, sharing_scripts,
-                                 top_level_sources)
+from test_shared_helpers import (
+    JUDGE_CLIENT,
+    OLD_MODULES,
+    PACKAGE,
+    module_path,
+    package_modules,
+    read_sources,
+    repository_imports,
+    shared_copies,
+    sharing_scripts,
+    top_level_nodes,
+)
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 # one counter serves the tool and the targets: tools/code_lines.py
 from code_lines import FORKS, code_diff, code_lines, count, count_in, first_line  # noqa: E402
 
+# the committed list of every script's --help flags and the one reader of them: tools/help_flags.py
+from help_flags import HELP_FLAGS_FILE, script_flags  # noqa: E402
+
 SCRIPTS = training_scripts()
 BANNER = "TRY NOT TO MODIFY"
-# the targets, in lines of code (tools/code_lines.py)
+# the targets, in lines of code (tools/code_lines.py); only the scripts have one
 MAX_CODE_LINES, MAX_CODE_LINES_OF = 950, {"online_dpo.py": 1050}
 MAX_MAIN_CODE_LINES = 100
-MAX_RUN_MODULE_CODE_LINES = 600
 MAX_CODE_DIFF = {("ppo.py", "rloo.py"): 160, ("rloo.py", "grpo.py"): 150, ("rloo.py", "reinforce_pp.py"): 110,
                  ("dpo.py", "kto.py"): 280, ("dpo.py", "online_dpo.py"): 470}
 DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def package_names() -> dict:
+    """name -> the rlhf_utils modules that define it at top level (a function, class or assigned name; dunders such
+    as __all__ left out)."""
+    out = defaultdict(list)
+    for module in package_modules():
+        for name in top_level_nodes(open(module_path(module)).read()):
+            if not (name.startswith("__") and name.endswith("__")):
+                out[name].append(module)
+    return dict(out)
+
+
+# What decides no number and lives once in rlhf_utils (issue 62): the definitions that were copied into the scripts
+# (writing a trained policy, reading a split, placement, refusals, records, logs), named here so that one that leaves
+# the package is still refused in a script, and every other top-level name a module of the package defines. No
+# training script nor judge.py defines one of them: a script imports it.
+NAMED_INFRASTRUCTURE = ["merged_policy", "save_policy", "load_split", "prepare_frozen_model", "placed_on",
+                        "place_frozen_models", "zero3_offloaded_init", "whole_parameters", "check_flags", "run_summary",
+                        "log_evaluation", "fresh_trainer_state", "next_state", "write_evaluation", "sample_table",
+                        "breakdown_markdown"]
+INFRASTRUCTURE = sorted(set(NAMED_INFRASTRUCTURE) | set(package_names()))
+# The top level beside the scripts (the training scripts, found, and judge.py): the pipeline's entry points
+# (pipeline.py, ablate.py, report.py; quickstart.sh and setup.sh run them), and the folders.
+ENTRY_POINTS = {"pipeline.py", "ablate.py", "report.py"}
+TOP_LEVEL_FOLDERS = {"data", "tests", "tools", "docs", PACKAGE}
 
 
 def parsed(script: str) -> tuple:
@@ -49,9 +100,16 @@ def top_level(tree: ast.Module, name: str, kind=DEFINITIONS):
 
 
 def imports_run_module(tree: ast.Module) -> bool:
-    return any((isinstance(node, ast.ImportFrom) and node.module == RUN_MODULE)
-               or (isinstance(node, ast.Import) and any(a.name == RUN_MODULE for a in node.names))
-               for node in ast.walk(tree))
+    """Whether a module imports rlhf_utils/run.py: `from rlhf_utils.run import ...`, `from rlhf_utils import run`
+    or `import rlhf_utils.run`."""
+    return RUN_MODULE in repository_imports(tree)
+
+
+def defined_names(source: str) -> set:
+    """The names a module defines: every top-level function, class and assigned name, and every function or class
+    defined anywhere inside it (a helper nested in main is defined too)."""
+    nested = {node.name for node in ast.walk(ast.parse(source)) if isinstance(node, DEFINITIONS)}
+    return set(top_level_nodes(source)) | nested
 
 
 def unused_definitions(source: str) -> list:
@@ -79,19 +137,61 @@ def unused_definitions(source: str) -> list:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_training_script_reads_as_the_algorithm_first(script):
-    """docstring -> Args -> ... -> main; no banner; the run infrastructure imported from the run module, never
-    redefined (the copied helpers' place: the next test)."""
+    """docstring -> Args -> ... -> main; no banner; the run infrastructure imported from rlhf_utils/run.py (that no
+    script redefines what the package defines: the next test; the copied helpers' place: the ones after it)."""
     source, tree = parsed(script)
     assert (ast.get_docstring(tree) or "").strip(), f"{script}: the module docstring states the algorithm's steps"
     args, main = top_level(tree, "Args", ast.ClassDef), top_level(tree, "main", ast.FunctionDef)
     assert args is not None and main is not None, f"{script}: expected a top-level Args and main"
     assert first_line(args) < first_line(main), f"{script}: Args comes before main"
-    assert BANNER.lower() not in source.lower(), f"{script}: no '{BANNER}' banner (the run infrastructure is run_module.py)"
+    assert BANNER.lower() not in source.lower(), \
+        f"{script}: no '{BANNER}' banner (the run infrastructure is {PACKAGE}/)"
     assert imports_run_module(tree), f"{script} does not import {RUN_MODULE}"
-    # what the run module defines lives there once
-    infra = set(top_level_sources(open(os.path.join(REPO_ROOT, f"{RUN_MODULE}.py")).read()))
-    redefined = sorted(infra & set(top_level_sources(source)))
-    assert not redefined, f"{script} redefines {redefined}, which {RUN_MODULE}.py defines: import them instead"
+
+
+def test_what_decides_no_number_lives_once_in_the_package():
+    """No training script nor judge.py defines a name of INFRASTRUCTURE (the named definitions that were copied into
+    the scripts, and every top-level name of an rlhf_utils module): it imports it. Each lives once: the named ones in
+    one module of the package, and no name in two of its modules."""
+    where = package_names()
+    twice = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert not twice, f"names defined in more than one module of {PACKAGE}: {twice}"
+    missing = sorted(name for name in NAMED_INFRASTRUCTURE if name not in where)
+    assert not missing, f"{missing} should live in {PACKAGE}/ (no module of it defines them)"
+    defined = {script: sorted(defined_names(source) & set(INFRASTRUCTURE))
+               for script, source in read_sources(sharing_scripts()).items()}
+    defined = {script: names for script, names in defined.items() if names}
+    assert not defined, "scripts define what lives once in rlhf_utils (import it instead):\n" + "\n".join(
+        f"{script}: " + ", ".join(f"{name} ({', '.join(where.get(name, ['named']))})" for name in names)
+        for script, names in sorted(defined.items()))
+
+
+def test_every_module_of_the_package_says_what_it_holds_and_never_does():
+    """Each module of rlhf_utils (its __init__.py too) opens with a docstring that says what it holds and what it
+    never does (the word "never")."""
+    problems = []
+    for module in package_modules():
+        docstring = ast.get_docstring(ast.parse(open(module_path(module)).read())) or ""
+        if not docstring.strip():
+            problems.append(f"{module}: no module docstring")
+        elif "never" not in docstring:
+            problems.append(f"{module}: its docstring does not say what it never does (no 'never')")
+    assert not problems, "; ".join(problems)
+
+
+def test_the_top_level_holds_the_scripts_the_entry_points_and_the_folders():
+    """The top level shows the design card: the training scripts, judge.py, the pipeline's entry points (pipeline.py,
+    ablate.py, report.py) as its only Python files, beside data/, tests/, tools/, docs/ and rlhf_utils/ (a package:
+    its __init__.py). The modules the package replaced (run_infra.py, user_reward.py, judge_client.py) are gone."""
+    old = sorted(f"{name}.py" for name in OLD_MODULES if os.path.exists(os.path.join(REPO_ROOT, f"{name}.py")))
+    assert not old, f"{old} at the top level: they live in {PACKAGE}/ now"
+    python = {name for name in os.listdir(REPO_ROOT) if name.endswith(".py")}
+    expected = set(SCRIPTS) | {"judge.py"} | ENTRY_POINTS
+    assert python == expected, f"top-level Python files beside the scripts and entry points: " \
+        f"{sorted(python - expected)} (what decides no number goes in {PACKAGE}/); missing: {sorted(expected - python)}"
+    folders = sorted(name for name in TOP_LEVEL_FOLDERS if not os.path.isdir(os.path.join(REPO_ROOT, name)))
+    assert not folders, f"missing top-level folders {folders}"
+    assert os.path.exists(os.path.join(REPO_ROOT, PACKAGE, "__init__.py")), f"{PACKAGE}/ is no package"
 
 
 # a helper copied into this many training scripts or more, not all of one family of forks, is a general helper, not
@@ -109,6 +209,12 @@ def family_of(script: str) -> set:
     return family
 
 
+@functools.lru_cache(maxsize=None)
+def training_copies() -> dict:
+    """shared_copies of the training scripts, computed once for the tests that read them (none changes it)."""
+    return shared_copies(read_sources(SCRIPTS))
+
+
 def sides_of_main(script: str, names) -> dict:
     """name -> "before" or "after" main, for the given top-level definitions of a training script."""
     _, tree = parsed(script)
@@ -123,7 +229,7 @@ def test_copied_helpers_come_after_main(script):
     algorithm: it comes after main, with the other copies. A piece shared only within a family of forks (family_of:
     ppo, rloo, grpo, reinforce_pp; dpo, kto, online_dpo) is the algorithm of each of them and may come before main,
     however many of the family hold it."""
-    shared = shared_copies(read_sources(training_scripts()))
+    shared = training_copies()
     wide = {name for name, by_script in shared.items() if len(by_script) >= WIDELY_COPIED and script in by_script
             and not set(by_script) <= family_of(script)}
     early = sorted(name for name, side in sides_of_main(script, wide).items() if side == "before")
@@ -133,7 +239,7 @@ def test_copied_helpers_come_after_main(script):
 def test_every_copy_sits_on_the_same_side_of_main():
     """A fork keeps its parent's reading order: each shared definition is before main in every training script that
     holds it, or after main in every one."""
-    shared = shared_copies(read_sources(training_scripts()))
+    shared = training_copies()
     sides = defaultdict(dict)
     for script in training_scripts():
         for name, side in sides_of_main(script, set(shared)).items():
@@ -142,19 +248,14 @@ def test_every_copy_sits_on_the_same_side_of_main():
     assert not split, f"copies on different sides of main: {split}"
 
 
-def test_judge_and_the_run_module_keep_their_place():
-    """judge.py imports the run module and its HTTP client's module (rlhf_utils/judge_client.py) and redefines nothing of either;
-    the run module imports nothing of the judge's client."""
-    source, tree = parsed("judge.py")
-    client_path = os.path.join(REPO_ROOT, f"{JUDGE_CLIENT}.py")
-    assert os.path.exists(client_path), f"the judge's HTTP client lives in {JUDGE_CLIENT}.py, which is missing"
-    missing = sorted({RUN_MODULE, JUDGE_CLIENT} - imported_modules(tree))
+def test_judge_keeps_its_place():
+    """judge.py imports the run module and its HTTP client's module (rlhf_utils/judge_client.py); that it redefines
+    nothing of either: test_what_decides_no_number_lives_once_in_the_package; that the run module imports nothing of
+    the judge's client: tests/test_shared_helpers.py."""
+    assert os.path.exists(module_path(JUDGE_CLIENT)), \
+        f"the judge's HTTP client lives in {JUDGE_CLIENT}, which is missing"
+    missing = sorted({RUN_MODULE, JUDGE_CLIENT} - repository_imports(parsed("judge.py")[1]))
     assert not missing, f"judge.py does not import {missing}"
-    for module in (RUN_MODULE, JUDGE_CLIENT):
-        redefined = set(top_level_sources(parsed(f"{module}.py")[0])) & set(top_level_sources(source))
-        assert not redefined, f"judge.py redefines {sorted(redefined)}, which {module}.py defines: import them instead"
-    assert JUDGE_CLIENT not in imported_modules(parsed(f"{RUN_MODULE}.py")[1]), \
-        f"{RUN_MODULE}.py imports {JUDGE_CLIENT}: the run module knows no judge"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,12 +276,20 @@ def test_every_training_script_and_its_main_stay_within_their_size():
         + "; ".join(long_mains)
 
 
-def test_the_run_module_is_small_and_imported_by_every_script():
-    lines = count(os.path.join(REPO_ROOT, f"{RUN_MODULE}.py"))
-    assert lines <= MAX_RUN_MODULE_CODE_LINES, \
-        f"{RUN_MODULE}.py has {lines} lines of code (at most {MAX_RUN_MODULE_CODE_LINES})"
+def test_every_script_imports_the_run_module():
     missing = [s for s in sharing_scripts() if not imports_run_module(parsed(s)[1])]
     assert not missing, f"{missing} do not import {RUN_MODULE}"
+
+
+def test_only_the_scripts_have_a_size_cap():
+    """No module outside the scripts has a size cap (issue 62 lifted the run module's): every cap here names training
+    scripts, and this module holds no cap but the scripts' (MAX_CODE_LINES, MAX_CODE_LINES_OF, MAX_MAIN_CODE_LINES,
+    MAX_CODE_DIFF)."""
+    capped = set(MAX_CODE_LINES_OF) | {script for pair in MAX_CODE_DIFF for script in pair}
+    assert capped <= set(SCRIPTS), f"caps on what is no training script: {sorted(capped - set(SCRIPTS))}"
+    caps = {name for name in globals() if name.startswith("MAX_")}
+    assert caps == {"MAX_CODE_LINES", "MAX_CODE_LINES_OF", "MAX_MAIN_CODE_LINES", "MAX_CODE_DIFF"}, \
+        f"size caps here: {sorted(caps)}; only the scripts have one"
 
 
 @pytest.mark.parametrize("pair", sorted(MAX_CODE_DIFF), ids=lambda pair: f"{pair[0]}-{pair[1]}")
@@ -276,3 +385,116 @@ def test_the_measures_see_what_they_measure(tmp_path):
     (tmp_path / "c.py").write_text(MEASURED.replace("UNUSED = 4", "UNUSED = 5"))
     assert code_diff(str(tmp_path / "a.py"), str(tmp_path / "b.py")) == 0
     assert code_diff(str(tmp_path / "a.py"), str(tmp_path / "c.py")) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command lines: the committed --help flags, and how --help shows them
+# ---------------------------------------------------------------------------------------------------------------
+REGENERATE = "python tools/help_flags.py --write"
+# flags that --help must show in a given group of a given script (the spelling of the docs: underscores)
+EXPECTED_IN_GROUP = {"ppo.py": {"options": ["--gradient_checkpointing"], "ppo options": ["--ppo.kl_coef"]}}
+# the line that opens a group of --help: "ppo options" (plain text), "╭─ ppo options ───╮" (boxed)
+GROUP_HEADER = re.compile(r"^(?:[\w.]+ )?options$")
+OPTION_NAMES = re.compile(r"^--?[A-Za-z][\w.\-]*(?:, --?[A-Za-z][\w.\-]*)*")
+FLAG = re.compile(r"--[A-Za-z][\w.\-]*")
+
+
+@functools.lru_cache(maxsize=None)
+def flags_of(script: str) -> tuple:
+    """tools/help_flags.py's script_flags, read once per script for the tests here."""
+    return tuple(script_flags(script))
+
+
+def test_every_scripts_help_flags_are_the_committed_ones():
+    """Every script's command line accepts the flags tests/help_flags.json lists for it, no more and no fewer (the
+    names tyro's parser of its Args accepts, with underscores: tools/help_flags.py). A flag that appears or goes away
+    is a change on purpose: its commit regenerates the file, whose diff shows the names."""
+    committed = json.load(open(HELP_FLAGS_FILE))
+    current = {script: flags_of(script) for script in sharing_scripts()}
+    problems = []
+    for script in sorted(set(current) | set(committed)):
+        if script not in committed:
+            problems.append(f"{script}: not in {os.path.relpath(HELP_FLAGS_FILE, REPO_ROOT)}")
+        elif script not in current:
+            problems.append(f"{script}: listed, but no such script")
+        else:
+            added, removed = sorted(set(current[script]) - set(committed[script])), \
+                sorted(set(committed[script]) - set(current[script]))
+            if added or removed:
+                problems.append(f"{script}: added {added}, removed {removed}")
+    assert not problems, "--help flags differ from the committed list:\n" + "\n".join(problems) + \
+        f"\nA change on purpose regenerates the list: {REGENERATE}"
+
+
+def help_text(script: str, monkeypatch) -> str:
+    """What `python <script> --help` prints, run in this process by the script's own `tyro.cli` call (runpy, as
+    __main__), 120 columns wide (one column of groups)."""
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit:
+        runpy.run_path(os.path.join(REPO_ROOT, script), run_name="__main__")
+    assert exit.value.code in (0, None), f"{script} --help exited with {exit.value.code}"
+    return out.getvalue()
+
+
+def help_groups(text: str) -> dict:
+    """A --help text's groups: title ("options", "ppo options", "run options") -> the flags its option lines list, in
+    order (each line's names: "--resume, --no_resume"). An option line starts a group's entry at its left edge; its
+    description, indented further, is not read."""
+    groups, title = {}, None
+    for line in text.splitlines():
+        header = line.strip().strip("╭╮─ ")
+        if GROUP_HEADER.match(header):
+            title = header
+            groups[title] = []
+            continue
+        body = line.rstrip().rstrip("│")  # a boxed line's text: inside its │ ... │
+        if body.lstrip().startswith("│"):
+            body = body.lstrip()[1:]
+        indent = len(body) - len(body.lstrip())
+        names = OPTION_NAMES.match(body.strip())
+        if title is not None and names and indent <= 2:
+            groups[title] += names.group(0).split(", ")
+    return groups
+
+
+def test_help_groups_reads_both_styles():
+    plain = (" options\n ---\n  -h, --help\n        show this help\n  --seed INT\n        --not_an_option here\n"
+             " run options\n ---\n  the run's name\n  ---\n  --resume, --no_resume\n        continue\n")
+    boxed = ("╭─ options ───╮\n│ -h, --help  │\n│       show  │\n│ --seed INT  │\n╰─────────────╯\n"
+             "╭─ run options ───╮\n│ --resume, --no_resume │\n│       --x continue │\n╰────╯\n")
+    expected = {"options": ["-h", "--help", "--seed"], "run options": ["--resume", "--no_resume"]}
+    assert help_groups(plain) == expected
+    assert help_groups(boxed) == expected
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_the_run_flags_as_their_own_group_with_flat_underscored_names(script, monkeypatch):
+    """--help shows the run's flags (rlhf_utils/flags.py: RunFlags) as their own group, "run options", under their
+    flat names (--resume, --run_name: tyro.conf.OmitArgPrefixes), and spells every flag as the docs and the error
+    messages do, with underscores (--gradient_checkpointing, --ppo.kl_coef: the script's
+    `tyro.cli(Args, use_underscores=True)`): it lists every flag its parser names with underscores, and no other."""
+    from rlhf_utils.flags import RunFlags
+
+    text = help_text(script, monkeypatch)
+    groups = help_groups(text)
+    run_flags = {f"--{field.name}" for field in dataclasses.fields(RunFlags)}
+    assert "run options" in groups, f"{script} --help shows no 'run options' group (groups: {sorted(groups)})"
+    shown = {flag for flag in groups["run options"] if not flag.startswith("--no_")}
+    assert shown == run_flags, f"{script}'s run options: missing {sorted(run_flags - shown)}, " \
+        f"others {sorted(shown - run_flags)}"
+    elsewhere = {title: sorted(run_flags & set(flags)) for title, flags in groups.items()
+                 if title != "run options" and run_flags & set(flags)}
+    assert not elsewhere, f"{script}: run flags outside 'run options': {elsewhere}"
+    assert "--run." not in text, f"{script} --help shows a run flag under its group's prefix (--run.)"
+    accepted = set(flags_of(script))
+    listed = {flag for flags in groups.values() for flag in flags}
+    assert listed <= accepted, f"{script} --help lists flags its parser with underscores does not name: " \
+        f"{sorted(listed - accepted)} (tyro.cli(Args, use_underscores=True)?)"
+    assert accepted <= listed, f"{script} --help does not list {sorted(accepted - listed)}"
+    hyphenated = sorted(flag for flag in accepted if "_" in flag and flag.replace("_", "-") in set(FLAG.findall(text)))
+    assert not hyphenated, f"{script} --help spells {hyphenated} with hyphens"
+    for title, flags in EXPECTED_IN_GROUP.get(script, {}).items():
+        missing = sorted(set(flags) - set(groups.get(title, [])))
+        assert not missing, f"{script} --help does not show {missing} in '{title}'"

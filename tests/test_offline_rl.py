@@ -186,11 +186,11 @@ def test_gradient_accumulation_steps_is_checked_against_the_batch_sizes():
     args = offline_rl.Args(total_batch_size=16, local_micro_batch_size=4, gradient_accumulation_steps=2)
     args.world_size = 1
     with pytest.raises(ValueError, match=r"--gradient_accumulation_steps 2 does not match .* = 4"):
-        offline_rl.check_offline_flags(args, 4)
+        run_module.check_offline_flags(args, 4)
     args.gradient_accumulation_steps = 4
-    offline_rl.check_offline_flags(args, 4)  # the value the batch sizes give is accepted, as is None (derived)
+    run_module.check_offline_flags(args, 4)  # the value the batch sizes give is accepted, as is None (derived)
     args.gradient_accumulation_steps = None
-    offline_rl.check_offline_flags(args, 4)
+    run_module.check_offline_flags(args, 4)
 
 
 def test_dt_reward_prompt_format():

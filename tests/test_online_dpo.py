@@ -11,6 +11,7 @@ import random
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pandas as pd
@@ -196,8 +197,8 @@ def gold_pairs(n: int, seed: int):
 
 
 def endpoint_args(server, **overrides):
-    fields = {**online.asdict(online.EndpointArgs(base_url=server.base_url, model=server.model_name,
-                                                  backoff_base_s=0.001, backoff_max_s=0.01, timeout_s=20.0)),
+    fields = {**asdict(online.EndpointArgs(base_url=server.base_url, model=server.model_name,
+                                           backoff_base_s=0.001, backoff_max_s=0.01, timeout_s=20.0)),
               "seed": 1, **overrides}
     return SimpleNamespace(**fields)
 
@@ -244,7 +245,7 @@ def test_the_api_key_comes_from_the_environment_only(monkeypatch):
         online.check_online_flags(args)
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-secret-123")
     online.check_online_flags(args)
-    assert "sk-test-secret-123" not in json.dumps(online.asdict(args))  # what args.json would hold
+    assert "sk-test-secret-123" not in json.dumps(asdict(args))  # what args.json would hold
     loopback = online.Args(judge="endpoint", endpoint=online.EndpointArgs(base_url="http://127.0.0.1:1/v1"))
     monkeypatch.delenv("OPENAI_API_KEY")
     online.check_online_flags(loopback)  # the built-in gold judge needs no key

@@ -2,9 +2,10 @@
 ppo.py, rloo.py, online_dpo.py: found, not listed).
 
 Unit tests on a tiny GPT-NeoX: the 4-bit layers are bitsandbytes' Linear4bit and only LoRA trains; merged_policy
-computes what the LoRA model computes (4-bit or not) and equals peft's merge_and_unload without 4 bits; DPO's
-reference with LoRA gives log-ratios of exactly 0 at initialisation, live and precomputed; the flag checks fail at
-start. The end-to-end runs on the built-in task, the resume, and the DeepSpeed runs are marked slow."""
+(rlhf_utils/models.py, every script's save of a LoRA policy) computes what the LoRA model computes (4-bit or not)
+and equals peft's merge_and_unload without 4 bits; DPO's reference with LoRA gives log-ratios of exactly 0 at
+initialisation, live and precomputed; the flag checks fail at start. The end-to-end runs on the built-in task, the
+resume, and the DeepSpeed runs are marked slow."""
 
 import ast
 import copy
@@ -21,12 +22,13 @@ from conftest import ENV, free_port, load_script, run_ok, tiny_causal_lm, traini
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from rlhf_utils import models
+from rlhf_utils import run as run_module  # the run infrastructure the scripts import
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, EOS = 1, 2
 
 sft, dpo, kto, ppo = load_script("sft"), load_script("dpo"), load_script("kto"), load_script("ppo")
-from rlhf_utils import run as run_module  # noqa: E402  (the run infrastructure the scripts import)
-
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
@@ -123,7 +125,7 @@ def test_merged_policy_computes_what_the_lora_model_computes(tiny_path, tmp_path
         base = logits(model)
     assert (expected - base).abs().max() > 0.05  # the adapters change the outputs: folding them in matters
     rng = torch.get_rng_state()
-    merged = sft.merged_policy(model)
+    merged = models.merged_policy(model)
     assert torch.equal(torch.get_rng_state(), rng)  # no random initialisation on the way
     assert not hasattr(merged, "peft_config") and type(merged).__name__ == "GPTNeoXForCausalLM"
     assert all(p.dtype == torch.float32 for p in merged.parameters())
@@ -148,7 +150,7 @@ def test_merged_policy_equals_merge_and_unload_without_4bit(tiny_path):
     """ppo.py saved LoRA policies with merge_and_unload; on a float32 base merged_policy gives the same weights."""
     model = load_lora(tiny_path, load_in_4bit=False)
     randomize_lora_b(model)
-    ours = ppo.merged_policy(model).state_dict()
+    ours = models.merged_policy(model).state_dict()
     peft_merged = copy.deepcopy(model).merge_and_unload().state_dict()
     assert ours.keys() == peft_merged.keys()
     different = [name for name in ours if not torch.equal(ours[name], peft_merged[name])]
@@ -215,8 +217,10 @@ def fake_accelerator(zero_stage):
 
 def test_check_qlora_flags():
     for zero_stage in (None, 2, 3):
-        run_module.check_qlora_flags(qlora_args(load_in_4bit=False), fake_accelerator(zero_stage))  # off: nothing to check
-    run_module.check_qlora_flags(qlora_args(), fake_accelerator(2))  # ZeRO-2 keeps the 4-bit base whole on every process
+        # off: nothing to check
+        run_module.check_qlora_flags(qlora_args(load_in_4bit=False), fake_accelerator(zero_stage))
+    # ZeRO-2 keeps the 4-bit base whole on every process
+    run_module.check_qlora_flags(qlora_args(), fake_accelerator(2))
     with pytest.raises(ValueError, match=r"--load_in_4bit \(QLoRA\) .* needs --lora_rank > 0"):
         run_module.check_qlora_flags(qlora_args(lora_rank=0), fake_accelerator(None))
     with pytest.raises(ValueError, match="cannot run under DeepSpeed ZeRO-3, .* Use zero2.yaml"):
@@ -254,7 +258,7 @@ def test_qlora_errors_come_before_anything_is_loaded_or_written(script, problem,
     if problem == "no_bitsandbytes":
         flags += ["--lora_rank", "8"]
         monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` fails as if not installed
-    args = tyro.cli(module.Args, args=flags)
+    args = tyro.cli(module.Args, args=flags, use_underscores=True)  # as the scripts parse their flags
     error, message = {"no_lora": (ValueError, "needs --lora_rank > 0"),
                       "no_bitsandbytes": (ImportError, "needs the bitsandbytes package.* pip install bitsandbytes"),
                       }[problem]

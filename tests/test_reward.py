@@ -20,6 +20,7 @@ PAD, EOS = 1, 0
 
 
 reward = load_script("reward")
+from rlhf_utils import records  # noqa: E402  (the evaluation files reward.py writes)
 from rlhf_utils import run as run_module  # noqa: E402  (the run infrastructure the scripts import)
 
 
@@ -226,7 +227,7 @@ def test_accuracy_breakdown_table():
     assert keyed[("reward", "max")]["value"] == pytest.approx(float(scores.max()))
     assert keyed[("reward", "std")]["value"] == pytest.approx(float(scores.std()))
     assert keyed[("pairs", "identical_texts")]["value"] == pytest.approx(0.1)
-    assert "| validation | accuracy | overall |" in reward.markdown_table(rows)
+    assert "| validation | accuracy | overall |" in records.reward_table_markdown(rows)
     # the 95% Wilson interval of each accuracy: it holds the value, and at n = 2000 its half-width is
     # close to the normal approximation 1.96 * sqrt(p (1 - p) / n)
     overall = keyed[("accuracy", "overall")]

@@ -23,8 +23,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from data.synthetic import gold_breakdown, key_fact_share  # noqa: E402
-from rlhf_utils.run import RunError  # noqa: E402
+from rlhf_utils.flags import RunFlags  # noqa: E402
 from rlhf_utils.rewards import load_reward_fn  # noqa: E402
+from rlhf_utils.run import RunError, load_split  # noqa: E402
 
 grpo = load_script("grpo")
 RULE = "data/synthetic.py:key_fact_share"
@@ -198,9 +199,9 @@ def test_a_missing_file_or_name_is_refused_with_its_name(functions, tmp_path):
 
 def small_args(script, tmp_path, **flags):
     module = load_script(script)
-    return module, module.Args(sft_model_path=str(tmp_path / "no_model"), run_dir_root=str(tmp_path / "runs"),
-                               output_dir=str(tmp_path / "out"), total_episodes=16, total_batch_size=8,
-                               local_micro_batch_size=2, **flags)
+    return module, module.Args(sft_model_path=str(tmp_path / "no_model"), output_dir=str(tmp_path / "out"),
+                               total_episodes=16, total_batch_size=8, local_micro_batch_size=2,
+                               run=RunFlags(run_dir_root=str(tmp_path / "runs")), **flags)
 
 
 @pytest.mark.parametrize("script", ["ppo", "rloo", "grpo", "online_dpo"])
@@ -266,7 +267,7 @@ def test_online_dpo_labels_pairs_with_the_function(synthetic_task, tmp_path):
     args = online.Args(sft_model_path=base, judge="reward_fn", reward_fn=f"{tmp_path}/fn.py:length_and_reference",
                        pairs_per_round=6, local_rollout_forward_batch_size=4, response_length=8, non_eos_penalty=False)
     tokenizer = online.load_tokenizer(base, False)
-    prompts = online.with_row_index(online.load_split(synthetic_task["sft"], "train"), ["query_token"])
+    prompts = online.with_row_index(load_split(synthetic_task["sft"], "train"), ["query_token"])
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_pretrained(base)
     guarded = []

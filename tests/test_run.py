@@ -1,4 +1,4 @@
-"""The run infrastructure (run_module.py's `Run`, which every training script imports), tested through sft.py, the
+"""The run infrastructure (rlhf_utils/run.py's `Run`, which every training script imports), tested through sft.py, the
 cheapest script that uses it. Each test interrupts or damages a run the way a long run meets it in practice
 and checks that the run either ends exactly like one that was never interrupted or stops with a clear message:
 
@@ -47,7 +47,7 @@ def sft_args(task: dict, root, name: str, *extra: str) -> list:
 
 def patched(code: str, args: list) -> list:
     """Run sft.py in a Python that first executes `code` (to make a save fail or stop at a chosen moment)."""
-    runner = (f"import runpy, sys\nsys.path.insert(0, {REPO_ROOT!r})  # (the run module beside sft.py)\n{code}\n"
+    runner = (f"import runpy, sys\nsys.path.insert(0, {REPO_ROOT!r})  # (rlhf_utils beside sft.py)\n{code}\n"
               f"sys.argv = [{SFT!r}] + sys.argv[1:]\nrunpy.run_path({SFT!r}, run_name='__main__')")
     return [sys.executable, "-c", runner, *args]
 
@@ -115,7 +115,7 @@ def test_a_finished_run_marks_its_output_complete_and_records_its_checkpoints(re
     assert not os.path.exists(reference / "runs" / "reference" / "run.lock")  # released at the end
 
 
-@pytest.mark.slow  # run_infra's save path, which a fork of a script does not change: full suite only
+@pytest.mark.slow  # the run module's checkpoint save, which a fork of a script does not change: full suite only
 def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(synthetic_task, reference, tmp_path):
     args = sft_args(synthetic_task, tmp_path, "cut")
     killed = subprocess.run(patched(KILL_DURING_SAVE, args), cwd=tmp_path, env=ENV, capture_output=True, text=True,
@@ -260,7 +260,7 @@ def test_a_second_run_into_a_live_run_folder_is_refused_and_a_dead_runs_lock_is_
     assert not lock.exists()
 
 
-@pytest.mark.slow  # run_infra's save path, which a fork of a script does not change: full suite only
+@pytest.mark.slow  # the run module's checkpoint save, which a fork of a script does not change: full suite only
 def test_a_full_disk_during_a_save_is_a_clear_error_and_leaves_nothing_behind(synthetic_task, reference, tmp_path):
     args = sft_args(synthetic_task, tmp_path, "full_disk")
     result = subprocess.run(patched(DISK_FULL_DURING_SAVE, args), cwd=tmp_path, env=ENV, capture_output=True, text=True,

@@ -1,13 +1,14 @@
-"""run_module.py's own pieces, in one process and cheap (a 4 x 4 layer, a tiny dataset): the expected-error hook, the
-lock, the inputs' content hashes on --resume, the finite checks at load and before a checkpoint, a full disk (a real
-small tmpfs; skipped, with the reason, where mounting is refused) and the query/response check of token columns.
-The training scripts meet the same code end to end in tests/test_run.py."""
+"""rlhf_utils/run.py's own pieces, in one process and cheap (a 4 x 4 layer, a tiny dataset): the expected-error hook,
+the lock, the inputs' content hashes on --resume, the finite checks at load and before a checkpoint, a full disk (a
+real small tmpfs; skipped, with the reason, where mounting is refused; the final model's save is
+rlhf_utils/models.py's) and the query/response check of token columns. The training scripts meet the same code end to
+end in tests/test_run.py."""
 
 import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import psutil
@@ -16,7 +17,9 @@ import torch
 from accelerate import Accelerator
 from datasets import Dataset, DatasetInfo
 
+from rlhf_utils import models
 from rlhf_utils import run as run_module
+from rlhf_utils.flags import RunFlags
 from rlhf_utils.run import NonFiniteError, Run, RunError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,19 +27,19 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @dataclass
 class RunArgs:
-    """The fields of a training script's Args that Run reads."""
-    run_dir_root: str
+    """The fields of a training script's Args that Run reads: its own, and the run's flags as `run` (RunFlags)."""
     output_dir: str
     exp_name: str = "unit"
     seed: int = 1
-    run_name: Optional[str] = "unit"
-    resume: bool = False
-    restart: bool = False
-    track: bool = False
-    checkpoint_keep: int = 2
-    overwrite_output_dir: bool = False
-    take_over_lock: bool = False
-    accept_changed_inputs: bool = False
+    run: RunFlags = field(default_factory=RunFlags)
+
+
+def run_args(cls, tmp_path, **kw):
+    """`cls` (RunArgs or one built on it) over tmp_path/runs and tmp_path/out, run "unit" keeping 2 checkpoints; each
+    keyword that names a run flag (resume=True, take_over_lock=True, ...) goes to its RunFlags, the others to `cls`."""
+    flags = {"run_dir_root": str(tmp_path / "runs"), "run_name": "unit", "checkpoint_keep": 2}
+    flags.update({name: kw.pop(name) for name in [f.name for f in fields(RunFlags)] if name in kw})
+    return cls(str(tmp_path / "out"), run=RunFlags(**flags), **kw)
 
 
 def make_run(tmp_path, width: int = 4, **kw):
@@ -45,7 +48,7 @@ def make_run(tmp_path, width: int = 4, **kw):
     torch.manual_seed(0)
     model = torch.nn.Linear(width, width)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
-    run = Run(RunArgs(str(tmp_path / "runs"), str(tmp_path / "out"), **kw), accelerator)
+    run = Run(run_args(RunArgs, tmp_path, **kw), accelerator)
     return run, model, optimizer
 
 
@@ -58,7 +61,8 @@ def step(model, optimizer) -> None:
 # ---------------------------------------------------------------- expected errors: one paragraph, no traceback
 def test_an_expected_error_is_one_paragraph_from_rank_0_and_a_failed_exit(tmp_path):
     script = tmp_path / "script.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {REPO_ROOT!r})\nimport run_infra\n"
+    script.write_text(f"import sys\nsys.path.insert(0, {REPO_ROOT!r})\n"
+                      "from rlhf_utils import run as run_module\n"
                       "raise (run_module.RunError if sys.argv[1] == 'expected' else KeyError)('bad flag: --x 3')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
@@ -75,15 +79,17 @@ def test_an_expected_error_is_one_paragraph_from_rank_0_and_a_failed_exit(tmp_pa
 def test_the_expected_errors_are_value_errors_and_the_non_finite_stop_is_one():
     assert issubclass(RunError, ValueError)
     assert issubclass(NonFiniteError, RunError) and issubclass(NonFiniteError, RuntimeError)
-    from rlhf_utils.judge_client import JudgeUnavailableError  # the judge's client: a judge that cannot be used stops the run
+    # the judge's client: a judge that cannot be used stops the run
+    from rlhf_utils.judge_client import JudgeUnavailableError
     assert issubclass(JudgeUnavailableError, RunError)
 
 
 def test_the_run_module_loads_no_http_client():
-    """The judge's HTTP client lives in rlhf_utils/judge_client.py, which imports run_infra; run_infra imports nothing of it, so
-    a training script pays for neither openai nor the client's sqlite cache."""
-    loaded = subprocess.run([sys.executable, "-c", "import sys, run_infra; print(sorted({'openai', 'sqlite3', "
-                             "'judge_client'} & set(sys.modules)))"], capture_output=True, text=True, timeout=120,
+    """The judge's HTTP client lives in rlhf_utils/judge_client.py, which imports rlhf_utils/run.py; the run module
+    imports nothing of it, so a training script pays for neither openai nor the client's sqlite cache."""
+    loaded = subprocess.run([sys.executable, "-c", "import sys, rlhf_utils.run; print(sorted({'openai', 'sqlite3', "
+                             "'rlhf_utils.judge_client'} & set(sys.modules)))"], capture_output=True, text=True,
+                            timeout=120,
                             cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "[]"
@@ -191,8 +197,8 @@ def digest_cache(tmp_path, monkeypatch):
     test waits a clock tick itself); `opened` lists the input files content_digest reads."""
     import builtins
 
-    monkeypatch.setattr(run_infra, "DIGEST_CACHE", str(tmp_path / "user_cache" / "content_digests.json"))
-    monkeypatch.setattr(run_infra, "SETTLED_NS", 0)
+    monkeypatch.setattr(run_module, "DIGEST_CACHE", str(tmp_path / "user_cache" / "content_digests.json"))
+    monkeypatch.setattr(run_module, "SETTLED_NS", 0)
     opened, real_open = [], builtins.open
 
     def counting_open(file, *args, **kwargs):
@@ -238,7 +244,7 @@ def test_an_unchanged_input_is_not_read_again_and_a_rewritten_one_is(tmp_path, d
 def test_a_file_hashed_just_after_a_change_is_not_cached(tmp_path, digest_cache, monkeypatch):
     """A file changed less than SETTLED_NS before its hashing is read every time (a rewrite of the same size within the
     file system's clock tick could carry the same times); a cache that is off, unreadable or unwritable is no error."""
-    monkeypatch.setattr(run_infra, "SETTLED_NS", 3 * 10**9)  # the default
+    monkeypatch.setattr(run_module, "SETTLED_NS", 3 * 10**9)  # the default
     data = tmp_path / "data"
     data.mkdir()
     (data / "model.safetensors").write_bytes(b"weights")
@@ -246,15 +252,15 @@ def test_a_file_hashed_just_after_a_change_is_not_cached(tmp_path, digest_cache,
     assert run_module.content_digest(str(data)) == first and digest_cache == ["model.safetensors"] * 2
     assert not os.path.exists(run_module.DIGEST_CACHE)
 
-    monkeypatch.setattr(run_infra, "SETTLED_NS", 0)
+    monkeypatch.setattr(run_module, "SETTLED_NS", 0)
     os.makedirs(os.path.dirname(run_module.DIGEST_CACHE))
     with open(run_module.DIGEST_CACHE, "w") as f:
         f.write('{"truncated": [1, 2')  # unreadable: as if empty, then written whole
     assert run_module.content_digest(str(data)) == first == uncached_digest(str(data))
     assert str(data / "model.safetensors") in json.load(open(run_module.DIGEST_CACHE))
-    monkeypatch.setattr(run_infra, "DIGEST_CACHE", str(data / "model.safetensors" / "not_a_folder.json"))
+    monkeypatch.setattr(run_module, "DIGEST_CACHE", str(data / "model.safetensors" / "not_a_folder.json"))
     assert run_module.content_digest(str(data)) == first  # unwritable: no cache, the same digest
-    monkeypatch.setattr(run_infra, "DIGEST_CACHE", "")  # RLHF_DIGEST_CACHE= : off
+    monkeypatch.setattr(run_module, "DIGEST_CACHE", "")  # RLHF_DIGEST_CACHE= : off
     digest_cache.clear()
     assert run_module.content_digest(str(data)) == first and digest_cache == ["model.safetensors"]
 
@@ -352,7 +358,7 @@ def test_a_full_output_folder_names_it_and_the_size_of_the_model(tmp_path, small
     accelerator, model = Accelerator(cpu=True), tiny_causal_lm()
     needed = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     with pytest.raises(RunError) as full:
-        run_module.save_pretrained_model(accelerator, model, model, Tokenizer(), str(out))
+        models.save_pretrained_model(accelerator, model, model, Tokenizer(), str(out))
     assert str(full.value) == (f"the disk holding {out} is full: the final model was not saved (it needs about "
                                f"{needed / 2**20:.1f} MiB). Free space there, then run again (--resume: from the newest "
                                "checkpoint, if any)")
@@ -405,7 +411,6 @@ class FlagArgs(RunArgs):
     lr: float = 1e-3
     eps: float = 1e-8
     eval_every: int = 5
-    accept_changed_flags: bool = False
     ppo: Knobs = None
 
     def __post_init__(self):
@@ -430,7 +435,7 @@ class KLCoefficient:
 def flag_run(tmp_path, num_updates: int = 10, **kw):
     """A Run over a layer, its AdamW (lr and eps from the flags), a linear schedule and a KL coefficient, all
     registered for checkpointing as a script registers them."""
-    args = FlagArgs(str(tmp_path / "runs"), str(tmp_path / "out"), **kw)
+    args = run_args(FlagArgs, tmp_path, **kw)
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
@@ -490,21 +495,34 @@ def test_accepted_changed_flags_take_effect_and_args_json_records_both(tmp_path,
 
 def test_every_free_flag_is_a_flag_of_some_script_and_none_decides_a_number():
     """FREE_FLAGS names real flags (no stale name) and none of the flags that obviously decide numbers; every
-    training script has --accept_changed_flags."""
+    training script has --accept_changed_flags. A script's flags: the fields of its classes, and those of each group
+    of rlhf_utils/flags.py that one of them takes in (`run: RunFlags`) or builds on (`EndpointArgs(EndpointFlags)`)."""
     import ast
+    import dataclasses
+
     from conftest import training_scripts
-    fields = {}
-    for path in training_scripts():
-        for node in ast.walk(ast.parse(open(path).read())):
+
+    from rlhf_utils import flags
+
+    groups = {name: {f.name for f in fields(group)} for name, group in vars(flags).items()
+              if isinstance(group, type) and dataclasses.is_dataclass(group)}
+    script_flags = {}
+    for name in training_scripts():
+        for node in ast.walk(ast.parse(open(os.path.join(REPO_ROOT, name)).read())):
             if isinstance(node, ast.ClassDef):
-                names = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign)}
-                fields.setdefault(os.path.basename(path), set()).update(names)
-    every = set().union(*fields.values())
+                annotated = [s for s in node.body if isinstance(s, ast.AnnAssign)]
+                names = {s.target.id for s in annotated}
+                used = {n.id for part in node.bases + [s.annotation for s in annotated] for n in ast.walk(part)
+                        if isinstance(n, ast.Name)}
+                for group in used & groups.keys():
+                    names |= groups[group]
+                script_flags.setdefault(name, set()).update(names)
+    every = set().union(*script_flags.values())
     assert run_module.FREE_FLAGS - every == set()
     assert not run_module.FREE_FLAGS & {"seed", "lr", "eps", "weight_decay", "scheduler", "total_episodes",
                                        "total_batch_size", "local_micro_batch_size", "temperature", "response_length",
                                        "kl_coef", "beta", "bf16", "disable_dropout", "query_dataset", "sft_model_path"}
-    assert all("accept_changed_flags" in names for names in fields.values()), fields.keys()
+    assert all("accept_changed_flags" in names for names in script_flags.values()), script_flags.keys()
 
 
 def test_a_checkpoint_of_an_older_script_version_is_refused_naming_what_it_lacks(tmp_path):
@@ -524,7 +542,8 @@ def test_a_checkpoint_of_an_older_script_version_is_refused_naming_what_it_lacks
 
 
 # A process that joined a process group, then leave_processes(): an exit handler registered before the group (so it
-# runs after run_infra's, which destroys it), and an object whose __del__ only the interpreter's teardown would run.
+# runs after the run module's, which destroys it), and an object whose __del__ only the interpreter's teardown would
+# run.
 LEAVE_PROBE = """import atexit, os, socket, sys, torch
 sys.path.insert(0, {root!r})
 from rlhf_utils import run as run_module
@@ -567,7 +586,7 @@ def test_every_training_script_leaves_its_processes_right_after_main():
 
     missing = []
     for name in sorted(os.listdir(REPO_ROOT)):
-        if not name.endswith(".py") or name == "run_module.py":
+        if not name.endswith(".py"):
             continue
         source = open(os.path.join(REPO_ROOT, name)).read()
         if "start_processes(" not in source:

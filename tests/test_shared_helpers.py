@@ -1,17 +1,19 @@
 """The copies cannot drift. Every line that decides a number stays in its script, so helpers shared between scripts
-are copied on purpose (one file = one algorithm); what decides no number lives once in run_module.py. Copies drift,
-so every top-level definition (a function or class, its decorators included) and every top-level assignment (a
-constant such as a prompt template or a compiled pattern) that more than one script defines must be the same code
-in all of them: copies compare as code, by their syntax trees (`ast.dump`) with every docstring dropped, so a fork
-may reword a comment or a docstring or reflow a line, but no statement, decorator, default or constant (a number,
-a string's every character) can differ. The scripts compared are found, not listed: every training script
-(conftest.training_scripts: a top-level script that defines `main` and constructs run_infra's `Run`) and judge.py,
-whose prompt, parser and model helpers online_dpo.py copies. A fork joins by existing; a renamed script stays in.
-Names that legitimately differ are left out: PER_SCRIPT in every script, OWN in the one script that lists them.
+are copied on purpose (one file = one algorithm); what decides no number lives once in the package rlhf_utils/.
+Copies drift, so every top-level definition (a function or class, its decorators included) and every top-level
+assignment (a constant such as a prompt template or a compiled pattern) that more than one script defines must be the
+same code in all of them: copies compare as code, by their syntax trees (`ast.dump`) with every docstring dropped, so
+a fork may reword a comment or a docstring or reflow a line, but no statement, decorator, default or constant (a
+number, a string's every character) can differ. The scripts compared are found, not listed: every training script
+(conftest.training_scripts: a top-level script that defines `main` and constructs rlhf_utils.run's `Run`) and
+judge.py, whose prompt, parser and model helpers online_dpo.py copies. A fork joins by existing; a renamed script
+stays in. Names that legitimately differ are left out: PER_SCRIPT in every script, OWN in the one script that lists
+them.
 
 Also here: data/prepare.py's own copy of the tokenizer fingerprint, the imports that keep scripts self-contained
-(the repository modules a script may import: run_infra, and judge_client for the judge's users), and the order of
-the input checks in main."""
+(the repository modules a script may import: rlhf_utils' run, models, records and flags; its rewards for the scripts
+that take --reward_fn, its judge_client for the judge's users; never another script nor data/), the imports that keep
+rlhf_utils below the scripts, and the order of the input checks in main."""
 
 import ast
 import copy
@@ -32,12 +34,22 @@ KNOWN_TRAINING_SCRIPTS = {"sft.py", "reward.py", "ppo.py", "rloo.py", "dpo.py", 
 LR_SCHEDULE_SCRIPTS = {"sft.py", "reward.py", "dpo.py", "kto.py", "online_dpo.py", "ilql.py", "offline_rl.py"}
 # Not a training script (it trains nothing), but it shares the judge's prompt, parser and model helpers.
 OTHER_SHARING_SCRIPTS = ["judge.py"]
+# The package of what decides no number (issue 62), beside the scripts as CleanRL keeps cleanrl_utils/.
+PACKAGE = "rlhf_utils"
+# The package's modules every script may import: the run (RUN_MODULE, rlhf_utils/run.py: run folder, checkpoints,
+# resume, logs, input checks), models (placement and saving), records (summaries, sample tables, evaluation files)
+# and flags (RunFlags, check_flags).
+SCRIPT_MODULES = {RUN_MODULE, f"{PACKAGE}.models", f"{PACKAGE}.records", f"{PACKAGE}.flags"}
 # The judge's HTTP client (rlhf_utils/judge_client.py): a module of its own, imported by the scripts that call a judge.
-JUDGE_CLIENT = "judge_client"
+JUDGE_CLIENT = f"{PACKAGE}.judge_client"
 JUDGE_CLIENT_USERS = {"judge.py", "online_dpo.py"}
-# The user's reward function (--reward_fn), loaded and its answers checked (rlhf_utils/rewards.py): a module of its own, imported
-# by the scripts that call it, found by their copy of function_scores (ppo.py, rloo.py, grpo.py, online_dpo.py, forks).
-USER_REWARD = "user_reward"
+# The user's reward function (--reward_fn), loaded and its answers checked (rlhf_utils/rewards.py): a module of its
+# own, imported by the scripts that take --reward_fn (a reward_fn field in their Args: ppo.py, rloo.py, grpo.py,
+# reinforce_pp.py, online_dpo.py and their forks).
+USER_REWARD = f"{PACKAGE}.rewards"
+# The top-level modules the package replaced (run_infra.py, user_reward.py, judge_client.py): an import of one of
+# them is an import of a repository module that no longer exists (tests/test_layout.py: they are gone).
+OLD_MODULES = {"run_infra", "user_reward", "judge_client"}
 # Names that legitimately differ per script, kept minimal:
 # - Args and main: each script's own flags and its own algorithm's loop;
 # - the step a fork replaces, under the name of the step in the script it forked from, so that the two read alike:
@@ -142,8 +154,8 @@ def test_the_training_scripts_are_found_not_listed():
     found = set(training_scripts())
     missing = KNOWN_TRAINING_SCRIPTS - found
     assert not missing, f"the finder missed {sorted(missing)} (found {sorted(found)})"
-    # none of these constructs run_module.Run
-    assert not {"judge.py", f"{RUN_MODULE}.py", f"{JUDGE_CLIENT}.py", "ablate.py", "pipeline.py", "report.py"} & found
+    # none of these constructs rlhf_utils.run's Run (and the package's own modules are no top-level scripts)
+    assert not {"judge.py", "ablate.py", "pipeline.py", "report.py"} & found
 
 
 def test_a_new_fork_is_found_by_existing(tmp_path):
@@ -152,10 +164,14 @@ def test_a_new_fork_is_found_by_existing(tmp_path):
     from conftest import training_scripts as find
 
     (tmp_path / "grpo_variant.py").write_text(open(os.path.join(REPO_ROOT, "rloo.py")).read())
-    (tmp_path / "aliased.py").write_text("import run_infra as infra\n\ndef main(args):\n    run = infra.Run(args, None)\n")
+    (tmp_path / "aliased.py").write_text(
+        "import rlhf_utils.run as infra\n\ndef main(args):\n    run = infra.Run(args, None)\n")
+    (tmp_path / "by_module.py").write_text(
+        "from rlhf_utils import run as r\n\ndef main(args):\n    return r.Run(args, None)\n")
     (tmp_path / "own_run.py").write_text("class Run:\n    pass\n\ndef main(args):\n    run = Run()\n")
-    (tmp_path / "no_main.py").write_text("from rlhf_utils.run import Run\n\ndef start(args):\n    return Run(args, None)\n")
-    assert find(str(tmp_path)) == ["aliased.py", "grpo_variant.py"]
+    (tmp_path / "no_main.py").write_text(
+        "from rlhf_utils.run import Run\n\ndef start(args):\n    return Run(args, None)\n")
+    assert find(str(tmp_path)) == ["aliased.py", "by_module.py", "grpo_variant.py"]
 
 
 def test_shared_definitions_and_constants_are_identical_across_scripts():
@@ -216,7 +232,8 @@ def test_the_comparison_has_no_blind_spot():
     assert drifted({"a.py": field.format("The flags.", "1e-5", "The learning rate."),
                     "b.py": field.format("Flags.", "1e-5", "The step size.")}) == {}
     assert drifted({"a.py": field.format("The flags.", "1e-5", "The learning rate."),
-                    "b.py": field.format("The flags.", "1e-6", "The learning rate.")}) == {"Config": [["a.py"], ["b.py"]]}
+                    "b.py": field.format("The flags.", "1e-6", "The learning rate.")}) == {
+        "Config": [["a.py"], ["b.py"]]}
     assert drifted({"a.py": 'SIZES = {\n    "small": 1,  # why\n}\n', "b.py": 'SIZES = {"small": 1}\n'}) == {}
     # per-script names may differ
     assert drifted({"a.py": "def main():\n    pass\n", "b.py": "def main():\n    return 1\n"}) == {}
@@ -252,48 +269,131 @@ def imported_modules(tree: ast.Module) -> set:
 
 
 def repo_modules() -> set:
-    """The repository's own top-level modules (every *.py at its root) and its data package."""
-    return {name[:-3] for name in os.listdir(REPO_ROOT) if name.endswith(".py")} | {"data"}
+    """The repository's own top-level modules (every *.py at its root) and its packages (data, rlhf_utils)."""
+    return {name[:-3] for name in os.listdir(REPO_ROOT) if name.endswith(".py")} | {"data", PACKAGE}
+
+
+def module_path(module: str) -> str:
+    """The file of a repository module named with dots: rlhf_utils.run -> rlhf_utils/run.py, a package -> its
+    __init__.py."""
+    path = os.path.join(REPO_ROOT, *module.split("."))
+    return os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
+
+
+def package_modules() -> list:
+    """The modules of rlhf_utils/ by dotted name (rlhf_utils for its __init__.py), sorted."""
+    names = sorted(name[:-3] for name in os.listdir(os.path.join(REPO_ROOT, PACKAGE)) if name.endswith(".py"))
+    return [PACKAGE if name == "__init__" else f"{PACKAGE}.{name}" for name in names]
+
+
+def repository_imports(tree: ast.Module, package: str = "") -> set:
+    """The repository's own modules a module imports (anywhere in it, function-level imports included), each by its
+    dotted name: `import judge` -> judge, `from rlhf_utils.run import Run` -> rlhf_utils.run, `from rlhf_utils import
+    models, records` -> rlhf_utils.models and rlhf_utils.records (a name that is no module of the package: the package
+    itself), `from data.synthetic import gold_score` -> data.synthetic. A module that no longer exists (OLD_MODULES)
+    counts too. A relative import resolves against `package`, the importing module's package."""
+    ours = repo_modules() | OLD_MODULES
+
+    def submodule_or_package(module: str, name: str) -> str:
+        path = os.path.join(REPO_ROOT, *module.split("."), name)
+        return f"{module}.{name}" if os.path.isdir(path) or os.path.exists(path + ".py") else module
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([module] if module else []))
+            found |= {submodule_or_package(module, alias.name) for alias in node.names}
+    return {name for name in found if name.split(".")[0] in ours}
+
+
+def module_imports(module: str) -> set:
+    """The repository modules a repository module imports (repository_imports), itself left out."""
+    package = module if module_path(module).endswith("__init__.py") else module.rpartition(".")[0]
+    return repository_imports(ast.parse(open(module_path(module)).read()), package) - {module}
+
+
+def script_imports(script: str) -> set:
+    """The repository modules a top-level script imports (repository_imports)."""
+    return module_imports(script[:-3])
+
+
+def takes_reward_fn(script: str) -> bool:
+    """Whether a script's Args has a --reward_fn flag (a field reward_fn)."""
+    tree = ast.parse(open(os.path.join(REPO_ROOT, script)).read())
+    args = next((node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Args"), None)
+    return args is not None and any(isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                                    and node.target.id == "reward_fn" for node in args.body)
 
 
 def test_data_preparation_has_its_own_copy_of_the_tokenizer_fingerprint():
-    """data/prepare.py writes the tokenizer fingerprint that run_module.py's check_data_tokenizer compares with the
-    model's: it keeps its own copy, the same code as run_module.py's (compared as the other copies are), and imports
-    neither run_infra nor any script (data preparation knows no trainer)."""
+    """data/prepare.py writes the tokenizer fingerprint that rlhf_utils/run.py's check_data_tokenizer compares with
+    the model's: it keeps its own copy, the same code as the run module's (compared as the other copies are), and
+    imports neither rlhf_utils nor any script (data preparation knows no trainer)."""
     prepare = open(os.path.join(REPO_ROOT, "data", "prepare.py")).read()
     ours = top_level_code(prepare).get("tokenizer_fingerprint")
     assert ours is not None, "data/prepare.py should define tokenizer_fingerprint itself"
-    theirs = top_level_code(open(os.path.join(REPO_ROOT, f"{RUN_MODULE}.py")).read()).get("tokenizer_fingerprint")
-    assert theirs is not None, f"{RUN_MODULE}.py should define tokenizer_fingerprint"
-    assert ours == theirs, f"data/prepare.py's tokenizer_fingerprint differs in code from {RUN_MODULE}.py's"
-    imported = imported_modules(ast.parse(prepare)) & (repo_modules() - {"data"})
-    assert not imported, f"data/prepare.py imports {sorted(imported)}; data preparation imports no script nor {RUN_MODULE}"
+    theirs = top_level_code(open(module_path(RUN_MODULE)).read()).get("tokenizer_fingerprint")
+    assert theirs is not None, f"{RUN_MODULE} should define tokenizer_fingerprint"
+    assert ours == theirs, f"data/prepare.py's tokenizer_fingerprint differs in code from {RUN_MODULE}'s"
+    imported = sorted(name for name in module_imports("data.prepare") if name.split(".")[0] != "data")
+    assert not imported, f"data/prepare.py imports {imported}; data preparation imports no script nor {PACKAGE}"
 
 
 def test_scripts_import_no_other_script_nor_the_data_package():
-    """A script is self-contained: of the repository's own modules it imports run_module.py, and the scripts that call
-    a judge (JUDGE_CLIENT_USERS: judge.py, online_dpo.py) rlhf_utils/judge_client.py too, and the scripts that call a --reward_fn
-    (those with a copy of function_scores) rlhf_utils/rewards.py; never another script nor the data package. run_module.py
-    imports none of the repository's modules; rlhf_utils/judge_client.py and rlhf_utils/rewards.py import run_module.py alone."""
-    ours = repo_modules()
-
-    def imports(module: str) -> set:
-        return imported_modules(ast.parse(open(os.path.join(REPO_ROOT, module)).read())) & ours - {module[:-3]}
-
-    for script in sharing_scripts():
-        allowed = {RUN_MODULE} | ({JUDGE_CLIENT} if script in JUDGE_CLIENT_USERS else set())
-        if "function_scores" in top_level_code(open(os.path.join(REPO_ROOT, script)).read()):
+    """A script is self-contained: of the repository's own modules it imports rlhf_utils' run, models, records and
+    flags (SCRIPT_MODULES), the scripts that call a judge (JUDGE_CLIENT_USERS: judge.py, online_dpo.py)
+    rlhf_utils/judge_client.py too, and the scripts that take --reward_fn rlhf_utils/rewards.py; never another
+    script, the data package, or a top-level module the package replaced (run_infra, user_reward, judge_client)."""
+    imports, problems = {script: script_imports(script) for script in sharing_scripts()}, []
+    for script, imported in imports.items():
+        allowed = SCRIPT_MODULES | ({JUDGE_CLIENT} if script in JUDGE_CLIENT_USERS else set())
+        if takes_reward_fn(script):
             allowed |= {USER_REWARD}
-        assert imports(script) <= allowed, f"{script} imports {sorted(imports(script) - allowed)}"
-    assert not imports(f"{RUN_MODULE}.py"), f"{RUN_MODULE}.py imports {sorted(imports(f'{RUN_MODULE}.py'))}: it " \
-        "imports no script nor the judge's client"
-    if os.path.exists(os.path.join(REPO_ROOT, f"{JUDGE_CLIENT}.py")):  # its existence: tests/test_layout.py
-        extra = imports(f"{JUDGE_CLIENT}.py") - {RUN_MODULE}
-        assert not extra, f"{JUDGE_CLIENT}.py imports {sorted(extra)}: of the repository's modules, only {RUN_MODULE}"
-    extra = imports(f"{USER_REWARD}.py") - {RUN_MODULE}
-    assert not extra, f"{USER_REWARD}.py imports {sorted(extra)}: of the repository's modules, only {RUN_MODULE}"
-    users = {s for s in sharing_scripts() if USER_REWARD in imports(s)}
-    assert {"ppo.py", "rloo.py", "grpo.py", "online_dpo.py"} <= users, f"--reward_fn's scripts: only {sorted(users)}"
+        if imported - allowed:
+            problems.append(f"{script} imports {sorted(imported - allowed)} (of the repository's modules it may "
+                            f"import {sorted(allowed)})")
+    assert not problems, "\n".join(problems)
+    users = {script for script, imported in imports.items() if USER_REWARD in imported}
+    assert {"ppo.py", "rloo.py", "grpo.py", "reinforce_pp.py", "online_dpo.py"} <= users, \
+        f"--reward_fn's scripts: only {sorted(users)} import {USER_REWARD}"
+    missing = sorted(script for script in JUDGE_CLIENT_USERS if JUDGE_CLIENT not in imports[script])
+    assert not missing, f"{missing} call a judge but do not import {JUDGE_CLIENT}"
+
+
+def test_the_package_imports_no_script_and_the_run_module_nothing_of_it():
+    """rlhf_utils sits below the scripts: its modules import no training script, judge.py, pipeline.py nor any other
+    top-level module, and no data/ module. Within it, rlhf_utils/run.py imports none of the repository's modules
+    (nothing of the judge's client nor of rewards, and not the package's other modules, which import it);
+    rlhf_utils/judge_client.py and rlhf_utils/rewards.py import, of the repository's modules, the run module alone."""
+    modules = package_modules()
+    assert {RUN_MODULE, JUDGE_CLIENT, USER_REWARD} <= set(modules), f"{PACKAGE}/ holds only {modules}"
+    outside = {module: sorted(name for name in module_imports(module) if name.split(".")[0] != PACKAGE)
+               for module in modules}
+    outside = {module: names for module, names in outside.items() if names}
+    assert not outside, f"{PACKAGE} imports what it never may (a script, data/, a top-level module): {outside}"
+    assert not module_imports(RUN_MODULE), f"{RUN_MODULE} imports {sorted(module_imports(RUN_MODULE))}: it imports " \
+        "none of the repository's modules (nothing of the judge's client nor of rewards)"
+    for module in (JUDGE_CLIENT, USER_REWARD):
+        extra = module_imports(module) - {RUN_MODULE}
+        assert not extra, f"{module} imports {sorted(extra)}: of the repository's modules, only {RUN_MODULE}"
+
+
+def test_the_imports_are_seen_as_they_are_written(tmp_path):
+    """repository_imports names each repository module by its dotted name, however the import is written
+    (a module of the package, a name from it, a relative import, one inside a function, a module that is gone);
+    other packages are not the repository's."""
+    source = ("import os\nimport torch.nn\nimport rlhf_utils.run as infra\nfrom rlhf_utils import models, records\n"
+              "from rlhf_utils.rewards import check_rewards\nfrom data.synthetic import gold_score\nimport ppo\n"
+              "from .flags import RunFlags\n\ndef late():\n    from judge_client import run_jobs\n")
+    assert repository_imports(ast.parse(source), package=PACKAGE) == {
+        "rlhf_utils.run", "rlhf_utils.models", "rlhf_utils.records", "rlhf_utils.rewards", "data.synthetic", "ppo",
+        "rlhf_utils.flags", "judge_client"}
+    assert repository_imports(ast.parse("from rlhf_utils import not_a_module\n")) == {PACKAGE}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,7 +403,8 @@ def calls_in_order(name: str, functions: dict, seen: frozenset = frozenset()) ->
     """The names of the calls a script's function makes, in source order, with each call of another of the script's
     top-level functions followed by that function's own calls (recursively)."""
     out = []
-    calls = sorted((n for n in ast.walk(functions[name]) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+    calls = sorted((n for n in ast.walk(functions[name]) if isinstance(n, ast.Call)),
+                   key=lambda n: (n.lineno, n.col_offset))
     for call in calls:
         callee = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
         out.append(callee)

@@ -1,13 +1,14 @@
 """Traps of the GPU launch that a 1-process CPU run cannot show (issue 52, item 4), shown on the CPU where their
 mechanism runs there:
-- every script passes --process_group_timeout_min to run_module.start_processes, and that timeout reaches the process
-  group that DeepSpeed starts (a barrier nobody else joins fails after it, not after torch's default);
+- every script passes --process_group_timeout_min (its run flags, rlhf_utils/flags.py: RunFlags) to
+  rlhf_utils.run.start_processes, and that timeout reaches the process group that DeepSpeed starts (a barrier nobody
+  else joins fails after it, not after torch's default);
 - check_finite finds a NaN in a weight that ZeRO-3 partitioned when it was loaded (each process holds a shard, the
   weight itself is empty);
 - ilql.py's sampling loop, which ends once every row holds an EOS, keeps the processes in step under ZeRO-3 when one
   process's rows end first (each forward pass all-gathers the weights from all processes);
 - (online_dpo.py's Gumbel noise drawn on the queries' device: tests/test_online_dpo.py)
-- the timers of ppo.py, rloo.py and grpo.py read run_module.synced_time, which waits for a GPU's queued work.
+- the timers of ppo.py, rloo.py and grpo.py read rlhf_utils.run.synced_time, which waits for a GPU's queued work.
 The 2-process checks run in one launch of tests/zero3_traps_probe.py (slow)."""
 
 import ast
@@ -24,17 +25,29 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(REPO_ROOT, "tests", "zero3_traps_probe.py")
 
 
+def test_the_run_flags_hold_the_timeout_flag_of_60_minutes():
+    """--process_group_timeout_min is one of the run's flags (RunFlags, which every script's Args takes in), 60 min."""
+    import dataclasses
+
+    from rlhf_utils.flags import RunFlags
+
+    timeout = {f.name: f for f in dataclasses.fields(RunFlags)}.get("process_group_timeout_min")
+    assert timeout is not None, "RunFlags has no --process_group_timeout_min"
+    assert timeout.default == 60.0 and RunFlags().process_group_timeout_min == 60.0
+
+
 @pytest.mark.parametrize("script", sorted(name[:-3] for name in training_scripts()))
 def test_every_script_joins_its_process_group_with_the_timeout_flag(script):
-    """Args has --process_group_timeout_min, and main's one start_processes call passes it."""
+    """Args takes in the run's flags (`run: RunFlags`, with --process_group_timeout_min), and main's one
+    start_processes call passes it."""
     tree = ast.parse(open(os.path.join(REPO_ROOT, f"{script}.py")).read())
     args = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Args")
     fields = {node.target.id: node for node in args.body if isinstance(node, ast.AnnAssign)}
-    assert "process_group_timeout_min" in fields, f"{script}.py has no --process_group_timeout_min"
-    assert ast.literal_eval(fields["process_group_timeout_min"].value) == 60.0
+    assert "run" in fields, f"{script}.py's Args takes in no run flags (run: RunFlags): no --process_group_timeout_min"
+    assert "RunFlags" in {n.id for n in ast.walk(fields["run"].annotation) if isinstance(n, ast.Name)}, script
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", None)
              == "start_processes"]
-    assert [ast.unparse(call) for call in calls] == ["start_processes(args.process_group_timeout_min)"], script
+    assert [ast.unparse(call) for call in calls] == ["start_processes(args.run.process_group_timeout_min)"], script
 
 
 @pytest.mark.slow

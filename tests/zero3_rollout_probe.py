@@ -27,11 +27,14 @@ import tyro
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 out_dir, argv = sys.argv[1], sys.argv[3:] if sys.argv[2:3] == ["--"] else sys.argv[2:]
-sys.path.insert(0, REPO_ROOT)  # the scripts import run_module.py from the repository root
+sys.path.insert(0, REPO_ROOT)  # the scripts import rlhf_utils from the repository root
 spec = importlib.util.spec_from_file_location("ppo", os.path.join(REPO_ROOT, "ppo.py"))
 ppo = importlib.util.module_from_spec(spec)
 sys.modules["ppo"] = ppo  # tyro reads the docstrings of nested dataclasses through the module
 spec.loader.exec_module(ppo)
+from rlhf_utils import models  # noqa: E402  (on sys.path above; ppo.py places its frozen models with it)
+from rlhf_utils import run as run_module  # noqa: E402
+
 record = {}
 
 
@@ -49,7 +52,7 @@ def partitions_offloaded(model) -> list:
             for p in model.parameters()]
 
 
-original_place, original_rollout = ppo.place_frozen_models, ppo.rollout
+original_place, original_rollout = models.place_frozen_models, ppo.rollout
 
 
 def recording_place(args, accelerator, reward_models, ref_policy, zero3):
@@ -91,11 +94,11 @@ def recording_rollout(args, *rest, **kwargs):
     record["per_layer"] = recorded_rollout(dataclasses.replace(args, gather_for_generation=False), *rest, **kwargs)
     os.makedirs(out_dir, exist_ok=True)
     torch.save(record, os.path.join(out_dir, f"rank{int(os.environ.get('RANK', '0'))}.pt"))
-    # leave together, without the rest of the run (run_infra's leave_processes, as the scripts leave after main())
+    # leave together, without the rest of the run (rlhf_utils.run's leave_processes, as the scripts leave after main())
     torch.distributed.barrier()
-    sys.modules["run_infra"].leave_processes()
+    run_module.leave_processes()
 
 
-ppo.place_frozen_models, ppo.rollout = recording_place, recording_rollout
-ppo.main(tyro.cli(ppo.Args, args=argv))
+models.place_frozen_models, ppo.rollout = recording_place, recording_rollout
+ppo.main(tyro.cli(ppo.Args, args=argv, use_underscores=True))  # as ppo.py parses its flags
 raise SystemExit("ppo.py ended without a rollout")

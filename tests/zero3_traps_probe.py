@@ -3,7 +3,7 @@
     DS_ACCELERATOR=cpu accelerate launch --config_file zero3.yaml --num_processes 2 --mixed_precision no \
         tests/zero3_traps_probe.py OUT_DIR FINITE_MODEL NAN_MODEL TIMEOUT_MIN
 
-1. run_module.start_processes(TIMEOUT_MIN) joins the process group, as every script does with
+1. rlhf_utils.run.start_processes(TIMEOUT_MIN) joins the process group, as every script does with
    --process_group_timeout_min.
 2. check_finite on NAN_MODEL loaded by from_pretrained under ZeRO-3's init (every weight partitioned, empty on each
    process): does it find the NaN?
@@ -25,8 +25,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
-from rlhf_utils import run as run_module  # noqa: E402
 from conftest import load_script  # noqa: E402
+
+from rlhf_utils import run as run_module  # noqa: E402
 
 out_dir, finite_model, nan_model, timeout_min = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 state = run_module.start_processes(timeout_min)  # 1.

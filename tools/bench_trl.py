@@ -175,7 +175,8 @@ def settings_for(shape: str) -> dict:
         return {t: {**SETTINGS[t], "eval_rows": EVAL_ROWS, "eval_batch": EVAL_ROWS} for t in TRAINERS}
     if shape not in SHAPES:
         raise ValueError(f"--shape {shape}: expected builtin or one of {' '.join(SHAPES)}")
-    return {t: {**SETTINGS[t], **SHAPE_BATCHES[t], "eval_rows": SHAPE_EVAL_ROWS, "eval_batch": SHAPE_BATCHES[t]["micro"]}
+    return {t: {**SETTINGS[t], **SHAPE_BATCHES[t], "eval_rows": SHAPE_EVAL_ROWS,
+                "eval_batch": SHAPE_BATCHES[t]["micro"]}
             for t in TRAINERS}
 
 
@@ -199,8 +200,9 @@ class Args:
     """which comparisons to run: any of sft reward dpo ppo"""
     rows: Optional[list[int]] = None
     """N1 N2: rows (SFT rows, preference pairs, PPO episodes) of the short and the long run; each a multiple of the
-    trainer's batch. One N: runs of that size only (per-step times and peak memory, no two-run rate). None = per trainer: sft, reward and dpo 256 2048, ppo 128 512 (builtin); at the other shapes
-    sft, reward and ppo 16 48, dpo 8 24"""
+    trainer's batch. One N: runs of that size only (per-step times and peak memory, no two-run rate). None = per
+    trainer: sft, reward and dpo 256 2048, ppo 128 512 (builtin); at the other shapes sft, reward and ppo 16 48,
+    dpo 8 24"""
     repeats: int = 3
     """runs of each (side, N); the table gives the median"""
     threads: int = 0
@@ -490,7 +492,8 @@ def prepare_inputs(args: Args, work: str, env: dict) -> dict:
                                     f'"complete": true); train it to its end, or leave --{key} out to make one here')
         paths[key] = os.path.abspath(given) if given else os.path.join(work, "models", stage)
     # pipeline.py's ci sizes: a few updates give models of the right shapes (speed does not depend on the weights)
-    ci = ["--seed", "1", "--run_dir_root", os.path.join(work, "runs"), "--overwrite_output_dir", "--checkpoint_every", "0"]
+    ci = ["--seed", "1", "--run_dir_root", os.path.join(work, "runs"), "--overwrite_output_dir",
+          "--checkpoint_every", "0"]
     needs_sft, needs_rm = bool(set(args.trainers) & {"reward", "dpo", "ppo"}), "ppo" in args.trainers
     if needs_sft and not model_ready(paths["sft_model"]):
         run_checked([sys.executable, os.path.join(REPO_ROOT, "sft.py"), *ci, "--run_name", "setup_sft",
@@ -577,7 +580,8 @@ def random_rows(kind: str, split: str, n: int, query_length: int, response_lengt
         for name in ["reference_response"] if kind == "sft" else ["chosen", "rejected"]:
             response = rng.choices(text_ids, k=response_length - 1) + [eos]
             row.update({name: " " + spell(response), f"{name}_token": response, f"{name}_token_len": response_length,
-                        f"query_{name}_token": query + response, f"query_{name}_token_len": query_length + response_length,
+                        f"query_{name}_token": query + response,
+                        f"query_{name}_token_len": query_length + response_length,
                         f"query_{name}_token_response_label": [pad] * query_length + response})
         if kind == "sft":
             row["query_reference_response"] = row["query"] + row["reference_response"]
@@ -1074,7 +1078,8 @@ def main(args: Args) -> dict:
     text = table(summaries, [cpu_line, shape_line], versions, sides)
     failed = [r for r in runs if not r["ok"]]
     if failed:
-        text += f"\n\n{len(failed)} of {len(runs)} runs failed: " + ", ".join(os.path.basename(r["log"]) for r in failed)
+        text += (f"\n\n{len(failed)} of {len(runs)} runs failed: "
+                 + ", ".join(os.path.basename(r["log"]) for r in failed))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(text + "\n")

@@ -235,7 +235,7 @@ def child_main(script: str, result_path: str, argv: list) -> None:
 def build_main(spec_path: str, result_path: str) -> None:
     """Build the measured GPT-NeoX with the task's tokenizer; save it as the SFT model and as a reward model."""
     import torch
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     spec = json.load(open(spec_path))
     base = spec["base_model"]
@@ -312,7 +312,8 @@ def run_child(cmd: list, what: str, log_stem: str, args: Args) -> None:
     if returncode != 0:
         raise RunFailed(
             f"{what} failed (exit code {returncode}).\n  command: {' '.join(cmd)}\n  full logs: {log_stem}.out / "
-            f"{log_stem}.err\n  last lines of its stderr:\n" + "\n".join("    " + l for l in tail(log_stem + ".err").splitlines())
+            f"{log_stem}.err\n  last lines of its stderr:\n"
+            + "\n".join("    " + line for line in tail(log_stem + ".err").splitlines())
         )
 
 
@@ -408,8 +409,10 @@ def write_outputs(args: Args, rows: list, header: str, estimate: str) -> str:
                else "n/a (no GPU)")
         lines.append(
             f"| {r['script']} | {r['mode']} | {' '.join(r['mode_flags']) or '-'} | "
-            f"{fmt_int(r['policy_trainable_params'])} / {fmt_int(r['policy_params'])} | {fmt_int(r['optimizer_params'])} | "
-            f"{r['peak_rss_kib'] / 1024:.0f} | {r['rss_before_main_kib'] / 1024:.0f} | {gpu} | {r['wall_s']:.0f} ({r['main_s']:.0f}) |"
+            f"{fmt_int(r['policy_trainable_params'])} / {fmt_int(r['policy_params'])} | "
+            f"{fmt_int(r['optimizer_params'])} | "
+            f"{r['peak_rss_kib'] / 1024:.0f} | {r['rss_before_main_kib'] / 1024:.0f} | {gpu} | "
+            f"{r['wall_s']:.0f} ({r['main_s']:.0f}) |"
         )
     notes = [
         "",
@@ -428,8 +431,9 @@ def write_outputs(args: Args, rows: list, header: str, estimate: str) -> str:
     inherited = [f"{r['script']} {r['mode']}" for r in rows if r["status"] == "ok" and r.get("own_peak_rss_kib")
                  and r["peak_rss_kib"] > 1.05 * r["own_peak_rss_kib"]]
     if inherited:  # see the module docstring: the launcher's own peak leaks into ru_maxrss
-        notes.append(f"Warning: ru_maxrss exceeds the process's own high-water mark (VmHWM) for {', '.join(inherited)}: "
-                     "the figure carries the launching process's peak; the CSV's own_peak_rss_mib is the process's own.")
+        notes.append("Warning: ru_maxrss exceeds the process's own high-water mark (VmHWM) for "
+                     f"{', '.join(inherited)}: the figure carries the launching process's peak; the CSV's "
+                     "own_peak_rss_mib is the process's own.")
     if not gpu_seen:
         notes.append("Without a GPU, `ppo.py --offload` has nothing to move (the models already live in CPU memory), "
                      "so its figure shows the option's cost-free path only; its saving appears on a GPU.")
@@ -483,7 +487,7 @@ def paper_estimate(measured_params: Optional[int] = None, measured_config: Optio
     trained = policy + critic  # PolicyAndValue: one module, one AdamW
     frozen = reference + reward_model
     c = RECIPE_SCRIPTS["ppo.py"]
-    b, chunk, s, r = c["micro"], c["chunk"][1], c["s"], c["r"]  # ppo.py's defaults (the paper's)
+    b, chunk, s = c["micro"], c["chunk"][1], c["s"]  # ppo.py's defaults (the paper's)
     settings = {"zero2": (2, False), "zero3": (3, False), "zero3 --offload": (3, True)}
     plain = {k: phase_estimate("ppo.py", "6.9b", st, b, chunk, False, off) for k, (st, off) in settings.items()}
     ckpt = {k: phase_estimate("ppo.py", "6.9b", st, b, chunk, True, off) for k, (st, off) in settings.items()}
@@ -710,7 +714,8 @@ def recipe_table(gpu_gib: float = GPU_GIB) -> str:
                 rows.append(f"| {size} | {script} | fits no setting | | | | | | |")
                 continue
             plain = max(phase_estimate(script, size, r["stage"], r["micro"], r["chunk"], False, r["offload"]).values())
-            rows.append(f"| {size} | {script} | {r['stage']} | {r['micro']} x {r['accumulation']} | {r['chunk'] or '-'} "
+            rows.append(f"| {size} | {script} | {r['stage']} | {r['micro']} x {r['accumulation']} "
+                        f"| {r['chunk'] or '-'} "
                         f"| {'yes' if r['checkpointing'] else 'no'} | {'yes' if r['offload'] else 'no'} "
                         f"| {r['peak_gib']:.1f} | {plain / 2**30:.1f} |")
     return "\n".join(rows)

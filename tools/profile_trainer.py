@@ -1,7 +1,8 @@
 """Where a trainer's time goes: one run of a script under cProfile and one under torch's FLOP counter, and this
 machine's matmul rate for comparison.
 
-    python tools/profile_trainer.py --out artifacts/profile/reward -- reward.py --sft_model_path ... (the script's flags)
+    python tools/profile_trainer.py --out artifacts/profile/reward -- reward.py --sft_model_path ...
+                                                                      (the script's flags)
 
 It runs the script (the part after `--`, exactly as a user types it; `{mode}` in it becomes plain, cprofile or
 flops, so that each run can have its own --run_name) three times, each in a fresh process:
@@ -426,7 +427,8 @@ def accounting_lines(accounting: dict) -> List[str]:
         f"| output layer (LM head, score head) | {gflop(head['flops'])} | {gflop(head['flops_in_generation'])} "
         f"| {head['rows_computed']:,} rows (of {head['rows_offered']:,} handed to it) | {head['rows_read']:,} read "
         f"({share(head['rows_read'], head['rows_computed'])}) | {gflop(head['minimum_flops'])} |",
-        f"| rest | {gflop(rest['flops'])} | {gflop(rest['flops_in_generation'])} | | | {gflop(rest['minimum_flops'])} |",
+        f"| rest | {gflop(rest['flops'])} | {gflop(rest['flops_in_generation'])} | | "
+        f"| {gflop(rest['minimum_flops'])} |",
         f"| all | {gflop(total['flops'])} | {gflop(total['flops_in_generation'])} | | "
         f"| {gflop(total['minimum_flops'])} |", "",
         f"Measured / minimum: **{ratio}**. The minimum scales each body call's "
