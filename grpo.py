@@ -47,25 +47,11 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
-from rlhf_utils import models, records
-from rlhf_utils.flags import RunFlags, check_flags  # the run's flags
-from rlhf_utils.rewards import check_rewards, reward_fn_errors  # --reward_fn: load and check
-from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
-    LastGoodState,
-    Run,
-    RunError,
-    check_columns,
-    check_data_tokenizer,
-    check_finite,
-    check_query_response,
-    check_reward_tokenizer,
-    due,
-    evaluation_rng,
-    leave_processes,
-    load_split,
-    start_processes,
-    synced_time,
-)
+from rlhf_utils import checks, models, records
+from rlhf_utils.checks import RunError
+from rlhf_utils.flags import RunFlags, check_flags
+from rlhf_utils.rewards import check_rewards, reward_fn_errors
+from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, start_processes, synced_time
 
 
 @dataclass
@@ -81,12 +67,12 @@ class GrpoHParams:
     """epsilon: each token's policy ratio is clipped to [1 - cliprange, 1 + clip_high] (the paper's 0.2)"""
     clip_high: Optional[float] = None
     """DAPO's clip-higher (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"; they use
-    0.28): the upper clip of the ratio, 1 + clip_high, above the lower one; None = cliprange (the paper's symmetric clip)"""
+    0.28): the upper clip of the ratio, 1 + clip_high, above the lower one; None = cliprange (the paper's symmetric
+    clip)"""
     ratio_level: Literal["token", "sequence"] = "token"
     """the importance ratio that the clip acts on: each token's (GRPO, as PPO), or each response's (GSPO: Zheng et al.
-    2025, "Group Sequence Policy Optimization"): the geometric mean of its tokens' ratios, exp of the mean of their
-    log-ratios over the response's tokens up to its EOS, one ratio for all its tokens, clipped with
-    --grpo.sequence_cliprange (--grpo.cliprange and --grpo.clip_high then do not act)"""
+    2025, "Group Sequence Policy Optimization"): the geometric mean of its tokens' ratios, one ratio for all its
+    tokens, clipped with --grpo.sequence_cliprange (docs/usage.md, "Flags in depth")"""
     sequence_cliprange: tuple[float, float] = (3e-4, 4e-4)
     """--grpo.ratio_level sequence: a response's ratio is clipped to [1 - low, 1 + high] (GSPO's 3e-4 and 4e-4, far
     narrower than PPO's 0.2: a mean of log-ratios over a whole response moves much less than one token's)"""
@@ -108,19 +94,13 @@ class GrpoHParams:
     response's sum over response_length, then the mean over responses (Dr. GRPO, Liu et al. 2025: no bias toward
     short correct and long wrong responses); the mean over every token of the minibatch, on all processes (DAPO)"""
     max_draws_per_update: int = 1
-    """DAPO's dynamic sampling (Yu et al. 2025): a group whose G rewards are all equal has advantage 0 and gives no
-    policy gradient. 1 = off (GRPO: an update samples one prompt batch and trains on all its groups). More: an update
-    samples further whole prompt batches of the run's stream (Detail 21) until groups of unequal rewards fill its
-    batch, at most this many batches (DAPO samples until full, with no cap); when the cap stops it, the slots left
-    take groups of equal rewards (advantage 0, as GRPO trains them) and a line says how many. Every response sampled
-    counts in budget/responses_sampled, so such a run samples more than --total_episodes (online_dpo.py's
-    --max_draws_per_round is the same rule for pairs)"""
+    """DAPO's dynamic sampling (Yu et al. 2025): an update samples up to this many prompt batches of the run's stream
+    (Detail 21) until groups of unequal rewards fill its batch (a group of G equal rewards has advantage 0). 1 = off
+    (GRPO: an update samples one prompt batch and trains on all its groups) (docs/usage.md, "Flags in depth")"""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment (Yu et al. 2025) over the last overlong_buffer tokens of --response_length
-    (L_max): a response of n tokens (up to and including its EOS; all L_max without one) gets min(0, (L_max -
-    overlong_buffer - n) / overlong_buffer) added to its score: 0 up to L_max - overlong_buffer, then down linearly to
-    -1 at L_max. Added last, after the EOS trick (Detail 23) and --grpo.reward_clip, so the two add up: a response
-    without EOS scores --penalty_reward_value - 1. DAPO's buffer is 4096 of 20480 tokens; 0 = off"""
+    """DAPO's soft overlong punishment (Yu et al. 2025) over the last overlong_buffer tokens of --response_length: 0,
+    then down linearly to -1 at --response_length, added to the score last (after the EOS trick, Detail 23). DAPO's
+    buffer is 4096 of 20480 tokens; 0 = off (docs/usage.md, "Flags in depth")"""
     scale_rewards: bool = False
     """trlX: divide scores by a running standard deviation of all scores seen (no mean subtraction)"""
     reward_clip: Optional[float] = None
@@ -130,8 +110,8 @@ class GrpoHParams:
 
     def __post_init__(self):  # refused as the flags are read, before anything loads
         if self.max_draws_per_update < 1 or self.overlong_buffer < 0:
-            raise RunError(f"--grpo.max_draws_per_update must be >= 1 (1 = off) and --grpo.overlong_buffer >= 0 (0 = off), "
-                           f"got {self.max_draws_per_update} and {self.overlong_buffer}")
+            raise RunError(f"--grpo.max_draws_per_update must be >= 1 (1 = off) and --grpo.overlong_buffer >= 0 "
+                           f"(0 = off), got {self.max_draws_per_update} and {self.overlong_buffer}")
 
 
 @dataclass
@@ -148,17 +128,13 @@ class Args:
     sft_model_path: str = "models/sft"
     """the SFT policy: initial policy, reference policy, and the tokenizer"""
     reward_model_path: List[str] = field(default_factory=lambda: ["models/rm"])
-    """the reward model (saved by reward.py with the Detail 15 normalisation folded in); several paths make an
-    ensemble whose scores --reward_combine joins into one. None at all (the flag without a path) with --reward_fn:
-    the function alone scores, and no reward model is loaded, which saves its weights (a model of the policy's size,
-    in bf16 with --bf16) and its forward pass over every rollout and evaluation batch"""
+    """the reward model (saved by reward.py, at the default path, with the Detail 15 normalisation folded in); several
+    paths make an ensemble whose scores --reward_combine joins into one. None at all (the flag without a path) with
+    --reward_fn: the function alone scores, and no reward model is loaded (docs/usage.md, "Flags in depth")"""
     reward_fn: Optional[str] = None
     """path.py:function, a reward from code (TRL, OpenRLHF and verl take such functions): fn(queries, responses,
-    **columns) returns one float per response, given the decoded queries and responses and, by name, the prompt rows'
-    other columns (a list each, e.g. a task's answer key); each process calls it on its own rows. One more scorer beside
-    the reward models, the last: scaled and joined like them (--reward_combine, --reward_weights), then the EOS trick
-    (Detail 23) once. Its time is logged as time/reward_fn_share, part of time/scoring_share. None = no function.
-    The built-in task's rule: data/synthetic.py:key_fact_share; docs/usage.md's "Write your own reward" shows how"""
+    **columns) returns one float per response; one more scorer beside the reward models, joined like them, then the
+    EOS trick (Detail 23). None = no function (docs/usage.md, "Flags in depth")"""
     reward_combine: Literal["mean", "sum", "min"] = "mean"
     """how the scores of several reward models become one, each after its own scaling: mean, weighted sum
     (--reward_weights) or min (the conservative ensemble of Coste et al. 2024); one reward model: its score"""
@@ -217,10 +193,9 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. On the CPU
     the run computes in float32 unless --bf16 asks for bf16 (slow)"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
-    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
-    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
-    default: the paper trained without it"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
+    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
+    without it (docs/usage.md, "Flags in depth")"""
 
     # memory and speed (trlX / OpenRLHF)
     num_layers_unfrozen: int = -1
@@ -237,10 +212,9 @@ class Args:
     """keep the reference and reward models on CPU between uses (GPU runs): by hand, brought to the device once per
     rollout and per evaluation from pinned memory; with ZeRO-3, DeepSpeed's parameter offload, from CPU partitions"""
     gather_for_generation: bool = True
-    """under ZeRO-3, gather the policy's weights once for each rollout and evaluation (sampling and the scoring passes
-    on the unwrapped model) instead of layer by layer at every decode step (as TRL's unwrap_model_for_generation and
-    the reference reproduction do); the same samples either way. Off: for a model too large to hold whole on one
-    device. No effect without ZeRO-3"""
+    """under ZeRO-3, gather the policy's weights once for each rollout and evaluation instead of layer by layer at every
+    decode step (as TRL's unwrap_model_for_generation and the reference reproduction do); the same samples either way.
+    Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
 
     # evaluation and logging
     eval_every: int = 20
@@ -257,8 +231,7 @@ class Args:
     """GRPO hyperparameters"""
 
     run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
-    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
-    they decide no number"""
+    """the run's folder, checkpoints, --resume, lock, tracking and hub (rlhf_utils/flags.py): they decide no number"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,7 +388,8 @@ class Policy(nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, query_responses, pad_token_id: int, context_length: int, ptx_query_responses=None, ptx_labels=None):
+    def forward(self, query_responses, pad_token_id: int, context_length: int, ptx_query_responses=None,
+                ptx_labels=None):
         actions = slice(context_length - 1, -1)  # the positions that predict a response token: (B, T, V) logits
         logits = forward(self.policy, query_responses, pad_token_id, read=actions).logits
         ptx_logits = None
@@ -467,10 +441,11 @@ def minibatch_tokens(mask: torch.Tensor, num_mini_batches: int, micro_batches: i
 
 def grpo_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, weights, cliprange: float, clip_high: float,
               kl_coef: float, ratio_level: str = "token"):
-    """Step 8, per token t of response i: PPO's clipped surrogate max(-A_i r, -A_i clip(r, 1 - cliprange, 1 + clip_high))
-    on the ratio r of new to rollout probability, plus kl_coef x the k3 KL to the reference (r_ref - 1 - log r_ref,
-    r_ref = p_ref / p), summed with `weights` (token_weights). Only the upper clip binds where A > 0 and only the lower
-    where A < 0: clipped_policy_loss with one range per token gives both. On a fresh batch r = 1, the clip idle.
+    """Step 8, per token t of response i: PPO's clipped surrogate
+    max(-A_i r, -A_i clip(r, 1 - cliprange, 1 + clip_high)) on the ratio r of new to rollout probability, plus
+    kl_coef x the k3 KL to the reference (r_ref - 1 - log r_ref, r_ref = p_ref / p), summed with `weights`
+    (token_weights). Only the upper clip binds where A > 0 and only the lower where A < 0: clipped_policy_loss with
+    one range per token gives both. On a fresh batch r = 1, the clip idle.
     ratio_level "sequence" (GSPO): r is response i's ratio s_i = exp(mean over its kept tokens of log(p / p_old)) at
     each of its tokens, so its clipped term counts with its tokens' total weight (1 / B under response_mean: GSPO's
     mean over responses), and unclipped its gradient is -A_i s_i (1 / |o_i|) sum_t grad log p_it times that weight."""
@@ -515,14 +490,16 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
         for column, moments in enumerate(reward_moments):
             moments.update(gather(scores[:, column]))
         scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
-    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) several reward models joined into one score
+    # (B,) several reward models joined into one score
+    scores = combine_scores(scores, args.reward_combine, args.reward_weights)
     contains_eos = (responses == eos_token_id).any(1)
     if args.non_eos_penalty:  # 5. Detail 23: EOS trick, once per response, on the joined score
         scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
     if hp.reward_clip is not None:
         scores = torch.clamp(scores, -hp.reward_clip, hp.reward_clip)
     if hp.overlong_buffer > 0:  # DAPO's soft overlong punishment, added last: 0, then down to -1 at response_length
-        scores = scores + ((args.response_length - hp.overlong_buffer - last_index - 1) / hp.overlong_buffer).clamp(max=0)
+        scores = scores + ((args.response_length - hp.overlong_buffer - last_index - 1)
+                           / hp.overlong_buffer).clamp(max=0)
     # 6. the reward is the score (the KL enters the loss, step 8); 7. group-relative advantages
     kl = kl_per_token(data.logprobs, data.ref_logprobs, "k1") * mask
     advantages = grpo_advantages(scores, args.group_size, hp.advantage_std, gather)
@@ -530,14 +507,16 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
 
 
 class DynamicSampling:
-    """Step 1, the prompt batches of an update, and DAPO's dynamic sampling (Yu et al. 2025; --grpo.max_draws_per_update).
-    Off (1): update u samples prompt batch number u - 1 of the stream (Detail 21) and keep() returns it as it is. On:
-    the update samples the run's next prompt batches (their number so far is the trainer state's budget/prompts over a
-    batch's prompts, restored with it on --resume) until the groups whose rewards are not all equal fill the local
-    batch on every process, or max_draws_per_update batches are drawn; keep() builds the batch from them."""
+    """Step 1, the prompt batches of an update, and DAPO's dynamic sampling (Yu et al. 2025;
+    --grpo.max_draws_per_update). Off (1): update u samples prompt batch number u - 1 of the stream (Detail 21) and
+    keep() returns it as it is. On: the update samples the run's next prompt batches (their number so far is the
+    trainer state's budget/prompts over a batch's prompts, restored with it on --resume) until the groups whose
+    rewards are not all equal fill the local batch on every process, or max_draws_per_update batches are drawn;
+    keep() builds the batch from them."""
 
     def __init__(self, args, accelerator, query_tokens: torch.Tensor, pad_token_id: int):
-        self.args, self.accelerator, self.query_tokens, self.pad_token_id = args, accelerator, query_tokens, pad_token_id
+        self.args, self.accelerator = args, accelerator
+        self.query_tokens, self.pad_token_id = query_tokens, pad_token_id
         self.max_draws, self.prompts = args.grpo.max_draws_per_update, args.total_batch_size // args.group_size
 
     def prompt_batches(self, update: int, state: dict, device):
@@ -556,8 +535,8 @@ class DynamicSampling:
         # turn all-equal (solved, or never solved) goes on rather than stopping hours in
         if self.max_draws > 1:
             self.accelerator.print(f"update {update}: dynamic sampling drew its {self.max_draws} prompt batches "
-                                   f"(--grpo.max_draws_per_update) and {self.empty} of the batch's {self.prompts} group "
-                                   "slots still hold groups of equal rewards (advantage 0)")
+                                   f"(--grpo.max_draws_per_update) and {self.empty} of the batch's {self.prompts} "
+                                   "group slots still hold groups of equal rewards (advantage 0)")
 
     def keep(self, rows, data: Rollout, scored: RewardsAndAdvantages):
         """Off: the batch as it is. On: every row drawn in the update so far (its budget), and the batch it trains on:
@@ -567,7 +546,8 @@ class DynamicSampling:
             return rows, data, scored
         G, width = self.args.group_size, self.query_tokens.size(1) + self.args.response_length
         # one width for every batch's rows, left-padded (rollout cut each batch to its own longest query)
-        data.query_responses = F.pad(data.query_responses, (width - data.query_responses.size(1), 0), value=self.pad_token_id)
+        data.query_responses = F.pad(data.query_responses, (width - data.query_responses.size(1), 0),
+                                     value=self.pad_token_id)
         self.parts.append((rows, data, scored))
         grouped = torch.cat([part[2].scores for part in self.parts]).view(-1, G)
         unequal = grouped.max(1).values != grouped.min(1).values  # a NaN compares unequal: kept, for the guard to see
@@ -582,7 +562,8 @@ class DynamicSampling:
 
 def joined_rows(batches: list, index: torch.Tensor):
     """Rows `index` of batches of one dataclass of per-row tensors (Rollout, RewardsAndAdvantages) put end to end."""
-    return type(batches[0])(**{f.name: torch.cat([getattr(b, f.name) for b in batches])[index] for f in fields(batches[0])})
+    return type(batches[0])(**{f.name: torch.cat([getattr(b, f.name) for b in batches])[index]
+                               for f in fields(batches[0])})
 
 
 def grpo_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, update: int, guard, ptx, kl_coef: float,
@@ -621,7 +602,8 @@ def grpo_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, 
                 pg_loss, mb_stats = grpo_loss(new_logprobs, old_logprobs, ref_logprobs, scored.advantages[idx], weights,
                                               *clip, kl_coef, hp.ratio_level)
                 ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
-                loss = pg_loss + ptx.coef * ptx_loss  # option (PPO-ptx): the SFT loss of reference summaries; coef 0: off
+                # option (PPO-ptx): the SFT loss of reference summaries; coef 0: off
+                loss = pg_loss + ptx.coef * ptx_loss
                 # non-finite guard: checked before backward, so the optimizer never applies it
                 guard(update, **{f"grpo/loss (epoch {epoch + 1}, minibatch {mb + 1})": loss})
                 accelerator.backward(loss)
@@ -698,7 +680,8 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
     # and how much a run evaluates never changes what it trains. The reward models come to the device once for the
     # whole evaluation (--offload), and the policy's ZeRO-3 weights are gathered once for it (--gather_for_generation)
     with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003), \
-            models.placed_on(reward_models, bring_frozen_to), models.gathered_for_generation(model, args.gather_for_generation):
+            models.placed_on(reward_models, bring_frozen_to), \
+            models.gathered_for_generation(model, args.gather_for_generation):
         for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
             batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
             query = torch.tensor(batch["query_token"], device=accelerator.device)
@@ -707,7 +690,8 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
             query_response = generate(unwrapped.policy, query, pad_id, generation_config)
             truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
             scores = ensemble_scores(reward_models, query, truncated, pad_id)
-            scores = function_scores(scores, reward_fn, tokenizer, query, truncated, eval_dataset, range(start, start + len(query)))
+            batch_rows = range(start, start + len(query))  # the rows of eval_dataset this batch holds
+            scores = function_scores(scores, reward_fn, tokenizer, query, truncated, eval_dataset, batch_rows)
             score = combine_scores(scores, args.reward_combine, args.reward_weights)  # raw: no EOS trick, no scaling
             _, last_index = response_mask(truncated, pad_id)
             has_eos = (truncated == eos_id).any(1)
@@ -741,9 +725,11 @@ def main(args: Args) -> dict:
     zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3
     reward_fn = check_flags(args, accelerator, hp.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
     if args.group_size < 2 or local_batch_size % args.group_size:  # each process holds whole groups: never split
-        raise RunError(f"--group_size {args.group_size} must be at least 2 and divide the local batch {local_batch_size}")
+        raise RunError(f"--group_size {args.group_size} must be at least 2 and divide the local batch "
+                       f"{local_batch_size}")
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
-    run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path, query_dataset=args.query_dataset)
+    run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path,
+               query_dataset=args.query_dataset)
 
     # ---------------- seeding (labelled, deliberate) ----------------
     set_seed(args.seed)  # weights (any fresh head) and data order: identical on every rank
@@ -753,7 +739,7 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     for path in args.reward_model_path:
-        check_reward_tokenizer(tokenizer, args.sft_model_path, path, args.trust_remote_code)
+        checks.check_reward_tokenizer(tokenizer, args.sft_model_path, path, args.trust_remote_code)
     # Hydra and LoRA enter here: they decide what the reference policy is (None with LoRA)
     policy, reward_models, ref_policy = load_models(args, tokenizer, bf16)
     model = Policy(policy)
@@ -761,7 +747,8 @@ def main(args: Args) -> dict:
                               weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, adamw)
     # the frozen models need no optimizer state (Detail 8); --offload decides where they live between uses
-    reward_models, ref_policy, bring_frozen_to = models.place_frozen_models(args, accelerator, reward_models, ref_policy, zero3)
+    reward_models, ref_policy, bring_frozen_to = models.place_frozen_models(args, accelerator, reward_models,
+                                                                            ref_policy, zero3)
 
     # ---------------- data ----------------
     train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=hp.ptx_coef > 0)
@@ -783,7 +770,8 @@ def main(args: Args) -> dict:
     # rate need no entry: both are functions of the update number (see the loop; with dynamic sampling the data
     # position is the prompts drawn so far, the trainer state's budget/prompts)
     accelerator.register_for_checkpointing(kl_controller, *reward_moments)
-    last_good = LastGoodState(run, accelerator, adamw, kl_controller, *reward_moments)  # the non-finite guard's fallback
+    # the non-finite guard's fallback
+    last_good = LastGoodState(run, accelerator, adamw, kl_controller, *reward_moments)
     state = run.start(records.fresh_trainer_state(), num_updates=num_updates, total_batch_size=args.total_batch_size)
     start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
     accelerator.print(f"{args.exp_name}: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} "
@@ -830,8 +818,9 @@ def main(args: Args) -> dict:
             kl_controller.update(accelerator.gather(scored.kl.sum(1)).mean().item(), args.total_batch_size)
             # the budget spent: the responses this update sampled and the prompts they answer, on every process (with
             # dynamic sampling `rows` holds every prompt drawn, of the groups dropped too)
-            state = records.next_state(state, start_time, timers, metrics, {"budget/responses_sampled": len(rows) * args.group_size
-                               * num_processes, "budget/prompts": len(rows) * num_processes})
+            state = records.next_state(state, start_time, timers, metrics,
+                                       {"budget/responses_sampled": len(rows) * args.group_size * num_processes,
+                                        "budget/prompts": len(rows) * num_processes})
             run.log(update, {**metrics, **state["budget"]})
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
                              eps=f"{metrics['episodes_per_second']:.1f}")
@@ -842,8 +831,8 @@ def main(args: Args) -> dict:
         if due(args.eval_every, update, num_updates):
             records.log_evaluation(run, args, update, eval_rows())
         if due(args.save_policy_every, update, num_updates):
-            models.save_policy(accelerator, model, tokenizer, os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"),
-                        args.lora_rank > 0)
+            models.save_policy(accelerator, model, tokenizer,
+                               os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"), args.lora_rank > 0)
         # resumable checkpoint, after this update's logging and evaluation: a resumed run starts with the next
         # update, with the RNG states as they are now (not at the final update: the model is saved)
         if due(args.run.checkpoint_every, update, num_updates):
@@ -905,7 +894,8 @@ class RunningMoments:
         batch_mean, batch_var, batch_count = values.mean().item(), values.var(unbiased=False).item(), values.numel()
         delta, total = batch_mean - self.mean, self.count + batch_count
         self.mean += delta * batch_count / total
-        self.var = (self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / total) / total
+        self.var = (self.var * self.count + batch_var * batch_count
+                    + delta**2 * self.count * batch_count / total) / total
         self.count = total
 
     @property
@@ -920,7 +910,8 @@ class RunningMoments:
 
 
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """PPO-ptx: next-token NLL on the reference-summary tokens (labels are [PAD] elsewhere), from their logits (N, V)."""
+    """PPO-ptx: next-token NLL on the reference-summary tokens (labels are [PAD] elsewhere), from their logits
+    (N, V)."""
     targets = labels[:, 1:][labels[:, 1:] != pad_token_id]  # (N,)
     logprobs = torch.gather(F.log_softmax(logits.float(), dim=-1), 1, targets.unsqueeze(-1)).squeeze(-1)
     return -logprobs.mean()
@@ -1007,7 +998,8 @@ def load_models(args, tokenizer, bf16: bool):
         if args.lora_rank <= 0 and args.num_layers_unfrozen < 0:  # a frozen copy of the SFT model
             ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=frozen_dtype,
                                                               trust_remote_code=remote)
-    loaded = zip((policy, *reward_models, ref_policy), (args.sft_model_path, *args.reward_model_path, args.sft_model_path))
+    paths = (args.sft_model_path, *args.reward_model_path, args.sft_model_path)
+    loaded = zip((policy, *reward_models, ref_policy), paths)
     for model, path in ((m, p) for m, p in loaded if m is not None):
         checked_for_training(model, path, tokenizer, args.disable_dropout or model is ref_policy)
     for frozen in (m for m in (*reward_models, ref_policy) if m is not None):
@@ -1023,7 +1015,7 @@ def checked_for_training(model: nn.Module, path: str, tokenizer, no_dropout: boo
     """A loaded model made ready: finite weights (a diverged save stops here, named with its first non-finite
     tensor), embeddings for every token of the tokenizer ([PAD] included), and dropout off where asked (Detail 7;
     the frozen reference always: deterministic)."""
-    check_finite(model, path)
+    checks.check_finite(model, path)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if model.config.vocab_size < len(tokenizer):
         model.resize_token_embeddings(len(tokenizer))
@@ -1072,17 +1064,18 @@ def seed_sampling(local_seed: int) -> None:
 
 def load_query_data(args, tokenizer, ptx: bool):
     """The query splits, checked for the columns this run reads and for the tokenizer that made them."""
-    train_dataset = load_split(args.query_dataset, args.train_split)
-    eval_dataset = load_split(args.query_dataset, args.eval_split)
+    train_dataset = checks.load_split(args.query_dataset, args.train_split)
+    eval_dataset = checks.load_split(args.query_dataset, args.eval_split)
     ptx_columns = ["query_reference_response_token", "query_reference_response_token_response_label"]
-    check_columns(train_dataset, ["query_token"] + (ptx_columns if ptx else []),
+    checks.check_columns(train_dataset, ["query_token"] + (ptx_columns if ptx else []),
                   f"{args.query_dataset} split {args.train_split!r}")
     if ptx:  # the reference summaries the ptx loss trains on start where their queries end
-        check_query_response(train_dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {args.train_split!r}")
-    check_columns(eval_dataset, ["query_token", "reference_response"],
+        where = f"{args.query_dataset} split {args.train_split!r}"
+        checks.check_query_response(train_dataset, tokenizer.pad_token_id, where)
+    checks.check_columns(eval_dataset, ["query_token", "reference_response"],
                   f"{args.query_dataset} split {args.eval_split!r}")
     for split, dataset in ((args.train_split, train_dataset), (args.eval_split, eval_dataset)):
-        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
+        checks.check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
     return train_dataset, eval_dataset
 
 
@@ -1092,7 +1085,8 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+        clipping = config.get("gradient_clipping", "auto")
+        config["gradient_clipping"] = 0.0 if clipping == "auto" else clipping
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1220,11 +1214,12 @@ def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, respons
     responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
     EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
     `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
-    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No function:
-    the scores as they are."""
+    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No
+    function: the scores as they are."""
     if reward_fn is None:
         return scores
-    texts, answers = ([s.strip() for s in tokenizer.batch_decode(x, skip_special_tokens=True)] for x in (queries, responses))
+    decoded = (tokenizer.batch_decode(x, skip_special_tokens=True) for x in (queries, responses))
+    texts, answers = ([s.strip() for s in batch] for batch in decoded)
     columns = prompts.select_columns([c for c in prompts.column_names if "_token" not in c]).with_format(None)[rows]
     # an exception, or an answer that is not one finite number per response: one paragraph naming the row
     with reward_fn_errors(reward_fn, texts, answers, columns):

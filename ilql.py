@@ -63,23 +63,15 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from rlhf_utils import models, records
-from rlhf_utils.flags import RunFlags  # the run's flags
-from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
+from rlhf_utils import checks, models, records
+from rlhf_utils.checks import RunError
+from rlhf_utils.flags import RunFlags, check_ilql_flags
+from rlhf_utils.run import (
     LastGoodState,
     Run,
-    RunError,
-    check_columns,
-    check_data_tokenizer,
-    check_finite,
-    check_ilql_flags,
-    check_query_response,
-    check_response_starts,
-    check_reward_tokenizer,
     due,
     evaluation_rng,
     leave_processes,
-    load_split,
     resumable_accelerator,
     start_processes,
 )
@@ -96,10 +88,7 @@ class IlqlHParams:
     """discount of the TD target r + gamma * V(next state) (trlX: 0.99)"""
     cql_scale: float = 0.1
     """weight of the CQL term, the cross-entropy of the Q values over the vocabulary with the data's token as the
-    label (trlX: 0.1). It pushes down the Q of tokens the data never took; it also lifts the Q of the taken token:
-    where it balances the TD loss, Q(s, a_data) sits about cql_scale / 2 * (1 - softmax(Q)(a_data)) above its TD
-    target per head. V copies that surplus and the TD targets carry it back, so it adds up along the response and
-    a longer continuation looks better than ending. Lower it when the mean V drifts above the mean reward"""
+    label (trlX: 0.1) (docs/usage.md, "Flags in depth")"""
     awac_scale: float = 1.0
     """weight of the advantage-weighted LM loss on the LM head, the behaviour policy (trlX: 1)"""
     awac_beta: float = 0.0
@@ -146,9 +135,7 @@ class Args:
     """split of --query_dataset whose queries are sampled for the evaluation tables (samples.csv)"""
     reward_source: Literal["labels", "rm"] = "labels"
     """the reward of each trajectory: labels = +1 for the chosen and -1 for the rejected response (trlX, Sec. 4.1);
-    rm = the score of --reward_model_path. A label depends on the other summary of its pair (the same summary
-    gets +1 next to a worse one and -1 next to a better one), an RM score on the trajectory alone: use rm when the
-    Q heads fit the labels too weakly for the advantage to reach the first response tokens"""
+    rm = the score of --reward_model_path (docs/usage.md, "Flags in depth")"""
 
     # optimisation
     ilql: IlqlHParams = field(default_factory=IlqlHParams)
@@ -182,10 +169,8 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
-    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
-    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
-    default: the paper trained without it"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation memory
+    for about one more forward pass. Off by default: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # evaluation, sampling and logging
     eval_every: int = 500
@@ -209,8 +194,7 @@ class Args:
     """print a few samples of the evaluations at updates that are multiples of N (and of the final one); 0 = never"""
 
     run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
-    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
-    they decide no number"""
+    """the run's folder, checkpoints, --resume, lock, tracking and hub (rlhf_utils/flags.py): they decide no number"""
 
     # derived at run time (not flags)
     world_size: tyro.conf.Suppress[Optional[int]] = None
@@ -230,7 +214,7 @@ DEFAULT_MODEL_PATHS = {"base": "EleutherAI/pythia-1b-deduped", "sft": "models/sf
 
 TRAJECTORY_COLUMNS = ["query_response", "response_label", "query_token_len"]
 # the columns of a preference split that `flatten_pairs` reads are these and query_token_len (checked by
-# check_columns before it runs)
+# checks.check_columns before it runs)
 PAIR_COLUMNS = [  # the processed preference schema: query + response, and the response as labels
     "query_chosen_token",
     "query_rejected_token",
@@ -365,7 +349,8 @@ class ILQLModel(nn.Module):
         super().__init__()
         self.lm = lm
         hidden_size = lm.config.hidden_size
-        vocab_size = lm.config.vocab_size  # every action the LM head can emit (not the weight's shape: ZeRO-3 slices it)
+        # every action the LM head can emit (not the weight's shape: ZeRO-3 slices it)
+        vocab_size = lm.config.vocab_size
         self.heads = ILQLHeads(hidden_size, vocab_size, two_qs)
 
     def backbone(self, **kwargs):
@@ -721,7 +706,8 @@ def main(args: Args) -> dict:
         f"{args.gradient_accumulation_steps} accumulation x {args.local_micro_batch_size}"
     )
     model.train()
-    progress = tqdm(total=num_updates, initial=counters.update, desc="ilql", disable=not accelerator.is_local_main_process)
+    progress = tqdm(total=num_updates, initial=counters.update, desc="ilql",
+                    disable=not accelerator.is_local_main_process)
     # the data position is the update number itself (update x gradient_accumulation_steps micro batches)
     micro_batches = resumable_micro_batches(train_dataloader, counters.update * args.gradient_accumulation_steps)
     for update in range(counters.update + 1, num_updates + 1):
@@ -796,16 +782,20 @@ def make_ilql_accelerator(args: Args) -> Accelerator:
 def load_data(args, tokenizer):
     """The preference split to train on and the query split to sample, checked for the columns this run reads, for
     the tokenizer that made them and (the train split) for responses that start where query_token_len says."""
-    train_raw = load_split(args.preference_dataset, args.train_split)
-    check_columns(train_raw, PAIR_COLUMNS + ["query_token_len"],
-                  f"{args.preference_dataset} split {args.train_split!r}")
-    check_data_tokenizer(train_raw, tokenizer, args.model_path, f"{args.preference_dataset} split {args.train_split!r}")
-    check_query_response(train_raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {args.train_split!r}")
-    check_response_starts(train_raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {args.train_split!r}")
-    eval_raw = load_split(args.query_dataset, args.eval_split)
-    check_columns(eval_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
-    check_data_tokenizer(eval_raw, tokenizer, args.model_path, f"{args.query_dataset} split {args.eval_split!r}")
-    check_query_response(eval_raw, tokenizer.pad_token_id, f"{args.query_dataset} split {args.eval_split!r}")
+    train_raw = checks.load_split(args.preference_dataset, args.train_split)
+    checks.check_columns(train_raw, PAIR_COLUMNS + ["query_token_len"],
+                         f"{args.preference_dataset} split {args.train_split!r}")
+    checks.check_data_tokenizer(train_raw, tokenizer, args.model_path,
+                                f"{args.preference_dataset} split {args.train_split!r}")
+    checks.check_query_response(train_raw, tokenizer.pad_token_id,
+                                f"{args.preference_dataset} split {args.train_split!r}")
+    checks.check_response_starts(train_raw, tokenizer.pad_token_id,
+                                 f"{args.preference_dataset} split {args.train_split!r}")
+    eval_raw = checks.load_split(args.query_dataset, args.eval_split)
+    checks.check_columns(eval_raw, ["query_token", "reference_response"],
+                         f"{args.query_dataset} split {args.eval_split!r}")
+    checks.check_data_tokenizer(eval_raw, tokenizer, args.model_path, f"{args.query_dataset} split {args.eval_split!r}")
+    checks.check_query_response(eval_raw, tokenizer.pad_token_id, f"{args.query_dataset} split {args.eval_split!r}")
     return train_raw, eval_raw
 
 
@@ -813,8 +803,9 @@ def load_ilql_models(args, accelerator, tokenizer):
     """The two models of ILQL: the LM with fresh V, Q and target-Q heads (the only model that trains), and the
     frozen reward model when --reward_model_path is given (it labels the data with --reward_source rm and scores
     the evaluation samples; None otherwise)."""
-    lm = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
-    check_finite(lm, args.model_path)
+    lm = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32,
+                                              trust_remote_code=args.trust_remote_code)
+    checks.check_finite(lm, args.model_path)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > lm.config.vocab_size:
         lm.resize_token_embeddings(len(tokenizer))
@@ -824,16 +815,17 @@ def load_ilql_models(args, accelerator, tokenizer):
     reward_model = None
     if args.reward_model_path is not None:
         # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
-        check_reward_tokenizer(tokenizer, args.model_path, args.reward_model_path, args.trust_remote_code)
+        checks.check_reward_tokenizer(tokenizer, args.model_path, args.reward_model_path, args.trust_remote_code)
         reward_model = AutoModelForSequenceClassification.from_pretrained(
             args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
             trust_remote_code=args.trust_remote_code,
         )
-        check_finite(reward_model, args.reward_model_path)
+        checks.check_finite(reward_model, args.reward_model_path)
         if len(tokenizer) > reward_model.config.vocab_size:
             reward_model.resize_token_embeddings(len(tokenizer))
         disable_dropout(reward_model)  # frozen and deterministic whatever --disable_dropout says
-        reward_model = models.prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
+        # Detail 8: under ZeRO-3, an inference engine
+        reward_model = models.prepare_frozen_model(accelerator, reward_model)
     return model, reward_model
 
 
@@ -863,7 +855,8 @@ def add_update_means(accelerator, update_stats: dict, update_tokens: int, interv
     processes. Every process has the same number of micro batches, so the mean of these per-update means over an
     interval is the mean over all its micro batches."""
     keys = list(update_stats)
-    update_means = accelerator.reduce(torch.stack([torch.stack(update_stats[k]).mean() for k in keys]), reduction="mean")
+    update_means = accelerator.reduce(torch.stack([torch.stack(update_stats[k]).mean() for k in keys]),
+                                      reduction="mean")
     for key, value in zip(keys, update_means.tolist()):
         interval_stats.setdefault(key, []).append(value)
     return int(accelerator.reduce(torch.tensor(update_tokens, device=accelerator.device), reduction="sum"))
@@ -1043,7 +1036,8 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+        clipping = config.get("gradient_clipping", "auto")
+        config["gradient_clipping"] = 0.0 if clipping == "auto" else clipping
 
 
 def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:

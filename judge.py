@@ -27,8 +27,8 @@ parseable verdict is asked again a bounded number of times and then counted as *
 by model and prompt, so a rerun or an interrupted run does not pay again for a reply it received
 (one race remains, see `ReplyCache`). A judge that cannot be used at all (the endpoint unreachable,
 stalling or answering no chat completion, the key refused, not one request answered) stops the run with one
-error naming the URL and what happened, instead of marking every row invalid. The API key is read from `OPENAI_API_KEY` only and is
-never printed, logged or saved.
+error naming the URL and what happened, instead of marking every row invalid. The API key is read from
+`OPENAI_API_KEY` only and is never printed, logged or saved.
 
 Usage:
     export OPENAI_API_KEY=...   # not needed for a loopback --base_url
@@ -57,13 +57,9 @@ import tyro
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rlhf_utils.judge_client import Outcome, ReplyCache, public_url, run_jobs  # the judge's HTTP client
-from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
-    RunError,
-    check_data_tokenizer,
-    check_finite,
-    load_split,
-)
+from rlhf_utils import checks
+from rlhf_utils.checks import RunError
+from rlhf_utils.judge_client import Outcome, ReplyCache, public_url, run_jobs
 
 
 @dataclass
@@ -108,10 +104,9 @@ class Args:
     completion (then the pair is invalid; when no request of the run was ever answered, the run stops with one error);
     a 429 uses up none (--rate_limit_patience)"""
     rate_limit_patience: float = 600.0
-    """seconds a rate limit (HTTP 429) is waited out: the judge waits as the API asks (Retry-After,
-    x-ratelimit-reset-*), with fewer requests in flight, using up no --max_tries, and stops with one error once the API
-    has limited this long with no answer (the replies so far stay in the cache, a rerun asks the rest). 600: many times
-    a per-minute limit's window, yet a quota spent for the day stops the run in 10 minutes instead of hanging it"""
+    """seconds a rate limit (HTTP 429) is waited out, using up no --max_tries, before the run stops with one error.
+    600: many times a per-minute limit's window, yet a quota spent for the day stops the run in 10 minutes instead of
+    hanging it (docs/usage.md, "Flags in depth")"""
     backoff_base_s: float = 1.0
     """first retry waits about this long; each further retry doubles it (with jitter)"""
     backoff_max_s: float = 60.0
@@ -198,7 +193,9 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
 #    `data/gold_judge_server.py` holds the same strings to parse them back; a test checks that
 #    the two copies are identical. Placeholders are `{name}`; other braces are literal text.
 # ----------------------------------------------------------------------------------------------
-PAIRWISE_JUDGE_TEMPLATE = """Which of the following summaries does a better job of summarizing the most important points in the given forum post, without including unimportant or irrelevant details? Judge based on accuracy, coverage, and coherence.
+PAIRWISE_JUDGE_TEMPLATE = """Which of the following summaries does a better job of summarizing the most important \
+points in the given forum post, without including unimportant or irrelevant details? Judge based on accuracy, \
+coverage, and coherence.
 
 Post:
 {post}
@@ -209,18 +206,27 @@ Summary A:
 Summary B:
 {summary_b}
 
-FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. SECOND, on a new line, state only "A" or "B" to indicate your choice. Your response should use the format:
+FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. SECOND, on a new \
+line, state only "A" or "B" to indicate your choice. Your response should use the format:
 
 Comparison: <one-sentence comparison and explanation>
 Preferred: <"A" or "B">"""
 
-MULTI_ANSWER_JUDGE_TEMPLATE = """Please act as an impartial judge and evaluate the quality of the responses provided by {num_assistants} AI assistants to the user question. You should choose the assistant that follows the user's instructions and answers the user's questions better. Your evaluation should consider factors such as the helpfulness, relevance, and level of detail of their responses.
+MULTI_ANSWER_JUDGE_TEMPLATE = """Please act as an impartial judge and evaluate the quality of the responses provided \
+by {num_assistants} AI assistants to the user question. You should choose the assistant that follows the user's \
+instructions and answers the user's questions better. Your evaluation should consider factors such as the helpfulness, \
+relevance, and level of detail of their responses.
 
-Begin your evaluation by comparing the {num_assistants} responses and provide a short explanation. Avoid any position biases and ensure that the order in which the responses were presented does not influence your decision. Do not allow the length of the responses to influence your evaluation. Do not favor certain names of the assistants. Be as objective as possible. After providing your explanation, output your final verdict by strictly following this format:
+Begin your evaluation by comparing the {num_assistants} responses and provide a short explanation. Avoid any position \
+biases and ensure that the order in which the responses were presented does not influence your decision. Do not allow \
+the length of the responses to influence your evaluation. Do not favor certain names of the assistants. Be as \
+objective as possible. After providing your explanation, output your final verdict by strictly following this format:
 
 {Assistant name}: {score}, where the range of {score} is 1 to 10.
 
-The answers can have the same score, but you should distinguish them as much as possible. You should give the assistant's scores one by one after all the explanations. The followings are the question and answers of Assistant {assistant_names},
+The answers can have the same score, but you should distinguish them as much as possible. You should give the \
+assistant's scores one by one after all the explanations. The followings are the question and answers of Assistant \
+{assistant_names},
 
 User Question:
 {question}
@@ -231,7 +237,8 @@ MULTI_ANSWER_BLOCK_TEMPLATE = """The answer of Assistant {name}:
 {answer}"""
 
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
-_PLACEHOLDER_RE = re.compile(r"\{(post|summary_a|summary_b|num_assistants|assistant_names|question|answers|name|answer)\}")
+_PLACEHOLDER_RE = re.compile(
+    r"\{(post|summary_a|summary_b|num_assistants|assistant_names|question|answers|name|answer)\}")
 
 
 def number_word(n: int) -> str:
@@ -287,7 +294,8 @@ def without_eos_text(text: str, eos_text: str) -> str:
 # trailing period and markdown bold, and the letter alone on the line after "Preferred:". A reply with no such
 # line, or with lines that disagree, is unparseable.
 _PREFERRED_RE = re.compile(
-    r'^[ \t]*[*_]*preferred[*_]*(?::[*_]*)?(?:[ \t]*\n)*[ \t]*[*_]*[ \t]*["\'(\[]?(?:summary[ \t]+)?([ab])["\')\]]?[*_]*\.?[*_]*[ \t]*$',
+    r'^[ \t]*[*_]*preferred[*_]*(?::[*_]*)?(?:[ \t]*\n)*[ \t]*[*_]*[ \t]*'  # "Preferred:", then any blank lines
+    r'["\'(\[]?(?:summary[ \t]+)?([ab])["\')\]]?[*_]*\.?[*_]*[ \t]*$',  # the letter, quoted or bracketed
     re.MULTILINE | re.IGNORECASE)
 _COMPARISON_RE = re.compile(r"^[ \t]*\**Comparison:?\**:?[ \t]*(.*?)[ \t]*$", re.MULTILINE)
 
@@ -373,7 +381,8 @@ def check_sources_complete(args: Args, csvs: list[str]) -> None:
     if not args.check_complete:
         return
     for path in csvs:
-        for run_dir in (os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.dirname(os.path.abspath(path)))):
+        for run_dir in (os.path.dirname(os.path.abspath(path)),
+                        os.path.dirname(os.path.dirname(os.path.abspath(path)))):
             config = os.path.join(run_dir, "args.json")
             if os.path.isfile(config):
                 run = json.load(open(config))
@@ -439,7 +448,8 @@ def length_bins(frames: dict[str, pd.DataFrame], num_bins: int) -> pd.DataFrame:
     valid = {k: d[d["winner"] != "invalid"] for k, d in frames.items()}
     pooled = np.concatenate([d["log_length_ratio"].to_numpy() for d in valid.values()])
     if pooled.size == 0:
-        return pd.DataFrame(columns=["label", "bin_low", "bin_high", "bin_center", "n", "win_rate", "ci_low", "ci_high"])
+        return pd.DataFrame(
+            columns=["label", "bin_low", "bin_high", "bin_center", "n", "win_rate", "ci_low", "ci_high"])
     lo, hi = float(pooled.min()), float(pooled.max())
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
@@ -459,7 +469,8 @@ def length_bins(frames: dict[str, pd.DataFrame], num_bins: int) -> pd.DataFrame:
 
 
 def pyplot():
-    """matplotlib's pyplot, drawing to files (Agg): imported here, not at the top, as only the plots need it (~0.4 s)."""
+    """matplotlib's pyplot, drawing to files (Agg): imported here, not at the top, as only the plots need it
+    (~0.4 s)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -493,7 +504,8 @@ def plot_length_controlled(bins: pd.DataFrame, path: str, unit: str) -> None:
     plt.close(fig)
 
 
-def plot_bars(names: list[str], rates: list[float], lows: list[float], highs: list[float], path: str, ylabel: str, title: str) -> None:
+def plot_bars(names: list[str], rates: list[float], lows: list[float], highs: list[float], path: str, ylabel: str,
+              title: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(names) + 2), 4))
     r = np.array(rates, dtype=float)
@@ -526,7 +538,8 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
 
     frames, jobs = {}, []
     for path, label in zip(args.csv, labels):
-        df = read_samples(path, ["query", "response"] + ([] if baseline is not None else ["reference"]), args.num_samples)
+        df = read_samples(path, ["query", "response"] + ([] if baseline is not None else ["reference"]),
+                          args.num_samples)
         if baseline is not None:
             missing = [i for i, q in enumerate(df["query"]) if q not in baseline]
             if missing:
@@ -567,7 +580,8 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         else:
             tally["invalid"] += 1
         decided = tally["wins"] + tally["losses"]
-        bar.set_postfix(invalid=tally["invalid"], win_rate=f"{tally['wins'] / decided:.3f}" if decided else "n/a", refresh=False)
+        bar.set_postfix(invalid=tally["invalid"], win_rate=f"{tally['wins'] / decided:.3f}" if decided else "n/a",
+                        refresh=False)
         bar.update(1)
 
     try:
@@ -626,21 +640,23 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     plot_length_controlled(bins, os.path.join(output_dir, "length_controlled_win_rate.png"), args.length_unit)
 
     vs = "reference" if args.baseline_csv is None else f"`{args.baseline_csv}`"
-    lines = [f"Win rate against {vs}, judge `{args.model}`, 95% Wilson intervals; invalid verdicts are excluded, not losses; "
-             "a tie (identical texts, not sent to the judge) counts half a win.", "",
+    lines = [f"Win rate against {vs}, judge `{args.model}`, 95% Wilson intervals; invalid verdicts are excluded, "
+             "not losses; a tie (identical texts, not sent to the judge) counts half a win.", "",
              "| model | win rate | 95% CI | wins | losses | ties | invalid | n | mean log(len ratio) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, s in per_csv.items():
         rate = "n/a" if s["win_rate"] is None else f"{s['win_rate']:.3f}"
         ci = "n/a" if s["ci_low"] is None else f"[{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
         ratio = "n/a" if s["mean_log_length_ratio"] is None else f"{s['mean_log_length_ratio']:+.3f}"
-        lines.append(f"| {label} | {rate} | {ci} | {s['wins']} | {s['losses']} | {s['ties']} | {s['invalid']} | {s['n']} | {ratio} |")
+        lines.append(f"| {label} | {rate} | {ci} | {s['wins']} | {s['losses']} | {s['ties']} | {s['invalid']} "
+                     f"| {s['n']} | {ratio} |")
     with open(os.path.join(output_dir, "comparison.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot_bars(list(per_csv), [s["win_rate"] if s["win_rate"] is not None else float("nan") for s in per_csv.values()],
               [s["ci_low"] if s["ci_low"] is not None else float("nan") for s in per_csv.values()],
               [s["ci_high"] if s["ci_high"] is not None else float("nan") for s in per_csv.values()],
-              os.path.join(output_dir, "win_rates.png"), f"win rate vs {'reference' if args.baseline_csv is None else 'baseline'}",
+              os.path.join(output_dir, "win_rates.png"),
+              f"win rate vs {'reference' if args.baseline_csv is None else 'baseline'}",
               "Win rate (Figure 1)")
     print("\n".join(lines))
     return {"per_csv": per_csv, "stats": stats}
@@ -654,19 +670,20 @@ def reward_preferences(args: Args, dataset) -> tuple[np.ndarray, np.ndarray]:
     """Reward-model scores of the chosen and rejected responses of every pair."""
     tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path, trust_remote_code=args.trust_remote_code)
     where = f"{args.preference_dataset} split {args.preference_split!r}"
-    check_data_tokenizer(dataset, tokenizer, args.reward_model_path, where)  # before any request is paid for
+    checks.check_data_tokenizer(dataset, tokenizer, args.reward_model_path, where)  # before any request is paid for
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForSequenceClassification.from_pretrained(
         args.reward_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
     ).to(device).eval()
-    check_finite(model, args.reward_model_path)  # a NaN reward model would score nothing
+    checks.check_finite(model, args.reward_model_path)  # a NaN reward model would score nothing
     chosen, rejected = [], []
     for start in range(0, len(dataset), args.local_micro_batch_size):
         batch = dataset[start : start + args.local_micro_batch_size]
         for key, out in (("query_chosen_token", chosen), ("query_rejected_token", rejected)):
             # unpadded query + response + EOS, right-padded: the reward sits before the first pad
             query_responses = torch.tensor(batch[key], device=device)  # (B, T)
-            query_responses = query_responses[:, real_columns(query_responses, tokenizer.pad_token_id)]  # shared pads cut
+            # shared pads cut
+            query_responses = query_responses[:, real_columns(query_responses, tokenizer.pad_token_id)]
             _, rewards, _ = get_reward(model, query_responses, tokenizer.pad_token_id, 0)
             out.append(rewards.float().cpu())
     return torch.cat(chosen).numpy(), torch.cat(rejected).numpy()
@@ -675,7 +692,7 @@ def reward_preferences(args: Args, dataset) -> tuple[np.ndarray, np.ndarray]:
 def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     if args.reward_model_path is None:
         raise RunError("agreement mode needs --reward_model_path")
-    dataset = load_split(args.preference_dataset, args.preference_split)
+    dataset = checks.load_split(args.preference_dataset, args.preference_split)
     if args.num_samples >= 0:
         dataset = dataset.select(range(min(args.num_samples, len(dataset))))
     r_chosen, r_rejected = reward_preferences(args, dataset)
@@ -689,7 +706,8 @@ def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     # position): a tie, never sent to the judge, reported but left out of the agreement rate
     df["identical"] = c == r
     prompts = {i: pairwise_prompt(p, x, y) if s == 0 else pairwise_prompt(p, y, x)
-               for i, (p, x, y, s, same) in enumerate(zip(post, c, r, df["shuffled_index"], df["identical"])) if not same}
+               for i, (p, x, y, s, same) in enumerate(zip(post, c, r, df["shuffled_index"], df["identical"]))
+               if not same}
     bar = tqdm(total=len(prompts), desc="judging pairs", dynamic_ncols=True)
     try:
         asked, stats = run_jobs(args, [(p, parse_verdict) for p in prompts.values()], lambda i, o: bar.update(1), cache)
@@ -704,7 +722,8 @@ def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     df["status"] = [o.status for o in outcomes]
     df["explanation"] = [o.parsed[1] if o.status == "ok" else "" for o in outcomes]
     df["preferred"] = [o.parsed[0] if o.status == "ok" else "" for o in outcomes]
-    judge_chosen = [(o.parsed[0] == "A") == (s == 0) if o.status == "ok" else None for o, s in zip(outcomes, df["shuffled_index"])]
+    judge_chosen = [(o.parsed[0] == "A") == (s == 0) if o.status == "ok" else None
+                    for o, s in zip(outcomes, df["shuffled_index"])]
     df["judge_prefers_chosen"] = judge_chosen
     valid = df[(df["status"] == "ok") & ~df["identical"]]
     agree = int((valid["judge_prefers_chosen"].astype(bool) == valid["rm_prefers_chosen"]).sum())
@@ -722,7 +741,9 @@ def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         "n_identical": int(df["identical"].sum()),
         "n": int(len(df)),
         "judge_agrees_with_label": judge_human / n if n else None,  # judge vs the human choice
-        "rm_accuracy": float(df.loc[~df["identical"], "rm_prefers_chosen"].mean()) if (~df["identical"]).any() else None,  # RM vs the human choice
+        # RM vs the human choice
+        "rm_accuracy": (float(df.loc[~df["identical"], "rm_prefers_chosen"].mean())
+                        if (~df["identical"]).any() else None),
         "reward_model_path": args.reward_model_path,
     }
     print(json.dumps(result, indent=2))
@@ -805,7 +826,8 @@ def run_multi(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     with open(os.path.join(output_dir, "multi_comparison.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return {"multi": per_label, "multi_invalid": int(len(table) - len(ranked)), "multi_n": int(len(table)), "stats": stats}
+    return {"multi": per_label, "multi_invalid": int(len(table) - len(ranked)), "multi_n": int(len(table)),
+            "stats": stats}
 
 
 def main(args: Args) -> dict:

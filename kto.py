@@ -60,22 +60,15 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from rlhf_utils import models, records
-from rlhf_utils.flags import RunFlags  # the run's flags
-from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
+from rlhf_utils import checks, models, records
+from rlhf_utils.checks import RunError
+from rlhf_utils.flags import RunFlags
+from rlhf_utils.run import (
     LastGoodState,
     Run,
-    RunError,
-    check_columns,
-    check_data_tokenizer,
-    check_finite,
-    check_gradient_accumulation,
-    check_qlora_flags,
-    check_query_response,
     due,
     evaluation_rng,
     leave_processes,
-    load_split,
     resumable_accelerator,
     start_processes,
 )
@@ -160,10 +153,8 @@ class Args:
     layer by layer at every decode step (as TRL's unwrap_model_for_generation does); the same samples either way.
     Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
-    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
-    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
-    default: the paper trained without it"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation memory
+    for about one more forward pass. Off by default: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # memory: LoRA and QLoRA
     lora_rank: int = 0
@@ -191,8 +182,7 @@ class Args:
     0 = never"""
 
     run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
-    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
-    they decide no number"""
+    """the run's folder, checkpoints, --resume, lock, tracking and hub (rlhf_utils/flags.py): they decide no number"""
 
     # derived at run time (not flags)
     world_size: tyro.conf.Suppress[Optional[int]] = None
@@ -372,7 +362,7 @@ def main(args: Args) -> dict:
     check_kto_flags(args)
     # ---------------- processes, batch arithmetic (64 examples per update), run folder ----------------
     accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
-    check_qlora_flags(args, accelerator)
+    checks.check_qlora_flags(args, accelerator)
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset,
                query_dataset=args.query_dataset, unpaired_dataset=args.unpaired_dataset)
@@ -388,7 +378,8 @@ def main(args: Args) -> dict:
     halves = 1 + (args.feedback == "pairs")  # examples a row gives: a preference pair's two halves, or one thumb
     args.num_updates = num_updates = count_updates(args, halves * len(train_dataset))
     # the paper's advice: lambda_D n_D / (lambda_U n_U), over the examples (a pair gives one of each kind)
-    balance, warning = feedback_balance(args, train_dataset["label"] if halves == 1 else [True, False] * len(train_dataset))
+    balance, warning = feedback_balance(args,
+                                        train_dataset["label"] if halves == 1 else [True, False] * len(train_dataset))
     if warning:
         accelerator.print(warning)
     run.claim_output_dir()  # every input check has passed: only now mark --output_dir as this run's
@@ -436,13 +427,15 @@ def main(args: Args) -> dict:
 
     # ---------------- training: one optimizer update per total_batch_size examples ----------------
     accelerator.print(
-        f"KTO ({args.feedback}, beta {args.beta}, lambda_D {args.desirable_weight}, lambda_U {args.undesirable_weight}, "
-        f"lambda_D n_D / (lambda_U n_U) = {balance:.3f}): {num_updates} updates of {args.total_batch_size} examples, "
+        f"KTO ({args.feedback}, beta {args.beta}, lambda_D {args.desirable_weight}, "
+        f"lambda_U {args.undesirable_weight}, lambda_D n_D / (lambda_U n_U) = {balance:.3f}): "
+        f"{num_updates} updates of {args.total_batch_size} examples, "
         f"{accelerator.num_processes} process(es) x {args.gradient_accumulation_steps} accumulation x "
         f"{args.local_micro_batch_size} examples"
     )
     policy.train()
-    progress = tqdm(total=num_updates, initial=start_update, desc=args.exp_name, disable=not accelerator.is_local_main_process)
+    progress = tqdm(total=num_updates, initial=start_update, desc=args.exp_name,
+                    disable=not accelerator.is_local_main_process)
     with progress:  # closed before an error's message, which stays the last line of the output
         for update in range(start_update + 1, num_updates + 1):
             with last_good.kept(update, {**interval.state(), "z0": z0}):  # a non-finite value: update - 1's is saved
@@ -509,7 +502,8 @@ def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: tor
     query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
     targets = response_labels[:, 1:]  # (B, T-1): token t + 1 is predicted at position t
     mask = targets != pad_token_id
-    logits = forward(model, query_responses, pad_token_id, read=F.pad(mask, (0, 1))).logits  # (N, V): the head only there
+    # (N, V): the LM head only at the positions read
+    logits = forward(model, query_responses, pad_token_id, read=F.pad(mask, (0, 1))).logits
     picked = torch.gather(F.log_softmax(logits.float(), dim=-1), 1, targets[mask].unsqueeze(-1)).squeeze(-1)  # (N,)
     return torch.zeros(mask.shape, device=picked.device).masked_scatter(mask, picked).sum(1)  # summed in (B, T-1)
 
@@ -541,9 +535,9 @@ def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict
 def evaluate_implicit_rewards(accelerator, model, ref_model, z0, eval_datasets, args: Args, pad_token_id: int):
     """Detail 19: KTO as a reward model, as dpo.py evaluates DPO. For every pair of every evaluation split: its loss
     (the mean of the KTO losses of chosen as desirable and rejected as undesirable, at the reference point z0 of the
-    last update, a float), the implicit rewards beta * log(pi / pi_ref) of chosen and rejected (the pair is ranked right when
-    chosen's is higher) and the policy's sequence log-probs, gathered from every process. Returns {split: per-pair
-    frame, rows matched by row_index}."""
+    last update, a float), the implicit rewards beta * log(pi / pi_ref) of chosen and rejected (the pair is ranked
+    right when chosen's is higher) and the policy's sequence log-probs, gathered from every process. Returns
+    {split: per-pair frame, rows matched by row_index}."""
     z0 = torch.tensor(z0, device=accelerator.device)  # the float of the trainer state, as kto_loss takes it
     model.eval()
     frames = {}
@@ -555,13 +549,15 @@ def evaluate_implicit_rewards(accelerator, model, ref_model, z0, eval_datasets, 
                 policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
                 ref_chosen, ref_rejected = reference_logprobs(ref_model, None, batch, pad_token_id)
             desirable = torch.arange(2 * len(policy_chosen), device=policy_chosen.device) < len(policy_chosen)
-            losses, rewards = kto_loss(torch.cat((policy_chosen, policy_rejected)), torch.cat((ref_chosen, ref_rejected)),
+            losses, rewards = kto_loss(torch.cat((policy_chosen, policy_rejected)),
+                                       torch.cat((ref_chosen, ref_rejected)),
                                        desirable, z0, args.beta, args.desirable_weight, args.undesirable_weight)
             losses, (chosen_rewards, rejected_rewards) = losses.view(2, -1).mean(0), rewards.view(2, -1)
             stats = torch.stack((losses, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected), 1).float()
             gathered.append(accelerator.gather_for_metrics((batch["row_index"], stats)))
         stats = torch.cat([g[1] for g in gathered]).cpu().numpy()
-        frame = pd.DataFrame(stats, columns=["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"])
+        columns = ["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"]
+        frame = pd.DataFrame(stats, columns=columns)
         frame["row_index"] = torch.cat([g[0] for g in gathered]).cpu().numpy()
         frames[split] = frame
     model.train()
@@ -661,7 +657,7 @@ def load_lora_policy_and_reference(args, accelerator, tokenizer):
         args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
         **quantized_loading(args, args.bf16),
     )
-    check_finite(policy, args.sft_model_path)  # a diverged save stops here (4-bit packed weights are not floats)
+    checks.check_finite(policy, args.sft_model_path)  # a diverged save stops here (4-bit packed weights are not floats)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > policy.config.vocab_size:
         policy.resize_token_embeddings(len(tokenizer))
@@ -769,7 +765,7 @@ def make_accelerator(args) -> Accelerator:
     args.world_size = start_processes(args.run.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
                              "total_batch_size / (local_micro_batch_size * world_size)")
-    check_gradient_accumulation(args, accumulation, args.world_size)
+    checks.check_gradient_accumulation(args, accumulation, args.world_size)
     args.gradient_accumulation_steps = accumulation  # recorded in args.json
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -786,7 +782,8 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+        clipping = config.get("gradient_clipping", "auto")
+        config["gradient_clipping"] = 0.0 if clipping == "auto" else clipping
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
@@ -820,23 +817,27 @@ def load_kto_data(args, tokenizer):
         source, columns = args.preference_dataset, ["query_token", "chosen_token", "rejected_token"]
     else:
         source, columns = args.unpaired_dataset, EXAMPLE_COLUMNS
-    train_raw = load_split(source, args.train_split)
-    check_columns(train_raw, columns, f"{source} split {args.train_split!r}")
-    check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{source} split {args.train_split!r}")
+    train_raw = checks.load_split(source, args.train_split)
+    checks.check_columns(train_raw, columns, f"{source} split {args.train_split!r}")
+    checks.check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{source} split {args.train_split!r}")
     train_dataset = with_row_index(train_raw, columns)  # --feedback pairs: a row a pair, split by pair_halves
-    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
+    eval_split_names = (args.eval_splits if args.eval_splits is not None
+                        else preference_eval_splits(args.preference_dataset))
     eval_datasets = {}
     for split in eval_split_names:
-        raw = load_split(args.preference_dataset, split)
-        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
-        check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
-        check_query_response(raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {split!r}")
+        raw = checks.load_split(args.preference_dataset, split)
+        checks.check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"],
+                             f"{args.preference_dataset} split {split!r}")
+        checks.check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
+        checks.check_query_response(raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {split!r}")
         if args.num_eval_samples is not None:
             raw = raw.select(range(min(args.num_eval_samples, len(raw))))
         eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
-    sample_raw = load_split(args.query_dataset, args.eval_split)
-    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
-    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.eval_split!r}")
+    sample_raw = checks.load_split(args.query_dataset, args.eval_split)
+    checks.check_columns(sample_raw, ["query_token", "reference_response"],
+                         f"{args.query_dataset} split {args.eval_split!r}")
+    checks.check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path,
+                                f"{args.query_dataset} split {args.eval_split!r}")
     if args.num_eval_samples is not None:
         sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
     return train_dataset, eval_datasets, sample_raw, with_row_index(sample_raw, ["query_token"])
@@ -879,10 +880,12 @@ def load_policy_and_reference(args, accelerator, tokenizer):
         args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
     )
     ref_model = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
+        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        trust_remote_code=args.trust_remote_code,
     )
     for model in (policy, ref_model):
-        check_finite(model, args.sft_model_path)  # a diverged save stops here, named with its first non-finite tensor
+        # a diverged save stops here, named with its first non-finite tensor
+        checks.check_finite(model, args.sft_model_path)
         # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
         if len(tokenizer) > model.config.vocab_size:
             model.resize_token_embeddings(len(tokenizer))

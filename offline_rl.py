@@ -58,26 +58,16 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
-from rlhf_utils import models, records
-from rlhf_utils.flags import RunFlags  # the run's flags
-from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
+from rlhf_utils import checks, models, records
+from rlhf_utils.checks import NonFiniteError, RunError
+from rlhf_utils.flags import RunFlags, check_offline_flags, check_round_size
+from rlhf_utils.run import (
     LastGoodState,
-    NonFiniteError,
     Run,
-    RunError,
-    check_columns,
-    check_data_tokenizer,
-    check_finite,
-    check_offline_flags,
-    check_preference_columns,
-    check_query_response,
-    check_reward_tokenizer,
-    check_round_size,
     due,
     evaluation_rng,
     leave_processes,
     load_or_build_mixture,
-    load_split,
     start_processes,
 )
 
@@ -88,7 +78,8 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (the run name starts with it)"""
     seed: int = 1
-    """seed of the mixture draw, weights and data order (the same on every process); sampling uses seed + 100003 * rank"""
+    """seed of the mixture draw, weights and data order (the same on every process); sampling uses
+    seed + 100003 * rank"""
     output_dir: str = "models/offline_rl"
     """where the aligned model and tokenizer are saved (safetensors)"""
 
@@ -187,15 +178,12 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
     gather_for_generation: bool = True
-    """under ZeRO-3, gather the policy's weights once for each chunk it samples (the mixture, best-of-n's
-    candidates, the evaluation) instead of layer by layer at every decode step (as TRL's
-    unwrap_model_for_generation does); the same samples either way. Off: for a model too large to hold whole on one
-    device. No effect without ZeRO-3"""
+    """under ZeRO-3, gather the policy's weights once for each chunk it samples (the mixture, best-of-n's candidates,
+    the evaluation) instead of layer by layer at every decode step (as TRL's unwrap_model_for_generation does); the
+    same samples either way. Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
-    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
-    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
-    default: the paper trained without it"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation memory
+    for about one more forward pass. Off by default: the paper trained without it (docs/usage.md, "Flags in depth")"""
     local_rollout_batch_size: int = 64
     """sequences per generate / reward-model call on one process (mixture, best-of-n, evaluation)"""
 
@@ -210,8 +198,7 @@ class Args:
     """rows of each sample table printed to the console and logged to TensorBoard"""
 
     run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
-    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
-    they decide no number"""
+    """the run's folder, checkpoints, --resume, lock, tracking and hub (rlhf_utils/flags.py): they decide no number"""
 
     # ---- derived at run time (not flags) ----
     world_size: tyro.conf.Suppress[Optional[int]] = None
@@ -290,7 +277,8 @@ def response_labels(query_responses: torch.Tensor, context_length: int, pad_toke
 
 
 def weighted_response_loss(model, query_responses: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                           pad_token_id: int, num_tokens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                           pad_token_id: int,
+                           num_tokens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """sum over samples i and target tokens t of w_i * (-log pi(x_t | x_<t)), divided by num_tokens: the target
     tokens of the whole update batch when this is one of its micro batches (train_update), None = this batch's own
     target tokens (so w = 1 is the SFT token mean). Eq. 4: w = 1[R > t]; eq. 5: w = RWR weight; eq. 6 and
@@ -366,7 +354,7 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
     pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     num_references, num_preference, num_generated = mixture_counts(args.mixture_size, args.mixture_weights)
     draw = torch.Generator().manual_seed(args.seed)
-    sft_train = load_split(args.query_dataset, args.train_split)
+    sft_train = checks.load_split(args.query_dataset, args.train_split)
     query_length = len(sft_train[0]["query_token"])
     queries, query_texts, responses, sources = [], [], [], []
 
@@ -388,7 +376,7 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
     # (b) preference-pair responses, chosen and rejected. Left out: responses longer than response_length
     # (the policy never writes them), queries of another length (e.g. CNN/DM rows), exact duplicates (a summary
     # appears in several comparisons of the same post).
-    preference = load_split(args.preference_dataset, args.preference_split)  # checked in load_offline_data
+    preference = checks.load_split(args.preference_dataset, args.preference_split)  # checked in load_offline_data
     # the query length of every row, read from the Arrow column without decoding the rows
     query_lengths = pyarrow.compute.list_value_length(preference.data.column("query_token")).to_pylist()
     candidates, seen, dropped = [], set(), {"too_long": 0, "query_length": 0, "duplicate": 0}
@@ -411,7 +399,8 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
         )
     chosen_rows = [candidates[j] for j in torch.randperm(len(candidates), generator=draw)[:num_preference].tolist()]
     picked = preference.select([i for i, _ in chosen_rows])
-    for (_, side), row in zip(chosen_rows, tqdm(picked, desc="mixture: preference", disable=not accelerator.is_main_process)):
+    for (_, side), row in zip(chosen_rows,
+                              tqdm(picked, desc="mixture: preference", disable=not accelerator.is_main_process)):
         queries.append(row["query_token"])
         query_texts.append(row["query"])
         responses.append(row[f"{side}_token"][: args.response_length])  # the rest was padding
@@ -419,7 +408,8 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
 
     # (c) new responses of the SFT model on SFT prompts (greedy by default)
     if num_generated > len(sft_train):
-        raise RunError(f"{num_generated} generated responses requested but {args.train_split} has {len(sft_train)} prompts")
+        raise RunError(f"{num_generated} generated responses requested but {args.train_split} has "
+                       f"{len(sft_train)} prompts")
     picked = sft_train.select(torch.randperm(len(sft_train), generator=draw)[:num_generated].tolist())
     generation_time = 0.0
     if num_generated > 0:
@@ -498,7 +488,8 @@ def filter_mixture(args: Args, accelerator, mixture: Dataset) -> Tuple[Dataset, 
         if total:
             passed = sum(sources[i] == source for i in keep)
             stats[f"filter/pass_fraction_{source}"] = passed / total
-    accelerator.print(f"[filter] {len(keep)} of {len(mixture)} samples have normalised reward > {args.filter_threshold}")
+    accelerator.print(f"[filter] {len(keep)} of {len(mixture)} samples have normalised reward > "
+                      f"{args.filter_threshold}")
     return mixture.select(keep), stats
 
 
@@ -564,7 +555,8 @@ class OfflineDataOrder:
     def next_prompts(self, count: int) -> list:
         """Best-of-n: the next `count` prompt rows; a new pass over the prompts is reshuffled."""
         if self.prompt_cursor + count > self.prompt_order.numel():
-            self.prompt_order, self.prompt_cursor = torch.randperm(self.prompt_order.numel(), generator=self.generator), 0
+            self.prompt_order, self.prompt_cursor = (
+                torch.randperm(self.prompt_order.numel(), generator=self.generator), 0)
         rows = self.prompt_order[self.prompt_cursor : self.prompt_cursor + count].tolist()
         self.prompt_cursor += count
         return rows
@@ -597,8 +589,8 @@ class OfflineDataOrder:
 
 
 @torch.no_grad()
-def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eval_rows: dict, policy_queries: torch.Tensor,
-                    generation_config, reward_stats: Optional[Tuple[float, float]]):
+def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eval_rows: dict,
+                    policy_queries: torch.Tensor, generation_config, reward_stats: Optional[Tuple[float, float]]):
     """Sample the eval queries (policy_queries: with the DT prompt for dt), score them with the RM on the
     ORIGINAL query (the reward prompt is an instruction to the policy, not part of the task), and build the
     sample table in the contract's columns. reward_stats = the mixture's (mean, std), to also report the score
@@ -610,7 +602,8 @@ def evaluate_policy(args: Args, accelerator, model, reward_model, tokenizer, eva
         responses = sample_policy(accelerator, model, policy_queries, generation_config, tokenizer,
                                   args.local_rollout_batch_size, "evaluate", args.gather_for_generation)
     queries = eval_rows["query_token"]
-    scores = score_responses(accelerator, reward_model, queries, responses, pad_token_id, args.local_rollout_batch_size, "evaluate: score")
+    scores = score_responses(accelerator, reward_model, queries, responses, pad_token_id, args.local_rollout_batch_size,
+                             "evaluate: score")
     has_eos = (responses == eos_token_id).any(1)
     response_token_len = torch.clamp(first_true_indices(responses == eos_token_id) + 1, max=responses.size(1))
     df = pd.DataFrame(
@@ -662,7 +655,8 @@ def dt_targets(args: Args, mixture, summary: dict) -> dict:
         return {}
     percentile_targets = dt_percentile_targets(mixture["reward"], args.dt_eval_percentiles)
     if args.dt_target_percentile is not None:
-        args.dt_target = dt_percentile_targets(mixture["reward"], (args.dt_target_percentile,))[args.dt_target_percentile]
+        args.dt_target = dt_percentile_targets(mixture["reward"],
+                                               (args.dt_target_percentile,))[args.dt_target_percentile]
     summary.update({f"dt/target_at_percentile_{p:g}": t for p, t in percentile_targets.items()})
     summary["dt/target"] = args.dt_target
     return percentile_targets
@@ -707,7 +701,8 @@ def round_samples(args: Args, run, accelerator, model, reward_model, tokenizer, 
     # logged at the round's first update: a step after any checkpoint taken before the round, so a resumed run
     # neither keeps a stale copy of this line nor writes it twice
     records.log_offline(run, args, update, {**round_metrics, **budget})
-    accelerator.print(f"[best_of_n] iteration {iteration + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
+    accelerator.print(f"[best_of_n] iteration {iteration + 1}: "
+                      + ", ".join(f"{k}={v:.4f}" for k, v in round_metrics.items()))
     return queries, responses, rewards
 
 
@@ -722,7 +717,8 @@ def train_update(args: Args, accelerator, model, optimizer, run, update: int, qu
     average divide out again. Returns the update's loss (the weighted token mean over the batch) and its input tokens
     (non-pad, every process)."""
     local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
-    local_slice = slice(accelerator.process_index * local_batch_size, (accelerator.process_index + 1) * local_batch_size)
+    local_slice = slice(accelerator.process_index * local_batch_size,
+                        (accelerator.process_index + 1) * local_batch_size)
     local_batch, local_weights = global_batch[local_slice], batch_weights[local_slice]
     # every response token (and its EOS) of the update batch is a target; the same count on every process
     batch_tokens = (responses[global_batch] != pad_token_id).sum().to(accelerator.device)
@@ -733,7 +729,8 @@ def train_update(args: Args, accelerator, model, optimizer, run, update: int, qu
         query_responses = torch.cat((queries[micro_rows], responses[micro_rows]), 1)
         labels = response_labels(query_responses, queries.size(1), pad_token_id)  # the response tokens only
         cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut
-        query_responses, labels = query_responses[:, cols].to(accelerator.device), labels[:, cols].to(accelerator.device)
+        query_responses, labels = (query_responses[:, cols].to(accelerator.device),
+                                   labels[:, cols].to(accelerator.device))
         weights = local_weights[micro : micro + args.local_micro_batch_size].to(accelerator.device)
         with accelerator.accumulate(model):
             loss, _ = weighted_response_loss(model, query_responses, labels, weights, pad_token_id, batch_tokens)
@@ -790,7 +787,7 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
     pad_token_id = tokenizer.pad_token_id
     # the RM scores the policy's token ids as they are: one tokenizer for both (checked before any weights load)
-    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
+    checks.check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
     policy, reward_model = load_offline_models(args, tokenizer)
     reward_model = models.prepare_frozen_model(accelerator, reward_model)  # Detail 8: under ZeRO-3, an inference engine
     # the policy samples the mixture before it trains: it goes through accelerator.prepare first, because under
@@ -903,9 +900,9 @@ def main(args: Args) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # The setup main runs on: processes and batch arithmetic, models, inputs, rows per process, the evaluation rows,
-# the number of updates. What decides no number lives in rlhf_utils/, in sections titled for offline_rl.py: the
-# refusals, input checks and the mixture's cache (run.py), the evaluation tables, log lines and counters
-# (records.py), the upload (models.py)
+# the number of updates. What decides no number lives in rlhf_utils/: in sections titled for offline_rl.py, the
+# refusals (flags.py), the mixture's cache (run.py), the evaluation tables, log lines and counters (records.py) and
+# the upload (models.py); the preference split's input check is checks.py's check_preference_columns
 # ---------------------------------------------------------------------------------------------
 
 
@@ -937,12 +934,12 @@ def load_offline_models(args: Args, tokenizer):
     # float32 master weights whatever the checkpoint's dtype (Pythia's hub weights are float16); bf16 is autocast
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=torch.float32,
                                                   trust_remote_code=args.trust_remote_code)
-    check_finite(policy, args.sft_model_path)
+    checks.check_finite(policy, args.sft_model_path)
     reward_model = AutoModelForSequenceClassification.from_pretrained(
         args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
         trust_remote_code=args.trust_remote_code,
     )
-    check_finite(reward_model, args.reward_model_path)
+    checks.check_finite(reward_model, args.reward_model_path)
     for model in (policy, reward_model):
         # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
         if model.config.vocab_size < len(tokenizer):
@@ -956,24 +953,24 @@ def load_offline_data(args: Args, tokenizer):
     """The SFT train and eval splits, and for the mixture methods the preference split (read again when the mixture
     is built): each is checked for the columns it is read for and for the tokenizer that made it, before the
     output folder is claimed. Returns the train and eval splits."""
-    sft_train = load_split(args.query_dataset, args.train_split)
-    check_columns(sft_train, TRAIN_COLUMNS["best_of_n" if args.method == "best_of_n" else "mixture"],
+    sft_train = checks.load_split(args.query_dataset, args.train_split)
+    checks.check_columns(sft_train, TRAIN_COLUMNS["best_of_n" if args.method == "best_of_n" else "mixture"],
                   f"{args.query_dataset} split {args.train_split!r}")
-    eval_dataset = load_split(args.query_dataset, args.eval_split)
-    check_columns(eval_dataset, EVAL_COLUMNS, f"{args.query_dataset} split {args.eval_split!r}")
+    eval_dataset = checks.load_split(args.query_dataset, args.eval_split)
+    checks.check_columns(eval_dataset, EVAL_COLUMNS, f"{args.query_dataset} split {args.eval_split!r}")
     for split, dataset in ((args.train_split, sft_train), (args.eval_split, eval_dataset)):
-        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
-        check_query_response(dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {split!r}")
+        checks.check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
+        checks.check_query_response(dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {split!r}")
     if args.method != "best_of_n":  # the mixture reads the preference responses (when it is not cached yet)
-        preference = load_split(args.preference_dataset, args.preference_split)
-        check_preference_columns(preference, args)
-        check_data_tokenizer(preference, tokenizer, args.sft_model_path,
+        preference = checks.load_split(args.preference_dataset, args.preference_split)
+        checks.check_preference_columns(preference, args)
+        checks.check_data_tokenizer(preference, tokenizer, args.sft_model_path,
                              f"{args.preference_dataset} split {args.preference_split!r}")
     return sft_train, eval_dataset
 
 
-# the columns each split is read for (check_columns runs on every split before it is used; the preference split's:
-# rlhf_utils/run.py's OFFLINE_PREFERENCE_COLUMNS)
+# the columns each split is read for (checks.check_columns runs on every split before it is used; the preference
+# split's: rlhf_utils/checks.py's OFFLINE_PREFERENCE_COLUMNS)
 TRAIN_COLUMNS = {"mixture": ["query_token", "query", "reference_response_token"], "best_of_n": ["query_token"]}
 EVAL_COLUMNS = ["query", "query_token", "reference_response"]
 
@@ -1013,7 +1010,8 @@ def count_offline_updates(args: Args, mixture, num_prompts: int) -> Tuple[int, i
     or --num_train_epochs passes over the round's samples, in full batches) and of the whole run (--iterations
     rounds); a round must fill at least one update batch."""
     samples_per_round = args.bon_num_prompts if args.method == "best_of_n" else len(mixture)
-    episodes_per_round = args.total_episodes if args.total_episodes is not None else args.num_train_epochs * samples_per_round
+    episodes_per_round = (args.total_episodes if args.total_episodes is not None
+                          else args.num_train_epochs * samples_per_round)
     updates_per_round = episodes_per_round // args.total_batch_size
     check_round_size(args, samples_per_round, episodes_per_round, updates_per_round, num_prompts)
     return samples_per_round, updates_per_round, updates_per_round * args.iterations
@@ -1163,7 +1161,8 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+        clipping = config.get("gradient_clipping", "auto")
+        config["gradient_clipping"] = 0.0 if clipping == "auto" else clipping
 
 
 def lr_schedule(optimizer, kind: str, num_updates: int, warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:

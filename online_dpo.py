@@ -66,24 +66,16 @@ from transformers import (
     LogitsProcessorList,
 )
 
-from rlhf_utils import models, records
-from rlhf_utils.flags import EndpointFlags, RunFlags, check_online_dpo_flags  # flags and refusals (no number)
-from rlhf_utils.rewards import check_rewards, load_reward_fn, reward_fn_errors  # --reward_fn: load and check
-from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
+from rlhf_utils import checks, models, records
+from rlhf_utils.checks import RunError
+from rlhf_utils.flags import EndpointFlags, RunFlags, check_online_dpo_flags
+from rlhf_utils.rewards import check_rewards, load_reward_fn, reward_fn_errors
+from rlhf_utils.run import (
     LastGoodState,
     Run,
-    RunError,
-    check_columns,
-    check_data_tokenizer,
-    check_finite,
-    check_gradient_accumulation,
-    check_qlora_flags,
-    check_query_response,
-    check_reward_tokenizer,
     due,
     evaluation_rng,
     leave_processes,
-    load_split,
     resumable_accelerator,
     start_processes,
 )
@@ -147,11 +139,8 @@ class Args:
     reward_model_path: str = "models/rm"
     """--judge rm: the reward model (saved by reward.py), trained with the policy's tokenizer"""
     reward_fn: Optional[str] = None
-    """--judge reward_fn: path.py:function, a reward from code as ppo.py's --reward_fn: fn(queries, responses,
-    **columns) returns one float per response, given the decoded queries and responses and, by name, the prompt rows'
-    other columns (a list each); each process calls it on the pairs of its own prompts. Equal scores are a tie (the
-    pair is dropped and counted). The built-in task's rule: data/synthetic.py:key_fact_share; docs/usage.md's "Write
-    your own reward" shows how"""
+    """--judge reward_fn: path.py:function, a reward from code as ppo.py's --reward_fn; the higher of a pair's two
+    scores wins, equal scores are a tie: the pair is dropped and counted (docs/usage.md, "Flags in depth")"""
     endpoint: EndpointArgs = field(default_factory=EndpointArgs)
     """--judge endpoint: the judge's endpoint, model and retry policy"""
     reference: Literal["sft", "last_round"] = "sft"
@@ -169,11 +158,8 @@ class Args:
     judge"""
     max_draws_per_round: int = 1
     """prompt batches (of pairs_per_round prompts each) a round may sample. 1 (the budget rule of every online
-    method): each prompt of the run is sampled once and every response counts against the budget (2 x total_episodes
-    responses, as ppo.py, rloo.py and grpo.py sample total_episodes); a dropped pair weighs 0 and the update averages
-    over the pairs it kept. More: a dropped pair is replaced by one of the next whole batch, whose every response is
-    sampled on top of the budget (budget/responses_sampled in summary.json counts them, and the leaderboard shows it);
-    the slots still empty after this many batches weigh 0"""
+    method): each prompt of the run is sampled once, a dropped pair weighs 0. More: a dropped pair is replaced by one
+    of the next whole batch, sampled on top of the budget (docs/usage.md, "Flags in depth")"""
     local_rollout_forward_batch_size: int = 64
     """prompts per generation / scoring chunk on one process (memory knob; the samples do not depend on it)"""
 
@@ -185,7 +171,7 @@ class Args:
     """sigmoid = DPO (eq. 4, with --label_smoothing for cDPO); ipo = IPO's squared loss; hinge = SLiC's hinge"""
     ipo_average: bool = True
     """--loss_type ipo only: average each response's log-probs over its tokens before regressing onto 1 / (2 beta),
-    the form the IPO authors ran (and TRL's); --no-ipo_average sums them as eq. 4 does, which puts the target on the
+    the form the IPO authors ran (and TRL's); --no_ipo_average sums them as eq. 4 does, which puts the target on the
     whole response instead of on each token"""
     label_smoothing: float = 0.0
     """conservative DPO (cDPO): assumed probability that a preference label is flipped; sigmoid loss only"""
@@ -223,10 +209,8 @@ class Args:
     evaluation's samples) instead of layer by layer at every decode step (as TRL's unwrap_model_for_generation does);
     the same samples either way. Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
-    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
-    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
-    default: the paper trained without it"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation memory
+    for about one more forward pass. Off by default: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # memory: LoRA and QLoRA
     lora_rank: int = 0
@@ -255,8 +239,7 @@ class Args:
     0 = never"""
 
     run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
-    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
-    they decide no number"""
+    """the run's folder, checkpoints, --resume, lock, tracking and hub (rlhf_utils/flags.py): they decide no number"""
 
     # derived at run time (not flags)
     world_size: tyro.conf.Suppress[Optional[int]] = None
@@ -552,7 +535,8 @@ def online_dpo_update(args, accelerator, run, policy, optimizer, rounds, first: 
     kept = int(rounds.keep[first : first + args.total_batch_size].sum())
     sums, tokens = torch.zeros(len(TRAIN_STATS) - 1, device=accelerator.device), 0
     for micro in range(args.gradient_accumulation_steps):
-        micro_batch = accelerator.process_index * args.gradient_accumulation_steps + micro  # the micro batch's place in the update
+        # the micro batch's place in the update
+        micro_batch = accelerator.process_index * args.gradient_accumulation_steps + micro
         start = first + micro_batch * args.local_micro_batch_size
         rows = torch.arange(start, start + args.local_micro_batch_size)  # in the order drawn
         batch = {**{name: rounds.pairs[name][rows].to(accelerator.device) for name in PAIR_COLUMNS}, "row_index": rows}
@@ -594,7 +578,7 @@ def main(args: Args) -> dict:
     reward_fn = check_online_flags(args)  # and --judge reward_fn's function, loaded before any model
     # ---------------- processes, batch arithmetic (Table 6: 64 pairs per update), run folder ----------------
     accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
-    check_qlora_flags(args, accelerator)
+    checks.check_qlora_flags(args, accelerator)
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset,
                query_dataset=args.query_dataset, reward_model_path=args.reward_model_path)
@@ -656,7 +640,8 @@ def main(args: Args) -> dict:
         f"{args.local_micro_batch_size} pairs"
     )
     policy.train()
-    progress = tqdm(total=num_updates, initial=start_update, desc=args.exp_name, disable=not accelerator.is_local_main_process)
+    progress = tqdm(total=num_updates, initial=start_update, desc=args.exp_name,
+                    disable=not accelerator.is_local_main_process)
     with progress:  # closed before an error's message, which stays the last line of the output
         for update in range(start_update + 1, num_updates + 1):
             with last_good.kept(update, interval.state()):  # a non-finite value: the state after update - 1 is saved
@@ -731,7 +716,8 @@ def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: tor
     query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
     targets = response_labels[:, 1:]  # (B, T-1): token t + 1 is predicted at position t
     mask = targets != pad_token_id
-    logits = forward(model, query_responses, pad_token_id, read=F.pad(mask, (0, 1))).logits  # (N, V): the head only there
+    # (N, V): the LM head only at the positions read
+    logits = forward(model, query_responses, pad_token_id, read=F.pad(mask, (0, 1))).logits
     picked = torch.gather(F.log_softmax(logits.float(), dim=-1), 1, targets[mask].unsqueeze(-1)).squeeze(-1)  # (N,)
     return torch.zeros(mask.shape, device=picked.device).masked_scatter(mask, picked).sum(1)  # summed in (B, T-1)
 
@@ -792,7 +778,8 @@ def ipo_token_counts(args, batch: Dict[str, torch.Tensor], pad_token_id: int):
     (--loss_type ipo with --ipo_average); None for every other loss."""
     if args.loss_type != "ipo" or not args.ipo_average:
         return None
-    return tuple((batch[f"query_{side}_token_response_label"] != pad_token_id).sum(1) for side in ("chosen", "rejected"))
+    labels = (batch[f"query_{side}_token_response_label"] for side in ("chosen", "rejected"))
+    return tuple((label != pad_token_id).sum(1) for label in labels)
 
 
 @torch.no_grad()
@@ -825,13 +812,14 @@ def evaluate_preferences(accelerator, model, ref_model, ref_tables, eval_dataset
                 policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
                 ref_chosen, ref_rejected = reference_logprobs(ref_model, ref_tables.get(split), batch, pad_token_id)
             losses, chosen_rewards, rejected_rewards = dpo_loss(
-                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing,
-                ipo_token_counts(args, batch, pad_token_id),
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
+                args.label_smoothing, ipo_token_counts(args, batch, pad_token_id),
             )
             stats = torch.stack((losses, chosen_rewards, rejected_rewards, policy_chosen, policy_rejected), 1).float()
             gathered.append(accelerator.gather_for_metrics((batch["row_index"], stats)))
         stats = torch.cat([g[1] for g in gathered]).cpu().numpy()
-        frame = pd.DataFrame(stats, columns=["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"])
+        columns = ["loss", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp"]
+        frame = pd.DataFrame(stats, columns=columns)
         frame["row_index"] = torch.cat([g[0] for g in gathered]).cpu().numpy()
         frames[split] = frame
     model.train()
@@ -948,7 +936,7 @@ def load_lora_policy_and_reference(args, accelerator, tokenizer):
         args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
         **quantized_loading(args, args.bf16),
     )
-    check_finite(policy, args.sft_model_path)  # a diverged save stops here (4-bit packed weights are not floats)
+    checks.check_finite(policy, args.sft_model_path)  # a diverged save stops here (4-bit packed weights are not floats)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > policy.config.vocab_size:
         policy.resize_token_embeddings(len(tokenizer))
@@ -1071,7 +1059,7 @@ def make_accelerator(args) -> Accelerator:
     args.world_size = start_processes(args.run.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
                              "total_batch_size / (local_micro_batch_size * world_size)")
-    check_gradient_accumulation(args, accumulation, args.world_size)
+    checks.check_gradient_accumulation(args, accumulation, args.world_size)
     args.gradient_accumulation_steps = accumulation  # recorded in args.json
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -1088,7 +1076,8 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+        clipping = config.get("gradient_clipping", "auto")
+        config["gradient_clipping"] = 0.0 if clipping == "auto" else clipping
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool, pad_token: str = "pad"):
@@ -1117,23 +1106,28 @@ def load_online_data(args, tokenizer):
     the sample table. Every split is checked for the columns read from it and for the tokenizer that made it before
     any work. Returns the train split (tensors with row_index), {split: (raw rows, tensors)} for evaluation, and the
     sample queries (raw rows, tensors); --num_eval_samples shortens the evaluation splits."""
-    train_raw = load_split(args.query_dataset, args.train_split)
-    check_columns(train_raw, ["query_token"], f"{args.query_dataset} split {args.train_split!r}")
-    check_data_tokenizer(train_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.train_split!r}")
+    train_raw = checks.load_split(args.query_dataset, args.train_split)
+    checks.check_columns(train_raw, ["query_token"], f"{args.query_dataset} split {args.train_split!r}")
+    checks.check_data_tokenizer(train_raw, tokenizer, args.sft_model_path,
+                                f"{args.query_dataset} split {args.train_split!r}")
     train_dataset = with_row_index(train_raw, ["query_token"])
-    eval_split_names = args.eval_splits if args.eval_splits is not None else preference_eval_splits(args.preference_dataset)
+    eval_split_names = (args.eval_splits if args.eval_splits is not None
+                        else preference_eval_splits(args.preference_dataset))
     eval_datasets = {}
     for split in eval_split_names:
-        raw = load_split(args.preference_dataset, split)
-        check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"], f"{args.preference_dataset} split {split!r}")
-        check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
-        check_query_response(raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {split!r}")
+        raw = checks.load_split(args.preference_dataset, split)
+        checks.check_columns(raw, PAIR_COLUMNS + ["batch", "confidence", "split"],
+                             f"{args.preference_dataset} split {split!r}")
+        checks.check_data_tokenizer(raw, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split!r}")
+        checks.check_query_response(raw, tokenizer.pad_token_id, f"{args.preference_dataset} split {split!r}")
         if args.num_eval_samples is not None:
             raw = raw.select(range(min(args.num_eval_samples, len(raw))))
         eval_datasets[split] = (raw, with_row_index(raw, PAIR_COLUMNS))
-    sample_raw = load_split(args.query_dataset, args.eval_split)
-    check_columns(sample_raw, ["query_token", "reference_response"], f"{args.query_dataset} split {args.eval_split!r}")
-    check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.eval_split!r}")
+    sample_raw = checks.load_split(args.query_dataset, args.eval_split)
+    checks.check_columns(sample_raw, ["query_token", "reference_response"],
+                         f"{args.query_dataset} split {args.eval_split!r}")
+    checks.check_data_tokenizer(sample_raw, tokenizer, args.sft_model_path,
+                                f"{args.query_dataset} split {args.eval_split!r}")
     if args.num_eval_samples is not None:
         sample_raw = sample_raw.select(range(min(args.num_eval_samples, len(sample_raw))))
     return train_dataset, eval_datasets, sample_raw, with_row_index(sample_raw, ["query_token"])
@@ -1176,10 +1170,12 @@ def load_policy_and_reference(args, accelerator, tokenizer):
         args.sft_model_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code
     )
     ref_model = AutoModelForCausalLM.from_pretrained(
-        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code
+        args.sft_model_path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        trust_remote_code=args.trust_remote_code,
     )
     for model in (policy, ref_model):
-        check_finite(model, args.sft_model_path)  # a diverged save stops here, named with its first non-finite tensor
+        # a diverged save stops here, named with its first non-finite tensor
+        checks.check_finite(model, args.sft_model_path)
         # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
         if len(tokenizer) > model.config.vocab_size:
             model.resize_token_embeddings(len(tokenizer))
@@ -1194,12 +1190,12 @@ def load_judge_reward_model(args, accelerator, tokenizer):
     (Detail 8: under ZeRO-3 an inference engine); None with --judge endpoint."""
     if args.judge != "rm":
         return None
-    check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
+    checks.check_reward_tokenizer(tokenizer, args.sft_model_path, args.reward_model_path, args.trust_remote_code)
     reward_model = AutoModelForSequenceClassification.from_pretrained(
         args.reward_model_path, num_labels=1, dtype=torch.bfloat16 if args.bf16 else torch.float32,
         trust_remote_code=args.trust_remote_code,
     )
-    check_finite(reward_model, args.reward_model_path)
+    checks.check_finite(reward_model, args.reward_model_path)
     if reward_model.config.vocab_size < len(tokenizer):
         reward_model.resize_token_embeddings(len(tokenizer))
     disable_dropout(reward_model)  # frozen: the same score every time
@@ -1320,11 +1316,12 @@ def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, respons
     responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
     EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
     `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
-    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No function:
-    the scores as they are."""
+    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No
+    function: the scores as they are."""
     if reward_fn is None:
         return scores
-    texts, answers = ([s.strip() for s in tokenizer.batch_decode(x, skip_special_tokens=True)] for x in (queries, responses))
+    decoded = (tokenizer.batch_decode(x, skip_special_tokens=True) for x in (queries, responses))
+    texts, answers = ([s.strip() for s in batch] for batch in decoded)
     columns = prompts.select_columns([c for c in prompts.column_names if "_token" not in c]).with_format(None)[rows]
     # an exception, or an answer that is not one finite number per response: one paragraph naming the row
     with reward_fn_errors(reward_fn, texts, answers, columns):
@@ -1397,7 +1394,9 @@ class LoggingInterval:
 # ---------------------------------------------------------------------------------------------
 
 
-PAIRWISE_JUDGE_TEMPLATE = """Which of the following summaries does a better job of summarizing the most important points in the given forum post, without including unimportant or irrelevant details? Judge based on accuracy, coverage, and coherence.
+PAIRWISE_JUDGE_TEMPLATE = """Which of the following summaries does a better job of summarizing the most important \
+points in the given forum post, without including unimportant or irrelevant details? Judge based on accuracy, \
+coverage, and coherence.
 
 Post:
 {post}
@@ -1408,13 +1407,15 @@ Summary A:
 Summary B:
 {summary_b}
 
-FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. SECOND, on a new line, state only "A" or "B" to indicate your choice. Your response should use the format:
+FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. SECOND, on a new \
+line, state only "A" or "B" to indicate your choice. Your response should use the format:
 
 Comparison: <one-sentence comparison and explanation>
 Preferred: <"A" or "B">"""
 
 
-_PLACEHOLDER_RE = re.compile(r"\{(post|summary_a|summary_b|num_assistants|assistant_names|question|answers|name|answer)\}")
+_PLACEHOLDER_RE = re.compile(
+    r"\{(post|summary_a|summary_b|num_assistants|assistant_names|question|answers|name|answer)\}")
 
 
 def fill_template(template: str, **values: str) -> str:
@@ -1446,7 +1447,8 @@ def without_eos_text(text: str, eos_text: str) -> str:
 
 
 _PREFERRED_RE = re.compile(
-    r'^[ \t]*[*_]*preferred[*_]*(?::[*_]*)?(?:[ \t]*\n)*[ \t]*[*_]*[ \t]*["\'(\[]?(?:summary[ \t]+)?([ab])["\')\]]?[*_]*\.?[*_]*[ \t]*$',
+    r'^[ \t]*[*_]*preferred[*_]*(?::[*_]*)?(?:[ \t]*\n)*[ \t]*[*_]*[ \t]*'  # "Preferred:", then any blank lines
+    r'["\'(\[]?(?:summary[ \t]+)?([ab])["\')\]]?[*_]*\.?[*_]*[ \t]*$',  # the letter, quoted or bracketed
     re.MULTILINE | re.IGNORECASE)
 
 

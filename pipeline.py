@@ -309,7 +309,7 @@ def parse_extras(extras: list[str], mode: str = "leaderboard", kto: bool = False
     is one error naming it: a missing file, an unknown stage, a stage that makes no policy (NO_POLICY), a stage the
     mode does not run (the fork takes that stage's command and settings, which the mode then lacks), a name taken by
     a project stage or given twice. main() calls it before the lock and before any stage runs."""
-    from rlhf_utils.run import RunError
+    from rlhf_utils.checks import RunError
 
     stages = mode_stages(mode, kto)
     known = [s for s in LEADERBOARD_STAGES if s not in NO_POLICY]
@@ -504,7 +504,7 @@ class Pipeline:
         process.returncode = code = os.waitstatus_to_exitcode(status)
         self.usage["peak_rss_mib"] = usage.ru_maxrss / 1024  # Linux counts ru_maxrss in KiB
         if code:
-            from rlhf_utils.run import RunError
+            from rlhf_utils.checks import RunError
 
             raise RunError(f"[{stage}] failed (exit code {code}), its own error above; "
                            "the pipeline picks up there when run again")
@@ -532,7 +532,7 @@ class Pipeline:
         now = self.recorded(cmd)
         if then is None or then == now:
             return
-        from rlhf_utils.run import RunError
+        from rlhf_utils.checks import RunError
 
         old, new = flag_values(then), flag_values(now)
         differ = [f"{k} {old.get(k, '(absent)')} then, {new.get(k, '(absent)')} now"

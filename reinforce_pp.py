@@ -47,25 +47,11 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
-from rlhf_utils import models, records
-from rlhf_utils.flags import RunFlags, check_flags  # the run's flags
-from rlhf_utils.rewards import check_rewards, reward_fn_errors  # --reward_fn: load and check
-from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
-    LastGoodState,
-    Run,
-    RunError,
-    check_columns,
-    check_data_tokenizer,
-    check_finite,
-    check_query_response,
-    check_reward_tokenizer,
-    due,
-    evaluation_rng,
-    leave_processes,
-    load_split,
-    start_processes,
-    synced_time,
-)
+from rlhf_utils import checks, models, records
+from rlhf_utils.checks import RunError
+from rlhf_utils.flags import RunFlags, check_flags
+from rlhf_utils.rewards import check_rewards, reward_fn_errors
+from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, start_processes, synced_time
 
 
 @dataclass
@@ -118,17 +104,13 @@ class Args:
     sft_model_path: str = "models/sft"
     """the SFT policy: initial policy, reference policy, and the tokenizer"""
     reward_model_path: List[str] = field(default_factory=lambda: ["models/rm"])
-    """the reward model (saved by reward.py with the Detail 15 normalisation folded in); several paths make an
-    ensemble whose scores --reward_combine joins into one. None at all (the flag without a path) with --reward_fn:
-    the function alone scores, and no reward model is loaded, which saves its weights (a model of the policy's size,
-    in bf16 with --bf16) and its forward pass over every rollout and evaluation batch"""
+    """the reward model (saved by reward.py, at the default path, with the Detail 15 normalisation folded in); several
+    paths make an ensemble whose scores --reward_combine joins into one. None at all (the flag without a path) with
+    --reward_fn: the function alone scores, and no reward model is loaded (docs/usage.md, "Flags in depth")"""
     reward_fn: Optional[str] = None
     """path.py:function, a reward from code (TRL, OpenRLHF and verl take such functions): fn(queries, responses,
-    **columns) returns one float per response, given the decoded queries and responses and, by name, the prompt rows'
-    other columns (a list each, e.g. a task's answer key); each process calls it on its own rows. One more scorer beside
-    the reward models, the last: scaled and joined like them (--reward_combine, --reward_weights), then the EOS trick
-    (Detail 23) once. Its time is logged as time/reward_fn_share, part of time/scoring_share. None = no function.
-    The built-in task's rule: data/synthetic.py:key_fact_share; docs/usage.md's "Write your own reward" shows how"""
+    **columns) returns one float per response; one more scorer beside the reward models, joined like them, then the
+    EOS trick (Detail 23). None = no function (docs/usage.md, "Flags in depth")"""
     reward_combine: Literal["mean", "sum", "min"] = "mean"
     """how the scores of several reward models become one, each after its own scaling: mean, weighted sum
     (--reward_weights) or min (the conservative ensemble of Coste et al. 2024); one reward model: its score"""
@@ -187,10 +169,9 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. On the CPU
     the run computes in float32 unless --bf16 asks for bf16 (slow)"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
-    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
-    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
-    default: the paper trained without it"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
+    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
+    without it (docs/usage.md, "Flags in depth")"""
 
     # memory and speed (trlX / OpenRLHF)
     num_layers_unfrozen: int = -1
@@ -207,10 +188,9 @@ class Args:
     """keep the reference and reward models on CPU between uses (GPU runs): by hand, brought to the device once per
     rollout and per evaluation from pinned memory; with ZeRO-3, DeepSpeed's parameter offload, from CPU partitions"""
     gather_for_generation: bool = True
-    """under ZeRO-3, gather the policy's weights once for each rollout and evaluation (sampling and the scoring passes
-    on the unwrapped model) instead of layer by layer at every decode step (as TRL's unwrap_model_for_generation and
-    the reference reproduction do); the same samples either way. Off: for a model too large to hold whole on one
-    device. No effect without ZeRO-3"""
+    """under ZeRO-3, gather the policy's weights once for each rollout and evaluation instead of layer by layer at every
+    decode step (as TRL's unwrap_model_for_generation and the reference reproduction do); the same samples either way.
+    Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
 
     # evaluation and logging
     eval_every: int = 20
@@ -227,8 +207,7 @@ class Args:
     """REINFORCE++ hyperparameters"""
 
     run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
-    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
-    they decide no number"""
+    """the run's folder, checkpoints, --resume, lock, tracking and hub (rlhf_utils/flags.py): they decide no number"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +364,8 @@ class Policy(nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, query_responses, pad_token_id: int, context_length: int, ptx_query_responses=None, ptx_labels=None):
+    def forward(self, query_responses, pad_token_id: int, context_length: int, ptx_query_responses=None,
+                ptx_labels=None):
         actions = slice(context_length - 1, -1)  # the positions that predict a response token: (B, T, V) logits
         logits = forward(self.policy, query_responses, pad_token_id, read=actions).logits
         ptx_logits = None
@@ -410,10 +390,11 @@ def check_groups(args, hp, local_batch_size: int) -> None:
     if local_batch_size % args.samples_per_prompt:
         raise RunError(f"--samples_per_prompt {args.samples_per_prompt} must divide the local batch {local_batch_size}")
     if hp.baseline == "group" and args.samples_per_prompt < 2:
-        raise RunError(f"--reinforce_pp.baseline group (REINFORCE++-baseline) subtracts from each score the mean score of "
-                       f"its query's --samples_per_prompt responses, which needs 2 or more (got {args.samples_per_prompt}, "
-                       "whose mean is the score itself: every advantage would come from the KL penalty alone); pass "
-                       "--samples_per_prompt 2 or more (e.g. 4), or --reinforce_pp.baseline batch for REINFORCE++")
+        raise RunError(f"--reinforce_pp.baseline group (REINFORCE++-baseline) subtracts from each score the mean "
+                       f"score of its query's --samples_per_prompt responses, which needs 2 or more (got "
+                       f"{args.samples_per_prompt}, whose mean is the score itself: every advantage would come from "
+                       "the KL penalty alone); pass --samples_per_prompt 2 or more (e.g. 4), or "
+                       "--reinforce_pp.baseline batch for REINFORCE++")
 
 
 def per_token_rewards(scores, kl, mask, last_index, kl_coef):
@@ -453,7 +434,8 @@ class RewardsAndAdvantages:
     def objective(self) -> dict:
         """Per-episode values logged as objective/{name} (update_metrics): the KL penalty summed over the response,
         and the reward with it (score + penalty)."""
-        return {"non_score_reward": self.non_score_reward.sum(1), "rlhf_reward": self.non_score_reward.sum(1) + self.scores}
+        return {"non_score_reward": self.non_score_reward.sum(1),
+                "rlhf_reward": self.non_score_reward.sum(1) + self.scores}
 
 
 @torch.no_grad()
@@ -471,7 +453,8 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
         for column, moments in enumerate(reward_moments):
             moments.update(gather(scores[:, column]))
         scores = scores / torch.tensor([max(m.std, 1e-8) for m in reward_moments], device=scores.device)
-    scores = combine_scores(scores, args.reward_combine, args.reward_weights)  # (B,) several reward models joined into one score
+    # (B,) several reward models joined into one score
+    scores = combine_scores(scores, args.reward_combine, args.reward_weights)
     contains_eos = (responses == eos_token_id).any(1)
     if args.non_eos_penalty:  # 5. Detail 23: EOS trick, once per response, on the joined score
         scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
@@ -486,7 +469,8 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
     # 8. whitened with the mean and variance of every kept token of the global batch: summing over processes = summing
     # the gathered copies, so N processes whiten as one would (REINFORCE++: the baseline is the batch's mean return)
     advantages = masked_whiten(returns, mask, sum_over_processes=lambda x: gather(x.reshape(1)).sum())
-    return RewardsAndAdvantages(mask, last_index, scores, contains_eos, kl, non_score_reward, rewards, returns, advantages)
+    return RewardsAndAdvantages(mask, last_index, scores, contains_eos, kl, non_score_reward, rewards, returns,
+                                advantages)
 
 
 def reinforce_pp_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, update: int, guard, ptx,
@@ -518,10 +502,11 @@ def reinforce_pp_update(args, hp, accelerator, model, optimizer, data: Rollout, 
                 new_logprobs, all_logprobs, ptx_logits = training_logprobs(
                     model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens, ptx_labels)
                 # 9. PPO's clipped ratio per token times its advantage, a mean over the micro batch's kept tokens
-                pg_loss, mb_stats = clipped_policy_loss(new_logprobs - old_logprobs, scored.advantages[idx, :width], mask,
-                                                        hp.cliprange)
+                pg_loss, mb_stats = clipped_policy_loss(new_logprobs - old_logprobs, scored.advantages[idx, :width],
+                                                        mask, hp.cliprange)
                 ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
-                loss = pg_loss + ptx.coef * ptx_loss  # option (PPO-ptx): the SFT loss of reference summaries; coef 0: off
+                # option (PPO-ptx): the SFT loss of reference summaries; coef 0: off
+                loss = pg_loss + ptx.coef * ptx_loss
                 # non-finite guard: checked before backward, so the optimizer never applies it
                 guard(update, **{f"reinforce_pp/loss (epoch {epoch + 1}, minibatch {mb + 1})": loss})
                 accelerator.backward(loss)
@@ -598,7 +583,8 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
     # and how much a run evaluates never changes what it trains. The reward models come to the device once for the
     # whole evaluation (--offload), and the policy's ZeRO-3 weights are gathered once for it (--gather_for_generation)
     with evaluation_rng(accelerator, args.seed + accelerator.process_index * 100003), \
-            models.placed_on(reward_models, bring_frozen_to), models.gathered_for_generation(model, args.gather_for_generation):
+            models.placed_on(reward_models, bring_frozen_to), \
+            models.gathered_for_generation(model, args.gather_for_generation):
         for start in range(start_row, start_row + per_rank, args.local_rollout_forward_batch_size):
             batch = eval_dataset[start : min(start + args.local_rollout_forward_batch_size, start_row + per_rank)]
             query = torch.tensor(batch["query_token"], device=accelerator.device)
@@ -607,7 +593,8 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
             query_response = generate(unwrapped.policy, query, pad_id, generation_config)
             truncated = truncate_response(eos_id, pad_id, query_response[:, context_length:])
             scores = ensemble_scores(reward_models, query, truncated, pad_id)
-            scores = function_scores(scores, reward_fn, tokenizer, query, truncated, eval_dataset, range(start, start + len(query)))
+            batch_rows = range(start, start + len(query))  # the rows of eval_dataset this batch holds
+            scores = function_scores(scores, reward_fn, tokenizer, query, truncated, eval_dataset, batch_rows)
             score = combine_scores(scores, args.reward_combine, args.reward_weights)  # raw: no EOS trick, no scaling
             _, last_index = response_mask(truncated, pad_id)
             has_eos = (truncated == eos_id).any(1)
@@ -642,7 +629,8 @@ def main(args: Args) -> dict:
     reward_fn = check_flags(args, accelerator, hp.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
     check_groups(args, hp, local_batch_size)  # whole groups on each process; REINFORCE++-baseline: 2 or more
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
-    run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path, query_dataset=args.query_dataset)
+    run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path,
+               query_dataset=args.query_dataset)
 
     # ---------------- seeding (labelled, deliberate) ----------------
     set_seed(args.seed)  # weights (any fresh head) and data order: identical on every rank
@@ -652,7 +640,7 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)  # Detail 3: [PAD] distinct from EOS
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     for path in args.reward_model_path:
-        check_reward_tokenizer(tokenizer, args.sft_model_path, path, args.trust_remote_code)
+        checks.check_reward_tokenizer(tokenizer, args.sft_model_path, path, args.trust_remote_code)
     # Hydra and LoRA enter here: they decide what the reference policy is (None with LoRA)
     policy, reward_models, ref_policy = load_models(args, tokenizer, bf16)
     model = Policy(policy)
@@ -660,7 +648,8 @@ def main(args: Args) -> dict:
                               weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, adamw)
     # the frozen models need no optimizer state (Detail 8); --offload decides where they live between uses
-    reward_models, ref_policy, bring_frozen_to = models.place_frozen_models(args, accelerator, reward_models, ref_policy, zero3)
+    reward_models, ref_policy, bring_frozen_to = models.place_frozen_models(args, accelerator, reward_models,
+                                                                            ref_policy, zero3)
 
     # ---------------- data ----------------
     train_dataset, eval_dataset = load_query_data(args, tokenizer, ptx=hp.ptx_coef > 0)
@@ -680,7 +669,8 @@ def main(args: Args) -> dict:
     # saved and restored with the models, the optimizer and the RNG states. The data position and the learning
     # rate need no entry: both are functions of the update number (see the loop)
     accelerator.register_for_checkpointing(kl_controller, *reward_moments)
-    last_good = LastGoodState(run, accelerator, adamw, kl_controller, *reward_moments)  # the non-finite guard's fallback
+    # the non-finite guard's fallback
+    last_good = LastGoodState(run, accelerator, adamw, kl_controller, *reward_moments)
     state = run.start(records.fresh_trainer_state(), num_updates=num_updates, total_batch_size=args.total_batch_size)
     start_time -= state["wall_time_s"]  # wall_time_s of the summary counts the interrupted run too
     accelerator.print(f"{args.exp_name}: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} "
@@ -701,8 +691,8 @@ def main(args: Args) -> dict:
                                         update - 1, accelerator.process_index, num_processes)
             queries = query_tokens[rows].repeat_interleave(args.samples_per_prompt, 0).to(device)  # 1. Detail 21
             with accelerator.autocast():
-                data = rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer, generation_config,
-                               timers, bring_frozen_to, reward_fn, train_dataset, rows)
+                data = rollout(args, accelerator, model, ref_policy, reward_models, queries, tokenizer,
+                               generation_config, timers, bring_frozen_to, reward_fn, train_dataset, rows)
 
             # ---------------- steps 5-8: EOS trick, per-token rewards, returns, whitened advantages ----------------
             t_shaping = synced_time(device)
@@ -727,8 +717,9 @@ def main(args: Args) -> dict:
             # the rollout's KL (summed over each response, averaged over the global batch); no-op without adaptive_kl
             kl_controller.update(accelerator.gather(scored.kl.sum(1)).mean().item(), args.total_batch_size)
             # the budget spent: the responses this update sampled and the prompts they answer, on every process
-            state = records.next_state(state, start_time, timers, metrics, {"budget/responses_sampled": len(data.responses)
-                               * num_processes, "budget/prompts": len(rows) * num_processes})
+            state = records.next_state(state, start_time, timers, metrics,
+                                       {"budget/responses_sampled": len(data.responses) * num_processes,
+                                        "budget/prompts": len(rows) * num_processes})
             run.log(update, {**metrics, **state["budget"]})
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
                              eps=f"{metrics['episodes_per_second']:.1f}")
@@ -739,8 +730,8 @@ def main(args: Args) -> dict:
         if due(args.eval_every, update, num_updates):
             records.log_evaluation(run, args, update, eval_rows())
         if due(args.save_policy_every, update, num_updates):
-            models.save_policy(accelerator, model, tokenizer, os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"),
-                        args.lora_rank > 0)
+            models.save_policy(accelerator, model, tokenizer,
+                               os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"), args.lora_rank > 0)
         # resumable checkpoint, after this update's logging and evaluation: a resumed run starts with the next
         # update, with the RNG states as they are now (not at the final update: the model is saved)
         if due(args.run.checkpoint_every, update, num_updates):
@@ -802,7 +793,8 @@ class RunningMoments:
         batch_mean, batch_var, batch_count = values.mean().item(), values.var(unbiased=False).item(), values.numel()
         delta, total = batch_mean - self.mean, self.count + batch_count
         self.mean += delta * batch_count / total
-        self.var = (self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / total) / total
+        self.var = (self.var * self.count + batch_var * batch_count
+                    + delta**2 * self.count * batch_count / total) / total
         self.count = total
 
     @property
@@ -817,7 +809,8 @@ class RunningMoments:
 
 
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """PPO-ptx: next-token NLL on the reference-summary tokens (labels are [PAD] elsewhere), from their logits (N, V)."""
+    """PPO-ptx: next-token NLL on the reference-summary tokens (labels are [PAD] elsewhere), from their logits
+    (N, V)."""
     targets = labels[:, 1:][labels[:, 1:] != pad_token_id]  # (N,)
     logprobs = torch.gather(F.log_softmax(logits.float(), dim=-1), 1, targets.unsqueeze(-1)).squeeze(-1)
     return -logprobs.mean()
@@ -904,7 +897,8 @@ def load_models(args, tokenizer, bf16: bool):
         if args.lora_rank <= 0 and args.num_layers_unfrozen < 0:  # a frozen copy of the SFT model
             ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, dtype=frozen_dtype,
                                                               trust_remote_code=remote)
-    loaded = zip((policy, *reward_models, ref_policy), (args.sft_model_path, *args.reward_model_path, args.sft_model_path))
+    paths = (args.sft_model_path, *args.reward_model_path, args.sft_model_path)
+    loaded = zip((policy, *reward_models, ref_policy), paths)
     for model, path in ((m, p) for m, p in loaded if m is not None):
         checked_for_training(model, path, tokenizer, args.disable_dropout or model is ref_policy)
     for frozen in (m for m in (*reward_models, ref_policy) if m is not None):
@@ -920,7 +914,7 @@ def checked_for_training(model: nn.Module, path: str, tokenizer, no_dropout: boo
     """A loaded model made ready: finite weights (a diverged save stops here, named with its first non-finite
     tensor), embeddings for every token of the tokenizer ([PAD] included), and dropout off where asked (Detail 7;
     the frozen reference always: deterministic)."""
-    check_finite(model, path)
+    checks.check_finite(model, path)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if model.config.vocab_size < len(tokenizer):
         model.resize_token_embeddings(len(tokenizer))
@@ -969,17 +963,18 @@ def seed_sampling(local_seed: int) -> None:
 
 def load_query_data(args, tokenizer, ptx: bool):
     """The query splits, checked for the columns this run reads and for the tokenizer that made them."""
-    train_dataset = load_split(args.query_dataset, args.train_split)
-    eval_dataset = load_split(args.query_dataset, args.eval_split)
+    train_dataset = checks.load_split(args.query_dataset, args.train_split)
+    eval_dataset = checks.load_split(args.query_dataset, args.eval_split)
     ptx_columns = ["query_reference_response_token", "query_reference_response_token_response_label"]
-    check_columns(train_dataset, ["query_token"] + (ptx_columns if ptx else []),
+    checks.check_columns(train_dataset, ["query_token"] + (ptx_columns if ptx else []),
                   f"{args.query_dataset} split {args.train_split!r}")
     if ptx:  # the reference summaries the ptx loss trains on start where their queries end
-        check_query_response(train_dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {args.train_split!r}")
-    check_columns(eval_dataset, ["query_token", "reference_response"],
+        where = f"{args.query_dataset} split {args.train_split!r}"
+        checks.check_query_response(train_dataset, tokenizer.pad_token_id, where)
+    checks.check_columns(eval_dataset, ["query_token", "reference_response"],
                   f"{args.query_dataset} split {args.eval_split!r}")
     for split, dataset in ((args.train_split, train_dataset), (args.eval_split, eval_dataset)):
-        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
+        checks.check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.query_dataset} split {split!r}")
     return train_dataset, eval_dataset
 
 
@@ -989,7 +984,8 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+        clipping = config.get("gradient_clipping", "auto")
+        config["gradient_clipping"] = 0.0 if clipping == "auto" else clipping
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1097,7 +1093,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum()
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, sum_over_processes=None) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, sum_over_processes=None):
     """Normalise to unit variance over the masked positions (Details 24-25); optionally keep the mean.
     `sum_over_processes` (a function that sums a tensor over every process) makes the mean and variance
     those of the global batch; None uses this process's positions only."""
@@ -1131,11 +1127,12 @@ def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, respons
     responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
     EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
     `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
-    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No function:
-    the scores as they are."""
+    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No
+    function: the scores as they are."""
     if reward_fn is None:
         return scores
-    texts, answers = ([s.strip() for s in tokenizer.batch_decode(x, skip_special_tokens=True)] for x in (queries, responses))
+    decoded = (tokenizer.batch_decode(x, skip_special_tokens=True) for x in (queries, responses))
+    texts, answers = ([s.strip() for s in batch] for batch in decoded)
     columns = prompts.select_columns([c for c in prompts.column_names if "_token" not in c]).with_format(None)[rows]
     # an exception, or an answer that is not one finite number per response: one paragraph naming the row
     with reward_fn_errors(reward_fn, texts, answers, columns):

@@ -48,23 +48,10 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DynamicCache
 
-from rlhf_utils import models, records
-from rlhf_utils.flags import RunFlags  # the run's flags
-from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
-    LastGoodState,
-    Run,
-    RunError,
-    check_columns,
-    check_data_tokenizer,
-    check_finite,
-    check_gradient_accumulation,
-    check_query_response,
-    due,
-    leave_processes,
-    load_split,
-    resumable_accelerator,
-    start_processes,
-)
+from rlhf_utils import checks, models, records
+from rlhf_utils.checks import RunError
+from rlhf_utils.flags import RunFlags
+from rlhf_utils.run import LastGoodState, Run, due, leave_processes, resumable_accelerator, start_processes
 
 
 @dataclass
@@ -136,14 +123,10 @@ class Args:
     score_query_once: bool = True
     """each pair's query goes through the model once and its chosen and rejected responses read the query's keys and
     values, instead of two whole rows (query + chosen, query + rejected) as the reference code and TRL run them: the
-    same rewards and gradients up to float rounding (causal attention: no query token sees a response), for less
-    compute. Reads the split's query_token, chosen_token and rejected_token columns. With --gradient_checkpointing
-    the rows run whole (transformers keeps no key/value cache under checkpointing)"""
+    same rewards and gradients up to float rounding, for less compute (docs/usage.md, "Flags in depth")"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
-    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
-    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
-    default: the paper trained without it"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation memory
+    for about one more forward pass. Off by default: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # ---- evaluation and logging ----
     eval_every: int = 0
@@ -161,8 +144,7 @@ class Args:
     """write training metrics every N optimizer steps"""
 
     run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
-    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
-    they decide no number"""
+    """the run's folder, checkpoints, --resume, lock, tracking and hub (rlhf_utils/flags.py): they decide no number"""
 
     # ---- derived at run time (not flags) ----
     world_size: tyro.conf.Suppress[Optional[int]] = None
@@ -451,8 +433,8 @@ def run_evaluation(scorer, accelerator, eval_sets: dict, pad_token_id: int, eos_
 def evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets: dict, tokenizer, step: int, final: bool) -> dict:
     """One evaluation on every preference split (run_evaluation): its outputs written (records.save_reward_evaluation),
     its metrics logged at `step` and returned; the scorer is left in training mode."""
-    metrics, rows, calibration, logit_rows, frame = run_evaluation(scorer, accelerator, eval_sets, tokenizer.pad_token_id,
-                                                                   tokenizer.eos_token_id, args)
+    metrics, rows, calibration, logit_rows, frame = run_evaluation(scorer, accelerator, eval_sets,
+                                                                   tokenizer.pad_token_id, tokenizer.eos_token_id, args)
     records.save_reward_evaluation(run, frame, rows, calibration, logit_rows, tokenizer.eos_token, step, final)
     run.log(step, {"episode": step * args.total_batch_size, **metrics})
     scorer.train()
@@ -527,7 +509,7 @@ def main(args: Args) -> dict:
     args.world_size = num_processes = start_processes(args.run.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * num_processes,
                              "total_batch_size / (local_micro_batch_size * world_size)")
-    check_gradient_accumulation(args, accumulation, num_processes)
+    checks.check_gradient_accumulation(args, accumulation, num_processes)
     args.gradient_accumulation_steps = gradient_accumulation_steps = accumulation  # recorded in args.json
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -540,7 +522,8 @@ def main(args: Args) -> dict:
     accelerator = resumable_accelerator(gradient_accumulation_steps, args.seed, args.bf16)
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
-    run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset, query_dataset=args.query_dataset)
+    run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset,
+               query_dataset=args.query_dataset)
     set_seed(args.seed)  # same weights and data order on every process
 
     # ---------------- tokenizer and data ----------------
@@ -621,7 +604,8 @@ def main(args: Args) -> dict:
     summary = normalize_on_references(scorer, accelerator, unwrapped, references, pad_id, args)
 
     # ---------------- final evaluation of the saved (normalised) model, and outputs ----------------
-    summary.update(evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets, tokenizer, num_updates, final=True))
+    summary.update(evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets, tokenizer, num_updates,
+                                           final=True))
     summary.update({"train_time_s": train_time, "wall_time_s": time.time() - start_time,
                     "tokens_per_s": tokens_seen / max(train_time, 1e-9), "num_updates": num_updates,
                     "head_init_std": head_std,
@@ -667,13 +651,15 @@ def load_reward_data(args, tokenizer, accelerator):
     """The preference train split, the preference evaluation splits (those absent are skipped) and the SFT
     references of Details 14 and 15 (scored after training; loaded now so that a bad split fails early). Every
     split is checked for the columns read from it and for the tokenizer that made it, before any training."""
-    train_set = load_split(args.preference_dataset, args.train_split)
-    check_columns(train_set, ["query_chosen_token", "query_rejected_token", "query_chosen_token_len", "query_token",
-                              "chosen_token", "rejected_token"],
-                  f"{args.preference_dataset} split {args.train_split!r}")
+    train_set = checks.load_split(args.preference_dataset, args.train_split)
+    checks.check_columns(train_set, ["query_chosen_token", "query_rejected_token", "query_chosen_token_len",
+                                     "query_token", "chosen_token", "rejected_token"],
+                         f"{args.preference_dataset} split {args.train_split!r}")
     # the data must come from this tokenizer (Detail 12 also finds the EOS by its pad id)
-    check_data_tokenizer(train_set, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {args.train_split!r}")
-    check_query_response(train_set, tokenizer.pad_token_id, f"{args.preference_dataset} split {args.train_split!r}")
+    checks.check_data_tokenizer(train_set, tokenizer, args.sft_model_path,
+                                f"{args.preference_dataset} split {args.train_split!r}")
+    checks.check_query_response(train_set, tokenizer.pad_token_id,
+                                f"{args.preference_dataset} split {args.train_split!r}")
     if os.path.isdir(args.preference_dataset):
         available = set(load_from_disk(args.preference_dataset).keys())
     else:
@@ -688,20 +674,23 @@ def load_reward_data(args, tokenizer, accelerator):
         if split_name not in available:
             accelerator.print(f"evaluation split {split_name!r} is not in {args.preference_dataset}; skipped")
             continue
-        dataset = load_split(args.preference_dataset, split_name)
-        check_columns(dataset, eval_columns, f"{args.preference_dataset} split {split_name!r}")
-        check_data_tokenizer(dataset, tokenizer, args.sft_model_path, f"{args.preference_dataset} split {split_name!r}")
-        check_query_response(dataset, tokenizer.pad_token_id, f"{args.preference_dataset} split {split_name!r}")
+        dataset = checks.load_split(args.preference_dataset, split_name)
+        checks.check_columns(dataset, eval_columns, f"{args.preference_dataset} split {split_name!r}")
+        checks.check_data_tokenizer(dataset, tokenizer, args.sft_model_path,
+                                    f"{args.preference_dataset} split {split_name!r}")
+        checks.check_query_response(dataset, tokenizer.pad_token_id, f"{args.preference_dataset} split {split_name!r}")
         if args.num_eval_samples is not None:
             dataset = dataset.select(range(min(args.num_eval_samples, len(dataset))))
         eval_sets[split_name] = dataset
     if not eval_sets:
         raise RunError(f"none of {args.eval_splits} is in {args.preference_dataset}")
-    references = load_split(args.query_dataset, args.normalization_split)
-    check_columns(references, ["query_token", "reference_response_token", "query_reference_response_token"],
-                  f"{args.query_dataset} split {args.normalization_split!r}")
-    check_data_tokenizer(references, tokenizer, args.sft_model_path, f"{args.query_dataset} split {args.normalization_split!r}")
-    check_query_response(references, tokenizer.pad_token_id, f"{args.query_dataset} split {args.normalization_split!r}")
+    references = checks.load_split(args.query_dataset, args.normalization_split)
+    checks.check_columns(references, ["query_token", "reference_response_token", "query_reference_response_token"],
+                         f"{args.query_dataset} split {args.normalization_split!r}")
+    checks.check_data_tokenizer(references, tokenizer, args.sft_model_path,
+                                f"{args.query_dataset} split {args.normalization_split!r}")
+    checks.check_query_response(references, tokenizer.pad_token_id,
+                                f"{args.query_dataset} split {args.normalization_split!r}")
     if args.num_normalization_samples is not None:
         references = references.select(range(min(args.num_normalization_samples, len(references))))
     return train_set, eval_sets, references
@@ -724,7 +713,7 @@ def build_reward_model(args, tokenizer):
     model = AutoModelForSequenceClassification.from_pretrained(
         args.sft_model_path, num_labels=1, trust_remote_code=args.trust_remote_code, dtype=torch.float32
     )
-    check_finite(model, args.sft_model_path)
+    checks.check_finite(model, args.sft_model_path)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > model.config.vocab_size:
         model.resize_token_embeddings(len(tokenizer))
@@ -741,7 +730,8 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+        clipping = config.get("gradient_clipping", "auto")
+        config["gradient_clipping"] = 0.0 if clipping == "auto" else clipping
 
 
 # ---------------------------------------------------------------------------------------------

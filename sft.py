@@ -13,8 +13,9 @@ are `query + " " + reference summary + EOS`, right-padded with a [PAD] distinct 
 Evaluation (every --eval_every updates and after training): the validation loss, then one summary per query,
 sampled with exactly `response_length` tokens ([PAD] never; Detail 23) at --eval_temperature 0.01 and truncated
 after its first EOS; ROUGE-1/2/L against the reference, the EOS rate (share of samples that end inside the response
-length) and the mean response length. Sample tables go to runs/{run_name}/samples/step_N.csv and runs/{run_name}/samples.csv
-(judge.py reads them), metrics to TensorBoard, runs/{run_name}/metrics.jsonl and runs/{run_name}/summary.json.
+length) and the mean response length. Sample tables go to runs/{run_name}/samples/step_N.csv and
+runs/{run_name}/samples.csv (judge.py reads them), metrics to TensorBoard, runs/{run_name}/metrics.jsonl and
+runs/{run_name}/summary.json.
 
 Single process:         python sft.py --base_model ... --query_dataset ...
 Several GPU processes:  accelerate launch [--config_file zero2.yaml] sft.py ...
@@ -44,25 +45,10 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from rlhf_utils import models, records
-from rlhf_utils.flags import RunFlags  # the run's flags
-from rlhf_utils.run import (  # the run: folder, logs, checkpoints, resume, input checks
-    LastGoodState,
-    Run,
-    RunError,
-    check_columns,
-    check_data_tokenizer,
-    check_finite,
-    check_gradient_accumulation,
-    check_qlora_flags,
-    check_query_response,
-    due,
-    evaluation_rng,
-    leave_processes,
-    load_split,
-    start_processes,
-    synced_time,
-)
+from rlhf_utils import checks, models, records
+from rlhf_utils.checks import RunError
+from rlhf_utils.flags import RunFlags
+from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, start_processes, synced_time
 
 
 @dataclass
@@ -98,10 +84,9 @@ class Args:
 
     # ---- optimisation (Table 3 / Detail 9) ----
     loss_on: Literal["response", "sequence"] = "response"
-    """tokens that carry the next-token loss. `response` (our default, the trlX HH practice): the reference
-    summary and its EOS only (labels from query_reference_response_token_response_label), since the model is
-    only ever asked for responses. `sequence`: query and response (labels from query_reference_response_token),
-    what the reference implementation did. Pads never carry loss (Detail 3)."""
+    """tokens that carry the next-token loss. `response` (our default, the trlX HH practice): the reference summary
+    and its EOS only. `sequence`: query and response, what the reference implementation did. Pads never carry loss
+    (Detail 3) (docs/usage.md, "Flags in depth")"""
     num_train_epochs: int = 1
     """passes over the train split (Table 3: 1)"""
     total_episodes: Optional[int] = None
@@ -129,10 +114,8 @@ class Args:
     layer by layer at every decode step (as TRL's unwrap_model_for_generation does); the same samples either way.
     Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: the forward pass keeps
-    only each decoder layer's input and the backward pass reruns the layer, so activation memory falls to the layers'
-    inputs plus one layer's activations, for about one more forward pass; the loss and gradients are the same. Off by
-    default: the paper trained without it"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation memory
+    for about one more forward pass. Off by default: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # ---- memory: LoRA and QLoRA ----
     lora_rank: int = 0
@@ -157,8 +140,7 @@ class Args:
     """rows of the sample table printed to the console and logged to TensorBoard / W&B at each evaluation"""
 
     run: Annotated[RunFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=RunFlags)
-    """the run's name and folder, checkpoints and --resume, the lock, tracking and the hub (rlhf_utils/flags.py):
-    they decide no number"""
+    """the run's folder, checkpoints, --resume, lock, tracking and hub (rlhf_utils/flags.py): they decide no number"""
 
     # ---- derived at run time (not flags) ----
     world_size: tyro.conf.Suppress[Optional[int]] = None
@@ -186,7 +168,8 @@ def sft_batch_indices(num_rows: int, total_batch_size: int, local_micro_batch_si
         for update in range(updates_per_epoch):
             global_batch = permutation[update * total_batch_size : (update + 1) * total_batch_size]
             local_batch = global_batch[process_index * local_batch_size :][:local_batch_size]
-            yield [local_batch[i : i + local_micro_batch_size].tolist() for i in range(0, local_batch_size, local_micro_batch_size)]
+            yield [local_batch[i : i + local_micro_batch_size].tolist()
+                   for i in range(0, local_batch_size, local_micro_batch_size)]
 
 
 def sft_labels(label_tokens: torch.Tensor, pad_token_id: int) -> torch.Tensor:
@@ -346,7 +329,7 @@ def main(args: Args) -> dict:
     args.world_size = start_processes(args.run.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * args.world_size,
                              "total_batch_size / (local_micro_batch_size * world_size)")
-    check_gradient_accumulation(args, accumulation, args.world_size)
+    checks.check_gradient_accumulation(args, accumulation, args.world_size)
     args.gradient_accumulation_steps = accumulation  # recorded in args.json
     if args.bf16 is None:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -354,7 +337,7 @@ def main(args: Args) -> dict:
         gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else "no"
     )
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
-    check_qlora_flags(args, accelerator)
+    checks.check_qlora_flags(args, accelerator)
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(query_dataset=args.query_dataset, base_model=args.base_model)
 
@@ -396,7 +379,8 @@ def main(args: Args) -> dict:
     state = run.start({"update": 0, "train_tokens": 0, "train_time": 0.0, "last_loss": float("nan")},
                       num_updates=args.num_updates)
     start_update = state["update"]
-    if args.run.resume:  # accelerate's count of micro batches, in this run's: a checkpoint of more processes counts fewer
+    # accelerate's count of micro batches, in this run's: a checkpoint of more processes counts fewer
+    if args.run.resume:
         accelerator.step = start_update * args.gradient_accumulation_steps
 
     # ---------------- training: steps 1-4 ----------------
@@ -476,25 +460,28 @@ def load_sft_data(args, tokenizer, label_column: str):
     columns = list(dict.fromkeys(  # loss_on=sequence reads its labels from the input column itself
         ["query_reference_response_token", label_column, "query_token", "query_reference_response_token_len"]
     ))
-    train_dataset = load_split(args.query_dataset, args.train_split)
-    check_columns(train_dataset, columns, f"{args.query_dataset} split {args.train_split!r}")
+    train_dataset = checks.load_split(args.query_dataset, args.train_split)
+    checks.check_columns(train_dataset, columns, f"{args.query_dataset} split {args.train_split!r}")
     # the data must come from this tokenizer (its pad id also decides which labels are masked)
-    check_data_tokenizer(train_dataset, tokenizer, args.base_model, f"{args.query_dataset} split {args.train_split!r}")
-    check_query_response(train_dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {args.train_split!r}")
+    checks.check_data_tokenizer(train_dataset, tokenizer, args.base_model,
+                                f"{args.query_dataset} split {args.train_split!r}")
+    checks.check_query_response(train_dataset, tokenizer.pad_token_id,
+                                f"{args.query_dataset} split {args.train_split!r}")
     train_dataset = train_dataset.with_format("torch", columns=columns)
     eval_splits = [args.eval_split] + (["test"] if args.eval_test_split else [])
     eval_datasets = {}
     for split in eval_splits:
-        dataset = load_split(args.query_dataset, split)
-        check_columns(dataset, columns + ["reference_response"], f"{args.query_dataset} split {split!r}")
-        check_data_tokenizer(dataset, tokenizer, args.base_model, f"{args.query_dataset} split {split!r}")
-        check_query_response(dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {split!r}")
+        dataset = checks.load_split(args.query_dataset, split)
+        checks.check_columns(dataset, columns + ["reference_response"], f"{args.query_dataset} split {split!r}")
+        checks.check_data_tokenizer(dataset, tokenizer, args.base_model, f"{args.query_dataset} split {split!r}")
+        checks.check_query_response(dataset, tokenizer.pad_token_id, f"{args.query_dataset} split {split!r}")
         eval_datasets[split] = dataset.with_format("torch", columns=columns + ["reference_response"])
     first = train_dataset[0]
     data_response_length = first["query_reference_response_token"].numel() - first["query_token"].numel()
     if data_response_length != args.response_length:
         raise RunError(
-            f"--response_length {args.response_length} but {args.query_dataset} has responses of {data_response_length} tokens"
+            f"--response_length {args.response_length} but {args.query_dataset} has responses of "
+            f"{data_response_length} tokens"
         )
     return train_dataset, eval_datasets
 
@@ -508,7 +495,7 @@ def load_sft_model(args, tokenizer) -> torch.nn.Module:
         args.base_model, trust_remote_code=args.trust_remote_code, dtype=torch.float32,
         **quantized_loading(args, args.bf16),
     )
-    check_finite(model, args.base_model)
+    checks.check_finite(model, args.base_model)
     # the config's row count, not the weight's shape: ZeRO-3 partitions weights as they load
     if len(tokenizer) > model.config.vocab_size:
         model.resize_token_embeddings(len(tokenizer))
@@ -536,7 +523,8 @@ def configure_deepspeed(accelerator, micro_batch_size: int) -> None:
     config = getattr(accelerator.state.deepspeed_plugin, "deepspeed_config", None)
     if config is not None:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        config["gradient_clipping"] = 0.0 if config.get("gradient_clipping", "auto") == "auto" else config["gradient_clipping"]
+        clipping = config.get("gradient_clipping", "auto")
+        config["gradient_clipping"] = 0.0 if clipping == "auto" else clipping
 
 
 # ---------------------------------------------------------------------------------------------

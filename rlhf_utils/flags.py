@@ -1,26 +1,27 @@
-"""The flags of a run that decide no number, shared by every training script, and the PPO family's refusals.
+"""The flags of a run that decide no number, shared by the training scripts, and the refusals of flag combinations.
 
   RunFlags      one group of flags that every training script's Args takes in (`run: RunFlags`), shown in --help
                 as "run options" under their own flat names (--resume, --run_name; tyro.conf.OmitArgPrefixes): the
                 run's name and folder, its checkpoints and --resume, the lock, the process group's timeout,
                 tracking and the hub. args.json and a checkpoint's flags record them flat, as before the group
                 (rlhf_utils/run.py: flag_values), and every one is in FREE_FLAGS: a --resume may change it
-  check_flags   the PPO family's (ppo.py, rloo.py, grpo.py, reinforce_pp.py) flag combinations that cannot work,
-                refused before anything loads, and its --reward_fn function loaded
   EndpointFlags online_dpo.py's --endpoint.* flags of the judge's client (where and how a reply is fetched: URL,
                 concurrency, retries, backoff, timeout, rate-limit patience, the reply cache's file)
-  check_online_dpo_flags  online_dpo.py's flag combinations that cannot work, and --judge endpoint's API key
+  refusals      flag combinations that cannot work, refused before anything loads: check_flags (the PPO family:
+                ppo.py, rloo.py, grpo.py, reinforce_pp.py; it also loads the --reward_fn function),
+                check_online_dpo_flags (and --judge endpoint's API key), check_ilql_flags, check_offline_flags and
+                check_round_size (offline_rl.py)
 
 What it never does: hold a flag that changes a number a run computes. Each script keeps those in its own Args (the
 seed, every batch size, the models, sampling, the algorithm's group), beside its exp_name and output_dir, whose
-defaults are the script's own.
+defaults are the script's own; a refusal reads flags and raises, and changes none.
 """
 
 from dataclasses import dataclass
 from typing import Optional
 
+from rlhf_utils.checks import RunError, check_gradient_accumulation, check_qlora_flags
 from rlhf_utils.rewards import reward_fn_of
-from rlhf_utils.run import RunError, check_gradient_accumulation, check_qlora_flags
 
 
 @dataclass
@@ -50,7 +51,8 @@ class RunFlags:
     """--resume although a flag that decides numbers differs from the checkpoint's: the new value applies from the next
     update (a new --lr continues the schedule at the same step from the new base) and args.json records both"""
     take_over_lock: bool = False
-    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted container)"""
+    """take over runs/<run_name>/run.lock when its holder cannot be checked (another host, e.g. a restarted
+    container)"""
     process_group_timeout_min: float = 60.0
     """minutes a process waits in a collective (a barrier, a gather) for the others before the run stops with a
     timeout error (60: several times the longest lone wait of the main process; NCCL's and DeepSpeed's own: 10)"""
@@ -63,7 +65,8 @@ class RunFlags:
     push_to_hub: bool = False
     """upload the trained model and its tokenizer (--output_dir) to the Hugging Face hub"""
     hub_model_id: Optional[str] = None
-    """hub repository id for --push_to_hub; None -> the run name (offline_rl.py: {sft model}__{exp_name}__{method}__{seed})"""
+    """hub repository id for --push_to_hub; None -> the run name (offline_rl.py:
+    {sft model}__{exp_name}__{method}__{seed})"""
 
 
 def check_flags(args, accelerator, num_mini_batches: int, gradient_accumulation_steps: int, num_updates: int,
@@ -105,10 +108,9 @@ class EndpointFlags:
     """tries per request on 5xx, timeouts and connection errors (then the pair is invalid and dropped); a 429 uses up
     none (--endpoint.rate_limit_patience)"""
     rate_limit_patience: float = 600.0
-    """seconds a rate limit (HTTP 429) is waited out: the judge waits as the API asks (Retry-After,
-    x-ratelimit-reset-*), with fewer requests in flight, using up no --max_tries, and stops with one error once the API
-    has limited this long with no answer (the replies so far stay in the cache, a rerun asks the rest). 600: many times
-    a per-minute limit's window, yet a quota spent for the day stops the run in 10 minutes instead of hanging it"""
+    """seconds a rate limit (HTTP 429) is waited out, using up no --endpoint.max_tries, before the run stops with one
+    error. 600: many times a per-minute limit's window, yet a quota spent for the day stops the run in 10 minutes
+    instead of hanging it (docs/usage.md, "Flags in depth")"""
     backoff_base_s: float = 1.0
     """first retry waits about this long; each further retry doubles it (with jitter)"""
     backoff_max_s: float = 60.0
@@ -139,3 +141,51 @@ def check_online_dpo_flags(args) -> None:
         from rlhf_utils.judge_client import resolve_api_key  # the judge's client (it loads openai), for it alone
 
         resolve_api_key(args.endpoint.base_url)  # raises when OPENAI_API_KEY is unset; the key itself is not kept
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# offline_rl.py
+# ----------------------------------------------------------------------------------------------------------------------
+def check_offline_flags(args, gradient_accumulation_steps: int) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded. gradient_accumulation_steps: the value
+    the batch sizes give, total_batch_size / (local_micro_batch_size * world_size)."""
+    check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
+    if args.iterations < 1:
+        raise RunError(f"--iterations must be >= 1, got {args.iterations}")
+    if args.method != "best_of_n" and args.iterations != 1:
+        raise RunError("--iterations > 1 re-samples from the updated policy: only --method best_of_n does that")
+    if args.rwr_beta <= 0 or args.rwr_max_weight <= 0:
+        raise RunError("--rwr_beta and --rwr_max_weight must be positive")
+    if args.n < 1:
+        raise RunError(f"--n must be >= 1, got {args.n}")
+    target_percentile = [args.dt_target_percentile] if args.dt_target_percentile is not None else []
+    percentiles = list(args.dt_eval_percentiles) + target_percentile
+    if any(not 0 <= p <= 100 for p in percentiles):
+        raise RunError("--dt_eval_percentiles and --dt_target_percentile are percentiles in [0, 100], "
+                       f"got {percentiles}")
+
+
+def check_round_size(args, samples_per_round: int, episodes_per_round: int, updates_per_round: int,
+                     num_prompts: int) -> None:
+    """A round must fill at least one update batch (best-of-n: with prompts of the train split)."""
+    if args.method == "best_of_n" and samples_per_round > num_prompts:
+        raise RunError(f"--bon_num_prompts {samples_per_round} > {num_prompts} prompts in {args.train_split}")
+    if updates_per_round == 0:
+        raise RunError(f"{episodes_per_round} training samples do not fill one update of {args.total_batch_size}")
+    if samples_per_round < args.total_batch_size:
+        raise RunError(f"{samples_per_round} training samples are fewer than one batch of {args.total_batch_size}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# ilql.py
+# ----------------------------------------------------------------------------------------------------------------------
+def check_ilql_flags(args, gradient_accumulation_steps: int) -> None:
+    """Flag combinations that cannot work, refused before anything is loaded. gradient_accumulation_steps: the value
+    the batch sizes give, total_batch_size / (local_micro_batch_size x world_size)."""
+    check_gradient_accumulation(args, gradient_accumulation_steps, args.world_size)
+    if args.eval_temperature <= 0:
+        raise RunError(f"--eval_temperature must be positive, got {args.eval_temperature}")
+    if args.ilql.steps_for_target_q_sync < 1:
+        raise RunError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
+    if args.reward_source == "rm" and args.reward_model_path is None:
+        raise RunError("--reward_source rm needs --reward_model_path")

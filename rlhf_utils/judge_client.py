@@ -31,9 +31,9 @@ For online_dpo.py's --judge endpoint: endpoint_client_args (its flags as the cli
 (run_jobs with the cache file opened and closed around it), on_main_process (the main process asks, every process
 gets the answer or the same error).
 
-It decides no number a training script computes. It imports RunError from rlhf_utils/run.py (JudgeUnavailableError is an
-expected stop, printed as one paragraph); rlhf_utils/run.py imports nothing of it, so a training run that asks no judge
-never loads openai.
+It decides no number a training script computes. It imports RunError from rlhf_utils/checks.py (JudgeUnavailableError
+is an expected stop, printed as one paragraph); rlhf_utils/run.py imports nothing of it, and rlhf_utils/flags.py only
+inside check_online_dpo_flags for --judge endpoint, so a training run that asks no judge never loads openai.
 """
 
 import asyncio
@@ -56,7 +56,7 @@ import openai
 from openai import AsyncOpenAI
 from tqdm.auto import tqdm
 
-from rlhf_utils.run import RunError
+from rlhf_utils.checks import RunError
 
 # the API key sent to a loopback endpoint when OPENAI_API_KEY is unset (the gold judge checks no key)
 LOOPBACK_PLACEHOLDER_KEY = "sk-loopback-placeholder"

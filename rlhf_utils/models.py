@@ -4,7 +4,8 @@
               on the CPU (--offload) or in a DeepSpeed ZeRO-3 inference engine; placed_on, place_frozen_models and
               zero3_offloaded_init: the frozen models of the PPO family brought to the device for one phase, or
               built inside ZeRO-3 with their partitions in CPU memory; whole_parameters: ZeRO-3 slices gathered for
-              an in-place change; gathered_for_generation: the policy gathered once for a whole rollout
+              an in-place change; gathered_for_generation: the policy gathered once for a whole rollout or an
+              evaluation's samples
   memory      checkpointed: --gradient_checkpointing on a model that trains
   saving      save_pretrained_model (safetensors, ZeRO-3 shards gathered, a full disk named), save_policy (the PPO
               family's policy out of its wrapper), merged_policy (a LoRA policy written as the plain model it
@@ -187,7 +188,7 @@ def save_pretrained_model(accelerator, wrapped, model, tokenizer, output_dir: st
 
 
 def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
-    """The policy (safetensors) and the tokenizer in `path` (run_infra's save_pretrained_model: ZeRO-3 shards
+    """The policy (safetensors) and the tokenizer in `path` (save_pretrained_model: ZeRO-3 shards
     gathered, a full disk named); with LoRA the plain float32 model it computes (merged_policy: every adapter folded
     into its base layer, a 4-bit base dequantized first)."""
     policy = accelerator.unwrap_model(model).policy

@@ -136,7 +136,8 @@ def write_evaluation(run, args, update: int, final: bool, report: tuple, sampled
         print(breakdown_markdown(table_rows))
     if args.print_sample_every > 0 and (final or update % args.print_sample_every == 0):
         for row in samples.head(2).itertuples():
-            print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\nREFERENCE: {row.reference}")
+            print(f"--- update {update}\nQUERY: {row.query[-200:]}\nRESPONSE: {row.response}\n"
+                  f"REFERENCE: {row.reference}")
     return metrics
 
 

@@ -1,6 +1,6 @@
 """The user's reward function (--reward_fn path.py:function of ppo.py, rloo.py, grpo.py, reinforce_pp.py and
-online_dpo.py): loaded from its file, and its answers checked. Like rlhf_utils/run.py, whose RunError it raises, it
-decides no number: each script calls the function itself and turns its answers into its reward tensor
+online_dpo.py): loaded from its file, and its answers checked. Like rlhf_utils/checks.py, whose RunError it raises,
+it decides no number: each script calls the function itself and turns its answers into its reward tensor
 (function_scores, the same copy in each).
 
   load_reward_fn(spec)    the function, run from its file when the run starts, before any model loads: a missing file
@@ -15,8 +15,10 @@ The function is `fn(queries, responses, **columns) -> one float per response`: t
 (lists of str) and, by name, each other column of the prompt rows (a list with one entry per response). Each process
 calls it on its own rows. docs/usage.md, "Write your own reward", has an example.
 
-A module of its own, as rlhf_utils/judge_client.py is: only the scripts that take --reward_fn import it, and rlhf_utils/run.py
-imports none of it.
+A module of its own, as rlhf_utils/judge_client.py is: the scripts that take --reward_fn import it (rlhf_utils/flags.py
+too, for check_flags' reward_fn_of, so every script loads it; it needs only the standard library and RunError), and
+rlhf_utils/run.py imports none of it. What it never does: turn an answer into a reward; the scripts' copies of
+function_scores do, and a check here only reads the answers and raises.
 """
 
 import contextlib
@@ -27,7 +29,7 @@ import sys
 import traceback
 from typing import Callable, Optional
 
-from rlhf_utils.run import RunError
+from rlhf_utils.checks import RunError
 
 HOW = ("it must return one finite number per response, in their order (docs/usage.md, \"Write your own reward\": "
        "fn(queries, responses, **columns) -> list of floats)")
@@ -65,8 +67,9 @@ def reward_fn_of(args) -> Optional[Callable]:
         raise RunError("no reward: pass --reward_model_path (one or more reward models), --reward_fn path.py:function, "
                        "or both")
     if args.reward_weights is not None and (args.reward_combine != "sum" or len(args.reward_weights) != scorers):
-        raise RunError(f"--reward_weights needs --reward_combine sum and one weight per scorer, each --reward_model_path "
-                       f"then --reward_fn ({scorers}), got {args.reward_weights} with {args.reward_combine}")
+        raise RunError("--reward_weights needs --reward_combine sum and one weight per scorer, each "
+                       f"--reward_model_path then --reward_fn ({scorers}), got {args.reward_weights} with "
+                       f"{args.reward_combine}")
     return reward_fn
 
 

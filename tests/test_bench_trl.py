@@ -294,7 +294,7 @@ def test_shapes_are_pythias_configurations():
 def test_random_rows_follow_the_prepared_schema():
     from datasets import Dataset
 
-    from rlhf_utils.run import check_columns, check_query_response
+    from rlhf_utils.checks import check_columns, check_query_response
 
     vocab, q, r = 512, 24, 8
     pad, eos = vocab - 1, 0

@@ -498,6 +498,7 @@ def test_a_byte_identical_re_prepare_is_the_same_input_and_other_lengths_are_not
     content_digest): preparing again with the same flags writes the same bytes, so a resume on it goes on; another
     --query_length is other data, which a resume refuses. The prepared splits also pass the shared check that every
     response starts where its query ends (check_query_response)."""
+    from rlhf_utils import checks
     from rlhf_utils import run as run_module
 
     kw = dict(sft_data=os.path.join(FIXTURES, "tldr_sft"), preference_data=os.path.join(FIXTURES, "tldr_comparisons"),
@@ -512,7 +513,7 @@ def test_a_byte_identical_re_prepare_is_the_same_input_and_other_lengths_are_not
     for root in (folders[0], synthetic_task["root"]):
         for data in ("sft", "preference"):
             for split, dataset in load_from_disk(os.path.join(root, data)).items():
-                run_module.check_query_response(dataset, pad, f"{root}/{data} split {split!r}")  # no false alarm
+                checks.check_query_response(dataset, pad, f"{root}/{data} split {split!r}")  # no false alarm
 
 
 # ---------------------------------------------------------------- damaged local source files: path:line, nothing saved
@@ -553,7 +554,7 @@ def test_a_damaged_local_jsonl_names_file_and_line_and_saves_nothing(tmp_path, s
 def test_a_damaged_prepared_split_is_one_error_naming_its_folder_and_the_fix(tmp_path, synthetic_task, damage):
     import shutil
 
-    from rlhf_utils.run import RunError, load_split  # every script's one load_split
+    from rlhf_utils.checks import RunError, load_split  # every script's one load_split
 
     data = tmp_path / "sft"
     shutil.copytree(synthetic_task["sft"], data)

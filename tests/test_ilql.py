@@ -20,7 +20,8 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import GenerationConfig, GPTNeoXConfig, GPTNeoXForCausalLM
 
-from rlhf_utils import run as run_module
+from rlhf_utils import checks  # noqa: E402  (the input checks the scripts import)
+from rlhf_utils import flags as flags_module  # noqa: E402  (the scripts' refusals of flags)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_COLUMNS = ["query", "response", "reference", "score", "response_token_len", "has_eos"]
@@ -521,7 +522,7 @@ def test_a_response_that_does_not_start_at_query_token_len_is_one_clear_error(sy
 
     pad = AutoTokenizer.from_pretrained(synthetic_task["base_model"]).pad_token_id
     pairs = load_from_disk(synthetic_task["preference"])["train"].select(range(16))
-    run_module.check_response_starts(pairs, pad, "pairs")  # the prepared data agrees
+    checks.check_response_starts(pairs, pad, "pairs")  # the prepared data agrees
 
     # row 11's query_token_len one too large: the response's first token would be read as part of the query
     shifted = pairs.map(lambda row, i: {"query_token_len": row["query_token_len"] + (i == 11)}, with_indices=True)
@@ -529,7 +530,7 @@ def test_a_response_that_does_not_start_at_query_token_len_is_one_clear_error(sy
     with pytest.raises(ValueError, match=rf"^pairs row 11 \(chosen\): query_token_len is {query_length + 1} but "
                                          rf"'query_chosen_token_response_label' has its first response token at "
                                          rf"index {query_length}; .*data/prepare.py"):
-        run_module.check_response_starts(shifted, pad, "pairs")
+        checks.check_response_starts(shifted, pad, "pairs")
 
     # a [PAD] inside row 6's rejected response: the label mask is no longer one run from query_token_len
     column = "query_rejected_token_response_label"
@@ -542,7 +543,7 @@ def test_a_response_that_does_not_start_at_query_token_len_is_one_clear_error(sy
         return row
 
     with pytest.raises(ValueError, match=r"^pairs row 6 \(rejected\): .*\[PAD\] gaps inside the response"):
-        run_module.check_response_starts(pairs.map(gap, with_indices=True), pad, "pairs")
+        checks.check_response_starts(pairs.map(gap, with_indices=True), pad, "pairs")
 
     # in a run: refused at the data checks, before the output folder is claimed
     broken = str(tmp_path / "preference_shifted")
@@ -559,8 +560,8 @@ def test_gradient_accumulation_steps_is_checked_against_the_batch_sizes():
     args = ilql.Args(total_batch_size=16, local_micro_batch_size=4, gradient_accumulation_steps=2)
     args.world_size = 1
     with pytest.raises(ValueError, match=r"--gradient_accumulation_steps 2 does not match .* = 4"):
-        run_module.check_ilql_flags(args, 4)
+        flags_module.check_ilql_flags(args, 4)
     args.gradient_accumulation_steps = 4
-    run_module.check_ilql_flags(args, 4)  # the value the batch sizes give is accepted, as is None (derived)
+    flags_module.check_ilql_flags(args, 4)  # the value the batch sizes give is accepted, as is None (derived)
     args.gradient_accumulation_steps = None
-    run_module.check_ilql_flags(args, 4)
+    flags_module.check_ilql_flags(args, 4)

@@ -26,8 +26,8 @@ from data import gold_judge_server as gjs  # noqa: E402
 from data.synthetic import gold_prefer, make_post, policy_summary, reference_summary  # noqa: E402
 
 judge = load_script("judge")
-from rlhf_utils import judge_client  # noqa: E402  (the judge's HTTP client judge.py imports)
-from rlhf_utils import run as run_module  # noqa: E402  (the run infrastructure the scripts import)
+# the input checks and expected errors the scripts import, and the judge's HTTP client judge.py imports
+from rlhf_utils import checks, judge_client  # noqa: E402
 
 POLICIES = ["good", "drop", "short", "filler", "runon", "invent", "title", "ref"]
 
@@ -883,7 +883,7 @@ def test_agreement_mode_matches_hand_computation(tmp_path, synthetic_task):
                                         local_micro_batch_size=5))
         asked = server.request_count
     pairs = pd.read_csv(tmp_path / "out" / "agreement_pairs.csv", keep_default_na=False)
-    ds = run_module.load_split(synthetic_task["preference"], "validation").select(range(16))
+    ds = checks.load_split(synthetic_task["preference"], "validation").select(range(16))
     # by hand: the gold verdict and the RM's scores, one pair at a time, unbatched. A score is the score head's
     # output at the row's last real token (its EOS: rows are query + response + EOS, right-padded), here through the
     # model's own forward on the row without its padding, so no mask, position or index of judge.py's is involved
@@ -927,7 +927,7 @@ def test_a_reward_model_with_a_nan_weight_is_refused_before_any_request(tmp_path
     rm.save_pretrained(rm_path)
     AutoTokenizer.from_pretrained(synthetic_task["base_model"]).save_pretrained(rm_path)
     with gjs.serve_in_thread() as server:
-        with pytest.raises(run_module.NonFiniteError, match="^" + re.escape(
+        with pytest.raises(checks.NonFiniteError, match="^" + re.escape(
                 f"{rm_path / 'model.safetensors'} holds non-finite weights: score.weight has 1 NaN or inf values")):
             judge.main(judge_args(tmp_path, server, mode="agreement", reward_model_path=str(rm_path),
                                   preference_dataset=synthetic_task["preference"], num_samples=4))

@@ -9,11 +9,10 @@ with a docstring that says what it holds and what it never does. The top level h
 tools/, docs/, the pipeline's entry points and rlhf_utils/, and nothing else in Python.
 
 Targets, in lines of code (issue 49: count code, not comments; tools/code_lines.py says what a line of code is:
-comments, docstrings and blank lines do not count, and this file measures with it): every training script <= 950
-(online_dpo.py <= 1,050); every `main` <= 100 (its docstring not counted); the forks' code diffs (`diff` of the two
-files reduced to their lines of code, the lines starting with < or >): ppo.py->rloo.py <= 160, rloo.py->grpo.py <=
-150, rloo.py->reinforce_pp.py <= 110, dpo.py->kto.py <= 280, dpo.py->online_dpo.py <= 470; no top-level definition
-that its script never uses. Only the scripts have a size cap: no module outside them has one (issue 62).
+comments, docstrings and blank lines do not count, and this file measures with it): each training script, each
+`main` (its docstring not counted) and each fork's code diff (`diff` of the two files reduced to their lines of code,
+the lines starting with < or >) within its cap below, set at least 15% above its size when issue 62 ended; no
+top-level definition that its script never uses. Only the scripts have a size cap: no module outside them has one (issue 62).
 
 The command lines: every script's --help flags are the committed list tests/help_flags.json (tools/help_flags.py
 writes it), and --help shows the run's flags as their own group with flat names, spelled with underscores.
@@ -57,10 +56,30 @@ from help_flags import HELP_FLAGS_FILE, script_flags  # noqa: E402
 SCRIPTS = training_scripts()
 BANNER = "TRY NOT TO MODIFY"
 # the targets, in lines of code (tools/code_lines.py); only the scripts have one
-MAX_CODE_LINES, MAX_CODE_LINES_OF = 950, {"online_dpo.py": 1050}
-MAX_MAIN_CODE_LINES = 100
-MAX_CODE_DIFF = {("ppo.py", "rloo.py"): 160, ("rloo.py", "grpo.py"): 150, ("rloo.py", "reinforce_pp.py"): 110,
-                 ("dpo.py", "kto.py"): 280, ("dpo.py", "online_dpo.py"): 470}
+# issue 62: each cap at least 15% above the size the issue ended at (rounded up to ten); a fork the list does not
+# name has MAX_CODE_LINES. A feature that needs more raises its cap in its own commit, with the size and why.
+MAX_CODE_LINES = 910  # ppo.py's cap
+MAX_CODE_LINES_OF = {
+    "sft.py": 480,  # 411
+    "reward.py": 630,  # 544
+    "ppo.py": 910,  # 786
+    "rloo.py": 820,  # 705
+    "grpo.py": 900,  # 777
+    "reinforce_pp.py": 850,  # 735
+    "dpo.py": 710,  # 616
+    "kto.py": 730,  # 628
+    "online_dpo.py": 1020,  # 882
+    "ilql.py": 720,  # 619
+    "offline_rl.py": 860,  # 742
+}
+MAX_MAIN_CODE_LINES = 120  # the longest main: 103
+MAX_CODE_DIFF = {
+    ("ppo.py", "rloo.py"): 190,  # 161
+    ("rloo.py", "grpo.py"): 190,  # 158
+    ("rloo.py", "reinforce_pp.py"): 100,  # 80
+    ("dpo.py", "kto.py"): 320,  # 278
+    ("dpo.py", "online_dpo.py"): 520,  # 444
+}
 DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
@@ -249,12 +268,13 @@ def test_every_copy_sits_on_the_same_side_of_main():
 
 
 def test_judge_keeps_its_place():
-    """judge.py imports the run module and its HTTP client's module (rlhf_utils/judge_client.py); that it redefines
-    nothing of either: test_what_decides_no_number_lives_once_in_the_package; that the run module imports nothing of
-    the judge's client: tests/test_shared_helpers.py."""
+    """judge.py imports the input checks (rlhf_utils/checks.py: RunError, load_split, the tokenizer check) and its
+    HTTP client's module (rlhf_utils/judge_client.py); it trains nothing, so it needs no run folder of the run
+    module's. That it redefines nothing of either: test_what_decides_no_number_lives_once_in_the_package; that the
+    run module imports nothing of the judge's client: tests/test_shared_helpers.py."""
     assert os.path.exists(module_path(JUDGE_CLIENT)), \
         f"the judge's HTTP client lives in {JUDGE_CLIENT}, which is missing"
-    missing = sorted({RUN_MODULE, JUDGE_CLIENT} - repository_imports(parsed("judge.py")[1]))
+    missing = sorted({"rlhf_utils.checks", JUDGE_CLIENT} - repository_imports(parsed("judge.py")[1]))
     assert not missing, f"judge.py does not import {missing}"
 
 
@@ -277,7 +297,7 @@ def test_every_training_script_and_its_main_stay_within_their_size():
 
 
 def test_every_script_imports_the_run_module():
-    missing = [s for s in sharing_scripts() if not imports_run_module(parsed(s)[1])]
+    missing = [s for s in SCRIPTS if not imports_run_module(parsed(s)[1])]
     assert not missing, f"{missing} do not import {RUN_MODULE}"
 
 

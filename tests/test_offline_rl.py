@@ -20,6 +20,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPTN
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 offline_rl = load_script("offline_rl")
+from rlhf_utils import flags as flags_module  # noqa: E402  (the scripts' refusals of flags)
 from rlhf_utils import run as run_module  # noqa: E402  (the run infrastructure the scripts import)
 
 PAD, EOS, VOCAB = 1, 0, 32
@@ -186,11 +187,11 @@ def test_gradient_accumulation_steps_is_checked_against_the_batch_sizes():
     args = offline_rl.Args(total_batch_size=16, local_micro_batch_size=4, gradient_accumulation_steps=2)
     args.world_size = 1
     with pytest.raises(ValueError, match=r"--gradient_accumulation_steps 2 does not match .* = 4"):
-        run_module.check_offline_flags(args, 4)
+        flags_module.check_offline_flags(args, 4)
     args.gradient_accumulation_steps = 4
-    run_module.check_offline_flags(args, 4)  # the value the batch sizes give is accepted, as is None (derived)
+    flags_module.check_offline_flags(args, 4)  # the value the batch sizes give is accepted, as is None (derived)
     args.gradient_accumulation_steps = None
-    run_module.check_offline_flags(args, 4)
+    flags_module.check_offline_flags(args, 4)
 
 
 def test_dt_reward_prompt_format():

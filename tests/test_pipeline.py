@@ -398,7 +398,7 @@ def test_a_stage_finished_with_another_command_is_refused_unless_forced(tmp_path
     another command stops the pipeline naming the flags; --threads is not part of a command."""
     sys.path.insert(0, REPO_ROOT)
     import pipeline
-    from rlhf_utils.run import RunError
+    from rlhf_utils.checks import RunError
 
     ran = []
     first = pipeline.Pipeline(pipeline.Args(out=str(tmp_path), seed=1))
@@ -495,7 +495,7 @@ def test_the_leaderboard_interval_is_the_t_interval_of_the_seeds():
 def test_an_extra_fork_takes_its_stage_command_under_its_own_name(tmp_path):
     sys.path.insert(0, REPO_ROOT)
     import pipeline
-    from rlhf_utils.run import RunError
+    from rlhf_utils.checks import RunError
 
     fork = tmp_path / "my_grpo.py"
     fork.write_text("")
@@ -574,7 +574,7 @@ def test_an_extra_fork_is_checked_against_the_stages_of_its_mode(tmp_path):
     be one the mode runs, and make a policy."""
     sys.path.insert(0, REPO_ROOT)
     import pipeline
-    from rlhf_utils.run import RunError
+    from rlhf_utils.checks import RunError
 
     fork = tmp_path / "my_fork.py"
     fork.write_text("")

@@ -22,8 +22,7 @@ from conftest import ENV, free_port, load_script, run_ok, tiny_causal_lm, traini
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from rlhf_utils import models
-from rlhf_utils import run as run_module  # the run infrastructure the scripts import
+from rlhf_utils import checks, models
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, EOS = 1, 2
@@ -218,13 +217,13 @@ def fake_accelerator(zero_stage):
 def test_check_qlora_flags():
     for zero_stage in (None, 2, 3):
         # off: nothing to check
-        run_module.check_qlora_flags(qlora_args(load_in_4bit=False), fake_accelerator(zero_stage))
+        checks.check_qlora_flags(qlora_args(load_in_4bit=False), fake_accelerator(zero_stage))
     # ZeRO-2 keeps the 4-bit base whole on every process
-    run_module.check_qlora_flags(qlora_args(), fake_accelerator(2))
+    checks.check_qlora_flags(qlora_args(), fake_accelerator(2))
     with pytest.raises(ValueError, match=r"--load_in_4bit \(QLoRA\) .* needs --lora_rank > 0"):
-        run_module.check_qlora_flags(qlora_args(lora_rank=0), fake_accelerator(None))
+        checks.check_qlora_flags(qlora_args(lora_rank=0), fake_accelerator(None))
     with pytest.raises(ValueError, match="cannot run under DeepSpeed ZeRO-3, .* Use zero2.yaml"):
-        run_module.check_qlora_flags(qlora_args(), fake_accelerator(3))
+        checks.check_qlora_flags(qlora_args(), fake_accelerator(3))
 
 
 def has_lora_flags(script: str) -> bool:

@@ -21,7 +21,7 @@ PAD, EOS = 1, 0
 
 reward = load_script("reward")
 from rlhf_utils import records  # noqa: E402  (the evaluation files reward.py writes)
-from rlhf_utils import run as run_module  # noqa: E402  (the run infrastructure the scripts import)
+from rlhf_utils import checks  # noqa: E402  (the input checks the scripts import)
 
 
 def tiny_rm(hidden_size: int = 32, seed: int = 0):
@@ -506,15 +506,15 @@ def test_the_fingerprint_in_the_data_is_compared_with_the_model_tokenizer(synthe
     for name in ("sft", "preference"):
         for split, data in load_from_disk(synthetic_task[name]).items():
             record = json.loads(data.info.description)["tokenizer"]
-            assert record == {"name_or_path": base, **run_module.tokenizer_fingerprint(tokenizer)}
-            run_module.check_data_tokenizer(data, tokenizer, base, f"{name}/{split}")  # its own tokenizer: no error
+            assert record == {"name_or_path": base, **checks.tokenizer_fingerprint(tokenizer)}
+            checks.check_data_tokenizer(data, tokenizer, base, f"{name}/{split}")  # its own tokenizer: no error
     data = load_from_disk(synthetic_task["preference"])["train"]
     for change, expected in [({"pad_token_id": 0}, "pad_token_id 0 vs 1 (data vs model)"),
                              ({"vocab_sha256": "0" * 64}, "same size, other tokens (data vs model)")]:
         data.info.description = json.dumps({"tokenizer": {**record, **change}})
         with pytest.raises(ValueError, match="^" + re.escape(f"pref was tokenized by the tokenizer of {base}, not by "
                                                              f"the one of {base}: {expected}")):
-            run_module.check_data_tokenizer(data, tokenizer, base, "pref")
+            checks.check_data_tokenizer(data, tokenizer, base, "pref")
 
 
 def test_data_without_a_fingerprint_is_checked_by_its_ids(synthetic_task):
@@ -529,7 +529,7 @@ def test_data_without_a_fingerprint_is_checked_by_its_ids(synthetic_task):
     for name in ("sft", "preference"):
         for split, data in load_from_disk(synthetic_task[name]).items():
             data.info.description = ""
-            run_module.check_data_tokenizer(data, tokenizer, base, f"{name}/{split}")  # no false alarm
+            checks.check_data_tokenizer(data, tokenizer, base, f"{name}/{split}")  # no false alarm
     data = load_from_disk(synthetic_task["preference"])["train"].select(range(16))
     data.info.description = ""
 
@@ -542,15 +542,15 @@ def test_data_without_a_fingerprint_is_checked_by_its_ids(synthetic_task):
                                if i == 2 else r["query_chosen_token"])
     with pytest.raises(ValueError, match=re.escape(f"pref: 'query_chosen_token' holds the token id {vocab_size + 100}, "
                                                    f"but the tokenizer of {base} has {vocab_size} tokens")):
-        run_module.check_data_tokenizer(past_the_vocabulary, tokenizer, base, "pref")
+        checks.check_data_tokenizer(past_the_vocabulary, tokenizer, base, "pref")
     row = next(i for i in range(16) if data[i]["query_chosen_token_len"] < len(data[i]["query_chosen_token"]))
     other_pad = edit("query_chosen_token", lambda r, i: r["query_chosen_token"][: r["query_chosen_token_len"]]
                      + [5] * (len(r["query_chosen_token"]) - r["query_chosen_token_len"]) if i == row else r["query_chosen_token"])
     with pytest.raises(ValueError, match=re.escape(f"pref row {row}: 'query_chosen_token' is padded with the id 5, but "
                                                    f"the tokenizer of {base} pads with {tokenizer.pad_token_id}")):
-        run_module.check_data_tokenizer(other_pad, tokenizer, base, "pref")
+        checks.check_data_tokenizer(other_pad, tokenizer, base, "pref")
     other_eos = edit("chosen_token", lambda r, i: r["chosen_token"][: r["chosen_token_len"] - 1] + [7]
                      + r["chosen_token"][r["chosen_token_len"]:])
     with pytest.raises(ValueError, match=re.escape(f"pref: no response in the first 16 rows of 'chosen_token' ends with "
                                                    f"the EOS id {tokenizer.eos_token_id} of the tokenizer of {base}")):
-        run_module.check_data_tokenizer(other_eos, tokenizer, base, "pref")
+        checks.check_data_tokenizer(other_eos, tokenizer, base, "pref")

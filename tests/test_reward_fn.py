@@ -23,9 +23,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from data.synthetic import gold_breakdown, key_fact_share  # noqa: E402
+from rlhf_utils.checks import RunError, load_split  # noqa: E402
 from rlhf_utils.flags import RunFlags  # noqa: E402
 from rlhf_utils.rewards import load_reward_fn  # noqa: E402
-from rlhf_utils.run import RunError, load_split  # noqa: E402
 
 grpo = load_script("grpo")
 RULE = "data/synthetic.py:key_fact_share"

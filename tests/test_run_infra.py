@@ -1,8 +1,8 @@
-"""rlhf_utils/run.py's own pieces, in one process and cheap (a 4 x 4 layer, a tiny dataset): the expected-error hook,
-the lock, the inputs' content hashes on --resume, the finite checks at load and before a checkpoint, a full disk (a
-real small tmpfs; skipped, with the reason, where mounting is refused; the final model's save is
-rlhf_utils/models.py's) and the query/response check of token columns. The training scripts meet the same code end to
-end in tests/test_run.py."""
+"""rlhf_utils/run.py's own pieces, in one process and cheap (a 4 x 4 layer, a tiny dataset), and the checks of
+rlhf_utils/checks.py it relies on: the expected-error hook, the lock, the inputs' content hashes on --resume, the
+finite checks at load and before a checkpoint, a full disk (a real small tmpfs; skipped, with the reason, where
+mounting is refused; the final model's save is rlhf_utils/models.py's) and the query/response check of token columns.
+The training scripts meet the same code end to end in tests/test_run.py."""
 
 import json
 import os
@@ -17,10 +17,11 @@ import torch
 from accelerate import Accelerator
 from datasets import Dataset, DatasetInfo
 
-from rlhf_utils import models
+from rlhf_utils import checks, models
 from rlhf_utils import run as run_module
+from rlhf_utils.checks import NonFiniteError, RunError
 from rlhf_utils.flags import RunFlags
-from rlhf_utils.run import NonFiniteError, Run, RunError
+from rlhf_utils.run import Run
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,8 +63,8 @@ def step(model, optimizer) -> None:
 def test_an_expected_error_is_one_paragraph_from_rank_0_and_a_failed_exit(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(f"import sys\nsys.path.insert(0, {REPO_ROOT!r})\n"
-                      "from rlhf_utils import run as run_module\n"
-                      "raise (run_module.RunError if sys.argv[1] == 'expected' else KeyError)('bad flag: --x 3')\n")
+                      "from rlhf_utils import checks\n"
+                      "raise (checks.RunError if sys.argv[1] == 'expected' else KeyError)('bad flag: --x 3')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     ran = {(kind, rank): subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, timeout=120,
@@ -319,12 +320,12 @@ def test_a_loaded_model_with_a_non_finite_weight_is_refused_naming_file_and_tens
     from conftest import tiny_causal_lm
 
     model = tiny_causal_lm()
-    run_module.check_finite(model, "any/path")  # finite: nothing to say
+    checks.check_finite(model, "any/path")  # finite: nothing to say
     with torch.no_grad():
         model.gpt_neox.layers[1].mlp.dense_h_to_4h.weight[3, 5] = float("nan")
     model.save_pretrained(tmp_path / "diverged")
     with pytest.raises(NonFiniteError) as refused:
-        run_module.check_finite(model, str(tmp_path / "diverged"))
+        checks.check_finite(model, str(tmp_path / "diverged"))
     assert str(refused.value).startswith(f"{tmp_path / 'diverged' / 'model.safetensors'} holds non-finite weights: "
                                          "gpt_neox.layers.1.mlp.dense_h_to_4h.weight has 1 NaN or inf values of 2048")
 
@@ -386,17 +387,17 @@ def query_response_data(prepared: bool, shift_row: Optional[int] = None, shift_l
 
 def test_a_token_column_shifted_by_one_is_refused_naming_the_row():
     for prepared in (True, False):
-        run_module.check_query_response(query_response_data(prepared), PAD, "data split 'train'")  # intact: no error
+        checks.check_query_response(query_response_data(prepared), PAD, "data split 'train'")  # intact: no error
     with pytest.raises(RunError) as shifted:
-        run_module.check_query_response(query_response_data(True, shift_row=1), PAD, "data split 'train'")
+        checks.check_query_response(query_response_data(True, shift_row=1), PAD, "data split 'train'")
     assert str(shifted.value) == (
         "data split 'train' row 1: the response in 'query_chosen_token' does not start where the query ends: its first "
         "tokens are not the row's query_token; prepare the data again with data/prepare.py")
     with pytest.raises(RunError, match=r"^data split 'train' row 2: .* 'query_chosen_token_response_label' is not it "
                                        r"with the query masked by \[PAD\] \(0\)"):
-        run_module.check_query_response(query_response_data(False, shift_row=2), PAD, "data split 'train'")
+        checks.check_query_response(query_response_data(False, shift_row=2), PAD, "data split 'train'")
     with pytest.raises(RunError, match=r"row 1: .*'query_chosen_token_response_label' is not it"):
-        run_module.check_query_response(query_response_data(True, shift_labels=True), PAD, "data split 'train'")
+        checks.check_query_response(query_response_data(True, shift_labels=True), PAD, "data split 'train'")
 
 
 # ---------------------------------------------------------------- --resume with other number-deciding flags

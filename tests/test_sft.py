@@ -25,7 +25,7 @@ PAD, EOS = 1, 2
 
 
 sft = load_script("sft")
-from rlhf_utils import run as run_module  # noqa: E402  (the run infrastructure the scripts import)
+from rlhf_utils import checks  # noqa: E402  (the input checks the scripts import)
 
 
 
@@ -133,13 +133,13 @@ def test_gradient_accumulation_flag_is_checked_against_the_batch_sizes():
     """--gradient_accumulation_steps checks the batch arithmetic and never overrides it: None takes the derived
     value, the same value passes, another one is refused with the arithmetic that gives the right one."""
     args = SimpleNamespace(gradient_accumulation_steps=None, total_batch_size=128, local_micro_batch_size=16)
-    run_module.check_gradient_accumulation(args, 4, 2)
+    checks.check_gradient_accumulation(args, 4, 2)
     args.gradient_accumulation_steps = 4
-    run_module.check_gradient_accumulation(args, 4, 2)
+    checks.check_gradient_accumulation(args, 4, 2)
     args.gradient_accumulation_steps = 8
     with pytest.raises(ValueError, match=re.escape("--gradient_accumulation_steps 8 does not match total_batch_size "
                                                    "128 / (2 processes x 1 minibatches x 16 micro batch) = 4")):
-        run_module.check_gradient_accumulation(args, 4, 2)
+        checks.check_gradient_accumulation(args, 4, 2)
 
 
 def test_count_updates_uses_full_batches_only():

@@ -37,9 +37,10 @@ OTHER_SHARING_SCRIPTS = ["judge.py"]
 # The package of what decides no number (issue 62), beside the scripts as CleanRL keeps cleanrl_utils/.
 PACKAGE = "rlhf_utils"
 # The package's modules every script may import: the run (RUN_MODULE, rlhf_utils/run.py: run folder, checkpoints,
-# resume, logs, input checks), models (placement and saving), records (summaries, sample tables, evaluation files)
-# and flags (RunFlags, check_flags).
-SCRIPT_MODULES = {RUN_MODULE, f"{PACKAGE}.models", f"{PACKAGE}.records", f"{PACKAGE}.flags"}
+# resume, logs), checks (CHECKS, rlhf_utils/checks.py: expected errors and input checks), models (placement and
+# saving), records (summaries, sample tables, evaluation files) and flags (RunFlags and the refusals of flags).
+CHECKS = f"{PACKAGE}.checks"
+SCRIPT_MODULES = {RUN_MODULE, CHECKS, f"{PACKAGE}.models", f"{PACKAGE}.records", f"{PACKAGE}.flags"}
 # The judge's HTTP client (rlhf_utils/judge_client.py): a module of its own, imported by the scripts that call a judge.
 JUDGE_CLIENT = f"{PACKAGE}.judge_client"
 JUDGE_CLIENT_USERS = {"judge.py", "online_dpo.py"}
@@ -331,15 +332,15 @@ def takes_reward_fn(script: str) -> bool:
 
 
 def test_data_preparation_has_its_own_copy_of_the_tokenizer_fingerprint():
-    """data/prepare.py writes the tokenizer fingerprint that rlhf_utils/run.py's check_data_tokenizer compares with
+    """data/prepare.py writes the tokenizer fingerprint that rlhf_utils/checks.py's check_data_tokenizer compares with
     the model's: it keeps its own copy, the same code as the run module's (compared as the other copies are), and
     imports neither rlhf_utils nor any script (data preparation knows no trainer)."""
     prepare = open(os.path.join(REPO_ROOT, "data", "prepare.py")).read()
     ours = top_level_code(prepare).get("tokenizer_fingerprint")
     assert ours is not None, "data/prepare.py should define tokenizer_fingerprint itself"
-    theirs = top_level_code(open(module_path(RUN_MODULE)).read()).get("tokenizer_fingerprint")
-    assert theirs is not None, f"{RUN_MODULE} should define tokenizer_fingerprint"
-    assert ours == theirs, f"data/prepare.py's tokenizer_fingerprint differs in code from {RUN_MODULE}'s"
+    theirs = top_level_code(open(module_path(CHECKS)).read()).get("tokenizer_fingerprint")
+    assert theirs is not None, f"{CHECKS} should define tokenizer_fingerprint"
+    assert ours == theirs, f"data/prepare.py's tokenizer_fingerprint differs in code from {CHECKS}'s"
     imported = sorted(name for name in module_imports("data.prepare") if name.split(".")[0] != "data")
     assert not imported, f"data/prepare.py imports {imported}; data preparation imports no script nor {PACKAGE}"
 
@@ -367,20 +368,21 @@ def test_scripts_import_no_other_script_nor_the_data_package():
 
 def test_the_package_imports_no_script_and_the_run_module_nothing_of_it():
     """rlhf_utils sits below the scripts: its modules import no training script, judge.py, pipeline.py nor any other
-    top-level module, and no data/ module. Within it, rlhf_utils/run.py imports none of the repository's modules
-    (nothing of the judge's client nor of rewards, and not the package's other modules, which import it);
-    rlhf_utils/judge_client.py and rlhf_utils/rewards.py import, of the repository's modules, the run module alone."""
+    top-level module, and no data/ module. Within it, rlhf_utils/checks.py (the expected errors and input checks)
+    imports none of the repository's modules; rlhf_utils/run.py, of the repository's, the checks alone (nothing of
+    the judge's client nor of rewards, and not the package's other modules, which import it);
+    rlhf_utils/judge_client.py and rlhf_utils/rewards.py the checks alone."""
     modules = package_modules()
-    assert {RUN_MODULE, JUDGE_CLIENT, USER_REWARD} <= set(modules), f"{PACKAGE}/ holds only {modules}"
+    assert {RUN_MODULE, CHECKS, JUDGE_CLIENT, USER_REWARD} <= set(modules), f"{PACKAGE}/ holds only {modules}"
     outside = {module: sorted(name for name in module_imports(module) if name.split(".")[0] != PACKAGE)
                for module in modules}
     outside = {module: names for module, names in outside.items() if names}
     assert not outside, f"{PACKAGE} imports what it never may (a script, data/, a top-level module): {outside}"
-    assert not module_imports(RUN_MODULE), f"{RUN_MODULE} imports {sorted(module_imports(RUN_MODULE))}: it imports " \
-        "none of the repository's modules (nothing of the judge's client nor of rewards)"
-    for module in (JUDGE_CLIENT, USER_REWARD):
-        extra = module_imports(module) - {RUN_MODULE}
-        assert not extra, f"{module} imports {sorted(extra)}: of the repository's modules, only {RUN_MODULE}"
+    assert not module_imports(CHECKS), f"{CHECKS} imports {sorted(module_imports(CHECKS))}: it imports none of " \
+        "the repository's modules"
+    for module in (RUN_MODULE, JUDGE_CLIENT, USER_REWARD):
+        extra = module_imports(module) - {CHECKS}
+        assert not extra, f"{module} imports {sorted(extra)}: of the repository's modules, only {CHECKS}"
 
 
 def test_the_imports_are_seen_as_they_are_written(tmp_path):

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
 from conftest import load_script  # noqa: E402
 
+from rlhf_utils import checks  # noqa: E402
 from rlhf_utils import run as run_module  # noqa: E402
 
 out_dir, finite_model, nan_model, timeout_min = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
@@ -42,9 +43,9 @@ rank, record = accelerator.process_index, {}
 nan_lm = AutoModelForCausalLM.from_pretrained(nan_model)
 record["partitioned"] = all(hasattr(p, "ds_id") and p.numel() == 0 for p in nan_lm.parameters())
 try:
-    run_module.check_finite(nan_lm, nan_model)
+    checks.check_finite(nan_lm, nan_model)
     record["check_finite"] = "passed"
-except run_module.NonFiniteError as error:
+except checks.NonFiniteError as error:
     record["check_finite"] = str(error)
 
 # 3. ilql_generate with rows that end early on rank 0 only
