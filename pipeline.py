@@ -484,7 +484,7 @@ class Pipeline:
 
     def run(self, stage: str, cmd: list[str]) -> None:
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"))
-        # a fork named by --extra may live outside the project folder and still import run_infra
+        # a fork named by --extra may live outside the project folder and still import rlhf_utils
         env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
         idle = idle_cores()
         threads = self.args.threads or idle

@@ -106,9 +106,9 @@ def run_ok(command: list, cwd, env=None, timeout: float = 300) -> subprocess.Com
 
 def kill_after_checkpoint(command: list, checkpoint, cwd, env=None, timeout: float = 300) -> None:
     """Start a training run and SIGKILL it, with every process it started, as soon as its `checkpoint` folder
-    exists (checkpoints are renamed into place, so an existing folder is complete). Fails, showing the run's output, unless the run was still
-    going when the checkpoint appeared: a run that crashed, finished before the kill, or wrote no checkpoint
-    within `timeout` seconds cannot test a resume."""
+    exists (checkpoints are renamed into place, so an existing folder is complete). Fails, showing the run's output,
+    unless the run was still going when the checkpoint appeared: a run that crashed, finished before the kill, or
+    wrote no checkpoint within `timeout` seconds cannot test a resume."""
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
@@ -207,7 +207,8 @@ def assert_same_checkpoint(ordinary, fallback) -> None:
         elif name == "trainer_state.json":
             states = [without_timing({k: v for k, v in json.load(open(path)).items() if k != "train_time"})
                       for path in paths]
-            states = [{k: without_timing(v) if isinstance(v, dict) else v for k, v in state.items()} for state in states]
+            states = [{k: without_timing(v) if isinstance(v, dict) else v for k, v in state.items()}
+                      for state in states]
             assert states[0] == states[1], name
         elif name == "manifest.json":  # the size of the trainer state differs with its seconds
             manifests = [json.load(open(path)) for path in paths]
@@ -219,7 +220,8 @@ def assert_same_checkpoint(ordinary, fallback) -> None:
                                      if k.split(".")[-1] not in run_module.FREE_FLAGS}
             assert manifests[0] == manifests[1], name
         else:
-            assert open(paths[0], "rb").read() == open(paths[1], "rb").read(), f"{name} differs between {ordinary} and {fallback}"
+            assert open(paths[0], "rb").read() == open(paths[1], "rb").read(), (
+                f"{name} differs between {ordinary} and {fallback}")
 
 
 def load_script(name: str):
@@ -277,7 +279,8 @@ def tiny_models(synthetic_task, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tiny_models")
     tokenizer = AutoTokenizer.from_pretrained(synthetic_task["base_model"])
     torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_pretrained(synthetic_task["base_model"], num_labels=1).save_pretrained(root / "rm")
+    AutoModelForSequenceClassification.from_pretrained(
+        synthetic_task["base_model"], num_labels=1).save_pretrained(root / "rm")
     tokenizer.save_pretrained(root / "rm")
     return {"sft": synthetic_task["base_model"], "rm": str(root / "rm")}
 

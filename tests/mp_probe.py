@@ -56,8 +56,9 @@ for i, (accelerator, obj) in enumerate(prepared):
 plugin = prepared[0][0].state.deepspeed_plugin if prepared else None
 rank = int(os.environ.get("RANK", "0"))
 os.makedirs(out_dir, exist_ok=True)
-torch.save({"weights": weights, "initial_seed": torch.initial_seed(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-            "engines": engines, "checkpointing": checkpointing, "zero_stage": plugin.zero_stage if plugin is not None else None},
+torch.save({"weights": weights, "initial_seed": torch.initial_seed(),
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")), "engines": engines, "checkpointing": checkpointing,
+            "zero_stage": plugin.zero_stage if plugin is not None else None},
            os.path.join(out_dir, f"rank{rank}.pt"))
 # leave together, once every rank's record is written, the way the scripts leave after main() (rlhf_utils.run's
 # leave_processes: the exit handlers, then no interpreter teardown, where a ZeRO-3 rank could abort)

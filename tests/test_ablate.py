@@ -55,7 +55,8 @@ def test_ablate_ci_rows_2_and_7_write_table_csv_and_plots(ci_pipeline, tmp_path)
     assert float(cut["baseline_mean"]) == 0.0 and float(cut["toggled_mean"]) > 0.05
     assert cut["verdict"] == "yes"
     # Detail 7: without dropout the first minibatch's ratio is 1 and does not vary; with dropout it does
-    ratio, var = by_metric["PPO ratio, first minibatch (mean)"], by_metric["PPO ratio, first minibatch (variance over episodes)"]
+    ratio, var = (by_metric["PPO ratio, first minibatch (mean)"],
+                  by_metric["PPO ratio, first minibatch (variance over episodes)"])
     assert abs(float(ratio["baseline_mean"]) - 1.0) < 1e-5 and float(var["baseline_mean"]) < 1e-10
     assert float(var["toggled_mean"]) > 1e-6 and var["verdict"] == "yes"
     for detail in (2, 7):
@@ -100,7 +101,8 @@ def test_reused_base_model_prep_reproduces_the_upstream_data(synthetic_task, tmp
     subprocess.run(run.cmd, check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
     assert os.path.exists(run.done_file)
     for name, splits in (("sft", ("train", "validation")), ("preference", ("train", "validation", "validation_cnndm"))):
-        mine, theirs = load_from_disk(str(tmp_path / "out" / "data" / "same" / name)), load_from_disk(os.path.join(synthetic_task["root"], name))
+        mine, theirs = (load_from_disk(str(tmp_path / "out" / "data" / "same" / name)),
+                        load_from_disk(os.path.join(synthetic_task["root"], name)))
         for split in splits:
             assert mine[split].column_names == theirs[split].column_names
             assert mine[split].to_dict() == theirs[split].to_dict(), (name, split)
@@ -135,7 +137,8 @@ def test_verdict_needs_an_effect_beyond_twice_its_standard_error(tmp_path, expec
 def test_plan_flags_of_the_eos_trick_and_the_two_reward_models(tmp_path):
     """Row 23 runs both arms at the short response budget, differing by the toggle only; the unnormalised RM
     of row 15 repeats the upstream RM's settings while row 11's RMs take the ablation's shorter budget."""
-    ab = ablate.Ablation(ablate.Args(rows=[11, 15, 23], seeds=[1], upstream=str(tmp_path / "up"), out=str(tmp_path / "out")))
+    ab = ablate.Ablation(ablate.Args(rows=[11, 15, 23], seeds=[1], upstream=str(tmp_path / "up"),
+                                     out=str(tmp_path / "out")))
     cmds = {run.key: run.cmd for run in ab.plan()}
 
     def flag(key, name):
@@ -143,9 +146,11 @@ def test_plan_flags_of_the_eos_trick_and_the_two_reward_models(tmp_path):
 
     short = str(ablate.EOS_TRICK_RESPONSE_LENGTH)
     assert flag("ppo_short_s1", "--response_length") == flag("ppo_short_no_eos_trick_s1", "--response_length") == short
-    assert flag("ppo_normalised_rm_s1", "--response_length") == str(ablate.pipeline.TASK["sft_response_length"]) != short
+    assert (flag("ppo_normalised_rm_s1", "--response_length") == str(ablate.pipeline.TASK["sft_response_length"])
+            != short)
     only_toggled = set(cmds["ppo_short_no_eos_trick_s1"]) - set(cmds["ppo_short_s1"])
-    assert {a for a in only_toggled if "ppo_short_no_eos_trick_s1" not in a} == {"--no-non_eos_penalty"}  # besides its names
+    # besides its names
+    assert {a for a in only_toggled if "ppo_short_no_eos_trick_s1" not in a} == {"--no-non_eos_penalty"}
     upstream_rm = ablate.pipeline.flags_with(ablate.pipeline.SETTINGS["quickstart"]["rm"], {})
     assert flag("rm_unnormalised", "--total_episodes") == upstream_rm[upstream_rm.index("--total_episodes") + 1]
     assert flag("rm_baseline_s1", "--total_episodes") == ablate.BUDGET["default"]["rm"]["--total_episodes"]

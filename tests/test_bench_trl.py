@@ -185,8 +185,10 @@ def test_conversion_names_a_bad_row(synthetic_task):
 def test_schedule_with_before_and_ours_alone():
     rows = {"sft": (16, 48)}
     order = bench_trl.schedule(["sft"], ["fp32"], 2, rows, ("trl", "ours", "before"))  # run order, whatever given
-    assert order[:6] == [("sft", "fp32", 0, 16, "ours"), ("sft", "fp32", 0, 16, "before"), ("sft", "fp32", 0, 16, "trl"),
-                         ("sft", "fp32", 0, 48, "ours"), ("sft", "fp32", 0, 48, "before"), ("sft", "fp32", 0, 48, "trl")]
+    assert order[:6] == [("sft", "fp32", 0, 16, "ours"), ("sft", "fp32", 0, 16, "before"),
+                         ("sft", "fp32", 0, 16, "trl"),
+                         ("sft", "fp32", 0, 48, "ours"), ("sft", "fp32", 0, 48, "before"),
+                         ("sft", "fp32", 0, 48, "trl")]
     assert len(order) == len(set(order)) == 2 * 2 * 3
     alone = bench_trl.schedule(["sft"], ["fp32"], 2, rows, ("ours",))
     assert alone == [("sft", "fp32", r, n, "ours") for r in (0, 1) for n in (16, 48)]
@@ -203,7 +205,8 @@ def test_sides_are_checked(tmp_path):
         bench_trl.check_sides(bench_trl.Args(trainers=["sft", "dpo"], sides=["ours", "before"]))
     (tmp_path / "sft.py").write_text("")
     with pytest.raises(ValueError, match="lacks dpo.py"):
-        bench_trl.check_sides(bench_trl.Args(trainers=["sft", "dpo"], sides=["ours", "before"], before_repo=str(tmp_path)))
+        bench_trl.check_sides(bench_trl.Args(trainers=["sft", "dpo"], sides=["ours", "before"],
+                                             before_repo=str(tmp_path)))
     args = bench_trl.Args(trainers=["sft"], sides=["before", "ours"], before_repo=str(tmp_path))
     assert bench_trl.check_sides(args) == ["ours", "before"]
 
@@ -229,14 +232,16 @@ def test_summarize_with_before_and_peak_memory():
     assert bench_trl.summarize(partial, "sft", "fp32")["ratios"] == pytest.approx([4.0, 2.0, 2.0])
     # ours alone: its rates and memory, no ratio; runs without a measured memory give None
     alone = bench_trl.summarize([r for r in runs if r["side"] == "ours"], "sft", "fp32", ("ours",))
-    assert alone["rates_ours"] == pytest.approx([4.0, 4.0, 2.0]) and "ratio" not in alone and "ratio_before" not in alone
+    assert (alone["rates_ours"] == pytest.approx([4.0, 4.0, 2.0]) and "ratio" not in alone
+            and "ratio_before" not in alone)
     assert bench_trl.summarize([run("sft", "ours", 0, 16, 1.0), run("sft", "ours", 0, 48, 2.0)], "sft", "fp32",
                                ("ours",))["rss_ours"] is None
 
     text = bench_trl.table([s], ["CPU: test", "Shape: test"], {"sft": "1.16.0"}, ("ours", "before", "trl"))
     head, row = [line for line in text.splitlines() if line.startswith("| ")][:3:2]
     assert head == ("| trainer | precision | rows N1 -> N2 | ours | before | ours/before (median) | ours/before of the "
-                    "repeats | TRL | ours/TRL (median) | ours/TRL of the repeats | peak RSS MiB (ours / before / TRL) |")
+                    "repeats | TRL | ours/TRL (median) | ours/TRL of the repeats | "
+                    "peak RSS MiB (ours / before / TRL) |")
     assert row == ("| sft.py vs TRL 1.16.0 SFTTrainer | fp32 | 16 -> 48 | 4.00 rows/s | 4.00 | **1.00** | 2.00, 1.00, "
                    "0.50 | 1.00 | **2.00** | 4.00, 2.00, 2.00 | 1001 / 1501 / 3001 |")
     assert text.startswith("CPU: test\nShape: test\n")

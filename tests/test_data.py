@@ -150,7 +150,8 @@ def test_pad_token_eos_ablation(tmp_path, synthetic_task):
     summary = json.load(open(os.path.join(out, "prep_summary.json")))
     assert summary["pad_token_id"] == summary["eos_token_id"]
     row = load_from_disk(os.path.join(out, "sft"))["train"][0]
-    assert row["query_reference_response_token"][row["query_reference_response_token_len"] - 1] == summary["eos_token_id"]
+    assert (row["query_reference_response_token"][row["query_reference_response_token_len"] - 1]
+            == summary["eos_token_id"])
 
 
 # ---------------------------------------------------------------- schemas (Detail 1, 6) and bad rows
@@ -392,7 +393,8 @@ def test_local_split_with_no_rows_is_one_error(tmp_path, synthetic_task):
     (hh / "train.jsonl").write_text(open(os.path.join(FIXTURES, "hh", "train.jsonl")).read())
     import pandas as pd
 
-    pd.DataFrame({"chosen": pd.Series([], dtype=str), "rejected": pd.Series([], dtype=str)}).to_parquet(hh / "test.parquet")
+    pd.DataFrame({"chosen": pd.Series([], dtype=str),
+                  "rejected": pd.Series([], dtype=str)}).to_parquet(hh / "test.parquet")
     with pytest.raises(ValueError, match=re.escape(f"test ({hh / 'test.parquet'}): the source split holds no rows; "
                                                    "nothing was saved")):
         run_prepare(tmp_path, synthetic_task["base_model"], task="hh", hh_data=str(hh), query_length=96,
@@ -447,7 +449,8 @@ def test_gold_judge_is_deterministic_across_processes_and_hash_seeds():
            "print(json.dumps(gold_judgements()))"
     here = json.loads(json.dumps(gold_judgements()))
     for hash_seed in ("0", "4242"):
-        out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT,
+                             env={**os.environ, "PYTHONHASHSEED": hash_seed},
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert json.loads(out.stdout) == here, f"PYTHONHASHSEED={hash_seed} judges otherwise"
@@ -492,7 +495,7 @@ def test_references_carry_a_habit_the_gold_judge_penalises():
     assert synthetic.gold_prefer(post, opener + clean, clean) == "B"
 
 
-# ---------------------------------------------------------------- issue 40: what a resume compares, what every script checks
+# ----------------------------------------------------------- issue 40: what a resume compares, what every script checks
 def test_a_byte_identical_re_prepare_is_the_same_input_and_other_lengths_are_not(tmp_path, synthetic_task):
     """The training runs save a content hash of each prepared folder they read in their checkpoints (rlhf_utils.run's
     content_digest): preparing again with the same flags writes the same bytes, so a resume on it goes on; another

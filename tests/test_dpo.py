@@ -2,8 +2,6 @@
 precomputed-reference path against the live one, the accuracy table, and a subprocess smoke run
 on the built-in task."""
 
-from conftest import (ENV, assert_last_good_checkpoint, assert_same_safetensors, kill_after_checkpoint, load_script,
-                      run_ok, tiny_causal_lm, without_timing)
 import json
 import math
 import os
@@ -18,6 +16,16 @@ from accelerate import Accelerator
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import (
+    ENV,
+    assert_last_good_checkpoint,
+    assert_same_safetensors,
+    kill_after_checkpoint,
+    load_script,
+    run_ok,
+    tiny_causal_lm,
+    without_timing,
+)
 from rlhf_utils import records
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,7 +136,8 @@ def test_label_smoothing_only_for_sigmoid():
 def test_loss_gradients_push_chosen_up_and_rejected_down():
     for loss_type in ("sigmoid", "ipo", "hinge"):
         pc, pr = torch.tensor([-10.0], requires_grad=True), torch.tensor([-10.0], requires_grad=True)
-        losses, _, _ = dpo.dpo_loss(pc, pr, torch.tensor([-10.0]), torch.tensor([-10.0]), beta=BETA, loss_type=loss_type)
+        losses, _, _ = dpo.dpo_loss(pc, pr, torch.tensor([-10.0]), torch.tensor([-10.0]), beta=BETA,
+                                    loss_type=loss_type)
         losses.sum().backward()
         assert pc.grad.item() < 0 < pr.grad.item(), loss_type
 
@@ -161,7 +170,8 @@ def tiny_preference_dataset(num_rows: int = 10, seed: int = 0) -> Dataset:
     for _ in range(num_rows):
         query = torch.randint(3, 16, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
         for name in ("chosen", "rejected"):
-            response = torch.randint(3, 16, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist() + [EOS]
+            response = (torch.randint(3, 16, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+                        + [EOS])
             sequence = query + response
             label = [PAD] * len(query) + response
             columns[f"query_{name}_token"].append(sequence + [PAD] * (total - len(sequence)))
@@ -170,12 +180,14 @@ def tiny_preference_dataset(num_rows: int = 10, seed: int = 0) -> Dataset:
 
 
 def test_precomputed_reference_equals_live_reference():
-    policy, reference = tiny_causal_lm(seed=0, pad_token_id=PAD, eos_token_id=EOS), tiny_causal_lm(seed=1, pad_token_id=PAD, eos_token_id=EOS)
+    policy, reference = (tiny_causal_lm(seed=0, pad_token_id=PAD, eos_token_id=EOS),
+                         tiny_causal_lm(seed=1, pad_token_id=PAD, eos_token_id=EOS))
     dataset = dpo.with_row_index(tiny_preference_dataset(), dpo.PAIR_COLUMNS)
     table = dpo.precompute_reference_logprobs(Accelerator(cpu=True), reference, dataset, batch_size=3, pad_token_id=PAD)
     assert table.shape == (10, 2)
     # a shuffled batch: rows are matched through row_index, not position
-    loader = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True,
+                                         generator=torch.Generator().manual_seed(3))
     batch = next(iter(loader))
     assert batch["row_index"].tolist() != [0, 1, 2, 3]
     with torch.no_grad():
@@ -198,8 +210,8 @@ def test_concatenated_forward_matches_separate_forwards():
     batch = dpo.with_row_index(tiny_preference_dataset(4), dpo.PAIR_COLUMNS)[:4]
     chosen, rejected = dpo.concatenated_logprobs(model, batch, PAD)
     for name, got in (("chosen", chosen), ("rejected", rejected)):  # both halves of the concatenated batch
-        separate = dpo.sequence_logprobs(model, batch[f"query_{name}_token"], batch[f"query_{name}_token_response_label"],
-                                         PAD)
+        separate = dpo.sequence_logprobs(model, batch[f"query_{name}_token"],
+                                         batch[f"query_{name}_token_response_label"], PAD)
         assert torch.allclose(got, separate, atol=1e-5), name
     assert not torch.allclose(chosen, rejected, atol=1e-3)  # the halves differ, so a swap would be seen
     assert chosen.shape == rejected.shape == (4,)
@@ -302,7 +314,8 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, shor
     flags = ["--num_train_epochs", "3", "--checkpoint_every", "3", "--eval_every", "3", "--log_every", "2",
              "--precompute_ref_logprobs", "--eval_temperature", "1.0",  # temperature 1: the samples depend on the RNG
              "--print_sample_every", "3"]
-    full = run_ok(dpo_command(synthetic_task, short_preference, tmp_path, tmp_path / "full", "--run_name", "full", *flags),
+    full = run_ok(dpo_command(synthetic_task, short_preference, tmp_path, tmp_path / "full", "--run_name", "full",
+                              *flags),
                   cwd=REPO_ROOT, env=ENV)
     # --print_sample_every counts updates: the evaluations at updates 3 and 6 print samples, and the final one
     assert all(f"--- update {u}\n" in full.stdout for u in (3, 6, 7)), full.stdout[-2000:]
@@ -324,7 +337,8 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, shor
             for name in ("full", "dpo__1__cut")}
     assert [r["step"] for r in rows["full"]] == [2, 3, 4, 6, 6, 7, 7]  # training logs and evaluations
     assert rows["dpo__1__cut"] == rows["full"]
-    summaries = {name: without_timing(json.load(open(runs / name / "summary.json"))) for name in ("full", "dpo__1__cut")}
+    summaries = {name: without_timing(json.load(open(runs / name / "summary.json")))
+                 for name in ("full", "dpo__1__cut")}
     assert summaries["dpo__1__cut"] == summaries["full"]
     # sampled from the restored RNG states: the same responses, token for token
     assert (runs / "dpo__1__cut" / "samples.csv").read_text() == (runs / "full" / "samples.csv").read_text()

@@ -3,8 +3,9 @@ weights are float16, and a float16 policy would train with float16 AdamW updates
 
 import pytest
 import torch
-from conftest import load_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")

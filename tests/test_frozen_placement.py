@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import load_script
 from datasets import Dataset
 from transformers import GenerationConfig, GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
+from conftest import load_script
 from rlhf_utils import models
 
 ppo = load_script("ppo")

@@ -29,7 +29,8 @@ def test_pairwise_template_round_trip_with_hostile_text():
     a, b = "boss lost cash.\n\nSummary B:\nfake", "lol {x}"
     prompt = gjs.fill_template(gjs.PAIRWISE_JUDGE_TEMPLATE, post=post, summary_a=a, summary_b=b)
     assert "{summary_b} {post}" in prompt  # inserted text is never substituted again
-    assert prompt.startswith("Which of the following summaries does a better job of summarizing the most important points")
+    assert prompt.startswith("Which of the following summaries does a better job of summarizing the most important "
+                             "points")
     assert prompt.endswith('Comparison: <one-sentence comparison and explanation>\nPreferred: <"A" or "B">')
     # the greedy groups pick the last headers: a summary holding "Summary B:" is the one ambiguity
     parsed = gjs.parse_pairwise_prompt(prompt)
@@ -42,13 +43,15 @@ def test_pairwise_template_round_trip_with_hostile_text():
 
 def test_multi_template_round_trip():
     names, answers = ["A", "B", "C"], ["first answer.", "second\n\nwith a blank line", ""]
-    blocks = "\n\n".join(gjs.fill_template(gjs.MULTI_ANSWER_BLOCK_TEMPLATE, name=n, answer=a) for n, a in zip(names, answers))
+    blocks = "\n\n".join(gjs.fill_template(gjs.MULTI_ANSWER_BLOCK_TEMPLATE, name=n, answer=a)
+                         for n, a in zip(names, answers))
     prompt = gjs.fill_template(gjs.MULTI_ANSWER_JUDGE_TEMPLATE, num_assistants="three", assistant_names="A, B and C",
                                question="POST: q\n\nTL;DR:", answers=blocks)
     assert "{Assistant name}: {score}, where the range of {score} is 1 to 10." in prompt  # literal braces kept
     assert gjs.parse_multi_prompt(prompt) == ("POST: q\n\nTL;DR:", names, answers)
     # the count must match the names
-    assert gjs.parse_multi_prompt(prompt.replace("by three AI", "by four AI").replace("the three responses", "the four responses")) is None
+    assert gjs.parse_multi_prompt(
+        prompt.replace("by three AI", "by four AI").replace("the three responses", "the four responses")) is None
     assert gjs.parse_multi_prompt(prompt.replace("by three AI", "by four AI")) is None  # inconsistent counts
 
 
@@ -76,7 +79,8 @@ def test_endpoint_answers_paper_prompt_with_gold_verdicts():
             b = policy_summary(POLICIES[(i * 3 + 1) % len(POLICIES)], post, rng)
             prompt = gjs.fill_template(gjs.PAIRWISE_JUDGE_TEMPLATE, post=query, summary_a=a, summary_b=b)
             reply = client.chat.completions.create(
-                model=server.model_name, messages=[{"role": "system", "content": "sys"}, {"role": "user", "content": prompt}]
+                model=server.model_name,
+                messages=[{"role": "system", "content": "sys"}, {"role": "user", "content": prompt}]
             ).choices[0].message.content
             lines = reply.split("\n")
             assert len(lines) == 2 and lines[0].startswith("Comparison: ") and lines[0].endswith(".")
@@ -91,12 +95,15 @@ def test_endpoint_multi_answer_scores_follow_gold_score():
     query = formatted_query(post)
     answers = [policy_summary(p, post, rng) for p in ["good", "runon", "invent"]]
     names = ["A", "B", "C"]
-    blocks = "\n\n".join(gjs.fill_template(gjs.MULTI_ANSWER_BLOCK_TEMPLATE, name=n, answer=a) for n, a in zip(names, answers))
+    blocks = "\n\n".join(gjs.fill_template(gjs.MULTI_ANSWER_BLOCK_TEMPLATE, name=n, answer=a)
+                         for n, a in zip(names, answers))
     prompt = gjs.fill_template(gjs.MULTI_ANSWER_JUDGE_TEMPLATE, num_assistants="three", assistant_names="A, B and C",
                                question=query, answers=blocks)
     with gjs.serve_in_thread() as server:
         client = OpenAI(base_url=server.base_url, api_key="sk-placeholder", max_retries=0)
-        reply = client.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": prompt}]).choices[0].message.content
+        reply = client.chat.completions.create(
+            model=server.model_name, messages=[{"role": "user", "content": prompt}]
+        ).choices[0].message.content
     score_lines = reply.split("Scores:")[1].split()
     got = dict(zip([w for w in score_lines[1::3]], [float(s) for s in score_lines[2::3]]))
     expected = {n.rstrip(":"): gjs.gold_score_1_to_10(query, a) for n, a in zip(names, answers)}
@@ -123,7 +130,9 @@ def test_fault_injection_and_bad_requests():
     with gjs.serve_in_thread(garbage_rate=1.0, seed=3, model_name="m") as server:
         client = OpenAI(base_url=server.base_url, api_key="sk-placeholder", max_retries=0)
         for _ in range(8):
-            reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}]).choices[0].message.content
+            reply = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": prompt}]
+            ).choices[0].message.content
             assert reply in gjs.GARBAGE_REPLIES
         assert server.stats()["garbage"] == 8
     with gjs.serve_in_thread(model_name="m") as server:
@@ -151,7 +160,8 @@ def test_model_id_carries_a_digest_of_the_gold_judge_code(tmp_path):
 
 
 def test_cli_prints_url_and_serves():
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "data", "gold_judge_server.py"), "--port", "0", "--host", "127.0.0.1"],
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "data", "gold_judge_server.py"), "--port", "0",
+                             "--host", "127.0.0.1"],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         url = proc.stdout.readline().strip()

@@ -22,11 +22,11 @@ import sys
 
 import pytest
 import torch
+
 from conftest import REPO_ROOT, tiny_causal_lm, training_scripts
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 import measure_memory  # noqa: E402
-
 from rlhf_utils.models import checkpointed  # noqa: E402
 
 
@@ -141,7 +141,8 @@ def test_ppo_under_zero3_with_checkpointing_ends_with_the_weights_of_a_run_witho
     flags = with_flag(ppo_flags(synthetic_task), "--total_episodes", "8")
     flags = with_flag(with_flag(flags, "--num_eval_samples", "2"), "--eval_every", "0")
     plain, plain_rows, _ = run_probe("ppo", flags, tmp_path, "plain", 2, None, "zero3")
-    ckpt, ckpt_rows, _ = run_probe("ppo", flags, tmp_path, "ckpt", 2, None, "zero3", extra=("--gradient_checkpointing",))
+    ckpt, ckpt_rows, _ = run_probe("ppo", flags, tmp_path, "ckpt", 2, None, "zero3",
+                                   extra=("--gradient_checkpointing",))
     assert ckpt[0]["zero_stage"] == 3 and set(ckpt[0]["engines"]) == {"DeepSpeedEngine"}
     assert sum(plain[0]["checkpointing"]) == 0 and sum(ckpt[0]["checkpointing"]) > 0
     assert_same_run("ppo", ckpt, ckpt_rows, plain[0], plain_rows, "ppo under zero3, --gradient_checkpointing")

@@ -4,7 +4,6 @@ clip (DAPO's higher upper clip included), the KL in the loss and not in the rewa
 SIGKILL + --resume, and the two gathers across 2 processes (the batch std, DAPO's token count). The whole 2-process
 run equal to 1 process (torchrun, ZeRO-2, ZeRO-3, bf16) is tests/test_multiprocess.py's (grpo is one of its scripts)."""
 
-from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
 import dataclasses
 import json
 import os
@@ -14,6 +13,8 @@ import sys
 
 import pytest
 import torch
+
+from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 grpo = load_script("grpo")
@@ -32,7 +33,8 @@ def test_group_relative_advantages_by_hand():
     batch = grpo.grpo_advantages(rewards, 4, "batch", gather=lambda x: x)
     assert batch.tolist() == pytest.approx([(r - mean) / (batch_std + 1e-4) for r in first] + [0.0] * 4)
     # Dr. GRPO: no std at all
-    assert grpo.grpo_advantages(rewards, 4, "none", gather=None).tolist() == pytest.approx([r - mean for r in first] + [0.0] * 4)
+    assert grpo.grpo_advantages(rewards, 4, "none", gather=None).tolist() == pytest.approx(
+        [r - mean for r in first] + [0.0] * 4)
     # G = 2
     assert grpo.grpo_advantages(torch.tensor([1.0, 3.0]), 2, "none", gather=None).tolist() == [-1.0, 1.0]
 
@@ -52,7 +54,8 @@ def test_reward_is_the_score_and_the_kl_stays_out_of_it():
     # query 2: EOS at index 0 and at index 2
     raw = torch.tensor([[5, EOS, 7, 8], [5, 6, 7, 8], [EOS, 4, 4, 4], [6, 6, EOS, 9]])
     responses = grpo.truncate_response(EOS, PAD, raw)
-    logprobs = -torch.tensor([[0.5, 0.25, 9.0, 9.0], [0.5, 0.5, 0.5, 0.5], [1.0, 9.0, 9.0, 9.0], [0.25, 0.25, 0.25, 9.0]])
+    logprobs = -torch.tensor([[0.5, 0.25, 9.0, 9.0], [0.5, 0.5, 0.5, 0.5], [1.0, 9.0, 9.0, 9.0],
+                              [0.25, 0.25, 0.25, 9.0]])
     # the raw samples (a 2-token query before each raw response) are not read by rewards_and_advantages
     data = grpo.Rollout(query_responses=torch.cat((torch.full((4, 2), 4), raw), 1), responses=responses,
                         logprobs=logprobs, ref_logprobs=torch.full((4, 4), -1.0),
@@ -74,7 +77,8 @@ def test_reward_is_the_score_and_the_kl_stays_out_of_it():
 
 
 def test_minibatch_tokens_by_hand():
-    """DAPO's normaliser on one process: the kept tokens of each minibatch (rows in the update's order) per micro batch."""
+    """DAPO's normaliser on one process: the kept tokens of each minibatch (rows in the update's order) per micro
+    batch."""
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]]).bool()
     assert grpo.minibatch_tokens(mask, 2, 1, lambda x, how: x).tolist() == [3.0, 6.0]
     assert grpo.minibatch_tokens(mask, 1, 2, lambda x, how: x).tolist() == [4.5]
@@ -196,7 +200,8 @@ def test_smoke_with_options(synthetic_task, tiny_models, tmp_path):
     assert [m["budget/responses_sampled"] for m in train] == [8, 16] and summary["budget/responses_sampled"] == 16
     assert summary["budget/prompts"] == 4 and summary["budget/updates"] == 2
     for key in ("objective/kl", "objective/scores", "grpo/policy/approxkl_avg",
-                "grpo/policy/clipfrac_avg", "grpo/loss/policy_avg", "grpo/loss/ptx_avg", "grpo/kl", "train/lr", "episode"):
+                "grpo/policy/clipfrac_avg", "grpo/loss/policy_avg", "grpo/loss/ptx_avg", "grpo/kl", "train/lr",
+                "episode"):
         assert key in train[0], key
     for row in train:  # the reward holds no KL: no always-zero penalty is logged, the score is the reward
         assert "objective/non_score_reward" not in row and "objective/rlhf_reward" not in row
@@ -215,10 +220,12 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_m
              "--grpo.ratio_level", "sequence", "--grpo.overlong_buffer", "8"]
     run_ok(grpo_command(synthetic_task, tiny_models, tmp_path, "full", 40, extra), cwd=REPO_ROOT, env=ENV)
     killed = grpo_command(synthetic_task, tiny_models, tmp_path, "killed", 40, extra)
-    kill_after_checkpoint(killed, tmp_path / "runs" / "killed" / "checkpoints" / "update_000002", cwd=REPO_ROOT, env=ENV)
+    kill_after_checkpoint(killed, tmp_path / "runs" / "killed" / "checkpoints" / "update_000002", cwd=REPO_ROOT,
+                          env=ENV)
     resumed = run_ok(killed + ["--resume"], cwd=REPO_ROOT, env=ENV)
     assert "resumed from" in resumed.stdout and "update_000002" in resumed.stdout, resumed.stdout[-2000:]
-    assert_same_safetensors(tmp_path / "policy_full" / "model.safetensors", tmp_path / "policy_killed" / "model.safetensors")
+    assert_same_safetensors(tmp_path / "policy_full" / "model.safetensors",
+                            tmp_path / "policy_killed" / "model.safetensors")
     rows = [[without_timing(json.loads(line)) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
             for name in ("full", "killed")]
     assert len(rows[0]) == 5 + 1 + 1 and rows[0] == rows[1]
@@ -258,8 +265,8 @@ def test_gathers_across_two_processes(tmp_path):
     script = tmp_path / "gather_probe.py"
     script.write_text(GATHER_PROBE.format(tests=os.path.join(REPO_ROOT, "tests"), rewards=rewards, mask=mask,
                                           out=str(tmp_path / "gathered.pt")))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               str(script)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), str(script)]
     result = subprocess.run(command, cwd=REPO_ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -4,12 +4,13 @@ on, how many prompt batches it draws and counts, the line at the cap, the data p
 soft overlong punishment (--grpo.overlong_buffer) beside the EOS trick. The run with all three killed and resumed is
 tests/test_grpo.py's SIGKILL test."""
 
-from conftest import load_script
 import math
 import types
 
 import pytest
 import torch
+
+from conftest import load_script
 
 grpo = load_script("grpo")
 

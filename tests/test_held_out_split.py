@@ -97,7 +97,8 @@ def test_the_kl_reads_the_prompts_of_the_split_the_stage_evaluated(tmp_path):
     (tmp_path / "runs" / "ppo").mkdir(parents=True)
     (tmp_path / "runs" / "ppo" / "args.json").write_text(json.dumps(
         {"query_dataset": str(tmp_path / "sft"), "eval_split": "test", "response_length": 3}))
-    tokenizer = SimpleNamespace(pad_token_id=0, decode=lambda ids, skip_special_tokens: " ".join(map(str, ids.tolist())))
+    tokenizer = SimpleNamespace(pad_token_id=0,
+                                decode=lambda ids, skip_special_tokens: " ".join(map(str, ids.tolist())))
     p = SimpleNamespace(runs=str(tmp_path / "runs"))
     samples = tmp_path / "samples.csv"
     pd.DataFrame({"query": ["3 4", "5"]}).to_csv(samples, index=False)

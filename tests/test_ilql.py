@@ -4,8 +4,6 @@ beta = 0 sampling against the LM's own `generate`, a subprocess smoke run on the
 reliability checks (SIGKILL + --resume gives the uninterrupted result, the non-finite guard, and resuming from its
 fallback checkpoint equals resuming from the ordinary one)."""
 
-from conftest import (assert_last_good_checkpoint, assert_same_checkpoint, assert_same_safetensors,
-                      kill_after_checkpoint, load_script, run_ok, with_nan_at, without_timing)
 import json
 import math
 import os
@@ -20,6 +18,16 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import GenerationConfig, GPTNeoXConfig, GPTNeoXForCausalLM
 
+from conftest import (
+    assert_last_good_checkpoint,
+    assert_same_checkpoint,
+    assert_same_safetensors,
+    kill_after_checkpoint,
+    load_script,
+    run_ok,
+    with_nan_at,
+    without_timing,
+)
 from rlhf_utils import checks  # noqa: E402  (the input checks the scripts import)
 from rlhf_utils import flags as flags_module  # noqa: E402  (the scripts' refusals of flags)
 
@@ -490,7 +498,8 @@ def test_resuming_from_the_non_finite_fallback_equals_resuming_from_the_ordinary
     runs = tmp_path / "runs"
     # 6 updates, a checkpoint after each (all kept)
     flags = ["--total_episodes", "48", "--checkpoint_every", "1", "--checkpoint_keep", "0"]
-    poisoned = subprocess.run(with_nan_at(resumable_ilql_command(synthetic_task, preference, tmp_path, "poisoned", *flags),
+    poisoned = subprocess.run(with_nan_at(resumable_ilql_command(synthetic_task, preference, tmp_path, "poisoned",
+                                                                 *flags),
                                           update=5, call=2), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert poisoned.returncode != 0 and "ilql.py: error: update 5: train/loss" in poisoned.stderr
     assert sorted(os.listdir(runs / "poisoned" / "checkpoints")) == [f"update_{u:06d}" for u in range(1, 5)]

@@ -1,6 +1,5 @@
 """judge.py against the built-in gold judge, started on loopback by the tests themselves."""
 
-from conftest import load_script
 import contextlib
 import dataclasses
 import inspect
@@ -18,6 +17,8 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
+
+from conftest import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -53,7 +54,8 @@ def make_samples(path: str, n: int, seed: int, policies=POLICIES, ties: bool = T
 def gold_wins(df: pd.DataFrame, baseline_column: str = "reference") -> list[bool]:
     """The gold verdict, order-free: does the response beat the baseline? (Identical texts are a
     tie that gold_prefer breaks by position, so the test checks those through gold_winners.)"""
-    return [gold_prefer(q.strip(), r.strip(), b.strip()) == "A" for q, r, b in zip(df["query"], df["response"], df[baseline_column])]
+    return [gold_prefer(q.strip(), r.strip(), b.strip()) == "A"
+            for q, r, b in zip(df["query"], df["response"], df[baseline_column])]
 
 
 def gold_winners(judged: pd.DataFrame) -> list[str]:
@@ -89,7 +91,8 @@ def test_templates_identical_to_the_server_copies():
         assert inspect.getsource(getattr(judge, name)) == inspect.getsource(getattr(gjs, name))
     assert judge._PLACEHOLDER_RE.pattern == gjs._PLACEHOLDER_RE.pattern
     # the paper's wording (Appendix I), with its line continuations joined
-    assert "most important points in the given forum post, without including unimportant or irrelevant details?" in judge.PAIRWISE_JUDGE_TEMPLATE
+    assert ("most important points in the given forum post, without including unimportant or irrelevant details?"
+            in judge.PAIRWISE_JUDGE_TEMPLATE)
     assert "explaining which you prefer and why. SECOND, on a new line" in judge.PAIRWISE_JUDGE_TEMPLATE
     prompt = judge.multi_answer_prompt("q?", ["A", "B"], ["x", "y"])
     assert gjs.parse_multi_prompt(prompt) == ("q?", ["A", "B"], ["x", "y"])
@@ -222,7 +225,8 @@ def test_end_to_end_win_rates_equal_gold_verdicts(tmp_path):
         assert [w for w, k in zip(expected, differ) if k] == [w for w, k in zip(order_free, differ) if k]
         s = summary["per_csv"][label]
         wins, ties = expected.count("ours"), expected.count("tie")
-        assert (s["wins"], s["losses"], s["ties"], s["invalid"], s["n"]) == (wins, len(df) - wins - ties, ties, 0, len(df))
+        assert (s["wins"], s["losses"], s["ties"], s["invalid"], s["n"]) == (wins, len(df) - wins - ties, ties, 0,
+                                                                             len(df))
         assert s["n_identical"] == ties == int((~differ).sum())
         assert s["win_rate"] == (wins + 0.5 * ties) / len(df)  # a tie is half a win
         assert s["ci_low"] < s["win_rate"] < s["ci_high"]
@@ -247,8 +251,10 @@ def test_model_vs_model_with_baseline_csv(tmp_path):
     base = make_samples(tmp_path / "base.csv", 30, seed=4, policies=["runon", "drop", "invent"])
     assert list(df["query"]) == list(base["query"])
     with gjs.serve_in_thread() as server:
-        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "ours.csv")], baseline_csv=str(tmp_path / "base.csv")))
-    expected = [gold_prefer(q.strip(), r.strip(), b.strip()) == "A" for q, r, b in zip(df["query"], df["response"], base["response"])]
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "ours.csv")],
+                                        baseline_csv=str(tmp_path / "base.csv")))
+    expected = [gold_prefer(q.strip(), r.strip(), b.strip()) == "A"
+                for q, r, b in zip(df["query"], df["response"], base["response"])]
     assert summary["per_csv"]["ours"]["wins"] == sum(expected) == 30
     judged = pd.read_csv(tmp_path / "out" / "ours_judged.csv", keep_default_na=False)
     assert list(judged["baseline"]) == list(base["response"])
@@ -274,7 +280,8 @@ def test_order_in_judged_csv_reproducible_across_runs(tmp_path):
 def test_fault_injection_retries_and_counts_invalid(tmp_path):
     make_samples(tmp_path / "a.csv", 60, seed=6, ties=False)
     with gjs.serve_in_thread(fail_rate=0.3, garbage_rate=0.25, seed=11) as server:
-        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=10, max_parse_tries=2))
+        summary = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=10,
+                                        max_parse_tries=2))
         stats = server.stats()
     s = summary["per_csv"]["a"]
     judged = pd.read_csv(tmp_path / "out" / "a_judged.csv", keep_default_na=False)
@@ -336,8 +343,8 @@ def test_unreachable_endpoint_is_one_error_and_a_failed_exit(tmp_path):
     make_samples(tmp_path / "a.csv", 40, seed=16)
     url = f"http://127.0.0.1:{closed_port()}/v1"
     cmd = [sys.executable, os.path.join(REPO, "judge.py"), "--csv", str(tmp_path / "a.csv"), "--base_url", url,
-           "--output_dir", str(tmp_path / "out"), "--cache_path", str(tmp_path / "cache.sqlite"), "--length_unit", "chars",
-           "--max_tries", "2", "--backoff_base_s", "0.001", "--backoff_max_s", "0.01"]
+           "--output_dir", str(tmp_path / "out"), "--cache_path", str(tmp_path / "cache.sqlite"),
+           "--length_unit", "chars", "--max_tries", "2", "--backoff_base_s", "0.001", "--backoff_max_s", "0.01"]
     env = {**{k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
@@ -482,8 +489,10 @@ def test_failing_endpoint_stops_after_one_pair_of_tries(tmp_path):
         server.handle_error = lambda request, client_address: None  # replies to a client that has gone: no traceback
         draw = server.draw_fault  # every request a 500: a 429 is no fault but a wait (tests/test_judge_ratelimit.py)
         server.draw_fault = lambda: draw() and "500"
-        with pytest.raises(judge_client.JudgeUnavailableError, match=r"failed before answering any request \(gave up after 3 tries") as err:
-            judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3, max_parallel_requests=2))
+        with pytest.raises(judge_client.JudgeUnavailableError,
+                           match=r"failed before answering any request \(gave up after 3 tries") as err:
+            judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3,
+                                  max_parallel_requests=2))
         # not 40 pairs x 3 tries: it stopped once the first pair had used its tries. Bound: the two pairs in flight,
         # 3 tries each, plus the first try of a pair that took a freed slot before the run was stopped
         assert server.request_count <= 2 * 3 + 2
@@ -510,20 +519,23 @@ def test_refused_key_or_every_prompt_refused_is_one_error(tmp_path, monkeypatch)
     def refuse(handler):  # the server's POST handler, replaced: every request gets `status`
         handler.rfile.read(int(handler.headers.get("Content-Length", "0")))
         handler.server.draw_fault()  # counts the request
-        handler._error(status["code"], f"refused; the key was {handler.headers.get('Authorization')}", "invalid_request_error")
+        handler._error(status["code"], f"refused; the key was {handler.headers.get('Authorization')}",
+                       "invalid_request_error")
 
     monkeypatch.setattr(gjs._Handler, "do_POST", refuse)
     with gjs.serve_in_thread() as server:
         server.handle_error = lambda request, client_address: None  # replies to a client that has gone: no traceback
         with pytest.raises(judge_client.JudgeUnavailableError, match="refused the API key") as err:
-            judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3, max_parallel_requests=4))
+            judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3,
+                                  max_parallel_requests=4))
         # at once, not 40 refusals: no retries; the 4 requests in flight, and at most one more per slot they freed
         assert server.request_count <= 2 * 4
         message = str(err.value)
         assert "AuthenticationError" in message and server.base_url in message and "OPENAI_API_KEY" in message
         assert secret not in message and "[REDACTED]" in message
         status["code"] = 400  # every prompt refused: each pair is invalid, and together they are one error
-        with pytest.raises(judge_client.JudgeUnavailableError, match="refused every request \\(all 40 failed; the first: BadRequestError"):
+        with pytest.raises(judge_client.JudgeUnavailableError,
+                           match="refused every request \\(all 40 failed; the first: BadRequestError"):
             judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_tries=3))
 
 
@@ -555,12 +567,14 @@ def test_cache_rerun_makes_no_requests_and_resumes(tmp_path):
     df = make_samples(tmp_path / "a.csv", 50, seed=8, ties=False)
     with gjs.serve_in_thread() as server:
         # an "interrupted" run that got through the first 20 pairs
-        judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], num_samples=20, output_dir=str(tmp_path / "r0")))
+        judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], num_samples=20,
+                              output_dir=str(tmp_path / "r0")))
         assert server.request_count == 20
         first = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], output_dir=str(tmp_path / "r1")))
         assert server.request_count == 50  # resumed: only the 30 new pairs were paid for
         assert first["stats"]["cache_hits"] == 20
-        second = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], output_dir=str(tmp_path / "r2")))
+        second = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")],
+                                       output_dir=str(tmp_path / "r2")))
         assert server.request_count == 50  # rerun: zero requests
         assert second["stats"]["requests"] == 0 and second["stats"]["cache_hits"] == 50
     judged = pd.read_csv(tmp_path / "r2" / "a_judged.csv", keep_default_na=False)
@@ -575,9 +589,11 @@ def test_cache_rerun_makes_no_requests_and_resumes(tmp_path):
 def test_cache_replays_unparseable_sequences(tmp_path):
     make_samples(tmp_path / "a.csv", 30, seed=9)
     with gjs.serve_in_thread(garbage_rate=0.5, seed=2) as server:
-        first = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_parse_tries=2, output_dir=str(tmp_path / "r1")))
+        first = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_parse_tries=2,
+                                      output_dir=str(tmp_path / "r1")))
         n = server.request_count
-        second = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_parse_tries=2, output_dir=str(tmp_path / "r2")))
+        second = judge.main(judge_args(tmp_path, server, csv=[str(tmp_path / "a.csv")], max_parse_tries=2,
+                                       output_dir=str(tmp_path / "r2")))
         assert server.request_count == n
     assert first["per_csv"]["a"] == {**second["per_csv"]["a"], "judged_csv": first["per_csv"]["a"]["judged_csv"]}
     assert first["per_csv"]["a"]["unparseable"] > 0
@@ -639,7 +655,8 @@ def test_sigkill_mid_run_then_rerun_pays_for_nothing_twice(tmp_path):
     # the uninterrupted run: fresh cache, same seed and arguments
     with gjs.serve_in_thread() as server:
         reference = judge.main(judge_args(tmp_path, server, csv=[csv_path], seed=seed, max_parallel_requests=parallel,
-                                          output_dir=str(tmp_path / "reference"), cache_path=str(tmp_path / "ref_cache.sqlite")))
+                                          output_dir=str(tmp_path / "reference"),
+                                          cache_path=str(tmp_path / "ref_cache.sqlite")))
         reference_requests = server.request_count
     ref_judged = pd.read_csv(tmp_path / "reference" / "a_judged.csv", keep_default_na=False)
     distinct_prompts = {judge.pairwise_prompt(q.strip(), a, b)
@@ -663,7 +680,8 @@ def test_sigkill_mid_run_then_rerun_pays_for_nothing_twice(tmp_path):
                 # kill once `limit` verdicts are in the cache and the judge waits on `parallel` more
                 deadline = time.time() + 60
                 while not (cached_reply_count(cache_path) == limit and gate.held == parallel):
-                    assert proc.poll() is None, f"judge.py ended before the kill:\n{open(tmp_path / 'killed.log').read()[-3000:]}"
+                    assert proc.poll() is None, (
+                        f"judge.py ended before the kill:\n{open(tmp_path / 'killed.log').read()[-3000:]}")
                     assert time.time() < deadline, (f"no kill point: {cached_reply_count(cache_path)} cached, "
                                                     f"{server.request_count} answered, {gate.held} held")
                     time.sleep(0.05)
@@ -673,7 +691,8 @@ def test_sigkill_mid_run_then_rerun_pays_for_nothing_twice(tmp_path):
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        cached_at_kill, answered_by_killed_run, in_flight_at_kill = cached_reply_count(cache_path), server.request_count, gate.held
+        cached_at_kill, answered_by_killed_run, in_flight_at_kill = (cached_reply_count(cache_path),
+                                                                     server.request_count, gate.held)
         gate.release()  # the held requests are dropped unanswered; the rerun's pass straight through
         # (a) it really was killed mid-way: before the summary, with some but not all verdicts cached
         assert returncode == -signal.SIGKILL
@@ -769,7 +788,8 @@ def test_multi_mode_query_with_identical_answers_is_a_tie_never_asked(tmp_path):
     b.loc[:3, "response"] = a.loc[:3, "response"] + "<|endoftext|>"  # rows 0-3: the same answer from both
     b.to_csv(tmp_path / "b.csv", index=False)
     with gjs.serve_in_thread() as server:
-        summary = judge.main(judge_args(tmp_path, server, mode="multi", csv=[str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]))
+        summary = judge.main(judge_args(tmp_path, server, mode="multi",
+                                        csv=[str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]))
         assert server.request_count == 6
     table = pd.read_csv(tmp_path / "out" / "multi_scores.csv")
     assert list(table["status"][:4]) == ["tie"] * 4 and (table["rank_score/a"][:4] == 1.5).all()
@@ -795,10 +815,12 @@ def test_cache_key_holds_the_endpoint_and_the_seed_of_a_sampling_judge(tmp_path)
         assert again["stats"]["requests"] == 0  # the same endpoint replays its own replies
         # a sampling judge asked again with another seed asks afresh; a greedy one reuses the prompts it has seen
         judge.main(judge_args(tmp_path, first, csv=csv, temperature=0.7, seed=1, output_dir=str(tmp_path / "t1")))
-        sampled = judge.main(judge_args(tmp_path, first, csv=csv, temperature=0.7, seed=2, output_dir=str(tmp_path / "t2")))
+        sampled = judge.main(judge_args(tmp_path, first, csv=csv, temperature=0.7, seed=2,
+                                        output_dir=str(tmp_path / "t2")))
         assert sampled["stats"]["cache_hits"] == 0
         judge.main(judge_args(tmp_path, first, csv=csv, temperature=0.0, seed=1, output_dir=str(tmp_path / "g1")))
-        greedy = judge.main(judge_args(tmp_path, first, csv=csv, temperature=0.0, seed=2, output_dir=str(tmp_path / "g2")))
+        greedy = judge.main(judge_args(tmp_path, first, csv=csv, temperature=0.0, seed=2,
+                                       output_dir=str(tmp_path / "g2")))
     same_order = (pd.read_csv(tmp_path / "g1" / "a_judged.csv")["shuffled_index"]
                   == pd.read_csv(tmp_path / "g2" / "a_judged.csv")["shuffled_index"]).sum()
     assert 0 < greedy["stats"]["cache_hits"] == same_order < 20
@@ -856,7 +878,8 @@ def test_multi_answer_mode(tmp_path):
     assert summary["multi_invalid"] == 0 and m["good"]["n"] == 30
     # mean scores are the gold scores mapped to 1-10, whatever order the answers were shown in
     exp_good = np.mean([gjs.gold_score_1_to_10(q.strip(), r.strip()) for q, r in zip(good["query"], good["response"])])
-    exp_runon = np.mean([gjs.gold_score_1_to_10(q.strip(), r.strip()) for q, r in zip(runon["query"], runon["response"])])
+    exp_runon = np.mean([gjs.gold_score_1_to_10(q.strip(), r.strip())
+                         for q, r in zip(runon["query"], runon["response"])])
     assert m["good"]["mean_score"] == pytest.approx(exp_good) and m["runon"]["mean_score"] == pytest.approx(exp_runon)
     assert m["good"]["mean_rank_score"] > m["drop"]["mean_rank_score"] > m["runon"]["mean_rank_score"]
     assert sum(v["mean_rank_score"] for v in m.values()) == pytest.approx(6.0)  # 3 + 2 + 1 per query

@@ -14,13 +14,23 @@ import threading
 import time
 
 import pytest
-from test_judge import (REPO, _no_real_key, cached_reply_count, gjs, judge, judge_args,  # noqa: F401 (autouse)
-                        judge_client, make_samples)
+
+from test_judge import (
+    REPO,
+    _no_real_key,  # noqa: F401 (autouse)
+    cached_reply_count,
+    gjs,
+    judge,
+    judge_args,
+    judge_client,
+    make_samples,
+)
 
 
 class LimitedHandler(gjs._Handler):
     """The gold judge's handler behind a rate limit: after `answer_first` answered requests, every request is a 429
-    with the server's `headers` for `window_s` seconds from the first 429 (or until `lifted`), then the gold judge answers again."""
+    with the server's `headers` for `window_s` seconds from the first 429 (or until `lifted`), then the gold judge
+    answers again."""
 
     def do_POST(self):
         server = self.server
@@ -93,8 +103,8 @@ def test_a_limit_past_the_patience_stops_with_one_paragraph_and_a_rerun_asks_onl
         message = str(err.value)
         assert "\n" not in message and "cannot be reached" not in message and "gave up after" not in message
         assert re.match(re.escape(f"the judge at {server.base_url} kept rate-limiting (HTTP 429 for ") + r"1\.\d s "
-                        r"with no answer, then a wait of 1\.0 s more asked, over --rate_limit_patience 1\.5 s; last error "
-                        "RateLimitError: ", message), message
+                        r"with no answer, then a wait of 1\.0 s more asked, over --rate_limit_patience 1\.5 s; "
+                        r"last error RateLimitError: ", message), message
         assert message.endswith(f"the 4 of 12 prompts answered so far are kept in the reply cache {cache_path}, so a "
                                 "rerun asks only the other 8: rerun once the limit has lifted, or raise "
                                 "--rate_limit_patience (or lower --max_parallel_requests)"), message

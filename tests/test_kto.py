@@ -3,8 +3,6 @@ hand, the KL estimate on mismatched pairs, the paper's weight guidance, unpaired
 prepared split (and the errors a bad row raises), the built-in raters' thumbs up / down, tiny end-to-end runs on
 the built-in task with both kinds of feedback, and DeepSpeed ZeRO-2 on 2 CPU processes against 1 process."""
 
-from conftest import (ENV, REPO_ROOT, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok,
-                      tiny_causal_lm, without_timing)
 import json
 import math
 import os
@@ -17,6 +15,16 @@ import torch
 from accelerate import Accelerator
 from datasets import Dataset, load_from_disk
 
+from conftest import (
+    ENV,
+    REPO_ROOT,
+    assert_same_safetensors,
+    kill_after_checkpoint,
+    load_script,
+    run_ok,
+    tiny_causal_lm,
+    without_timing,
+)
 from data import prepare, synthetic
 from test_multiprocess import assert_same_run, run_probe, saved_weights
 
@@ -57,7 +65,8 @@ def worked_example(policy_mismatched, ref_mismatched):
     mismatched = torch.tensor(policy_mismatched, requires_grad=True)
     log_ratios = mismatched - torch.tensor(ref_mismatched)
     z0 = kto.reference_point(log_ratios.sum(), torch.tensor(4.0))
-    losses, rewards = kto.kto_loss(policy, torch.tensor(REFERENCE), torch.tensor(DESIRABLE), z0, BETA, LAMBDA_D, LAMBDA_U)
+    losses, rewards = kto.kto_loss(policy, torch.tensor(REFERENCE), torch.tensor(DESIRABLE), z0, BETA, LAMBDA_D,
+                                   LAMBDA_U)
     return policy, mismatched, z0, losses, rewards
 
 
@@ -312,7 +321,8 @@ def test_builtin_raters_give_every_compared_summary_a_noisy_thumb(unpaired_task,
     # the hub's KTO layout, one row per summary of every comparison, in order
     assert all(set(row) == {"prompt", "completion", "label"} and isinstance(row["label"], bool) for row in rows)
     assert [row["completion"] for row in rows] == [s["text"].strip() for c in comparisons for s in c["summaries"]]
-    assert rows[0]["prompt"] == prepare.TLDR_FORMAT.format(**{k: comparisons[0]["info"][k] for k in ("subreddit", "title", "post")})
+    assert rows[0]["prompt"] == prepare.TLDR_FORMAT.format(**{k: comparisons[0]["info"][k]
+                                                              for k in ("subreddit", "title", "post")})
     # labels follow the gold judge's bar with the raters' noise: mostly, not always
     gold = [synthetic.gold_score(c["info"]["post"], s["text"]) >= synthetic.DESIRABLE_SCORE
             for c in comparisons for s in c["summaries"]]
@@ -324,7 +334,8 @@ def test_builtin_raters_give_every_compared_summary_a_noisy_thumb(unpaired_task,
     # seeded and on a stream of its own: the same thumbs again, and the comparisons untouched
     info = synthetic.generate_feedback(os.path.join(unpaired_task, "raw", "comparisons"), str(tmp_path),
                                        prepare.TLDR_FORMAT, seed=0)
-    assert open(tmp_path / "train.jsonl").read() == open(os.path.join(unpaired_task, "raw", "feedback", "train.jsonl")).read()
+    assert (open(tmp_path / "train.jsonl").read()
+            == open(os.path.join(unpaired_task, "raw", "feedback", "train.jsonl")).read())
     assert info["train"]["rows"] == len(rows)
     # ... read by data/prepare.py into a split whose queries are the preference split's queries
     unpaired = load_from_disk(os.path.join(unpaired_task, "unpaired"))
@@ -375,7 +386,8 @@ def test_smoke_run_on_builtin_task(feedback, synthetic_task, unpaired_task, tmp_
     assert [row["step"] for row in rows if "eval/accuracy" in row] == [2, 4]
     # the policy starts as the reference: r = 0 and z0 = 0, so every example's loss is 1 - sigmoid(0) = 0.5
     assert train[0]["train/loss"] == pytest.approx(0.5, abs=1e-6)
-    assert train[0]["train/kl"] == pytest.approx(0.0, abs=1e-6) and train[0]["train/rewards/desirable"] == pytest.approx(0.0, abs=1e-6)
+    assert (train[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)
+            and train[0]["train/rewards/desirable"] == pytest.approx(0.0, abs=1e-6))
     assert train[-1]["train/kl"] != 0.0 and train[-1]["train/rewards/desirable"] != 0.0
     assert all(row["train/z0"] == max(0.0, row["train/kl"]) for row in train)
     assert all(0.0 < row["train/desirable_share"] < 1.0 for row in train)
@@ -402,7 +414,8 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, unpa
     assert "cut/checkpoints/update_000002 (update 2)" in resumed.stdout + resumed.stderr
 
     assert_same_safetensors(tmp_path / "full" / "model.safetensors", tmp_path / "cut" / "model.safetensors")
-    rows = {name: [without_timing(json.loads(line)) for line in open(runs / name / "metrics.jsonl")] for name in command}
+    rows = {name: [without_timing(json.loads(line)) for line in open(runs / name / "metrics.jsonl")]
+            for name in command}
     assert [row["step"] for row in rows["full"] if "train/z0" in row] == [1, 2, 3, 4]
     assert rows["cut"] == rows["full"]
     summaries = {name: without_timing(json.load(open(runs / name / "summary.json"))) for name in command}
@@ -477,11 +490,13 @@ def test_pipeline_opt_in_adds_the_kto_stages(tmp_path):
     assert not {"unpaired", "kto", "kto_unpaired"} & set(plain.stages)
     p = pipeline.Pipeline(pipeline.Args(out=str(tmp_path / "kto"), kto=True))
     assert p.stages == ["prep", "unpaired", "sft", "rm", "ppo", "dpo", "kto", "kto_unpaired", "judge", "report"]
-    assert p.cmd_unpaired()[-1] == "--unpaired_only" and p.marker("unpaired") == p.marker("prep").replace("prep", "unpaired")
+    assert (p.cmd_unpaired()[-1] == "--unpaired_only"
+            and p.marker("unpaired") == p.marker("prep").replace("prep", "unpaired"))
     assert "unpaired_summary.json" in p.incomplete("unpaired")  # not prepared yet
     pairs, thumbs = p.command("kto"), p.command("kto_unpaired")
     for command, feedback in ((pairs, "pairs"), (thumbs, "unpaired")):
         assert command[command.index("--feedback") + 1] == feedback
-        assert command[command.index("--total_batch_size") + 1] == "64" and command[command.index("--total_episodes") + 1] == "1920"
+        assert (command[command.index("--total_batch_size") + 1] == "64"
+                and command[command.index("--total_episodes") + 1] == "1920")
     assert thumbs[thumbs.index("--desirable_weight") + 1] == "2" and "--desirable_weight" not in pairs
     assert thumbs[thumbs.index("--output_dir") + 1].endswith("models/kto_unpaired")

@@ -12,7 +12,8 @@ Targets, in lines of code (issue 49: count code, not comments; tools/code_lines.
 comments, docstrings and blank lines do not count, and this file measures with it): each training script, each
 `main` (its docstring not counted) and each fork's code diff (`diff` of the two files reduced to their lines of code,
 the lines starting with < or >) within its cap below, set at least 15% above its size when issue 62 ended; no
-top-level definition that its script never uses. Only the scripts have a size cap: no module outside them has one (issue 62).
+top-level definition that its script never uses. Only the scripts have a size cap: no module outside them has one
+(issue 62).
 
 The command lines: every script's --help flags are the committed list tests/help_flags.json (tools/help_flags.py
 writes it), and --help shows the run's flags as their own group with flat names, spelled with underscores.
@@ -32,6 +33,7 @@ import sys
 from collections import defaultdict
 
 import pytest
+
 from conftest import REPO_ROOT, RUN_MODULE, training_scripts
 from test_shared_helpers import (
     JUDGE_CLIENT,

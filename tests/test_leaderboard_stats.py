@@ -67,7 +67,8 @@ def test_the_paired_interval_on_hand_numbers():
     assert row["mean"] == pytest.approx(0.0566667, abs=1e-6)
     assert (row["low"], row["high"]) == pytest.approx((0.0566667 - 0.051712, 0.0566667 + 0.051712), abs=1e-5)
     t = 0.0566667 / (0.0208167 / math.sqrt(3))
-    assert row["p"] == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-4) and row["p"] == pytest.approx(0.04216, abs=1e-4)
+    assert (row["p"] == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-4)
+            and row["p"] == pytest.approx(0.04216, abs=1e-4))
     assert row["p_holm"] == row["p"] and row["holm_level"] == 0.05
     assert (row["holm_low"], row["holm_high"]) == pytest.approx((row["low"], row["high"]), rel=1e-12)
     assert row["beats"] == "yes"
@@ -134,7 +135,8 @@ def fake_pipelines(out) -> list:
             os.makedirs(os.path.join(p.runs, stage))
             (base / "runs" / stage / "args.json").write_text(json.dumps(ARGS[stage]))
         (base / "report" / "results.json").write_text(json.dumps({"policies": policies}))
-        (base / "cpu.json").write_text(json.dumps({"cpu": "CPU A, with AVX-512 (avx512f)"}))  # pipeline.check_cpu's record
+        # pipeline.check_cpu's record
+        (base / "cpu.json").write_text(json.dumps({"cpu": "CPU A, with AVX-512 (avx512f)"}))
         pipelines.append(p)
     return pipelines
 

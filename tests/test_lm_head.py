@@ -8,12 +8,12 @@ Also: a LoRA adapter on the output layer still applies, and DPO's reference of a
 
 from types import SimpleNamespace
 
-from conftest import load_script
-
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+from conftest import load_script
 
 sft, dpo, kto, online_dpo = load_script("sft"), load_script("dpo"), load_script("kto"), load_script("online_dpo")
 ppo, rloo, grpo, offline_rl = load_script("ppo"), load_script("rloo"), load_script("grpo"), load_script("offline_rl")
@@ -119,8 +119,8 @@ def test_sft_loss_reads_only_the_target_positions(monkeypatch):
 def test_sequence_logprobs_read_only_the_response_positions(monkeypatch, name):
     module = PAIR_SCRIPTS[name]
     query_responses, response_labels = rows()
-    ours, full, g1, g2, seen = both_ways(module, monkeypatch,
-                                         lambda m: (module.sequence_logprobs(m, query_responses, response_labels, PAD),))
+    ours, full, g1, g2, seen = both_ways(
+        module, monkeypatch, lambda m: (module.sequence_logprobs(m, query_responses, response_labels, PAD),))
     assert_same(ours, full, g1, g2)
     assert seen == int((response_labels[:, 1:] != PAD).sum())  # each response token, predicted from the one before
 
@@ -177,7 +177,8 @@ def test_a_lora_adapter_on_the_output_layer_still_applies_and_adapters_off_reads
         with_adapters = dpo.sequence_logprobs(policy, query_responses, response_labels, PAD)
     targets = int((response_labels[:, 1:] != PAD).sum())
     assert seen.rows == targets and seen.calls == 1
-    full = full_width_forward(policy, query_responses, PAD, torch.nn.functional.pad(response_labels[:, 1:] != PAD, (0, 1)))
+    full = full_width_forward(policy, query_responses, PAD,
+                              torch.nn.functional.pad(response_labels[:, 1:] != PAD, (0, 1)))
     picked = full.logits.log_softmax(-1).gather(1, response_labels[:, 1:][response_labels[:, 1:] != PAD].unsqueeze(-1))
     sums = torch.zeros(4).index_add(0, (response_labels[:, 1:] != PAD).nonzero()[:, 0], picked.squeeze(-1))
     torch.testing.assert_close(with_adapters, sums, rtol=1e-5, atol=1e-4)

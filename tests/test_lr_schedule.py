@@ -66,8 +66,8 @@ def test_the_multipliers_are_transformers_bit_for_bit(script):
                 ours = lr_schedule(ours_opt, kind, num_updates, warmup)
                 theirs = get_scheduler(kind, theirs_opt, num_warmup_steps=warmup, num_training_steps=num_updates)
                 steps = num_updates + 5
-                assert [ours.lr_lambdas[0](t) for t in range(steps)] == [theirs.lr_lambdas[0](t) for t in range(steps)], \
-                    (kind, num_updates, warmup)
+                assert ([ours.lr_lambdas[0](t) for t in range(steps)]
+                        == [theirs.lr_lambdas[0](t) for t in range(steps)]), (kind, num_updates, warmup)
                 assert learning_rates(ours, ours_opt, steps) == learning_rates(theirs, theirs_opt, steps), \
                     (kind, num_updates, warmup)
     # the default is no warm-up: the three-argument call of sft.py and offline_rl.py

@@ -13,7 +13,6 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 import measure_memory  # noqa: E402
 
 
-
 def test_parameter_formula_matches_real_models():
     """The estimate's parameter count: exact on real GPT-NeoX models and on Pythia-6.9B's published count."""
     from transformers import GPTNeoXForSequenceClassification
@@ -46,7 +45,8 @@ def test_estimate_zero3_needs_less_than_zero2():
 
 def test_failed_child_names_the_script_and_shows_its_stderr(tmp_path):
     args = measure_memory.Args()
-    cmd = [sys.executable, "-c", "import sys; print('work' + 'ing'); sys.stderr.write('ValueError: boom\\n'); sys.exit(3)"]
+    cmd = [sys.executable, "-c",
+           "import sys; print('work' + 'ing'); sys.stderr.write('ValueError: boom\\n'); sys.exit(3)"]
     with pytest.raises(measure_memory.RunFailed) as error:
         measure_memory.run_child(cmd, "ppo.py (lora mode)", str(tmp_path / "log"), args)
     message = str(error.value)
@@ -96,7 +96,8 @@ def test_tiny_model_table_and_csv(synthetic_task, tmp_path):
     assert set(rows) == {(script, mode) for script in ("sft.py", "ppo.py") for mode in ("plain", "lora", "qlora")}
     for row in rows.values():
         assert row["status"] == "ok"
-        peak, own, before = float(row["peak_rss_mib"]), float(row["own_peak_rss_mib"]), float(row["rss_before_main_mib"])
+        peak, own, before = (float(row["peak_rss_mib"]), float(row["own_peak_rss_mib"]),
+                             float(row["rss_before_main_mib"]))
         assert peak > 0 and before > 0 and peak >= before
         # the parent never grew large, so the child's ru_maxrss is its own high-water mark
         assert abs(peak - own) <= 0.05 * own

@@ -34,6 +34,7 @@ import sys
 
 import pytest
 import torch
+
 from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, training_scripts, without_timing
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,7 +177,8 @@ def launcher_command(launcher: str, processes: int, port: int, bf16: bool = Fals
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
                 "--master_port", str(port), PROBE]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(REPO_ROOT, f"{launcher}.yaml"),
+    return [sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", os.path.join(REPO_ROOT, f"{launcher}.yaml"),
             "--num_processes", str(processes), "--mixed_precision", "bf16" if bf16 else "no",
             "--main_process_port", str(port), PROBE]
 
@@ -304,8 +306,8 @@ def test_reward_model_ensemble_under_zero2_matches_one_process(script, synthetic
     gathered batch): ZeRO-2 on 2 processes ends with the weights and metrics of 1 process."""
     flags = SCRIPTS[script](synthetic_task)
     i = flags.index("--reward_model_path")
-    flags = [*flags[: i + 2], reward_model(synthetic_task, seed=1), "--reward_combine", "min", f"--{script}.scale_rewards",
-             *flags[i + 2 :]]
+    flags = [*flags[: i + 2], reward_model(synthetic_task, seed=1), "--reward_combine", "min",
+             f"--{script}.scale_rewards", *flags[i + 2 :]]
     (one,), one_rows, _ = run_probe(script, flags, tmp_path, "one", 1)
     two, two_rows, _ = run_probe(script, flags, tmp_path, "two", 2, None, "zero2")
     assert two[0]["zero_stage"] == 2 and set(two[0]["engines"]) == {"DeepSpeedEngine"}
@@ -316,7 +318,8 @@ def test_reward_model_ensemble_under_zero2_matches_one_process(script, synthetic
 
 OFFLINE_METHODS = {"filter": [], "dt": ["--dt_eval_targets", "0"],
                    # each rank samples with its own seed: near-greedy candidates are the same rows as one process's
-                   "best_of_n": ["--n", "2", "--bon_num_prompts", "8", "--iterations", "2", "--bon_temperature", "0.001"]}
+                   "best_of_n": ["--n", "2", "--bon_num_prompts", "8", "--iterations", "2",
+                                 "--bon_temperature", "0.001"]}
 
 
 @pytest.mark.slow
@@ -448,13 +451,14 @@ def test_zero2_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, 
     one = subprocess.run([sys.executable, PROBE, *command("killed", "--resume")[len(launcher_command("zero2", 2, 0)):]],
                          cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert one.returncode != 0 and one.stderr.strip().splitlines()[-1] == (
-        f"mp_probe.py: error: --resume: {checkpoint} was written by 2 process(es) with DeepSpeed stage 2, this run has 1 "
-        "with stage None; launch 2 process(es) with the original config"), one.stderr[-2000:]
+        f"mp_probe.py: error: --resume: {checkpoint} was written by 2 process(es) with DeepSpeed stage 2, "
+        "this run has 1 with stage None; launch 2 process(es) with the original config"), one.stderr[-2000:]
     resumed = subprocess.run(command("killed", "--resume"), cwd=REPO_ROOT, env=DEEPSPEED_ENV, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout and "update_000002" in resumed.stdout, resumed.stdout[-2000:]
-    assert_same_safetensors(tmp_path / "model_full" / "model.safetensors", tmp_path / "model_killed" / "model.safetensors")
+    assert_same_safetensors(tmp_path / "model_full" / "model.safetensors",
+                            tmp_path / "model_killed" / "model.safetensors")
     full = [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / "full" / "metrics.jsonl")]
     killed = [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / "killed" / "metrics.jsonl")]
     assert [row["step"] for row in killed] == [row["step"] for row in full] and full[-1] == killed[-1]
@@ -466,8 +470,8 @@ def test_a_refused_resume_of_a_zero2_run_is_one_paragraph_from_rank_0(synthetic_
     --num_processes 1`) and on 2 under ZeRO-3: the refusal is printed once, by rank 0, with no traceback of the
     script (before: under a rank traceback, accelerate's ChildFailedError and torch's failure block, 48 lines). The
     launcher's own report may follow it."""
-    flags = [*sft_flags(synthetic_task), "--output_dir", str(tmp_path / "model"), "--run_dir_root", str(tmp_path / "runs"),
-             "--run_name", "z2", "--checkpoint_every", "2"]
+    flags = [*sft_flags(synthetic_task), "--output_dir", str(tmp_path / "model"),
+             "--run_dir_root", str(tmp_path / "runs"), "--run_name", "z2", "--checkpoint_every", "2"]
     sft = os.path.join(REPO_ROOT, "sft.py")
 
     def launch(config: str, processes: int) -> list:  # each launch takes a free port
@@ -479,9 +483,10 @@ def test_a_refused_resume_of_a_zero2_run_is_one_paragraph_from_rank_0(synthetic_
                              capture_output=True, text=True, timeout=600)
     assert written.returncode == 0, written.stderr[-4000:]
     checkpoint = tmp_path / "runs" / "z2" / "checkpoints" / "update_000002"
-    refusal = (f"--resume: {checkpoint} was written by 2 process(es) with DeepSpeed stage 2, this run has {{}} with stage "
-               f"{{}}; launch 2 process(es) with the original config")
-    for command, env, ours in (([sys.executable, sft], ENV, (1, None)), (launch("zero2.yaml", 1), DEEPSPEED_ENV, (1, 2)),
+    refusal = (f"--resume: {checkpoint} was written by 2 process(es) with DeepSpeed stage 2, this run has {{}} "
+               f"with stage {{}}; launch 2 process(es) with the original config")
+    for command, env, ours in (([sys.executable, sft], ENV, (1, None)),
+                               (launch("zero2.yaml", 1), DEEPSPEED_ENV, (1, 2)),
                                (launch("zero3.yaml", 2), DEEPSPEED_ENV, (2, 3))):
         result = subprocess.run([*command, *flags, "--resume"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                 timeout=600)

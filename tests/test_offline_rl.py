@@ -3,8 +3,6 @@ generation config, one subprocess smoke run per method on the built-in task, and
 (SIGKILL + --resume gives the uninterrupted result, the non-finite guard and its fallback checkpoint, a missing
 column)."""
 
-from conftest import (ENV, assert_last_good_checkpoint, assert_same_checkpoint, assert_same_safetensors,
-                      kill_after_checkpoint, load_script, run_ok, with_nan_at, without_timing)
 import json
 import math
 import os
@@ -17,6 +15,18 @@ import pandas as pd
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+
+from conftest import (
+    ENV,
+    assert_last_good_checkpoint,
+    assert_same_checkpoint,
+    assert_same_safetensors,
+    kill_after_checkpoint,
+    load_script,
+    run_ok,
+    with_nan_at,
+    without_timing,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 offline_rl = load_script("offline_rl")
@@ -144,12 +154,14 @@ def test_the_gradient_of_an_update_does_not_depend_on_the_micro_batch_size():
         accelerator.step = 0  # micro-step counter of accelerate's accumulation, from a fresh update
         prepared, optimizer = accelerator.prepare(model, optimizer)
         prepared.train()
-        args = SimpleNamespace(local_micro_batch_size=micro_batch_size, gradient_accumulation_steps=8 // micro_batch_size)
+        args = SimpleNamespace(local_micro_batch_size=micro_batch_size,
+                               gradient_accumulation_steps=8 // micro_batch_size)
         run = SimpleNamespace(accelerator=accelerator)
         run.guard = lambda update, **quantities: run_module.Run.guard(run, update, **quantities)
         loss, tokens = offline_rl.train_update(args, accelerator, prepared, optimizer, run, 1, queries, responses, rows,
                                                weights, PAD)
-        return loss, tokens, {name: p.detach().clone() for name, p in accelerator.unwrap_model(prepared).named_parameters()}
+        return loss, tokens, {name: p.detach().clone()
+                              for name, p in accelerator.unwrap_model(prepared).named_parameters()}
 
     start = dict(tiny_lm(3).named_parameters())
     loss_2, tokens_2, after_2 = weights_after_one_update(2)
@@ -178,8 +190,8 @@ def test_the_gradient_of_an_update_does_not_depend_on_the_micro_batch_size():
         part = slice(micro, micro + 2)
         loss, _ = offline_rl.weighted_response_loss(model, query_responses[part], labels[part], weights[part], PAD)
         (loss / 4).backward()
-    differs = [name for name, p in model.named_parameters() if not torch.allclose(start[name].detach() - p.grad, after_2[name],
-                                                                                 rtol=1e-3, atol=1e-5)]
+    differs = [name for name, p in model.named_parameters()
+               if not torch.allclose(start[name].detach() - p.grad, after_2[name], rtol=1e-3, atol=1e-5)]
     assert differs, "per-micro-batch means would give the same update: the test cannot tell the two apart"
 
 
@@ -322,7 +334,8 @@ def run_method(setup: dict, method: str, *extra: str) -> tuple[dict, str]:
 
 
 def test_smoke_dt_then_filter_and_rwr_reuse_the_cache(smoke_setup):
-    summary, run_dir = run_method(smoke_setup, "dt", "--dt_eval_targets", "-5", "0", "5", "--dt_target_percentile", "90")
+    summary, run_dir = run_method(smoke_setup, "dt", "--dt_eval_targets", "-5", "0", "5",
+                                  "--dt_target_percentile", "90")
     assert summary["mixture/cache_hit"] == 0 and summary["mixture/size"] == 32
     for target in ("-5.0", "+0.0", "+5.0"):
         assert os.path.exists(os.path.join(run_dir, f"samples_target_{target}.csv"))
@@ -354,10 +367,12 @@ def test_smoke_best_of_n_two_iterations(smoke_setup):
     # the budget it claims (n x bon_num_prompts a round, 2 rounds) is what it sampled, every candidate counted
     assert summary["budget/responses_sampled"] == 2 * 8 * 2 and summary["budget/prompts"] == 16
     assert summary["budget/updates"] == 2 and summary["budget/rows_read"] == 16
-    rounds = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if "best_of_n/iteration" in line]
+    rounds = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))
+              if "best_of_n/iteration" in line]
     assert [m["budget/responses_sampled"] for m in rounds] == [16, 32]
     for iteration in (1, 2):
-        assert summary[f"best_of_n/score_mean_best_iter{iteration}"] >= summary[f"best_of_n/score_mean_all_iter{iteration}"]
+        assert (summary[f"best_of_n/score_mean_best_iter{iteration}"]
+                >= summary[f"best_of_n/score_mean_all_iter{iteration}"])
 
 
 def test_lr_schedule_curves():
@@ -447,7 +462,8 @@ def test_resuming_from_the_non_finite_fallback_equals_resuming_from_the_ordinary
     ordinary checkpoint of update 2 of the same run without the NaN. Resumed from either, the run ends with the same
     weights and metrics."""
     runs = tmp_path / "runs"
-    flags = ["--method", "best_of_n", "--n", "2", "--bon_num_prompts", "8", "--iterations", "3", "--num_train_epochs", "2",
+    flags = ["--method", "best_of_n", "--n", "2", "--bon_num_prompts", "8", "--iterations", "3",
+             "--num_train_epochs", "2",
              "--checkpoint_every", "1", "--checkpoint_keep", "0"]  # a checkpoint after every update, all kept
     poisoned = subprocess.run(with_nan_at(resumable_command(smoke_setup, tmp_path, "poisoned", *flags), update=3),
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
@@ -485,7 +501,8 @@ def test_a_missing_column_is_one_clear_error(smoke_setup, tmp_path):
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
     # the error of check_columns: the split, the missing column and the fix, not a KeyError deep in a library
-    assert last_line.startswith(f"offline_rl.py: error: {broken} split 'train' lacks the column(s) [{column!r}]"), last_line
+    assert last_line.startswith(
+        f"offline_rl.py: error: {broken} split 'train' lacks the column(s) [{column!r}]"), last_line
     assert "data/prepare.py" in last_line
     # refused before anything was written: the output folder is not claimed, so a fixed rerun is not blocked
     assert not (tmp_path / "model_broken").exists() and not (tmp_path / "runs" / "broken" / "checkpoints").exists()

@@ -3,7 +3,6 @@ frequencies of softmax(logits / T)), the labels from reward-model scores and fro
 reference switch, a tiny end-to-end run on the built-in task, and (slow) a resume after SIGKILL. Its runs on 2
 processes (torchrun, ZeRO-2, ZeRO-3) against 1, pair counts included, are tests/test_multiprocess.py's."""
 
-from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok, tiny_causal_lm, without_timing
 import json
 import math
 import os
@@ -21,6 +20,16 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForSequenceClassification
+
+from conftest import (
+    ENV,
+    assert_same_safetensors,
+    kill_after_checkpoint,
+    load_script,
+    run_ok,
+    tiny_causal_lm,
+    without_timing,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -179,7 +188,8 @@ def test_reward_model_labels_from_hand_built_scores():
     columns = online.pair_columns(queries, responses, torch.tensor([1, 0]), PAD)
     assert columns["query_chosen_token"].tolist() == [[PAD, 5, 6, 9, 9, EOS], [PAD, PAD, 7, 10, EOS, PAD]]
     assert columns["query_rejected_token"].tolist() == [[PAD, 5, 6, 8, EOS, PAD], [PAD, PAD, 7, 11, EOS, PAD]]
-    assert columns["query_chosen_token_response_label"].tolist() == [[PAD] * 3 + [9, 9, EOS], [PAD] * 3 + [10, EOS, PAD]]
+    assert columns["query_chosen_token_response_label"].tolist() == [[PAD] * 3 + [9, 9, EOS],
+                                                                     [PAD] * 3 + [10, EOS, PAD]]
 
 
 def gold_pairs(n: int, seed: int):
@@ -257,7 +267,8 @@ def test_the_last_round_as_reference_needs_rounds_of_several_updates():
     policy of that very update: every loss log 2, no KL anchor. Refused at the flag check, naming both flags."""
     for pairs_per_round in (None, 8):
         with pytest.raises(online.RunError, match=r"--reference last_round.*--pairs_per_round 8.*several updates"):
-            online.check_online_flags(online.Args(reference="last_round", total_batch_size=8, pairs_per_round=pairs_per_round))
+            online.check_online_flags(online.Args(reference="last_round", total_batch_size=8,
+                                                  pairs_per_round=pairs_per_round))
     online.check_online_flags(online.Args(reference="last_round", total_batch_size=8, pairs_per_round=16))
     online.check_online_flags(online.Args(reference="sft", total_batch_size=8))  # online DPO against SFT: fine
 
@@ -277,8 +288,10 @@ def test_reference_is_the_sft_model_or_the_policy_at_the_start_of_the_round(tmp_
     """One round through online_round (sampling, reward-model labels, refills, reference log-probs): the same pairs
     with either flag, and their reference log-probs are those of the SFT model (--reference sft) or of the policy as
     it is when the round starts, i.e. at the end of the last round (--reference last_round)."""
-    policy, sft = tiny_causal_lm(seed=0, pad_token_id=PAD, eos_token_id=EOS), tiny_causal_lm(seed=1, pad_token_id=PAD, eos_token_id=EOS)
-    prompts = online.with_row_index(Dataset.from_dict({"query_token": left_padded(QUERIES * 4, 6).tolist()}), ["query_token"])
+    policy, sft = (tiny_causal_lm(seed=0, pad_token_id=PAD, eos_token_id=EOS),
+                   tiny_causal_lm(seed=1, pad_token_id=PAD, eos_token_id=EOS))
+    prompts = online.with_row_index(Dataset.from_dict({"query_token": left_padded(QUERIES * 4, 6).tolist()}),
+                                    ["query_token"])
     logged = []
     run = SimpleNamespace(guard=lambda update, **quantities: None, log=lambda step, metrics: logged.append(metrics),
                           dir=str(tmp_path))
@@ -316,22 +329,22 @@ def online_flags(task: dict) -> list:
 
 
 def online_command(task: dict, tmp_path, output_dir, *extra: str) -> list:
-    return [sys.executable, os.path.join(REPO_ROOT, "online_dpo.py"), *online_flags(task), "--output_dir", str(output_dir),
-            "--run_dir_root", str(tmp_path / "runs"), *extra]
+    return [sys.executable, os.path.join(REPO_ROOT, "online_dpo.py"), *online_flags(task),
+            "--output_dir", str(output_dir), "--run_dir_root", str(tmp_path / "runs"), *extra]
 
 
 def test_end_to_end_with_the_gold_judge_and_the_last_round_as_reference(synthetic_task, tmp_path, monkeypatch):
     """A tiny run labelled by the gold judge's endpoint (started here, on loopback), rounds of two updates and the
     policy at the end of the last round as the reference: each round's first update starts with the policy equal to
-    its reference, so its rewards are 0 and its loss is log 2, while the policy moves away from the SFT model. The judge's replies
-    are cached in the run folder; the round counts are logged and summed in the summary."""
+    its reference, so its rewards are 0 and its loss is log 2, while the policy moves away from the SFT model. The
+    judge's replies are cached in the run folder; the round counts are logged and summed in the summary."""
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     output_dir, runs = tmp_path / "model", tmp_path / "runs"
     with gjs.serve_in_thread() as server:
         run_ok(online_command(synthetic_task, tmp_path, output_dir, "--run_name", "e2e", "--total_episodes", "64",
                               "--judge", "endpoint", "--endpoint.base_url", server.base_url, "--endpoint.model",
-                              server.model_name, "--reference", "last_round", "--pairs_per_round", "32", "--log_every", "1",
-                              "--eval_every", "0"),
+                              server.model_name, "--reference", "last_round", "--pairs_per_round", "32",
+                              "--log_every", "1", "--eval_every", "0"),
                cwd=REPO_ROOT, env=ENV)
         requests = server.request_count
     run_dir = runs / "e2e"
@@ -356,7 +369,8 @@ def test_end_to_end_with_the_gold_judge_and_the_last_round_as_reference(syntheti
                 for m in rounds)
     assert 0 < requests and asked <= requests  # every pair the EOS rule left open was asked (plus any re-asks)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["num_updates"] == 4 and summary["online/pairs_trained_total"] == sum(m["online/pairs_trained"] for m in rounds)
+    assert (summary["num_updates"] == 4
+            and summary["online/pairs_trained_total"] == sum(m["online/pairs_trained"] for m in rounds))
     assert summary["online/pairs_total"] == sum(m["online/pairs"] for m in rounds) == 64
     # the budget it claims (--total_episodes 64 prompts, a pair of responses each) is what it sampled: each prompt once,
     # a pair the judge cannot separate weighs 0 instead of being redrawn (ppo.py's, rloo.py's and grpo.py's rule)
@@ -366,7 +380,8 @@ def test_end_to_end_with_the_gold_judge_and_the_last_round_as_reference(syntheti
     assert (run_dir / "judge_cache.sqlite").exists()
     assert json.loads((run_dir / "args.json").read_text())["endpoint"]["base_url"] == server.base_url
     samples = pd.read_csv(run_dir / "samples.csv")
-    assert len(samples) == 8 and samples["response_token_len"].between(1, synthetic_task["task"]["sft_response_length"]).all()
+    assert len(samples) == 8 and samples["response_token_len"].between(
+        1, synthetic_task["task"]["sft_response_length"]).all()
     trained = AutoModelForCausalLM.from_pretrained(output_dir).state_dict()
     start = AutoModelForCausalLM.from_pretrained(synthetic_task["base_model"]).state_dict()
     assert any(not torch.equal(trained[name], start[name]) for name in start)
@@ -390,17 +405,20 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, tmp_
     2, then --resume: the round's pairs and reference log-probs come from the checkpoint (the policy that sampled
     them is gone), and the policy, metrics.jsonl, summary.json and samples equal an uninterrupted run's."""
     # 4 updates in rounds of 2 (rounds start at updates 1 and 3); logs at 2 and 4, an evaluation at 2
-    flags = ["--reward_model_path", reward_model_for(synthetic_task), "--total_episodes", "64", "--pairs_per_round", "32",
+    flags = ["--reward_model_path", reward_model_for(synthetic_task), "--total_episodes", "64",
+             "--pairs_per_round", "32",
              "--checkpoint_every", "3", "--eval_every", "2", "--log_every", "2", "--eval_temperature", "1.0"]
     runs = tmp_path / "runs"
-    run_ok(online_command(synthetic_task, tmp_path, tmp_path / "full", "--run_name", "full", *flags), cwd=REPO_ROOT, env=ENV)
+    run_ok(online_command(synthetic_task, tmp_path, tmp_path / "full", "--run_name", "full", *flags), cwd=REPO_ROOT,
+           env=ENV)
     command = online_command(synthetic_task, tmp_path, tmp_path / "cut", "--run_name", "cut", *flags)
     kill_after_checkpoint(command, runs / "cut" / "checkpoints" / "update_000003", cwd=REPO_ROOT, env=ENV, timeout=240)
     assert not (tmp_path / "cut" / "model.safetensors").exists()
     resumed = run_ok(command + ["--resume"], cwd=REPO_ROOT, env=ENV)
     assert "cut/checkpoints/update_000003 (update 3)" in resumed.stdout + resumed.stderr
     assert_same_safetensors(tmp_path / "full" / "model.safetensors", tmp_path / "cut" / "model.safetensors")
-    rows = {name: [without_timing(json.loads(line)) for line in open(runs / name / "metrics.jsonl")] for name in ("full", "cut")}
+    rows = {name: [without_timing(json.loads(line)) for line in open(runs / name / "metrics.jsonl")]
+            for name in ("full", "cut")}
     assert [r["step"] for r in rows["full"] if "online/round" in r] == [1, 3]
     assert rows["cut"] == rows["full"]
     summaries = {name: without_timing(json.load(open(runs / name / "summary.json"))) for name in ("full", "cut")}
@@ -438,7 +456,8 @@ def test_lora_run_saves_a_plain_float32_model(memory, reference, synthetic_task,
     assert all(torch.equal(saved[name], start[name]) for name in saved if name not in adapted)
     assert all(not torch.equal(saved[name], start[name]) for name in adapted)
     assert max((saved[name] - start[name]).abs().max() for name in adapted) < 0.5  # near the start, not noise
-    first = next(json.loads(line) for line in open(tmp_path / "runs" / "lora" / "metrics.jsonl") if "train/loss" in line)
+    first = next(json.loads(line) for line in open(tmp_path / "runs" / "lora" / "metrics.jsonl")
+                 if "train/loss" in line)
     assert first["train/rewards/chosen"] == first["train/rewards/rejected"] == 0.0
     assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-7)
 
@@ -464,7 +483,8 @@ def test_resuming_from_the_non_finite_fallback_equals_resuming_from_the_ordinary
     and saves the state after update 2 (round 1's pairs and counts, the RNG states, accelerate's micro-step count) as
     its checkpoint, byte for byte the ordinary checkpoint of update 2 of the same run without the NaN. Resumed from
     either, the run ends with the same weights and metrics."""
-    flags = ["--reward_model_path", reward_model_for(synthetic_task), "--total_episodes", "64", "--pairs_per_round", "32",
+    flags = ["--reward_model_path", reward_model_for(synthetic_task), "--total_episodes", "64",
+             "--pairs_per_round", "32",
              "--checkpoint_every", "1", "--checkpoint_keep", "0", "--eval_every", "2", "--log_every", "1"]
     runs = tmp_path / "runs"
     command = {run: online_command(synthetic_task, tmp_path, tmp_path / run, "--run_name", run, *flags)

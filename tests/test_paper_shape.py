@@ -22,6 +22,7 @@ import random
 import sys
 
 import pytest
+
 from conftest import ENV, REPO_ROOT, run_ok
 
 QUERY, SFT_RESPONSE, RM_RESPONSE = 512, 53, 169  # Details 4-5, the TL;DR defaults of data/prepare.py
@@ -165,8 +166,12 @@ def test_paper_shaped_pipeline(tmp_path):
     import numpy as np
     import torch
     from datasets import load_from_disk
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                              PreTrainedTokenizerFast)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+    )
 
     sft_raw, pref_raw = write_raw_rows(str(tmp_path))
     tokenizer = pythia_like_tokenizer(texts_of(sft_raw, pref_raw))

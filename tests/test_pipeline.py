@@ -24,20 +24,21 @@ def test_pipeline_ci_mode_produces_every_artefact(ci_pipeline):
     text = (report / "results.md").read_text()
     results = json.loads((report / "results.json").read_text())
     policies = {r["policy"] for r in results["policies"]}
-    assert {"sft", "ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline", "online_dpo", "dpo", "ipo", "kto",
-            "kto_unpaired", "my_rloo"} <= policies
+    assert {"sft", "ppo", "rloo", "grpo", "grpo_rule", "reinforce_pp", "reinforce_pp_baseline", "online_dpo", "dpo",
+            "ipo", "kto", "kto_unpaired", "my_rloo"} <= policies
 
     # the leaderboard: one row a method in the pipeline's order, the fork's row last, the plot beside it
     board = (report / "leaderboard.md").read_text()
     methods = [line.split(" | ")[0].lstrip("| ") for line in board.splitlines() if line.startswith("| ")][2:]
-    assert methods == ["SFT", "PPO", "RLOO", "GRPO", "GRPO (rule reward)", "REINFORCE++", "REINFORCE++-baseline", "online DPO (RM judge)", "DPO",
-                       "IPO", "KTO (pairs)",
+    assert methods == ["SFT", "PPO", "RLOO", "GRPO", "GRPO (rule reward)", "REINFORCE++", "REINFORCE++-baseline",
+                       "online DPO (RM judge)", "DPO", "IPO", "KTO (pairs)",
                        "KTO (thumbs up / down)", "ILQL", "MLE with filtering", "RWR", "Decision Transformer",
                        "best-of-n", "my_rloo (fork of rloo.py's stage rloo)"]
     import pandas as pd
 
     table = pd.read_csv(report / "leaderboard.csv")
-    assert table["seed_1"].between(0, 1).all() and (table["wall_time_s"] > 0).all() and (table["peak_rss_mib"] > 100).all()
+    assert (table["seed_1"].between(0, 1).all() and (table["wall_time_s"] > 0).all()
+            and (table["peak_rss_mib"] > 100).all())
     no_kl = set(table.loc[table["kl_from_sft"].isna(), "stage"])
     assert no_kl == {"ilql", "offline_dt"}
     budgets = table.set_index("stage")["budget"]  # from the runs' counters (summary.json budget/*)
@@ -61,8 +62,8 @@ def test_pipeline_ci_mode_produces_every_artefact(ci_pipeline):
         assert row["ci_low"] <= row["win_rate"] <= row["ci_high"]
         assert 0.0 <= row["eos_rate"] <= 1.0 and row["length"] > 0
     assert results["ceiling"] is not None
-    for plot in ("win_rate_per_policy.png", "ppo_rm_vs_gold.png", "length_controlled_win_rate.png", "rm_calibration.png",
-                 "dt_targets.png"):
+    for plot in ("win_rate_per_policy.png", "ppo_rm_vs_gold.png", "length_controlled_win_rate.png",
+                 "rm_calibration.png", "dt_targets.png"):
         assert (report / plot).stat().st_size > 1000, plot
         assert plot in text
     for heading in ("gold win rate", "Reward models", "rater confidence", "Wall time per stage", "PPO along training",
@@ -168,7 +169,8 @@ def fake_stage_output(p, stage: str, complete: bool) -> None:
     os.makedirs(os.path.join(p.runs, stage), exist_ok=True)
     pathlib.Path(p.runs, stage, "samples.csv").write_text("query,response,reference\nq,r,x\n")
     os.makedirs(os.path.join(p.models, stage), exist_ok=True)
-    pathlib.Path(p.models, stage, "run.json").write_text(json.dumps({"run_name": stage, **({"complete": True} if complete else {})}))
+    pathlib.Path(p.models, stage, "run.json").write_text(
+        json.dumps({"run_name": stage, **({"complete": True} if complete else {})}))
 
 
 def small_pipeline(tmp_path):
@@ -210,15 +212,17 @@ def test_a_seed_is_finished_only_on_the_cpu_type_it_started_on(tmp_path, monkeyp
         monkeypatch.setattr(pipeline, "cpu_type", lambda: cpu)
         p = pipeline.Pipeline(dataclasses.replace(args, seed=2), seed_dir="seed_2", data_seed=1)
         p.stages, ran = ["prep", "sft", "rm"], []
-        p.run = lambda stage, cmd: ran.append((stage, cmd[-1])) or (fake_stage_output(p, stage, complete=True) if stage != "prep" else
-                                                                    open(os.path.join(p.data, "task.json"), "w").write("{}"))
+        p.run = lambda stage, cmd: ran.append((stage, cmd[-1])) or (
+            fake_stage_output(p, stage, complete=True) if stage != "prep" else
+            open(os.path.join(p.data, "task.json"), "w").write("{}"))
         return p, ran
 
     p, ran = seed_pipeline("CPU A")
     os.makedirs(p.data, exist_ok=True)
     p.main()
     assert [stage for stage, _ in ran] == ["prep", "sft", "rm"]
-    assert json.load(open(tmp_path / "cpu.json")) == json.load(open(tmp_path / "seed_2" / "cpu.json")) == {"cpu": "CPU A"}
+    assert (json.load(open(tmp_path / "cpu.json")) == json.load(open(tmp_path / "seed_2" / "cpu.json"))
+            == {"cpu": "CPU A"})
     assert json.load(open(p.marker("sft")))["cpu"] == "CPU A"
     p, ran = seed_pipeline("CPU A")
     p.main()
@@ -260,7 +264,8 @@ def test_pipeline_reruns_an_incomplete_stage_and_stops_when_a_stage_ends_incompl
     assert ran == ["sft"]
     p.args.force = ["sft"]
     p.run = lambda stage, cmd: fake_run(stage, cmd, complete=False)  # the command ends, the folder is incomplete
-    with pytest.raises(RuntimeError, match=r"\[sft\] ended, but .*models/sft is incomplete.*python pipeline.py --force sft"):
+    with pytest.raises(RuntimeError,
+                       match=r"\[sft\] ended, but .*models/sft is incomplete.*python pipeline.py --force sft"):
         p.main()
 
 
@@ -318,6 +323,7 @@ def assert_legend_inside_and_gold_axis_0_to_1(fig) -> None:
 def test_ppo_plot_keeps_its_legend_inside_and_the_gold_axis_from_0_to_1(tmp_path, monkeypatch):
     sys.path.insert(0, REPO_ROOT)
     import pandas as pd
+
     import report
 
     figures = captured_figure(monkeypatch)
@@ -326,7 +332,8 @@ def test_ppo_plot_keeps_its_legend_inside_and_the_gold_axis_from_0_to_1(tmp_path
     report.rm_and_gold_plot(curve, "step", "PPO update", "mean RM score", "PPO", str(tmp_path), "ppo.png")
     assert (tmp_path / "ppo.png").stat().st_size > 1000
     assert_legend_inside_and_gold_axis_0_to_1(figures[-1])
-    assert figures[-1].axes[0].get_ylim() == pytest.approx((0.0, 1.575))  # 1.5 and a margin, so no point sits on the frame
+    # 1.5 and a margin, so no point sits on the frame
+    assert figures[-1].axes[0].get_ylim() == pytest.approx((0.0, 1.575))
     # a change of 0.03 in the RM score is drawn on a 0-1 axis as the gold win rate is, not zoomed into a leap
     flat = curve.assign(rm_score=[0.852, 0.86, 0.87, 0.875, 0.88, 0.883])
     report.rm_and_gold_plot(flat, "step", "PPO update", "mean RM score", "PPO", str(tmp_path), "flat.png")
@@ -338,16 +345,19 @@ def test_the_ppo_curve_starts_at_update_0_with_the_sft_samples(tmp_path):
     import types
 
     import pandas as pd
+
     import report
 
     rows = {"query": ["q1", "q2"], "reference": ["a", "b"], "response_token_len": [3, 4], "has_eos": [True, True]}
     (tmp_path / "ppo" / "samples").mkdir(parents=True)
     (tmp_path / "sft").mkdir()
-    pd.DataFrame({**rows, "response": ["a", "x"], "score": ["", ""]}).to_csv(tmp_path / "sft" / "samples.csv", index=False)
+    pd.DataFrame({**rows, "response": ["a", "x"], "score": ["", ""]}).to_csv(tmp_path / "sft" / "samples.csv",
+                                                                             index=False)
     pd.DataFrame({**rows, "response": ["a", "b"], "score": [0.5, 0.7]}).to_csv(
         tmp_path / "ppo" / "samples" / "step_000008.csv", index=False)
     curve = report.ppo_curve(types.SimpleNamespace(runs=str(tmp_path)))
-    assert list(curve["step"]) == [0, 8] and pd.isna(curve["rm_score"][0]) and curve["rm_score"][1] == pytest.approx(0.6)
+    assert (list(curve["step"]) == [0, 8] and pd.isna(curve["rm_score"][0])
+            and curve["rm_score"][1] == pytest.approx(0.6))
     assert curve["gold_win_rate"][1] == 0.5  # both responses equal their references: ties
 
 
@@ -355,6 +365,7 @@ def test_seed_report_draws_the_ppo_seed_band(tmp_path, monkeypatch):
     sys.path.insert(0, REPO_ROOT)
     import numpy as np
     import pandas as pd
+
     import report
 
     figures = captured_figure(monkeypatch)
@@ -366,10 +377,12 @@ def test_seed_report_draws_the_ppo_seed_band(tmp_path, monkeypatch):
                       "gold_win_rate": [0.40 + shift, 0.55 + shift, 0.60 + shift]}).to_csv(
             tmp_path / f"seed_{seed}" / "report" / "ppo_overoptimisation.csv", index=False)
     text = report.write_seed_report(str(tmp_path), [1, 2, 3])
-    assert "ppo_rm_vs_gold_seeds.png" in text and (tmp_path / "report" / "ppo_rm_vs_gold_seeds.png").stat().st_size > 1000
+    assert ("ppo_rm_vs_gold_seeds.png" in text
+            and (tmp_path / "report" / "ppo_rm_vs_gold_seeds.png").stat().st_size > 1000)
     band = pd.read_csv(tmp_path / "report" / "ppo_overoptimisation_seeds.csv")
     assert list(band["step"]) == [8, 16, 24]
-    assert np.allclose(band["gold_win_rate_low"], [0.35, 0.50, 0.55]) and np.allclose(band["gold_win_rate_high"], [0.5, 0.65, 0.7])
+    assert (np.allclose(band["gold_win_rate_low"], [0.35, 0.50, 0.55])
+            and np.allclose(band["gold_win_rate_high"], [0.5, 0.65, 0.7]))
     assert np.allclose(band["rm_score"], [0.2 + 0.05 / 3, 0.8 + 0.05 / 3, 1.1 + 0.05 / 3])
     fig = figures[-1]
     assert_legend_inside_and_gold_axis_0_to_1(fig)
@@ -415,7 +428,8 @@ def test_a_stage_finished_with_another_command_is_refused_unless_forced(tmp_path
     with pytest.raises(RunError) as refused:
         second.main()
     assert str(refused.value) == (f"[prep] finished in {tmp_path} with another command than this pipeline asks (--seed "
-                                  "1 then, 2 now); pass --force prep to redo it (--force all: every stage), or another --out")
+                                  "1 then, 2 now); pass --force prep to redo it (--force all: every stage), "
+                                  "or another --out")
     assert len(ran) == 2  # nothing ran
 
     again = pipeline.Pipeline(pipeline.Args(out=str(tmp_path), seed=1, threads=3))  # the same commands
@@ -434,9 +448,10 @@ def test_what_works_on_the_quickstart_folder_asks_its_commands(tmp_path):
     """--mode full (three seeds) shares the quickstart's task, ablate.py's upstream pipeline asks the quickstart's
     prep, SFT and RM, and a moved folder keeps its commands: none of them is refused."""
     sys.path.insert(0, REPO_ROOT)
+    import tyro
+
     import ablate
     import pipeline
-    import tyro
 
     quickstart = pipeline.Pipeline(pipeline.Args(out=str(tmp_path)))
     full = pipeline.Pipeline(pipeline.Args(mode="full", out=str(tmp_path), seed=2), seed_dir="seed_2", data_seed=1)
@@ -484,6 +499,7 @@ def test_a_second_pipeline_on_one_folder_is_refused_in_one_line(tmp_path, monkey
 def test_the_leaderboard_interval_is_the_t_interval_of_the_seeds():
     sys.path.insert(0, REPO_ROOT)
     import numpy as np
+
     import report
 
     mean, low, high = report.mean_and_t_interval([0.615, 0.630, 0.632])
@@ -503,7 +519,8 @@ def test_an_extra_fork_takes_its_stage_command_under_its_own_name(tmp_path):
     assert p.stages[-3:] == ["my_grpo", "judge", "report"] and "my_grpo" in p.policies_order()
     mine, theirs = p.command("my_grpo"), p.command("grpo")
     assert mine[1] == str(fork) and theirs[1].endswith("/grpo.py")
-    assert mine[mine.index("--output_dir") + 1].endswith("models/my_grpo") and mine[mine.index("--run_name") + 1] == "my_grpo"
+    assert (mine[mine.index("--output_dir") + 1].endswith("models/my_grpo")
+            and mine[mine.index("--run_name") + 1] == "my_grpo")
     strip = {"--output_dir", "--run_name"}
     assert [t for i, t in enumerate(mine[2:]) if t not in strip and mine[2:][i - 1] not in strip] == \
         [t for i, t in enumerate(theirs[2:]) if t not in strip and theirs[2:][i - 1] not in strip]
@@ -552,7 +569,8 @@ def test_threads_default_to_the_idle_cores(monkeypatch):
     real_open = builtins.open
     for running, expected in ((1, 4), (3, 2), (9, 1)):  # the reader itself is one of the running threads
         monkeypatch.setattr(builtins, "open", lambda path, *a, running=running, **k: io.StringIO(
-            f"cpu 1 2 3\nprocs_running {running}\nprocs_blocked 0\n") if path == "/proc/stat" else real_open(path, *a, **k))
+            f"cpu 1 2 3\nprocs_running {running}\nprocs_blocked 0\n") if path == "/proc/stat"
+            else real_open(path, *a, **k))
         assert pipeline.idle_cores() == expected
 
 
@@ -596,7 +614,8 @@ def test_an_extra_fork_is_checked_against_the_stages_of_its_mode(tmp_path):
     for stage in ("rm", "prep", "unpaired", "judge", "report"):  # no policy to judge, in any mode
         for mode in ("quickstart", "leaderboard"):
             with pytest.raises(RunError, match=rf"^--extra {fork}:{stage}: stage {stage} makes no policy \(.*\), so a "
-                                               rf"fork of it has nothing to judge; --extra takes a policy stage: sft, "):
+                                               rf"fork of it has nothing to judge; "
+                                               rf"--extra takes a policy stage: sft, "):
                 pipeline.parse_extras([f"{fork}:{stage}"], mode)
     # what the mode runs still passes
     for mode, stage in (("quickstart", "ppo"), ("quickstart", "dpo"), ("quickstart", "sft"), ("full", "rloo"),

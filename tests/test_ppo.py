@@ -2,7 +2,6 @@
 tiny models (7, 21, 22, 23), the trlX / OpenRLHF options, two subprocess smoke runs, and the reliability
 features (SIGKILL + --resume, the non-finite guard, the reward-model tokenizer check)."""
 
-from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
 import json
 import os
 import subprocess
@@ -19,6 +18,8 @@ from transformers import (
     GPTNeoXForCausalLM,
     GPTNeoXForSequenceClassification,
 )
+
+from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ppo = load_script("ppo")
@@ -372,8 +373,9 @@ def test_shared_reference_equals_frozen_sft_copy(accelerator, tmp_path, mode):
 def test_frozen_actor_takes_no_adamw_step(accelerator):
     """--ppo.freeze_actor_updates (OpenRLHF), done as ppo_update does it with ActorFreeze (actor lr 0, policy loss
     x 0, then ActorFreeze.before_step drops the actor's gradients before each step): the frozen updates leave the
-    actor's weights and AdamW state exactly as they were, and the actor's steps after the freeze equal those of a run that never froze (critic
-    aside: it trained meanwhile, but the policy loss does not depend on it), so their size ratio is 1."""
+    actor's weights and AdamW state exactly as they were, and the actor's steps after the freeze equal those of a run
+    that never froze (critic aside: it trained meanwhile, but the policy loss does not depend on it), so their size
+    ratio is 1."""
     torch.manual_seed(0)
     policy, critic = GPTNeoXForCausalLM(tiny_config()), GPTNeoXForSequenceClassification(tiny_config())
     initial = {name: {key: tensor.clone() for key, tensor in module.state_dict().items()}

@@ -2,13 +2,14 @@
 measured values, not placeholders; the FLOPs split into body, output layer and rest adds up and sits above its
 minimum."""
 
-from conftest import ENV
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from conftest import ENV
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import ENV, free_port, load_script, run_ok, tiny_causal_lm, training_scripts, without_timing
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from conftest import ENV, free_port, load_script, run_ok, tiny_causal_lm, training_scripts, without_timing
 from rlhf_utils import checks, models
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

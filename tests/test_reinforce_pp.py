@@ -4,7 +4,6 @@ one, the loss's gradient at ratio 1 against the hand formula and its per-token c
 processes equal to 1 process, and SIGKILL + --resume of a run with the options. The whole 2-process run equal to 1
 process (torchrun, ZeRO-2, ZeRO-3, bf16) is tests/test_multiprocess.py's (reinforce_pp is one of its scripts)."""
 
-from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
 import json
 import os
 import statistics
@@ -13,6 +12,8 @@ import sys
 
 import pytest
 import torch
+
+from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 reinforce_pp = load_script("reinforce_pp")
@@ -149,7 +150,8 @@ def test_the_clip_acts_per_token():
     moved = moved.requires_grad_()
     loss, stats = reinforce_pp.clipped_policy_loss(moved - old, advantages, MASK, 0.2)
     (grad,) = torch.autograd.grad(loss, moved)
-    assert grad[1, 0] == 0 and grad[1, 1] == pytest.approx(-1.0 / 13) and grad[1, 2] == pytest.approx(1.35 / 13, rel=1e-3)
+    assert (grad[1, 0] == 0 and grad[1, 1] == pytest.approx(-1.0 / 13)
+            and grad[1, 2] == pytest.approx(1.35 / 13, rel=1e-3))
     assert stats["pg_clipfrac"].item() == pytest.approx(1 / 13)
 
 
@@ -180,8 +182,8 @@ def test_whitening_over_two_processes_is_that_of_one(tmp_path):
     both processes' kept tokens, so they are the advantages one process computes on the whole batch."""
     script = tmp_path / "whiten_probe.py"
     script.write_text(WHITEN_PROBE.format(tests=os.path.join(REPO_ROOT, "tests"), out=str(tmp_path / "gathered.pt")))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               str(script)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), str(script)]
     result = subprocess.run(command, cwd=REPO_ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -223,10 +225,12 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_m
              "--reinforce_pp.ptx_coef", "0.1", "--eval_every", "2"]
     run_ok(reinforce_pp_command(synthetic_task, tiny_models, tmp_path, "full", 24, extra), cwd=REPO_ROOT, env=ENV)
     killed = reinforce_pp_command(synthetic_task, tiny_models, tmp_path, "killed", 24, extra)
-    kill_after_checkpoint(killed, tmp_path / "runs" / "killed" / "checkpoints" / "update_000002", cwd=REPO_ROOT, env=ENV)
+    kill_after_checkpoint(killed, tmp_path / "runs" / "killed" / "checkpoints" / "update_000002", cwd=REPO_ROOT,
+                          env=ENV)
     resumed = run_ok(killed + ["--resume"], cwd=REPO_ROOT, env=ENV)
     assert "resumed from" in resumed.stdout and "update_000002" in resumed.stdout, resumed.stdout[-2000:]
-    assert_same_safetensors(tmp_path / "policy_full" / "model.safetensors", tmp_path / "policy_killed" / "model.safetensors")
+    assert_same_safetensors(tmp_path / "policy_full" / "model.safetensors",
+                            tmp_path / "policy_killed" / "model.safetensors")
     rows = [[without_timing(json.loads(line)) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
             for name in ("full", "killed")]
     assert len(rows[0]) == 3 + 1 + 1 and rows[0] == rows[1]  # the updates, the evaluations after updates 2 and 3

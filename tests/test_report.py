@@ -19,11 +19,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import tiny_causal_lm
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import report
+from conftest import tiny_causal_lm
 
 WORDS = ["[PAD]", "<|endoftext|>", "a", "b"]
 PAD, EOS, A, B = 0, 1, 2, 3
@@ -143,8 +143,10 @@ def test_the_sampled_kl_lands_within_3_standard_errors_of_the_enumerated_kl(pair
     after_eos = ((responses == EOS).long().cumsum(1) - (responses == EOS).long()) > 0
     assert torch.equal(responses == PAD, after_eos)
     assert len({tuple(r) for r in responses[:: len(QUERIES)].tolist()}) > 3
-    again, _ = report.response_kl(policy, reference, queries, PAD, EOS, RESPONSE_LENGTH, torch.Generator().manual_seed(0))
-    other, _ = report.response_kl(policy, reference, queries, PAD, EOS, RESPONSE_LENGTH, torch.Generator().manual_seed(1))
+    again, _ = report.response_kl(policy, reference, queries, PAD, EOS, RESPONSE_LENGTH,
+                                  torch.Generator().manual_seed(0))
+    other, _ = report.response_kl(policy, reference, queries, PAD, EOS, RESPONSE_LENGTH,
+                                  torch.Generator().manual_seed(1))
     assert np.array_equal(sums, again) and not np.array_equal(sums, other)
 
 
@@ -179,7 +181,8 @@ def saved(tmp_path_factory, pair):
 
 
 def kl_of(p, label):
-    return report.kl_from_sft(p, label, str(p.runs_path / ("ilql" if label.startswith("ilql") else label) / "samples.csv"),
+    return report.kl_from_sft(p, label,
+                              str(p.runs_path / ("ilql" if label.startswith("ilql") else label) / "samples.csv"),
                               word_tokenizer())
 
 
@@ -207,7 +210,8 @@ def test_kl_from_sft_through_the_saved_models(saved, pair):
 
 def test_kl_is_na_by_stage_kind_and_the_prompts_must_be_the_samples(saved, tmp_path):
     p = fake_pipeline(saved, kinds={"my_ilql": "ilql", "my_dt": "offline_dt"})
-    for label, kind in (("ilql_beta4", "ilql"), ("my_ilql", "ilql"), ("offline_dt", "offline_dt"), ("my_dt", "offline_dt")):
+    for label, kind in (("ilql_beta4", "ilql"), ("my_ilql", "ilql"), ("offline_dt", "offline_dt"),
+                        ("my_dt", "offline_dt")):
         kl = report.kl_from_sft(p, label, str(saved / "runs" / "sft" / "samples.csv"), word_tokenizer())
         assert kl["kl"] is None and kl["kl_note"] == report.NO_KL[kind], label
     # samples drawn from other prompts than the eval split's: refused, naming both

@@ -1,8 +1,6 @@
 """Tests for reward.py: the EOS reward index (Details 12, 14), the head init (Detail 11), the
 normalisation fold (Detail 15), the loss and calibration maths, and one smoke run on the built-in task."""
 
-from conftest import (ENV, assert_last_good_checkpoint, assert_same_checkpoint, assert_same_safetensors,
-                      kill_after_checkpoint, load_script, run_ok, with_nan_at, without_timing)
 import json
 import math
 import os
@@ -15,13 +13,27 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import (
+    ENV,
+    assert_last_good_checkpoint,
+    assert_same_checkpoint,
+    assert_same_safetensors,
+    kill_after_checkpoint,
+    load_script,
+    run_ok,
+    with_nan_at,
+    without_timing,
+)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, EOS = 1, 0
 
 
 reward = load_script("reward")
-from rlhf_utils import records  # noqa: E402  (the evaluation files reward.py writes)
-from rlhf_utils import checks  # noqa: E402  (the input checks the scripts import)
+from rlhf_utils import (  # noqa: E402
+    checks,  # the input checks the scripts import
+    records,  # the evaluation files reward.py writes
+)
 
 
 def tiny_rm(hidden_size: int = 32, seed: int = 0):
@@ -188,7 +200,8 @@ def _calibrated_frame(n: int, seed: int = 0) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     r_a, r_b = rng.normal(0, 2, n), rng.normal(0, 2, n)
     prefers_a = rng.random(n) < 1 / (1 + np.exp(-(r_a - r_b)))
-    frame = pd.DataFrame({"chosen_score": np.where(prefers_a, r_a, r_b), "rejected_score": np.where(prefers_a, r_b, r_a)})
+    frame = pd.DataFrame({"chosen_score": np.where(prefers_a, r_a, r_b),
+                          "rejected_score": np.where(prefers_a, r_b, r_a)})
     frame["score_diff"] = frame["chosen_score"] - frame["rejected_score"]
     frame["correct"] = frame["score_diff"] > 0
     frame["batch"] = np.where(np.arange(n) % 2 == 0, "batch10", "batch11")
@@ -276,7 +289,8 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
     train = next(m for m in metrics if "train/loss" in m)
     assert {"train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins", "train/rewards/accuracy",
             "train/lr", "train/epoch", "train/tokens_per_s"} <= set(train), sorted(train)
-    assert train["train/rewards/margins"] == pytest.approx(train["train/rewards/chosen"] - train["train/rewards/rejected"])
+    assert train["train/rewards/margins"] == pytest.approx(
+        train["train/rewards/chosen"] - train["train/rewards/rejected"])
     assert not {"lr", "epoch", "tokens_per_s", "train/accuracy", "train/chosen_rewards"} & set(train)
     samples = pd.read_csv(run_dir / "samples.csv")
     assert {"query", "response", "reference", "score", "response_token_len", "has_eos"} <= set(samples.columns)
@@ -412,7 +426,8 @@ def test_the_fallback_checkpoint_is_the_ordinary_one_and_resumes_alike(synthetic
     assert last_line.startswith("reward.py: error: update 3: train/loss"), last_line
     runs = tmp_path / "runs"
     assert_last_good_checkpoint(runs / "planted" / "checkpoints", 2)
-    assert_same_checkpoint(runs / "full" / "checkpoints" / "update_000002", runs / "planted" / "checkpoints" / "update_000002")
+    assert_same_checkpoint(runs / "full" / "checkpoints" / "update_000002",
+                           runs / "planted" / "checkpoints" / "update_000002")
 
     run_ok(command + ["--resume"], cwd=ROOT, env=ENV)
     assert_same_safetensors(tmp_path / "full" / "model.safetensors", tmp_path / "planted" / "model.safetensors")
@@ -472,7 +487,8 @@ def foreign_task(synthetic_task, tmp_path_factory) -> dict:
                               sft_data=os.path.join(raw, "sft"), preference_data=os.path.join(raw, "comparisons"),
                               query_length=256, sft_response_length=48, rm_response_length=64, cnndm_query_length=256,
                               cnndm_response_length=64))
-    return {"tokenizer": tokenizer_dir, "sft": str(root / "data" / "sft"), "preference": str(root / "data" / "preference")}
+    return {"tokenizer": tokenizer_dir, "sft": str(root / "data" / "sft"),
+            "preference": str(root / "data" / "preference")}
 
 
 def test_data_of_another_tokenizer_is_refused_before_the_output_folder(synthetic_task, foreign_task, tmp_path):
@@ -481,7 +497,8 @@ def test_data_of_another_tokenizer_is_refused_before_the_output_folder(synthetic
     from transformers import AutoTokenizer
 
     base = synthetic_task["base_model"]
-    assert len(AutoTokenizer.from_pretrained(foreign_task["tokenizer"])) == 512 < len(AutoTokenizer.from_pretrained(base))
+    assert (len(AutoTokenizer.from_pretrained(foreign_task["tokenizer"])) == 512
+            < len(AutoTokenizer.from_pretrained(base)))
     command = rm_command(synthetic_task, foreign_task["preference"], tmp_path, "foreign", tmp_path / "rm",
                          "--total_episodes", "16")
     result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
@@ -545,12 +562,14 @@ def test_data_without_a_fingerprint_is_checked_by_its_ids(synthetic_task):
         checks.check_data_tokenizer(past_the_vocabulary, tokenizer, base, "pref")
     row = next(i for i in range(16) if data[i]["query_chosen_token_len"] < len(data[i]["query_chosen_token"]))
     other_pad = edit("query_chosen_token", lambda r, i: r["query_chosen_token"][: r["query_chosen_token_len"]]
-                     + [5] * (len(r["query_chosen_token"]) - r["query_chosen_token_len"]) if i == row else r["query_chosen_token"])
+                     + [5] * (len(r["query_chosen_token"]) - r["query_chosen_token_len"]) if i == row
+                     else r["query_chosen_token"])
     with pytest.raises(ValueError, match=re.escape(f"pref row {row}: 'query_chosen_token' is padded with the id 5, but "
                                                    f"the tokenizer of {base} pads with {tokenizer.pad_token_id}")):
         checks.check_data_tokenizer(other_pad, tokenizer, base, "pref")
     other_eos = edit("chosen_token", lambda r, i: r["chosen_token"][: r["chosen_token_len"] - 1] + [7]
                      + r["chosen_token"][r["chosen_token_len"]:])
-    with pytest.raises(ValueError, match=re.escape(f"pref: no response in the first 16 rows of 'chosen_token' ends with "
-                                                   f"the EOS id {tokenizer.eos_token_id} of the tokenizer of {base}")):
+    with pytest.raises(ValueError, match=re.escape(f"pref: no response in the first 16 rows of 'chosen_token' "
+                                                   f"ends with the EOS id {tokenizer.eos_token_id} of the tokenizer "
+                                                   f"of {base}")):
         checks.check_data_tokenizer(other_eos, tokenizer, base, "pref")

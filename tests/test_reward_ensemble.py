@@ -2,7 +2,6 @@
 rules by hand, each model's own running statistics for --*.scale_rewards, the single model unchanged, the flag
 checks, and a run with two reward models that resumes after a kill like an uninterrupted run."""
 
-from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok, without_timing
 import dataclasses
 import json
 import os
@@ -12,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok, without_timing
 from rlhf_utils.flags import check_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,10 +147,12 @@ def test_two_reward_models_log_each_score_and_resume_like_an_uninterrupted_run(n
     assert (samples["score"] >= samples[["score_rm0", "score_rm1"]].min(axis=1) - 1e-6).all()
 
     killed = [sys.executable, *ensemble_command(name, synthetic_task, two_reward_models, tmp_path, "killed")]
-    kill_after_checkpoint(killed, tmp_path / "runs" / "killed" / "checkpoints" / "update_000002", cwd=REPO_ROOT, env=ENV)
+    kill_after_checkpoint(killed, tmp_path / "runs" / "killed" / "checkpoints" / "update_000002", cwd=REPO_ROOT,
+                          env=ENV)
     resumed = run_ok(killed + ["--resume"], cwd=REPO_ROOT, env=ENV)
     assert "resumed from" in resumed.stdout, resumed.stdout[-2000:]
-    assert_same_safetensors(tmp_path / "policy_full" / "model.safetensors", tmp_path / "policy_killed" / "model.safetensors")
+    assert_same_safetensors(tmp_path / "policy_full" / "model.safetensors",
+                            tmp_path / "policy_killed" / "model.safetensors")
     runs = [[without_timing(json.loads(line)) for line in open(tmp_path / "runs" / run / "metrics.jsonl")]
             for run in ("full", "killed")]
     assert runs[0] == runs[1]

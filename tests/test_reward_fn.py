@@ -8,7 +8,6 @@ DPO's labels from the function; the leaderboard's stage. Slow: a grpo.py run sco
 model), whose sample table's scores are the rule's values on its responses, and a ppo.py run whose reward model and
 rule are joined by --reward_combine sum with --reward_weights, checked by hand on its sample table."""
 
-from conftest import ENV, load_script, run_ok
 import json
 import math
 import os
@@ -18,6 +17,8 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
+
+from conftest import ENV, load_script, run_ok
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -53,7 +54,8 @@ def test_the_rule_is_the_share_of_the_posts_key_facts_the_summary_states():
     assert key_fact_share([QUERY] * len(summaries), list(summaries)) == pytest.approx(list(summaries.values()))
     # the query's post alone counts: facts in the title or after TL;DR: are not the post's
     assert key_fact_share(["TITLE: mom sold cash\n\nPOST: nothing here.\n\nTL;DR:"], ["mom sold cash."]) == [0.0]
-    # the rule rewards what the gold judge does not: the padded summary scores as the clean one on the rule, lower on gold
+    # the rule rewards what the gold judge does not: the padded summary scores as the clean one on the rule, lower on
+    # gold
     clean, padded = "mom sold cash and landlord hid plants.", list(summaries)[2]
     assert key_fact_share([QUERY, QUERY], [clean, padded]) == [2 / 3, 2 / 3]
     assert gold_breakdown(QUERY, padded).score < gold_breakdown(QUERY, clean).score
@@ -161,15 +163,17 @@ def test_function_scores_join_the_functions_column_with_the_rows_columns(functio
                      [])]  # decoded and stripped; of the columns only the answer, which good() names (no token ids)
     # no function: the reward models' scores as they are
     queries, responses, prompts, rows = hand_batch()
-    assert grpo.function_scores(torch.ones(3, 2), None, WordTokenizer(), queries, responses, prompts, rows).shape == (3, 2)
+    assert grpo.function_scores(torch.ones(3, 2), None, WordTokenizer(), queries, responses, prompts,
+                                rows).shape == (3, 2)
 
 
 RAISE_LINE = FUNCTIONS.splitlines().index('            raise ValueError("no cash here")') + 1
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("raises_on_cash", r"--reward_fn .*my_rewards.py:raises_on_cash raised ValueError: no cash here \(at .*my_rewards.py:"
-                       rf"{RAISE_LINE}\) on row 0 of the batch \(query='query one', response='mom sold cash', answer='mom'"),
+    ("raises_on_cash", r"--reward_fn .*my_rewards.py:raises_on_cash raised ValueError: no cash here \(at "
+                       rf".*my_rewards.py:{RAISE_LINE}\) on row 0 of the batch \(query='query one', "
+                       r"response='mom sold cash', answer='mom'"),
     ("raises_on_pairs", r"raises_on_pairs raised RuntimeError: one at a time on a batch of 3 responses, but on none of "
                         r"them alone"),
     ("too_few", r"too_few returned 2 values for a batch of 3 responses; it must return one finite number per response"),
@@ -280,7 +284,8 @@ def test_online_dpo_labels_pairs_with_the_function(synthetic_task, tmp_path):
                                            (pairs.responses[:, 0] == pairs.responses[:, 1]).all(1), False)
     for i, (a, b) in enumerate(texts):
         if asked[i]:
-            assert pairs.keep[i] == (len(a) != len(b)) and (not pairs.keep[i] or pairs.chosen[i] == int(len(b) > len(a)))
+            assert (pairs.keep[i] == (len(a) != len(b))
+                    and (not pairs.keep[i] or pairs.chosen[i] == int(len(b) > len(a))))
     assert asked.any()
 
 

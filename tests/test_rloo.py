@@ -2,13 +2,14 @@
 gradient against the paper's REINFORCE estimator, a smoke run, and SIGKILL + --resume. The 2-process run equal to
 1 process is tests/test_multiprocess.py's (rloo is one of its scripts)."""
 
-from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok, without_timing
 import json
 import os
 import sys
 
 import pytest
 import torch
+
+from conftest import ENV, assert_same_safetensors, kill_after_checkpoint, load_script, run_ok, without_timing
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 rloo = load_script("rloo")
@@ -35,7 +36,8 @@ def test_sequence_reward_and_advantage_by_hand():
     # query 2: EOS at index 0 and at index 2
     raw = torch.tensor([[5, EOS, 7, 8], [5, 6, 7, 8], [EOS, 4, 4, 4], [6, 6, EOS, 9]])
     responses = rloo.truncate_response(EOS, PAD, raw)
-    logprobs = -torch.tensor([[0.5, 0.25, 9.0, 9.0], [0.5, 0.5, 0.5, 0.5], [1.0, 9.0, 9.0, 9.0], [0.25, 0.25, 0.25, 9.0]])
+    logprobs = -torch.tensor([[0.5, 0.25, 9.0, 9.0], [0.5, 0.5, 0.5, 0.5], [1.0, 9.0, 9.0, 9.0],
+                              [0.25, 0.25, 0.25, 9.0]])
     ref_logprobs = torch.full((4, 4), -1.0)
     # the raw samples (a 2-token query before each raw response) are not read by rewards_and_advantages
     data = rloo.Rollout(query_responses=torch.cat((torch.full((4, 2), 4), raw), 1), responses=responses,
@@ -127,10 +129,12 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_m
     extra = ["--checkpoint_every", "2", "--rloo.adaptive_kl", "--rloo.ptx_coef", "0.1", "--eval_every", "3"]
     run_ok(rloo_command(synthetic_task, tiny_models, tmp_path, "full", 40, extra), cwd=REPO_ROOT, env=ENV)
     killed = rloo_command(synthetic_task, tiny_models, tmp_path, "killed", 40, extra)
-    kill_after_checkpoint(killed, tmp_path / "runs" / "killed" / "checkpoints" / "update_000002", cwd=REPO_ROOT, env=ENV)
+    kill_after_checkpoint(killed, tmp_path / "runs" / "killed" / "checkpoints" / "update_000002", cwd=REPO_ROOT,
+                          env=ENV)
     resumed = run_ok(killed + ["--resume"], cwd=REPO_ROOT, env=ENV)
     assert "resumed from" in resumed.stdout and "update_000002" in resumed.stdout, resumed.stdout[-2000:]
-    assert_same_safetensors(tmp_path / "policy_full" / "model.safetensors", tmp_path / "policy_killed" / "model.safetensors")
+    assert_same_safetensors(tmp_path / "policy_full" / "model.safetensors",
+                            tmp_path / "policy_killed" / "model.safetensors")
     rows = [[without_timing(json.loads(line)) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
             for name in ("full", "killed")]
     assert len(rows[0]) == 5 + 1 + 1 and rows[0] == rows[1]

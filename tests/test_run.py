@@ -26,6 +26,7 @@ import time
 
 import psutil
 import pytest
+
 from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, run_ok, without_timing
 
 # one xdist worker runs the whole module, so that the reference run below is made once
@@ -42,7 +43,8 @@ FLAGS = ["--total_episodes", "160", "--total_batch_size", "16", "--local_micro_b
 def sft_args(task: dict, root, name: str, *extra: str) -> list:
     return ["--base_model", task["base_model"], "--query_dataset", task["sft"],
             "--response_length", str(task["task"]["sft_response_length"]), *FLAGS,
-            "--output_dir", str(root / f"model_{name}"), "--run_dir_root", str(root / "runs"), "--run_name", name, *extra]
+            "--output_dir", str(root / f"model_{name}"), "--run_dir_root", str(root / "runs"), "--run_name", name,
+            *extra]
 
 
 def patched(code: str, args: list) -> list:
@@ -88,9 +90,11 @@ def rows(root, name: str) -> list:
 
 def assert_same_as_reference(reference, root, name: str) -> None:
     """Weights, metrics and summary of the run `name` equal the uninterrupted reference run's."""
-    assert_same_safetensors(reference / "model_reference" / "model.safetensors", root / f"model_{name}" / "model.safetensors")
+    assert_same_safetensors(reference / "model_reference" / "model.safetensors",
+                            root / f"model_{name}" / "model.safetensors")
     assert rows(root, name) == rows(reference, "reference")
-    summaries = [without_timing(json.load(open(r / "runs" / n / "summary.json"))) for r, n in ((reference, "reference"), (root, name))]
+    summaries = [without_timing(json.load(open(r / "runs" / n / "summary.json")))
+                 for r, n in ((reference, "reference"), (root, name))]
     assert summaries[0] == summaries[1]
     assert json.load(open(root / f"model_{name}" / "run.json")) == {"run_name": name, "complete": True}
 
@@ -156,8 +160,8 @@ def test_a_two_process_run_resumes_on_one_process_exactly(synthetic_task, refere
     """Plain data parallel (torchrun, 2 processes) killed after its update-3 checkpoint, resumed by one plain process:
     the same weights and metrics as the 1-process reference (2 processes and 1 compute the same global batch)."""
     args = sft_args(synthetic_task, tmp_path, "ddp")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                SFT]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port()), SFT]
     kill_after_checkpoint([*torchrun, *args], tmp_path / "runs" / "ddp" / "checkpoints" / "update_000003", cwd=tmp_path,
                           env=TORCHRUN_ENV, timeout=300)
     manifest = json.load(open(tmp_path / "runs" / "ddp" / "checkpoints" / "update_000003" / "manifest.json"))
@@ -207,8 +211,8 @@ def test_resume_without_an_intact_checkpoint_names_the_damaged_file(synthetic_ta
     assert result.returncode != 0 and "Traceback" not in result.stderr
     size = os.path.getsize(reference / "runs" / "reference" / "checkpoints" / "update_000006" / "optimizer.bin")
     assert result.stderr.strip().splitlines()[-1] == (
-        f"sft.py: error: --resume: no intact checkpoint in {checkpoints}: {checkpoints / 'update_000006' / 'optimizer.bin'} "
-        f"has 0 bytes, not {size}")
+        f"sft.py: error: --resume: no intact checkpoint in {checkpoints}: "
+        f"{checkpoints / 'update_000006' / 'optimizer.bin'} has 0 bytes, not {size}")
     assert "resumed from" not in result.stdout
 
 
@@ -224,8 +228,8 @@ def test_resume_under_another_process_count_or_deepspeed_stage_is_refused_before
                             cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"sft.py: error: --resume: {checkpoints / 'update_000009'} was written by 2 process(es) with DeepSpeed stage 2, "
-        "this run has 1 with stage None; launch 2 process(es) with the original config")
+        f"sft.py: error: --resume: {checkpoints / 'update_000009'} was written by 2 process(es) with DeepSpeed "
+        "stage 2, this run has 1 with stage None; launch 2 process(es) with the original config")
     assert "resumed from" not in result.stdout
 
 
@@ -255,7 +259,8 @@ def test_a_second_run_into_a_live_run_folder_is_refused_and_a_dead_runs_lock_is_
     # the killed run left its lock behind: a new run of that name takes it over (it left checkpoints too, which a new
     # run replaces only when told to: --restart)
     assert json.load(open(lock))["pid"] == first.pid
-    short = sft_args(synthetic_task, tmp_path, "shared", "--total_episodes", "32", "--overwrite_output_dir", "--restart")
+    short = sft_args(synthetic_task, tmp_path, "shared", "--total_episodes", "32", "--overwrite_output_dir",
+                     "--restart")
     run_ok([sys.executable, SFT, *short], cwd=tmp_path, env=ENV)
     assert not lock.exists()
 
@@ -277,8 +282,9 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_leaves_nothing_behind(sy
 def full_disk_message(checkpoints, update: int) -> str:
     newest = checkpoints / f"update_{update - 3:06d}"
     size = sum(json.load(open(newest / "manifest.json"))["files"].values())
-    return (f"sft.py: error: the disk holding {checkpoints} is full: the checkpoint of update {update} was not saved (it "
-            f"needs about {size / 2**20:.1f} MiB). The newest checkpoint is still {newest}. Free space there, then --resume")
+    return (f"sft.py: error: the disk holding {checkpoints} is full: the checkpoint of update {update} was not saved "
+            f"(it needs about {size / 2**20:.1f} MiB). The newest checkpoint is still {newest}. Free space there, "
+            "then --resume")
 
 
 @pytest.mark.slow  # two sft.py runs on a real tmpfs (tests/test_run_infra.py checks the pieces quickly)
@@ -288,7 +294,8 @@ def test_a_full_run_folder_on_a_real_disk_is_one_message_and_the_resume_after_fr
     message was torch's `[enforce fail at inline_container.cc] ... unexpected pos` after two chained tracebacks."""
     disk = small_disk("disk", "20m")
     args = sft_args(synthetic_task, disk, "full")
-    result = subprocess.run([sys.executable, SFT, *args], cwd=disk, env=ENV, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, SFT, *args], cwd=disk, env=ENV, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     checkpoints = disk / "runs" / "full" / "checkpoints"
     assert result.stderr.strip().splitlines()[-1] == full_disk_message(checkpoints, 6)
@@ -405,9 +412,11 @@ def test_processes_leave_their_process_group_at_exit(synthetic_task, tmp_path):
     it sees the group as the script left it."""
     record = tmp_path / "initialized_at_exit_rank"
     code = ("import atexit, os, torch.distributed as dist\n"
-            f"atexit.register(lambda: open({str(record)!r} + os.environ['RANK'], 'w').write(str(dist.is_initialized())))")
+            f"atexit.register(lambda: open({str(record)!r} + os.environ['RANK'], 'w')"
+            ".write(str(dist.is_initialized())))")
     args = sft_args(synthetic_task, tmp_path, "group", "--total_episodes", "32", "--checkpoint_every", "0")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port())]
     runner = patched(code, args)
     run_ok([*torchrun, "--no-python", *runner], cwd=tmp_path, env=TORCHRUN_ENV)
     assert [open(f"{record}{rank}").read() for rank in (0, 1)] == ["False", "False"]

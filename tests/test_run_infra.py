@@ -67,8 +67,8 @@ def test_an_expected_error_is_one_paragraph_from_rank_0_and_a_failed_exit(tmp_pa
                       "raise (checks.RunError if sys.argv[1] == 'expected' else KeyError)('bad flag: --x 3')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    ran = {(kind, rank): subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, timeout=120,
-                                        env={**env, **({"RANK": rank} if rank else {})})
+    ran = {(kind, rank): subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True,
+                                        timeout=120, env={**env, **({"RANK": rank} if rank else {})})
            for kind, rank in (("expected", None), ("expected", "1"), ("unexpected", None))}
     first, other, unexpected = ran.values()
     assert first.returncode == other.returncode == unexpected.returncode == 1
@@ -306,7 +306,8 @@ def test_a_checkpoint_of_non_finite_weights_or_optimizer_state_is_refused(tmp_pa
     exp_avg = optimizer.state[model.weight]["exp_avg"]
     exp_avg[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match=r"^the checkpoint of update 2 was not saved: the optimizer's exp_avg of "
-                                             r"weight \(NaN or inf\)\. The newest checkpoint is still .*update_000001$"):
+                                             r"weight \(NaN or inf\)\. The newest checkpoint is still "
+                                             r".*update_000001$"):
         run.checkpoint(2, {})
     exp_avg[0, 0] = 0.0
     with torch.no_grad():
@@ -343,8 +344,8 @@ def test_a_full_disk_during_a_checkpoint_names_the_folder_and_the_space(tmp_path
     with pytest.raises(RunError) as full:
         run.checkpoint(2, {})
     assert str(full.value) == (f"the disk holding {checkpoints} is full: the checkpoint of update 2 was not saved (it "
-                               f"needs about {size / 2**20:.1f} MiB). The newest checkpoint is still {first}. Free space "
-                               "there, then --resume")
+                               f"needs about {size / 2**20:.1f} MiB). The newest checkpoint is still {first}. "
+                               "Free space there, then --resume")
     assert os.listdir(checkpoints) == ["update_000001"]  # the half-written one is gone: the space is free again
 
 
@@ -361,8 +362,8 @@ def test_a_full_output_folder_names_it_and_the_size_of_the_model(tmp_path, small
     with pytest.raises(RunError) as full:
         models.save_pretrained_model(accelerator, model, model, Tokenizer(), str(out))
     assert str(full.value) == (f"the disk holding {out} is full: the final model was not saved (it needs about "
-                               f"{needed / 2**20:.1f} MiB). Free space there, then run again (--resume: from the newest "
-                               "checkpoint, if any)")
+                               f"{needed / 2**20:.1f} MiB). Free space there, then run again (--resume: from the "
+                               "newest checkpoint, if any)")
 
 
 # ---------------------------------------------------------------- the response starts where the query ends
@@ -502,7 +503,6 @@ def test_every_free_flag_is_a_flag_of_some_script_and_none_decides_a_number():
     import dataclasses
 
     from conftest import training_scripts
-
     from rlhf_utils import flags
 
     groups = {name: {f.name for f in fields(group)} for name, group in vars(flags).items()
@@ -592,8 +592,10 @@ def test_every_training_script_leaves_its_processes_right_after_main():
         source = open(os.path.join(REPO_ROOT, name)).read()
         if "start_processes(" not in source:
             continue
-        block = [node for node in ast.parse(source).body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
-        calls = [ast.unparse(statement.value.func) for statement in block[-1].body if isinstance(statement, ast.Expr)] if block else []
+        block = [node for node in ast.parse(source).body
+                 if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+        calls = [ast.unparse(statement.value.func) for statement in block[-1].body
+                 if isinstance(statement, ast.Expr)] if block else []
         if calls != ["main", "leave_processes"]:
             missing.append(f"{name}: {calls}")
     assert not missing, missing

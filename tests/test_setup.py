@@ -9,6 +9,7 @@ import stat
 import subprocess
 
 import pytest
+
 from conftest import REPO_ROOT
 
 STUB = """#!/usr/bin/env bash

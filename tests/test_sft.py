@@ -1,8 +1,6 @@
 """Tests of sft.py: the label masking (Detail 3), the loss math, fixed-length sampling (Detail 23) and a
 subprocess smoke run on the built-in task."""
 
-from conftest import (ENV, assert_last_good_checkpoint, assert_same_checkpoint, assert_same_safetensors,
-                      kill_after_checkpoint, load_script, run_ok, tiny_causal_lm, with_nan_at, without_timing)
 import json
 import os
 import re
@@ -16,6 +14,19 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import (
+    ENV,
+    assert_last_good_checkpoint,
+    assert_same_checkpoint,
+    assert_same_safetensors,
+    kill_after_checkpoint,
+    load_script,
+    run_ok,
+    tiny_causal_lm,
+    with_nan_at,
+    without_timing,
+)
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_COLUMNS = ["query", "response", "reference", "score", "response_token_len", "has_eos"]
 
@@ -26,8 +37,6 @@ PAD, EOS = 1, 2
 
 sft = load_script("sft")
 from rlhf_utils import checks  # noqa: E402  (the input checks the scripts import)
-
-
 
 
 @pytest.mark.parametrize("kind", ["hidden_dropout", "attention_dropout"])
@@ -275,7 +284,8 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, tmp_
     rows = {name: [without_timing(json.loads(line)) for line in open(tmp_path / "runs" / name / "metrics.jsonl")]
             for name in ("full", "cut")}
     assert len(rows["full"]) == 20 + 5 and rows["cut"] == rows["full"]  # 20 train rows, evals at 4, 8, 12, 16, 20
-    summaries = {name: without_timing(json.load(open(tmp_path / "runs" / name / "summary.json"))) for name in ("full", "cut")}
+    summaries = {name: without_timing(json.load(open(tmp_path / "runs" / name / "summary.json")))
+                 for name in ("full", "cut")}
     assert summaries["cut"] == summaries["full"]
     # only the newest checkpoint is kept (--checkpoint_keep 1), and no temporary folder is left behind
     assert os.listdir(tmp_path / "runs" / "cut" / "checkpoints") == ["update_000018"]
@@ -312,7 +322,8 @@ def test_the_fallback_checkpoint_is_the_ordinary_one_and_resumes_alike(synthetic
     assert last_line.startswith("sft.py: error: update 3: train/loss is not finite"), last_line
     runs = tmp_path / "runs"
     assert_last_good_checkpoint(runs / "planted" / "checkpoints", 2)
-    assert_same_checkpoint(runs / "full" / "checkpoints" / "update_000002", runs / "planted" / "checkpoints" / "update_000002")
+    assert_same_checkpoint(runs / "full" / "checkpoints" / "update_000002",
+                           runs / "planted" / "checkpoints" / "update_000002")
 
     run_ok(command + ["--resume"], cwd=tmp_path, env=ENV)
     assert_same_safetensors(tmp_path / "full" / "model.safetensors", tmp_path / "planted" / "model.safetensors")
@@ -326,8 +337,8 @@ def test_the_fallback_checkpoint_is_the_ordinary_one_and_resumes_alike(synthetic
 
 def failing_run(paths: dict, tmp_path, *extra: str, **overrides) -> str:
     """Run sft.py with bad input; return the error's message after checking the error is raised by the project's
-    own checks: an expected error (one `sft.py: error: ...` line, no traceback), or one raised in sft.py itself (the last
-    traceback frame), not deep inside a library."""
+    own checks: an expected error (one `sft.py: error: ...` line, no traceback), or one raised in sft.py itself (the
+    last traceback frame), not deep inside a library."""
     command = sft_command(paths, tmp_path, "bad", tmp_path / "model", "--total_episodes", "32", *extra)
     for flag, value in overrides.items():
         command[command.index(f"--{flag}") + 1] = str(value)
@@ -335,7 +346,8 @@ def failing_run(paths: dict, tmp_path, *extra: str, **overrides) -> str:
     assert result.returncode != 0
     frames = [line for line in result.stderr.splitlines() if line.strip().startswith("File ")]
     last = result.stderr.strip().splitlines()[-1]
-    assert (last.startswith("sft.py: error: ") and not frames) or (frames and "sft.py" in frames[-1]), result.stderr[-2000:]
+    assert ((last.startswith("sft.py: error: ") and not frames)
+            or (frames and "sft.py" in frames[-1])), result.stderr[-2000:]
     return re.sub(r"^(sft\.py: error|ValueError): ", "", last)  # the message
 
 
@@ -353,7 +365,8 @@ def test_dataset_with_a_row_of_another_length_names_the_row(synthetic_task, tmp_
 
     broken = tmp_path / "sft_ragged"
     data = load_from_disk(synthetic_task["sft"])
-    data["train"] = data["train"].map(lambda row, i: {"query_token": row["query_token"][:-1] if i == 5 else row["query_token"]},
+    data["train"] = data["train"].map(lambda row, i: {"query_token": row["query_token"][:-1] if i == 5
+                                                      else row["query_token"]},
                                       with_indices=True)
     data.save_to_disk(str(broken))
     message = failing_run(synthetic_task, tmp_path, query_dataset=broken)

@@ -9,14 +9,15 @@ offline_rl.py's train_update."""
 import sys
 from types import SimpleNamespace
 
-from conftest import load_script, without_timing
-
 import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
+from conftest import load_script, without_timing
+
 sft, dpo, ppo, rloo = load_script("sft"), load_script("dpo"), load_script("ppo"), load_script("rloo")
-ilql, offline_rl, reward, judge = load_script("ilql"), load_script("offline_rl"), load_script("reward"), load_script("judge")
+ilql, offline_rl, reward, judge = (load_script("ilql"), load_script("offline_rl"), load_script("reward"),
+                                   load_script("judge"))
 
 PAD, EOS, VOCAB = 1, 2, 24
 WQ, WR = 9, 8  # the data's fixed query and response widths (Detail 5)

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+
 from conftest import ENV, free_port
 from test_multiprocess import ppo_flags, with_flag
 
@@ -26,7 +27,8 @@ def zero3_rollouts(task: dict, tmp_path) -> list:
     """Each rank's record (tests/zero3_rollout_probe.py) of the first rollout of a 2-process ZeRO-3 ppo.py run with
     --offload, made gathered and per layer from the same random state."""
     flags = with_flag(with_flag(ppo_flags(task), "--total_episodes", "8"), "--local_rollout_forward_batch_size", "2")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(REPO_ROOT, "zero3.yaml"),
+    command = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", os.path.join(REPO_ROOT, "zero3.yaml"),
                "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()), PROBE,
                str(tmp_path / "probe"), "--", *flags, "--offload", "--output_dir", str(tmp_path / "model"),
                "--run_dir_root", str(tmp_path / "runs"), "--run_name", "zero3", "--checkpoint_every", "0"]
@@ -46,7 +48,8 @@ def test_zero3_generation_gathers_once_with_the_same_samples_and_offloads_the_fr
         print(f"rank {rank}: all-gathers {per_layer['all_gathers']} -> {gathered['all_gathers']}, rollout "
               f"{per_layer['seconds']:.2f} s -> {gathered['seconds']:.2f} s")  # shown with pytest -s or -rP
         # the frozen engines fetch their layers either way; the policy and critic only once instead of at each step
-        assert gathered["all_gathers"] < per_layer["all_gathers"] / 2, (per_layer["all_gathers"], gathered["all_gathers"])
+        assert gathered["all_gathers"] < per_layer["all_gathers"] / 2, (per_layer["all_gathers"],
+                                                                        gathered["all_gathers"])
         assert gathered["seconds"] < per_layer["seconds"], (per_layer["seconds"], gathered["seconds"])
         assert record["frozen_offloaded"] and all(record["frozen_offloaded"]), record["frozen_offloaded"]
     assert not torch.equal(ranks[0]["gathered"]["tokens"], ranks[1]["gathered"]["tokens"])  # each rank: its own queries

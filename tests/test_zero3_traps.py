@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+
 from conftest import ENV, free_port, tiny_causal_lm, training_scripts
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,8 +67,8 @@ def test_timeout_check_finite_and_ilql_sampling_under_zero3_with_two_processes(t
     out, timeout_min = tmp_path / "out", 0.2  # 12 s
     out.mkdir()
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               os.path.join(REPO_ROOT, "zero3.yaml"), "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()), PROBE,
-               str(out), str(finite), str(nan), str(timeout_min)]
+               os.path.join(REPO_ROOT, "zero3.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+               "--main_process_port", str(free_port()), PROBE, str(out), str(finite), str(nan), str(timeout_min)]
     result = subprocess.run(command, cwd=REPO_ROOT, env={**ENV, "DS_ACCELERATOR": "cpu"}, capture_output=True,
                             text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -26,7 +26,6 @@ sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
 from conftest import load_script  # noqa: E402
-
 from rlhf_utils import checks  # noqa: E402
 from rlhf_utils import run as run_module  # noqa: E402
 

@@ -56,8 +56,8 @@ def script_flags(script: str, task: str, run_dir: str) -> list:
 
 
 # the smallest run that meets the abort: two torchrun processes over gloo, one gather and one reduce, rank 0 writes
-# a file. Every variant imports run_infra first (so that they differ only in how they end): `probe` ends as a plain
-# script does, `probe_destroy` destroys the process group first (what run_infra's exit handler does at exit),
+# a file. Every variant imports rlhf_utils.run first (so that they differ only in how they end): `probe` ends as a plain
+# script does, `probe_destroy` destroys the process group first (what rlhf_utils/run.py's exit handler does at exit),
 # `probe_leave` calls run_module.leave_processes() (what the scripts do after main())
 PROBE = """import sys, torch
 sys.path.insert(0, {root!r})
