@@ -66,15 +66,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
 from rlhf_utils.flags import RunFlags, check_ilql_flags
-from rlhf_utils.run import (
-    LastGoodState,
-    Run,
-    due,
-    evaluation_rng,
-    leave_processes,
-    resumable_accelerator,
-    start_processes,
-)
+from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, seeded_accelerator, start_processes
 
 
 @dataclass
@@ -774,7 +766,7 @@ def make_ilql_accelerator(args: Args) -> Accelerator:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     # gradient accumulation on the micro-step count, the seeded data order that resumable_micro_batches needs
     # (rlhf_utils/run.py)
-    accelerator = resumable_accelerator(args.gradient_accumulation_steps, args.seed, args.bf16)
+    accelerator = seeded_accelerator(args.gradient_accumulation_steps, args.seed, args.bf16)
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     return accelerator
 

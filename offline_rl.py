@@ -61,15 +61,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import NonFiniteError, RunError
 from rlhf_utils.flags import RunFlags, check_offline_flags, check_round_size
-from rlhf_utils.run import (
-    LastGoodState,
-    Run,
-    due,
-    evaluation_rng,
-    leave_processes,
-    load_or_build_mixture,
-    start_processes,
-)
+from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, start_processes
 
 
 @dataclass
@@ -636,7 +628,8 @@ def alignment_data(args: Args, accelerator, model, reward_model, tokenizer, cost
     if args.method == "best_of_n":
         return None, {}, {}
     build = functools.partial(build_mixture, args, accelerator, model, reward_model, tokenizer)
-    mixture, mixture_stats = load_or_build_mixture(args, accelerator, build)  # cached, or build() (rlhf_utils/run.py)
+    # cached under --cache_dir (rlhf_utils/records.py), or build()
+    mixture, mixture_stats = records.load_or_build_mixture(args, accelerator, build)
     summary = dict(mixture_stats)
     costs["generation_s"] += mixture_stats["mixture/generation_s"]
     costs["labelling_s"] += mixture_stats["mixture/labelling_s"]

@@ -70,15 +70,7 @@ from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
 from rlhf_utils.flags import EndpointFlags, RunFlags, check_online_dpo_flags
 from rlhf_utils.rewards import check_rewards, load_reward_fn, reward_fn_errors
-from rlhf_utils.run import (
-    LastGoodState,
-    Run,
-    due,
-    evaluation_rng,
-    leave_processes,
-    resumable_accelerator,
-    start_processes,
-)
+from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, seeded_accelerator, start_processes
 
 
 @dataclass
@@ -1065,7 +1057,7 @@ def make_accelerator(args) -> Accelerator:
         args.bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     # gradient accumulation over the micro batches counted here, synced on that count alone (an update may straddle
     # two epochs); the data order seeded by --seed, so that a resumed run finds its place (resumable_micro_batches)
-    accelerator = resumable_accelerator(args.gradient_accumulation_steps, args.seed, args.bf16)
+    accelerator = seeded_accelerator(args.gradient_accumulation_steps, args.seed, args.bf16)
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     return accelerator
 

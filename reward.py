@@ -51,7 +51,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Dyna
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
 from rlhf_utils.flags import RunFlags
-from rlhf_utils.run import LastGoodState, Run, due, leave_processes, resumable_accelerator, start_processes
+from rlhf_utils.run import LastGoodState, Run, due, leave_processes, seeded_accelerator, start_processes
 
 
 @dataclass
@@ -519,7 +519,7 @@ def main(args: Args) -> dict:
     # run find its place in the data (see resumable_micro_batches)
     # gradient accumulation over the micro batches counted here, synced on that count alone (an update may straddle
     # two epochs); the data order seeded by --seed, so that a resumed run finds its place (resumable_micro_batches)
-    accelerator = resumable_accelerator(gradient_accumulation_steps, args.seed, args.bf16)
+    accelerator = seeded_accelerator(gradient_accumulation_steps, args.seed, args.bf16)
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset,

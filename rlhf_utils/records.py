@@ -16,7 +16,9 @@ evaluation files), for the scripts that share a layout of them.
   offline_rl.py
               write_offline_evaluation: an evaluation's tables (dt: one per target) and their logged names, whose
               values its evaluate_policy computes; log_offline: a line of metrics at an update; OfflineCounters:
-              the running counters a checkpoint carries
+              the running counters a checkpoint carries; load_or_build_mixture (mixture_key, path_fingerprint):
+              its labelled mixture, saved under --cache_dir and reused by a run whose inputs all match, whose
+              content the script's build_mixture decides
   online_dpo.py
               print_round_drops: the console line of a round that dropped pairs (how many, why, slots filled)
 
@@ -25,6 +27,8 @@ scripts computed (scores, EOS flags, lengths), and the scripts' own evaluations 
 reward.py's run_evaluation, sft.py's evaluate_sft) decide those values.
 """
 
+import hashlib
+import json
 import os
 import time
 from typing import Dict, List
@@ -32,6 +36,7 @@ from typing import Dict, List
 import numpy as np
 import pandas as pd
 import torch
+from datasets import load_from_disk
 from tqdm.auto import tqdm
 
 from rlhf_utils.run import frame_markdown
@@ -437,3 +442,70 @@ def print_round_drops(accelerator, round_index: int, counts: dict, pairs_per_rou
             f"{counts['dropped_ties']}, invalid {counts['dropped_invalid']}, no EOS in either "
             f"{counts['dropped_no_eos']}); {counts['draws']} prompt batch(es) drawn, {counts['pairs_trained']} of "
             f"{pairs_per_round} slots filled")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# offline_rl.py: the cache of its labelled mixture, kept under --cache_dir for the next run with the same inputs
+# ----------------------------------------------------------------------------------------------------------------------
+def path_fingerprint(path: str) -> str:
+    """What identifies a model or dataset for the cache: a local folder's file names, sizes and modification
+    times (so a retrained model at the same path invalidates the cache), or the hub name itself."""
+    if not os.path.isdir(path):
+        return path
+    entries = []
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            stat = os.stat(os.path.join(root, name))
+            entries.append(f"{os.path.relpath(os.path.join(root, name), path)}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
+
+
+def mixture_key(args) -> dict:
+    """Every argument offline_rl.py's mixture depends on; a cached mixture is reused only when all of them match."""
+    def where(path: str) -> str:  # a local folder by its absolute path, a hub name as it is
+        return os.path.abspath(path) if os.path.isdir(path) else path
+
+    return {
+        "sft_model_path": where(args.sft_model_path),
+        "sft_model_fingerprint": path_fingerprint(args.sft_model_path),
+        "reward_model_path": where(args.reward_model_path),
+        "reward_model_fingerprint": path_fingerprint(args.reward_model_path),
+        "query_dataset": where(args.query_dataset),
+        "query_dataset_fingerprint": path_fingerprint(args.query_dataset),
+        "preference_dataset": where(args.preference_dataset),
+        "preference_dataset_fingerprint": path_fingerprint(args.preference_dataset),
+        "train_split": args.train_split,
+        "preference_split": args.preference_split,
+        "response_length": args.response_length,
+        "mixture_size": args.mixture_size,
+        "mixture_weights": list(args.mixture_weights),
+        "mixture_temperature": args.mixture_temperature,
+        "non_eos_penalty": args.non_eos_penalty,
+        "penalty_reward_value": args.penalty_reward_value,
+        "seed": args.seed,
+    }
+
+
+def load_or_build_mixture(args, accelerator, build) -> tuple:
+    """offline_rl.py's labelled mixture: the cached one under --cache_dir when its recorded arguments (mixture_key)
+    match, else build() -> (dataset, stats), the script's build_mixture, saved by the main process. Returns the
+    dataset and its stats, with mixture/cache_hit."""
+    key = mixture_key(args)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    folder = os.path.join(args.cache_dir, "mixture_" + digest[:16])
+    meta_path = os.path.join(folder, "meta.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta["args"] == key:
+            accelerator.print(f"[mixture] reusing {folder}")
+            return load_from_disk(os.path.join(folder, "dataset")), {**meta["stats"], "mixture/cache_hit": 1}
+        accelerator.print(f"[mixture] {folder} was built with other arguments; rebuilding it")
+    dataset, stats = build()
+    if accelerator.is_main_process:
+        os.makedirs(folder, exist_ok=True)
+        dataset.save_to_disk(os.path.join(folder, "dataset"))
+        with open(meta_path, "w") as f:  # written last: its presence marks a complete cache
+            json.dump({"args": key, "stats": stats}, f, indent=2)
+    accelerator.wait_for_everyone()
+    return dataset, {**stats, "mixture/cache_hit": 0}

@@ -5,7 +5,7 @@
                     stream, so that evaluating never changes what a run trains
   processes         start_processes (with the process group's timeout), leave_processes (the exit without the
                     teardown that can abort); synced_time: a phase's end, the GPU's queued work done;
-                    resumable_accelerator: the Accelerator whose data order a resume rebuilds, from the numbers
+                    seeded_accelerator: the Accelerator whose data order a resume rebuilds, from the numbers
                     the script decides (accumulation steps, data seed, bf16)
   the run folder    Run: name, lock (claim_lock), --output_dir claim, the inputs' content hashes (content_digest,
                     INPUT_FILES; each file's hash cached on its size, times and inode), logs (TensorBoard,
@@ -14,8 +14,6 @@
                     non-finite guard; due: whether an action done every N updates falls on this one
   the fallback      LastGoodState: after a non-finite value, the state after the last good update as a checkpoint
   outputs           saving: a full disk named, for every save; frame_markdown: a table for TensorBoard's text tab
-  offline_rl.py     load_or_build_mixture (mixture_key, path_fingerprint): the cache of its labelled mixture under
-                    --cache_dir, whose content the script's build_mixture decides
 
 The expected errors and input checks are rlhf_utils/checks.py, which this module imports; the run's flags (RunFlags)
 and the refusals of flag combinations are rlhf_utils/flags.py; placement and saving are rlhf_utils/models.py; what a
@@ -48,7 +46,6 @@ import psutil
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list
-from datasets import load_from_disk
 from torch.utils.tensorboard import SummaryWriter
 
 from rlhf_utils.checks import NonFiniteError, RunError
@@ -649,76 +646,9 @@ def frame_markdown(df: pd.DataFrame) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# offline_rl.py: the cache of its labelled mixture
-# ----------------------------------------------------------------------------------------------------------------------
-def path_fingerprint(path: str) -> str:
-    """What identifies a model or dataset for the cache: a local folder's file names, sizes and modification
-    times (so a retrained model at the same path invalidates the cache), or the hub name itself."""
-    if not os.path.isdir(path):
-        return path
-    entries = []
-    for root, _, files in sorted(os.walk(path)):
-        for name in sorted(files):
-            stat = os.stat(os.path.join(root, name))
-            entries.append(f"{os.path.relpath(os.path.join(root, name), path)}:{stat.st_size}:{stat.st_mtime_ns}")
-    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
-
-
-def mixture_key(args) -> dict:
-    """Every argument offline_rl.py's mixture depends on; a cached mixture is reused only when all of them match."""
-    def where(path: str) -> str:  # a local folder by its absolute path, a hub name as it is
-        return os.path.abspath(path) if os.path.isdir(path) else path
-
-    return {
-        "sft_model_path": where(args.sft_model_path),
-        "sft_model_fingerprint": path_fingerprint(args.sft_model_path),
-        "reward_model_path": where(args.reward_model_path),
-        "reward_model_fingerprint": path_fingerprint(args.reward_model_path),
-        "query_dataset": where(args.query_dataset),
-        "query_dataset_fingerprint": path_fingerprint(args.query_dataset),
-        "preference_dataset": where(args.preference_dataset),
-        "preference_dataset_fingerprint": path_fingerprint(args.preference_dataset),
-        "train_split": args.train_split,
-        "preference_split": args.preference_split,
-        "response_length": args.response_length,
-        "mixture_size": args.mixture_size,
-        "mixture_weights": list(args.mixture_weights),
-        "mixture_temperature": args.mixture_temperature,
-        "non_eos_penalty": args.non_eos_penalty,
-        "penalty_reward_value": args.penalty_reward_value,
-        "seed": args.seed,
-    }
-
-
-def load_or_build_mixture(args, accelerator, build) -> tuple:
-    """offline_rl.py's labelled mixture: the cached one under --cache_dir when its recorded arguments (mixture_key)
-    match, else build() -> (dataset, stats), the script's build_mixture, saved by the main process. Returns the
-    dataset and its stats, with mixture/cache_hit."""
-    key = mixture_key(args)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    folder = os.path.join(args.cache_dir, "mixture_" + digest[:16])
-    meta_path = os.path.join(folder, "meta.json")
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta["args"] == key:
-            accelerator.print(f"[mixture] reusing {folder}")
-            return load_from_disk(os.path.join(folder, "dataset")), {**meta["stats"], "mixture/cache_hit": 1}
-        accelerator.print(f"[mixture] {folder} was built with other arguments; rebuilding it")
-    dataset, stats = build()
-    if accelerator.is_main_process:
-        os.makedirs(folder, exist_ok=True)
-        dataset.save_to_disk(os.path.join(folder, "dataset"))
-        with open(meta_path, "w") as f:  # written last: its presence marks a complete cache
-            json.dump({"args": key, "stats": stats}, f, indent=2)
-    accelerator.wait_for_everyone()
-    return dataset, {**stats, "mixture/cache_hit": 0}
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # The Accelerator of the scripts whose data order a resume rebuilds
 # ----------------------------------------------------------------------------------------------------------------------
-def resumable_accelerator(gradient_accumulation_steps: int, data_seed: int, bf16: bool) -> Accelerator:
+def seeded_accelerator(gradient_accumulation_steps: int, data_seed: int, bf16: bool) -> Accelerator:
     """The Accelerator of reward.py, dpo.py, kto.py, online_dpo.py and ilql.py, from the numbers the script decides:
     gradient accumulation over gradient_accumulation_steps micro batches, the data order seeded with data_seed, bf16
     autocast or none."""
