@@ -161,8 +161,9 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation memory
-    for about one more forward pass. Off by default: the paper trained without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
+    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
+    without it (docs/usage.md, "Flags in depth")"""
 
     # evaluation, sampling and logging
     eval_every: int = 500

@@ -104,9 +104,9 @@ class Args:
     completion (then the pair is invalid; when no request of the run was ever answered, the run stops with one error);
     a 429 uses up none (--rate_limit_patience)"""
     rate_limit_patience: float = 600.0
-    """seconds a rate limit (HTTP 429) is waited out, using up no --max_tries, before the run stops with one error.
-    600: many times a per-minute limit's window, yet a quota spent for the day stops the run in 10 minutes instead of
-    hanging it (docs/usage.md, "Flags in depth")"""
+    """seconds a rate limit (HTTP 429) is waited out before the run stops with one error; the waits use up none of
+    max_tries. 600: many times a per-minute limit's window, yet a quota spent for the day stops the run in 10 minutes
+    instead of hanging it (docs/usage.md, "Flags in depth")"""
     backoff_base_s: float = 1.0
     """first retry waits about this long; each further retry doubles it (with jitter)"""
     backoff_max_s: float = 60.0

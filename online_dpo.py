@@ -201,8 +201,9 @@ class Args:
     evaluation's samples) instead of layer by layer at every decode step (as TRL's unwrap_model_for_generation does);
     the same samples either way. Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation memory
-    for about one more forward pass. Off by default: the paper trained without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
+    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
+    without it (docs/usage.md, "Flags in depth")"""
 
     # memory: LoRA and QLoRA
     lora_rank: int = 0

@@ -125,8 +125,9 @@ class Args:
     values, instead of two whole rows (query + chosen, query + rejected) as the reference code and TRL run them: the
     same rewards and gradients up to float rounding, for less compute (docs/usage.md, "Flags in depth")"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation memory
-    for about one more forward pass. Off by default: the paper trained without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
+    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
+    without it (docs/usage.md, "Flags in depth")"""
 
     # ---- evaluation and logging ----
     eval_every: int = 0

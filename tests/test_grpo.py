@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
+from rlhf_utils.flags import RunFlags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 grpo = load_script("grpo")
@@ -162,7 +163,7 @@ def test_groups_are_never_split(tmp_path):
     """Each process holds whole groups: a group size that does not divide the local batch is refused before any
     model loads."""
     args = grpo.Args(group_size=3, total_batch_size=8, local_micro_batch_size=2, total_episodes=16,
-                     run_dir_root=str(tmp_path), sft_model_path=str(tmp_path / "none"))
+                     run=RunFlags(run_dir_root=str(tmp_path)), sft_model_path=str(tmp_path / "none"))
     with pytest.raises(ValueError, match="--group_size 3 must be at least 2 and divide the local batch 8"):
         grpo.main(args)
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
+from rlhf_utils.flags import RunFlags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 reinforce_pp = load_script("reinforce_pp")
@@ -98,8 +99,8 @@ def test_the_baseline_variant_subtracts_the_group_mean_then_whitens():
 
 def test_the_baseline_needs_groups_of_two_or_more(tmp_path):
     """Refused before any model loads (the model paths do not exist): a group of one has its own score as its mean."""
-    common = dict(total_batch_size=8, local_micro_batch_size=2, total_episodes=16, run_dir_root=str(tmp_path),
-                  sft_model_path=str(tmp_path / "none"))
+    common = dict(total_batch_size=8, local_micro_batch_size=2, total_episodes=16,
+                  run=RunFlags(run_dir_root=str(tmp_path)), sft_model_path=str(tmp_path / "none"))
     args = reinforce_pp.Args(**common)
     args.reinforce_pp.baseline = "group"
     with pytest.raises(ValueError, match=r"--reinforce_pp.baseline group \(REINFORCE\+\+-baseline\) subtracts .* needs "

@@ -303,14 +303,14 @@ def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
     bias = model.config.reward_normalization_bias
     assert bias == pytest.approx(summary["reference_reward_mean_before_normalization"])
     assert bias != 0.0
-    references = reward.load_split(synthetic_task["sft"], "train").select(range(32))
+    references = checks.load_split(synthetic_task["sft"], "train").select(range(32))
     rows = torch.tensor(references["query_reference_response_token"])
     with torch.no_grad():
         _, scores, _ = reward.get_reward(model, rows, tokenizer.pad_token_id, 0)
     assert float(scores.mean()) == pytest.approx(0.0, abs=1e-3 + 1e-3 * abs(bias))
 
     # the README's snippet: score one (query, response) pair with the library's own forward
-    pair = reward.load_split(synthetic_task["preference"], "validation")[0]
+    pair = checks.load_split(synthetic_task["preference"], "validation")[0]
     query, response = pair["query"], pair["chosen"]  # response = " " + summary (Detail 3)
     ids = tokenizer.encode(query) + tokenizer.encode(response) + [tokenizer.eos_token_id]
     with torch.no_grad():

@@ -495,6 +495,24 @@ def test_accepted_changed_flags_take_effect_and_args_json_records_both(tmp_path,
         "lr": {"was": 1e-3, "now": 2e-3}, "eps": {"was": 1e-8, "now": 1e-6}, "ppo.kl_coef": {"was": 0.05, "now": 0.5}}}]
 
 
+def test_the_run_flags_are_recorded_flat_as_before_their_group(tmp_path):
+    """The run's flags live in one group (args.run, RunFlags) but keep their flat names where a run records them:
+    args.json and a checkpoint's flags say "resume" and "checkpoint_keep", not "run.resume", so pipeline.py,
+    ablate.py and a --resume across the refactor read the names they read before; a nested algorithm group keeps
+    its dotted names (ppo.kl_coef)."""
+    run, model, optimizer, schedule, _ = flag_run(tmp_path, checkpoint_every=3)
+    run.start({"update": 0}, num_updates=10)
+    step(model, optimizer)
+    run.checkpoint(1, {})
+    recorded = json.load(open(tmp_path / "runs" / "unit" / "args.json"))
+    assert "run" not in recorded and recorded["run_name"] == "unit" and recorded["checkpoint_every"] == 3
+    assert recorded["checkpoint_keep"] == 2 and recorded["resume"] is False and recorded["ppo"] == {"kl_coef": 0.05}
+    flags = run.flags  # what every checkpoint records and a --resume compares
+    assert flags["checkpoint_every"] == 3 and flags["ppo.kl_coef"] == 0.05
+    assert not [name for name in flags if name.startswith("run.")]
+    assert {f.name for f in fields(RunFlags)} <= set(flags)
+
+
 def test_every_free_flag_is_a_flag_of_some_script_and_none_decides_a_number():
     """FREE_FLAGS names real flags (no stale name) and none of the flags that obviously decide numbers; every
     training script has --accept_changed_flags. A script's flags: the fields of its classes, and those of each group

@@ -183,7 +183,7 @@ def test_eos_labels_on_the_prepared_data(request):
     paths = task_paths(request)
     tokenizer = AutoTokenizer.from_pretrained(paths["base_model"])
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
-    rows = sft.load_split(paths["sft"], "train").with_format("torch")[:16]  # dict of (16, T) tensors
+    rows = checks.load_split(paths["sft"], "train").with_format("torch")[:16]  # dict of (16, T) tensors
     for column in ("query_reference_response_token", "query_reference_response_token_response_label"):
         labels = sft.sft_labels(rows[column], tokenizer.pad_token_id)
         assert ((labels == tokenizer.eos_token_id).sum(dim=1) == 1).all()
