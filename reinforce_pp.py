@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
-from rlhf_utils.flags import RunFlags, check_flags
+from rlhf_utils.flags import RunFlags, check_flags, check_groups
 from rlhf_utils.rewards import check_rewards, reward_fn_errors
 from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, start_processes, synced_time
 
@@ -382,19 +382,6 @@ def training_logprobs(model, query_responses, context_length: int, temperature: 
     logits, ptx_logits = model(query_responses, pad_token_id, context_length, ptx_query_responses, ptx_labels)
     new_logprobs, all_logprobs = action_logprobs(logits, query_responses[:, context_length:], temperature, pad_token_id)
     return new_logprobs, all_logprobs, ptx_logits
-
-
-def check_groups(args, hp, local_batch_size: int) -> None:
-    """Each process holds whole groups of samples_per_prompt responses to one query, and REINFORCE++-baseline a group
-    of at least 2 to take its mean from: refused before anything loads."""
-    if local_batch_size % args.samples_per_prompt:
-        raise RunError(f"--samples_per_prompt {args.samples_per_prompt} must divide the local batch {local_batch_size}")
-    if hp.baseline == "group" and args.samples_per_prompt < 2:
-        raise RunError(f"--reinforce_pp.baseline group (REINFORCE++-baseline) subtracts from each score the mean "
-                       f"score of its query's --samples_per_prompt responses, which needs 2 or more (got "
-                       f"{args.samples_per_prompt}, whose mean is the score itself: every advantage would come from "
-                       "the KL penalty alone); pass --samples_per_prompt 2 or more (e.g. 4), or "
-                       "--reinforce_pp.baseline batch for REINFORCE++")
 
 
 def per_token_rewards(scores, kl, mask, last_index, kl_coef):

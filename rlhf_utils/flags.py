@@ -9,8 +9,8 @@
                 concurrency, retries, backoff, timeout, rate-limit patience, the reply cache's file)
   refusals      flag combinations that cannot work, refused before anything loads: check_flags (the PPO family:
                 ppo.py, rloo.py, grpo.py, reinforce_pp.py; it also loads the --reward_fn function),
-                check_online_dpo_flags (and --judge endpoint's API key), check_ilql_flags, check_offline_flags and
-                check_round_size (offline_rl.py)
+                check_online_dpo_flags (and --judge endpoint's API key), check_groups (reinforce_pp.py),
+                check_ilql_flags, check_offline_flags and check_round_size (offline_rl.py)
 
 What it never does: hold a flag that changes a number a run computes. Each script keeps those in its own Args (the
 seed, every batch size, the models, sampling, the algorithm's group), beside its exp_name and output_dir, whose
@@ -189,3 +189,19 @@ def check_ilql_flags(args, gradient_accumulation_steps: int) -> None:
         raise RunError(f"--ilql.steps_for_target_q_sync must be >= 1, got {args.ilql.steps_for_target_q_sync}")
     if args.reward_source == "rm" and args.reward_model_path is None:
         raise RunError("--reward_source rm needs --reward_model_path")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# reinforce_pp.py: its groups
+# ----------------------------------------------------------------------------------------------------------------------
+def check_groups(args, hp, local_batch_size: int) -> None:
+    """reinforce_pp.py's groups: each process holds whole groups of samples_per_prompt responses to one query, and
+    REINFORCE++-baseline a group of at least 2 to take its mean from: refused before anything loads."""
+    if local_batch_size % args.samples_per_prompt:
+        raise RunError(f"--samples_per_prompt {args.samples_per_prompt} must divide the local batch {local_batch_size}")
+    if hp.baseline == "group" and args.samples_per_prompt < 2:
+        raise RunError(f"--reinforce_pp.baseline group (REINFORCE++-baseline) subtracts from each score the mean "
+                       f"score of its query's --samples_per_prompt responses, which needs 2 or more (got "
+                       f"{args.samples_per_prompt}, whose mean is the score itself: every advantage would come from "
+                       "the KL penalty alone); pass --samples_per_prompt 2 or more (e.g. 4), or "
+                       "--reinforce_pp.baseline batch for REINFORCE++")
