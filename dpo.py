@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
-from rlhf_utils.flags import RunFlags
+from rlhf_utils.flags import RunFlags, check_dpo_flags
 from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, seeded_accelerator, start_processes
 
 
@@ -691,12 +691,6 @@ def lora_policy(model, args):
 # ---------------------------------------------------------------------------------------------
 # The setup that decides numbers: flags, processes and batches, tokenizer, data, models
 # ---------------------------------------------------------------------------------------------
-
-
-def check_dpo_flags(args) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded."""
-    if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
-        raise RunError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
 
 
 def make_accelerator(args) -> Accelerator:

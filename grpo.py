@@ -108,11 +108,6 @@ class GrpoHParams:
     ptx_coef: float = 0.0
     """PPO-ptx (InstructGPT, OpenRLHF): add ptx_coef x the SFT loss on reference summaries; 0 = off"""
 
-    def __post_init__(self):  # refused as the flags are read, before anything loads
-        if self.max_draws_per_update < 1 or self.overlong_buffer < 0:
-            raise RunError(f"--grpo.max_draws_per_update must be >= 1 (1 = off) and --grpo.overlong_buffer >= 0 "
-                           f"(0 = off), got {self.max_draws_per_update} and {self.overlong_buffer}")
-
 
 @dataclass
 class Args:
@@ -724,9 +719,6 @@ def main(args: Args) -> dict:
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3
     reward_fn = check_flags(args, accelerator, hp.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
-    if args.group_size < 2 or local_batch_size % args.group_size:  # each process holds whole groups: never split
-        raise RunError(f"--group_size {args.group_size} must be at least 2 and divide the local batch "
-                       f"{local_batch_size}")
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path,
                query_dataset=args.query_dataset)

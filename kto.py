@@ -62,7 +62,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
-from rlhf_utils.flags import RunFlags
+from rlhf_utils.flags import RunFlags, check_kto_flags
 from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, seeded_accelerator, start_processes
 
 
@@ -733,20 +733,6 @@ def lora_policy(model, args):
 # ---------------------------------------------------------------------------------------------
 # The setup that decides numbers: flags, processes and batches, tokenizer, data, models
 # ---------------------------------------------------------------------------------------------
-
-
-def check_kto_flags(args) -> None:
-    """Flag combinations that cannot work, refused before anything is loaded."""
-    if args.feedback == "unpaired" and args.unpaired_dataset is None:
-        raise RunError("--feedback unpaired reads --unpaired_dataset (a folder from data/prepare.py --unpaired); "
-                         "pass it, or train on preference pairs with --feedback pairs")
-    if args.local_micro_batch_size < 2 or (args.feedback == "pairs" and (args.local_micro_batch_size < 4
-                                                                         or args.local_micro_batch_size % 2)):
-        raise RunError("--local_micro_batch_size must be at least 2 (--feedback pairs: even and at least 4, the two "
-                       "halves of local_micro_batch_size / 2 pairs): the KL estimate pairs each prompt with the "
-                       "completion of another example (another pair) of its micro batch")
-    if min(args.desirable_weight, args.undesirable_weight) <= 0 or args.beta <= 0:
-        raise RunError("--beta, --desirable_weight and --undesirable_weight must be positive")
 
 
 def make_accelerator(args) -> Accelerator:

@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
-from rlhf_utils.flags import RunFlags, check_flags, check_groups
+from rlhf_utils.flags import RunFlags, check_flags
 from rlhf_utils.rewards import check_rewards, reward_fn_errors
 from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, start_processes, synced_time
 
@@ -614,7 +614,6 @@ def main(args: Args) -> dict:
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3
     reward_fn = check_flags(args, accelerator, hp.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
-    check_groups(args, hp, local_batch_size)  # whole groups on each process; REINFORCE++-baseline: 2 or more
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path,
                query_dataset=args.query_dataset)

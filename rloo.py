@@ -589,8 +589,6 @@ def main(args: Args) -> dict:
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3
     reward_fn = check_flags(args, accelerator, hp.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
-    if args.rloo_k < 2 or local_batch_size % args.rloo_k:  # each process holds whole groups of rloo_k responses
-        raise RunError(f"--rloo_k {args.rloo_k} must be at least 2 and divide the local batch {local_batch_size}")
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path,
                query_dataset=args.query_dataset)

@@ -75,6 +75,7 @@ def check_flags(args, accelerator, num_mini_batches: int, gradient_accumulation_
     without the flag), loaded here: a missing file or function name stops the run before any model loads."""
     check_gradient_accumulation(args, gradient_accumulation_steps, accelerator.num_processes, num_mini_batches)
     check_qlora_flags(args, accelerator)
+    check_groups(args, accelerator.num_processes)  # rloo.py, grpo.py, reinforce_pp.py: whole groups on each process
     if num_updates < 1:
         raise RunError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
     # the scorers, each reward model and then the --reward_fn function: at least one, --reward_weights one each
@@ -86,6 +87,30 @@ def check_flags(args, accelerator, num_mini_batches: int, gradient_accumulation_
     if zero3 and args.num_layers_unfrozen >= 0:
         raise RunError("Hydra shares modules between policy and reference, which ZeRO-3 cannot partition")
     return reward_fn
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# dpo.py, online_dpo.py, kto.py
+# ----------------------------------------------------------------------------------------------------------------------
+def check_dpo_flags(args) -> None:
+    """dpo.py's (and online_dpo.py's) flag combinations that cannot work, refused before anything is loaded."""
+    if args.label_smoothing != 0.0 and args.loss_type != "sigmoid":
+        raise RunError(f"--label_smoothing is conservative DPO, defined for --loss_type sigmoid, not {args.loss_type}")
+
+
+def check_kto_flags(args) -> None:
+    """kto.py's flag combinations that cannot work, refused before anything is loaded: unpaired feedback without its
+    data, micro batches the KL estimate cannot pair within, weights and beta that are not positive."""
+    if args.feedback == "unpaired" and args.unpaired_dataset is None:
+        raise RunError("--feedback unpaired reads --unpaired_dataset (a folder from data/prepare.py --unpaired); "
+                         "pass it, or train on preference pairs with --feedback pairs")
+    if args.local_micro_batch_size < 2 or (args.feedback == "pairs" and (args.local_micro_batch_size < 4
+                                                                         or args.local_micro_batch_size % 2)):
+        raise RunError("--local_micro_batch_size must be at least 2 (--feedback pairs: even and at least 4, the two "
+                       "halves of local_micro_batch_size / 2 pairs): the KL estimate pairs each prompt with the "
+                       "completion of another example (another pair) of its micro batch")
+    if min(args.desirable_weight, args.undesirable_weight) <= 0 or args.beta <= 0:
+        raise RunError("--beta, --desirable_weight and --undesirable_weight must be positive")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -192,14 +217,26 @@ def check_ilql_flags(args, gradient_accumulation_steps: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# reinforce_pp.py: its groups
+# rloo.py, grpo.py, reinforce_pp.py: their groups (check_flags calls it; ppo.py has none)
 # ----------------------------------------------------------------------------------------------------------------------
-def check_groups(args, hp, local_batch_size: int) -> None:
-    """reinforce_pp.py's groups: each process holds whole groups of samples_per_prompt responses to one query, and
-    REINFORCE++-baseline a group of at least 2 to take its mean from: refused before anything loads."""
+def check_groups(args, num_processes: int) -> None:
+    """The group methods' groups, refused before anything loads: each process holds whole groups of responses to one
+    query (rloo.py --rloo_k, grpo.py --group_size, reinforce_pp.py --samples_per_prompt); RLOO's leave-one-out, GRPO's
+    group statistics and REINFORCE++-baseline's group mean need 2 or more; grpo.py's DAPO sizes are not negative."""
+    local_batch_size = args.total_batch_size // num_processes  # batch_arithmetic has checked that it divides
+    for name in ("rloo_k", "group_size"):
+        size = getattr(args, name, None)
+        if size is not None and (size < 2 or local_batch_size % size):
+            raise RunError(f"--{name} {size} must be at least 2 and divide the local batch {local_batch_size}")
+    grpo = getattr(args, "grpo", None)
+    if grpo is not None and (grpo.max_draws_per_update < 1 or grpo.overlong_buffer < 0):
+        raise RunError(f"--grpo.max_draws_per_update must be >= 1 (1 = off) and --grpo.overlong_buffer >= 0 "
+                       f"(0 = off), got {grpo.max_draws_per_update} and {grpo.overlong_buffer}")
+    if not hasattr(args, "samples_per_prompt"):
+        return
     if local_batch_size % args.samples_per_prompt:
         raise RunError(f"--samples_per_prompt {args.samples_per_prompt} must divide the local batch {local_batch_size}")
-    if hp.baseline == "group" and args.samples_per_prompt < 2:
+    if args.reinforce_pp.baseline == "group" and args.samples_per_prompt < 2:
         raise RunError(f"--reinforce_pp.baseline group (REINFORCE++-baseline) subtracts from each score the mean "
                        f"score of its query's --samples_per_prompt responses, which needs 2 or more (got "
                        f"{args.samples_per_prompt}, whose mean is the score itself: every advantage would come from "

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import load_script
+from rlhf_utils.flags import RunFlags
 
 grpo = load_script("grpo")
 
@@ -172,8 +173,12 @@ def test_overlong_punishment_by_hand_and_the_eos_trick():
         assert out.scores.tolist() == scores
 
 
-def test_bad_dapo_flags_are_refused_as_read():
+def test_bad_dapo_flags_are_refused_before_anything_loads(tmp_path):
+    """rlhf_utils/flags.py check_groups, called by check_flags: the model paths do not exist, so a run that got past
+    the check would fail differently."""
+    common = dict(total_batch_size=8, local_micro_batch_size=2, total_episodes=16,
+                  run=RunFlags(run_dir_root=str(tmp_path)), sft_model_path=str(tmp_path / "none"))
     with pytest.raises(ValueError, match="--grpo.max_draws_per_update must be >= 1"):
-        grpo.GrpoHParams(max_draws_per_update=0)
+        grpo.main(grpo.Args(grpo=grpo.GrpoHParams(max_draws_per_update=0), **common))
     with pytest.raises(ValueError, match="--grpo.overlong_buffer >= 0"):
-        grpo.GrpoHParams(overlong_buffer=-1)
+        grpo.main(grpo.Args(grpo=grpo.GrpoHParams(overlong_buffer=-1), **common))

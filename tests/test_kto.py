@@ -26,6 +26,7 @@ from conftest import (
     without_timing,
 )
 from data import prepare, synthetic
+from rlhf_utils.flags import check_kto_flags
 from test_multiprocess import assert_same_run, run_probe, saved_weights
 
 PAD, EOS = 1, 2
@@ -119,14 +120,14 @@ def test_feedback_balance_follows_the_papers_range():
 
 def test_flags_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="--unpaired_dataset"):
-        kto.check_kto_flags(kto.Args(feedback="unpaired"))
+        check_kto_flags(kto.Args(feedback="unpaired"))
     with pytest.raises(ValueError, match="at least 2"):
-        kto.check_kto_flags(kto.Args(local_micro_batch_size=1))
+        check_kto_flags(kto.Args(local_micro_batch_size=1))
     for size in (2, 5):  # pairs: both halves of each pair in one micro batch, and at least 2 pairs for the KL estimate
         with pytest.raises(ValueError, match="even and at least 4"):
-            kto.check_kto_flags(kto.Args(local_micro_batch_size=size))
-    kto.check_kto_flags(kto.Args(feedback="unpaired", unpaired_dataset="thumbs", local_micro_batch_size=3))
-    kto.check_kto_flags(kto.Args())
+            check_kto_flags(kto.Args(local_micro_batch_size=size))
+    check_kto_flags(kto.Args(feedback="unpaired", unpaired_dataset="thumbs", local_micro_batch_size=3))
+    check_kto_flags(kto.Args())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def test_pairs_are_dpos_pairs_in_dpos_order():
     rows = kto.with_row_index(table, ["query_token", "chosen_token", "rejected_token"])
     dpo_args = dpo.Args(seed=3, total_batch_size=8, local_micro_batch_size=4)  # 6 micro batches an epoch
     kto_args = kto.Args(seed=3, total_batch_size=16, local_micro_batch_size=4)  # 12 (2 pairs each)
-    kto.check_kto_flags(kto_args)
+    check_kto_flags(kto_args)
     loader = dpo.make_accelerator(dpo_args).prepare(dpo.shuffled_batches(rows, dpo_args.local_micro_batch_size, 3))
     batches = dpo.resumable_micro_batches(loader, 0)
     dpo_order = [int(i) for _ in range(12) for i in next(batches)["row_index"]]

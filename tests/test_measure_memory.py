@@ -73,6 +73,14 @@ def test_lora_and_qlora_modes_of_sft_dpo_and_ppo():
         assert measure_memory.script_has_flag(script, "load_in_4bit")
 
 
+def test_a_run_flag_counts_as_the_scripts_own():
+    """--checkpoint_every sits in every script's run group (rlhf_utils/flags.py), not in its own Args."""
+    for script in ("sft.py", "ppo.py", "dpo.py", "ilql.py"):
+        assert measure_memory.script_has_flag(script, "checkpoint_every")
+        assert not measure_memory.script_has_flag(script, "no_such_flag")
+    assert not measure_memory.script_has_flag("reward.py", "lora_rank")  # a flag of the script's own is still read
+
+
 @pytest.mark.slow  # the end-to-end runs: in the full suite, out of the quick `-m "not slow"` check
 def test_tiny_model_table_and_csv(synthetic_task, tmp_path):
     """sft.py and ppo.py, each plain, LoRA and QLoRA, on a tiny model: one row per run, real figures."""

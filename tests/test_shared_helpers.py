@@ -66,9 +66,9 @@ PER_SCRIPT = {"Args", "main", "rewards_and_advantages", "RewardsAndAdvantages", 
 OWN = {"ppo.py": {"Rollout", "rollout"}}
 # The copies a fork of rloo.py takes from elsewhere, compared like every copy: reinforce_pp.py (REINFORCE++) keeps
 # rloo.py's pieces (the critic-free rollout among them), has its own update (`reinforce_pp_update`, the shared
-# clipped_policy_loss on each token) and returns (`discounted_returns`; its group check, `check_groups`, is in
-# rlhf_utils/flags.py), and copies ppo.py's per-token rewards and whitening: each copy must be found where it is
-# expected, or a rename would leave it uncompared.
+# clipped_policy_loss on each token) and returns (`discounted_returns`; its group check is rlhf_utils/flags.py's
+# `check_groups`, with rloo.py's and grpo.py's), and copies ppo.py's per-token rewards and whitening: each copy must be
+# found where it is expected, or a rename would leave it uncompared.
 FORK_COPIES = {"per_token_rewards": {"ppo.py", "reinforce_pp.py"}, "masked_whiten": {"ppo.py", "reinforce_pp.py"},
                "rollout": {"rloo.py", "grpo.py", "reinforce_pp.py"}}
 

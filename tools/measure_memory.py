@@ -318,9 +318,16 @@ def run_child(cmd: list, what: str, log_stem: str, args: Args) -> None:
 
 
 def script_has_flag(script: str, flag: str) -> bool:
-    """Whether the script's Args has this field (read from its source, so the parent need not import it)."""
+    """Whether the script's Args has this field, its own or its run group's (rlhf_utils/flags.py RunFlags).
+
+    Read from the sources, so the parent need not import the script (and torch with it)."""
     with open(os.path.join(REPO_ROOT, script)) as f:
-        return re.search(rf"^\s+{re.escape(flag)}\s*:", f.read(), flags=re.M) is not None
+        source = f.read()
+    if re.search(r"^\s+run: .*RunFlags", source, flags=re.M):  # the run flags every script takes in, flat
+        with open(os.path.join(REPO_ROOT, "rlhf_utils", "flags.py")) as f:
+            flags = f.read()
+        source += flags[flags.index("class RunFlags:"):flags.index("\nclass ", flags.index("class RunFlags:"))]
+    return re.search(rf"^\s+{re.escape(flag)}\s*:", source, flags=re.M) is not None
 
 
 def mode_flags(script: str, mode: str, args: Args) -> list:
