@@ -477,7 +477,7 @@ class Ablation:
         return code == 0
 
     def run_all(self) -> list[str]:
-        t_start = time.time()
+        t_start = time.monotonic()
         runs = self.plan()
         todo = [r for r in runs if not os.path.exists(r.done_file)]
         need_upstream = not self.upstream_ready()
@@ -494,12 +494,12 @@ class Ablation:
                 print(("  done  " if r not in todo else "  todo  ") + r.key)
             return []
         if need_upstream:
-            t0 = time.time()
+            t0 = time.monotonic()
             print(f"=== upstream {self.upstream} is incomplete: running the pipeline's prep, SFT and RM stages",
                   flush=True)
             if not self.execute("upstream_pipeline", self.pipeline_cmd()):
                 raise SystemExit("the upstream pipeline failed; see the log above")
-            self.record("upstream_pipeline", "pipeline", time.time() - t0)
+            self.record("upstream_pipeline", "pipeline", time.monotonic() - t0)
         runs = self.plan()  # the prep commands read the upstream's args.json, which exists now
         todo = [r for r in runs if not os.path.exists(r.done_file)]
         failed: list[str] = []
@@ -520,9 +520,9 @@ class Ablation:
             if run.kind != "prep" and os.path.isdir(os.path.join(self.runs, run.key, "checkpoints")) and any(
                     d.startswith("update_") for d in os.listdir(os.path.join(self.runs, run.key, "checkpoints"))):
                 run.cmd.append("--resume")  # interrupted after a checkpoint: continue from it
-            t0 = time.time()
+            t0 = time.monotonic()
             ok = self.execute(run.key, run.cmd)
-            seconds = time.time() - t0
+            seconds = time.monotonic() - t0
             with lock:
                 if ok:
                     self.record(run.key, run.kind, seconds)
@@ -532,7 +532,7 @@ class Ablation:
                 left_runs = [r for r in todo if not events[r.key].is_set() and r.key != run.key]
                 remaining = sum(self.estimate(r.kind) for r in left_runs) / max(1, self.args.jobs)
                 print(f"--- [{finished[0]}/{len(todo)}] {run.key}: {'done' if ok else 'FAILED'} in {seconds:.0f} s; "
-                      f"elapsed {(time.time() - t_start) / 60:.1f} min, about {remaining / 60:.0f} min left",
+                      f"elapsed {(time.monotonic() - t_start) / 60:.1f} min, about {remaining / 60:.0f} min left",
                       flush=True)
             events[run.key].set()
 

@@ -123,13 +123,11 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
     gather_for_generation: bool = True
-    """under ZeRO-3, gather the policy's weights once for each generate call of the evaluation's samples instead of
-    layer by layer at every decode step (as TRL's unwrap_model_for_generation does); the same samples either way.
-    Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
+    """under ZeRO-3, gather the policy's weights once per generate call of the evaluation's samples, not layer by
+    layer at each decode step: the same samples. Off: for models too big for a device (docs/usage.md, Flags in depth)"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
-    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
-    without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing in every model that trains here: less activation memory for about one more forward
+    pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # memory: LoRA and QLoRA
     lora_rank: int = 0
@@ -217,7 +215,7 @@ def dpo_update(args, accelerator, run, policy, optimizer, ref_model, train_ref_t
 
 
 def main(args: Args) -> dict:
-    start_time = time.time()
+    start_time = time.monotonic()
     check_dpo_flags(args)
     # ---------------- processes, batch arithmetic (Table 6: 64 pairs per update), run folder ----------------
     accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
@@ -319,14 +317,14 @@ def main(args: Args) -> dict:
                "num_updates": num_updates, "episodes": num_updates * args.total_batch_size,
                # the budget as spent (report.py's leaderboard reads it): every update read total_batch_size pairs
                "budget/updates": num_updates, "budget/pairs_read": num_updates * args.total_batch_size,
-               "wall_time_s": time.time() - start_time}
+               "wall_time_s": time.monotonic() - start_time}
     # with LoRA the adapters folded into the base: the plain float32 model it computes (models.merged_policy)
     models.save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir,
                           merge=models.merged_policy if args.lora_rank > 0 else None)
     if args.run.push_to_hub and accelerator.is_main_process:
         models.upload_to_hub(args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
-    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    accelerator.print(f"done in {time.monotonic() - start_time:.0f}s; run folder {run.dir}")
     return summary
 
 
@@ -924,7 +922,7 @@ class LoggingInterval:
 
     def __init__(self, state: dict):
         self.rows, self.tokens = state["interval"], state["interval_tokens"]
-        self.start = time.time() - state["interval_time"]
+        self.start = time.monotonic() - state["interval_time"]
         self.last_means = state["last_train_metrics"]  # the last logged means, for the summary
 
     def add(self, row: List[float], tokens: int) -> None:
@@ -937,20 +935,20 @@ class LoggingInterval:
         # averaged over the updates that did, and one that none did is left out of this log line
         columns = np.array(self.rows, dtype=float).T
         means = {key: float(np.nanmean(c)) for key, c in zip(TRAIN_STATS, columns) if not np.isnan(c).all()}
-        elapsed = time.time() - self.start  # (the updates' .tolist() waited for the device)
+        elapsed = time.monotonic() - self.start  # (the updates' .tolist() waited for the device)
         means["train/tokens_per_s"] = self.tokens / elapsed
         means["time/update_s"] = elapsed / len(self.rows)  # each update's wall time, averaged over the interval
         means["train/lr"] = lr
         means["train/epoch"] = epoch
         self.last_means = means
-        self.rows, self.tokens, self.start = [], 0, time.time()
+        self.rows, self.tokens, self.start = [], 0, time.monotonic()
         return means
 
     def restart_clock(self) -> None:
-        self.start = time.time()
+        self.start = time.monotonic()
 
     def state(self) -> dict:
-        return {"interval": self.rows, "interval_tokens": self.tokens, "interval_time": time.time() - self.start,
+        return {"interval": self.rows, "interval_tokens": self.tokens, "interval_time": time.monotonic() - self.start,
                 "last_train_metrics": self.last_means}
 
 

@@ -10,7 +10,7 @@ One update = one rollout of `total_batch_size` episodes, G (--group_size) per qu
               several RMs: each scored, scaled on its own, then joined (--reward_combine); a reward from code
               (--reward_fn) is one more scorer, or the only one
            5. EOS trick: no EOS in the response -> score = penalty_reward_value (-1)  (Detail 23)
-           6. the reward is the score: GRPO puts no KL penalty into it (step 8 does)
+           6. the reward is the score: GRPO puts no KL penalty into it (step 8 does; --grpo.kl_in reward: here)
            7. advantage: (the reward - its group's mean) / (its group's std + eps), the same for each of its tokens
            DAPO's options (Yu et al. 2025): overlong shaping adds a length penalty to the reward at step 6
            (--grpo.overlong_buffer); dynamic sampling repeats steps 1-7 on further prompt batches until groups whose
@@ -19,9 +19,15 @@ One update = one rollout of `total_batch_size` episodes, G (--group_size) per qu
            8. per token, PPO's clipped ratio times the advantage plus kl_coef x the k3 KL to the reference, averaged
               over each response's tokens, then over responses (grpo_loss), AdamW with linear decay; GSPO (Zheng et
               al. 2025, --grpo.ratio_level sequence) clips one ratio per response instead, its tokens' geometric mean.
+              Off by default: CISPO's or SAPO's policy term (--grpo.loss_type), truncated responses masked, entropy.
 
 Single process:   python grpo.py --sft_model_path models/sft --reward_model_path models/rm
 Several:          accelerate launch --config_file zero2.yaml grpo.py ...
+Later work:       the command with these flags (docs/usage.md, "GRPO's variants: Dr. GRPO, DAPO, GSPO"):
+  Dr. GRPO        --grpo.advantage_std none --grpo.loss_normalizer constant
+  DAPO            --grpo.clip_high 0.28 --grpo.loss_normalizer batch_token_mean --grpo.kl_coef 0
+                  --grpo.max_draws_per_update 3 --grpo.overlong_buffer 16 --grpo.num_mini_batches 16
+  GSPO            --grpo.ratio_level sequence --grpo.num_mini_batches 4 --grpo.kl_coef 0
 After a crash:    the same command with --resume: it continues from the latest checkpoint in runs/{run_name}/checkpoints
                   (policy, AdamW, KL controller, reward statistics, RNG states; the data position follows from
                   the update number, or with dynamic sampling from the prompts drawn so far) and ends exactly like
@@ -49,8 +55,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
-from rlhf_utils.flags import RunFlags, check_flags
-from rlhf_utils.rewards import check_rewards, reward_fn_errors
+from rlhf_utils.flags import RunFlags, check_flags, note_idle_ratio
+from rlhf_utils.rewards import RewardFunctions
 from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, start_processes, synced_time
 
 
@@ -77,8 +83,19 @@ class GrpoHParams:
     """--grpo.ratio_level sequence: a response's ratio is clipped to [1 - low, 1 + high] (GSPO's 3e-4 and 4e-4, far
     narrower than PPO's 0.2: a mean of log-ratios over a whole response moves much less than one token's)"""
     kl_coef: float = 0.04
-    """beta: weight of the KL to the reference in the LOSS (the paper's 0.04): each token's loss adds beta times the
-    k3 estimate r - 1 - log r, r = p_ref / p; the reward holds no KL. The initial value with --grpo.adaptive_kl"""
+    """beta: weight of the KL to the reference (the paper's 0.04), in the LOSS: each token's loss adds beta times the
+    --grpo.kl_estimator estimate (k3: r - 1 - log r, r = p_ref / p), the reward none (--grpo.kl_in). The initial value
+    with --grpo.adaptive_kl"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """the per-token KL estimate of kl_coef's term: k3 = r - 1 - log r (DeepSeekMath's), k2 = (log p - log p_ref)^2
+    / 2, k1 = log p - log p_ref. Which gradient each follows: docs/usage.md, "Which gradient each KL setting follows"
+    """
+    kl_in: Literal["loss", "reward"] = "loss"
+    """where the KL term acts: in each token's loss (GRPO), or in the reward: kl_coef x the rollout's per-token KL,
+    summed over the response, taken from the final score before the group advantage (as RLOO; "Flags in depth")"""
+    kl_importance_weighted: bool = False
+    """TRL's use_bias_correction_kl: the k3 term of the loss times the token's ratio p / p_old (not detached): at ratio
+    1 k2's gradient, the per-token reverse KL's. Off: DeepSeekMath's k3, whose gradient is the forward KL's"""
     adaptive_kl: bool = False
     """trlX / Ziegler et al.: adapt kl_coef so that the KL of a rollout tracks --grpo.target_kl"""
     target_kl: float = 6.0
@@ -93,10 +110,35 @@ class GrpoHParams:
     """how the token losses make one loss: the mean over each response's tokens, then over responses (GRPO); each
     response's sum over response_length, then the mean over responses (Dr. GRPO, Liu et al. 2025: no bias toward
     short correct and long wrong responses); the mean over every token of the minibatch, on all processes (DAPO)"""
+    loss_type: Literal["grpo", "cispo", "sapo"] = "grpo"
+    """the policy term: PPO's clipped ratio (GRPO); CISPO (MiniMax-M1, MiniMax 2025): the IS weight, clipped and
+    detached, times A log p; SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): A times a sigmoid gate of the
+    ratio, no clip. At ratio 1 each has GRPO's gradient (docs/usage.md, "Flags in depth")"""
+    cispo_max_weight: float = 4.0
+    """CISPO: the IS weight is clipped to [0, cispo_max_weight], 1 + eps_high^IS of MiniMax-M1, which sets no lower
+    bound and tunes only this one without stating it; 4 is Tinker's default"""
+    sapo_tau_pos: float = 1.0
+    """SAPO: the gate's temperature for tokens of positive advantage: (4 / tau) sigmoid(tau (r - 1)) (the paper's
+    1.0)"""
+    sapo_tau_neg: float = 1.05
+    """SAPO: the temperature for negative advantages (the paper's 1.05: above tau_pos, their gate closes faster)"""
+    mask_truncated_completions: bool = False
+    """DAPO / TRL: a response cut at --response_length without an EOS leaves the loss (its token weights are 0); its
+    score (the EOS trick's -1, Detail 23) still enters its group's mean and std ("Flags in depth")"""
+    entropy_coef: float = 0.0
+    """entropy bonus: subtract entropy_coef x the token entropy, averaged as the loss averages, from the loss (a
+    maximum-entropy bonus, as PPO's c2; TRL, verl); 0 = off, as GRPO (docs/usage.md, "Flags in depth")"""
+    top_entropy_quantile: float = 1.0
+    """train the policy term on only this share of each micro batch's tokens, those of the highest entropy (Wang et
+    al. 2025, "Beyond the 80/20 Rule", who keep 0.2; TRL's top_entropy_quantile); 1.0 = all tokens (GRPO)"""
     max_draws_per_update: int = 1
     """DAPO's dynamic sampling (Yu et al. 2025): an update samples up to this many prompt batches of the run's stream
     (Detail 21) until groups of unequal rewards fill its batch (a group of G equal rewards has advantage 0). 1 = off
     (GRPO: an update samples one prompt batch and trains on all its groups) (docs/usage.md, "Flags in depth")"""
+    dynamic_sampling_on: Literal["score", "reward_fn"] = "score"
+    """what dynamic sampling compares within a group: the score that trains, after the EOS trick and the overlong
+    penalty (the default: any scorer, reward models too), or --reward_fn's value before them (DAPO's accuracy, as
+    verl filters) (docs/usage.md, "Flags in depth")"""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment (Yu et al. 2025) over the last overlong_buffer tokens of --response_length: 0,
     then down linearly to -1 at --response_length, added to the score last (after the EOS trick, Detail 23). DAPO's
@@ -126,10 +168,15 @@ class Args:
     """the reward model (saved by reward.py, at the default path, with the Detail 15 normalisation folded in); several
     paths make an ensemble whose scores --reward_combine joins into one. None at all (the flag without a path) with
     --reward_fn: the function alone scores, and no reward model is loaded (docs/usage.md, "Flags in depth")"""
-    reward_fn: Optional[str] = None
-    """path.py:function, a reward from code (TRL, OpenRLHF and verl take such functions): fn(queries, responses,
-    **columns) returns one float per response; one more scorer beside the reward models, joined like them, then the
-    EOS trick (Detail 23). None = no function (docs/usage.md, "Flags in depth")"""
+    reward_fn: Optional[List[str]] = None
+    """path.py:function ..., rewards from code written for TRL's GRPOTrainer (fn(prompts=, completions=, **kwargs):
+    a float or None per response); their weighted sum is one more scorer beside the reward models, joined like
+    them, then the EOS trick (Detail 23). None = no function (docs/usage.md, "Flags in depth")"""
+    reward_fn_weights: Optional[List[float]] = None
+    """one weight per --reward_fn function, in its sum (TRL's reward_weights); None = 1 each"""
+    reward_fn_timeout_min: float = 10.0
+    """minutes one call of a --reward_fn function may take before the run stops with an error naming it and its batch
+    (ours: TRL has no limit; a slow call within it changes nothing; docs/usage.md, "Flags in depth")"""
     reward_combine: Literal["mean", "sum", "min"] = "mean"
     """how the scores of several reward models become one, each after its own scaling: mean, weighted sum
     (--reward_weights) or min (the conservative ensemble of Coste et al. 2024); one reward model: its score"""
@@ -188,9 +235,8 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. On the CPU
     the run computes in float32 unless --bf16 asks for bf16 (slow)"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
-    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
-    without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing in every model that trains here: less activation memory for about one more forward
+    pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # memory and speed (trlX / OpenRLHF)
     num_layers_unfrozen: int = -1
@@ -278,11 +324,6 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
             truncated = truncate_response(eos_id, pad_id, response)
             score = ensemble_scores(reward_models, query, truncated, pad_id)
-            # --reward_fn: one more column, the user's function of the texts and of the prompt rows' other columns
-            t2 = synced_time(accelerator.device)
-            prompt_rows = rows.repeat_interleave(len(queries) // len(rows))[start : start + len(query)].tolist()
-            score = function_scores(score, reward_fn, tokenizer, query, truncated, prompts, prompt_rows)  # (b, n + 1)
-            timers["reward_fn"] = timers.get("reward_fn", 0.0) + time.time() - t2
             timers["generation"] += t1 - t0
             timers["scoring"] += synced_time(accelerator.device) - t1
             out["query_responses"].append(query_response)
@@ -290,7 +331,15 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             out["logprobs"].append(logprob)
             out["ref_logprobs"].append(ref_logprob)
             out["rm_scores"].append(score)
-    return Rollout(**{name: torch.cat(chunks, 0) for name, chunks in out.items()})
+    data = Rollout(**{name: torch.cat(chunks, 0) for name, chunks in out.items()})
+    # --reward_fn: one more column, the user's functions of the texts and of the prompt rows' other columns, called
+    # once on the whole local batch, as TRL calls them, so that a response no scorer scores finds its group
+    t2 = synced_time(accelerator.device)
+    data.rm_scores = function_scores(data.rm_scores, reward_fn, tokenizer, queries, data.responses, prompts,
+                                     rows.repeat_interleave(len(queries) // len(rows)).tolist())  # (B, n + 1)
+    timers["reward_fn"] = timers.get("reward_fn", 0.0) + time.monotonic() - t2
+    timers["scoring"] += time.monotonic() - t2
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,12 +381,16 @@ def apply_eos_trick(scores: torch.Tensor, truncated_responses: torch.Tensor, eos
 
 
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy.
-    k1 = log p - log p_ref (unbiased, can be negative); k3 = (r - 1) - log r with r = p_ref / p
-    (unbiased, always >= 0, lower variance; Schulman's estimator used by OpenRLHF)."""
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's k1, k2, k3):
+    k1 = log p - log p_ref (an unbiased estimate of the value, can be negative); k2 = (log p - log p_ref)^2 / 2
+    (a biased estimate, >= 0); k3 = (r - 1) - log r with r = p_ref / p (an unbiased estimate of the value, >= 0,
+    lower variance; OpenRLHF's and GRPO's). Unbiased of the value only: the gradient each follows depends on where it
+    is placed, the reward or the loss (docs/usage.md, "Which gradient each KL setting follows")."""
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio
     raise RunError(f"unknown KL estimator {estimator!r}")
@@ -419,13 +472,14 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, std: str, gather) ->
 def token_weights(mask: torch.Tensor, normalizer: str, response_length: int, tokens: torch.Tensor):
     """Each kept token's weight (B, T) in the loss of a micro batch of B responses, whose losses the step averages:
     response_mean (GRPO) 1 / (B x the response's kept tokens); constant (Dr. GRPO) 1 / (B x response_length);
-    batch_token_mean (DAPO) 1 / tokens (minibatch_tokens)."""
+    batch_token_mean (DAPO) 1 / tokens (minibatch_tokens). A response with no kept token (its row of `mask` 0,
+    --grpo.mask_truncated_completions) weighs 0 and still counts in B, as in TRL."""
     mask = mask.float()
     if normalizer == "response_mean":
-        return mask / mask.sum(1, keepdim=True) / mask.size(0)
+        return mask / mask.sum(1, keepdim=True).clamp(min=1) / mask.size(0)
     if normalizer == "constant":
         return mask / (response_length * mask.size(0))
-    return mask / tokens
+    return mask / torch.where(tokens > 0, tokens, 1.0)
 
 
 def minibatch_tokens(mask: torch.Tensor, num_mini_batches: int, micro_batches: int, reduce) -> torch.Tensor:
@@ -434,8 +488,31 @@ def minibatch_tokens(mask: torch.Tensor, num_mini_batches: int, micro_batches: i
     return reduce(mask.view(num_mini_batches, -1).sum(1).float(), "mean") / micro_batches
 
 
+def top_entropy_tokens(entropy: torch.Tensor, kept: torch.Tensor, quantile: float) -> torch.Tensor:
+    """--grpo.top_entropy_quantile (Wang et al. 2025, "Beyond the 80/20 Rule"; TRL's definition): the kept tokens
+    (B, T) whose entropy is at least the (1 - quantile) quantile of the kept tokens' entropies, the top `quantile`
+    share (0.2: the 20% of highest entropy). TRL takes the quantile over the tokens of all processes; here over one
+    micro batch of one process: the tokens kept depend on the split of the batch."""
+    values = entropy[kept].float()
+    if values.numel() == 0:  # no kept token (--grpo.mask_truncated_completions)
+        return kept
+    return kept & (entropy >= torch.quantile(values, 1.0 - quantile))
+
+
+def clip_range(hp) -> tuple:
+    """The (low, high) that grpo_loss clips with: GRPO's token ratio to [1 - cliprange, 1 + clip_high] (DAPO's
+    clip-higher; None = cliprange), GSPO's sequence ratio to 1 -+ sequence_cliprange, CISPO's weight to [0,
+    cispo_max_weight] (no lower bound, at either ratio level). SAPO has no clip and reads none."""
+    if hp.loss_type == "cispo":
+        return 1.0, hp.cispo_max_weight - 1.0
+    if hp.ratio_level == "sequence":
+        return hp.sequence_cliprange
+    return hp.cliprange, hp.cliprange if hp.clip_high is None else hp.clip_high
+
+
 def grpo_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, weights, cliprange: float, clip_high: float,
-              kl_coef: float, ratio_level: str = "token"):
+              kl_coef: float, ratio_level: str = "token", loss_type: str = "grpo", sapo_taus=(1.0, 1.05),
+              kl_estimator: str = "k3", kl_importance_weighted: bool = False, pg_mask=None):
     """Step 8, per token t of response i: PPO's clipped surrogate
     max(-A_i r, -A_i clip(r, 1 - cliprange, 1 + clip_high)) on the ratio r of new to rollout probability, plus
     kl_coef x the k3 KL to the reference (r_ref - 1 - log r_ref, r_ref = p_ref / p), summed with `weights`
@@ -443,16 +520,48 @@ def grpo_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, weights, cli
     one range per token gives both. On a fresh batch r = 1, the clip idle.
     ratio_level "sequence" (GSPO): r is response i's ratio s_i = exp(mean over its kept tokens of log(p / p_old)) at
     each of its tokens, so its clipped term counts with its tokens' total weight (1 / B under response_mean: GSPO's
-    mean over responses), and unclipped its gradient is -A_i s_i (1 / |o_i|) sum_t grad log p_it times that weight."""
+    mean over responses), and unclipped its gradient is -A_i s_i (1 / |o_i|) sum_t grad log p_it times that weight.
+    loss_type "cispo" (MiniMax-M1): -sg(clip(r, 1 - cliprange, 1 + clip_high)) A_i log p_it, the clipped weight a
+    constant, so no token's gradient is cut: weight x (-A_i grad log p_it). "sapo" (Gao et al. 2025): -A_i (4 / tau)
+    sigmoid(tau (r - 1)), tau = sapo_taus[0] where A_i > 0, else [1]: gradient -A_i 4 s (1 - s) r grad log p_it, s the
+    sigmoid, which shrinks smoothly as r leaves 1. At r = 1 both are GRPO's -A_i grad log p_it.
+    The KL term (kl_estimator; docs/usage.md, "Which gradient each KL setting follows"): k3 follows, per token with its
+    prefix held, the forward KL(pi_ref || pi)'s gradient (grad = (1 - r_ref) grad log p); k2 the reverse KL(pi ||
+    pi_ref)'s ((log p - log p_ref) grad log p); kl_importance_weighted multiplies k3 by the token's ratio r with its
+    gradient, r grad k3 + k3 r grad log p, which at r = 1 is k2's. pg_mask (B, T) keeps a token in the policy term only
+    (--grpo.top_entropy_quantile); the KL term keeps every weighted token."""
     log_ratio = new_logprobs - old_logprobs  # (B, T)
     if ratio_level == "sequence":  # GSPO: the length-normalised log-ratio of the whole response, at each of its tokens
-        kept = weights > 0
-        log_ratio = (torch.where(kept, log_ratio, 0.0).sum(1, keepdim=True) / kept.sum(1, keepdim=True)).expand_as(kept)
-    eps = torch.where(advantages > 0, clip_high, cliprange).unsqueeze(1)  # (B, 1)
-    pg_loss, stats = clipped_policy_loss(log_ratio, advantages.unsqueeze(1), weights, eps)
-    kl = kl_per_token(new_logprobs, ref_logprobs, "k3")
-    stats["kl"] = masked_mean(kl.detach(), weights)  # the per-token KL of the loss (logged as grpo/kl)
-    return pg_loss * weights.sum() + kl_coef * (kl * weights).sum(), stats  # the weighted mean times its total weight
+        kept = weights > 0  # (a row of weight 0, --grpo.mask_truncated_completions: log-ratio 0)
+        log_ratio = (torch.where(kept, log_ratio, 0.0).sum(1, keepdim=True)
+                     / kept.sum(1, keepdim=True).clamp(min=1)).expand_as(kept)
+    pg_weights = weights if pg_mask is None else weights * pg_mask
+    # the means of the statistics: over every token where a micro batch's weights are all 0 (every response cut
+    # without EOS, --grpo.mask_truncated_completions), so that no 0 / 0 reaches the loss or its gradient
+    shown, pg_shown = (torch.where(w.sum() > 0, w, 1.0) for w in (weights, pg_weights))
+    advantages = advantages.unsqueeze(1)  # (B, 1)
+    if loss_type == "grpo":
+        eps = torch.where(advantages > 0, clip_high, cliprange)  # (B, 1)
+        pg_loss, stats = clipped_policy_loss(log_ratio, advantages, pg_shown, eps)
+        pg_loss = pg_loss * pg_weights.sum()  # the weighted mean times its total weight
+    else:
+        ratio = torch.exp(log_ratio)
+        if loss_type == "cispo":  # the weight clipped, then held constant: REINFORCE's A log p, reweighted
+            weight = torch.clamp(ratio, 1.0 - cliprange, 1.0 + clip_high).detach()
+            per_token = -weight * advantages * new_logprobs
+        else:  # sapo: a soft gate in place of the clip; 4 / tau makes its slope at r = 1 exactly 1
+            tau = ratio.new_tensor(sapo_taus)[(advantages <= 0).long()]  # (B, 1): tau_pos where A > 0, else tau_neg
+            per_token = -advantages * torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+        pg_loss = (per_token * pg_weights).sum()
+        with torch.no_grad():
+            stats = {"approxkl": 0.5 * masked_mean(log_ratio**2, pg_shown), "ratio": masked_mean(ratio, pg_shown)}
+            if loss_type == "cispo":  # the share of weights the clip changed
+                stats["pg_clipfrac"] = masked_mean((weight != ratio).float(), pg_shown)
+    kl = kl_per_token(new_logprobs, ref_logprobs, kl_estimator)
+    if kl_importance_weighted:  # TRL's use_bias_correction_kl; the token's own ratio, also under GSPO (TRL: s_i)
+        kl = kl * torch.exp(new_logprobs - old_logprobs)
+    stats["kl"] = masked_mean(kl.detach(), shown)  # the per-token KL of the loss (logged as grpo/kl)
+    return pg_loss + kl_coef * (kl * weights).sum(), stats
 
 
 @dataclass
@@ -473,11 +582,15 @@ class RewardsAndAdvantages:
 
 
 @torch.no_grad()
-def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token_id: int, reward_moments, gather):
+def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token_id: int, reward_moments, gather,
+                           kl_coef: Optional[float] = None):
     """From the reward models' scores to what the update trains on, for a local rollout batch: the mask after the
     EOS, optional reward scaling (trlX), the models joined, 5. the EOS trick, optional clipping, then 6. the reward,
     the score itself, and 7. the group-relative advantages. `gather` collects a tensor across ranks (running reward
-    statistics, batch std)."""
+    statistics, batch std). --grpo.kl_in reward: the reward is the final score (after the EOS trick, the clip and the
+    overlong penalty) less kl_coef (None: hp.kl_coef; main passes the adaptive controller's) x the sum over the kept
+    tokens of the rollout's per-token --grpo.kl_estimator KL; the group mean and std are then the rewards'. k1 so
+    placed follows the sequence KL's gradient (docs/usage.md, "Which gradient each KL setting follows")."""
     responses = data.responses
     mask, last_index = response_mask(responses, pad_token_id)  # kept tokens: up to and including the EOS
     scores = data.rm_scores  # (B, n): each reward model's raw score
@@ -495,9 +608,14 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
     if hp.overlong_buffer > 0:  # DAPO's soft overlong punishment, added last: 0, then down to -1 at response_length
         scores = scores + ((args.response_length - hp.overlong_buffer - last_index - 1)
                            / hp.overlong_buffer).clamp(max=0)
-    # 6. the reward is the score (the KL enters the loss, step 8); 7. group-relative advantages
+    # 6. the reward is the score (the KL enters the loss, step 8; --grpo.kl_in reward: here); 7. group-relative
+    # advantages
     kl = kl_per_token(data.logprobs, data.ref_logprobs, "k1") * mask
-    advantages = grpo_advantages(scores, args.group_size, hp.advantage_std, gather)
+    rewards = scores
+    if hp.kl_in == "reward":
+        penalty = (kl_per_token(data.logprobs, data.ref_logprobs, hp.kl_estimator) * mask).sum(1)
+        rewards = scores - (hp.kl_coef if kl_coef is None else kl_coef) * penalty
+    advantages = grpo_advantages(rewards, args.group_size, hp.advantage_std, gather)
     return RewardsAndAdvantages(mask, last_index, scores, contains_eos, kl, advantages)
 
 
@@ -507,7 +625,8 @@ class DynamicSampling:
     keep() returns it as it is. On: the update samples the run's next prompt batches (their number so far is the
     trainer state's budget/prompts over a batch's prompts, restored with it on --resume) until the groups whose
     rewards are not all equal fill the local batch on every process, or max_draws_per_update batches are drawn;
-    keep() builds the batch from them."""
+    keep() builds the batch from them. The rewards compared: the scores (--grpo.dynamic_sampling_on score), or the
+    --reward_fn column of the raw scores, before the EOS trick and the overlong penalty (reward_fn)"""
 
     def __init__(self, args, accelerator, query_tokens: torch.Tensor, pad_token_id: int):
         self.args, self.accelerator = args, accelerator
@@ -544,7 +663,10 @@ class DynamicSampling:
         data.query_responses = F.pad(data.query_responses, (width - data.query_responses.size(1), 0),
                                      value=self.pad_token_id)
         self.parts.append((rows, data, scored))
-        grouped = torch.cat([part[2].scores for part in self.parts]).view(-1, G)
+        # the rewards compared: the scores, or --reward_fn's column of the raw scores (DAPO's accuracy, as verl's)
+        on_score = self.args.grpo.dynamic_sampling_on == "score"
+        grouped = torch.cat([part[2].scores if on_score else part[1].rm_scores[:, -1] for part in self.parts])
+        grouped = grouped.view(-1, G)
         unequal = grouped.max(1).values != grouped.min(1).values  # a NaN compares unequal: kept, for the guard to see
         groups = torch.cat((unequal.nonzero(), (~unequal).nonzero())).flatten()[: len(rows)]
         index = (groups.unsqueeze(1) * G + torch.arange(G, device=groups.device)).flatten()
@@ -567,20 +689,22 @@ def grpo_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, 
     gradient_accumulation_steps of them make a minibatch and one optimizer step. Returns this process's
     statistics of each micro batch, (K, num_mini_batches, gradient_accumulation_steps) tensors. guard(update,
     **tensors) is the non-finite guard (run.guard), checked on each loss before its backward. The options that act
-    inside the update, each a no-op when off: ptx (PtxData)."""
+    inside the update, each a no-op when off: ptx (PtxData), the entropy bonus and the top-entropy tokens, the
+    truncated responses' mask."""
     local_batch_size, response_length = data.responses.shape
     context_length = data.query_responses.size(1) - response_length
     micro = args.local_micro_batch_size
     K, nmb = hp.num_ppo_epochs, hp.num_mini_batches
-    clip_high = hp.cliprange if hp.clip_high is None else hp.clip_high
-    clip = (hp.cliprange, clip_high) if hp.ratio_level == "token" else hp.sequence_cliprange  # GSPO: its own range
+    clip = clip_range(hp)  # GRPO's, GSPO's or CISPO's
+    # --grpo.mask_truncated_completions (DAPO's overlong filtering, TRL): a response without EOS keeps no loss token
+    loss_mask = scored.mask & scored.contains_eos.unsqueeze(1) if hp.mask_truncated_completions else scored.mask
     ga = local_batch_size // nmb // micro
     device = accelerator.device
     stats = {}  # name -> (K, nmb, ga)
     model.train()
     for epoch in range(K):
         permutation = torch.randperm(local_batch_size, device=device)
-        tokens = minibatch_tokens(scored.mask[permutation], nmb, ga, accelerator.reduce)  # DAPO's normaliser
+        tokens = minibatch_tokens(loss_mask[permutation], nmb, ga, accelerator.reduce)  # DAPO's normaliser
         for step in range(nmb * ga):  # micro batch `step` of this epoch is micro batch `micro_index` of minibatch `mb`
             mb, micro_index = divmod(step, ga)
             idx = permutation[step * micro : (step + 1) * micro]
@@ -593,12 +717,23 @@ def grpo_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, 
                 ref_logprobs = data.ref_logprobs[idx, :width]
                 new_logprobs, all_logprobs, ptx_logits = training_logprobs(
                     model, query_responses, ctx, args.temperature, pad_token_id, ptx_tokens, ptx_labels)
-                weights = token_weights(mask, hp.loss_normalizer, args.response_length, tokens[mb])
+                weights = token_weights(loss_mask[idx, :width], hp.loss_normalizer, args.response_length, tokens[mb])
+                entropy = pg_mask = None  # options: the entropy bonus (differentiable) and the top-entropy tokens
+                if hp.entropy_coef != 0 or hp.top_entropy_quantile < 1:
+                    with torch.set_grad_enabled(hp.entropy_coef != 0):
+                        probs = all_logprobs.exp()
+                        entropy = -(probs * torch.where(probs > 0, all_logprobs, 0.0)).sum(-1)
+                if hp.top_entropy_quantile < 1:
+                    pg_mask = top_entropy_tokens(entropy.detach(), weights > 0, hp.top_entropy_quantile)
                 pg_loss, mb_stats = grpo_loss(new_logprobs, old_logprobs, ref_logprobs, scored.advantages[idx], weights,
-                                              *clip, kl_coef, hp.ratio_level)
+                                              *clip, 0.0 if hp.kl_in == "reward" else kl_coef, hp.ratio_level,
+                                              hp.loss_type, (hp.sapo_tau_pos, hp.sapo_tau_neg), hp.kl_estimator,
+                                              hp.kl_importance_weighted, pg_mask)
                 ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
                 # option (PPO-ptx): the SFT loss of reference summaries; coef 0: off
                 loss = pg_loss + ptx.coef * ptx_loss
+                if hp.entropy_coef != 0:  # the entropy bonus: the tokens' entropy, averaged as the loss averages
+                    loss = loss - hp.entropy_coef * (entropy * weights).sum()
                 # non-finite guard: checked before backward, so the optimizer never applies it
                 guard(update, **{f"grpo/loss (epoch {epoch + 1}, minibatch {mb + 1})": loss})
                 accelerator.backward(loss)
@@ -707,7 +842,7 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
 
 
 def main(args: Args) -> dict:
-    start_time = time.time()
+    start_time = time.monotonic()
     bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     # first: the batch arithmetic below depends on the number of processes
     start_processes(args.run.process_group_timeout_min)
@@ -719,6 +854,7 @@ def main(args: Args) -> dict:
     configure_deepspeed(accelerator, args.local_micro_batch_size)  # Detail 8 (no-op without DeepSpeed)
     zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3
     reward_fn = check_flags(args, accelerator, hp.num_mini_batches, gradient_accumulation_steps, num_updates, zero3)
+    note_idle_ratio(hp, accelerator.print)  # GSPO's ratio or DAPO's upper clip on one step per rollout: a line
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, reward_model_path=args.reward_model_path,
                query_dataset=args.query_dataset)
@@ -773,6 +909,10 @@ def main(args: Args) -> dict:
                     disable=not accelerator.is_local_main_process)
     for update in progress:
         with last_good.kept(update, state):  # a non-finite rollout leaves the state after update - 1 as a checkpoint
+            if reward_fn is not None:  # the functions' trainer_state (TRL's): optimizer steps and epochs so far
+                steps = hp.num_ppo_epochs * hp.num_mini_batches  # per update
+                reward_fn.at((update - 1) * steps, state["budget"]["budget/prompts"] / len(train_dataset),
+                             num_updates * steps)
             update_start, timers = synced_time(device), {"generation": 0.0, "scoring": 0.0}
             # linear decay to 0 over the run (Table 7)
             lr = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
@@ -788,7 +928,8 @@ def main(args: Args) -> dict:
 
                 # ---------------- steps 5-7: EOS trick, reward, group-relative advantage ----------------
                 t_shaping = synced_time(device)
-                scored = rewards_and_advantages(args, hp, data, eos_id, pad_id, reward_moments, accelerator.gather)
+                scored = rewards_and_advantages(args, hp, data, eos_id, pad_id, reward_moments, accelerator.gather,
+                                                kl_controller.value)
                 rows, data, scored = prompts.keep(rows, data, scored)  # DAPO: groups of equal rewards dropped
             # non-finite guard on the rollout, before any optimizer step uses it. The raw RM scores are checked
             # themselves: the EOS trick would hide a NaN score of a response without EOS.
@@ -1201,22 +1342,32 @@ def ensemble_scores(reward_models, queries, responses, pad_token_id: int) -> tor
     return torch.stack(columns, 1) if columns else torch.zeros((queries.size(0), 0), device=queries.device)
 
 
-def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, responses: torch.Tensor, prompts, rows):
-    """--reward_fn: the reward models' scores (B, n) and, joined as column n, the scores the user's function gives B
-    responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
-    EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
-    `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
-    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No
-    function: the scores as they are."""
+def function_scores(scores, reward_fn: Optional[RewardFunctions], tokenizer, queries: torch.Tensor,
+                    responses: torch.Tensor, prompts, rows):
+    """--reward_fn: the reward models' scores (B, n) and, joined as column n, the one score the user's functions give
+    B responses (right-padded, truncated after the EOS) to their left-padded queries, called as TRL's GRPOTrainer
+    calls them (rlhf_utils/rewards.py: by keyword, prompts and completions decoded as text with no [PAD], no EOS and
+    the leading space stripped, completion_ids the response's tokens up to its EOS, the other columns of the prompt
+    rows `rows` of the dataset `prompts` that hold no token ids; each answer checked: a finite number or None per
+    response). Combined as TRL combines them: sum_f w_f * s_f over the functions f that score the response (a None
+    is skipped; w: --reward_fn_weights), 0 where none does. A response that no function and no reward model scores
+    takes the mean score of the scored responses to its prompt (0 if none), so that its group-relative advantage is
+    0 (TRL's sum gives it 0); a line counts them. No function: the scores as they are."""
     if reward_fn is None:
         return scores
     decoded = (tokenizer.batch_decode(x, skip_special_tokens=True) for x in (queries, responses))
     texts, answers = ([s.strip() for s in batch] for batch in decoded)
-    columns = prompts.select_columns([c for c in prompts.column_names if "_token" not in c]).with_format(None)[rows]
-    # an exception, or an answer that is not one finite number per response: one paragraph naming the row
-    with reward_fn_errors(reward_fn, texts, answers, columns):
-        values = check_rewards(reward_fn, reward_fn(texts, answers, **columns), texts, answers, columns)
-    return torch.cat((scores, scores.new_tensor(values).unsqueeze(1)), 1)  # float32, as the RMs' scores
+    completion_ids = [response[response != tokenizer.pad_token_id].tolist() for response in responses]
+    values = reward_fn.answers(texts, answers, completion_ids, prompts, rows)  # per function: a float or None each
+    each = scores.new_tensor([[float("nan") if v is None else v for v in column] for column in values])  # (F, B)
+    score = (each.nan_to_num() * scores.new_tensor(reward_fn.weights).unsqueeze(1)).sum(0)  # (B,) float32, as the RMs'
+    unscored = each.isnan().all(0) & (scores.size(1) == 0)  # no function and no reward model scores it
+    if unscored.any():  # the mean of its group's scored responses (the responses to its prompt row): advantage 0
+        reward_fn.warn_unscored(int(unscored.sum()), len(unscored))
+        group = torch.tensor(list(rows), device=scores.device)
+        peers = (group.unsqueeze(1) == group.unsqueeze(0)) & ~unscored.unsqueeze(0)  # (B, B) scored, same prompt
+        score = torch.where(unscored, (peers * score).sum(1) / peers.sum(1).clamp(min=1), score)
+    return torch.cat((scores, score.unsqueeze(1)), 1)
 
 
 def combine_scores(scores: torch.Tensor, rule: str, weights: Optional[List[float]]) -> torch.Tensor:

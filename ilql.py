@@ -161,9 +161,8 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow; the tests use it to exercise the GPU's dtype path)"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
-    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
-    without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing in every model that trains here: less activation memory for about one more forward
+    pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # evaluation, sampling and logging
     eval_every: int = 500
@@ -626,7 +625,7 @@ def ilql_sample_table(accelerator, model, reward_model, tokenizer, raw, dataset,
 
 
 def main(args: Args) -> dict:
-    start_time = time.time()
+    start_time = time.monotonic()
     # ---------------- processes, batch arithmetic (fails loudly), accelerator, run folder ----------------
     accelerator = make_ilql_accelerator(args)
     if args.model_path is None:
@@ -704,7 +703,7 @@ def main(args: Args) -> dict:
     # the data position is the update number itself (update x gradient_accumulation_steps micro batches)
     micro_batches = resumable_micro_batches(train_dataloader, counters.update * args.gradient_accumulation_steps)
     for update in range(counters.update + 1, num_updates + 1):
-        update_start = time.time()
+        update_start = time.monotonic()
         with last_good.kept(update, counters.state()):  # a non-finite loss leaves the state after update - 1 saved
             update_stats, update_tokens = ilql_update(args, accelerator, model, optimizer, run, update, micro_batches,
                                                       pad_token_id)  # steps 3-5
@@ -716,7 +715,7 @@ def main(args: Args) -> dict:
         counters.interval_tokens += add_update_means(accelerator, update_stats, update_tokens, counters.interval_stats)
         update_lr = lr_scheduler.get_last_lr()[0]  # the learning rate this update used
         lr_scheduler.step()
-        counters.end_update(update, args.total_batch_size, time.time() - update_start)
+        counters.end_update(update, args.total_batch_size, time.monotonic() - update_start)
         progress.update(1)
         # ---------------- logging: averages over the interval since the last log ----------------
         if update % args.log_every == 0 or update == num_updates:
@@ -726,7 +725,7 @@ def main(args: Args) -> dict:
                                  tok_s=f"{metrics['train/tokens_per_s']:.0f}")
         if due(args.eval_every, update, num_updates):
             evaluate(update, counters.episode, [args.beta], final=False)
-            counters.interval_start = time.time()  # evaluation time is not training throughput
+            counters.interval_start = time.monotonic()  # evaluation time is not training throughput
         if due(args.run.checkpoint_every, update, num_updates):
             run.checkpoint(update, counters.state())
     progress.close()
@@ -735,13 +734,13 @@ def main(args: Args) -> dict:
     final_betas = list(dict.fromkeys(list(args.eval_betas) + [args.beta]))
     metrics = evaluate(counters.update, counters.episode, final_betas, final=True)
     summary = {**metrics, **counters.last_train_metrics, **data_metrics, **counters.totals(),
-               "wall_time_s": time.time() - start_time}
+               "wall_time_s": time.monotonic() - start_time}
     accelerator.wait_for_everyone()
     models.save_ilql_model(accelerator, model, tokenizer, args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
     if args.run.push_to_hub and accelerator.is_main_process:  # --output_dir whole: the LM, its tokenizer and the heads
         models.upload_to_hub(args)
-    accelerator.print(f"done in {time.time() - start_time:.0f}s; run folder {run.dir}")
+    accelerator.print(f"done in {time.monotonic() - start_time:.0f}s; run folder {run.dir}")
     return summary
 
 

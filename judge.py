@@ -25,7 +25,9 @@ waited out as the API asks, with fewer requests in flight, for up to --rate_limi
 parseable verdict is asked again a bounded number of times and then counted as *invalid*
 (never as a loss, never replaced by a coin flip); every reply is cached on disk (sqlite), keyed
 by model and prompt, so a rerun or an interrupted run does not pay again for a reply it received
-(one race remains, see `ReplyCache`). A judge that cannot be used at all (the endpoint unreachable,
+(one race remains, see `ReplyCache`; a damaged cache file is moved aside and its readable replies kept, and a full
+disk under it or under the outputs, which are written whole and then renamed, is one paragraph naming the folder).
+A judge that cannot be used at all (the endpoint unreachable,
 stalling or answering no chat completion, the key refused, not one request answered) stops the run with one
 error naming the URL and what happened, instead of marking every row invalid. The API key is read from
 `OPENAI_API_KEY` only and is never printed, logged or saved.
@@ -54,6 +56,7 @@ import numpy as np
 import pandas as pd
 import torch
 import tyro
+from statsmodels.stats.proportion import proportion_confint
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -326,17 +329,15 @@ def parse_scores(reply: str, names: list[str]) -> Optional[dict[str, float]]:
 # ----------------------------------------------------------------------------------------------
 # 3. Statistics.
 # ----------------------------------------------------------------------------------------------
-def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+def wilson_interval(successes: float, n: int) -> tuple[float, float]:
     """95% Wilson score interval of a binomial proportion (better than the normal approximation
-    near 0 or 1 and for small n); (nan, nan) when n = 0."""
+    near 0 or 1 and for small n); (nan, nan) when n = 0. statsmodels' proportion_confint, not
+    scipy's binomtest(k, n).proportion_ci: a judge's tie counts as half a success, a k it refuses."""
     if n == 0:
         return float("nan"), float("nan")
-    p = successes / n
-    denom = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    low = 0.0 if successes == 0 else max(0.0, center - half)  # exact at the edges (no 1e-17 from rounding)
-    high = 1.0 if successes == n else min(1.0, center + half)
+    low, high = proportion_confint(successes, n, alpha=0.05, method="wilson")
+    low = 0.0 if successes == 0 else max(0.0, low)  # exact at the edges (no 1e-17 from rounding)
+    high = 1.0 if successes == n else min(1.0, high)
     return float(low), float(high)
 
 
@@ -479,6 +480,17 @@ def pyplot():
     return plt
 
 
+def saved(path: str, content, args: Args) -> None:
+    """An output written whole or not at all (write_whole: a temporary file renamed into place), so a full output
+    folder leaves no cut CSV or empty plot under a finished name and stops with one paragraph naming the folder.
+    `content`: a text, or a function that writes the file it is given."""
+    from rlhf_utils.run import write_whole  # here: only the writing needs the run module (0.4 s to import)
+
+    write_whole(path, content, os.path.basename(path), "Free space there (or pass another --output_dir) and run the "
+                f"same command again: every reply received is in the reply cache {args.cache_path}, so the judge is "
+                "asked nothing twice")
+
+
 def plot_length_controlled(bins: pd.DataFrame, path: str, unit: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -612,7 +624,7 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     for path, label in zip(args.csv, labels):
         d = frames[label]
         judged_path = os.path.join(output_dir, f"{label}_judged.csv")
-        d.to_csv(judged_path, index=False)
+        saved(judged_path, d.to_csv(index=False), args)
         wins, losses = int((d["winner"] == "ours").sum()), int((d["winner"] == "baseline").sum())
         ties = int((d["winner"] == "tie").sum())
         decided = wins + losses + ties
@@ -636,8 +648,9 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         }
 
     bins = length_bins(frames, args.num_length_bins)
-    bins.to_csv(os.path.join(output_dir, "length_bins.csv"), index=False)
-    plot_length_controlled(bins, os.path.join(output_dir, "length_controlled_win_rate.png"), args.length_unit)
+    saved(os.path.join(output_dir, "length_bins.csv"), bins.to_csv(index=False), args)
+    saved(os.path.join(output_dir, "length_controlled_win_rate.png"),
+          lambda temporary: plot_length_controlled(bins, temporary, args.length_unit), args)
 
     vs = "reference" if args.baseline_csv is None else f"`{args.baseline_csv}`"
     lines = [f"Win rate against {vs}, judge `{args.model}`, 95% Wilson intervals; invalid verdicts are excluded, "
@@ -650,14 +663,12 @@ def run_pairwise(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         ratio = "n/a" if s["mean_log_length_ratio"] is None else f"{s['mean_log_length_ratio']:+.3f}"
         lines.append(f"| {label} | {rate} | {ci} | {s['wins']} | {s['losses']} | {s['ties']} | {s['invalid']} "
                      f"| {s['n']} | {ratio} |")
-    with open(os.path.join(output_dir, "comparison.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    plot_bars(list(per_csv), [s["win_rate"] if s["win_rate"] is not None else float("nan") for s in per_csv.values()],
-              [s["ci_low"] if s["ci_low"] is not None else float("nan") for s in per_csv.values()],
-              [s["ci_high"] if s["ci_high"] is not None else float("nan") for s in per_csv.values()],
-              os.path.join(output_dir, "win_rates.png"),
-              f"win rate vs {'reference' if args.baseline_csv is None else 'baseline'}",
-              "Win rate (Figure 1)")
+    saved(os.path.join(output_dir, "comparison.md"), "\n".join(lines) + "\n", args)
+    saved(os.path.join(output_dir, "win_rates.png"), lambda temporary: plot_bars(
+        list(per_csv), [s["win_rate"] if s["win_rate"] is not None else float("nan") for s in per_csv.values()],
+        [s["ci_low"] if s["ci_low"] is not None else float("nan") for s in per_csv.values()],
+        [s["ci_high"] if s["ci_high"] is not None else float("nan") for s in per_csv.values()], temporary,
+        f"win rate vs {'reference' if args.baseline_csv is None else 'baseline'}", "Win rate (Figure 1)"), args)
     print("\n".join(lines))
     return {"per_csv": per_csv, "stats": stats}
 
@@ -729,7 +740,7 @@ def run_agreement(args: Args, output_dir: str, cache: ReplyCache) -> dict:
     agree = int((valid["judge_prefers_chosen"].astype(bool) == valid["rm_prefers_chosen"]).sum())
     judge_human = int(valid["judge_prefers_chosen"].astype(bool).sum())
     n = len(valid)
-    df.to_csv(os.path.join(output_dir, "agreement_pairs.csv"), index=False)
+    saved(os.path.join(output_dir, "agreement_pairs.csv"), df.to_csv(index=False), args)
     low, high = wilson_interval(agree, n)
     result = {
         "agreement_rate": agree / n if n else None,  # Detail 17: RM and judge prefer the same summary
@@ -804,7 +815,7 @@ def run_multi(args: Args, output_dir: str, cache: ReplyCache) -> dict:
                 row[f"rank_score/{lab}"] = rank_score
         rows.append(row)
     table = pd.DataFrame(rows)
-    table.to_csv(os.path.join(output_dir, "multi_scores.csv"), index=False)
+    saved(os.path.join(output_dir, "multi_scores.csv"), table.to_csv(index=False), args)
     valid = table[table["status"] == "ok"]
     ranked = table[table["status"].isin(["ok", "tie"])]  # a tie ranks every answer alike
     per_label = {}
@@ -823,23 +834,22 @@ def run_multi(args: Args, output_dir: str, cache: ReplyCache) -> dict:
         lines.append(f"| {lab} | {ms} | {mr} | {s['n']} |")
     lines.append(f"\ninvalid: {int(len(table) - len(ranked))} of {len(table)}; ties (every answer identical, not sent "
                  f"to the judge): {int(len(ranked) - len(valid))}")
-    with open(os.path.join(output_dir, "multi_comparison.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    saved(os.path.join(output_dir, "multi_comparison.md"), "\n".join(lines) + "\n", args)
     print("\n".join(lines))
     return {"multi": per_label, "multi_invalid": int(len(table) - len(ranked)), "multi_n": int(len(table)),
             "stats": stats}
 
 
 def main(args: Args) -> dict:
-    start = time.time()
+    start = time.monotonic()
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     output_dir = args.output_dir or os.path.join(args.run_dir_root, run_name)
     check_sources_complete(args, args.csv + ([args.baseline_csv] if args.baseline_csv else []))
     os.makedirs(output_dir, exist_ok=True)
     if args.max_parallel_requests < 1 or args.max_tries < 1 or args.max_parse_tries < 1:
         raise RunError("--max_parallel_requests, --max_tries and --max_parse_tries must be at least 1")
-    with open(os.path.join(output_dir, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=2)  # the API key is not an argument, so it is not here
+    # the API key is not an argument, so it is not here
+    saved(os.path.join(output_dir, "args.json"), json.dumps(asdict(args), indent=2), args)
 
     cache = ReplyCache(args.cache_path)
     try:
@@ -853,9 +863,8 @@ def main(args: Args) -> dict:
         cache.close()
 
     summary = {"mode": args.mode, "model": args.model, "base_url": public_url(args.base_url), "seed": args.seed,
-               "ci": "95% Wilson score interval", **result, "wall_time_s": time.time() - start}
-    with open(os.path.join(output_dir, "judge_summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+               "ci": "95% Wilson score interval", **result, "wall_time_s": time.monotonic() - start}
+    saved(os.path.join(output_dir, "judge_summary.json"), json.dumps(summary, indent=2), args)
     print(f"requests {result['stats']['requests']}, cache hits {result['stats']['cache_hits']}, "
           f"retries {result['stats']['retries']}, re-asks {result['stats']['reasks']}; outputs in {output_dir}")
     return summary

@@ -174,9 +174,8 @@ class Args:
     the evaluation) instead of layer by layer at every decode step (as TRL's unwrap_model_for_generation does); the
     same samples either way. Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
-    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
-    without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing in every model that trains here: less activation memory for about one more forward
+    pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
     local_rollout_batch_size: int = 64
     """sequences per generate / reward-model call on one process (mixture, best-of-n, evaluation)"""
 
@@ -408,10 +407,10 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
     if num_generated > 0:
         prompts = torch.tensor(picked["query_token"], dtype=torch.long)
         config = sampling_config(args, tokenizer, args.mixture_temperature)
-        start = time.time()
+        start = time.monotonic()
         generated = sample_policy(accelerator, policy, prompts, config, tokenizer, args.local_rollout_batch_size,
                                   "mixture: generate", args.gather_for_generation)
-        generation_time = time.time() - start
+        generation_time = time.monotonic() - start
         queries += prompts.tolist()
         query_texts += picked["query"]
         responses += generated.tolist()
@@ -420,10 +419,10 @@ def build_mixture(args: Args, accelerator, policy, reward_model, tokenizer) -> T
     # (d) label every (prompt, response) with the RM, then z-normalise over the mixture (the seed's Figure 5)
     query_tensor = torch.tensor(queries, dtype=torch.long)
     response_tensor = torch.tensor(responses, dtype=torch.long)
-    start = time.time()
+    start = time.monotonic()
     raw = score_responses(accelerator, reward_model, query_tensor, response_tensor, pad_token_id,
                           args.local_rollout_batch_size, "mixture: label")
-    labelling_time = time.time() - start
+    labelling_time = time.monotonic() - start
     # a NaN/inf RM score would poison the normalisation of every reward: stop here, before anything is cached (every
     # process holds every score, gathered, so all of them stop)
     if not torch.isfinite(raw).all():
@@ -506,14 +505,14 @@ def best_of_n_candidates(args: Args, accelerator, model, reward_model, tokenizer
     as best_of_n_select reads them, and their scores (P * n,); the seconds spent go into `costs` (Table 3)."""
     candidates_q = queries.repeat_interleave(args.n, 0)  # (P * n, Tq): n consecutive copies per prompt
     config = sampling_config(args, tokenizer, args.bon_temperature)
-    start = time.time()
+    start = time.monotonic()
     candidates = sample_policy(accelerator, model, candidates_q, config, tokenizer, args.local_rollout_batch_size,
                                f"{desc}: sample", args.gather_for_generation)
-    costs["generation_s"] += time.time() - start
-    start = time.time()
+    costs["generation_s"] += time.monotonic() - start
+    start = time.monotonic()
     scores = score_responses(accelerator, reward_model, candidates_q, candidates, tokenizer.pad_token_id,
                              args.local_rollout_batch_size, f"{desc}: score")
-    costs["labelling_s"] += time.time() - start
+    costs["labelling_s"] += time.monotonic() - start
     return candidates, scores
 
 
@@ -766,7 +765,7 @@ def offline_evaluation(args: Args, run, accelerator, model, reward_model, tokeni
 
 
 def main(args: Args) -> dict:
-    start_time = time.time()
+    start_time = time.monotonic()
     # ---------------- processes, batch arithmetic and precision ----------------
     accelerator = make_offline_accelerator(args)
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
@@ -840,11 +839,11 @@ def main(args: Args) -> dict:
             batch_weights = loss_weights(args, rewards[global_batch])  # eq. 4-6, over the whole update batch
             if args.method == "rwr":  # non-finite guard: a NaN/inf weight would scale this update's gradient
                 run.guard(update, **{"train/rwr_weights": batch_weights})
-            update_start = time.time()
+            update_start = time.monotonic()
             loss, tokens = train_update(args, accelerator, model, optimizer, run, update, queries, responses,
                                         global_batch, batch_weights, pad_token_id)
         scheduler.step()
-        update_s = time.time() - update_start  # training alone (a best-of-n round's sampling is cost/generation_s)
+        update_s = time.monotonic() - update_start  # training alone (a best-of-n round's sampling is cost/generation_s)
         counters.add_update(loss, tokens, update_s)
         metrics = {
             "train/loss": loss,
@@ -864,7 +863,7 @@ def main(args: Args) -> dict:
     progress.close()
 
     # ---------------- step 3: final evaluation, costs (Table 3), model ----------------
-    eval_start = time.time()
+    eval_start = time.monotonic()
     summary.update(counters.round_summary)
     summary.update(evaluate(num_updates, final=True))
     costs = counters.costs
@@ -880,8 +879,8 @@ def main(args: Args) -> dict:
             "cost/labelling_s": costs["labelling_s"],
             "cost/training_s": costs["training_s"],
             "cost/total_s": costs["generation_s"] + costs["labelling_s"] + costs["training_s"],
-            "cost/evaluation_s": time.time() - eval_start,
-            "wall_time_s": time.time() - start_time,
+            "cost/evaluation_s": time.monotonic() - eval_start,
+            "wall_time_s": time.monotonic() - start_time,
         }
     )
     models.save_pretrained_model(accelerator, model, accelerator.unwrap_model(model), tokenizer, args.output_dir)

@@ -69,7 +69,7 @@ from transformers import (
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
 from rlhf_utils.flags import EndpointFlags, RunFlags, check_dpo_flags, check_online_dpo_flags
-from rlhf_utils.rewards import check_rewards, load_reward_fn, reward_fn_errors
+from rlhf_utils.rewards import RewardFunctions, load_reward_fn
 from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, seeded_accelerator, start_processes
 
 
@@ -130,9 +130,14 @@ class Args:
     (--reward_fn: the higher of its two scores; no reward model is loaded)"""
     reward_model_path: str = "models/rm"
     """--judge rm: the reward model (saved by reward.py), trained with the policy's tokenizer"""
-    reward_fn: Optional[str] = None
-    """--judge reward_fn: path.py:function, a reward from code as ppo.py's --reward_fn; the higher of a pair's two
+    reward_fn: Optional[List[str]] = None
+    """--judge reward_fn: path.py:function ..., rewards from code as ppo.py's --reward_fn; the higher of a pair's two
     scores wins, equal scores are a tie: the pair is dropped and counted (docs/usage.md, "Flags in depth")"""
+    reward_fn_weights: Optional[List[float]] = None
+    """--judge reward_fn: one weight per --reward_fn function, in its sum (TRL's reward_weights); None = 1 each"""
+    reward_fn_timeout_min: float = 10.0
+    """minutes one call of a --reward_fn function may take before the run stops with an error naming it and its batch
+    (ours: TRL has no limit; a slow call within it changes nothing; docs/usage.md, "Flags in depth")"""
     endpoint: EndpointArgs = field(default_factory=EndpointArgs)
     """--judge endpoint: the judge's endpoint, model and retry policy"""
     reference: Literal["sft", "last_round"] = "sft"
@@ -201,9 +206,8 @@ class Args:
     evaluation's samples) instead of layer by layer at every decode step (as TRL's unwrap_model_for_generation does);
     the same samples either way. Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
-    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
-    without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing in every model that trains here: less activation memory for about one more forward
+    pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # memory: LoRA and QLoRA
     lora_rank: int = 0
@@ -460,7 +464,7 @@ def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model
     batches are drawn until pairs_per_round pairs are kept (at most --max_draws_per_round batches, by default one; a
     dropped pair is replaced by a pair of the next batch), the kept pairs in the order drawn, then the reference's
     log-probs of them."""
-    start_time, draws, counts, batches = time.time(), rounds.draws, {}, []
+    start_time, draws, counts, batches = time.monotonic(), rounds.draws, {}, []
     # The budget rule of ppo.py, rloo.py and grpo.py: --total_episodes counts every response sampled, and each update
     # samples its batch once, whatever the responses turn out to be worth (a GRPO group of equal scores has advantage
     # 0; it is not redrawn). With --max_draws_per_round 1 online DPO does the same: every prompt is sampled once, a
@@ -496,7 +500,7 @@ def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model
     metrics = {f"online/{key}": value for key, value in counts.items()}
     metrics.update({"online/round": round_index, "online/eos_rate": float(has_eos.float().mean()),
                     "online/response_token_len_mean": float(token_len.float().mean()),
-                    "online/round_s": time.time() - start_time,
+                    "online/round_s": time.monotonic() - start_time,
                     "budget/responses_sampled": 2 * rounds.totals["pairs"]})  # the run's so far, every draw counted
     if batches[0].scores is not None and keep.any():  # --judge rm or reward_fn
         scores = torch.cat([batch.scores for batch in batches])[order][keep]  # (kept, 2)
@@ -567,14 +571,15 @@ def online_dpo_update(args, accelerator, run, policy, optimizer, rounds, first: 
 
 
 def main(args: Args) -> dict:
-    start_time = time.time()
+    start_time = time.monotonic()
     reward_fn = check_online_flags(args)  # and --judge reward_fn's function, loaded before any model
     # ---------------- processes, batch arithmetic (Table 6: 64 pairs per update), run folder ----------------
     accelerator = make_accelerator(args)  # gradient accumulation, a resumable data order, bf16, DeepSpeed's settings
     checks.check_qlora_flags(args, accelerator)
     run = Run(args, accelerator)  # run name and folder (rlhf_utils/run.py)
     run.inputs(sft_model_path=args.sft_model_path, preference_dataset=args.preference_dataset,
-               query_dataset=args.query_dataset, reward_model_path=args.reward_model_path)
+               query_dataset=args.query_dataset,
+               reward_model_path=args.reward_model_path if args.judge == "rm" else None)  # (only --judge rm reads it)
 
     # ---------------- seeding (labelled, deliberate) ----------------
     set_seed(args.seed)  # weights and data order: identical on every rank
@@ -640,6 +645,8 @@ def main(args: Args) -> dict:
             with last_good.kept(update, interval.state()):  # a non-finite value: the state after update - 1 is saved
                 round_index, first = divmod(update - 1, updates_per_round)  # first: the update's place in its round
                 if first == 0:  # steps 1-4: a new round of pairs, sampled from the policy as it is now
+                    if reward_fn is not None:  # the functions' trainer_state (TRL's): optimizer steps, epochs so far
+                        reward_fn.at(update - 1, (update - 1) * args.total_batch_size / len(train_dataset), num_updates)
                     online_round(args, accelerator, run, rounds, policy, ref_model, reward_model, reward_fn,
                                  train_dataset, tokenizer, round_index + 1, update)
                 sums, kept, tokens = online_dpo_update(args, accelerator, run, policy, optimizer, rounds,
@@ -673,7 +680,7 @@ def main(args: Args) -> dict:
                # the budget as spent (report.py's leaderboard reads it): every prompt drawn, redrawn batches too,
                # gave two sampled responses, whether its pair was kept or not
                "budget/responses_sampled": 2 * rounds.totals["pairs"], "budget/prompts": rounds.totals["pairs"],
-               "budget/updates": num_updates, "wall_time_s": time.time() - start_time}
+               "budget/updates": num_updates, "wall_time_s": time.monotonic() - start_time}
     # with LoRA the adapters folded into the base: the plain float32 model it computes (models.merged_policy)
     models.save_pretrained_model(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir,
                           merge=models.merged_policy if args.lora_rank > 0 else None)
@@ -681,8 +688,8 @@ def main(args: Args) -> dict:
         models.upload_to_hub(args)
     run.finish(summary)  # last: summary.json marks a finished run (the pipeline and ablate.py read it so)
     accelerator.print(f"sampled {2 * rounds.totals['pairs']:,} responses ({rounds.totals['pairs']:,} prompts x 2; the "
-                      f"budget: {2 * num_updates * args.total_batch_size:,}); done in {time.time() - start_time:.0f}s; "
-                      f"run folder {run.dir}")
+                      f"budget: {2 * num_updates * args.total_batch_size:,}); "
+                      f"done in {time.monotonic() - start_time:.0f}s; run folder {run.dir}")
     return summary
 
 
@@ -1022,7 +1029,8 @@ def check_online_flags(args):
     if args.pairs_per_round is None:
         args.pairs_per_round = args.total_batch_size  # recorded in args.json
     check_online_dpo_flags(args)
-    return load_reward_fn(args.reward_fn, args.judge)  # (rlhf_utils/rewards.py)
+    # (rlhf_utils/rewards.py)
+    return load_reward_fn(args.reward_fn, args.judge, args.reward_fn_weights, args.reward_fn_timeout_min)
 
 
 def check_rounds(args, num_updates: int, num_prompts: int) -> int:
@@ -1298,22 +1306,32 @@ def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_
     return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
 
 
-def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, responses: torch.Tensor, prompts, rows):
-    """--reward_fn: the reward models' scores (B, n) and, joined as column n, the scores the user's function gives B
-    responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
-    EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
-    `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
-    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No
-    function: the scores as they are."""
+def function_scores(scores, reward_fn: Optional[RewardFunctions], tokenizer, queries: torch.Tensor,
+                    responses: torch.Tensor, prompts, rows):
+    """--reward_fn: the reward models' scores (B, n) and, joined as column n, the one score the user's functions give
+    B responses (right-padded, truncated after the EOS) to their left-padded queries, called as TRL's GRPOTrainer
+    calls them (rlhf_utils/rewards.py: by keyword, prompts and completions decoded as text with no [PAD], no EOS and
+    the leading space stripped, completion_ids the response's tokens up to its EOS, the other columns of the prompt
+    rows `rows` of the dataset `prompts` that hold no token ids; each answer checked: a finite number or None per
+    response). Combined as TRL combines them: sum_f w_f * s_f over the functions f that score the response (a None
+    is skipped; w: --reward_fn_weights), 0 where none does. A response that no function and no reward model scores
+    takes the mean score of the scored responses to its prompt (0 if none), so that its group-relative advantage is
+    0 (TRL's sum gives it 0); a line counts them. No function: the scores as they are."""
     if reward_fn is None:
         return scores
     decoded = (tokenizer.batch_decode(x, skip_special_tokens=True) for x in (queries, responses))
     texts, answers = ([s.strip() for s in batch] for batch in decoded)
-    columns = prompts.select_columns([c for c in prompts.column_names if "_token" not in c]).with_format(None)[rows]
-    # an exception, or an answer that is not one finite number per response: one paragraph naming the row
-    with reward_fn_errors(reward_fn, texts, answers, columns):
-        values = check_rewards(reward_fn, reward_fn(texts, answers, **columns), texts, answers, columns)
-    return torch.cat((scores, scores.new_tensor(values).unsqueeze(1)), 1)  # float32, as the RMs' scores
+    completion_ids = [response[response != tokenizer.pad_token_id].tolist() for response in responses]
+    values = reward_fn.answers(texts, answers, completion_ids, prompts, rows)  # per function: a float or None each
+    each = scores.new_tensor([[float("nan") if v is None else v for v in column] for column in values])  # (F, B)
+    score = (each.nan_to_num() * scores.new_tensor(reward_fn.weights).unsqueeze(1)).sum(0)  # (B,) float32, as the RMs'
+    unscored = each.isnan().all(0) & (scores.size(1) == 0)  # no function and no reward model scores it
+    if unscored.any():  # the mean of its group's scored responses (the responses to its prompt row): advantage 0
+        reward_fn.warn_unscored(int(unscored.sum()), len(unscored))
+        group = torch.tensor(list(rows), device=scores.device)
+        peers = (group.unsqueeze(1) == group.unsqueeze(0)) & ~unscored.unsqueeze(0)  # (B, B) scored, same prompt
+        score = torch.where(unscored, (peers * score).sum(1) / peers.sum(1).clamp(min=1), score)
+    return torch.cat((scores, score.unsqueeze(1)), 1)
 
 
 def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:
@@ -1345,7 +1363,7 @@ class LoggingInterval:
 
     def __init__(self, state: dict):
         self.rows, self.tokens = state["interval"], state["interval_tokens"]
-        self.start = time.time() - state["interval_time"]
+        self.start = time.monotonic() - state["interval_time"]
         self.last_means = state["last_train_metrics"]  # the last logged means, for the summary
 
     def add(self, row: List[float], tokens: int) -> None:
@@ -1358,20 +1376,20 @@ class LoggingInterval:
         # averaged over the updates that did, and one that none did is left out of this log line
         columns = np.array(self.rows, dtype=float).T
         means = {key: float(np.nanmean(c)) for key, c in zip(TRAIN_STATS, columns) if not np.isnan(c).all()}
-        elapsed = time.time() - self.start  # (the updates' .tolist() waited for the device)
+        elapsed = time.monotonic() - self.start  # (the updates' .tolist() waited for the device)
         means["train/tokens_per_s"] = self.tokens / elapsed
         means["time/update_s"] = elapsed / len(self.rows)  # each update's wall time, averaged over the interval
         means["train/lr"] = lr
         means["train/epoch"] = epoch
         self.last_means = means
-        self.rows, self.tokens, self.start = [], 0, time.time()
+        self.rows, self.tokens, self.start = [], 0, time.monotonic()
         return means
 
     def restart_clock(self) -> None:
-        self.start = time.time()
+        self.start = time.monotonic()
 
     def state(self) -> dict:
-        return {"interval": self.rows, "interval_tokens": self.tokens, "interval_time": time.time() - self.start,
+        return {"interval": self.rows, "interval_tokens": self.tokens, "interval_time": time.monotonic() - self.start,
                 "last_train_metrics": self.last_means}
 
 

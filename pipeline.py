@@ -9,9 +9,10 @@
     python pipeline.py --kto           # adds KTO (kto.py) on the pairs and on the raters' thumbs up / down
 
 Stages run the top-level scripts as subprocesses, exactly as a user would type them (each command is
-printed). A stage that finished leaves `<out>/stages/<name>.json` with the command it ran; it is skipped on the next
-run while its outputs are complete (prep's task.json, a training stage's model folder marked `"complete": true` in its
-run.json) and the command asked now is the one it ran (else the pipeline stops: `--force <stage>` redoes it), so an
+printed). A stage that finished leaves `<out>/stages/<name>.json` with the command it ran (written whole, as cpu.json:
+a temporary file renamed into place; one that cannot be read counts as absent); it is skipped on the next run while
+its outputs are complete (prep's task.json, a training stage's model folder marked `"complete": true` in its run.json)
+and the command asked now is the one it ran (else the pipeline stops: `--force <stage>` redoes it), so an
 interrupted pipeline picks up at the stage it was in, and a training stage that was interrupted after one
 of its checkpoints (`--checkpoint_every`) continues from it with `--resume` (a forced one starts over with
 `--restart`, which deletes them: the scripts never delete checkpoints unasked). A seed is finished only on the CPU
@@ -394,6 +395,7 @@ class Pipeline:
         stages = stages[:stages.index("judge")] + list(self.extras) + stages[stages.index("judge"):]
         self.stages = [s for s in stages if s not in args.skip and self._script_exists(s)]
         self.cpu, self.cpu_reruns = cpu_type(), set()  # check_cpu fills the reruns as the seed starts
+        self.unreadable = set()  # the unreadable markers read_marker has told of (once each)
 
     def _script_exists(self, stage: str) -> bool:
         if stage in self.extras:
@@ -431,7 +433,35 @@ class Pipeline:
         """A stage is done when it left its marker and its outputs are complete (see incomplete), unless forced."""
         if stage in ("judge", "report"):  # cheap (the judge caches every verdict) and they read every stage
             return False
-        return os.path.exists(self.marker(stage)) and not self.forced(stage) and self.incomplete(stage) is None
+        return self.read_marker(stage) is not None and not self.forced(stage) and self.incomplete(stage) is None
+
+    def read_marker(self, stage: str) -> dict | None:
+        """A stage's marker, or None when it has none. One that does not read as a JSON object (cut or empty: left by
+        a version that wrote markers in place as a disk filled) is taken as absent, with one line saying so, and the
+        stage runs again (its new marker replaces it)."""
+        path = self.marker(stage)
+        if not os.path.exists(path):
+            return None
+        try:
+            marker = json.load(open(path))
+            if isinstance(marker, dict):
+                return marker
+            problem = f"it holds a {type(marker).__name__}, not an object"
+        except (OSError, ValueError) as error:
+            problem = f"{type(error).__name__}: {error}"
+        if path not in self.unreadable:
+            self.unreadable.add(path)
+            print(f"=== [{stage}] its marker {path} cannot be read ({problem}; e.g. written as the disk filled): "
+                  "taken as absent, the stage runs again", flush=True)
+        return None
+
+    def write_json(self, path: str, record: dict, what: str) -> None:
+        """A marker or cpu.json, written whole or not at all (written_whole: a temporary file renamed into place), so
+        a full disk leaves none that a rerun would read as a finished stage; the full disk is one paragraph."""
+        from rlhf_utils.run import write_whole
+
+        write_whole(path, json.dumps(record), what, "Free space there and run the same command again: the finished "
+                    "stages are skipped, and a stage whose marker was not saved runs again")
 
     def check_cpu(self) -> set[str]:
         """The stages to rerun because they ran on another CPU type than this one, and this CPU type recorded in
@@ -439,10 +469,20 @@ class Pipeline:
         type only, so a seed is never finished on another: every stage of a seed folder whose cpu.json names another
         type reruns from the start, and every stage of every seed where the task's does (prep makes a new task)."""
         def recorded(folder: str) -> str | None:
-            try:
-                return json.load(open(os.path.join(folder, "cpu.json")))["cpu"]
-            except (OSError, ValueError, KeyError, TypeError):
+            path = os.path.join(folder, "cpu.json")
+            if not os.path.exists(path):
                 return None  # a folder from before the record: taken as this CPU type's
+            try:
+                return str(json.load(open(path))["cpu"])
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                # one that does not read (cut or empty: a disk that filled as it was written) is no evidence of this
+                # type: the type its stage markers name stands in for it, and where none names one, an unknown type
+                named = {recorded_marker(self.marker(s)) for s in self.stages
+                         if os.path.dirname(os.path.dirname(self.marker(s))) == folder} - {None}
+                cpu = min(named - {self.cpu}, default=self.cpu if named else "unknown (unreadable cpu.json)")
+                print(f"=== {path} cannot be read ({type(error).__name__}: {error}): the CPU type its stages ran on is "
+                      f"taken from their markers: {cpu}", flush=True)
+                return cpu
 
         def recorded_marker(path: str) -> str | None:
             try:
@@ -459,8 +499,7 @@ class Pipeline:
                   f"{self.cpu}), whose float rounding differs: its stages "
                   f"{', '.join(s for s in self.stages if s in reruns)} rerun from the start", flush=True)
         for folder in {self.out, self.base}:
-            with open(os.path.join(folder, "cpu.json"), "w") as f:
-                json.dump({"cpu": self.cpu}, f)
+            self.write_json(os.path.join(folder, "cpu.json"), {"cpu": self.cpu}, "the record of the CPU type cpu.json")
         # a stage whose marker names another type (a rerun cut short before it reached that stage) reruns too
         return reruns | {stage for stage in self.stages if recorded_marker(self.marker(stage)) not in (None, self.cpu)}
 
@@ -681,7 +720,7 @@ class Pipeline:
 
     # ---------------------------------------------------------------- driver
     def main(self) -> None:
-        t_start = time.time()
+        t_start = time.monotonic()
         self.cpu_reruns = self.check_cpu()
         for number, stage in enumerate(self.stages, 1):
             what, how_long = ABOUT.get(stage, ABOUT.get(stage.split("_")[0], (stage, "a few min")))
@@ -691,10 +730,10 @@ class Pipeline:
                 self.check_command(stage, cmd)
                 print(f"=== [{stage}] done already ({self.marker(stage)}); --force {stage} reruns it")
                 continue
-            problem = self.incomplete(stage) if os.path.exists(self.marker(stage)) else None
+            problem = self.incomplete(stage) if self.read_marker(stage) is not None else None
             if problem:
                 print(f"=== [{stage}] marked done, but {problem}: running it again")
-            t0, self.usage = time.time(), {}
+            t0, self.usage = time.monotonic(), {}
             if stage == "judge":
                 self.stage_judge()
             elif stage == "report":
@@ -711,10 +750,10 @@ class Pipeline:
                 problem = self.incomplete(stage)
                 if problem:  # the stage's command ended without error, yet its outputs are not complete
                     raise RuntimeError(f"[{stage}] ended, but {problem}; rerun it: python pipeline.py --force {stage}")
-            with open(self.marker(stage), "w") as f:
-                json.dump({"stage": stage, "wall_time_s": round(time.time() - t0, 1), "finished": time.time(),
-                           **self.usage, "cpu": self.cpu, "command": cmd and self.recorded(cmd)}, f)
-        print(f"\npipeline finished in {time.time() - t_start:.0f} s (this invocation); "
+            self.write_json(self.marker(stage), {
+                "stage": stage, "wall_time_s": round(time.monotonic() - t0, 1), "finished": time.time(), **self.usage,
+                "cpu": self.cpu, "command": cmd and self.recorded(cmd)}, f"the stage marker of [{stage}]")
+        print(f"\npipeline finished in {time.monotonic() - t_start:.0f} s (this invocation); "
               f"report: {self.report_dir}/results.md")
 
 

@@ -19,7 +19,8 @@ One update = one rollout of `total_batch_size` episodes, samples_per_prompt per 
               of a critic's baseline
   update   K epochs x num_mini_batches minibatches x gradient accumulation of micro batches;
            9. per token, PPO's clipped ratio times its advantage, a mean over the micro batch's tokens (ppo.py's policy
-              loss), AdamW with linear decay.
+              loss), AdamW with linear decay; --reinforce_pp.kl_in loss (OpenRLHF's use_kl_loss) moves step 6's KL
+              here: kl_coef x the new policy's per-token KL, over the same tokens, and none in the reward.
 
 Single process:   python reinforce_pp.py --sft_model_path models/sft --reward_model_path models/rm
 Several:          accelerate launch --config_file zero2.yaml reinforce_pp.py ...
@@ -50,7 +51,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
 from rlhf_utils.flags import RunFlags, check_flags
-from rlhf_utils.rewards import check_rewards, reward_fn_errors
+from rlhf_utils.rewards import RewardFunctions
 from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, start_processes, synced_time
 
 
@@ -68,8 +69,17 @@ class ReinforcePpHParams:
     """epsilon: policy ratio clipping (Table 7)"""
     kl_coef: float = 0.05
     """beta: per-token KL penalty coefficient (Table 7); the initial value with --reinforce_pp.adaptive_kl"""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """per-token KL estimate in the penalty: k1 = log p - log p_ref (paper); k3 = r - 1 - log r, r = p_ref / p"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """per-token KL estimate: k1 = log p - log p_ref (paper); k2 = (log p - log p_ref)^2 / 2; k3 = r - 1 - log r,
+    r = p_ref / p (docs/usage.md, "Which gradient each KL setting follows")"""
+    kl_in: Literal["reward", "loss"] = "reward"
+    """where the KL goes: reward (the paper, OpenRLHF's default: -kl_coef x KL on each token's reward) or loss
+    (OpenRLHF's use_kl_loss: kl_coef x the new policy's KL to the reference, a token mean as the policy loss's)"""
+    kl_importance_weighted: bool = False
+    """TRL's use_bias_correction_kl, with --reinforce_pp.kl_in loss and kl_estimator k3: the k3 term times the token's
+    ratio p / p_old (not detached), at ratio 1 k2's gradient. Off: as OpenRLHF runs it"""
+    kl_clamp: Optional[float] = None
+    """clamp each token's KL estimate to [-kl_clamp, kl_clamp] (OpenRLHF clamps to 10); None = off (the paper)"""
     gamma: float = 1.0
     """discount of each token's return-to-go (REINFORCE++ and Table 7: 1, the whole rest of the response)"""
     baseline: Literal["batch", "group"] = "batch"
@@ -86,6 +96,9 @@ class ReinforcePpHParams:
     """trlX: divide scores by a running standard deviation of all scores seen (no mean subtraction)"""
     reward_clip: Optional[float] = None
     """trlX / OpenRLHF: clip scores to [-reward_clip, reward_clip] (after --reinforce_pp.scale_rewards); None = off"""
+    clip_after_baseline: bool = False
+    """--reinforce_pp.reward_clip after REINFORCE++-baseline's group mean is subtracted (OpenRLHF's order); off: the
+    scores are clipped, then the group mean of the clipped scores is subtracted. No effect with baseline batch"""
     ptx_coef: float = 0.0
     """PPO-ptx (InstructGPT, OpenRLHF): add ptx_coef x the SFT loss on reference summaries; 0 = off"""
 
@@ -107,10 +120,15 @@ class Args:
     """the reward model (saved by reward.py, at the default path, with the Detail 15 normalisation folded in); several
     paths make an ensemble whose scores --reward_combine joins into one. None at all (the flag without a path) with
     --reward_fn: the function alone scores, and no reward model is loaded (docs/usage.md, "Flags in depth")"""
-    reward_fn: Optional[str] = None
-    """path.py:function, a reward from code (TRL, OpenRLHF and verl take such functions): fn(queries, responses,
-    **columns) returns one float per response; one more scorer beside the reward models, joined like them, then the
-    EOS trick (Detail 23). None = no function (docs/usage.md, "Flags in depth")"""
+    reward_fn: Optional[List[str]] = None
+    """path.py:function ..., rewards from code written for TRL's GRPOTrainer (fn(prompts=, completions=, **kwargs):
+    a float or None per response); their weighted sum is one more scorer beside the reward models, joined like
+    them, then the EOS trick (Detail 23). None = no function (docs/usage.md, "Flags in depth")"""
+    reward_fn_weights: Optional[List[float]] = None
+    """one weight per --reward_fn function, in its sum (TRL's reward_weights); None = 1 each"""
+    reward_fn_timeout_min: float = 10.0
+    """minutes one call of a --reward_fn function may take before the run stops with an error naming it and its batch
+    (ours: TRL has no limit; a slow call within it changes nothing; docs/usage.md, "Flags in depth")"""
     reward_combine: Literal["mean", "sum", "min"] = "mean"
     """how the scores of several reward models become one, each after its own scaling: mean, weighted sum
     (--reward_weights) or min (the conservative ensemble of Coste et al. 2024); one reward model: its score"""
@@ -169,9 +187,8 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. On the CPU
     the run computes in float32 unless --bf16 asks for bf16 (slow)"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
-    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
-    without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing in every model that trains here: less activation memory for about one more forward
+    pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # memory and speed (trlX / OpenRLHF)
     num_layers_unfrozen: int = -1
@@ -259,11 +276,6 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
             truncated = truncate_response(eos_id, pad_id, response)
             score = ensemble_scores(reward_models, query, truncated, pad_id)
-            # --reward_fn: one more column, the user's function of the texts and of the prompt rows' other columns
-            t2 = synced_time(accelerator.device)
-            prompt_rows = rows.repeat_interleave(len(queries) // len(rows))[start : start + len(query)].tolist()
-            score = function_scores(score, reward_fn, tokenizer, query, truncated, prompts, prompt_rows)  # (b, n + 1)
-            timers["reward_fn"] = timers.get("reward_fn", 0.0) + time.time() - t2
             timers["generation"] += t1 - t0
             timers["scoring"] += synced_time(accelerator.device) - t1
             out["query_responses"].append(query_response)
@@ -271,7 +283,15 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             out["logprobs"].append(logprob)
             out["ref_logprobs"].append(ref_logprob)
             out["rm_scores"].append(score)
-    return Rollout(**{name: torch.cat(chunks, 0) for name, chunks in out.items()})
+    data = Rollout(**{name: torch.cat(chunks, 0) for name, chunks in out.items()})
+    # --reward_fn: one more column, the user's functions of the texts and of the prompt rows' other columns, called
+    # once on the whole local batch, as TRL calls them, so that a response no scorer scores finds its group
+    t2 = synced_time(accelerator.device)
+    data.rm_scores = function_scores(data.rm_scores, reward_fn, tokenizer, queries, data.responses, prompts,
+                                     rows.repeat_interleave(len(queries) // len(rows)).tolist())  # (B, n + 1)
+    timers["reward_fn"] = timers.get("reward_fn", 0.0) + time.monotonic() - t2
+    timers["scoring"] += time.monotonic() - t2
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,12 +333,16 @@ def apply_eos_trick(scores: torch.Tensor, truncated_responses: torch.Tensor, eos
 
 
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy.
-    k1 = log p - log p_ref (unbiased, can be negative); k3 = (r - 1) - log r with r = p_ref / p
-    (unbiased, always >= 0, lower variance; Schulman's estimator used by OpenRLHF)."""
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's k1, k2, k3):
+    k1 = log p - log p_ref (an unbiased estimate of the value, can be negative); k2 = (log p - log p_ref)^2 / 2
+    (a biased estimate, >= 0); k3 = (r - 1) - log r with r = p_ref / p (an unbiased estimate of the value, >= 0,
+    lower variance; OpenRLHF's and GRPO's). Unbiased of the value only: the gradient each follows depends on where it
+    is placed, the reward or the loss (docs/usage.md, "Which gradient each KL setting follows")."""
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio
     raise RunError(f"unknown KL estimator {estimator!r}")
@@ -394,6 +418,30 @@ def per_token_rewards(scores, kl, mask, last_index, kl_coef):
     return rewards, non_score_reward
 
 
+def clamped_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, hp) -> torch.Tensor:
+    """The per-token KL estimate of --reinforce_pp.kl_estimator (kl_per_token), clamped to [-kl_clamp, kl_clamp] with
+    --reinforce_pp.kl_clamp (OpenRLHF clamps every estimate to +-10; a clamped token's KL has no gradient)."""
+    kl = kl_per_token(logprobs, ref_logprobs, hp.kl_estimator)
+    return kl if hp.kl_clamp is None else torch.clamp(kl, -hp.kl_clamp, hp.kl_clamp)
+
+
+def kl_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
+            hp) -> torch.Tensor:
+    """--reinforce_pp.kl_in loss (OpenRLHF's use_kl_loss): the new policy's per-token KL estimate to the reference
+    (clamped_kl), averaged over the micro batch's kept tokens as clipped_policy_loss averages (masked_mean with the
+    same mask); the update adds kl_coef times it to the loss. With --reinforce_pp.kl_importance_weighted (TRL's
+    use_bias_correction_kl; k3 only) each token's k3 is multiplied by its ratio r = p / p_old, not detached: its
+    gradient r grad k3 + k3 r grad log p is, at r = 1, (log p - log p_ref) grad log p, k2's.
+    The gradient it follows, on-policy, unclamped, with token weights fixed once a prefix is known (docs/usage.md,
+    "Which gradient each KL setting follows"): k2, and k3 importance-weighted, the per-token reverse KL(pi || pi_ref)'s
+    with each prefix held (not the sequence KL's); k3 as it is, the per-token forward KL(pi_ref || pi)'s
+    ((1 - p_ref / p) grad log p); k1, zero in expectation (grad log p)."""
+    kl = clamped_kl(new_logprobs, ref_logprobs, hp)
+    if hp.kl_importance_weighted:
+        kl = kl * torch.exp(new_logprobs - old_logprobs)
+    return masked_mean(kl, mask)
+
+
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """Step 7: each kept token's return-to-go, the sum of gamma^(s - t) r_s over the tokens s >= t of its response
     (the rewards are 0 after the EOS, where the episode ends); zero after the EOS."""
@@ -410,7 +458,8 @@ class RewardsAndAdvantages:
 
     mask: torch.Tensor  # (B, T) response tokens up to and including the EOS
     last_index: torch.Tensor  # (B,) index of the EOS (the last token when there is none)
-    scores: torch.Tensor  # (B,) after the EOS trick and the optional scaling and clipping
+    scores: torch.Tensor  # (B,) after the EOS trick and the optional scaling and clipping (unclipped with
+    # --reinforce_pp.clip_after_baseline, which clips the centred score)
     contains_eos: torch.Tensor  # (B,)
     kl: torch.Tensor  # (B, T) per-token KL estimate
     non_score_reward: torch.Tensor  # (B, T) -kl_coef * kl
@@ -445,13 +494,17 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
     contains_eos = (responses == eos_token_id).any(1)
     if args.non_eos_penalty:  # 5. Detail 23: EOS trick, once per response, on the joined score
         scores, contains_eos = apply_eos_trick(scores, responses, eos_token_id, args.penalty_reward_value)
-    if hp.reward_clip is not None:
+    if hp.reward_clip is not None and not hp.clip_after_baseline:
         scores = torch.clamp(scores, -hp.reward_clip, hp.reward_clip)
     # 6. per-token KL penalty and the score at the EOS; REINFORCE++-baseline: the score less its group's mean score
     k = args.samples_per_prompt
     centered = scores - scores.view(-1, k).mean(1).repeat_interleave(k) if hp.baseline == "group" else scores
-    kl = kl_per_token(data.logprobs, data.ref_logprobs, hp.kl_estimator) * mask
-    rewards, non_score_reward = per_token_rewards(centered, kl, mask, last_index, kl_coef)
+    if hp.reward_clip is not None and hp.clip_after_baseline:  # OpenRLHF's order: the centred score is clipped
+        centered = torch.clamp(centered, -hp.reward_clip, hp.reward_clip)
+    # the rollout's KL: logged (objective/kl), and in the reward unless --reinforce_pp.kl_in loss moves it to the loss
+    kl = clamped_kl(data.logprobs, data.ref_logprobs, hp) * mask
+    reward_kl_coef = kl_coef if hp.kl_in == "reward" else 0.0
+    rewards, non_score_reward = per_token_rewards(centered, kl, mask, last_index, reward_kl_coef)
     returns = discounted_returns(rewards, mask, hp.gamma)  # 7.
     # 8. whitened with the mean and variance of every kept token of the global batch: summing over processes = summing
     # the gathered copies, so N processes whiten as one would (REINFORCE++: the baseline is the batch's mean return)
@@ -461,12 +514,18 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
 
 
 def reinforce_pp_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, update: int, guard, ptx,
-                pad_token_id: int) -> dict:
+                pad_token_id: int, kl_coef: Optional[float] = None) -> dict:
     """The update: K epochs over the local rollout batch, each a fresh permutation cut into micro batches; every
     gradient_accumulation_steps of them make a minibatch and one optimizer step. Returns this process's
     statistics of each micro batch, (K, num_mini_batches, gradient_accumulation_steps) tensors. guard(update,
     **tensors) is the non-finite guard (run.guard), checked on each loss before its backward. The options that act
-    inside the update, each a no-op when off: ptx (PtxData)."""
+    inside the update, each a no-op when off: ptx (PtxData), --reinforce_pp.kl_in loss (kl_loss, times kl_coef: the
+    KL controller's value; None = --reinforce_pp.kl_coef).
+    The loss is a mean over each micro batch's kept tokens on its process, and the minibatch's gradient the mean of
+    those over its micro batches and processes (accelerate's accumulation, DDP's average): each micro batch weighs the
+    same whatever its number of tokens, so the update depends on how a batch is split when the micro batches hold
+    different numbers of tokens. OpenRLHF divides by the kept tokens summed across ranks instead."""
+    kl_coef = hp.kl_coef if kl_coef is None else kl_coef
     local_batch_size, response_length = data.responses.shape
     context_length = data.query_responses.size(1) - response_length
     micro = args.local_micro_batch_size
@@ -494,6 +553,9 @@ def reinforce_pp_update(args, hp, accelerator, model, optimizer, data: Rollout, 
                 ptx_loss = ptx.loss(ptx_logits, ptx_labels, pad_token_id, device)
                 # option (PPO-ptx): the SFT loss of reference summaries; coef 0: off
                 loss = pg_loss + ptx.coef * ptx_loss
+                if hp.kl_in == "loss":  # option (OpenRLHF's use_kl_loss): kl_coef x the new policy's KL, a token mean
+                    kl_term = kl_loss(new_logprobs, old_logprobs, data.ref_logprobs[idx, :width], mask, hp)
+                    loss, mb_stats["kl_loss"] = loss + kl_coef * kl_term, kl_term.detach()
                 # non-finite guard: checked before backward, so the optimizer never applies it
                 guard(update, **{f"reinforce_pp/loss (epoch {epoch + 1}, minibatch {mb + 1})": loss})
                 accelerator.backward(loss)
@@ -602,7 +664,7 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
 
 
 def main(args: Args) -> dict:
-    start_time = time.time()
+    start_time = time.monotonic()
     bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     # first: the batch arithmetic below depends on the number of processes
     start_processes(args.run.process_group_timeout_min)
@@ -666,6 +728,10 @@ def main(args: Args) -> dict:
                     disable=not accelerator.is_local_main_process)
     for update in progress:
         with last_good.kept(update, state):  # a non-finite rollout leaves the state after update - 1 as a checkpoint
+            if reward_fn is not None:  # the functions' trainer_state (TRL's): optimizer steps and epochs so far
+                steps = hp.num_ppo_epochs * hp.num_mini_batches  # per update
+                reward_fn.at((update - 1) * steps, state["budget"]["budget/prompts"] / len(train_dataset),
+                             num_updates * steps)
             update_start, timers = synced_time(device), {"generation": 0.0, "scoring": 0.0}
             # linear decay to 0 over the run (Table 7)
             lr = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
@@ -693,7 +759,7 @@ def main(args: Args) -> dict:
             # ---------------- the update: K epochs x minibatches x micro batches ----------------
             t_train = synced_time(device)
             stats = reinforce_pp_update(args, hp, accelerator, model, optimizer, data, scored, update, run.guard, ptx,
-                                        pad_id)
+                                        pad_id, kl_controller.value)
             timers["training"] = synced_time(device) - t_train
             timers["wall"] = synced_time(device) - update_start
 
@@ -1108,22 +1174,32 @@ def ensemble_scores(reward_models, queries, responses, pad_token_id: int) -> tor
     return torch.stack(columns, 1) if columns else torch.zeros((queries.size(0), 0), device=queries.device)
 
 
-def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, responses: torch.Tensor, prompts, rows):
-    """--reward_fn: the reward models' scores (B, n) and, joined as column n, the scores the user's function gives B
-    responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
-    EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
-    `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
-    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No
-    function: the scores as they are."""
+def function_scores(scores, reward_fn: Optional[RewardFunctions], tokenizer, queries: torch.Tensor,
+                    responses: torch.Tensor, prompts, rows):
+    """--reward_fn: the reward models' scores (B, n) and, joined as column n, the one score the user's functions give
+    B responses (right-padded, truncated after the EOS) to their left-padded queries, called as TRL's GRPOTrainer
+    calls them (rlhf_utils/rewards.py: by keyword, prompts and completions decoded as text with no [PAD], no EOS and
+    the leading space stripped, completion_ids the response's tokens up to its EOS, the other columns of the prompt
+    rows `rows` of the dataset `prompts` that hold no token ids; each answer checked: a finite number or None per
+    response). Combined as TRL combines them: sum_f w_f * s_f over the functions f that score the response (a None
+    is skipped; w: --reward_fn_weights), 0 where none does. A response that no function and no reward model scores
+    takes the mean score of the scored responses to its prompt (0 if none), so that its group-relative advantage is
+    0 (TRL's sum gives it 0); a line counts them. No function: the scores as they are."""
     if reward_fn is None:
         return scores
     decoded = (tokenizer.batch_decode(x, skip_special_tokens=True) for x in (queries, responses))
     texts, answers = ([s.strip() for s in batch] for batch in decoded)
-    columns = prompts.select_columns([c for c in prompts.column_names if "_token" not in c]).with_format(None)[rows]
-    # an exception, or an answer that is not one finite number per response: one paragraph naming the row
-    with reward_fn_errors(reward_fn, texts, answers, columns):
-        values = check_rewards(reward_fn, reward_fn(texts, answers, **columns), texts, answers, columns)
-    return torch.cat((scores, scores.new_tensor(values).unsqueeze(1)), 1)  # float32, as the RMs' scores
+    completion_ids = [response[response != tokenizer.pad_token_id].tolist() for response in responses]
+    values = reward_fn.answers(texts, answers, completion_ids, prompts, rows)  # per function: a float or None each
+    each = scores.new_tensor([[float("nan") if v is None else v for v in column] for column in values])  # (F, B)
+    score = (each.nan_to_num() * scores.new_tensor(reward_fn.weights).unsqueeze(1)).sum(0)  # (B,) float32, as the RMs'
+    unscored = each.isnan().all(0) & (scores.size(1) == 0)  # no function and no reward model scores it
+    if unscored.any():  # the mean of its group's scored responses (the responses to its prompt row): advantage 0
+        reward_fn.warn_unscored(int(unscored.sum()), len(unscored))
+        group = torch.tensor(list(rows), device=scores.device)
+        peers = (group.unsqueeze(1) == group.unsqueeze(0)) & ~unscored.unsqueeze(0)  # (B, B) scored, same prompt
+        score = torch.where(unscored, (peers * score).sum(1) / peers.sum(1).clamp(min=1), score)
+    return torch.cat((scores, score.unsqueeze(1)), 1)
 
 
 def combine_scores(scores: torch.Tensor, rule: str, weights: Optional[List[float]]) -> torch.Tensor:

@@ -13,19 +13,45 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import shutil
 
 import numpy as np
 import pandas as pd
+from scipy import stats
+from statsmodels.stats.multitest import multipletests
 
 from data import synthetic
 from judge import without_eos_text  # the text the judge reads: the same stripping for the gold win rate
+from rlhf_utils.provenance import provenance, provenance_line
 
 
 def _load(path: str) -> dict:
     return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def _marker(path: str) -> dict:
+    """A stage marker; {} when absent or unreadable (cut by a full disk: pipeline.py says so and reruns the stage)."""
+    try:
+        marker = json.load(open(path))
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def _saved(path: str, content) -> None:
+    """`content` (a text, or a function that writes the file it is given) written to `path` whole or not at all
+    (write_whole: a temporary file renamed into place), so a full report folder leaves no cut or empty file under a
+    finished name and stops with one paragraph naming the folder."""
+    from rlhf_utils.run import write_whole
+
+    write_whole(path, content, f"the report's {os.path.basename(path)}", "Free space there and run the same "
+                "pipeline.py command again: its finished stages are skipped and the report is written anew")
+
+
+def made_with(record: dict) -> str:
+    """A report's first line: what produced it (package versions, Python, CPU, commit; rlhf_utils/provenance.py)."""
+    return f"Made with {provenance_line(record)}."
 
 
 def missing_completion_mark(folder: str) -> str | None:
@@ -317,7 +343,7 @@ def rm_and_gold_plot(frame: pd.DataFrame, x: str, xlabel: str, ylabel: str, titl
     ax2.legend(handles, labels, loc="best", fontsize=8, framealpha=0.8)
     ax1.set_title(title)
     fig.tight_layout()
-    fig.savefig(os.path.join(report_dir, name), dpi=100)
+    _saved(os.path.join(report_dir, name), lambda temporary: fig.savefig(temporary, dpi=100))
     plt.close(fig)
     return name
 
@@ -338,7 +364,8 @@ def write_report(p) -> str:
 
     # 1. policies: gold win rate vs reference with its 95% CI, EOS rate, length, KL from SFT
     splits = " and ".join(sorted({eval_split_of(p, label) for label, _ in p.policies()})) or "validation"
-    lines = ["## Policies on the built-in task", "",
+    made = provenance()
+    lines = [made_with(made), "", "## Policies on the built-in task", "",
              "Gold-judge win rate against the reference summaries (95% Wilson interval, through the OpenAI-compatible "
              f"endpoint and `judge.py`), EOS rate and mean response length on the {splits} samples (all drawn at the "
              "evaluation temperature, 0.01), and the KL from the SFT policy: KL(pi || pi_SFT) of the two models' own "
@@ -398,7 +425,7 @@ def write_report(p) -> str:
     lines += ["", "## Wall time per stage", "", "| stage | seconds |", "| --- | --- |"]
     total = 0.0
     for stage in p.stages:
-        m = _load(p.marker(stage))
+        m = _marker(p.marker(stage))
         if m:
             total += m["wall_time_s"]
             lines.append(f"| {stage} | {m['wall_time_s']:.0f} |")
@@ -419,12 +446,12 @@ def write_report(p) -> str:
         for label in ax.get_xticklabels():
             label.set_horizontalalignment("right")
         fig.tight_layout()
-        fig.savefig(os.path.join(p.report_dir, "win_rate_per_policy.png"), dpi=100)
+        _saved(os.path.join(p.report_dir, "win_rate_per_policy.png"), lambda temporary: fig.savefig(temporary, dpi=100))
         plt.close(fig)
         plots.append("win_rate_per_policy.png")
     curve = ppo_curve(p)
     if len(curve):
-        curve.to_csv(os.path.join(p.report_dir, "ppo_overoptimisation.csv"), index=False)
+        _saved(os.path.join(p.report_dir, "ppo_overoptimisation.csv"), curve.to_csv(index=False))
         plots.append(rm_and_gold_plot(curve, "step", "PPO update", "mean RM score",
                                       "PPO: RM score and gold judge along training", p.report_dir,
                                       "ppo_rm_vs_gold.png"))
@@ -436,7 +463,7 @@ def write_report(p) -> str:
                   for r in curve.itertuples()]
     dt = dt_targets(os.path.join(p.runs, "offline_dt"))
     if len(dt):
-        dt.to_csv(os.path.join(p.report_dir, "dt_targets.csv"), index=False)
+        _saved(os.path.join(p.report_dir, "dt_targets.csv"), dt.to_csv(index=False))
         plots.append(rm_and_gold_plot(dt, "target", "target reward in the prompt (normalised units)",
                                       "mean RM score of the samples",
                                       "Decision Transformer: outcome against the target it is given", p.report_dir,
@@ -452,15 +479,15 @@ def write_report(p) -> str:
     copies["rm_calibration.png"] = next(iter(glob.glob(os.path.join(p.runs, "rm", "*calibration*.png"))), "")
     for name, src in copies.items():
         if src and os.path.exists(src):
-            shutil.copy(src, os.path.join(p.report_dir, name))
+            _saved(os.path.join(p.report_dir, name), lambda temporary, src=src: shutil.copy(src, temporary))
             plots.append(name)
     lines += ["", "## Plots", ""] + [f"- `{name}`" for name in plots]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(p.report_dir, "results.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(p.report_dir, "results.json"), "w") as f:
-        json.dump({"policies": policy_rows, "rm": rm, "dpo": dpo, "ceiling": task.get("ceiling"), "plots": plots}, f,
-                  indent=2, default=float)
+    _saved(os.path.join(p.report_dir, "results.md"), text)
+    _saved(os.path.join(p.report_dir, "results.json"), json.dumps(
+        {"policies": policy_rows, "rm": rm, "dpo": dpo, "ceiling": task.get("ceiling"), "plots": plots,
+         "provenance": made}, indent=2,
+        default=float))
     return text
 
 
@@ -553,7 +580,8 @@ def write_seed_report(out: str, seeds: list[int]) -> str:
             return float("nan"), float("nan")
         return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else float("nan")
 
-    lines = ["## Seeds side by side", "",
+    made = provenance()
+    lines = [made_with(made), "", "## Seeds side by side", "",
              f"Seeds {', '.join(map(str, seeds))}: one task (data, tokenizer, base model), "
              "every training stage once per seed. "
              f"RM-accuracy ceiling: {', '.join(_fmt(c) for c in ceilings)}.", "",
@@ -578,21 +606,20 @@ def write_seed_report(out: str, seeds: list[int]) -> str:
         ax.set_xticks(range(len(policies)), [n.split(" ")[0] for n in policies], rotation=35, ha="right")
         ax.set(ylabel="gold win rate vs reference", ylim=(0, 1), title=f"Win rate per policy, seeds {seeds} (dots)")
         fig.tight_layout()
-        fig.savefig(os.path.join(report_dir, "seeds_win_rate.png"), dpi=100)
+        _saved(os.path.join(report_dir, "seeds_win_rate.png"), lambda temporary: fig.savefig(temporary, dpi=100))
         plt.close(fig)
         lines += ["", "Plot: `seeds_win_rate.png`"]
     band = ppo_seed_band(out, seeds)
     if len(band):
-        band.to_csv(os.path.join(report_dir, "ppo_overoptimisation_seeds.csv"), index=False)
+        _saved(os.path.join(report_dir, "ppo_overoptimisation_seeds.csv"), band.to_csv(index=False))
         name = rm_and_gold_plot(band, "step", "PPO update", "mean RM score",
                                 f"PPO along training: mean and range of seeds {seeds}", report_dir,
                                 "ppo_rm_vs_gold_seeds.png")
         lines += [f"Plot: `{name}` (the PPO curve of every seed: mean line, band from the lowest to the highest seed)"]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(report_dir, "seeds.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(report_dir, "seeds.json"), "w") as f:
-        json.dump({"seeds": seeds, "metrics": summary}, f, indent=2)
+    _saved(os.path.join(report_dir, "seeds.md"), text)
+    _saved(os.path.join(report_dir, "seeds.json"),
+           json.dumps({"seeds": seeds, "metrics": summary, "provenance": made}, indent=2))
     return text
 
 
@@ -605,65 +632,6 @@ NAMES = {"sft": "SFT", "ppo": "PPO", "rloo": "RLOO", "grpo": "GRPO", "grpo_rule"
          "ipo": "IPO", "kto": "KTO (pairs)", "kto_unpaired": "KTO (thumbs up / down)", "ilql": "ILQL",
          "offline_filter": "MLE with filtering", "offline_rwr": "RWR", "offline_dt": "Decision Transformer",
          "offline_best_of_n": "best-of-n"}
-# Student's t distribution without scipy: the two-sided tail of t with d degrees of freedom is the regularized
-# incomplete beta function I_x(d/2, 1/2) at x = d / (d + t^2), evaluated by its continued fraction.
-def regularized_beta(x: float, a: float, b: float) -> float:
-    """I_x(a, b) for 0 <= x <= 1 and a, b > 0."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    if x > (a + 1.0) / (a + b + 2.0):  # the continued fraction converges fast only below this point
-        return 1.0 - regularized_beta(1.0 - x, b, a)
-    log_front = a * math.log(x) + b * math.log1p(-x) - math.log(a) + \
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-    # I_x(a, b) = x^a (1-x)^b / (a B(a, b)) / F with F = 1 + d1 / (1 + d2 / (1 + ...)), F by the modified Lentz
-    # method: F as the running product of the ratios C_j D_j of successive convergents
-    tiny = 1e-300
-    value, c, d = 1.0, 1.0, 0.0
-    for j in range(1, 500):
-        m = j // 2
-        if j % 2:  # d_{2m+1}
-            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        else:  # d_{2m}
-            term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        d = 1.0 + term * d
-        d = 1.0 / (tiny if abs(d) < tiny else d)
-        c = 1.0 + term / c
-        c = tiny if abs(c) < tiny else c
-        value *= c * d
-        if abs(c * d - 1.0) < 1e-15:
-            break
-    return math.exp(log_front) / value
-
-
-def t_two_sided_p(t: float, df: float) -> float:
-    """P(|T| >= |t|) for Student's t with `df` degrees of freedom."""
-    if math.isinf(t):
-        return 0.0
-    return regularized_beta(df / (df + t * t), df / 2.0, 0.5)
-
-
-def t_quantile(q: float, df: float) -> float:
-    """The q-quantile of Student's t with `df` degrees of freedom (0 < q < 1), by bisection on its distribution
-    function."""
-    if not 0.0 < q < 1.0:
-        raise ValueError(f"a quantile needs 0 < q < 1, got {q}")
-    if q < 0.5:
-        return -t_quantile(1.0 - q, df)
-    tail = 2.0 * (1.0 - q)  # the two-sided tail beyond the quantile
-    low, high = 0.0, 1.0
-    while t_two_sided_p(high, df) > tail:
-        low, high = high, 2.0 * high
-    for _ in range(200):
-        middle = 0.5 * (low + high)
-        if t_two_sided_p(middle, df) > tail:
-            low = middle
-        else:
-            high = middle
-        if high - low < 1e-12 * max(1.0, high):
-            break
-    return 0.5 * (low + high)
 
 
 def mean_and_t_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
@@ -672,27 +640,24 @@ def mean_and_t_interval(values: list[float], level: float = 0.95) -> tuple[float
     xs = np.array(values, dtype=float)
     if len(xs) < 2:
         return float(xs.mean()), float("nan"), float("nan")
-    half = t_quantile(0.5 + level / 2.0, len(xs) - 1) * xs.std(ddof=1) / np.sqrt(len(xs))
+    half = stats.t.ppf(0.5 + level / 2.0, len(xs) - 1) * xs.std(ddof=1) / np.sqrt(len(xs))
     return float(xs.mean()), float(xs.mean() - half), float(xs.mean() + half)
 
 
 def holm(p_values: list[float], alpha: float = 0.05) -> tuple[list[float], list[float]]:
-    """Holm's step-down correction of m tests: sorted by p-value, the test of rank r (from 1) is rejected at
-    alpha / (m - r + 1) as long as every test before it was. Returns, in the input order, the adjusted p-values
-    (rejected exactly where <= alpha) and the significance level each test is judged at: its own step's for a
-    rejected test, and the level of the step where the procedure stopped for the others. A confidence interval at
-    1 - that level excludes the null value exactly where Holm rejects (the "corrected interval")."""
+    """Holm's step-down correction of m tests (statsmodels' multipletests): sorted by p-value, the test of rank r
+    (from 1) is rejected at alpha / (m - r + 1) as long as every test before it was. Returns, in the input order, the
+    adjusted p-values (rejected exactly where <= alpha) and the significance level each test is judged at: its own
+    step's for a rejected test, and the level of the step where the procedure stopped for the others. A confidence
+    interval at 1 - that level excludes the null value exactly where Holm rejects (the "corrected interval")."""
+    if not p_values:
+        return [], []
     m = len(p_values)
-    order = sorted(range(m), key=lambda i: p_values[i])
-    adjusted, levels = [1.0] * m, [alpha] * m
-    running, stopped = 0.0, None
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * p_values[i]))
-        adjusted[i] = running
-        if stopped is None and p_values[i] > alpha / (m - rank):
-            stopped = alpha / (m - rank)
-        levels[i] = alpha / (m - rank) if stopped is None else stopped
-    return adjusted, levels
+    rejected, adjusted, _, _ = multipletests(p_values, alpha=alpha, method="holm")
+    kept = m - int(rejected.sum())  # the procedure stopped at the step of rank m - kept + 1 (every rejection before)
+    rank = {i: r for r, i in enumerate(sorted(range(m), key=lambda i: p_values[i]))}
+    levels = [alpha / (m - rank[i]) if rejected[i] else alpha / kept for i in range(m)]
+    return [float(a) for a in adjusted], levels
 
 
 def paired_comparisons(rates: dict[str, list[float]], baselines: tuple[str, ...] = ("ppo", "dpo", "sft"),
@@ -718,7 +683,7 @@ def paired_comparisons(rates: dict[str, list[float]], baselines: tuple[str, ...]
                 if se == 0.0:  # every seed the same difference: certain when it is not 0
                     row["p"] = 0.0 if row["mean"] != 0.0 else 1.0
                 else:
-                    row["p"] = t_two_sided_p(row["mean"] / se, len(diffs) - 1)
+                    row["p"] = float(2.0 * stats.t.sf(abs(row["mean"]) / se, len(diffs) - 1))
                 row["se"] = se
             out.append(row)
     # a pair compared both ways (PPO against DPO and DPO against PPO) is one test of the family, not two
@@ -732,7 +697,7 @@ def paired_comparisons(rates: dict[str, list[float]], baselines: tuple[str, ...]
         if np.isnan(row["p"]):
             continue
         p_holm, level = by_pair[frozenset((row["method"], row["baseline"]))]
-        half = t_quantile(1.0 - level / 2.0, len(row["diffs"]) - 1) * row.pop("se")
+        half = stats.t.ppf(1.0 - level / 2.0, len(row["diffs"]) - 1) * row.pop("se")
         row.update(p_holm=p_holm, holm_level=level, holm_low=row["mean"] - half, holm_high=row["mean"] + half,
                    beats="yes" if row["mean"] - half > 0 else "no")
     return out
@@ -789,10 +754,10 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     seed's report (results.json), run (args.json, summary.json) and stage markers. One row a method: its budget, its
     gold win rate against the references per seed (95% Wilson interval) and over seeds (mean, 95% t-interval), the
     baselines (PPO, DPO, SFT) it beats under the paired test, the mean over seeds of its KL from SFT (with the
-    standard error of that mean), length and EOS rate, its mean wall time and highest peak memory. A second table:
-    every method's per-seed difference in gold win rate to PPO, DPO and SFT with a paired t-interval and Holm's
-    correction across all those comparisons. The plot: gold win rate against KL from SFT, one point a method and
-    seed."""
+    standard error of that mean from the seeds' spread: kl_of_seeds), length and EOS rate, its mean wall time and
+    highest peak memory. A second table: every method's per-seed difference in gold win rate to PPO, DPO and SFT
+    with a paired t-interval and Holm's correction across all those comparisons. The plot: gold win rate against KL
+    from SFT, one point a method and seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -821,7 +786,7 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
                 extra["kl"].append(row["kl"])
                 extra["kl_se"].append(row.get("kl_se"))
             note = note or row.get("kl_note")
-            marker = _load(p.marker(stage))
+            marker = _marker(p.marker(stage))
             extra["wall"].append(marker.get("wall_time_s"))
             extra["shared"].append(bool(marker.get("shared")))
             extra["peak"].append(marker.get("peak_rss_mib"))
@@ -837,14 +802,19 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
         xs = [x for x in xs if x is not None]
         return float(np.mean(xs)) if xs else None
 
-    def kl_of_seeds(row) -> tuple[float | None, float | None]:
-        """The mean over seeds of a method's KL, and the standard error of that mean from the seeds' own (the
-        seeds' samples are independent); None where a seed has no KL or no standard error."""
+    def kl_of_seeds(row) -> tuple[float | None, float | None, float | None]:
+        """The mean over seeds of a method's KL; the standard error of that mean from the spread of the seeds' KLs
+        (sd / sqrt(seeds); with one seed, that seed's own over its prompts); and the seeds' own standard errors over
+        prompts, averaged. The seeds answer the same prompts, so their prompt-sampling errors are not independent:
+        the root-sum-of-squares of their own standard errors / seeds (which assumes they are) would understate it,
+        and the spread over seeds holds the seeds' training alone (a draw of prompts shared by every seed moves
+        them all). None where a seed has no KL or no standard error."""
         if len(row["kl"]) != len(seeds):
-            return None, None
+            return None, None, None
         ses = row["kl_se"]
-        se = float(np.sqrt(sum(s * s for s in ses)) / len(ses)) if all(s is not None for s in ses) else None
-        return avg(row["kl"]), se
+        prompts = avg(ses) if all(s is not None for s in ses) else None
+        spread = float(np.std(row["kl"], ddof=1) / np.sqrt(len(seeds))) if len(seeds) > 1 else prompts
+        return avg(row["kl"]), spread, prompts
 
     rates = {row["stage"]: [row["per_seed"][s]["win_rate"] for s in seeds] for row in rows}
     comparisons = paired_comparisons(rates)
@@ -857,10 +827,16 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     held_out = (" The test split's prompts share none with the train and validation splits, and no setting was chosen "
                 "on them: ILQL's beta, the reward model's settings and every other setting were chosen by gold win "
                 "rate on the validation split (docs/results.md)." if split == "test" else "")
+    # the seeds share the evaluation prompts: the standard error comes from their spread, not from their own ones
+    # combined as if independent (kl_of_seeds; leaderboard.csv's kl_from_sft_se_prompts keeps the prompts' share)
+    kl_se_words = ("the standard error of that mean from the spread over seeds (the seeds answer the same prompts, "
+                   "so their own standard errors over prompts are not independent; leaderboard.csv's "
+                   "kl_from_sft_se_prompts averages those)" if len(seeds) > 1 else
+                   "its standard error over the prompts")
     # the CPU type every stage ran on (pipeline.py's cpu.json: a seed resumed on another type is rerun there)
     cpus = sorted({_load(os.path.join(folder, "cpu.json")).get("cpu") or "not recorded"
                    for folder in [out, *(os.path.dirname(p.report_dir) for p in pipelines)]})
-    lines = ["## Leaderboard: every method on the built-in task", "",
+    lines = [made_with(provenance()), "", "## Leaderboard: every method on the built-in task", "",
              f"CPU type of every stage: {' and '.join(cpus)}. "
              f"Seeds {', '.join(map(str, seeds))}; each seed trains its own SFT and reward model, and every method of "
              f"that seed starts from them. Gold win rate against the reference summaries on "
@@ -870,7 +846,7 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
              f"Holm-corrected interval of the per-seed differences lies above 0). KL from SFT: KL(pi || pi_SFT) of the "
              f"two models' own distributions at temperature 1 (one response per evaluation prompt sampled from the "
              f"policy at temperature 1, the per-token KL over the whole vocabulary summed over the response up to its "
-             f"EOS, the mean over prompts), averaged over seeds, in nats, with its standard error in parentheses. Wall "
+             f"EOS, the mean over prompts), averaged over seeds, in nats, with {kl_se_words} in parentheses. Wall "
              f"time: the stage's mean over seeds, marked shared where another job held a core as one of its runs "
              f"started; peak memory: the stage process's highest resident set over seeds.", "",
              "| method | budget | " + " | ".join(f"seed {s}" for s in seeds) +
@@ -884,7 +860,7 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
         cells = [f"{_fmt(r['win_rate'])} [{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]"
                  for r in (row["per_seed"][s] for s in seeds)]
         interval = f" [{_fmt(low)}, {_fmt(high)}]" if not np.isnan(low) else ""
-        kl, kl_se = kl_of_seeds(row)
+        kl, kl_se, kl_se_prompts = kl_of_seeds(row)
         wall = avg(row["wall"])
         peak = max((x for x in row["peak"] if x is not None), default=None)
         mine = [c for c in comparisons if c["method"] == row["stage"]]
@@ -899,7 +875,8 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
                       **{f"seed_{s}": r for s, r in zip(seeds, rates_of)}, "mean": mean, "t_low": low, "t_high": high,
                       **{f"beats_{b}": next((c["beats"] for c in mine if c["baseline"] == b), None)
                          for b in ("ppo", "dpo", "sft")},
-                      "kl_from_sft": kl, "kl_from_sft_se": kl_se, "kl_note": row["kl_note"],
+                      "kl_from_sft": kl, "kl_from_sft_se": kl_se,
+                      "kl_from_sft_se_prompts": kl_se_prompts, "kl_note": row["kl_note"],
                       "length": avg(row["length"]), "eos_rate": avg(row["eos_rate"]),
                       "wall_time_s": wall, "wall_time_shared": any(row["shared"]), "peak_rss_mib": peak})
     no_kl = [f"{row['method']}: {row['kl_note']}" for row in rows if kl_of_seeds(row)[0] is None and row["kl_note"]]
@@ -931,10 +908,10 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
 
     report_dir = os.path.join(out, "report")
     os.makedirs(report_dir, exist_ok=True)
-    pd.DataFrame(table).to_csv(os.path.join(report_dir, "leaderboard.csv"), index=False)
-    pd.DataFrame([{**{k: v for k, v in c.items() if k != "diffs"},
-                   **{f"diff_seed_{s}": d for s, d in zip(seeds, c["diffs"])}} for c in comparisons]).to_csv(
-        os.path.join(report_dir, "leaderboard_paired.csv"), index=False)
+    _saved(os.path.join(report_dir, "leaderboard.csv"), pd.DataFrame(table).to_csv(index=False))
+    _saved(os.path.join(report_dir, "leaderboard_paired.csv"), pd.DataFrame([
+        {**{k: v for k, v in c.items() if k != "diffs"}, **{f"diff_seed_{s}": d for s, d in zip(seeds, c["diffs"])}}
+        for c in comparisons]).to_csv(index=False))
 
     fig, ax = plt.subplots(figsize=(7, 5))
     markers, not_drawn = "osD^v<>pP*Xdh8H", []
@@ -952,11 +929,10 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
         ax.text(0.99, 0.02, f"no KL, not drawn: {', '.join(not_drawn)}", transform=ax.transAxes, ha="right", fontsize=7)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    fig.savefig(os.path.join(report_dir, "leaderboard.png"), dpi=100)
+    _saved(os.path.join(report_dir, "leaderboard.png"), lambda temporary: fig.savefig(temporary, dpi=100))
     plt.close(fig)
     lines += ["", "Plot: `leaderboard.png` (gold win rate against KL from SFT, one point a method and seed); "
               "the tables as CSV: `leaderboard.csv`, `leaderboard_paired.csv`."]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(report_dir, "leaderboard.md"), "w") as f:
-        f.write(text)
+    _saved(os.path.join(report_dir, "leaderboard.md"), text)
     return text

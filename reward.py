@@ -44,6 +44,7 @@ import tyro
 from accelerate import skip_first_batches
 from accelerate.utils import set_seed
 from datasets import load_from_disk
+from statsmodels.stats.proportion import proportion_confint
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DynamicCache
@@ -121,13 +122,12 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow there)"""
     score_query_once: bool = True
-    """each pair's query goes through the model once and its chosen and rejected responses read the query's keys and
-    values, instead of two whole rows (query + chosen, query + rejected) as the reference code and TRL run them: the
-    same rewards and gradients up to float rounding, for less compute (docs/usage.md, "Flags in depth")"""
+    """each pair's query goes through the model once and both responses read its keys and values, not two whole rows
+    as the reference code and TRL run them: the same rewards and gradients up to float rounding, less compute; with
+    --no_disable_dropout both share the query's dropout mask (docs/usage.md, "Flags in depth")"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
-    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
-    without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing in every model that trains here: less activation memory for about one more forward
+    pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # ---- evaluation and logging ----
     eval_every: int = 0
@@ -225,7 +225,7 @@ def reward_update(args, accelerator, run, scorer, optimizer, lr_scheduler, batch
     before its backward pass, then one AdamW step after the last and one step of the schedule. Returns the means over
     every micro batch of the update and every process of the loss, the accuracy and both rewards, and `tokens_seen`
     counted on by this update's tokens (all processes), and the update's wall time ("update_s")."""
-    update_start, stats = time.time(), {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
+    update_start, stats = time.monotonic(), {"loss": [], "accuracy": [], "chosen": [], "rejected": []}
     query_once = args.score_query_once and not args.gradient_checkpointing  # no key/value cache under checkpointing
     for _ in range(args.gradient_accumulation_steps):
         batch = next(batches)
@@ -260,7 +260,7 @@ def reward_update(args, accelerator, run, scorer, optimizer, lr_scheduler, batch
     lr_scheduler.step()
     # averages over every micro batch of the update and every process
     means = {k: accelerator.gather(torch.stack(v)).float().mean().item() for k, v in stats.items()}
-    return {**means, "update_s": time.time() - update_start}, tokens_seen  # (.item() waited for the device)
+    return {**means, "update_s": time.monotonic() - update_start}, tokens_seen  # (.item() waited for the device)
 
 
 @torch.no_grad()
@@ -470,17 +470,15 @@ def accuracy_interval(correct: pd.Series) -> dict:
     return {"ci_low": float(low), "ci_high": float(high)}
 
 
-def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+def wilson_interval(successes: float, n: int) -> tuple[float, float]:
     """95% Wilson score interval of a binomial proportion (better than the normal approximation
-    near 0 or 1 and for small n); (nan, nan) when n = 0."""
+    near 0 or 1 and for small n); (nan, nan) when n = 0. statsmodels' proportion_confint, not
+    scipy's binomtest(k, n).proportion_ci: a judge's tie counts as half a success, a k it refuses."""
     if n == 0:
         return float("nan"), float("nan")
-    p = successes / n
-    denom = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    low = 0.0 if successes == 0 else max(0.0, center - half)  # exact at the edges (no 1e-17 from rounding)
-    high = 1.0 if successes == n else min(1.0, center + half)
+    low, high = proportion_confint(successes, n, alpha=0.05, method="wilson")
+    low = 0.0 if successes == 0 else max(0.0, low)  # exact at the edges (no 1e-17 from rounding)
+    high = 1.0 if successes == n else min(1.0, high)
     return float(low), float(high)
 
 
@@ -505,7 +503,7 @@ def calibration_bins(frame: pd.DataFrame, num_bins: int) -> pd.DataFrame:
 
 
 def main(args: Args) -> dict:
-    start_time = time.time()
+    start_time = time.monotonic()
     # ---------------- processes, batch arithmetic and precision ----------------
     args.world_size = num_processes = start_processes(args.run.process_group_timeout_min).num_processes
     accumulation = exact_div(args.total_batch_size, args.local_micro_batch_size * num_processes,
@@ -573,7 +571,7 @@ def main(args: Args) -> dict:
     scorer.train()
     # the running counters continue from the checkpoint, so the summary covers the whole run
     tokens_seen, train_time_before = state["tokens_seen"], state["train_time"]
-    train_start = time.time()
+    train_start = time.monotonic()
     # the data position: every update reads gradient_accumulation_steps micro batches on each process
     batches = resumable_micro_batches(train_loader, start_update * gradient_accumulation_steps)
     progress = tqdm(range(start_update + 1, num_updates + 1), initial=start_update, total=num_updates,
@@ -582,7 +580,7 @@ def main(args: Args) -> dict:
         with last_good.kept(update, state):  # a non-finite value leaves the state after update - 1 as a checkpoint
             means, tokens_seen = reward_update(args, accelerator, run, scorer, optimizer, lr_scheduler, batches, pad_id,
                                                update, tokens_seen)  # steps 2-3
-        tokens_per_s = tokens_seen / (train_time_before + time.time() - train_start)
+        tokens_per_s = tokens_seen / (train_time_before + time.monotonic() - train_start)
         progress.set_postfix(loss=f"{means['loss']:.4f}", acc=f"{means['accuracy']:.3f}", tok_s=f"{tokens_per_s:.0f}")
         if update % args.log_every == 0 or update == num_updates:
             run.log(update, {"episode": update * args.total_batch_size, "train/loss": means["loss"],
@@ -595,11 +593,11 @@ def main(args: Args) -> dict:
             evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets, tokenizer, update, final=False)
         # the trainer state after this update, models.checkpointed after its logging and evaluation (a resumed run
         # repeats neither)
-        state = {"tokens_seen": tokens_seen, "train_time": train_time_before + time.time() - train_start}
+        state = {"tokens_seen": tokens_seen, "train_time": train_time_before + time.monotonic() - train_start}
         if due(args.run.checkpoint_every, update, num_updates):
             run.checkpoint(update, state)
     progress.close()
-    train_time = train_time_before + time.time() - train_start
+    train_time = train_time_before + time.monotonic() - train_start
 
     # ---------------- Details 14 and 15: score the SFT references, then normalise ----------------
     summary = normalize_on_references(scorer, accelerator, unwrapped, references, pad_id, args)
@@ -607,7 +605,7 @@ def main(args: Args) -> dict:
     # ---------------- final evaluation of the saved (normalised) model, and outputs ----------------
     summary.update(evaluate_and_log_reward(run, args, accelerator, scorer, eval_sets, tokenizer, num_updates,
                                            final=True))
-    summary.update({"train_time_s": train_time, "wall_time_s": time.time() - start_time,
+    summary.update({"train_time_s": train_time, "wall_time_s": time.monotonic() - start_time,
                     "tokens_per_s": tokens_seen / max(train_time, 1e-9), "num_updates": num_updates,
                     "head_init_std": head_std,
                     # the budget as spent: every update read total_batch_size pairs

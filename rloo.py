@@ -44,7 +44,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
 from rlhf_utils.flags import RunFlags, check_flags
-from rlhf_utils.rewards import check_rewards, reward_fn_errors
+from rlhf_utils.rewards import RewardFunctions
 from rlhf_utils.run import LastGoodState, Run, due, evaluation_rng, leave_processes, start_processes, synced_time
 
 
@@ -61,8 +61,9 @@ class RlooHParams:
     """epsilon: policy ratio clipping (Table 7)"""
     kl_coef: float = 0.05
     """beta: per-token KL penalty coefficient (Table 7); the initial value with --rloo.adaptive_kl"""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """per-token KL estimate in the penalty: k1 = log p - log p_ref (paper); k3 = r - 1 - log r, r = p_ref / p"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """per-token KL estimate in the reward's penalty: k1 = log p - log p_ref (paper); k2 = (log p - log p_ref)^2 / 2;
+    k3 = r - 1 - log r, r = p_ref / p (docs/usage.md, "Which gradient each KL setting follows")"""
     adaptive_kl: bool = False
     """trlX / Ziegler et al.: adapt kl_coef so that the KL of a rollout tracks --rloo.target_kl"""
     target_kl: float = 6.0
@@ -94,10 +95,15 @@ class Args:
     """the reward model (saved by reward.py, at the default path, with the Detail 15 normalisation folded in); several
     paths make an ensemble whose scores --reward_combine joins into one. None at all (the flag without a path) with
     --reward_fn: the function alone scores, and no reward model is loaded (docs/usage.md, "Flags in depth")"""
-    reward_fn: Optional[str] = None
-    """path.py:function, a reward from code (TRL, OpenRLHF and verl take such functions): fn(queries, responses,
-    **columns) returns one float per response; one more scorer beside the reward models, joined like them, then the
-    EOS trick (Detail 23). None = no function (docs/usage.md, "Flags in depth")"""
+    reward_fn: Optional[List[str]] = None
+    """path.py:function ..., rewards from code written for TRL's GRPOTrainer (fn(prompts=, completions=, **kwargs):
+    a float or None per response); their weighted sum is one more scorer beside the reward models, joined like
+    them, then the EOS trick (Detail 23). None = no function (docs/usage.md, "Flags in depth")"""
+    reward_fn_weights: Optional[List[float]] = None
+    """one weight per --reward_fn function, in its sum (TRL's reward_weights); None = 1 each"""
+    reward_fn_timeout_min: float = 10.0
+    """minutes one call of a --reward_fn function may take before the run stops with an error naming it and its batch
+    (ours: TRL has no limit; a slow call within it changes nothing; docs/usage.md, "Flags in depth")"""
     reward_combine: Literal["mean", "sum", "min"] = "mean"
     """how the scores of several reward models become one, each after its own scaling: mean, weighted sum
     (--reward_weights) or min (the conservative ensemble of Coste et al. 2024); one reward model: its score"""
@@ -156,9 +162,8 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. On the CPU
     the run computes in float32 unless --bf16 asks for bf16 (slow)"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
-    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
-    without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing in every model that trains here: less activation memory for about one more forward
+    pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # memory and speed (trlX / OpenRLHF)
     num_layers_unfrozen: int = -1
@@ -246,11 +251,6 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
             truncated = truncate_response(eos_id, pad_id, response)
             score = ensemble_scores(reward_models, query, truncated, pad_id)
-            # --reward_fn: one more column, the user's function of the texts and of the prompt rows' other columns
-            t2 = synced_time(accelerator.device)
-            prompt_rows = rows.repeat_interleave(len(queries) // len(rows))[start : start + len(query)].tolist()
-            score = function_scores(score, reward_fn, tokenizer, query, truncated, prompts, prompt_rows)  # (b, n + 1)
-            timers["reward_fn"] = timers.get("reward_fn", 0.0) + time.time() - t2
             timers["generation"] += t1 - t0
             timers["scoring"] += synced_time(accelerator.device) - t1
             out["query_responses"].append(query_response)
@@ -258,7 +258,15 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             out["logprobs"].append(logprob)
             out["ref_logprobs"].append(ref_logprob)
             out["rm_scores"].append(score)
-    return Rollout(**{name: torch.cat(chunks, 0) for name, chunks in out.items()})
+    data = Rollout(**{name: torch.cat(chunks, 0) for name, chunks in out.items()})
+    # --reward_fn: one more column, the user's functions of the texts and of the prompt rows' other columns, called
+    # once on the whole local batch, as TRL calls them, so that a response no scorer scores finds its group
+    t2 = synced_time(accelerator.device)
+    data.rm_scores = function_scores(data.rm_scores, reward_fn, tokenizer, queries, data.responses, prompts,
+                                     rows.repeat_interleave(len(queries) // len(rows)).tolist())  # (B, n + 1)
+    timers["reward_fn"] = timers.get("reward_fn", 0.0) + time.monotonic() - t2
+    timers["scoring"] += time.monotonic() - t2
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,12 +308,16 @@ def apply_eos_trick(scores: torch.Tensor, truncated_responses: torch.Tensor, eos
 
 
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy.
-    k1 = log p - log p_ref (unbiased, can be negative); k3 = (r - 1) - log r with r = p_ref / p
-    (unbiased, always >= 0, lower variance; Schulman's estimator used by OpenRLHF)."""
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's k1, k2, k3):
+    k1 = log p - log p_ref (an unbiased estimate of the value, can be negative); k2 = (log p - log p_ref)^2 / 2
+    (a biased estimate, >= 0); k3 = (r - 1) - log r with r = p_ref / p (an unbiased estimate of the value, >= 0,
+    lower variance; OpenRLHF's and GRPO's). Unbiased of the value only: the gradient each follows depends on where it
+    is placed, the reward or the loss (docs/usage.md, "Which gradient each KL setting follows")."""
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio
     raise RunError(f"unknown KL estimator {estimator!r}")
@@ -577,7 +589,7 @@ def eval_samples(args, accelerator, model, reward_models, eval_dataset, tokenize
 
 
 def main(args: Args) -> dict:
-    start_time = time.time()
+    start_time = time.monotonic()
     bf16 = args.bf16 if args.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     # first: the batch arithmetic below depends on the number of processes
     start_processes(args.run.process_group_timeout_min)
@@ -641,6 +653,10 @@ def main(args: Args) -> dict:
                     disable=not accelerator.is_local_main_process)
     for update in progress:
         with last_good.kept(update, state):  # a non-finite rollout leaves the state after update - 1 as a checkpoint
+            if reward_fn is not None:  # the functions' trainer_state (TRL's): optimizer steps and epochs so far
+                steps = hp.num_ppo_epochs * hp.num_mini_batches  # per update
+                reward_fn.at((update - 1) * steps, state["budget"]["budget/prompts"] / len(train_dataset),
+                             num_updates * steps)
             update_start, timers = synced_time(device), {"generation": 0.0, "scoring": 0.0}
             # linear decay to 0 over the run (Table 7)
             lr = args.lr * (1.0 - (update - 1.0) / num_updates) if args.scheduler == "linear" else args.lr
@@ -1068,22 +1084,32 @@ def ensemble_scores(reward_models, queries, responses, pad_token_id: int) -> tor
     return torch.stack(columns, 1) if columns else torch.zeros((queries.size(0), 0), device=queries.device)
 
 
-def function_scores(scores, reward_fn, tokenizer, queries: torch.Tensor, responses: torch.Tensor, prompts, rows):
-    """--reward_fn: the reward models' scores (B, n) and, joined as column n, the scores the user's function gives B
-    responses (right-padded, truncated after the EOS) to their left-padded queries: both decoded as text (no [PAD], no
-    EOS, the leading space stripped), with the other columns of their prompt rows (`rows`, indices into the dataset
-    `prompts`: every column that holds no token ids, e.g. a task's answer key) passed by name, one entry per response.
-    rlhf_utils/rewards.py names the row of an exception and checks the answer: one finite number per response. No
-    function: the scores as they are."""
+def function_scores(scores, reward_fn: Optional[RewardFunctions], tokenizer, queries: torch.Tensor,
+                    responses: torch.Tensor, prompts, rows):
+    """--reward_fn: the reward models' scores (B, n) and, joined as column n, the one score the user's functions give
+    B responses (right-padded, truncated after the EOS) to their left-padded queries, called as TRL's GRPOTrainer
+    calls them (rlhf_utils/rewards.py: by keyword, prompts and completions decoded as text with no [PAD], no EOS and
+    the leading space stripped, completion_ids the response's tokens up to its EOS, the other columns of the prompt
+    rows `rows` of the dataset `prompts` that hold no token ids; each answer checked: a finite number or None per
+    response). Combined as TRL combines them: sum_f w_f * s_f over the functions f that score the response (a None
+    is skipped; w: --reward_fn_weights), 0 where none does. A response that no function and no reward model scores
+    takes the mean score of the scored responses to its prompt (0 if none), so that its group-relative advantage is
+    0 (TRL's sum gives it 0); a line counts them. No function: the scores as they are."""
     if reward_fn is None:
         return scores
     decoded = (tokenizer.batch_decode(x, skip_special_tokens=True) for x in (queries, responses))
     texts, answers = ([s.strip() for s in batch] for batch in decoded)
-    columns = prompts.select_columns([c for c in prompts.column_names if "_token" not in c]).with_format(None)[rows]
-    # an exception, or an answer that is not one finite number per response: one paragraph naming the row
-    with reward_fn_errors(reward_fn, texts, answers, columns):
-        values = check_rewards(reward_fn, reward_fn(texts, answers, **columns), texts, answers, columns)
-    return torch.cat((scores, scores.new_tensor(values).unsqueeze(1)), 1)  # float32, as the RMs' scores
+    completion_ids = [response[response != tokenizer.pad_token_id].tolist() for response in responses]
+    values = reward_fn.answers(texts, answers, completion_ids, prompts, rows)  # per function: a float or None each
+    each = scores.new_tensor([[float("nan") if v is None else v for v in column] for column in values])  # (F, B)
+    score = (each.nan_to_num() * scores.new_tensor(reward_fn.weights).unsqueeze(1)).sum(0)  # (B,) float32, as the RMs'
+    unscored = each.isnan().all(0) & (scores.size(1) == 0)  # no function and no reward model scores it
+    if unscored.any():  # the mean of its group's scored responses (the responses to its prompt row): advantage 0
+        reward_fn.warn_unscored(int(unscored.sum()), len(unscored))
+        group = torch.tensor(list(rows), device=scores.device)
+        peers = (group.unsqueeze(1) == group.unsqueeze(0)) & ~unscored.unsqueeze(0)  # (B, B) scored, same prompt
+        score = torch.where(unscored, (peers * score).sum(1) / peers.sum(1).clamp(min=1), score)
+    return torch.cat((scores, score.unsqueeze(1)), 1)
 
 
 def combine_scores(scores: torch.Tensor, rule: str, weights: Optional[List[float]]) -> torch.Tensor:

@@ -110,13 +110,11 @@ class Args:
     """bf16 mixed precision, as the paper trained (Detail 8); None = on when a CUDA device supports bf16. The CPU
     runs float32 unless --bf16 asks for bf16 (slow there)"""
     gather_for_generation: bool = True
-    """under ZeRO-3, gather the policy's weights once for each generate call of the evaluation's samples instead of
-    layer by layer at every decode step (as TRL's unwrap_model_for_generation does); the same samples either way.
-    Off: for a model too large to hold whole on one device. No effect without ZeRO-3"""
+    """under ZeRO-3, gather the policy's weights once per generate call of the evaluation's samples, not layer by
+    layer at each decode step: the same samples. Off: for models too big for a device (docs/usage.md, Flags in depth)"""
     gradient_checkpointing: bool = False
-    """activation checkpointing (transformers', non-reentrant) in every model that trains here: less activation
-    memory for about one more forward pass; the loss and gradients are the same. Off by default: the paper trained
-    without it (docs/usage.md, "Flags in depth")"""
+    """activation checkpointing in every model that trains here: less activation memory for about one more forward
+    pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
 
     # ---- memory: LoRA and QLoRA ----
     lora_rank: int = 0
@@ -206,7 +204,7 @@ def sft_update(args, accelerator, run, model, optimizer, scheduler, dataset, bat
     gradient, accumulated (3), checked by the non-finite guard before its backward pass, then one AdamW step after the
     last and one step of the schedule (4). `state` is the trainer state after update - 1; returns the one after this
     update (the running counters of the summary) and the update's training metrics."""
-    update_start = time.time()
+    update_start = time.monotonic()
     stats = torch.zeros(3, device=accelerator.device)  # loss sum over micro-batches, micro-batches, input tokens
     for micro_indices in next(batches):  # 1.
         micro_batch = dataset[micro_indices]
@@ -324,7 +322,7 @@ def evaluate_and_log_sft(run, args, accelerator, model, tokenizer, eval_datasets
 
 
 def main(args: Args) -> dict:
-    start_time = time.time()
+    start_time = time.monotonic()
     # ---------------- processes, batch arithmetic and precision ----------------
     # first: the accumulation steps depend on the process count
     args.world_size = start_processes(args.run.process_group_timeout_min).num_processes
@@ -415,7 +413,7 @@ def main(args: Args) -> dict:
             "train/updates": args.num_updates,
             # the budget as spent (report.py's leaderboard reads it): every update read total_batch_size rows
             "budget/updates": args.num_updates, "budget/rows_read": args.num_updates * args.total_batch_size,
-            "wall_time_s": time.time() - start_time,
+            "wall_time_s": time.monotonic() - start_time,
         }
     )
     # with LoRA the adapters folded into the base: the plain float32 model it computes (models.merged_policy)

@@ -39,6 +39,20 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+
+class InputError(ValueError):
+    """A bad source file, row or flag; the message names the file (path:line), row or flag and the way on. Run as a
+    script, it prints as one paragraph, `prepare.py: error: ...`, with a failed exit and no traceback
+    (print_expected_error): the training scripts' RunError format, kept here, as data preparation imports nothing of
+    rlhf_utils."""
+
+
+def print_expected_error(kind, error, trace) -> None:
+    """sys.excepthook when run as a script: an InputError prints as one paragraph; any other error its traceback."""
+    if not isinstance(error, InputError):
+        return sys.__excepthook__(kind, error, trace)
+    print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
+
 CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
 TLDR_FORMAT = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"  # no trailing space (Detail 2)
 CNNDM_FORMAT = "Article:\n{article}\n\nTL;DR:\n"
@@ -171,14 +185,14 @@ def check_json_lines(path: str, fields: Optional[dict]) -> None:
                 row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as error:
                 cut = " (the line ends early: cut in the middle?)" if not line.rstrip().endswith("}") else ""
-                raise ValueError(f"{where}: not valid JSON: {error.msg} at column {error.colno}{cut}; {need}; "
+                raise InputError(f"{where}: not valid JSON: {error.msg} at column {error.colno}{cut}; {need}; "
                                  f"{fix}") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object; {need}; {fix}")
+                raise InputError(f"{where}: a JSON {type(row).__name__}, not an object; {need}; {fix}")
             try:
                 check_fields(row, fields or {}, where + (f" (id {row['id']})" if "id" in row else ""))
             except ValueError as error:
-                raise ValueError(f"{error}; {fix}") from None
+                raise InputError(f"{error}; {fix}") from None
 
 
 def load_raw(local: Optional[str], hub_name: str, config: Optional[str] = None, fields: Optional[dict] = None):
@@ -225,11 +239,11 @@ def check_fields(row: dict, fields: dict, where: str) -> None:
     """Raise a clear error naming the row and field when a required field is missing or mistyped."""
     for field, kinds in fields.items():
         if field not in row or row[field] is None:
-            raise ValueError(f"{where}: missing field {field!r}; every row needs {sorted(fields)}")
+            raise InputError(f"{where}: missing field {field!r}; every row needs {sorted(fields)}")
         if not isinstance(row[field], kinds):
-            raise ValueError(f"{where}: field {field!r} must be {kinds}, got {type(row[field]).__name__}")
+            raise InputError(f"{where}: field {field!r} must be {kinds}, got {type(row[field]).__name__}")
         if isinstance(row[field], str) and not row[field].strip() and field not in ("title",):
-            raise ValueError(f"{where}: field {field!r} is empty; drop or fix this row in the source file")
+            raise InputError(f"{where}: field {field!r} is empty; drop or fix this row in the source file")
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,7 +294,7 @@ def build_query(tokenizer, fields: dict, fmt: str, truncate_field: str, length: 
         truncated = True
         body = fields[truncate_field]
         if not body:
-            raise ValueError(
+            raise InputError(
                 f"row {row_id}: the query is {len(tokens)} tokens even with an empty {truncate_field}; "
                 f"its other fields are longer than the query length {length}. Raise --query_length or drop the row."
             )
@@ -342,7 +356,7 @@ def process_sft_row(row: dict, tokenizer, args: Args, where: str) -> dict:
     r_tokens = response_tokens(tokenizer, row["summary"])
     too_long = len(r_tokens) > args.sft_response_length
     if too_long and args.long_response_policy == "error":
-        raise ValueError(f"{where}: the reference response is {len(r_tokens)} tokens > --sft_response_length "
+        raise InputError(f"{where}: the reference response is {len(r_tokens)} tokens > --sft_response_length "
                          f"{args.sft_response_length}; raise the length or use --long_response_policy drop")
     r_tokens = r_tokens[: args.sft_response_length]  # only rows flagged too_long are affected, and they are dropped
     total = args.query_length + args.sft_response_length
@@ -382,15 +396,15 @@ def process_preference_row(row: dict, tokenizer, args: Args, where: str) -> dict
         q_len, r_len = args.query_length, args.rm_response_length
     summaries = row["summaries"]
     if len(summaries) != 2 or row["choice"] not in (0, 1):
-        raise ValueError(f"{where}: a comparison needs exactly 2 summaries and choice 0 or 1")
+        raise InputError(f"{where}: a comparison needs exactly 2 summaries and choice 0 or 1")
     for i, s in enumerate(summaries):
         if not isinstance(s.get("text"), str) or not s["text"].strip():
-            raise ValueError(f"{where}: summaries[{i}].text must be a non-empty string")
+            raise InputError(f"{where}: summaries[{i}].text must be a non-empty string")
     chosen, rejected = summaries[row["choice"]], summaries[1 - row["choice"]]
     c_tokens, r_tokens = response_tokens(tokenizer, chosen["text"]), response_tokens(tokenizer, rejected["text"])
     too_long = max(len(c_tokens), len(r_tokens)) > r_len
     if too_long and args.long_response_policy == "error":
-        raise ValueError(f"{where}: a response is {max(len(c_tokens), len(r_tokens))} tokens > {r_len}; "
+        raise InputError(f"{where}: a response is {max(len(c_tokens), len(r_tokens))} tokens > {r_len}; "
                          "raise --rm_response_length or use --long_response_policy drop")
     c_tokens, r_tokens = c_tokens[:r_len], r_tokens[:r_len]
     total = q_len + r_len
@@ -440,7 +454,7 @@ def split_hh(chosen: str, rejected: str, where: str) -> tuple[str, str, str]:
     through their last assistant turn; the responses are what follows it."""
     problem = hh_pair_problem(chosen, rejected)
     if problem is not None:
-        raise ValueError(f"{where}: {problem}")
+        raise InputError(f"{where}: {problem}")
     c_cut, r_cut = chosen.rfind(ASSISTANT), rejected.rfind(ASSISTANT)
     return chosen[: c_cut + len(ASSISTANT)], chosen[c_cut + len(ASSISTANT):], rejected[r_cut + len(ASSISTANT):]
 
@@ -454,7 +468,7 @@ def truncate_hh_query(tokenizer, query: str, length: int, where: str) -> tuple[s
         truncated = True
         starts = [i for i in range(len(query)) if query.startswith(HUMAN, i)]
         if len(starts) < 2:
-            raise ValueError(f"row {where}: the last human turn alone is {len(tokens)} tokens > query length "
+            raise InputError(f"row {where}: the last human turn alone is {len(tokens)} tokens > query length "
                              f"{length}; raise --query_length or drop the row")
         query = query[starts[1]:]
         tokens = encode_text(tokenizer, query)
@@ -475,7 +489,7 @@ def process_hh_row(row: dict, tokenizer, args: Args, where: str) -> dict:
     r_len = args.rm_response_length
     too_long = max(len(c_tokens), len(r_tokens)) > r_len
     if too_long and args.long_response_policy == "error":
-        raise ValueError(f"{where}: a response is longer than --rm_response_length {r_len}")
+        raise InputError(f"{where}: a response is longer than --rm_response_length {r_len}")
     c_tokens, r_tokens = c_tokens[:r_len], r_tokens[:r_len]
     total = args.query_length + r_len
     out = {
@@ -505,7 +519,7 @@ def hh_sft_row(row: dict, tokenizer, args: Args, where: str) -> dict:
     r_tokens = response_tokens(tokenizer, chosen)
     too_long = len(r_tokens) > args.sft_response_length
     if too_long and args.long_response_policy == "error":
-        raise ValueError(f"{where}: the chosen reply is longer than --sft_response_length {args.sft_response_length}")
+        raise InputError(f"{where}: the chosen reply is longer than --sft_response_length {args.sft_response_length}")
     r_tokens = r_tokens[: args.sft_response_length]
     total = args.query_length + args.sft_response_length
     return {
@@ -554,7 +568,7 @@ def feedback_sources(args: Args) -> dict:
                         try:
                             rows.append((where, json.loads(line)))
                         except json.JSONDecodeError as error:
-                            raise ValueError(f"{where}: not a JSON object ({error}); {FEEDBACK_FIX}") from None
+                            raise InputError(f"{where}: not a JSON object ({error}); {FEEDBACK_FIX}") from None
             sources[split] = (path, rows)
         elif ext == ".parquet":
             import pyarrow.parquet
@@ -577,25 +591,25 @@ def as_text(value, field: str, where: str, prompt: bool):
             return " ".join(m["content"] for m in value)
         return "".join(f"\n\n{names.get(m.get('role'), str(m.get('role')).capitalize())}: {m['content']}"
                        for m in value) + ASSISTANT
-    raise ValueError(f"{where}: {field!r} is {type(value).__name__}, not text (or a list of chat messages); "
+    raise InputError(f"{where}: {field!r} is {type(value).__name__}, not text (or a list of chat messages); "
                      f"{FEEDBACK_FIX}")
 
 
 def check_feedback_row(row, where: str) -> tuple[str, str, bool]:
     """(prompt, completion, label) of one row of unpaired feedback, or a clear error naming the row and the fix."""
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}; {FEEDBACK_FIX}")
+        raise InputError(f"{where}: a row must be a JSON object, got {type(row).__name__}; {FEEDBACK_FIX}")
     missing = [field for field in ("prompt", "completion", "label") if row.get(field) is None]
     if missing:
-        raise ValueError(f"{where}: missing {', '.join(map(repr, missing))} (the row has {sorted(row)}); "
+        raise InputError(f"{where}: missing {', '.join(map(repr, missing))} (the row has {sorted(row)}); "
                          f"{FEEDBACK_FIX}")
     if not isinstance(row["label"], bool):
-        raise ValueError(f"{where}: label is {row['label']!r} ({type(row['label']).__name__}), not a boolean; write it "
+        raise InputError(f"{where}: label is {row['label']!r} ({type(row['label']).__name__}), not a boolean; write it "
                          f"as true (desirable) or false (undesirable)")
     prompt, completion = (as_text(row["prompt"], "prompt", where, True),
                           as_text(row["completion"], "completion", where, False))
     if not completion.strip():
-        raise ValueError(f"{where}: the completion is empty; a rated response cannot be empty: {FEEDBACK_FIX}")
+        raise InputError(f"{where}: the completion is empty; a rated response cannot be empty: {FEEDBACK_FIX}")
     return prompt, completion, row["label"]
 
 
@@ -621,7 +635,7 @@ def process_feedback_row(prompt: str, completion: str, label: bool, tokenizer, a
     c_tokens = response_tokens(tokenizer, completion)
     too_long = len(c_tokens) > args.rm_response_length
     if too_long and args.long_response_policy == "error":
-        raise ValueError(f"{where}: the completion is {len(c_tokens)} tokens > --rm_response_length "
+        raise InputError(f"{where}: the completion is {len(c_tokens)} tokens > --rm_response_length "
                          f"{args.rm_response_length}; raise the length or use --long_response_policy drop")
     c_tokens = c_tokens[: args.rm_response_length]  # only rows flagged too_long are affected, and they are dropped
     return {
@@ -723,10 +737,10 @@ def check_not_empty(name: str, kept: int, read: int, dropped: dict) -> None:
     if kept:
         return
     if read == 0:
-        raise ValueError(f"{name}: the source split holds no rows; nothing was saved. "
+        raise InputError(f"{name}: the source split holds no rows; nothing was saved. "
                          "Add rows to it or remove its file")
     reasons = "; ".join(f"{count} {why}" for why, count in dropped.items() if count)
-    raise ValueError(f"{name}: no row is left of the {read} rows read ({reasons or 'none dropped'}); nothing was "
+    raise InputError(f"{name}: no row is left of the {read} rows read ({reasons or 'none dropped'}); nothing was "
                      "saved. Fix the source rows or the flags named here, or remove the split's file")
 
 
@@ -802,7 +816,7 @@ def drop_mismatched_hh(ds, name: str, args: Args, report: dict):
     if not bad:
         return ds, range(len(ds))
     if args.hh_mismatch_policy == "error":
-        raise ValueError(f"hh/{name} row {bad[0]}: {problems[bad[0]]} (rows of hh/{name} that share no query: "
+        raise InputError(f"hh/{name} row {bad[0]}: {problems[bad[0]]} (rows of hh/{name} that share no query: "
                          f"{len(bad)} of {len(ds)}); fix or remove them in the source, or leave them out with "
                          "--hh_mismatch_policy drop")
     report[f"hh/{name}_mismatched_pair_rows"] = bad[:5]
@@ -968,7 +982,7 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def main(args: Args) -> dict:
-    t0 = time.time()
+    t0 = time.monotonic()
     resolve_lengths(args)
     os.makedirs(args.output_dir, exist_ok=True)
     if args.unpaired_only:
@@ -979,7 +993,7 @@ def main(args: Args) -> dict:
         feedback_info = build_synthetic_feedback(args) if args.unpaired else {}
     tokenizer = load_tokenizer(args)
     if tokenizer.pad_token_id == tokenizer.eos_token_id and args.pad_token == "pad":
-        raise ValueError("the tokenizer's pad token equals EOS; Detail 3 needs a distinct [PAD]")
+        raise InputError("the tokenizer's pad token equals EOS; Detail 3 needs a distinct [PAD]")
     result = prepare_hh(args, tokenizer) if args.task == "hh" else prepare_tldr(args, tokenizer)
     # every split carries the identity of the tokenizer that wrote its token ids, so that each training script
     # can refuse data made with another tokenizer than its model's (check_data_tokenizer)
@@ -1014,7 +1028,7 @@ def main(args: Args) -> dict:
         summary["plot"] = plot_lengths(result, args.output_dir, args)
     if args.unpaired:  # before task.json, the mark of a finished task
         summary["unpaired"] = save_unpaired(args, tokenizer, feedback_info if args.task == "synthetic" else {})["rows"]
-    summary["prep_seconds"] = round(time.time() - t0, 1)
+    summary["prep_seconds"] = round(time.monotonic() - t0, 1)
     with open(os.path.join(args.output_dir, "prep_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     with open(os.path.join(args.output_dir, "args.json"), "w") as f:
@@ -1064,4 +1078,5 @@ def print_summary(summary: dict) -> None:
 
 
 if __name__ == "__main__":
+    sys.excepthook = print_expected_error
     main(tyro.cli(Args, use_underscores=True))

@@ -164,14 +164,16 @@ def gold_prefer(post: str, summary_a: str, summary_b: str) -> str:
     return "A" if ka <= kb else "B"
 
 
-def key_fact_share(queries: list[str], responses: list[str], **columns) -> list[float]:
+def key_fact_share(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
     """A verifiable reward from code, for --reward_fn data/synthetic.py:key_fact_share (ppo.py, rloo.py, grpo.py,
-    online_dpo.py): the share of the post's key facts that the summary states, the rule a user would write first. The
-    facts are read from the query's post, as the gold judge reads them; the prompt rows' other columns are not needed.
+    reinforce_pp.py, online_dpo.py), written as TRL's GRPOTrainer calls one (by keyword; the other keywords, the
+    completion ids, the trainer state and the prompt rows' columns, are not needed): the share of the post's key facts
+    that the summary states, the rule a user would write first. The facts are read from the query's post, as the gold
+    judge reads them.
     It is not the gold judge, which also takes off for invented and repeated facts, filler words, a summary that is not
     one sentence ending with a period, and length: a policy trained on this rule alone is free to pile those up."""
     shares = []
-    for query, response in zip(queries, responses):
+    for query, response in zip(prompts, completions):
         facts = set(extract_facts(_post_part(query)))
         shares.append(len(facts & set(extract_facts(response))) / len(facts) if facts else 0.0)
     return shares

@@ -6,6 +6,7 @@
                    (EndpointFlags) and the refusals of flag combinations
   models.py        placement (frozen models, ZeRO-3, --offload) and saving (safetensors, a LoRA policy merged)
   records.py       summaries, sample tables and evaluation files
+  provenance.py    what produced a run or a report: package versions, Python, CPU, git commit
   rewards.py       a reward from code (--reward_fn): loaded and its answers checked
   judge_client.py  the judge's HTTP client (judge.py, online_dpo.py --judge endpoint)
 

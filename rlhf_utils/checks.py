@@ -8,8 +8,9 @@
                     (tokenizer_fingerprint, tokenizer_difference, written_by_prepare): data prepared with another
                     tokenizer; check_response_starts (ilql.py), check_preference_columns (offline_rl.py; the
                     columns it reads: OFFLINE_PREFERENCE_COLUMNS)
-  models            check_finite: a NaN or inf in loaded weights; check_reward_tokenizer: a reward model whose
-                    tokenizer is not the policy's
+  models            check_model_paths (MODEL_FLAGS, check_model_path): a model path that is neither a folder nor
+                    a model of the hub, refused in seconds; check_finite: a NaN or inf in loaded weights;
+                    check_reward_tokenizer: a reward model whose tokenizer is not the policy's
   flags             check_gradient_accumulation: --gradient_accumulation_steps against the batch sizes;
                     check_qlora_flags: --load_in_4bit's needs
 
@@ -242,6 +243,76 @@ def check_preference_columns(preference, args) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 # Models and flags
 # ----------------------------------------------------------------------------------------------------------------------
+# the flags that name a model, a local folder or a model of the hub (Run.inputs checks them by these names)
+MODEL_FLAGS = ("base_model", "model_path", "sft_model_path", "reward_model_path")
+# this project's own model folders, its scripts' defaults (sft.py writes models/sft, reward.py models/rm): a path under
+# it is a folder that is not there yet, never a hub name (models/rm is a valid one)
+LOCAL_MODELS = "models/"
+HUB_TIMEOUT_S = 10.0  # the one question to the hub: an answer, or the refusal, within seconds
+
+
+def check_model_paths(paths: dict, reward_fn: bool = False) -> None:
+    """check_model_path for each model flag of `paths` (Run.inputs' name=path; a list gives one path each, None
+    none). `reward_fn`: the script scores with --reward_fn too, so a list --reward_model_path may be left empty."""
+    for flag, given in paths.items():
+        if flag in MODEL_FLAGS:
+            alone = flag == "reward_model_path" and reward_fn and isinstance(given, (list, tuple))
+            for path in [given] if isinstance(given, str) else given or []:
+                check_model_path(flag, path, alone)
+
+
+def check_model_path(flag: str, path: str, alone: bool = False) -> None:
+    """Bad input: a model path that is neither a local folder nor a model of the hub, refused in seconds with the flag
+    and the path, before transformers takes it for a hub name (it retries for about 40 s, then a long traceback). A
+    path under models/ (LOCAL_MODELS), or one that cannot be a hub name (./x, /x, a/b/c), that is no folder is refused
+    at once, without asking the hub; a hub name is found in the hub's local cache, else asked of the hub once (not
+    with HF_HUB_OFFLINE). A folder must hold a config.json (a LoRA adapter's: adapter_config.json). `alone`: the
+    --reward_fn function may score alone (the refusal says how)."""
+    from huggingface_hub import HfApi, is_offline_mode, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    where = f"--{flag} {path}"
+    fix = ("; to score with --reward_fn alone, pass --reward_model_path with nothing after it (no reward model is "
+           "loaded)") if alone else ""
+    if os.path.isdir(path):
+        if not any(os.path.exists(os.path.join(path, name)) for name in ("config.json", "adapter_config.json")):
+            raise RunError(f"{where} holds no config.json (nor a LoRA adapter's adapter_config.json), so it is no "
+                           f"saved model (a save or a copy that stopped?); pass the folder save_pretrained wrote{fix}")
+        return
+    if os.path.exists(path):
+        raise RunError(f"{where} is a file, not a model folder; pass the folder that holds the model's config.json "
+                       f"and weights (as save_pretrained writes it), or a model name of the hub{fix}")
+    try:
+        validate_repo_id(path)
+        hub_name = not path.startswith(LOCAL_MODELS)
+    except HFValidationError:
+        hub_name = False
+    if not hub_name:
+        raise RunError(f"{where}: there is no folder {os.path.abspath(path)}. Paths under {LOCAL_MODELS} are this "
+                       f"project's own model folders (sft.py saves models/sft, reward.py models/rm, with their default "
+                       f"--output_dir), not asked of the hub. Train that model first, or pass the folder (or hub "
+                       f"name) of the model to use{fix}" if path.startswith(LOCAL_MODELS) else
+                       f"{where}: there is no folder {os.path.abspath(path)}, and it cannot be a hub name either; "
+                       f"pass the folder of a saved model, or a hub name such as EleutherAI/pythia-1b-deduped{fix}")
+    if any(isinstance(try_to_load_from_cache(path, name), str)
+           for name in ("config.json", "adapter_config.json")):
+        return  # downloaded before: transformers loads it from the cache
+    if is_offline_mode():
+        raise RunError(f"{where}: no such folder, and the hub is off (HF_HUB_OFFLINE) with no copy of a model of that "
+                       f"name in its local cache; pass the folder of a saved model, or download it first (unset "
+                       f"HF_HUB_OFFLINE){fix}")
+    try:
+        HfApi().model_info(path, timeout=HUB_TIMEOUT_S)
+    except RepositoryNotFoundError:
+        raise RunError(f"{where}: no such folder, and the hub has no model of that name (or it is private: log in with "
+                       f"`hf auth login`); pass the folder of a saved model, or a model name of the hub{fix}") from None
+    except Exception as error:  # the network: no route, a timeout, a proxy's refusal
+        raise RunError(f"{where}: no such folder, and the hub could not be asked whether it has a model of that name "
+                       f"({type(error).__name__}: {error}); pass the folder of a saved model, or try again when the "
+                       f"hub can be reached{fix}") from None
+
+
 def check_finite(model, path: str) -> None:
     """Bad input: a loaded model whose weights hold NaN or inf (a diverged run's save), named with its first such
     tensor. Under ZeRO-3 a loaded weight is partitioned: each process holds a shard of it (ds_tensor) and the weight

@@ -9,8 +9,9 @@
                 concurrency, retries, backoff, timeout, rate-limit patience, the reply cache's file)
   refusals      flag combinations that cannot work, refused before anything loads: check_flags (the PPO family:
                 ppo.py, rloo.py, grpo.py, reinforce_pp.py; it also loads the --reward_fn function),
-                check_online_dpo_flags (and --judge endpoint's API key), check_groups (reinforce_pp.py),
-                check_ilql_flags, check_offline_flags and check_round_size (offline_rl.py)
+                check_online_dpo_flags (and --judge endpoint's API key), check_groups (reinforce_pp.py; grpo.py's too,
+                beside note_idle_ratio: a line at start, not a refusal), check_grpo_losses (grpo.py), check_kl_flags
+                (reinforce_pp.py), check_ilql_flags, check_offline_flags and check_round_size (offline_rl.py)
 
 What it never does: hold a flag that changes a number a run computes. Each script keeps those in its own Args (the
 seed, every batch size, the models, sampling, the algorithm's group), beside its exp_name and output_dir, whose
@@ -40,8 +41,8 @@ class RunFlags:
     checkpoint_keep: int = 1
     """how many of the newest checkpoints to keep"""
     resume: bool = False
-    """continue from the latest checkpoint of --run_name (None: the newest runs/{exp_name}__{seed}__* that has one);
-    the resumed run ends with the same weights and metrics as one that was never interrupted"""
+    """continue from the latest checkpoint of --run_name (None: the one runs/{exp_name}__{seed}__* that has one;
+    several are refused, listed); the resumed run ends with the same weights and metrics as one never interrupted"""
     restart: bool = False
     """delete the checkpoints of --run_name and start over (without it, a run folder that holds checkpoints is
     refused: --resume continues it)"""
@@ -76,6 +77,8 @@ def check_flags(args, accelerator, num_mini_batches: int, gradient_accumulation_
     check_gradient_accumulation(args, gradient_accumulation_steps, accelerator.num_processes, num_mini_batches)
     check_qlora_flags(args, accelerator)
     check_groups(args, accelerator.num_processes)  # rloo.py, grpo.py, reinforce_pp.py: whole groups on each process
+    check_grpo_losses(getattr(args, "grpo", None))  # grpo.py
+    check_kl_flags(getattr(args, "reinforce_pp", None))  # reinforce_pp.py
     if num_updates < 1:
         raise RunError(f"total_episodes {args.total_episodes} is less than one batch of {args.total_batch_size}")
     # the scorers, each reward model and then the --reward_fn function: at least one, --reward_weights one each
@@ -232,6 +235,10 @@ def check_groups(args, num_processes: int) -> None:
     if grpo is not None and (grpo.max_draws_per_update < 1 or grpo.overlong_buffer < 0):
         raise RunError(f"--grpo.max_draws_per_update must be >= 1 (1 = off) and --grpo.overlong_buffer >= 0 "
                        f"(0 = off), got {grpo.max_draws_per_update} and {grpo.overlong_buffer}")
+    if grpo is not None and grpo.dynamic_sampling_on == "reward_fn" and not args.reward_fn:
+        raise RunError("--grpo.dynamic_sampling_on reward_fn compares the values the --reward_fn function gives a "
+                       "group's responses, and this run has no --reward_fn: pass one (path.py:function), or let "
+                       "dynamic sampling compare the scores that train (--grpo.dynamic_sampling_on score)")
     if not hasattr(args, "samples_per_prompt"):
         return
     if local_batch_size % args.samples_per_prompt:
@@ -242,3 +249,56 @@ def check_groups(args, num_processes: int) -> None:
                        f"{args.samples_per_prompt}, whose mean is the score itself: every advantage would come from "
                        "the KL penalty alone); pass --samples_per_prompt 2 or more (e.g. 4), or "
                        "--reinforce_pp.baseline batch for REINFORCE++")
+
+
+def check_grpo_losses(hp) -> None:
+    """grpo.py's loss and KL options (hp: its --grpo.* group; None in the other scripts), refused before anything
+    loads where they cannot work together or take a value outside their range."""
+    if hp is None:
+        return
+    if hp.kl_importance_weighted and (hp.kl_in == "reward" or hp.kl_estimator != "k3"):
+        raise RunError(f"--grpo.kl_importance_weighted (TRL's use_bias_correction_kl) multiplies the k3 KL term of the "
+                       f"loss by each token's ratio p / p_old, and this run has --grpo.kl_in {hp.kl_in} and "
+                       f"--grpo.kl_estimator {hp.kl_estimator}: pass --grpo.kl_in loss --grpo.kl_estimator k3 with it, "
+                       "or, for a per-token reverse KL's gradient without the ratio, --grpo.kl_estimator k2")
+    if hp.kl_in == "reward" and hp.max_draws_per_update > 1:
+        raise RunError("--grpo.kl_in reward with dynamic sampling (--grpo.max_draws_per_update "
+                       f"{hp.max_draws_per_update}): dynamic sampling computes the advantages of the batch it keeps "
+                       "again from the scores alone, which would drop the KL from the reward; pass "
+                       "--grpo.max_draws_per_update 1, or keep the KL in the loss (--grpo.kl_in loss)")
+    if not 0 < hp.top_entropy_quantile <= 1:
+        raise RunError(f"--grpo.top_entropy_quantile {hp.top_entropy_quantile} is the share of tokens (those of the "
+                       "highest entropy) that train: a value in (0, 1], 1.0 = every token")
+    if min(hp.cispo_max_weight, hp.sapo_tau_pos, hp.sapo_tau_neg) <= 0:
+        raise RunError(f"--grpo.cispo_max_weight ({hp.cispo_max_weight}), --grpo.sapo_tau_pos ({hp.sapo_tau_pos}) "
+                       f"and --grpo.sapo_tau_neg ({hp.sapo_tau_neg}) must be positive (CISPO's largest IS weight, "
+                       "SAPO's gate temperatures; 4, 1.0 and 1.05 by default)")
+
+
+def check_kl_flags(hp) -> None:
+    """reinforce_pp.py's KL options (hp: its --reinforce_pp.* group; None in the other scripts), refused before
+    anything loads where they cannot act: the importance weight multiplies a k3 term of the loss, and a clamp is a
+    positive bound."""
+    if hp is None:
+        return
+    if hp.kl_importance_weighted and (hp.kl_in != "loss" or hp.kl_estimator != "k3"):
+        raise RunError(f"--reinforce_pp.kl_importance_weighted (TRL's use_bias_correction_kl) multiplies the k3 KL "
+                       f"term of the loss by each token's ratio p / p_old, and this run has --reinforce_pp.kl_in "
+                       f"{hp.kl_in} and --reinforce_pp.kl_estimator {hp.kl_estimator}, where the loss has no k3 term: "
+                       "pass --reinforce_pp.kl_in loss --reinforce_pp.kl_estimator k3 with it, or leave it off (for "
+                       "the per-token reverse KL's gradient without the ratio: --reinforce_pp.kl_estimator k2)")
+    if hp.kl_clamp is not None and not hp.kl_clamp > 0:
+        raise RunError(f"--reinforce_pp.kl_clamp {hp.kl_clamp} bounds each token's KL estimate to [-kl_clamp, "
+                       "kl_clamp]: a positive value (OpenRLHF's is 10), or leave it unset for no clamp")
+
+
+def note_idle_ratio(hp, say) -> None:
+    """grpo.py's one line at start when its --grpo.* options (hp) set a clip that cannot act: with one epoch of one
+    minibatch each rollout makes one optimizer step, on-policy, so every ratio is 1 (GSPO's and DAPO's recipes split
+    each rollout into minibatches). `say` prints on the main process."""
+    idle = [name for name, on in (("--grpo.ratio_level sequence (GSPO)", hp.ratio_level == "sequence"),
+                                  ("--grpo.clip_high (DAPO)", hp.clip_high is not None)) if on]
+    if idle and hp.num_ppo_epochs * hp.num_mini_batches == 1:
+        say(f"{' and '.join(idle)} with 1 epoch of 1 minibatch: each rollout makes one optimizer step on-policy, so "
+            "every ratio is 1, the clip never acts and the update is GRPO's; the ratio moves with "
+            "--grpo.num_mini_batches above 1 (GSPO's recipe: 4, DAPO's: 16) or --grpo.num_ppo_epochs above 1")

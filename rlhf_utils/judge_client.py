@@ -15,7 +15,9 @@ A judge is a remote service that fails, so each question goes through the same p
   re-asks    a reply that parse_fn cannot read is asked again, at most --max_parse_tries times, then counted as
              unparseable: the caller marks it invalid, never a loss and never a coin flip
   cache      every reply received is committed to sqlite at once (ReplyCache), so a rerun or an interrupted run
-             does not pay again for a reply it already has (one race remains, see ReplyCache)
+             does not pay again for a reply it already has (one race remains, see ReplyCache); a damaged cache file
+             is moved aside, the replies of it that still read carried over (readable_rows); a full disk under it
+             is one paragraph naming the folder
   the stop   a judge that cannot be used at all (unreachable, stalling, answering no chat completion, refusing the
              key, not one request answered, every request refused, rate-limiting past --rate_limit_patience) stops
              the run with one JudgeUnavailableError that names the URL, what happened and the fix, instead of
@@ -24,9 +26,10 @@ A judge is a remote service that fails, so each question goes through the same p
              the built-in gold judge, needs none); it is never printed, logged or saved: every error text kept is
              redacted, and the URL written to summaries loses any user:password part (public_url)
 
-Names: LOOPBACK_PLACEHOLDER_KEY, is_loopback_url, resolve_api_key, public_url (the key and the URL); ReplyCache;
-JudgeAPIError, JudgeUnavailableError, BadReply (failures); Outcome (one job's result); duration_s,
-rate_limit_wait_s, Throttle (rate limits); Judge (the async client); run_jobs (the one call the scripts make).
+Names: LOOPBACK_PLACEHOLDER_KEY, is_loopback_url, resolve_api_key, public_url (the key and the URL); ReplyCache,
+readable_rows (the cache); JudgeAPIError, JudgeUnavailableError, BadReply (failures); Outcome (one job's result);
+duration_s, rate_limit_wait_s, Throttle (rate limits); Judge (the async client); run_jobs (the one call the scripts
+make).
 For online_dpo.py's --judge endpoint: endpoint_client_args (its flags as the client reads them), run_cached_jobs
 (run_jobs with the cache file opened and closed around it), on_main_process (the main process asks, every process
 gets the answer or the same error).
@@ -46,6 +49,7 @@ import os
 import random
 import re
 import sqlite3
+import sys
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass
@@ -109,16 +113,74 @@ class ReplyCache:
     One race no client can close: a process killed after the server has answered a request but before the reply is
     committed here (the reply still on the wire, or between its arrival and `put`) has paid for that request
     without keeping the reply, and the rerun asks it again. At most the requests in flight at the kill
-    (--max_parallel_requests) are paid for twice."""
+    (--max_parallel_requests) are paid for twice.
+
+    A damaged file (cut short, a page overwritten, or no database at all at the path) is found as it opens (sqlite's
+    own check of every page, PRAGMA quick_check), moved aside under `<path>.damaged-<time>` (never deleted) and
+    replaced by a new cache holding every reply of it that still reads (readable_rows), with one warning; the prompts
+    it lost are asked again. (A write-ahead log cut short needs none of this: sqlite drops its unfinished frames.) A
+    full disk, as it opens or takes a reply, stops the run with one paragraph naming the folder; sqlite keeps every
+    reply committed before it, so the same command reruns once there is space and asks only the others."""
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path  # named by the error that stops a rate-limited run: its replies are kept here
-        self.db = sqlite3.connect(path)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS replies "
-                        "(key TEXT PRIMARY KEY, model TEXT, reply TEXT, created REAL)")
-        self.db.commit()
+        with self.disk_full_named("a new reply"):
+            self.db = sqlite3.connect(path)
+            if (damage := self.damage(self.db)) is not None:
+                self.db.close()
+                self.repair(damage)
+                self.db = sqlite3.connect(path)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("CREATE TABLE IF NOT EXISTS replies "
+                            "(key TEXT PRIMARY KEY, model TEXT, reply TEXT, created REAL)")
+            self.db.commit()
+
+    @contextlib.contextmanager
+    def disk_full_named(self, what: str):
+        """sqlite's "database or disk is full" (SQLITE_FULL) as one paragraph naming the cache's folder."""
+        try:
+            yield
+        except sqlite3.OperationalError as error:
+            if getattr(error, "sqlite_errorname", "") != "SQLITE_FULL":
+                raise
+            folder = os.path.dirname(os.path.abspath(self.path))
+            raise RunError(f"the disk holding {folder} is full: the judge's reply cache {self.path} cannot take "
+                           f"{what} (sqlite3: {error}). Every reply it took before is kept in it: free space there "
+                           "(or pass --cache_path on another disk, with a copy of this file to keep its replies) and "
+                           "run the same command again, which asks the judge only the prompts it lacks") from error
+
+    @staticmethod
+    def damage(db) -> Optional[str]:
+        """What is wrong with the cache's file, or None: sqlite's check of every page (a new, empty file passes)."""
+        try:
+            found = [str(row[0]) for row in db.execute("PRAGMA quick_check")]
+        except sqlite3.DatabaseError as error:  # SQLITE_CORRUPT, or SQLITE_NOTADB: no database at all
+            if getattr(error, "sqlite_errorname", "") not in ("SQLITE_CORRUPT", "SQLITE_NOTADB"):
+                raise
+            return str(error)
+        return None if found == ["ok"] else " ".join(" ".join(found[:3]).split())
+
+    def repair(self, damage: str) -> None:
+        """The damaged file (with its write-ahead log and index) moved aside, and a new cache made at the path of the
+        replies of it that still read."""
+        aside = f"{self.path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        while os.path.exists(aside):  # (an earlier damaged copy of this second is kept too)
+            aside += "-1"
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(self.path + suffix):
+                os.replace(self.path + suffix, aside + suffix)
+        rows = readable_rows(aside)
+        db = sqlite3.connect(self.path)
+        try:
+            db.execute("CREATE TABLE replies (key TEXT PRIMARY KEY, model TEXT, reply TEXT, created REAL)")
+            db.executemany("INSERT OR IGNORE INTO replies VALUES (?, ?, ?, ?)", rows)
+            db.commit()
+        finally:
+            db.close()
+        print(f"warning: the judge's reply cache {self.path} is damaged ({damage}): moved aside to {aside}; the "
+              f"{len(rows)} replies of it that still read are carried over into a new cache at {self.path}, and "
+              "every other prompt is asked again", file=sys.stderr, flush=True)
 
     @staticmethod
     def key(model: str, endpoint: str, system_prompt: str, prompt: str, temperature: Optional[float], seed: int,
@@ -133,11 +195,55 @@ class ReplyCache:
 
     def put(self, key: str, model: str, reply: str) -> None:
         # committed at once, so an interrupted run keeps every reply it received
-        self.db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?, ?)", (key, model, reply, time.time()))
-        self.db.commit()
+        with self.disk_full_named("another reply"):
+            self.db.execute("INSERT OR REPLACE INTO replies VALUES (?, ?, ?, ?)", (key, model, reply, time.time()))
+            self.db.commit()
 
     def close(self) -> None:
         self.db.close()
+
+
+def readable_rows(path: str) -> list[tuple]:
+    """Every row of a damaged cache's table that still reads (Python's sqlite3 has no recover call): a scan in rowid
+    order, and past a damaged page each rowid asked alone until one reads again, up to the highest rowid the file can
+    hold: every row takes more than 64 bytes of it (its key alone is 64 characters), of the size its header gives
+    when it was cut short. Only whole rows are kept. A file that is no sqlite database holds none."""
+    with open(path, "rb") as f:
+        header = f.read(100)
+    if len(header) < 100 or not header.startswith(b"SQLite format 3\x00"):
+        return []
+    page_size = int.from_bytes(header[16:18], "big")
+    size = max(os.path.getsize(path), (65536 if page_size == 1 else page_size) * int.from_bytes(header[28:32], "big"))
+    wal = os.path.exists(path + "-wal")  # its write-ahead log, moved aside with it: read through it
+    top = (size + (os.path.getsize(path + "-wal") if wal else 0)) // 64
+    # read-only; without a log, immutable too, so that sqlite makes no log or lock files beside the damaged copy
+    db = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(path))}?{'mode=ro' if wal else 'immutable=1'}",
+                         uri=True)
+    db.execute("PRAGMA writable_schema=ON")  # (else sqlite refuses to read a file shorter than its header says)
+    rows, rowid = [], 0
+    try:
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'replies'").fetchone() is None:
+            return []
+        while rowid < top:
+            with contextlib.suppress(sqlite3.DatabaseError):
+                for rowid, *row in db.execute("SELECT rowid, key, model, reply, created FROM replies WHERE rowid > ? "
+                                              "ORDER BY rowid", (rowid,)):
+                    rows.append(tuple(row))
+                break  # the scan reached the end
+            while rowid < top:  # a damaged page: the rowids after the last row read, one at a time
+                rowid += 1
+                with contextlib.suppress(sqlite3.DatabaseError):
+                    if (row := db.execute("SELECT key, model, reply, created FROM replies WHERE rowid = ?",
+                                          (rowid,)).fetchone()) is not None:
+                        rows.append(row)
+                        break
+    except sqlite3.DatabaseError:  # the schema itself is damaged: nothing reads
+        return []
+    finally:
+        db.close()
+    # a row whose bytes ran past the cut reads with its tail as zero bytes: kept only whole (a hex key, no NUL)
+    return [row for row in rows if isinstance(row[0], str) and re.fullmatch("[0-9a-f]{64}", row[0])
+            and isinstance(row[1], str) and isinstance(row[2], str) and "\x00" not in row[1] + row[2]]
 
 
 class JudgeAPIError(Exception):
@@ -471,9 +577,9 @@ def run_jobs(args, jobs: list[tuple[str, Callable[[str], object]]], on_done,
 
     async def go():
         judge = Judge(args, cache)
-        start = time.time()
+        start = time.monotonic()
         outcomes = await judge.ask_all(jobs, on_done)
-        judge.stats["judging_s"] = time.time() - start  # the requests alone, without loading or plotting
+        judge.stats["judging_s"] = time.monotonic() - start  # the requests alone, without loading or plotting
         return outcomes, judge.stats
 
     return asyncio.run(go())

@@ -55,8 +55,11 @@ def fresh_trainer_state() -> dict:
 
 def next_state(state: dict, start_time: float, timers: dict, metrics: dict, sampled: dict) -> dict:
     """The trainer state after an update: the run's wall time, the time totals and the budget spent (this update's
-    `timers` and `sampled` counts added to the state's), and the update's metrics."""
-    return {"wall_time_s": time.time() - start_time, "metrics": metrics,
+    `timers` and `sampled` counts added to the state's), and the update's metrics. `start_time` is a time.monotonic()
+    reading less the seconds of the run before its resume (the state's wall_time_s): the state saves elapsed seconds,
+    never a reading, which would mean nothing to the process that resumes it, and a wall clock stepped back or
+    forward (NTP, a changed time zone setting) moves neither."""
+    return {"wall_time_s": time.monotonic() - start_time, "metrics": metrics,
             "totals": {key: state["totals"][key] + timers[key] for key in state["totals"]},
             "budget": {key: state["budget"][key] + sampled[key] for key in state["budget"]}}
 
@@ -74,7 +77,7 @@ def run_summary(args, state: dict, eval_metrics: dict, num_updates: int, start_t
         "time/scoring_share": totals["scoring"] / totals["wall"],
         "time/training_share": totals["training"] / totals["wall"],
         **state["budget"], "budget/updates": num_updates,  # the budget as spent (report.py's leaderboard reads it)
-        "wall_time_s": time.time() - start_time,
+        "wall_time_s": time.monotonic() - start_time,  # (next_state's clock)
     }
 
 
@@ -342,7 +345,7 @@ def interval_means(interval_stats: dict, interval_tokens: int, interval_start: f
     """The training metrics of a logging interval: each statistic's mean over the interval, and throughput,
     learning rate, epoch and target syncs at its end."""
     means = {key: sum(values) / len(values) for key, values in interval_stats.items()}
-    means["train/tokens_per_s"] = interval_tokens / (time.time() - interval_start)
+    means["train/tokens_per_s"] = interval_tokens / (time.monotonic() - interval_start)
     means["train/lr"] = lr
     means["train/epoch"] = epoch
     means["train/num_target_syncs"] = num_target_syncs
@@ -353,22 +356,23 @@ class IlqlCounters:
     """The running counters of training, which a checkpoint saves in trainer_state.json next to accelerate's state
     (models, optimizer, schedule, RNG): completed updates (the data position: update x gradient_accumulation_steps
     micro batches), episodes, target syncs, training seconds, the last logged training means, and the open logging
-    interval: per update, each statistic averaged over every micro batch of every process, and the tokens of all
-    processes. Already reduced, they are the same on every process, so the main process's copy in the checkpoint is
-    every process's (and JSON keeps the floats exactly)."""
+    interval: per update, each statistic averaged over every micro batch of every process, the tokens of all
+    processes and its seconds so far (elapsed, from time.monotonic(): a resumed interval goes on from them). Already
+    reduced, they are the same on every process, so the main process's copy in the checkpoint is every process's (and
+    JSON keeps the floats exactly)."""
 
     @staticmethod
     def fresh() -> dict:
         """The trainer state of a run that starts from the first update."""
         return {"update": 0, "episode": 0, "num_target_syncs": 0, "train_time": 0.0, "last_train_metrics": {},
-                "interval_stats": {}, "interval_tokens": 0}
+                "interval_stats": {}, "interval_tokens": 0, "interval_s": 0.0}
 
     def __init__(self, state: dict):
         self.update, self.episode, self.num_target_syncs = state["update"], state["episode"], state["num_target_syncs"]
         self.train_time = state["train_time"]  # optimisation only (no evaluation, no RM labelling)
         self.last_train_metrics: Dict[str, float] = state["last_train_metrics"]
         self.interval_stats: Dict[str, List[float]] = state["interval_stats"]
-        self.interval_tokens, self.interval_start = state["interval_tokens"], time.time()
+        self.interval_tokens, self.interval_start = state["interval_tokens"], time.monotonic() - state["interval_s"]
 
     def end_update(self, update: int, batch_size: int, seconds: float) -> None:
         self.update = update
@@ -380,14 +384,14 @@ class IlqlCounters:
         """The training means of the logging interval that ends here (interval_means); a new interval opens."""
         self.last_train_metrics = interval_means(self.interval_stats, self.interval_tokens, self.interval_start, lr,
                                                  self.episode / num_trajectories, self.num_target_syncs)
-        self.interval_stats, self.interval_tokens, self.interval_start = {}, 0, time.time()
+        self.interval_stats, self.interval_tokens, self.interval_start = {}, 0, time.monotonic()
         return self.last_train_metrics
 
     def state(self) -> dict:
         """The trainer state a checkpoint saves (taken between updates): a copy, so later updates leave it as it is."""
         return {"update": self.update, "episode": self.episode, "num_target_syncs": self.num_target_syncs,
                 "train_time": self.train_time, "last_train_metrics": self.last_train_metrics,
-                "interval_tokens": self.interval_tokens,
+                "interval_tokens": self.interval_tokens, "interval_s": time.monotonic() - self.interval_start,
                 "interval_stats": {key: list(values) for key, values in self.interval_stats.items()}}
 
     def totals(self) -> dict:

@@ -11,9 +11,12 @@
                     INPUT_FILES; each file's hash cached on its size, times and inode), logs (TensorBoard,
                     metrics.jsonl, W&B with --track), checkpoints (atomic, with a manifest) and --resume (the flags
                     compared; or --restart: checkpoints are never deleted implicitly), completion marks, the
-                    non-finite guard; due: whether an action done every N updates falls on this one
+                    non-finite guard, provenance.json (what produced the run: rlhf_utils/provenance.py); due:
+                    whether an action done every N updates falls on this one
   the fallback      LastGoodState: after a non-finite value, the state after the last good update as a checkpoint
-  outputs           saving: a full disk named, for every save; frame_markdown: a table for TensorBoard's text tab
+  outputs           saving: a full disk named, for every save; written_whole, write_whole: a file renamed into
+                    place once whole (the pipeline's markers, judge.py's and report.py's outputs); frame_markdown: a
+                    table for TensorBoard's text tab
 
 The expected errors and input checks are rlhf_utils/checks.py, which this module imports; the run's flags (RunFlags)
 and the refusals of flag combinations are rlhf_utils/flags.py; placement and saving are rlhf_utils/models.py; what a
@@ -48,7 +51,8 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 
-from rlhf_utils.checks import NonFiniteError, RunError
+from rlhf_utils.checks import NonFiniteError, RunError, check_model_paths
+from rlhf_utils.provenance import provenance, provenance_differences
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The flags that decide no number a run computes: they may change between a checkpoint and its --resume (Run compares
@@ -73,6 +77,9 @@ FREE_FLAGS = frozenset({
     "offload", "gather_for_generation", "gradient_checkpointing",
     # how long a collective waits for the other processes before the run fails (a wait, not a number)
     "process_group_timeout_min",
+    # how long one call of a --reward_fn function may take before the run stops (a wait: a call that returns in time
+    # gives the same numbers)
+    "reward_fn_timeout_min",
     # the process layout: the checkpoint's process count and DeepSpeed stage are checked on their own
     # (Run.intact_checkpoint), and the accumulation steps follow from them and the batch-size flags
     "world_size", "gradient_accumulation_steps",
@@ -150,10 +157,12 @@ def leave_processes() -> None:
 
 
 def synced_time(device: torch.device) -> float:
-    """time.time() once the work queued on `device` is done (torch.cuda.synchronize on a GPU, where kernels run after
-    the Python call returns; nothing to wait for on the CPU), so that a logged phase time is that phase's own."""
+    """time.monotonic() once the work queued on `device` is done (torch.cuda.synchronize on a GPU, where kernels run
+    after the Python call returns; nothing to wait for on the CPU), so that a logged phase time is that phase's own.
+    A monotonic clock: a wall clock stepped back (NTP, a changed date) would make a duration negative. A reading
+    means nothing in another process: what a checkpoint carries is elapsed seconds (records.next_state)."""
     torch.cuda.synchronize(device) if device.type == "cuda" else None
-    return time.time()
+    return time.monotonic()
 
 
 def claim_lock(path: str, take_over: bool = False, other: str = "--run_name") -> None:
@@ -276,6 +285,32 @@ def saving(folder: str, what: str, needed: Optional[int], then: str):
         raise RunError(f"the disk holding {folder} is full: {what} was not saved{need}. {then}") from error
 
 
+@contextlib.contextmanager
+def written_whole(path: str, what: str, then: str):
+    """`path` written whole or not at all, as the checkpoints are: the body writes the temporary file it is given
+    (`.tmp_<pid>_<name>` beside it, the same extension), renamed to `path` once complete and removed on any error, so
+    a full disk leaves no cut file under the finished name; the full disk is one RunError naming the folder (saving)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(folder, f".tmp_{os.getpid()}_{os.path.basename(path)}")
+    try:
+        with saving(folder, what, None, then):
+            yield temporary
+            os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+
+
+def write_whole(path: str, content, what: str, then: str) -> None:
+    """written_whole for `content`: a text (UTF-8), or a function that writes the file it is given."""
+    with written_whole(path, what, then) as temporary:
+        if isinstance(content, str):
+            with open(temporary, "w", encoding="utf-8") as f:
+                f.write(content)
+        else:
+            content(temporary)
+
+
 class Run:
     """Everything a training run keeps on disk besides the model, behind one small interface:
 
@@ -297,13 +332,22 @@ class Run:
     def __init__(self, args, accelerator):
         self.args, self.accelerator, self.main, root = (args, accelerator, accelerator.is_main_process,
                                                         args.run.run_dir_root)
-        # the run of this experiment and seed whose checkpoints are newest
+        # the one run of this experiment and seed that has a checkpoint: never the newest by modification time,
+        # which a clock corrected between two runs makes the wrong one; several are listed, and --run_name chooses
         if args.run.run_name is None and args.run.resume:
-            runs = glob.glob(os.path.join(root, f"{args.exp_name}__{args.seed}__*", "checkpoints"))
-            if not runs:
+            newest = {}  # run name -> its newest checkpoint (update_000006: zero-padded, the last in order)
+            for path in sorted(glob.glob(os.path.join(root, f"{args.exp_name}__{args.seed}__*", "checkpoints",
+                                                      "update_*"))):
+                newest[os.path.basename(os.path.dirname(os.path.dirname(path)))] = os.path.basename(path)
+            if not newest:
                 raise RunError(f"--resume: no run {root}/{args.exp_name}__{args.seed}__* has a checkpoint; "
                                "pass --run_name")
-            args.run.run_name = os.path.basename(os.path.dirname(max(runs, key=os.path.getmtime)))
+            if len(newest) > 1:
+                listed = "; ".join(f"{name} (newest checkpoint {update}" + (", finished" if os.path.exists(
+                    os.path.join(root, name, "summary.json")) else "") + ")" for name, update in sorted(newest.items()))
+                raise RunError(f"--resume: {len(newest)} runs in {root} could be continued: {listed}. Pass "
+                               "--run_name with the one to continue")
+            args.run.run_name = next(iter(newest))
         # one name for all processes: their clocks may disagree on the second
         name = args.run.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
         args.run.run_name = broadcast_object_list([name])[0]
@@ -408,12 +452,27 @@ class Run:
 
     def inputs(self, **paths) -> None:
         """The content hashes (content_digest) of what this run reads, name=path (prepared data and model folders,
-        named as their flags; a list gives name[i]), saved with every checkpoint. With --resume, contents other than
-        the checkpoint's are refused, unless --accept_changed_inputs goes on with them knowingly."""
+        named as their flags; a list gives name[i]; each --reward_fn function's file, by itself), saved with every
+        checkpoint. With --resume, contents other than the checkpoint's are refused, unless --accept_changed_inputs
+        goes on with them knowingly. First, a model path (checks.MODEL_FLAGS) that is neither a folder nor a model of
+        the hub is refused (check_model_paths)."""
         flat = {f"{n}[{i}]": p for n, ps in paths.items() if isinstance(ps, (list, tuple)) for i, p in enumerate(ps)}
         flat.update({n: p for n, p in paths.items() if isinstance(p, str)})
-        digests = {n: {"path": p, "sha256": content_digest(p)} for n, p in flat.items()} if self.main else None
-        self.digests.update(broadcast_object_list([digests])[0])  # one process reads the files
+        # every --reward_fn function's file is an input too, as reward_fn[i]: its bytes, not the modules it imports
+        specs = getattr(self.args, "reward_fn", None) or []
+        flat.update({f"reward_fn[{i}]": spec.rpartition(":")[0] or spec
+                     for i, spec in enumerate([specs] if isinstance(specs, str) else specs)})
+        refused = digests = None
+        if self.main:  # one process asks (the hub at most once a path), every process raises
+            try:
+                check_model_paths(paths, reward_fn=bool(getattr(self.args, "reward_fn", None)))
+                digests = {n: {"path": p, "sha256": content_digest(p)} for n, p in flat.items()}
+            except RunError as error:
+                refused = str(error)
+        digests, refused = broadcast_object_list([digests, refused])  # one process reads the files
+        if refused:
+            raise RunError(refused)
+        self.digests.update(digests)
         changed = []
         for name, now in self.digests.items():
             then = self.manifest.get("inputs", {}).get(name, {})
@@ -478,6 +537,7 @@ class Run:
             if history:
                 config["changed_on_resume"] = history
             json.dump(config, open(os.path.join(self.dir, "args.json"), "w"), indent=2)
+            self.record_provenance(resumed_at)
             if self.args.run.track:
                 import wandb  # only with --track; it mirrors TensorBoard
                 wandb.init(project=self.args.run.wandb_project_name, entity=self.args.run.wandb_entity,
@@ -491,6 +551,23 @@ class Run:
                 kept = [line for line in open(metrics) if json.loads(line)["step"] <= resumed_at]
             open(metrics, "w").writelines(kept)
         return state
+
+    def record_provenance(self, resumed_at: int) -> None:
+        """provenance.json in the run folder: the package versions, Python, CPU and commit of this launch
+        (rlhf_utils/provenance.py), which every checkpoint's manifest records too. A --resume from a checkpoint
+        written on others says so in one line and goes on; the file keeps those of the earlier launches under
+        "earlier", each with the update it ran to. Main process."""
+        self.provenance, path = provenance(), os.path.join(self.dir, "provenance.json")
+        earlier = []
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # none yet, or cut (a full disk): start anew
+            earlier = json.load(open(path)).get("earlier", []) if self.resume_from else []
+        then = self.manifest.get("provenance") if self.resume_from else None
+        if then and (differ := provenance_differences(then, self.provenance)):
+            self.accelerator.print(f"--resume: {self.resume_from} was written on other versions ({'; '.join(differ)}); "
+                                   "going on, but bit-identity with an uninterrupted run holds only on the same "
+                                   "versions, CPU type and commit")
+            earlier.append({**then, "until_update": resumed_at})
+        json.dump({**self.provenance, **({"earlier": earlier} if earlier else {})}, open(path, "w"), indent=2)
 
     def guard(self, update: int, **quantities: torch.Tensor) -> None:
         """Non-finite guard: stop when a named tensor holds a NaN or inf on any process (the flags are summed, so all
@@ -540,7 +617,8 @@ class Run:
                     files = {os.path.relpath(os.path.join(d, f), temporary): os.path.getsize(os.path.join(d, f))
                              for d, _, names in os.walk(temporary) for f in names}
                     json.dump({"files": files, "num_processes": self.accelerator.num_processes,
-                               "deepspeed_stage": self.stage, "inputs": self.digests, "flags": self.flags},
+                               "deepspeed_stage": self.stage, "inputs": self.digests, "flags": self.flags,
+                               "provenance": self.provenance},
                               open(os.path.join(temporary, "manifest.json"), "w"))
         except Exception:  # e.g. a full disk (named by `saving`), or a serializer's own error
             shutil.rmtree(temporary, ignore_errors=True)  # a failed save leaves no half-written folder behind

@@ -239,6 +239,7 @@ def test_implicit_reward_breakdown_table():
     assert "| validation | accuracy | overall | 0.5000 | 4 |" in markdown
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
     """A tiny run (the base model stands in for the SFT model) with the reference precomputed."""
     with open(synthetic_task["task_json"]) as f:
@@ -349,6 +350,7 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, shor
     assert os.listdir(runs / "dpo__1__cut" / "checkpoints") == ["update_000006"]
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthetic_task, short_preference, tmp_path):
     """An absurd learning rate overflows the policy: the guard names the update and the quantities before
     backward, no final model is written, and the checkpoint holds the finite policy after the update before."""

@@ -53,7 +53,7 @@ def test_every_training_script_has_the_flag_and_passes_it_on():
         assert any(ast.unparse(call.args[1]) == "args.gradient_checkpointing" for call in calls), \
             f"{script} never passes --gradient_checkpointing to checkpointed()"
     assert len(set(helps.values())) == 1, "one help text for the one flag"
-    assert "Off by default: the paper trained without it" in " ".join(next(iter(helps.values())).split())
+    assert "Off: the paper trained without it" in " ".join(next(iter(helps.values())).split())
 
 
 def rerun_count_loss_and_grads(model: torch.nn.Module, loss_of, checkpointing: bool):

@@ -354,6 +354,7 @@ def test_sampling_keeps_the_fixed_length_and_pads_after_an_early_eos():
 # ------------------------------------------------------------------------------------------------
 # smoke run
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_smoke_run_on_the_builtin_task(synthetic_task, tmp_path):
     run_name = "ilql_smoke"
     output_dir = tmp_path / "model"

@@ -154,8 +154,12 @@ def test_wilson_interval_and_rank_normalisation_by_hand():
     low, high = judge.wilson_interval(8, 10)
     assert abs(low - (center - half)) < 1e-12 and abs(high - (center + half)) < 1e-12
     assert abs(low - 0.4902) < 1e-3 and abs(high - 0.9433) < 1e-3
-    assert judge.wilson_interval(0, 5)[0] == pytest.approx(0.0, abs=1e-12)
+    assert judge.wilson_interval(0, 5)[0] == 0.0 and judge.wilson_interval(7, 7)[1] == 1.0  # exact at the edges
     assert all(x != x for x in judge.wilson_interval(0, 0))
+    # a tie counts half a success (7 wins and a tie of 12): the same formula at p = 7.5 / 12
+    p, n = 7.5 / 12, 12
+    center, half = (p + z * z / 24) / (1 + z * z / n), z * np.sqrt(p * (1 - p) / n + z * z / 576) / (1 + z * z / n)
+    assert judge.wilson_interval(7.5, 12) == pytest.approx((center - half, center + half), abs=1e-12)
     assert judge.rank_normalised([9.0, 7.0, 7.0, 3.0]) == [4.0, 2.5, 2.5, 1.0]
     assert judge.rank_normalised([1.0, 2.0, 3.0, 4.0, 5.0]) == [1.0, 2.0, 3.0, 4.0, 5.0]  # "6 - rank"
 
@@ -424,6 +428,7 @@ def fault_server(fault: str, answered: int = 0):
         thread.join()
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_a_judge_that_answers_and_then_trickles_stops_within_its_deadlines(tmp_path):
     """issue 40: a 200, then one byte every 0.5 s. --timeout_s bounds the whole request, not each read, so judge.py
     gives up after --max_tries deadlines and stops with one line saying the server stalled (it hung until killed)."""
@@ -470,6 +475,7 @@ def test_a_judge_that_stalls_cuts_its_body_or_answers_no_chat_completion_is_one_
 
 
 @pytest.mark.parametrize("fault", ["trickle", "html"])
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_a_judge_that_breaks_down_after_answering_marks_the_rest_invalid(tmp_path, fault):
     make_samples(tmp_path / "a.csv", 6, seed=23, ties=False)
     with fault_server(fault, answered=2) as server:  # one request at a time: rows 0 and 1 judged, then the fault
@@ -798,6 +804,7 @@ def test_multi_mode_query_with_identical_answers_is_a_tie_never_asked(tmp_path):
     assert m["a"]["mean_rank_score"] == pytest.approx((4 * 1.5 + table["rank_score/a"][4:].sum()) / 10)
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_cache_key_holds_the_endpoint_and_the_seed_of_a_sampling_judge(tmp_path):
     key = judge_client.ReplyCache.key
     args = ("gold", "http://127.0.0.1:8011/v1/", "sys", "prompt")

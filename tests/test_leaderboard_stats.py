@@ -1,7 +1,7 @@
-"""The leaderboard's statistics over seeds (report.py): Student's t quantile computed for every count (no scipy, no
-1.96 past a table), Holm's step-down correction, the paired t-interval of per-seed differences between methods,
-and a synthetic leaderboard where a method that is better on every seed, whose unpaired intervals overlap the
-baseline's, is reported as beating it under the paired test."""
+"""The leaderboard's statistics over seeds (report.py): Student's t quantile of every count (scipy's, no 1.96 past a
+table), Holm's step-down correction (statsmodels'), the paired t-interval of per-seed differences between methods,
+a synthetic leaderboard where a method that is better on every seed, whose unpaired intervals overlap the
+baseline's, is reported as beating it under the paired test, and the KL column's standard error over seeds."""
 
 import json
 import math
@@ -15,34 +15,19 @@ import pytest
 import report
 
 
-@pytest.mark.parametrize("q, df, expected", [
-    (0.975, 1, 12.706), (0.975, 2, 4.303), (0.975, 3, 3.182), (0.975, 4, 2.776), (0.975, 10, 2.228),
-    (0.975, 30, 2.042), (0.975, 120, 1.980), (0.995, 10, 3.169), (0.9, 5, 1.476), (0.025, 3, -3.182),
-    (0.5, 7, 0.0), (0.975, 10**7, 1.960)])
-def test_the_t_quantile_matches_the_tables(q, df, expected):
-    assert report.t_quantile(q, df) == pytest.approx(expected, abs=5e-4)
-
-
-def test_the_t_quantile_and_the_two_sided_p_value_invert_each_other():
-    for df in (1, 2, 3, 5, 11, 29, 200):
-        for tail in (0.5, 0.05, 0.01, 1e-4):
-            t = report.t_quantile(1 - tail / 2, df)
-            assert report.t_two_sided_p(t, df) == pytest.approx(tail, rel=1e-9)
-    # closed forms: 1 degree of freedom is Cauchy, 2 degrees have p = 1 - |t| / sqrt(t^2 + 2)
-    assert report.t_quantile(0.9999, 1) == pytest.approx(math.tan(math.pi * 0.4999), rel=1e-9)
-    assert report.t_two_sided_p(4.0, 2) == pytest.approx(1 - 4 / math.sqrt(18), rel=1e-12)
-    assert report.regularized_beta(0.3, 2, 3) == pytest.approx(0.3483, rel=1e-12)  # a binomial tail: 1 - F(1; 4, 0.3)
-
-
-def test_the_seeds_t_interval_uses_the_t_quantile_of_every_count():
-    """Past 10 seeds the interval used 1.96, too narrow; now 31 values take t(0.975, 30) = 2.042."""
-    values = list(np.linspace(0.4, 0.7, 31))
-    mean, low, high = report.mean_and_t_interval(values)
-    half = 2.0423 * np.std(values, ddof=1) / np.sqrt(31)
-    assert (low, high) == pytest.approx((mean - half, mean + half), abs=1e-5)
-    mean, low, high = report.mean_and_t_interval([0.615, 0.630, 0.632])
-    half = report.t_quantile(0.975, 2) * np.std([0.615, 0.630, 0.632], ddof=1) / np.sqrt(3)
-    assert (low, high) == pytest.approx((mean - half, mean + half), rel=1e-12)
+@pytest.mark.parametrize("level, n, expected", [
+    (0.95, 2, 12.706), (0.95, 3, 4.303), (0.95, 4, 3.182), (0.95, 5, 2.776), (0.95, 11, 2.228), (0.95, 31, 2.042),
+    (0.95, 121, 1.980), (0.99, 11, 3.169), (0.8, 6, 1.476)])
+def test_the_seeds_t_interval_takes_the_t_quantile_of_the_tables(level, n, expected):
+    """n values' interval at `level` is the mean -+ t(1/2 + level/2, n - 1) x sd / sqrt(n), t from the printed
+    tables: the quantile and the degrees of freedom the report passes, whatever the count (past 10 seeds the
+    interval once used 1.96, too narrow)."""
+    values = list(np.linspace(0.4, 0.7, n))
+    mean, low, high = report.mean_and_t_interval(values, level)
+    assert mean == pytest.approx(0.55)
+    assert (high - mean) / (np.std(values, ddof=1) / np.sqrt(n)) == pytest.approx(expected, abs=5e-4)
+    assert mean - low == pytest.approx(high - mean, rel=1e-12)
+    assert all(np.isnan(report.mean_and_t_interval([0.6])[1:]))
 
 
 def test_holm_on_a_hand_example():
@@ -55,6 +40,8 @@ def test_holm_on_a_hand_example():
     assert [a <= 0.05 for a in adjusted] == [True, False, False, True]
     assert report.holm([]) == ([], [])
     assert report.holm([0.2]) == ([0.2], [0.05])
+    # every test rejected: each judged at its own step (0.001 at 0.05 / 2, then 0.002 at 0.05 / 1)
+    assert report.holm([0.002, 0.001]) == (pytest.approx([0.002, 0.002]), pytest.approx([0.05, 0.025]))
 
 
 def test_the_paired_interval_on_hand_numbers():
@@ -173,9 +160,25 @@ def test_a_consistently_better_method_beats_under_the_paired_test_where_unpaired
     line = next(line for line in text.splitlines() if line.startswith("RLOO | PPO | "))
     assert line.startswith("RLOO | PPO | +0.030 | +0.035 | +0.025 | +0.032 | ") and line.endswith("| yes")
     assert "Holm's correction across the 6 distinct pairs" in text
-    # KL: the mean over seeds with the standard error of that mean (0.05 per seed: 0.05 x 2 / 4 = 0.025)
-    assert " | 1.150 (0.025) | " in rows["RLOO"] and " | 0.000 (0.000) | " in rows["SFT"]
-    assert table.loc["rloo", "kl_from_sft_se"] == pytest.approx(0.025)
+    # KL: the mean over seeds with the standard error of that mean from the seeds' spread (1.0, 1.1, 1.2, 1.3: sd
+    # 0.12910, / sqrt(4) = 0.06455), not the seeds' own 0.05 each combined as independent (0.05 x 2 / 4 = 0.025:
+    # the seeds answer the same prompts); the CSV keeps their own averaged
+    assert " | 1.150 (0.065) | " in rows["RLOO"] and " | 0.000 (0.000) | " in rows["SFT"]
+    assert table.loc["rloo", "kl_from_sft_se"] == pytest.approx(0.0645497, abs=1e-6)
+    assert table.loc["rloo", "kl_from_sft_se_prompts"] == pytest.approx(0.05)
+    assert "with the standard error of that mean from the spread over seeds (the seeds answer the same" in text
+
+
+def test_one_seeds_kl_takes_its_own_standard_error_over_prompts(tmp_path):
+    """With one seed there is no spread over seeds: the KL cell gives that seed's own standard error over its
+    prompts, and the caption says so."""
+    pipelines = fake_pipelines(tmp_path)
+    text = report.write_leaderboard(str(tmp_path), SEEDS[:1], pipelines[:1])
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert " | 1.000 (0.050) | " in rows["RLOO"]
+    assert "in nats, with its standard error over the prompts in parentheses" in text
+    table = pd.read_csv(tmp_path / "report" / "leaderboard.csv").set_index("stage")
+    assert table.loc["rloo", "kl_from_sft_se"] == pytest.approx(0.05)
 
 
 # ---------------------------------------------------------------- the budget column

@@ -333,6 +333,7 @@ def run_method(setup: dict, method: str, *extra: str) -> tuple[dict, str]:
     return summary, run_dir
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_smoke_dt_then_filter_and_rwr_reuse_the_cache(smoke_setup):
     summary, run_dir = run_method(smoke_setup, "dt", "--dt_eval_targets", "-5", "0", "5",
                                   "--dt_target_percentile", "90")
@@ -361,6 +362,7 @@ def test_smoke_dt_then_filter_and_rwr_reuse_the_cache(smoke_setup):
     assert summary["budget/updates"] == 4 and summary["budget/rows_read"] == 32 == summary["mixture/size"]
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_smoke_best_of_n_two_iterations(smoke_setup):
     summary, run_dir = run_method(smoke_setup, "best_of_n", "--n", "2", "--bon_num_prompts", "8", "--iterations", "2")
     assert summary["train/updates"] == 2
@@ -444,6 +446,7 @@ def test_rwr_sigkill_then_resume_matches_an_uninterrupted_run(smoke_setup, tmp_p
     assert pd.read_csv(runs / "killed" / "samples.csv").equals(pd.read_csv(runs / "full" / "samples.csv"))
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(smoke_setup, tmp_path):
     # lr 1e30: update 1 is finite, its step throws the weights to inf, so update 2's loss is not finite
     result = subprocess.run(resumable_command(smoke_setup, tmp_path, "poisoned", "--lr", "1e30"), cwd=REPO_ROOT,

@@ -333,6 +333,7 @@ def online_command(task: dict, tmp_path, output_dir, *extra: str) -> list:
             "--output_dir", str(output_dir), "--run_dir_root", str(tmp_path / "runs"), *extra]
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_end_to_end_with_the_gold_judge_and_the_last_round_as_reference(synthetic_task, tmp_path, monkeypatch):
     """A tiny run labelled by the gold judge's endpoint (started here, on loopback), rounds of two updates and the
     policy at the end of the last round as the reference: each round's first update starts with the policy equal to

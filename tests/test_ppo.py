@@ -503,6 +503,7 @@ def check_run(tmp_path):
     return summary, train
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_smoke_single_process_with_options(synthetic_task, tiny_models, tmp_path):
     extra = ["--ppo.kl_estimator", "k3", "--ppo.adaptive_kl", "--ppo.scale_rewards", "--ppo.reward_clip", "5",
              "--ppo.ptx_coef", "0.1"]
@@ -515,6 +516,7 @@ def test_smoke_single_process_with_options(synthetic_task, tiny_models, tmp_path
     assert train[0]["ppo/loss/ptx_avg"] > 0
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_smoke_two_processes_frozen_actor(synthetic_task, tiny_models, tmp_path):
     """2 processes (gloo on CPU); the actor stays frozen for both updates, so the saved policy must
     equal the SFT policy bit for bit while the critic trains, and the actor takes no AdamW step (DDP included)."""
@@ -601,6 +603,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(synthetic_task, tiny_m
     assert open(full_dir / "samples.csv").read() == open(run_dir / "samples.csv").read()
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_how_often_and_how_much_a_run_evaluates_never_changes_what_it_trains(synthetic_task, tiny_models, tmp_path):
     """Two 2-update runs that differ only in their evaluation (every update on 8 queries; only the final one on 16)
     end with the same policy bit for bit: evaluation samples from its own random stream (run_module.evaluation_rng),
@@ -640,6 +643,7 @@ def test_nan_reward_model_is_refused_at_load(synthetic_task, tiny_models, tmp_pa
     assert not (tmp_path / "runs" / "smoke" / "summary.json").exists()
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_nan_loss_after_a_step_saves_nothing(synthetic_task, tiny_models, tmp_path):
     """--lr 1e30: the first minibatch step of update 1 blows the weights up, the loss of a later minibatch is
     not finite. Those weights must not be saved: no checkpoint and no policy, and the message says so."""

@@ -252,6 +252,7 @@ def test_accuracy_breakdown_table():
     assert small["ci_high"] - small["ci_low"] > overall["ci_high"] - overall["ci_low"]  # fewer pairs, wider
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_smoke_run_on_builtin_task(synthetic_task, tmp_path):
     """One tiny training run (the base model stands in for the SFT model: same architecture), then the
     saved model is loaded like ppo.py would load it and the references score mean ~0 through get_reward."""
@@ -392,6 +393,7 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(synthetic_task, shor
     assert os.listdir(runs / "cut" / "checkpoints") == ["update_000006"]
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(synthetic_task, short_preference, tmp_path):
     """An absurd learning rate overflows the weights: the guard names the update and the quantities, the final
     model is not written, and the checkpoint holds the finite weights after the update before."""
@@ -439,6 +441,7 @@ def test_the_fallback_checkpoint_is_the_ordinary_one_and_resumes_alike(synthetic
     assert (runs / "planted" / "eval_table.csv").read_text() == (runs / "full" / "eval_table.csv").read_text()
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_output_dir_of_another_run_is_refused(synthetic_task, short_preference, tmp_path):
     """An --output_dir holding another run's model fails at once with the fix; --overwrite_output_dir takes it."""
     output_dir = tmp_path / "rm"
@@ -491,6 +494,7 @@ def foreign_task(synthetic_task, tmp_path_factory) -> dict:
             "preference": str(root / "data" / "preference")}
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_data_of_another_tokenizer_is_refused_before_the_output_folder(synthetic_task, foreign_task, tmp_path):
     """reward.py on preference data of a smaller tokenizer: one error naming the data, both tokenizers and the fix,
     before the output folder is claimed (instead of a model trained on ids that mean other tokens)."""

@@ -102,6 +102,7 @@ def rloo_command(synthetic_task, tiny_models, root, run_name, total_episodes=16,
     ]
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_smoke_with_options(synthetic_task, tiny_models, tmp_path):
     extra = ["--rloo_k", "4", "--rloo.kl_estimator", "k3", "--rloo.adaptive_kl", "--rloo.ptx_coef", "0.1"]
     run_ok(rloo_command(synthetic_task, tiny_models, tmp_path, "smoke", extra=extra), cwd=REPO_ROOT, env=ENV)

@@ -135,6 +135,7 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(s
     assert sorted(os.listdir(checkpoints)) == ["update_000006", "update_000009"]  # the half-written folder is gone
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_sigterm_stops_the_run_and_resume_ends_like_an_uninterrupted_run(synthetic_task, reference, tmp_path):
     args = sft_args(synthetic_task, tmp_path, "term")
     process = subprocess.Popen([sys.executable, SFT, *args], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
@@ -179,6 +180,7 @@ def copy_of(reference, tmp_path, name: str):
 
 
 @pytest.mark.parametrize("damage", ["truncated model", "missing rng state", "missing manifest"])
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_resume_skips_a_damaged_checkpoint_for_the_newest_intact_one(synthetic_task, reference, tmp_path, damage):
     checkpoints = copy_of(reference, tmp_path, "damaged")
     newest = checkpoints / "update_000009"
@@ -233,6 +235,7 @@ def test_resume_under_another_process_count_or_deepspeed_stage_is_refused_before
     assert "resumed from" not in result.stdout
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_a_second_run_into_a_live_run_folder_is_refused_and_a_dead_runs_lock_is_taken_over(synthetic_task, tmp_path):
     args = sft_args(synthetic_task, tmp_path, "shared", "--total_episodes", "1600")  # long enough to be caught alive
     first = subprocess.Popen([sys.executable, SFT, *args], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
@@ -378,6 +381,7 @@ def test_a_resume_with_a_changed_learning_rate_is_refused_before_loading(synthet
     assert "resumed from" not in result.stdout
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_a_resume_may_change_the_flags_that_decide_no_number(synthetic_task, reference, tmp_path):
     """Evaluation, checkpoint cadence and output folder changed on resume: the run ends with the reference's weights."""
     copy_of(reference, tmp_path, "free")
@@ -390,6 +394,7 @@ def test_a_resume_may_change_the_flags_that_decide_no_number(synthetic_task, ref
                             tmp_path / "model_free" / "model.safetensors")
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_an_accepted_new_learning_rate_continues_the_schedule_from_the_new_base(synthetic_task, reference, tmp_path):
     """--accept_changed_flags: the restored linear schedule goes on at the same step, scaled to the new base (update
     10's rate is twice the reference's), and args.json records both values."""
@@ -406,6 +411,7 @@ def test_an_accepted_new_learning_rate_continues_the_schedule_from_the_new_base(
     assert recorded["changed_on_resume"] == [{"after_update": 9, "flags": {"lr": {"was": 1e-3, "now": 2e-3}}}]
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_processes_leave_their_process_group_at_exit(synthetic_task, tmp_path):
     """Each process of a 2-process torchrun run has left the process group when Python exits (a rank that tears it
     down while another still uses it can abort). An exit handler registered before the script starts runs last, so

@@ -60,6 +60,7 @@ def step(model, optimizer) -> None:
 
 
 # ---------------------------------------------------------------- expected errors: one paragraph, no traceback
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_an_expected_error_is_one_paragraph_from_rank_0_and_a_failed_exit(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(f"import sys\nsys.path.insert(0, {REPO_ROOT!r})\n"
@@ -145,7 +146,10 @@ def test_a_lock_of_another_host_names_the_flag_that_takes_it_over(tmp_path):
 
 
 # ---------------------------------------------------------------- the inputs' content hashes
-def test_a_resume_on_other_input_contents_is_refused_naming_both(tmp_path, capsys):
+def test_a_resume_on_other_input_contents_is_refused_naming_both(tmp_path, capsys, monkeypatch):
+    import huggingface_hub  # the hub name below is in the hub's local cache: a model path check_model_path passes
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda name, file: f"/hub_cache/{name}/{file}")
     data = tmp_path / "data"
     (data / "train").mkdir(parents=True)
     (data / "train" / "data-00000-of-00001.arrow").write_bytes(b"the rows as prepared")
@@ -179,6 +183,53 @@ def test_a_resume_on_other_input_contents_is_refused_naming_both(tmp_path, capsy
     run.inputs(query_dataset=str(data))
     assert "--resume with changed inputs (--accept_changed_inputs): --query_dataset" in capsys.readouterr().out
     assert run.digests["query_dataset"]["sha256"] == changed  # what its own checkpoints will record
+
+
+@dataclass
+class RewardFnArgs(RunArgs):
+    """A script's Args with --reward_fn (ppo.py and the others that take it)."""
+    reward_fn: Optional[list] = None
+
+
+def test_a_resume_with_a_reward_functions_file_edited_is_refused_naming_it(tmp_path, capsys):
+    """Every --reward_fn function's file is an input (issue 64, item 3): its bytes, recorded with the checkpoint and
+    compared at --resume as a dataset's are; the same bytes rewritten resume, an edit is refused naming the file."""
+    first, second = tmp_path / "a.py", tmp_path / "b.py"
+    first.write_text("def f(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    second.write_text("def g(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    specs = [f"{first}:f", f"{second}:g"]
+
+    def resumed(**kw):
+        run = Run(run_args(RewardFnArgs, tmp_path, reward_fn=specs, resume=True, **kw), Accelerator(cpu=True))
+        run.inputs()
+        return run
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    run = Run(run_args(RewardFnArgs, tmp_path, reward_fn=specs), accelerator)
+    run.inputs()
+    run.start({"update": 0}, num_updates=4)
+    step(model, optimizer)
+    run.checkpoint(1, {})
+    checkpoint = tmp_path / "runs" / "unit" / "checkpoints" / "update_000001"
+    digest = run_module.content_digest(str(second))
+    assert json.load(open(checkpoint / "manifest.json"))["inputs"] == {
+        "reward_fn[0]": {"path": str(first), "sha256": run_module.content_digest(str(first))},
+        "reward_fn[1]": {"path": str(second), "sha256": digest}}
+
+    second.write_text(second.read_text())  # the same bytes, written again: the same input
+    resumed()
+    second.write_text("def g(completions, **kwargs):\n    return [2.0] * len(completions)\n")  # edited in place
+    edited = run_module.content_digest(str(second))
+    with pytest.raises(RunError) as refused:
+        resumed()
+    assert str(refused.value) == (
+        f"--resume: {checkpoint} was made from other contents than these inputs hold: --reward_fn[1] {second} (sha256 "
+        f"{digest[:12]} then, {edited[:12]} now). Resume with the inputs it was made from, or pass "
+        "--accept_changed_inputs to go on with these knowingly")
+    assert resumed(accept_changed_inputs=True).digests["reward_fn[1]"]["sha256"] == edited
+    assert f"--resume with changed inputs (--accept_changed_inputs): --reward_fn[1] {second}" in capsys.readouterr().out
 
 
 def uncached_digest(path: str) -> str:

@@ -194,6 +194,7 @@ def test_eos_labels_on_the_prepared_data(request):
     assert (sft.sft_labels(eos_padded, tokenizer.eos_token_id) == tokenizer.eos_token_id).sum() == 0
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_smoke_run_saves_a_loadable_model(request, tmp_path):
     paths = task_paths(request)
     with open(paths["task_json"]) as f:
@@ -395,6 +396,7 @@ def test_gradient_accumulation_flag_that_contradicts_the_batch_sizes_is_refused(
     assert message.startswith("--gradient_accumulation_steps 3 does not match total_batch_size 16"), message
 
 
+@pytest.mark.slow  # over 5 s in the quick check (Intel Xeon with AVX-512, 2 cores, -n 2)
 def test_output_dir_of_another_run_is_refused(synthetic_task, tmp_path):
     output_dir = tmp_path / "model"
     output_dir.mkdir()

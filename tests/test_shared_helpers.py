@@ -40,6 +40,7 @@ PACKAGE = "rlhf_utils"
 # resume, logs), checks (CHECKS, rlhf_utils/checks.py: expected errors and input checks), models (placement and
 # saving), records (summaries, sample tables, evaluation files) and flags (RunFlags and the refusals of flags).
 CHECKS = f"{PACKAGE}.checks"
+PROVENANCE = f"{PACKAGE}.provenance"
 SCRIPT_MODULES = {RUN_MODULE, CHECKS, f"{PACKAGE}.models", f"{PACKAGE}.records", f"{PACKAGE}.flags"}
 # The judge's HTTP client (rlhf_utils/judge_client.py): a module of its own, imported by the scripts that call a judge.
 JUDGE_CLIENT = f"{PACKAGE}.judge_client"
@@ -369,8 +370,9 @@ def test_scripts_import_no_other_script_nor_the_data_package():
 def test_the_package_imports_no_script_and_the_run_module_nothing_of_it():
     """rlhf_utils sits below the scripts: its modules import no training script, judge.py, pipeline.py nor any other
     top-level module, and no data/ module. Within it, rlhf_utils/checks.py (the expected errors and input checks)
-    imports none of the repository's modules; rlhf_utils/run.py, of the repository's, the checks alone (nothing of
-    the judge's client nor of rewards, and not the package's other modules, which import it);
+    and rlhf_utils/provenance.py (what produced a run) import none of the repository's modules; rlhf_utils/run.py, of
+    the repository's, those two alone (nothing of the judge's client nor of rewards, and not the package's other
+    modules, which import it);
     rlhf_utils/judge_client.py and rlhf_utils/rewards.py the checks alone."""
     modules = package_modules()
     assert {RUN_MODULE, CHECKS, JUDGE_CLIENT, USER_REWARD} <= set(modules), f"{PACKAGE}/ holds only {modules}"
@@ -378,11 +380,12 @@ def test_the_package_imports_no_script_and_the_run_module_nothing_of_it():
                for module in modules}
     outside = {module: names for module, names in outside.items() if names}
     assert not outside, f"{PACKAGE} imports what it never may (a script, data/, a top-level module): {outside}"
-    assert not module_imports(CHECKS), f"{CHECKS} imports {sorted(module_imports(CHECKS))}: it imports none of " \
-        "the repository's modules"
-    for module in (RUN_MODULE, JUDGE_CLIENT, USER_REWARD):
-        extra = module_imports(module) - {CHECKS}
-        assert not extra, f"{module} imports {sorted(extra)}: of the repository's modules, only {CHECKS}"
+    for leaf in (CHECKS, PROVENANCE):
+        assert not module_imports(leaf), f"{leaf} imports {sorted(module_imports(leaf))}: it imports none of " \
+            "the repository's modules"
+    for module, allowed in ((RUN_MODULE, {CHECKS, PROVENANCE}), (JUDGE_CLIENT, {CHECKS}), (USER_REWARD, {CHECKS})):
+        extra = module_imports(module) - allowed
+        assert not extra, f"{module} imports {sorted(extra)}: of the repository's modules, only {sorted(allowed)}"
 
 
 def test_the_imports_are_seen_as_they_are_written(tmp_path):

@@ -173,7 +173,7 @@ def count_params(module) -> dict:
 
 def child_main(script: str, result_path: str, argv: list) -> None:
     """Run `script`'s main() on `argv` in this process and write what it cost to `result_path` (JSON)."""
-    start = time.time()
+    start = time.monotonic()
     sys.path.insert(0, REPO_ROOT)
     import accelerate
     import torch
@@ -207,9 +207,9 @@ def child_main(script: str, result_path: str, argv: list) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rss_before_main_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # imports: torch, transformers, ...
-    main_start = time.time()
+    main_start = time.monotonic()
     module.main(args)
-    main_s = time.time() - main_start
+    main_s = time.monotonic() - main_start
     if cuda:
         torch.cuda.synchronize()
     result = {
@@ -222,7 +222,7 @@ def child_main(script: str, result_path: str, argv: list) -> None:
         "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
         "gpu_name": torch.cuda.get_device_name() if cuda else None,
         "main_s": main_s,
-        "child_s": time.time() - start,
+        "child_s": time.monotonic() - start,
         "policy_params": counts.get("policy", {}).get("total"),
         "policy_trainable_params": counts.get("policy", {}).get("trainable"),
         "trained_module_params": counts.get("trained_module", {}).get("total"),
@@ -752,7 +752,7 @@ def main(args: Args) -> int:
     if args.recipe:
         print(recipe_commands(args.gpu_gib) + "\n\n" + recipe_table(args.gpu_gib))
         return 0
-    t_start = time.time()
+    t_start = time.monotonic()
     runs = select_runs(args)
     if args.intermediate_size is None:
         args.intermediate_size = 4 * args.hidden_size
@@ -817,17 +817,17 @@ def main(args: Args) -> int:
                "updates": args.updates, "micro_batch_size": args.micro_batch_size, "hidden_size": args.hidden_size,
                "num_layers": args.num_layers, "num_heads": args.num_heads, "intermediate_size": args.intermediate_size,
                "model_params": build["sft_params"]}
-        t0 = time.time()
+        t0 = time.monotonic()
         try:
             run_child(cmd, f"{script} ({mode} mode)", os.path.join(logs, name), args)
         except RunFailed as error:
             failures.append(str(error))
-            rows.append({**row, "status": "failed", "wall_s": time.time() - t0})
+            rows.append({**row, "status": "failed", "wall_s": time.monotonic() - t0})
             tqdm.write(f"\n{error}\n", file=sys.stderr)
             if not args.keep_going:
                 break
             continue
-        row.update(json.load(open(result_path)), status="ok", wall_s=time.time() - t0)
+        row.update(json.load(open(result_path)), status="ok", wall_s=time.monotonic() - t0)
         rows.append(row)
         tqdm.write(f"{script} {mode}: peak RSS {row['peak_rss_kib'] / 1024:.0f} MiB, "
                    f"trainable {fmt_int(row['policy_trainable_params'])}, {row['wall_s']:.0f} s")
@@ -850,7 +850,7 @@ def main(args: Args) -> int:
     text = write_outputs(args, rows, header, estimate)
     print("\n" + text)
     print(f"written: {os.path.join(args.output_dir, 'memory.md')} and memory.csv "
-          f"({len(rows)} runs, {time.time() - t_start:.0f} s in all; logs in {logs})")
+          f"({len(rows)} runs, {time.monotonic() - t_start:.0f} s in all; logs in {logs})")
     if failures or len(rows) < len(runs):
         print(f"\n{len(failures)} run(s) failed:\n\n" + "\n\n".join(failures), file=sys.stderr)
         return 1

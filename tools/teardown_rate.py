@@ -140,12 +140,12 @@ def main() -> None:
                        *script_flags(args.script, task, os.path.join(work, f"run_{i}")), "--checkpoint_every", "0",
                        "--output_dir", out, "--run_dir_root", os.path.join(work, "runs"), "--run_name", f"run_{i}",
                        "--seed", str(i + 1)]
-        start = time.time()
+        start = time.monotonic()
         result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=900)
         saved = os.path.exists(os.path.join(out, "model.safetensors"))
         abort = next((line for line in result.stderr.splitlines() if "terminate called" in line), "")
         failures += result.returncode != 0
-        print(f"run {i + 1}/{args.runs}: exit {result.returncode}, {time.time() - start:.0f} s, "
+        print(f"run {i + 1}/{args.runs}: exit {result.returncode}, {time.monotonic() - start:.0f} s, "
               f"model saved {saved}{', ' + abort if abort else ''}", flush=True)
         if result.returncode != 0:  # the whole output of a failed run, to read (PYTHONFAULTHANDLER=1: the stacks)
             open(os.path.join(work, f"run_{i}.stderr"), "w").write(result.stderr)
