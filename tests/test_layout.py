@@ -63,24 +63,24 @@ BANNER = "TRY NOT TO MODIFY"
 MAX_CODE_LINES = 910  # ppo.py's cap
 MAX_CODE_LINES_OF = {
     "sft.py": 480,  # 411
-    "reward.py": 630,  # 544
-    "ppo.py": 910,  # 786
-    "rloo.py": 820,  # 705
-    "grpo.py": 980,  # 851 (issue 63: CISPO, SAPO, KL placement and estimators, truncation mask, entropy)
-    "reinforce_pp.py": 850,  # 735
-    "dpo.py": 710,  # 616
-    "kto.py": 730,  # 628
-    "online_dpo.py": 1020,  # 882
-    "ilql.py": 720,  # 619
-    "offline_rl.py": 860,  # 742
+    "reward.py": 630,  # 542
+    "ppo.py": 910,  # 804 (786 at issue 62's end; issue 63: TRL's reward-function contract)
+    "rloo.py": 820,  # 721
+    "grpo.py": 980,  # 852 (issue 63: CISPO, SAPO, KL placement and estimators, truncation mask, entropy)
+    "reinforce_pp.py": 850,  # 763
+    "dpo.py": 710,  # 605
+    "kto.py": 730,  # 609
+    "online_dpo.py": 1020,  # 884
+    "ilql.py": 720,  # 611
+    "offline_rl.py": 860,  # 734
 }
-MAX_MAIN_CODE_LINES = 120  # the longest main: 103
+MAX_MAIN_CODE_LINES = 120  # the longest main: 107 (ppo.py; 103 at issue 62's end)
 MAX_CODE_DIFF = {
-    ("ppo.py", "rloo.py"): 190,  # 161
+    ("ppo.py", "rloo.py"): 190,  # 159
     ("rloo.py", "grpo.py"): 250,  # 215 (issue 63: grpo.py's loss options, above)
-    ("rloo.py", "reinforce_pp.py"): 100,  # 80
-    ("dpo.py", "kto.py"): 320,  # 278
-    ("dpo.py", "online_dpo.py"): 520,  # 444
+    ("rloo.py", "reinforce_pp.py"): 110,  # 94 (issue 63: REINFORCE++'s KL in the loss, its clamp, the clip order)
+    ("dpo.py", "kto.py"): 320,  # 266
+    ("dpo.py", "online_dpo.py"): 520,  # 456
 }
 DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
