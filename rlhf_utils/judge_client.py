@@ -115,19 +115,24 @@ class ReplyCache:
     without keeping the reply, and the rerun asks it again. At most the requests in flight at the kill
     (--max_parallel_requests) are paid for twice.
 
-    A damaged file (cut short, a page overwritten, or no database at all at the path) is found as it opens (sqlite's
-    own check of every page, PRAGMA quick_check), moved aside under `<path>.damaged-<time>` (never deleted) and
-    replaced by a new cache holding every reply of it that still reads (readable_rows), with one warning; the prompts
-    it lost are asked again. (A write-ahead log cut short needs none of this: sqlite drops its unfinished frames.) A
-    full disk, as it opens or takes a reply, stops the run with one paragraph naming the folder; sqlite keeps every
-    reply committed before it, so the same command reruns once there is space and asks only the others."""
+    A damaged file (cut short, a page overwritten, or no database at all at the path) is found as it first opens in a
+    process (sqlite's own check of every page, PRAGMA quick_check: once per file, not at each round's reopening),
+    moved aside under `<path>.damaged-<time>` (never deleted) and replaced by a new cache holding every reply of it
+    that still reads (readable_rows), with one warning; the prompts it lost are asked again. (A write-ahead log cut
+    short needs none of this: sqlite drops its unfinished frames.) A full disk, as it opens or takes a reply, stops
+    the run with one paragraph naming the folder; sqlite keeps every reply committed before it, so the same command
+    reruns once there is space and asks only the others."""
+
+    checked: set = set()  # the files this process has checked whole: online_dpo.py opens its cache every round
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path  # named by the error that stops a rate-limited run: its replies are kept here
         with self.disk_full_named("a new reply"):
             self.db = sqlite3.connect(path)
-            if (damage := self.damage(self.db)) is not None:
+            first_open = os.path.abspath(path) not in ReplyCache.checked
+            ReplyCache.checked.add(os.path.abspath(path))
+            if first_open and (damage := self.damage(self.db)) is not None:
                 self.db.close()
                 self.repair(damage)
                 self.db = sqlite3.connect(path)

@@ -234,6 +234,33 @@ def load_script(name: str):
     return module
 
 
+def bigram_policy(table):
+    """A policy whose logits at a position are a table's row (a copy of `table`, trained) of the token before, called
+    as the group scripts' Policy is (no ptx): the update tests train it on a fixed rollout in this process."""
+    import torch
+
+    class Bigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(table.clone())
+
+        def forward(self, query_responses, pad_token_id, context_length, ptx_query_responses=None, ptx_labels=None):
+            return self.table[query_responses[:, context_length - 1 : -1]], None
+
+    return Bigram()
+
+
+def run_two_processes(*command: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A script (and its arguments) under torchrun on 2 CPU processes (gloo), from the repository root; fails with
+    the tail of its stderr unless both exit with code 0."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port()), *command]
+    result = subprocess.run(torchrun, cwd=REPO_ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def tiny_causal_lm(seed: int = 0, vocab_size: int = 16, pad_token_id: int = 1, eos_token_id: int = 2):
     """A 2-layer GPT-NeoX small enough for exact hand checks (eval mode, seeded weights)."""
     import torch

@@ -390,3 +390,14 @@ def test_damaged_replies_are_read_row_by_row_past_a_damaged_page(tmp_path):
 def _no_real_key(monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+
+
+def test_the_cache_is_checked_once_per_file_and_process(tmp_path, monkeypatch):
+    """online_dpo.py reopens its reply cache every round: sqlite's page check (a pass over the whole file) runs at
+    the first opening of each file in a process, not at every reopening."""
+    checked = []
+    real = judge_client.ReplyCache.damage
+    monkeypatch.setattr(judge_client.ReplyCache, "damage", staticmethod(lambda db: checked.append(db) or real(db)))
+    for path in ("rounds.sqlite", "rounds.sqlite", "rounds.sqlite", "other.sqlite"):
+        judge_client.ReplyCache(str(tmp_path / path)).close()
+    assert len(checked) == 2

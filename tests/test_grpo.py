@@ -8,13 +8,20 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
+from conftest import (
+    ENV,
+    assert_same_safetensors,
+    kill_after_checkpoint,
+    load_script,
+    run_ok,
+    run_two_processes,
+    without_timing,
+)
 from rlhf_utils.flags import RunFlags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -266,11 +273,7 @@ def test_gathers_across_two_processes(tmp_path):
     script = tmp_path / "gather_probe.py"
     script.write_text(GATHER_PROBE.format(tests=os.path.join(REPO_ROOT, "tests"), rewards=rewards, mask=mask,
                                           out=str(tmp_path / "gathered.pt")))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), str(script)]
-    result = subprocess.run(command, cwd=REPO_ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_processes(str(script))
     advantages, tokens = torch.load(tmp_path / "gathered.pt")
     torch.testing.assert_close(advantages, grpo.grpo_advantages(torch.tensor(rewards), 2, "batch", gather=lambda x: x))
     # 1 process: minibatch 1 = rows 0, 1, 4, 5 (rank 0's first 2 and rank 1's first 2), in 2 micro batches of 2

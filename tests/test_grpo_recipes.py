@@ -15,7 +15,7 @@ import pytest
 import torch
 import tyro
 
-from conftest import REPO_ROOT, load_script
+from conftest import REPO_ROOT, bigram_policy, load_script
 from rlhf_utils.flags import RunFlags, note_idle_ratio
 
 grpo = load_script("grpo")
@@ -101,17 +101,6 @@ VOCAB, PAD, EOS, QUERY = 12, 11, 3, 3
 BATCH, MICRO = 32, 2  # 8 groups of 4 (the default group size); batch sizes are no recipe's setting
 
 
-class Bigram(torch.nn.Module):
-    """A policy whose logits at a position are a table's row of the token before: grpo.Policy's call, no ptx."""
-
-    def __init__(self, table: torch.Tensor):
-        super().__init__()
-        self.table = torch.nn.Parameter(table.clone())
-
-    def forward(self, query_responses, pad_token_id, context_length, ptx_query_responses=None, ptx_labels=None):
-        return self.table[query_responses[:, context_length - 1 : -1]], None
-
-
 def fixed_rollout(args):
     """The rollout the update trains on, the same for every recipe: responses of response_length (53) tokens whose
     EOS comes at 5 to 53 tokens, a quarter without one; scores drawn once; the reference a perturbed table, so the KL
@@ -127,8 +116,9 @@ def fixed_rollout(args):
     raw[with_eos, eos_at[with_eos]] = EOS
     query_responses = torch.cat((queries.repeat_interleave(args.group_size, 0), raw), 1)
     with torch.no_grad():
-        logprobs, ref_logprobs = (grpo.training_logprobs(Bigram(t), query_responses, QUERY, args.temperature, PAD)[0]
-                                  for t in (table, ref_table))
+        logprobs, ref_logprobs = (
+            grpo.training_logprobs(bigram_policy(t), query_responses, QUERY, args.temperature, PAD)[0]
+            for t in (table, ref_table))
     data = grpo.Rollout(query_responses=query_responses, responses=grpo.truncate_response(EOS, PAD, raw),
                         logprobs=logprobs, ref_logprobs=ref_logprobs,
                         rm_scores=torch.randn(BATCH, 1, generator=generator))
@@ -147,7 +137,7 @@ def update(flags: list = (), **grpo_settings):
     table, data = fixed_rollout(args)
     accelerator = Accelerator(cpu=True)  # its own, so that its count of micro batches starts at 0
     accelerator.gradient_accumulation_steps = gradient_accumulation_steps
-    model = Bigram(table)
+    model = bigram_policy(table)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=3.0))
     scored = grpo.rewards_and_advantages(args, hp, data, EOS, PAD, [], lambda x: x)
     ptx = grpo.PtxData(0.0, args, None, 0, 1, 1)

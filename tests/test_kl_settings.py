@@ -15,7 +15,7 @@ import pytest
 import torch
 import tyro
 
-from conftest import ENV, REPO_ROOT, load_script, run_ok
+from conftest import ENV, REPO_ROOT, bigram_policy, load_script, run_ok
 from rlhf_utils.checks import RunError
 from rlhf_utils.flags import RunFlags, check_kl_flags
 
@@ -43,17 +43,6 @@ VOCAB, PAD, EOS, QUERY, T = 9, 8, 3, 2, 6
 BATCH = 8  # 4 groups of 2
 
 
-class Bigram(torch.nn.Module):
-    """A policy whose logits at a position are a table's row of the token before: reinforce_pp.Policy's call."""
-
-    def __init__(self, table: torch.Tensor):
-        super().__init__()
-        self.table = torch.nn.Parameter(table.clone())
-
-    def forward(self, query_responses, pad_token_id, context_length, ptx_query_responses=None, ptx_labels=None):
-        return self.table[query_responses[:, context_length - 1 : -1]], None
-
-
 def fixed_rollout(args):
     """Responses of T tokens whose EOS comes at 1 to 5 tokens (a quarter without one), scores drawn once, a reference
     table away from the policy's (so every KL has a gradient); logprobs the policy's own (the first ratio is 1)."""
@@ -67,8 +56,9 @@ def fixed_rollout(args):
     raw[with_eos, eos_at[with_eos]] = EOS
     query_responses = torch.cat((queries, raw), 1)
     with torch.no_grad():
-        logprobs, ref_logprobs = (reinforce_pp.training_logprobs(Bigram(t), query_responses, QUERY, args.temperature,
-                                                                 PAD)[0] for t in (table, ref_table))
+        logprobs, ref_logprobs = (
+            reinforce_pp.training_logprobs(bigram_policy(t), query_responses, QUERY, args.temperature, PAD)[0]
+            for t in (table, ref_table))
     responses = reinforce_pp.truncate_response(EOS, PAD, raw)
     data = reinforce_pp.Rollout(query_responses=query_responses, responses=responses, logprobs=logprobs,
                                 ref_logprobs=ref_logprobs,
@@ -97,7 +87,7 @@ def update(args, kl_coef: float):
     table, data = fixed_rollout(args)
     accelerator = Accelerator(cpu=True)
     accelerator.gradient_accumulation_steps = 1
-    model = Bigram(table)
+    model = bigram_policy(table)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
     hp = args.reinforce_pp
     scored = reinforce_pp.rewards_and_advantages(args, hp, data, EOS, PAD, kl_coef, [reinforce_pp.RunningMoments()],
@@ -122,7 +112,7 @@ def test_kl_in_loss_puts_the_kl_in_the_loss_and_none_in_the_reward():
     k2 = 0.5 * (data.logprobs - data.ref_logprobs) ** 2 * scored.mask
     torch.testing.assert_close(scored.kl, k2)  # the rollout's KL, logged (objective/kl)
 
-    policy = Bigram(table)
+    policy = bigram_policy(table)
     new = reinforce_pp.training_logprobs(policy, data.query_responses, QUERY, 0.7, PAD)[0]
     pg_loss, _ = reinforce_pp.clipped_policy_loss(new - data.logprobs, scored.advantages, scored.mask, 0.2)
     kl_term = ((0.5 * (new - data.ref_logprobs) ** 2) * scored.mask).sum() / scored.mask.sum()

@@ -19,7 +19,15 @@ from transformers import (
     GPTNeoXForSequenceClassification,
 )
 
-from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
+from conftest import (
+    ENV,
+    assert_same_safetensors,
+    kill_after_checkpoint,
+    load_script,
+    run_ok,
+    run_two_processes,
+    without_timing,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ppo = load_script("ppo")
@@ -521,11 +529,7 @@ def test_smoke_two_processes_frozen_actor(synthetic_task, tiny_models, tmp_path)
     """2 processes (gloo on CPU); the actor stays frozen for both updates, so the saved policy must
     equal the SFT policy bit for bit while the critic trains, and the actor takes no AdamW step (DDP included)."""
     extra = ["--ppo.freeze_actor_updates", "2", "--checkpoint_every", "1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(REPO_ROOT, "ppo.py"), *smoke_command(synthetic_task, tiny_models, tmp_path, extra)]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_processes(os.path.join(REPO_ROOT, "ppo.py"), *smoke_command(synthetic_task, tiny_models, tmp_path, extra))
     _, train = check_run(tmp_path)
     assert train[0]["ppo/loss/value_avg"] > 0
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()

@@ -7,13 +7,20 @@ process (torchrun, ZeRO-2, ZeRO-3, bf16) is tests/test_multiprocess.py's (reinfo
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ENV, assert_same_safetensors, free_port, kill_after_checkpoint, load_script, run_ok, without_timing
+from conftest import (
+    ENV,
+    assert_same_safetensors,
+    kill_after_checkpoint,
+    load_script,
+    run_ok,
+    run_two_processes,
+    without_timing,
+)
 from rlhf_utils.flags import RunFlags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,11 +190,7 @@ def test_whitening_over_two_processes_is_that_of_one(tmp_path):
     both processes' kept tokens, so they are the advantages one process computes on the whole batch."""
     script = tmp_path / "whiten_probe.py"
     script.write_text(WHITEN_PROBE.format(tests=os.path.join(REPO_ROOT, "tests"), out=str(tmp_path / "gathered.pt")))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), str(script)]
-    result = subprocess.run(command, cwd=REPO_ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_processes(str(script))
     args = reinforce_pp.Args(samples_per_prompt=2)
     args.reinforce_pp.baseline = "group"
     one = reinforce_pp.rewards_and_advantages(args, args.reinforce_pp, rollout(), EOS, PAD, 0.1,

@@ -15,13 +15,11 @@ the EOS), rollout logprobs away from the current ones so that ratios move and so
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ENV, REPO_ROOT, free_port, load_script
+from conftest import REPO_ROOT, load_script, run_two_processes
 
 ppo, rloo, grpo, reinforce_pp = (load_script(name) for name in ("ppo", "rloo", "grpo", "reinforce_pp"))
 
@@ -259,11 +257,7 @@ def test_two_real_processes(tmp_path):
     test, 1 / (4 x n_m)."""
     script = tmp_path / "split_probe.py"
     script.write_text(TWO_PROCESS_PROBE.format(tests=os.path.join(REPO_ROOT, "tests"), out=str(tmp_path / "g.pt")))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), str(script)]
-    result = subprocess.run(command, cwd=REPO_ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_processes(str(script))
     grads = torch.load(tmp_path / "g.pt")
     b = Batch()
     for normalizer in ("response_mean", "constant", "batch_token_mean"):
