@@ -44,7 +44,7 @@ from accelerate.utils import set_seed
 from datasets import get_dataset_split_names, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
@@ -128,6 +128,9 @@ class Args:
     gradient_checkpointing: bool = False
     """activation checkpointing in every model that trains here: less activation memory for about one more forward
     pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
+    query_once: bool = True
+    """run each query once for both of its responses (keys and values reused): the same log-probs, less compute.
+    Off, and under --gradient_checkpointing (no cache): whole rows, as the reference implementation and TRL run"""
 
     # memory: LoRA and QLoRA
     lora_rank: int = 0
@@ -186,8 +189,10 @@ def dpo_update(args, accelerator, run, policy, optimizer, ref_model, train_ref_t
         batch = next(micro_batches)
         with accelerator.accumulate(policy):
             with accelerator.autocast():  # steps 1-3: sequence log-probs (B,) of chosen and rejected
-                policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
-                ref_chosen, ref_rejected = reference_logprobs(ref_model, train_ref_table, batch, pad_token_id)
+                policy_chosen, policy_rejected = concatenated_logprobs(
+                    policy, batch, pad_token_id, args.query_once and not args.gradient_checkpointing)
+                ref_chosen, ref_rejected = reference_logprobs(ref_model, train_ref_table, batch, pad_token_id,
+                                                              args.query_once)
             losses, chosen_rewards, rejected_rewards = dpo_loss(  # steps 4-5
                 policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                 args.label_smoothing, ipo_token_counts(args, batch, pad_token_id),
@@ -341,27 +346,34 @@ PAIR_COLUMNS = [  # the processed preference schema: query + response, and the r
 ]
 
 
-def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int):
+def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int,
+                      query_once: bool = False):
     """log pi(y | x) = SUM over the response tokens of log pi(y_t | x, y_<t)  -> (B,)
 
     `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
     and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
-    sum, not a mean: eq. 4 compares probabilities of whole sequences."""
+    sum, not a mean: eq. 4 compares probabilities of whole sequences. query_once: rows that share a query run it once
+    (forward_query_once), the query's columns being those before the first response label."""
     cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same sums, less compute
     query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
     targets = response_labels[:, 1:]  # (B, T-1): token t + 1 is predicted at position t
     mask = targets != pad_token_id
-    # (N, V): the LM head only at the positions read
-    logits = forward(model, query_responses, pad_token_id, read=F.pad(mask, (0, 1))).logits
+    read = F.pad(mask, (0, 1))  # (N, V) logits: the LM head only at the positions read
+    if query_once:
+        context_length = int(first_true_indices((response_labels != pad_token_id).any(0, keepdim=True))[0])
+        logits = forward_query_once(model, query_responses, pad_token_id, context_length, read).logits
+    else:
+        logits = forward(model, query_responses, pad_token_id, read=read).logits
     picked = torch.gather(F.log_softmax(logits.float(), dim=-1), 1, targets[mask].unsqueeze(-1)).squeeze(-1)  # (N,)
     return torch.zeros(mask.shape, device=picked.device).masked_scatter(mask, picked).sum(1)  # summed in (B, T-1)
 
 
-def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
-    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
+def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int, query_once: bool = False):
+    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,); query_once:
+    their shared query once (--query_once)."""
     query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
     labels = torch.cat((batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]))
-    logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
+    logps = sequence_logprobs(model, query_responses, labels, pad_token_id, query_once)  # (2B,)
     return logps.chunk(2)  # chosen (B,), rejected (B,)
 
 
@@ -418,13 +430,14 @@ def ipo_token_counts(args, batch: Dict[str, torch.Tensor], pad_token_id: int):
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int):
+def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int,
+                       query_once: bool = False):
     """The frozen reference's (chosen, rejected) sequence log-probs: looked up in the precomputed
     table (N, 2) by row index when there is one, else computed live."""
     if ref_table is not None:
         rows = ref_table[batch["row_index"].cpu()].to(batch["query_chosen_token"].device)  # (B, 2)
         return rows[:, 0], rows[:, 1]
-    return concatenated_logprobs(ref_model, batch, pad_token_id)
+    return concatenated_logprobs(ref_model, batch, pad_token_id, query_once)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,8 +457,10 @@ def evaluate_preferences(accelerator, model, ref_model, ref_tables, eval_dataset
         gathered = []
         for batch in dataloader:
             with accelerator.autocast():
-                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
-                ref_chosen, ref_rejected = reference_logprobs(ref_model, ref_tables.get(split), batch, pad_token_id)
+                policy_chosen, policy_rejected = concatenated_logprobs(
+                    model, batch, pad_token_id, args.query_once and not args.gradient_checkpointing)
+                ref_chosen, ref_rejected = reference_logprobs(ref_model, ref_tables.get(split), batch, pad_token_id,
+                                                              args.query_once)
             losses, chosen_rewards, rejected_rewards = dpo_loss(
                 policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                 args.label_smoothing, ipo_token_counts(args, batch, pad_token_id),
@@ -544,7 +559,8 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
 
 
 @torch.no_grad()
-def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int):
+def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int,
+                                  query_once: bool = False):
     """One pass of the reference over `dataset` (made by with_row_index) -> table (N, 2) of
     [chosen, rejected] sequence log-probs, indexed by row. Rows are split across processes and
     gathered back by row index."""
@@ -552,7 +568,7 @@ def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, 
     table = torch.full((len(dataset), 2), float("nan"))
     for batch in tqdm(dataloader, desc="reference log-probs", disable=not accelerator.is_local_main_process):
         with accelerator.autocast():
-            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id)
+            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id, query_once)
         rows, chosen, rejected = accelerator.gather_for_metrics((batch["row_index"], chosen, rejected))
         table[rows.cpu()] = torch.stack((chosen, rejected), dim=1).float().cpu()
     if torch.isnan(table).any():
@@ -581,12 +597,12 @@ def reference_logprob_tables(args, accelerator, run, ref_model, train_dataset, e
         accelerator.print(f"reference log-probs of the interrupted run read from {ref_cache}")
         return cached["train"], cached["eval"]
     train_ref_table = precompute_reference_logprobs(
-        accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id
+        accelerator, ref_model, train_dataset, args.local_eval_batch_size, pad_token_id, args.query_once
     )
     ref_tables = {}
     for split, (_, dataset) in eval_datasets.items():
         ref_tables[split] = precompute_reference_logprobs(
-            accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id
+            accelerator, ref_model, dataset, args.local_eval_batch_size, pad_token_id, args.query_once
         )
     if accelerator.is_main_process:  # written whole, then renamed: never half a file under the name
         os.makedirs(run.dir, exist_ok=True)
@@ -882,6 +898,67 @@ def forward(model, query_responses: torch.Tensor, pad_token_id: int, read):
     pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, read] if isinstance(read, slice) else x[0][read],))
     try:
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True)
+    finally:
+        pick.remove()
+
+
+def query_once_inputs(query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Each query once (--query_once): rows (B, T) of a LEFT-padded query in their first context_length columns and a
+    RIGHT-padded response after it, as the keyword arguments of two passes through a model. The first runs each
+    distinct query but its last token (Q, context_length - 1), its keys and values kept in a cache; the second runs
+    every row's tail (B, T - context_length + 1), the query's last token and the response, after the cache's row of
+    its own query, positions counting on from the query's real tokens (Detail 14). Causal attention lets no query
+    token see a response, so every output of the second pass is the whole row's at that position up to float
+    rounding, and a query's gradient is the sum of its rows'. Returns both passes' arguments and each row's query
+    (B,), the cache row that the second pass reads (the first pass fills `past_key_values` in place)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    queries, rows = torch.unique(query_responses[:, : context_length - 1], dim=0, return_inverse=True)  # (Q, Tq-1)
+    query_mask = queries != pad_token_id
+    cache = DynamicCache()
+    first = dict(input_ids=torch.masked_fill(queries, ~query_mask, 0), attention_mask=query_mask,
+                 position_ids=query_mask.long().cumsum(1) - query_mask.long(), past_key_values=cache, use_cache=True)
+    second = dict(input_ids=input_ids[:, context_length - 1 :], attention_mask=attention_mask,
+                  position_ids=position_ids[:, context_length - 1 :], past_key_values=cache)
+    return first, second, rows
+
+
+def select_query_cache(cache, rows: torch.Tensor) -> None:
+    """Each row's copy of its query's keys and values (rows (B,): a cache row per row), in place. index_select, whose
+    backward sums every copy's gradient into its query's row; plain indexing's backward (index_put) is several times
+    slower on the CPU (a sort), enough to undo the saving at the built-in shape."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+
+
+def forward_query_once(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int, read):
+    """forward() of rows whose queries repeat, each distinct query run once (query_once_inputs). `read` is forward()'s
+    (a (B, T) bool mask or a slice of the rows' columns) and reads only positions from context_length - 1 on, those
+    that predict a response token. The model runs twice, the first time with no LM head output; a batch whose queries
+    are all distinct runs once, as whole rows."""
+    if context_length < 2:  # a one-token query leaves nothing before its last token to share
+        return forward(model, query_responses, pad_token_id, read)
+    first, second, rows = query_once_inputs(query_responses, pad_token_id, context_length)
+    if first["input_ids"].size(0) == rows.numel():  # no query repeats: nothing to share
+        return forward(model, query_responses, pad_token_id, read)
+    head = getattr(model, "module", model).get_output_embeddings()  # as in forward()
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, :0],))  # the queries' pass reads no logits
+    try:
+        model(**first)
+    finally:
+        pick.remove()
+    if first["past_key_values"].get_seq_length() != context_length - 1:  # gradient checkpointing keeps no cache
+        raise RuntimeError("--query_once found no key/value cache after the query's pass; run with --no_query_once")
+    select_query_cache(first["past_key_values"], rows)
+    start = context_length - 1  # the rows' column of the second pass's first token
+    if isinstance(read, slice):
+        read = slice(read.start - start, read.stop if read.stop is None or read.stop < 0 else read.stop - start)
+    else:
+        read = read[:, start:]
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, read] if isinstance(read, slice) else x[0][read],))
+    try:
+        return model(**second, return_dict=True)
     finally:
         pick.remove()
 

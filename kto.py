@@ -58,7 +58,7 @@ from accelerate.utils import set_seed
 from datasets import get_dataset_split_names, load_from_disk
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
@@ -146,6 +146,9 @@ class Args:
     gradient_checkpointing: bool = False
     """activation checkpointing in every model that trains here: less activation memory for about one more forward
     pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
+    query_once: bool = True
+    """run each query once for both of its responses (keys and values reused): the same log-probs, less compute.
+    Off, and under --gradient_checkpointing (no cache): whole rows, as the reference implementation and TRL run"""
 
     # memory: LoRA and QLoRA
     lora_rank: int = 0
@@ -194,13 +197,14 @@ EXAMPLE_COLUMNS = [  # one KTO example: the left-padded query, the right-padded 
 ]
 
 
-def example_logprobs(model, query_tokens: torch.Tensor, completion_tokens: torch.Tensor, pad_token_id: int):
+def example_logprobs(model, query_tokens: torch.Tensor, completion_tokens: torch.Tensor, pad_token_id: int,
+                     query_once: bool = False):
     """log pi(y | x) of every example (B,): the left-padded query (B, Tq) and the right-padded completion (B, Tr)
     side by side form one row whose padding lies at its two ends only (Detail 5), so any completion can follow any
     query (the mismatched pairs of the KL estimate); the query's tokens are masked out of the sum."""
     query_responses = torch.cat((query_tokens, completion_tokens), dim=1)  # (B, Tq + Tr)
     labels = torch.cat((torch.full_like(query_tokens, pad_token_id), completion_tokens), dim=1)
-    return sequence_logprobs(model, query_responses, labels, pad_token_id)
+    return sequence_logprobs(model, query_responses, labels, pad_token_id, query_once)
 
 
 def reference_point(kl_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -236,7 +240,8 @@ def kto_loss(
 
 
 @torch.no_grad()
-def kl_estimate(accelerator, policy, ref_model, batches: List[Dict[str, torch.Tensor]], pad_token_id: int):
+def kl_estimate(accelerator, policy, ref_model, batches: List[Dict[str, torch.Tensor]], pad_token_id: int,
+                query_once: bool = False):
     """Step 1: the KL estimate of the update and its reference point z0, before any gradient is taken. Each prompt
     of a micro batch gets the completion of the example before it in the same micro batch (a roll by one: the first
     takes the last's), so the mismatched pairs are the same however the update's micro batches are spread over
@@ -248,8 +253,8 @@ def kl_estimate(accelerator, policy, ref_model, batches: List[Dict[str, torch.Te
     for batch in batches:
         query, mismatched = batch["query_token"], batch["completion_token"].roll(1, dims=0)
         with accelerator.autocast():
-            log_ratios = example_logprobs(policy, query, mismatched, pad_token_id) - example_logprobs(
-                ref_model, query, mismatched, pad_token_id)
+            log_ratios = example_logprobs(policy, query, mismatched, pad_token_id, query_once) - example_logprobs(
+                ref_model, query, mismatched, pad_token_id, query_once)
         totals += torch.stack((log_ratios.float().sum(), torch.tensor(float(len(query)), device=totals.device)))
     kl_sum, count = accelerator.reduce(totals, reduction="sum")
     return kl_sum / count, reference_point(kl_sum, count)
@@ -317,13 +322,16 @@ def kto_update(args, accelerator, run, policy, optimizer, ref_model, micro_batch
     # step 1 first, without gradients: z0 is the KL estimate of the update's whole batch (every micro batch on every
     # process), so each micro batch's loss below is measured from the same reference point
     batches = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
-    kl, z0 = kl_estimate(accelerator, policy, ref_model, batches, pad_token_id)
+    kl, z0 = kl_estimate(accelerator, policy, ref_model, batches, pad_token_id,
+                         args.query_once and not args.gradient_checkpointing)
     for batch in batches:
         desirable = batch["label"].bool()
         with accelerator.accumulate(policy):
             with accelerator.autocast():  # steps 2-3: sequence log-probs (B,) of the examples
-                policy_logps = example_logprobs(policy, batch["query_token"], batch["completion_token"], pad_token_id)
-                ref_logps = example_logprobs(ref_model, batch["query_token"], batch["completion_token"], pad_token_id)
+                policy_logps = example_logprobs(policy, batch["query_token"], batch["completion_token"], pad_token_id,
+                                                args.query_once and not args.gradient_checkpointing)
+                ref_logps = example_logprobs(ref_model, batch["query_token"], batch["completion_token"], pad_token_id,
+                                             args.query_once)
             losses, rewards = kto_loss(  # step 4
                 policy_logps, ref_logps, desirable, z0, args.beta, args.desirable_weight, args.undesirable_weight
             )
@@ -483,38 +491,46 @@ PAIR_COLUMNS = [  # the processed preference schema: query + response, and the r
 ]
 
 
-def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int):
+def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int,
+                      query_once: bool = False):
     """log pi(y | x) = SUM over the response tokens of log pi(y_t | x, y_<t)  -> (B,)
 
     `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
     and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
-    sum, not a mean: eq. 4 compares probabilities of whole sequences."""
+    sum, not a mean: eq. 4 compares probabilities of whole sequences. query_once: rows that share a query run it once
+    (forward_query_once), the query's columns being those before the first response label."""
     cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same sums, less compute
     query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
     targets = response_labels[:, 1:]  # (B, T-1): token t + 1 is predicted at position t
     mask = targets != pad_token_id
-    # (N, V): the LM head only at the positions read
-    logits = forward(model, query_responses, pad_token_id, read=F.pad(mask, (0, 1))).logits
+    read = F.pad(mask, (0, 1))  # (N, V) logits: the LM head only at the positions read
+    if query_once:
+        context_length = int(first_true_indices((response_labels != pad_token_id).any(0, keepdim=True))[0])
+        logits = forward_query_once(model, query_responses, pad_token_id, context_length, read).logits
+    else:
+        logits = forward(model, query_responses, pad_token_id, read=read).logits
     picked = torch.gather(F.log_softmax(logits.float(), dim=-1), 1, targets[mask].unsqueeze(-1)).squeeze(-1)  # (N,)
     return torch.zeros(mask.shape, device=picked.device).masked_scatter(mask, picked).sum(1)  # summed in (B, T-1)
 
 
-def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
-    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
+def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int, query_once: bool = False):
+    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,); query_once:
+    their shared query once (--query_once)."""
     query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
     labels = torch.cat((batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]))
-    logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
+    logps = sequence_logprobs(model, query_responses, labels, pad_token_id, query_once)  # (2B,)
     return logps.chunk(2)  # chosen (B,), rejected (B,)
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int):
+def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int,
+                       query_once: bool = False):
     """The frozen reference's (chosen, rejected) sequence log-probs: looked up in the precomputed
     table (N, 2) by row index when there is one, else computed live."""
     if ref_table is not None:
         rows = ref_table[batch["row_index"].cpu()].to(batch["query_chosen_token"].device)  # (B, 2)
         return rows[:, 0], rows[:, 1]
-    return concatenated_logprobs(ref_model, batch, pad_token_id)
+    return concatenated_logprobs(ref_model, batch, pad_token_id, query_once)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,8 +553,8 @@ def evaluate_implicit_rewards(accelerator, model, ref_model, z0, eval_datasets, 
         gathered = []
         for batch in dataloader:
             with accelerator.autocast():
-                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
-                ref_chosen, ref_rejected = reference_logprobs(ref_model, None, batch, pad_token_id)
+                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id, args.query_once)
+                ref_chosen, ref_rejected = reference_logprobs(ref_model, None, batch, pad_token_id, args.query_once)
             desirable = torch.arange(2 * len(policy_chosen), device=policy_chosen.device) < len(policy_chosen)
             losses, rewards = kto_loss(torch.cat((policy_chosen, policy_rejected)),
                                        torch.cat((ref_chosen, ref_rejected)),
@@ -928,6 +944,67 @@ def forward(model, query_responses: torch.Tensor, pad_token_id: int, read):
     pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, read] if isinstance(read, slice) else x[0][read],))
     try:
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, return_dict=True)
+    finally:
+        pick.remove()
+
+
+def query_once_inputs(query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Each query once (--query_once): rows (B, T) of a LEFT-padded query in their first context_length columns and a
+    RIGHT-padded response after it, as the keyword arguments of two passes through a model. The first runs each
+    distinct query but its last token (Q, context_length - 1), its keys and values kept in a cache; the second runs
+    every row's tail (B, T - context_length + 1), the query's last token and the response, after the cache's row of
+    its own query, positions counting on from the query's real tokens (Detail 14). Causal attention lets no query
+    token see a response, so every output of the second pass is the whole row's at that position up to float
+    rounding, and a query's gradient is the sum of its rows'. Returns both passes' arguments and each row's query
+    (B,), the cache row that the second pass reads (the first pass fills `past_key_values` in place)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    queries, rows = torch.unique(query_responses[:, : context_length - 1], dim=0, return_inverse=True)  # (Q, Tq-1)
+    query_mask = queries != pad_token_id
+    cache = DynamicCache()
+    first = dict(input_ids=torch.masked_fill(queries, ~query_mask, 0), attention_mask=query_mask,
+                 position_ids=query_mask.long().cumsum(1) - query_mask.long(), past_key_values=cache, use_cache=True)
+    second = dict(input_ids=input_ids[:, context_length - 1 :], attention_mask=attention_mask,
+                  position_ids=position_ids[:, context_length - 1 :], past_key_values=cache)
+    return first, second, rows
+
+
+def select_query_cache(cache, rows: torch.Tensor) -> None:
+    """Each row's copy of its query's keys and values (rows (B,): a cache row per row), in place. index_select, whose
+    backward sums every copy's gradient into its query's row; plain indexing's backward (index_put) is several times
+    slower on the CPU (a sort), enough to undo the saving at the built-in shape."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+
+
+def forward_query_once(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int, read):
+    """forward() of rows whose queries repeat, each distinct query run once (query_once_inputs). `read` is forward()'s
+    (a (B, T) bool mask or a slice of the rows' columns) and reads only positions from context_length - 1 on, those
+    that predict a response token. The model runs twice, the first time with no LM head output; a batch whose queries
+    are all distinct runs once, as whole rows."""
+    if context_length < 2:  # a one-token query leaves nothing before its last token to share
+        return forward(model, query_responses, pad_token_id, read)
+    first, second, rows = query_once_inputs(query_responses, pad_token_id, context_length)
+    if first["input_ids"].size(0) == rows.numel():  # no query repeats: nothing to share
+        return forward(model, query_responses, pad_token_id, read)
+    head = getattr(model, "module", model).get_output_embeddings()  # as in forward()
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, :0],))  # the queries' pass reads no logits
+    try:
+        model(**first)
+    finally:
+        pick.remove()
+    if first["past_key_values"].get_seq_length() != context_length - 1:  # gradient checkpointing keeps no cache
+        raise RuntimeError("--query_once found no key/value cache after the query's pass; run with --no_query_once")
+    select_query_cache(first["past_key_values"], rows)
+    start = context_length - 1  # the rows' column of the second pass's first token
+    if isinstance(read, slice):
+        read = slice(read.start - start, read.stop if read.stop is None or read.stop < 0 else read.stop - start)
+    else:
+        read = read[:, start:]
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, read] if isinstance(read, slice) else x[0][read],))
+    try:
+        return model(**second, return_dict=True)
     finally:
         pick.remove()
 

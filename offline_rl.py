@@ -1096,13 +1096,15 @@ def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Ten
     return torch.masked_fill(responses, positions > eos_index, pad_token_id)
 
 
-def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+              reward=get_reward) -> torch.Tensor:
     """RM scores (B,) of left-padded queries (B, Tq) and right-padded responses (B, Tr), read at the EOS
-    (Detail 12), computed on the columns that hold a real token in some row."""
+    (Detail 12), computed on the columns that hold a real token in some row by `reward` (get_reward, or
+    get_reward_query_once: each query once, --query_once)."""
     query_responses = torch.cat((queries, responses), 1)
     cols = real_columns(query_responses, pad_token_id)
     start = min(cols.start, queries.size(1))
-    return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
+    return reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
 
 
 def generate(lm, queries: torch.Tensor, pad_token_id: int, generation_config) -> torch.Tensor:

@@ -61,6 +61,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -208,6 +209,9 @@ class Args:
     gradient_checkpointing: bool = False
     """activation checkpointing in every model that trains here: less activation memory for about one more forward
     pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
+    query_once: bool = True
+    """run each query once for both of its responses (keys and values reused) in the policy, the reference and the
+    reward model: the same numbers, less compute. Off, and the policy under --gradient_checkpointing: whole rows"""
 
     # memory: LoRA and QLoRA
     lora_rank: int = 0
@@ -406,7 +410,8 @@ def draw_pairs(args, accelerator, run, policy, reward_model, reward_fn, prompts,
             pair = sample_pairs(args, accelerator.unwrap_model(policy), chunk_queries, rows[chunk], draw, tokenizer)
             both = chunk_queries.repeat_interleave(2, 0), pair.flatten(0, 1)  # the two responses of each pair
             if reward_model is not None:  # Detail 12: the score at the EOS
-                scores.append(get_score(reward_model, *both, pad_token_id).float().view(-1, 2))
+                reward = get_reward_query_once if args.query_once else get_reward  # each query once (--query_once)
+                scores.append(get_score(reward_model, *both, pad_token_id, reward).float().view(-1, 2))
             elif reward_fn is not None:  # --judge reward_fn: the user's function, on this process's prompts
                 scores.append(function_scores(torch.zeros((len(both[0]), 0), device=device), reward_fn, tokenizer,
                                               *both, prompts, rows[chunk].repeat_interleave(2).tolist()).view(-1, 2))
@@ -490,7 +495,7 @@ def online_round(args, accelerator, run, rounds: OnlineRounds, policy, ref_model
     reference = policy if args.reference == "last_round" else ref_model
     policy.eval()
     ref_table = precompute_reference_logprobs(accelerator, reference, dataset, args.local_eval_batch_size,
-                                              tokenizer.pad_token_id)
+                                              tokenizer.pad_token_id, args.query_once)
     policy.train()
     counts.update({"draws": draws - rounds.draws, "pairs_trained": int(keep.sum())})
     rounds.start(round_index, draws, pairs, keep, ref_table, counts)
@@ -540,7 +545,8 @@ def online_dpo_update(args, accelerator, run, policy, optimizer, rounds, first: 
         weights = rounds.keep[rows].float().to(accelerator.device)  # a dropped pair weighs 0
         with accelerator.accumulate(policy):
             with accelerator.autocast():  # steps 1-3: sequence log-probs (B,) of chosen and rejected
-                policy_chosen, policy_rejected = concatenated_logprobs(policy, batch, pad_token_id)
+                policy_chosen, policy_rejected = concatenated_logprobs(
+                    policy, batch, pad_token_id, args.query_once and not args.gradient_checkpointing)
                 ref_chosen, ref_rejected = reference_logprobs(None, rounds.ref_table, batch, pad_token_id)
             losses, chosen_rewards, rejected_rewards = dpo_loss(  # steps 4-5
                 policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
@@ -706,27 +712,34 @@ PAIR_COLUMNS = [  # the processed preference schema: query + response, and the r
 ]
 
 
-def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int):
+def sequence_logprobs(model, query_responses: torch.Tensor, response_labels: torch.Tensor, pad_token_id: int,
+                      query_once: bool = False):
     """log pi(y | x) = SUM over the response tokens of log pi(y_t | x, y_<t)  -> (B,)
 
     `response_labels` is `query_responses` with every query token replaced by [PAD]; so query
     and pad positions are exactly the [PAD] positions of the labels and are masked out. This is a
-    sum, not a mean: eq. 4 compares probabilities of whole sequences."""
+    sum, not a mean: eq. 4 compares probabilities of whole sequences. query_once: rows that share a query run it once
+    (forward_query_once), the query's columns being those before the first response label."""
     cols = real_columns(query_responses, pad_token_id)  # the padding every row shares is cut: same sums, less compute
     query_responses, response_labels = query_responses[:, cols], response_labels[:, cols]
     targets = response_labels[:, 1:]  # (B, T-1): token t + 1 is predicted at position t
     mask = targets != pad_token_id
-    # (N, V): the LM head only at the positions read
-    logits = forward(model, query_responses, pad_token_id, read=F.pad(mask, (0, 1))).logits
+    read = F.pad(mask, (0, 1))  # (N, V) logits: the LM head only at the positions read
+    if query_once:
+        context_length = int(first_true_indices((response_labels != pad_token_id).any(0, keepdim=True))[0])
+        logits = forward_query_once(model, query_responses, pad_token_id, context_length, read).logits
+    else:
+        logits = forward(model, query_responses, pad_token_id, read=read).logits
     picked = torch.gather(F.log_softmax(logits.float(), dim=-1), 1, targets[mask].unsqueeze(-1)).squeeze(-1)  # (N,)
     return torch.zeros(mask.shape, device=picked.device).masked_scatter(mask, picked).sum(1)  # summed in (B, T-1)
 
 
-def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int):
-    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,)."""
+def concatenated_logprobs(model, batch: Dict[str, torch.Tensor], pad_token_id: int, query_once: bool = False):
+    """Chosen and rejected sequences go through the model in ONE forward pass (batch 2B) -> (B,), (B,); query_once:
+    their shared query once (--query_once)."""
     query_responses = torch.cat((batch["query_chosen_token"], batch["query_rejected_token"]), dim=0)  # (2B, T)
     labels = torch.cat((batch["query_chosen_token_response_label"], batch["query_rejected_token_response_label"]))
-    logps = sequence_logprobs(model, query_responses, labels, pad_token_id)  # (2B,)
+    logps = sequence_logprobs(model, query_responses, labels, pad_token_id, query_once)  # (2B,)
     return logps.chunk(2)  # chosen (B,), rejected (B,)
 
 
@@ -783,13 +796,14 @@ def ipo_token_counts(args, batch: Dict[str, torch.Tensor], pad_token_id: int):
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int):
+def reference_logprobs(ref_model, ref_table: Optional[torch.Tensor], batch: Dict[str, torch.Tensor], pad_token_id: int,
+                       query_once: bool = False):
     """The frozen reference's (chosen, rejected) sequence log-probs: looked up in the precomputed
     table (N, 2) by row index when there is one, else computed live."""
     if ref_table is not None:
         rows = ref_table[batch["row_index"].cpu()].to(batch["query_chosen_token"].device)  # (B, 2)
         return rows[:, 0], rows[:, 1]
-    return concatenated_logprobs(ref_model, batch, pad_token_id)
+    return concatenated_logprobs(ref_model, batch, pad_token_id, query_once)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -809,8 +823,10 @@ def evaluate_preferences(accelerator, model, ref_model, ref_tables, eval_dataset
         gathered = []
         for batch in dataloader:
             with accelerator.autocast():
-                policy_chosen, policy_rejected = concatenated_logprobs(model, batch, pad_token_id)
-                ref_chosen, ref_rejected = reference_logprobs(ref_model, ref_tables.get(split), batch, pad_token_id)
+                policy_chosen, policy_rejected = concatenated_logprobs(
+                    model, batch, pad_token_id, args.query_once and not args.gradient_checkpointing)
+                ref_chosen, ref_rejected = reference_logprobs(ref_model, ref_tables.get(split), batch, pad_token_id,
+                                                              args.query_once)
             losses, chosen_rewards, rejected_rewards = dpo_loss(
                 policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                 args.label_smoothing, ipo_token_counts(args, batch, pad_token_id),
@@ -909,7 +925,8 @@ def sample_responses(accelerator, model, tokenizer, dataset, generation_config, 
 
 
 @torch.no_grad()
-def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int):
+def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, batch_size: int, pad_token_id: int,
+                                  query_once: bool = False):
     """One pass of the reference over `dataset` (made by with_row_index) -> table (N, 2) of
     [chosen, rejected] sequence log-probs, indexed by row. Rows are split across processes and
     gathered back by row index."""
@@ -917,7 +934,7 @@ def precompute_reference_logprobs(accelerator: Accelerator, ref_model, dataset, 
     table = torch.full((len(dataset), 2), float("nan"))
     for batch in tqdm(dataloader, desc="reference log-probs", disable=not accelerator.is_local_main_process):
         with accelerator.autocast():
-            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id)
+            chosen, rejected = concatenated_logprobs(ref_model, batch, pad_token_id, query_once)
         rows, chosen, rejected = accelerator.gather_for_metrics((batch["row_index"], chosen, rejected))
         table[rows.cpu()] = torch.stack((chosen, rejected), dim=1).float().cpu()
     if torch.isnan(table).any():
@@ -1257,6 +1274,87 @@ def forward(model, query_responses: torch.Tensor, pad_token_id: int, read):
         pick.remove()
 
 
+def query_once_inputs(query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Each query once (--query_once): rows (B, T) of a LEFT-padded query in their first context_length columns and a
+    RIGHT-padded response after it, as the keyword arguments of two passes through a model. The first runs each
+    distinct query but its last token (Q, context_length - 1), its keys and values kept in a cache; the second runs
+    every row's tail (B, T - context_length + 1), the query's last token and the response, after the cache's row of
+    its own query, positions counting on from the query's real tokens (Detail 14). Causal attention lets no query
+    token see a response, so every output of the second pass is the whole row's at that position up to float
+    rounding, and a query's gradient is the sum of its rows'. Returns both passes' arguments and each row's query
+    (B,), the cache row that the second pass reads (the first pass fills `past_key_values` in place)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    queries, rows = torch.unique(query_responses[:, : context_length - 1], dim=0, return_inverse=True)  # (Q, Tq-1)
+    query_mask = queries != pad_token_id
+    cache = DynamicCache()
+    first = dict(input_ids=torch.masked_fill(queries, ~query_mask, 0), attention_mask=query_mask,
+                 position_ids=query_mask.long().cumsum(1) - query_mask.long(), past_key_values=cache, use_cache=True)
+    second = dict(input_ids=input_ids[:, context_length - 1 :], attention_mask=attention_mask,
+                  position_ids=position_ids[:, context_length - 1 :], past_key_values=cache)
+    return first, second, rows
+
+
+def select_query_cache(cache, rows: torch.Tensor) -> None:
+    """Each row's copy of its query's keys and values (rows (B,): a cache row per row), in place. index_select, whose
+    backward sums every copy's gradient into its query's row; plain indexing's backward (index_put) is several times
+    slower on the CPU (a sort), enough to undo the saving at the built-in shape."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+
+
+def forward_query_once(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int, read):
+    """forward() of rows whose queries repeat, each distinct query run once (query_once_inputs). `read` is forward()'s
+    (a (B, T) bool mask or a slice of the rows' columns) and reads only positions from context_length - 1 on, those
+    that predict a response token. The model runs twice, the first time with no LM head output; a batch whose queries
+    are all distinct runs once, as whole rows."""
+    if context_length < 2:  # a one-token query leaves nothing before its last token to share
+        return forward(model, query_responses, pad_token_id, read)
+    first, second, rows = query_once_inputs(query_responses, pad_token_id, context_length)
+    if first["input_ids"].size(0) == rows.numel():  # no query repeats: nothing to share
+        return forward(model, query_responses, pad_token_id, read)
+    head = getattr(model, "module", model).get_output_embeddings()  # as in forward()
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, :0],))  # the queries' pass reads no logits
+    try:
+        model(**first)
+    finally:
+        pick.remove()
+    if first["past_key_values"].get_seq_length() != context_length - 1:  # gradient checkpointing keeps no cache
+        raise RuntimeError("--query_once found no key/value cache after the query's pass; run with --no_query_once")
+    select_query_cache(first["past_key_values"], rows)
+    start = context_length - 1  # the rows' column of the second pass's first token
+    if isinstance(read, slice):
+        read = slice(read.start - start, read.stop if read.stop is None or read.stop < 0 else read.stop - start)
+    else:
+        read = read[:, start:]
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, read] if isinstance(read, slice) else x[0][read],))
+    try:
+        return model(**second, return_dict=True)
+    finally:
+        pick.remove()
+
+
+def get_reward_query_once(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """get_reward with each distinct query run once (--query_once, query_once_inputs): the same sequence rewards (B,)
+    and indices read (B,) up to float rounding; the reward logits (B, T - context_length + 1) of the rows' tails only
+    (the query's last token, then the response). A batch whose queries are all distinct runs whole rows."""
+    if context_length < 2:  # a one-token query leaves nothing before its last token to share
+        return get_reward(model, query_responses, pad_token_id, context_length)
+    first, second, rows = query_once_inputs(query_responses, pad_token_id, context_length)
+    if first["input_ids"].size(0) == rows.numel():  # no query repeats: nothing to share
+        return get_reward(model, query_responses, pad_token_id, context_length)
+    backbone = getattr(model, model.base_model_prefix)
+    backbone(**first)
+    select_query_cache(first["past_key_values"], rows)
+    hidden = backbone(**second, return_dict=True).last_hidden_state  # (B, T - context_length + 1, d)
+    reward_logits = model.score(hidden).squeeze(-1)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device),
+                            sequence_lengths - (context_length - 1)]
+    return reward_logits, rewards, sequence_lengths
+
+
 def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
     """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
     eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
@@ -1297,13 +1395,15 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
     return reward_logits, rewards, sequence_lengths
 
 
-def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+              reward=get_reward) -> torch.Tensor:
     """RM scores (B,) of left-padded queries (B, Tq) and right-padded responses (B, Tr), read at the EOS
-    (Detail 12), computed on the columns that hold a real token in some row."""
+    (Detail 12), computed on the columns that hold a real token in some row by `reward` (get_reward, or
+    get_reward_query_once: each query once, --query_once)."""
     query_responses = torch.cat((queries, responses), 1)
     cols = real_columns(query_responses, pad_token_id)
     start = min(cols.start, queries.size(1))
-    return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
+    return reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
 
 
 def function_scores(scores, reward_fn: Optional[RewardFunctions], tokenizer, queries: torch.Tensor,

@@ -266,7 +266,8 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             actions = slice(context_length - 1, -1)
             logits = forward(unwrapped.policy, query_response, pad_id, read=actions).logits  # (b, T, V)
             logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
-            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id, actions)
+            ref_logits = reference_logits(ref_policy, unwrapped.policy,
+                                          lambda lm: forward(lm, query_response, pad_id, read=actions).logits)
             ref_logprob, _ = action_logprobs(ref_logits, response, args.temperature, pad_id)
             del logits, ref_logits
             # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
@@ -309,12 +310,13 @@ def action_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return torch.gather(all_logprobs, 2, tokens.unsqueeze(-1)).squeeze(-1), all_logprobs
 
 
-def reference_logits(ref_policy, policy, query_responses, pad_token_id, read):
-    """Reference logits at `read` (forward): a separate (or Hydra) frozen model, or the LoRA policy, adapters off."""
+def reference_logits(ref_policy, policy, logits_of):
+    """The reference policy's logits, logits_of(model): a separate (or Hydra) frozen model, or the LoRA policy with
+    its adapters off."""
     if ref_policy is None:
         with policy.disable_adapter():
-            return forward(policy, query_responses, pad_token_id, read=read).logits
-    return forward(ref_policy, query_responses, pad_token_id, read=read).logits
+            return logits_of(policy)
+    return logits_of(ref_policy)
 
 
 def response_mask(truncated_responses: torch.Tensor, pad_token_id: int):
@@ -1197,18 +1199,22 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
-def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+              reward=get_reward) -> torch.Tensor:
     """RM scores (B,) of left-padded queries (B, Tq) and right-padded responses (B, Tr), read at the EOS
-    (Detail 12), computed on the columns that hold a real token in some row."""
+    (Detail 12), computed on the columns that hold a real token in some row by `reward` (get_reward, or
+    get_reward_query_once: each query once, --query_once)."""
     query_responses = torch.cat((queries, responses), 1)
     cols = real_columns(query_responses, pad_token_id)
     start = min(cols.start, queries.size(1))
-    return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
+    return reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
 
 
-def ensemble_scores(reward_models, queries, responses, pad_token_id: int) -> torch.Tensor:
-    """Raw scores (B, n) of the responses under each of the n reward models, one column each (Detail 12)."""
-    columns = [get_score(reward_model, queries, responses, pad_token_id).float() for reward_model in reward_models]
+def ensemble_scores(reward_models, queries, responses, pad_token_id: int, reward=get_reward) -> torch.Tensor:
+    """Raw scores (B, n) of the responses under each of the n reward models, one column each (Detail 12), by
+    get_score's `reward`."""
+    columns = [get_score(reward_model, queries, responses, pad_token_id, reward).float()
+               for reward_model in reward_models]
     return torch.stack(columns, 1) if columns else torch.zeros((queries.size(0), 0), device=queries.device)
 
 

@@ -46,7 +46,13 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DynamicCache,
+    GenerationConfig,
+)
 
 from rlhf_utils import checks, models, records
 from rlhf_utils.checks import RunError
@@ -189,6 +195,9 @@ class Args:
     gradient_checkpointing: bool = False
     """activation checkpointing in every model that trains here: less activation memory for about one more forward
     pass; the loss and gradients are the same. Off: the paper trained without it (docs/usage.md, "Flags in depth")"""
+    query_once: bool = True
+    """run each query once for all its responses (keys and values reused) in the rollout's scoring and the update,
+    whose micro batches then hold whole groups. Off, and in the update under --gradient_checkpointing: whole rows"""
 
     # memory and speed (trlX / OpenRLHF)
     num_layers_unfrozen: int = -1
@@ -265,17 +274,18 @@ def rollout(args, accelerator, model, ref_policy, reward_models, queries, tokeni
             query_response = generate(unwrapped.policy, query, pad_id, generation_config)
             t1 = synced_time(accelerator.device)
             response = query_response[:, context_length:]  # (b, T)
-            # temperature-scaled logprobs from a full forward pass: the same computation as the update, so the first
-            # ratio is exactly 1 without dropout (Detail 7); the head only where a response token is predicted
-            actions = slice(context_length - 1, -1)
-            logits = forward(unwrapped.policy, query_response, pad_id, read=actions).logits  # (b, T, V)
+            # temperature-scaled logprobs, computed as the update computes them, so the first ratio is 1 without
+            # dropout (Detail 7); the head only where a response token is predicted; each query once (--query_once)
+            logits = response_logits(unwrapped.policy, query_response, pad_id, context_length, args.query_once)
             logprob, _ = action_logprobs(logits, response, args.temperature, pad_id)
-            ref_logits = reference_logits(ref_policy, unwrapped.policy, query_response, pad_id, actions)
+            ref_logits = reference_logits(ref_policy, unwrapped.policy, lambda lm: response_logits(
+                lm, query_response, pad_id, context_length, args.query_once))
             ref_logprob, _ = action_logprobs(ref_logits, response, args.temperature, pad_id)
             del logits, ref_logits
             # 3. truncate after the first EOS; 4. RM score at the EOS (Detail 12)
             truncated = truncate_response(eos_id, pad_id, response)
-            score = ensemble_scores(reward_models, query, truncated, pad_id)
+            score = ensemble_scores(reward_models, query, truncated, pad_id,
+                                    get_reward_query_once if args.query_once else get_reward)
             timers["generation"] += t1 - t0
             timers["scoring"] += synced_time(accelerator.device) - t1
             out["query_responses"].append(query_response)
@@ -310,12 +320,13 @@ def action_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return torch.gather(all_logprobs, 2, tokens.unsqueeze(-1)).squeeze(-1), all_logprobs
 
 
-def reference_logits(ref_policy, policy, query_responses, pad_token_id, read):
-    """Reference logits at `read` (forward): a separate (or Hydra) frozen model, or the LoRA policy, adapters off."""
+def reference_logits(ref_policy, policy, logits_of):
+    """The reference policy's logits, logits_of(model): a separate (or Hydra) frozen model, or the LoRA policy with
+    its adapters off."""
     if ref_policy is None:
         with policy.disable_adapter():
-            return forward(policy, query_responses, pad_token_id, read=read).logits
-    return forward(ref_policy, query_responses, pad_token_id, read=read).logits
+            return logits_of(policy)
+    return logits_of(ref_policy)
 
 
 def response_mask(truncated_responses: torch.Tensor, pad_token_id: int):
@@ -364,6 +375,16 @@ def clipped_policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, mask:
     return pg_loss, stats
 
 
+def epoch_permutation(batch_size: int, group_size: int, whole_groups: bool, device) -> torch.Tensor:
+    """An epoch's order of the local rollout batch, whose rows come in groups of group_size responses to one query: a
+    permutation of the rows or, whole_groups (--query_once), of the groups, each group's rows kept together, so that a
+    micro batch of whole groups runs each of its queries once. group_size 1 draws the row permutation itself."""
+    if not whole_groups:
+        return torch.randperm(batch_size, device=device)
+    groups = torch.randperm(batch_size // group_size, device=device)
+    return (groups.unsqueeze(1) * group_size + torch.arange(group_size, device=device)).flatten()
+
+
 def trim_micro_batch(query_responses, responses, context_length: int, pad_token_id: int):
     """The columns of a micro batch of rollouts that its training pass needs: from its longest query's first token
     to its last kept response token. The raw samples go on after their EOS, but the loss masks those tokens and
@@ -382,21 +403,29 @@ def trim_micro_batch(query_responses, responses, context_length: int, pad_token_
 
 class Policy(nn.Module):
     """The policy in one module whose one forward serves the loss and the ptx loss, so that one `accelerator.prepare`
-    (DDP / DeepSpeed) sees every pass of a backward."""
+    (DDP / DeepSpeed) sees every pass of a backward. query_once: the loss's rows run each query once (--query_once)."""
 
-    def __init__(self, policy: nn.Module):
+    def __init__(self, policy: nn.Module, query_once: bool):
         super().__init__()
-        self.policy = policy
+        self.policy, self.query_once = policy, query_once
 
     def forward(self, query_responses, pad_token_id: int, context_length: int, ptx_query_responses=None,
                 ptx_labels=None):
-        actions = slice(context_length - 1, -1)  # the positions that predict a response token: (B, T, V) logits
-        logits = forward(self.policy, query_responses, pad_token_id, read=actions).logits
+        logits = response_logits(self.policy, query_responses, pad_token_id, context_length, self.query_once)
         ptx_logits = None
         if ptx_query_responses is not None:
             ptx_read = F.pad(ptx_labels[:, 1:] != pad_token_id, (0, 1))  # position t predicts token t + 1: (N, V)
             ptx_logits = forward(self.policy, ptx_query_responses, pad_token_id, read=ptx_read).logits
         return logits, ptx_logits
+
+
+def response_logits(model, query_responses, pad_token_id: int, context_length: int, query_once: bool):
+    """Logits (B, T, V) at the positions that predict a response token, columns context_length - 1 to the last but
+    one: each query once for all its responses (--query_once, forward_query_once), or whole rows (forward)."""
+    actions = slice(context_length - 1, -1)
+    if query_once:
+        return forward_query_once(model, query_responses, pad_token_id, context_length, actions).logits
+    return forward(model, query_responses, pad_token_id, read=actions).logits
 
 
 def training_logprobs(model, query_responses, context_length: int, temperature: float, pad_token_id: int,
@@ -535,7 +564,7 @@ def reinforce_pp_update(args, hp, accelerator, model, optimizer, data: Rollout, 
     stats = {}  # name -> (K, nmb, ga)
     model.train()
     for epoch in range(K):
-        permutation = torch.randperm(local_batch_size, device=device)
+        permutation = epoch_permutation(local_batch_size, args.samples_per_prompt, args.query_once, device)
         for step in range(nmb * ga):  # micro batch `step` of this epoch is micro batch `micro_index` of minibatch `mb`
             mb, micro_index = divmod(step, ga)
             idx = permutation[step * micro : (step + 1) * micro]
@@ -691,7 +720,7 @@ def main(args: Args) -> dict:
         checks.check_reward_tokenizer(tokenizer, args.sft_model_path, path, args.trust_remote_code)
     # Hydra and LoRA enter here: they decide what the reference policy is (None with LoRA)
     policy, reward_models, ref_policy = load_models(args, tokenizer, bf16)
-    model = Policy(policy)
+    model = Policy(policy, args.query_once and not args.gradient_checkpointing)  # no cache under checkpointing
     adamw = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
                               weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, adamw)
@@ -1133,6 +1162,87 @@ def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_
     return reward_logits, rewards, sequence_lengths
 
 
+def query_once_inputs(query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Each query once (--query_once): rows (B, T) of a LEFT-padded query in their first context_length columns and a
+    RIGHT-padded response after it, as the keyword arguments of two passes through a model. The first runs each
+    distinct query but its last token (Q, context_length - 1), its keys and values kept in a cache; the second runs
+    every row's tail (B, T - context_length + 1), the query's last token and the response, after the cache's row of
+    its own query, positions counting on from the query's real tokens (Detail 14). Causal attention lets no query
+    token see a response, so every output of the second pass is the whole row's at that position up to float
+    rounding, and a query's gradient is the sum of its rows'. Returns both passes' arguments and each row's query
+    (B,), the cache row that the second pass reads (the first pass fills `past_key_values` in place)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    queries, rows = torch.unique(query_responses[:, : context_length - 1], dim=0, return_inverse=True)  # (Q, Tq-1)
+    query_mask = queries != pad_token_id
+    cache = DynamicCache()
+    first = dict(input_ids=torch.masked_fill(queries, ~query_mask, 0), attention_mask=query_mask,
+                 position_ids=query_mask.long().cumsum(1) - query_mask.long(), past_key_values=cache, use_cache=True)
+    second = dict(input_ids=input_ids[:, context_length - 1 :], attention_mask=attention_mask,
+                  position_ids=position_ids[:, context_length - 1 :], past_key_values=cache)
+    return first, second, rows
+
+
+def select_query_cache(cache, rows: torch.Tensor) -> None:
+    """Each row's copy of its query's keys and values (rows (B,): a cache row per row), in place. index_select, whose
+    backward sums every copy's gradient into its query's row; plain indexing's backward (index_put) is several times
+    slower on the CPU (a sort), enough to undo the saving at the built-in shape."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+
+
+def forward_query_once(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int, read):
+    """forward() of rows whose queries repeat, each distinct query run once (query_once_inputs). `read` is forward()'s
+    (a (B, T) bool mask or a slice of the rows' columns) and reads only positions from context_length - 1 on, those
+    that predict a response token. The model runs twice, the first time with no LM head output; a batch whose queries
+    are all distinct runs once, as whole rows."""
+    if context_length < 2:  # a one-token query leaves nothing before its last token to share
+        return forward(model, query_responses, pad_token_id, read)
+    first, second, rows = query_once_inputs(query_responses, pad_token_id, context_length)
+    if first["input_ids"].size(0) == rows.numel():  # no query repeats: nothing to share
+        return forward(model, query_responses, pad_token_id, read)
+    head = getattr(model, "module", model).get_output_embeddings()  # as in forward()
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, :0],))  # the queries' pass reads no logits
+    try:
+        model(**first)
+    finally:
+        pick.remove()
+    if first["past_key_values"].get_seq_length() != context_length - 1:  # gradient checkpointing keeps no cache
+        raise RuntimeError("--query_once found no key/value cache after the query's pass; run with --no_query_once")
+    select_query_cache(first["past_key_values"], rows)
+    start = context_length - 1  # the rows' column of the second pass's first token
+    if isinstance(read, slice):
+        read = slice(read.start - start, read.stop if read.stop is None or read.stop < 0 else read.stop - start)
+    else:
+        read = read[:, start:]
+    pick = head.register_forward_pre_hook(lambda _, x: (x[0][:, read] if isinstance(read, slice) else x[0][read],))
+    try:
+        return model(**second, return_dict=True)
+    finally:
+        pick.remove()
+
+
+def get_reward_query_once(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """get_reward with each distinct query run once (--query_once, query_once_inputs): the same sequence rewards (B,)
+    and indices read (B,) up to float rounding; the reward logits (B, T - context_length + 1) of the rows' tails only
+    (the query's last token, then the response). A batch whose queries are all distinct runs whole rows."""
+    if context_length < 2:  # a one-token query leaves nothing before its last token to share
+        return get_reward(model, query_responses, pad_token_id, context_length)
+    first, second, rows = query_once_inputs(query_responses, pad_token_id, context_length)
+    if first["input_ids"].size(0) == rows.numel():  # no query repeats: nothing to share
+        return get_reward(model, query_responses, pad_token_id, context_length)
+    backbone = getattr(model, model.base_model_prefix)
+    backbone(**first)
+    select_query_cache(first["past_key_values"], rows)
+    hidden = backbone(**second, return_dict=True).last_hidden_state  # (B, T - context_length + 1, d)
+    reward_logits = model.score(hidden).squeeze(-1)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rewards = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device),
+                            sequence_lengths - (context_length - 1)]
+    return reward_logits, rewards, sequence_lengths
+
+
 def truncate_response(eos_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
     """Detail 23: keep each response up to and including its first EOS, fill the rest with [PAD]."""
     eos_index = first_true_indices(responses == eos_token_id).unsqueeze(-1)  # (B, 1)
@@ -1159,18 +1269,22 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
-def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+def get_score(reward_model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+              reward=get_reward) -> torch.Tensor:
     """RM scores (B,) of left-padded queries (B, Tq) and right-padded responses (B, Tr), read at the EOS
-    (Detail 12), computed on the columns that hold a real token in some row."""
+    (Detail 12), computed on the columns that hold a real token in some row by `reward` (get_reward, or
+    get_reward_query_once: each query once, --query_once)."""
     query_responses = torch.cat((queries, responses), 1)
     cols = real_columns(query_responses, pad_token_id)
     start = min(cols.start, queries.size(1))
-    return get_reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
+    return reward(reward_model, query_responses[:, start : cols.stop], pad_token_id, queries.size(1) - start)[1]
 
 
-def ensemble_scores(reward_models, queries, responses, pad_token_id: int) -> torch.Tensor:
-    """Raw scores (B, n) of the responses under each of the n reward models, one column each (Detail 12)."""
-    columns = [get_score(reward_model, queries, responses, pad_token_id).float() for reward_model in reward_models]
+def ensemble_scores(reward_models, queries, responses, pad_token_id: int, reward=get_reward) -> torch.Tensor:
+    """Raw scores (B, n) of the responses under each of the n reward models, one column each (Detail 12), by
+    get_score's `reward`."""
+    columns = [get_score(reward_model, queries, responses, pad_token_id, reward).float()
+               for reward_model in reward_models]
     return torch.stack(columns, 1) if columns else torch.zeros((queries.size(0), 0), device=queries.device)
 
 

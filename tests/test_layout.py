@@ -76,7 +76,8 @@ MAX_CODE_LINES_OF = {
 }
 MAX_MAIN_CODE_LINES = 120  # the longest main: 107 (ppo.py; 103 at issue 62's end)
 MAX_CODE_DIFF = {
-    ("ppo.py", "rloo.py"): 190,  # 159
+    # 250 (issue 65: rloo.py's query-once path, six helpers that ppo.py, one response per query, has no use for)
+    ("ppo.py", "rloo.py"): 290,
     ("rloo.py", "grpo.py"): 250,  # 215 (issue 63: grpo.py's loss options, above)
     ("rloo.py", "reinforce_pp.py"): 110,  # 94 (issue 63: REINFORCE++'s KL in the loss, its clamp, the clip order)
     ("dpo.py", "kto.py"): 320,  # 266

@@ -151,7 +151,7 @@ def test_policy_update_and_ptx_read_only_the_action_and_target_positions(monkeyp
             assert values.shape == (4, WR)  # the critic's value before each response token
         else:
             logprobs, all_logprobs, ptx_logits = module.training_logprobs(
-                module.Policy(model), query_responses, WQ, 0.7, PAD, ptx_tokens, ptx_labels)
+                module.Policy(model, False), query_responses, WQ, 0.7, PAD, ptx_tokens, ptx_labels)
         assert logprobs.shape == (4, WR) and all_logprobs.shape == (4, WR, VOCAB)
         return logprobs, module.sft_loss(ptx_logits, ptx_labels, PAD)
 
@@ -160,7 +160,8 @@ def test_policy_update_and_ptx_read_only_the_action_and_target_positions(monkeyp
     assert seen == 4 * WR + int((ptx_labels[:, 1:] != PAD).sum())
 
     ours, full, g1, g2, seen = both_ways(module, monkeypatch, lambda m: (module.reference_logits(
-        m, None, query_responses, PAD, slice(WQ - 1, -1)).float().log_softmax(-1),))
+        m, None, lambda lm: module.forward(lm, query_responses, PAD, slice(WQ - 1, -1)).logits
+    ).float().log_softmax(-1),))
     assert_same(ours, full, g1, g2)
     assert seen == 4 * WR
 

@@ -370,7 +370,7 @@ def test_shared_reference_equals_frozen_sft_copy(accelerator, tmp_path, mode):
     model.eval()
     with torch.no_grad():
         qr = data.query_responses
-        ref_logits = ppo.reference_logits(ref, model.policy, qr, PAD, slice(None))
+        ref_logits = ppo.reference_logits(ref, model.policy, lambda lm: ppo.forward(lm, qr, PAD, slice(None)).logits)
         sft_logits = ppo.forward(sft_copy, qr, PAD, slice(None)).logits
         policy_logits = ppo.forward(model.policy, qr, PAD, slice(None)).logits
     keep = qr != PAD

@@ -185,7 +185,7 @@ def test_policy_training_pass_equal_with_and_without_the_trim(monkeypatch, scrip
         model = ppo.PolicyAndValue(lm(0), rm(1))
         values, returns = torch.randn(truncated.shape) * mask, torch.randn(truncated.shape) * mask
     else:
-        model = rloo.Policy(lm(0))
+        model = rloo.Policy(lm(0), False)
         advantages = torch.randn(truncated.size(0))
 
     def loss(m):
