@@ -285,7 +285,7 @@ def test_shapes_are_pythias_configurations():
         bench_trl.settings_for("pythia1b")
     settings = bench_trl.settings_for("pythia160m")
     assert {t: (s["batch"], s["micro"]) for t, s in settings.items()} == {
-        "sft": (8, 4), "reward": (8, 4), "dpo": (8, 2), "ppo": (8, 4)}
+        "sft": (8, 4), "reward": (8, 4), "dpo": (8, 2), "ppo": (8, 4), "rloo": (8, 4), "grpo": (8, 4)}
     assert settings["ppo"]["rollout_forward_batch"] == 4 and settings["dpo"]["lr"] == bench_trl.SETTINGS["dpo"]["lr"]
     for trainer, s in settings.items():
         sequences = s["micro"] * (2 if trainer == "dpo" else 1)  # a DPO pair is two sequences with logits
@@ -430,3 +430,79 @@ def test_the_trl_side_times_each_step_between_the_ends_of_two_steps(monkeypatch)
     callback.on_step_end(None, None, None)
     callback.on_step_end(None, None, None)
     assert callback.seconds() == [2.0, 3.0]
+
+
+@pytest.mark.parametrize("trainer, group_flag, k", [("rloo", "--rloo_k", 2), ("grpo", "--group_size", 4)])
+def test_group_trainers_run_our_script_with_the_settings_trl_gets(trainer, group_flag, k, monkeypatch):
+    """rloo and grpo (issue 65): our command line parses as the script's own flags and holds the settings TRL's side
+    reads (k, the KL coefficient, one epoch and one minibatch, the rollout one batch at a time)."""
+    import importlib.util
+
+    import tyro
+
+    spec = importlib.util.spec_from_file_location(f"bench_{trainer}", os.path.join(REPO_ROOT, f"{trainer}.py"))
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # tyro reads the fields' docstrings from the module's source
+    spec.loader.exec_module(script)
+    s = bench_trl.settings_for("builtin")[trainer]
+    assert s["k"] == k and s["rollout_forward_batch"] == s["batch"]
+    paths = {"sft_model": "sft", "reward_model": "rm", "rows": "rows", "response_length": 24}
+    cmd = bench_trl.our_command(trainer, "fp32", 128, paths, "/tmp/work", "name", s)
+    assert cmd[1].endswith(f"{trainer}.py")
+    args = tyro.cli(script.Args, args=cmd[2:], use_underscores=True)
+    hp = getattr(args, trainer)
+    assert getattr(args, group_flag[2:]) == k and hp.kl_coef == s["kl_coef"]
+    assert (hp.num_ppo_epochs, hp.num_mini_batches) == (1, 1)
+    assert (args.total_episodes, args.total_batch_size, args.local_micro_batch_size) == (128, 32, 16)
+    assert args.local_rollout_forward_batch_size == 32 and args.query_once  # the default, what users run
+    assert bench_trl.settings_for("pythia160m")[trainer]["rollout_forward_batch"] == 8
+
+
+def test_phase_times_of_online_runs_and_their_table(tmp_path):
+    """Each online step split into generation, scoring and training: ours from each update's time/*_share of its
+    time/update_s (in step order, the first step left out), TRL's from the file its child wrote; the summary takes
+    each side's median over its runs and the table prints them."""
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": 2, "time/update_s": 2.0, "time/generation_share": 0.5, "time/scoring_share": 0.25,
+             "time/training_share": 0.25},
+            {"step": 1, "time/update_s": 9.0, "time/generation_share": 0.9, "time/scoring_share": 0.05,
+             "time/training_share": 0.05},
+            {"step": 3, "time/update_s": 4.0, "time/generation_share": 0.5, "time/scoring_share": 0.25,
+             "time/training_share": 0.25}]
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ours = bench_trl.phase_times("ours", str(tmp_path / "x.log"), str(metrics))
+    assert ours == pytest.approx({"generation": 1.5, "scoring": 0.75, "training": 0.75})  # steps 2 and 3
+    (tmp_path / "x.log.phases.json").write_text(json.dumps(
+        [{"generation": 5.0, "scoring": 5.0, "training": 5.0}, {"generation": 1.0, "scoring": 2.0, "training": 3.0}]))
+    trl = bench_trl.phase_times("trl", str(tmp_path / "x.log"), str(metrics))
+    assert trl == pytest.approx({"generation": 1.0, "scoring": 2.0, "training": 3.0})
+    assert bench_trl.phase_times("ours", str(tmp_path / "x.log"), str(tmp_path / "none.jsonl")) is None
+    runs = [dict(run("grpo", "ours", 0, 128, 10.0), phases=ours), dict(run("grpo", "ours", 0, 512, 20.0), phases=ours),
+            dict(run("grpo", "trl", 0, 128, 10.0), phases=trl), dict(run("grpo", "trl", 0, 512, 30.0), phases=trl)]
+    s = bench_trl.summarize(runs, "grpo", "fp32")
+    assert s["phases_ours"] == pytest.approx(ours) and s["phases_trl"] == pytest.approx(trl)
+    text = bench_trl.table([s], ["CPU: test"], {"grpo": "1.16.0"})
+    assert "| grpo.py | fp32 | 1.500 | 0.750 | 0.750 | 1.000 | 2.000 | 3.000 |" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (os.environ.get("RLHF_BENCH_TRL") and os.path.exists(TRL_VENV)),
+                    reason="opt-in (RLHF_BENCH_TRL=1) and needs the TRL venv that python tools/bench_trl.py makes; "
+                           "the benchmark stays out of CI")
+def test_end_to_end_rloo_and_grpo_against_trl_at_the_tiny_shape(tmp_path):
+    """RLOOTrainer and GRPOTrainer beside rloo.py and grpo.py: every run ends, TRL trains N / batch steps on N / k
+    prompts, each of its completions exactly response_length tokens, and both sides' steps are split by phase."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "tools", "bench_trl.py"), "--shape", "tiny", "--trainers", "rloo",
+           "grpo", "--rows", "16", "48", "--repeats", "1", "--precisions", "fp32", "--threads", "1", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())
+    assert all(r["ok"] and r["phases"] for r in report["runs"])
+    for r in report["runs"]:
+        if r["side"] == "trl":
+            assert len(r["step_s"]) == r["rows"] // 8  # batch 8
+            log = open(r["log"]).read()
+            assert "'completions/min_length': '8'" in log and "'completions/max_length': '8'" in log
+    assert all(s["phases_ours"] and s["phases_trl"] for s in report["summaries"])
+    assert "grpo.py vs TRL 1.16.0 GRPOTrainer" in (out / "bench.md").read_text()

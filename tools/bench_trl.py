@@ -15,6 +15,8 @@ a virtual environment that holds TRL):
     reward  reward.py vs RewardTrainer (current TRL)   rows = preference pairs, pairwise loss
     dpo     dpo.py    vs DPOTrainer    (current TRL)   rows = preference pairs, sigmoid loss, live reference model
     ppo     ppo.py    vs PPOTrainer    (TRL 1.12, the last release that has it)   rows = episodes
+    rloo    rloo.py   vs RLOOTrainer   (current TRL)   rows = episodes (k = 2 per query), KL in the reward
+    grpo    grpo.py   vs GRPOTrainer   (current TRL)   rows = episodes (G = 4 per query), k3 KL in the loss
 
 Sides (--sides, any of ours before trl, ours always among them): `ours` runs this folder's scripts, `trl` TRL's
 trainers, `before` the same commands as `ours` with the scripts of another copy of the project (--before_repo, e.g.
@@ -92,6 +94,20 @@ scripts, and the folder they run from, differ; ours and TRL as follows):
   - PPO: the same rollout shapes (response_length tokens, always that many: TRL without a stop token, ours by
     Detail 23), temperature 0.7, 4 PPO epochs, 1 minibatch, the same rollout forward batch, KL coefficient 0.05;
   - DPO: beta 0.1, sigmoid loss, the reference model run live on both sides (no precomputed log-probs).
+  - RLOO and GRPO: the rollout of one optimizer step is the whole batch (TRL: per_device_train_batch_size = our
+    micro batch, its generation batch = our batch; ours: --local_rollout_forward_batch_size = the batch), k
+    responses per query (RLOO 2, GRPO 4), temperature 0.7 (top-k 0, top-p 1), one epoch and one minibatch per
+    rollout (TRL's num_iterations 1), clip 0.2, and each side's loss set to the other's: RLOO the k1 KL summed into
+    the reward (beta 0.05), the leave-one-out baseline, no advantage normalisation, a clipped ratio per sequence;
+    GRPO the k3 KL in the loss (beta 0.04), the group's std, the per-response mean (TRL's loss_type "grpo"), per-token
+    ratios, TRL's use_bias_correction_kl off (TRL 1.16 turns it on). Both sides generate exactly response_length
+    tokens: ours samples them all (EOS does not stop it, Detail 23), TRL's generation gets min_new_tokens =
+    max_completion_length (EOS suppressed until then; the compute per step is the same, the samples differ). TRL
+    reads our query ids as they are (its prompt tokenizer is replaced by a lookup of our ids); its reward model
+    reads the prompt and completion texts tokenized again, as TRL always does. The time of each step is split into
+    generation, scoring (the policy's, the reference's and the reward model's passes over the rollout) and
+    training: ours from each update's time/*_share in metrics.jsonl, TRL's by timing its _generate_single_turn and
+    _generate_and_score_completions.
 Not matched, because each side's own design decides them: the final evaluation and saving (they cancel in the
 marginal rate), TRL's per-step logging and our metric logging, and what each side does with padding. Peak memory
 does not cancel: it is that of the whole run, models, optimizer state, data and evaluation included.
@@ -121,10 +137,14 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)  # data.prepare's tokenizer record, for the shapes' data
 TRL_FLAG = "--_trl"  # internal: `<venv python> tools/bench_trl.py --_trl spec.json` runs one TRL trainer
 
-TRAINERS = ["sft", "reward", "dpo", "ppo"]
-SCRIPT = {"sft": "sft.py", "reward": "reward.py", "dpo": "dpo.py", "ppo": "ppo.py"}
-TRL_NAME = {"sft": "SFTTrainer", "reward": "RewardTrainer", "dpo": "DPOTrainer", "ppo": "PPOTrainer"}
-UNIT = {"sft": "rows/s", "reward": "pairs/s", "dpo": "pairs/s", "ppo": "episodes/s"}
+TRAINERS = ["sft", "reward", "dpo", "ppo", "rloo", "grpo"]
+SCRIPT = {"sft": "sft.py", "reward": "reward.py", "dpo": "dpo.py", "ppo": "ppo.py", "rloo": "rloo.py",
+          "grpo": "grpo.py"}
+TRL_NAME = {"sft": "SFTTrainer", "reward": "RewardTrainer", "dpo": "DPOTrainer", "ppo": "PPOTrainer",
+            "rloo": "RLOOTrainer", "grpo": "GRPOTrainer"}
+UNIT = {"sft": "rows/s", "reward": "pairs/s", "dpo": "pairs/s", "ppo": "episodes/s", "rloo": "episodes/s",
+        "grpo": "episodes/s"}
+GROUP_TRAINERS = ("rloo", "grpo")  # online, k responses per query, no critic
 
 # Per trainer: batch and micro batch (rows per optimizer step / per forward-backward pass; for reward and DPO a
 # row is a pair, i.e. two sequences), learning rate and schedule. The sizes and rates are those the issue's
@@ -136,6 +156,11 @@ SETTINGS = {
             "beta": 0.1},
     "ppo": {"batch": 32, "micro": 16, "lr": 1e-4, "scheduler": "linear", "weight_decay": 0.01, "rows": (128, 512),
             "rollout_forward_batch": 32, "num_ppo_epochs": 4, "temperature": 0.7, "kl_coef": 0.05},
+    # PPO's sizes, each script's own defaults (one epoch, k, the KL coefficient), the rollout one batch at a time
+    "rloo": {"batch": 32, "micro": 16, "lr": 1e-4, "scheduler": "linear", "weight_decay": 0.01, "rows": (128, 512),
+             "rollout_forward_batch": 32, "num_ppo_epochs": 1, "temperature": 0.7, "kl_coef": 0.05, "k": 2},
+    "grpo": {"batch": 32, "micro": 16, "lr": 1e-4, "scheduler": "linear", "weight_decay": 0.01, "rows": (128, 512),
+             "rollout_forward_batch": 32, "num_ppo_epochs": 1, "temperature": 0.7, "kl_coef": 0.04, "k": 4},
 }
 EVAL_ROWS = 16  # rows of our final evaluations (a fixed cost: it cancels in the marginal rate)
 
@@ -162,6 +187,8 @@ SHAPE_BATCHES = {
     "reward": {"batch": 8, "micro": 4, "rows": (16, 48)},
     "dpo": {"batch": 8, "micro": 2, "rows": (8, 24)},
     "ppo": {"batch": 8, "micro": 4, "rows": (16, 48), "rollout_forward_batch": 4},
+    "rloo": {"batch": 8, "micro": 4, "rows": (16, 48), "rollout_forward_batch": 8},
+    "grpo": {"batch": 8, "micro": 4, "rows": (16, 48), "rollout_forward_batch": 8},
 }
 SHAPE_EVAL_ROWS = 8
 SHAPE_SEED = 1
@@ -197,11 +224,11 @@ PREP_FLAGS = ["--synthetic_warmup_steps", "20", "--synthetic_num_sft_eval", "48"
 @dataclass
 class Args:
     trainers: list[str] = field(default_factory=lambda: list(TRAINERS))
-    """which comparisons to run: any of sft reward dpo ppo"""
+    """which comparisons to run: any of sft reward dpo ppo rloo grpo"""
     rows: Optional[list[int]] = None
-    """N1 N2: rows (SFT rows, preference pairs, PPO episodes) of the short and the long run; each a multiple of the
-    trainer's batch. One N: runs of that size only (per-step times and peak memory, no two-run rate). None = per
-    trainer: sft, reward and dpo 256 2048, ppo 128 512 (builtin); at the other shapes sft, reward and ppo 16 48,
+    """N1 N2: rows (SFT rows, preference pairs, PPO / RLOO / GRPO episodes) of the short and the long run; each a
+    multiple of the trainer's batch. One N: runs of that size only (per-step times and peak memory, no two-run rate).
+    None = per trainer: sft, reward and dpo 256 2048, ppo, rloo and grpo 128 512 (builtin); at the other shapes 16 48,
     dpo 8 24"""
     repeats: int = 3
     """runs of each (side, N); the table gives the median"""
@@ -220,9 +247,10 @@ class Args:
     sft_model: Optional[str] = None
     """the SFT model (DPO, reward and PPO start from it); None = --pipeline_dir's, else a short sft.py run made here"""
     reward_model: Optional[str] = None
-    """the reward model of PPO (reward and critic); None = --pipeline_dir's, else a short reward.py run made here"""
+    """the reward model of PPO (reward and critic), RLOO and GRPO; None = --pipeline_dir's, else a short reward.py
+    run made here"""
     trl_version: str = "1.16.0"
-    """TRL release for SFTTrainer, RewardTrainer and DPOTrainer (the current one)"""
+    """TRL release for SFTTrainer, RewardTrainer, DPOTrainer, RLOOTrainer and GRPOTrainer (the current one)"""
     trl_ppo_version: str = "1.12.0"
     """TRL release for PPOTrainer (1.12: the last release that has it)"""
     venv_root: str = os.path.join(os.path.expanduser("~"), ".cache", "rlhf-bench")
@@ -367,6 +395,10 @@ def summarize(runs: list[dict], trainer: str, precision: str, sides: tuple = ("o
     for other in ("trl", "before"):
         if other in sides and summary["step_ours"] and summary[f"step_{other}"]:
             summary[f"step_ratio_{other}"] = summary[f"step_{other}"] / summary["step_ours"]
+    for side in sides:  # online trainers: each phase's median over the side's runs of its seconds per step
+        phases = [r["phases"] for r in mine if r["side"] == side and r.get("phases")]
+        if phases:
+            summary[f"phases_{side}"] = {p: statistics.median(run[p] for run in phases) for p in PHASES}
     return summary
 
 
@@ -421,7 +453,8 @@ def ppo_example(row: dict, where: str = "row") -> dict:
     return {"input_ids": real_query(row)}
 
 
-CONVERT = {"sft": sft_example, "reward": reward_example, "dpo": dpo_example, "ppo": ppo_example}
+CONVERT = {"sft": sft_example, "reward": reward_example, "dpo": dpo_example, "ppo": ppo_example,
+           "rloo": ppo_example, "grpo": ppo_example}  # RLOO's and GRPO's prompts: ids here, text in trl_child
 
 
 def convert_split(dataset, trainer: str, name: str):
@@ -494,7 +527,8 @@ def prepare_inputs(args: Args, work: str, env: dict) -> dict:
     # pipeline.py's ci sizes: a few updates give models of the right shapes (speed does not depend on the weights)
     ci = ["--seed", "1", "--run_dir_root", os.path.join(work, "runs"), "--overwrite_output_dir",
           "--checkpoint_every", "0"]
-    needs_sft, needs_rm = bool(set(args.trainers) & {"reward", "dpo", "ppo"}), "ppo" in args.trainers
+    online = {"ppo", *GROUP_TRAINERS}  # the trainers that score with the reward model
+    needs_sft, needs_rm = bool(set(args.trainers) & {"reward", "dpo", *online}), bool(set(args.trainers) & online)
     if needs_sft and not model_ready(paths["sft_model"]):
         run_checked([sys.executable, os.path.join(REPO_ROOT, "sft.py"), *ci, "--run_name", "setup_sft",
                      "--base_model", paths["base_model"], "--query_dataset", paths["sft_data"],
@@ -690,6 +724,8 @@ def describe_shape(shape: str, paths: dict, settings: dict, trainers: list[str])
     batches = ", ".join(f"{t} {settings[t]['batch']}/{settings[t]['micro']}" for t in trainers)
     if "ppo" in trainers:
         batches += f" (PPO's rollout forwards: {settings['ppo']['rollout_forward_batch']})"
+    for t in (t for t in GROUP_TRAINERS if t in trainers):
+        batches += f" ({t} k = {settings[t]['k']})"
     return (f"Shape: {shape}, {kind}: {parameters_in(paths['base_model']) / 1e6:.1f}M parameters (hidden "
             f"{config['hidden_size']}, {config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
             f"vocabulary {config['vocab_size']}); query {paths['query_length']} + response "
@@ -727,14 +763,14 @@ def our_command(trainer: str, precision: str, n: int, paths: dict, work: str, ru
                               "--num_train_epochs", "1", "--beta", str(s["beta"]), "--loss_type", "sigmoid",
                               "--scheduler", s["scheduler"], "--weight_decay", str(s["weight_decay"]),
                               "--eval_every", "0", "--log_every", "1", *eval_batch, *eval_rows]
-    return py + common + ["--sft_model_path", paths["sft_model"], "--reward_model_path", paths["reward_model"],
-                          "--query_dataset", paths["rows"], "--response_length", str(paths["response_length"]),
-                          "--total_episodes", str(n), "--local_rollout_forward_batch_size",
-                          str(s["rollout_forward_batch"]), "--temperature", str(s["temperature"]),
-                          "--ppo.num_ppo_epochs", str(s["num_ppo_epochs"]), "--ppo.num_mini_batches", "1",
-                          "--ppo.kl_coef", str(s["kl_coef"]), "--scheduler", s["scheduler"],
-                          "--weight_decay", str(s["weight_decay"]), "--eval_every", "0", "--print_sample_every", "0",
-                          *eval_rows]
+    group = {"rloo": ["--rloo_k", str(s.get("k"))], "grpo": ["--group_size", str(s.get("k"))]}.get(trainer, [])
+    return py + common + group + [
+        "--sft_model_path", paths["sft_model"], "--reward_model_path", paths["reward_model"],
+        "--query_dataset", paths["rows"], "--response_length", str(paths["response_length"]),
+        "--total_episodes", str(n), "--local_rollout_forward_batch_size", str(s["rollout_forward_batch"]),
+        "--temperature", str(s["temperature"]), f"--{trainer}.num_ppo_epochs", str(s["num_ppo_epochs"]),
+        f"--{trainer}.num_mini_batches", "1", f"--{trainer}.kl_coef", str(s["kl_coef"]), "--scheduler", s["scheduler"],
+        "--weight_decay", str(s["weight_decay"]), "--eval_every", "0", "--print_sample_every", "0", *eval_rows]
 
 
 # Runs the command argv[2:] and writes its peak resident memory (ru_maxrss of os.wait4, KiB on Linux) into the file
@@ -782,6 +818,29 @@ def step_times(side: str, log_path: str, metrics_path: str) -> Optional[list[flo
         times = [row["time/update_s"] for row in sorted(rows, key=lambda row: row["step"]) if "time/update_s" in row]
         return times or None
     except (OSError, ValueError, TypeError):
+        return None
+
+
+PHASES = ("generation", "scoring", "training")  # an online step's parts (RLOO and GRPO: both sides report them)
+
+
+def phase_times(side: str, log_path: str, metrics_path: str) -> Optional[dict]:
+    """An online run's seconds per step in each of PHASES, the mean over its steps but the first: ours and before
+    from metrics.jsonl (each update's time/<phase>_share of its time/update_s), TRL's from the file trl_child wrote
+    next to the log (its generation and scoring timed per step, training the rest of the step). None when the run
+    wrote none."""
+    try:
+        if side == "trl":
+            with open(log_path + ".phases.json") as f:
+                steps = json.load(f)
+        else:
+            with open(metrics_path) as f:
+                rows = sorted((json.loads(line) for line in f if line.strip()), key=lambda row: row["step"])
+            steps = [{phase: row[f"time/{phase}_share"] * row["time/update_s"] for phase in PHASES}
+                     for row in rows if all(f"time/{phase}_share" in row for phase in PHASES)]
+        steps = steps[1:]
+        return {phase: statistics.mean(step[phase] for step in steps) for phase in PHASES} if steps else None
+    except (OSError, ValueError, TypeError, KeyError):
         return None
 
 
@@ -868,6 +927,8 @@ def trl_child(spec_path: str) -> None:
                            precompute_ref_log_probs=False)
         trainer = PreTokenizedDPOTrainer(model=causal_lm(spec["model"]), ref_model=causal_lm(spec["model"]),
                                          args=config, train_dataset=train, processing_class=tokenizer)
+    elif trainer_name in GROUP_TRAINERS:
+        trainer = group_trainer(spec, common, causal_lm(spec["model"]), scorer(spec["reward_model"]), tokenizer, train)
     else:
         try:
             from trl.experimental.ppo import PPOConfig, PPOTrainer
@@ -893,9 +954,68 @@ def trl_child(spec_path: str) -> None:
     trainer.train()
     with open(spec["step_times"], "w") as f:  # each step's wall time, read by step_times
         json.dump(steps.seconds(), f)
+    if trainer_name in GROUP_TRAINERS:  # each step's generation, scoring and training seconds, read by phase_times
+        with open(spec["step_times"].replace(".steps.json", ".phases.json"), "w") as f:
+            json.dump([{"generation": g, "scoring": r - g, "training": step - r}
+                       for step, (g, r) in zip(steps.seconds(), trainer.rollout_seconds)], f)
     # what the trainer ran with, for the run's log: its class, rows, autocast precision and threads
     print(json.dumps({"trl_trainer": type(trainer).__name__, "rows": len(train), "bf16": bf16,
                       "mixed_precision": str(trainer.accelerator.mixed_precision), "threads": torch.get_num_threads()}))
+
+
+def group_trainer(spec: dict, common: dict, model, reward_model, tokenizer, train):
+    """TRL's RLOOTrainer or GRPOTrainer set to our script's computation (the module docstring: how the sides are
+    matched), reading our query ids, with each rollout's generation and generation + scoring timed
+    (rollout_seconds: one (generation, rollout) pair per optimizer step, one rollout per step here)."""
+    import trl
+
+    name, s = spec["trainer"], spec["settings"]
+    ids_of = {}  # prompt text -> our query ids: TRL tokenizes the "prompt" column; it gets our ids back instead
+    prompts = []
+    for row in train.select(range(spec["rows_n"] // s["k"])):  # N episodes: N / k queries, k responses each
+        text = tokenizer.decode(row["input_ids"])
+        ids_of[text] = row["input_ids"]
+        prompts.append({"prompt": text})
+    from datasets import Dataset
+
+    train = Dataset.from_list(prompts)
+    length = spec["response_length"]
+    config = dict({k: v for k, v in common.items() if k not in ("per_device_train_batch_size",
+                                                               "gradient_accumulation_steps")},
+                  per_device_train_batch_size=s["micro"], gradient_accumulation_steps=s["batch"] // s["micro"],
+                  num_generations=s["k"], max_completion_length=length, temperature=s["temperature"], top_k=0,
+                  top_p=1.0, generation_kwargs={"min_new_tokens": length}, beta=s["kl_coef"], num_iterations=1,
+                  epsilon=0.2, mask_truncated_completions=False, disable_dropout=True, log_completions=False)
+    if name == "grpo":
+        config.update(loss_type="grpo", scale_rewards="group", importance_sampling_level="token",
+                      use_bias_correction_kl=False)
+        config_class, trainer_class = trl.GRPOConfig, trl.GRPOTrainer
+    else:
+        config.update(normalize_advantages=False)
+        config_class, trainer_class = trl.RLOOConfig, trl.RLOOTrainer
+
+    class OurIdsTimed(trainer_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.rollout_seconds, self._generation_s = [], 0.0
+
+        def _tokenize_prompts(self, prompts):  # our ids, not a second tokenization
+            return [ids_of[p] for p in prompts], None, {}
+
+        def _generate_single_turn(self, *args, **kwargs):
+            start = StepTimes.now()
+            out = super()._generate_single_turn(*args, **kwargs)
+            self._generation_s = StepTimes.now() - start
+            return out
+
+        def _generate_and_score_completions(self, *args, **kwargs):
+            start = StepTimes.now()
+            out = super()._generate_and_score_completions(*args, **kwargs)
+            self.rollout_seconds.append((self._generation_s, StepTimes.now() - start))
+            return out
+
+    return OurIdsTimed(model=model, reward_funcs=[reward_model], args=config_class(**config), train_dataset=train,
+                       processing_class=tokenizer, reward_processing_classes=[tokenizer])
 
 
 class StepTimes:
@@ -961,7 +1081,8 @@ def table(summaries: list[dict], header: list[str], versions: dict, sides: tuple
     note = ("A rate is (N2 - N1) rows / (wall time at N2 - wall time at N1) of whole processes; runs interleaved "
             f"({', '.join(names[side] for side in sides)}) per size and repeat; n/a: the run at N2 was not slower than "
             "at N1 (use more rows). Peak RSS: the median over the runs at N2 of each run's largest resident set.")
-    return "\n".join([*header, "", *lines, "", note, *step_table(summaries, sides, names)])
+    return "\n".join([*header, "", *lines, "", note, *step_table(summaries, sides, names),
+                      *phase_table(summaries, sides, names)])
 
 
 def step_table(summaries: list[dict], sides: list[str], names: dict) -> list[str]:
@@ -977,10 +1098,29 @@ def step_table(summaries: list[dict], sides: list[str], names: dict) -> list[str
         steps = [f"{s[f'step_{side}']:.3f}" if s.get(f"step_{side}") else "n/a" for side in sides]
         ratios = [f"**{s[f'step_ratio_{side}']:.2f}**" if s.get(f"step_ratio_{side}") else "n/a" for side in others]
         lines.append("| " + " | ".join([SCRIPT[s["trainer"]], s["precision"], *steps, *ratios]) + " |")
-    return lines + ["", "s/step: the median wall time of one optimizer step over every run of the side (both sizes, "
-                        "every repeat), each run's first step left out; ours: each update's time/update_s in its "
-                        "metrics.jsonl, TRL: the time between the ends of two steps (a TrainerCallback); ours/X per "
-                        "step: X's step time over ours."]
+    lines += ["", "s/step: the median wall time of one optimizer step over every run of the side (both sizes, "
+                  "every repeat), each run's first step left out; ours: each update's time/update_s in its "
+                  "metrics.jsonl, TRL: the time between the ends of two steps (a TrainerCallback); ours/X per "
+                  "step: X's step time over ours."]
+    return lines
+
+
+def phase_table(summaries: list[dict], sides: list[str], names: dict) -> list[str]:
+    """The online trainers' steps by phase: each side's seconds per step in generation, scoring and training (none
+    when no run reported them)."""
+    rows = [s for s in summaries if any(s.get(f"phases_{side}") for side in sides)]
+    if not rows:
+        return []
+    columns = ["trainer", "precision", *(f"{names[side]} {phase} s" for side in sides for phase in PHASES)]
+    lines = ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for s in rows:
+        cells = [f"{s[f'phases_{side}'][phase]:.3f}" if s.get(f"phases_{side}") else "n/a"
+                 for side in sides for phase in PHASES]
+        lines.append("| " + " | ".join([SCRIPT[s["trainer"]], s["precision"], *cells]) + " |")
+    return lines + ["", "Seconds per step by phase, the median over the side's runs of each run's mean over its "
+                        "steps but the first: generation (sampling), scoring (the policy's, the reference's and the "
+                        "reward model's passes over the rollout; TRL: the rest of its _generate_and_score_completions) "
+                        "and training (the rest of the step)."]
 
 
 def check_sides(args: Args) -> list[str]:
@@ -1028,7 +1168,8 @@ def main(args: Args) -> dict:
 
     versions = {t: args.trl_ppo_version if t == "ppo" else args.trl_version for t in args.trainers}
     pythons = {v: ensure_trl(args, v) for v in sorted(set(versions.values()))} if "trl" in sides else {}
-    kind_of = {"sft": "sft", "ppo": "sft", "reward": "preference", "dpo": "preference"}  # the dataset a trainer reads
+    # the dataset a trainer reads
+    kind_of = {"sft": "sft", "ppo": "sft", "rloo": "sft", "grpo": "sft", "reward": "preference", "dpo": "preference"}
     if args.shape == "builtin":
         paths = prepare_inputs(args, work, env)
     else:
@@ -1067,6 +1208,8 @@ def main(args: Args) -> dict:
         record = {"trainer": trainer, "precision": precision, "repeat": repeat, "rows": n, "side": side,
                   "wall_s": round(wall, 3), "peak_rss_mib": round(rss, 1), "returncode": code, "ok": code == 0,
                   "step_s": step_times(side, log_path, os.path.join(work, "runs", name, "metrics.jsonl")),
+                  "phases": (phase_times(side, log_path, os.path.join(work, "runs", name, "metrics.jsonl"))
+                             if trainer in GROUP_TRAINERS else None),
                   "command": cmd, "cwd": cwd, "log": log_path}
         runs.append(record)
         status = (f"{wall:.1f} s, peak {rss:.0f} MiB" if code == 0
