@@ -714,12 +714,12 @@ def joined_rows(batches: list, index: torch.Tensor):
 
 def grpo_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, update: int, guard, ptx, kl_coef: float,
                 pad_token_id: int) -> dict:
-    """The update: K epochs over the local rollout batch, each a fresh permutation cut into micro batches; every
-    gradient_accumulation_steps of them make a minibatch and one optimizer step. Returns this process's
-    statistics of each micro batch, (K, num_mini_batches, gradient_accumulation_steps) tensors. guard(update,
-    **tensors) is the non-finite guard (run.guard), checked on each loss before its backward. The options that act
-    inside the update, each a no-op when off: ptx (PtxData), the entropy bonus and the top-entropy tokens, the
-    truncated responses' mask."""
+    """The update: K epochs over the local rollout batch, each a fresh permutation (of whole groups under --query_once:
+    epoch_permutation) cut into micro batches; every gradient_accumulation_steps of them make a minibatch and one
+    optimizer step. Returns this process's statistics of each micro batch, (K, num_mini_batches,
+    gradient_accumulation_steps) tensors. guard(update, **tensors) is the non-finite guard (run.guard), checked on
+    each loss before its backward. The options that act inside the update, each a no-op when off: ptx (PtxData),
+    the entropy bonus and the top-entropy tokens, the truncated responses' mask."""
     local_batch_size, response_length = data.responses.shape
     context_length = data.query_responses.size(1) - response_length
     micro = args.local_micro_batch_size

@@ -544,12 +544,12 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
 
 def reinforce_pp_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, update: int, guard, ptx,
                 pad_token_id: int, kl_coef: Optional[float] = None) -> dict:
-    """The update: K epochs over the local rollout batch, each a fresh permutation cut into micro batches; every
-    gradient_accumulation_steps of them make a minibatch and one optimizer step. Returns this process's
-    statistics of each micro batch, (K, num_mini_batches, gradient_accumulation_steps) tensors. guard(update,
-    **tensors) is the non-finite guard (run.guard), checked on each loss before its backward. The options that act
-    inside the update, each a no-op when off: ptx (PtxData), --reinforce_pp.kl_in loss (kl_loss, times kl_coef: the
-    KL controller's value; None = --reinforce_pp.kl_coef).
+    """The update: K epochs over the local rollout batch, each a fresh permutation (of whole groups under --query_once:
+    epoch_permutation) cut into micro batches; every gradient_accumulation_steps of them make a minibatch and one
+    optimizer step. Returns this process's statistics of each micro batch, (K, num_mini_batches,
+    gradient_accumulation_steps) tensors. guard(update, **tensors) is the non-finite guard (run.guard), checked on
+    each loss before its backward. The options that act inside the update, each a no-op when off: ptx (PtxData),
+    --reinforce_pp.kl_in loss (kl_loss, times kl_coef: the KL controller's value; None = --reinforce_pp.kl_coef).
     The loss is a mean over each micro batch's kept tokens on its process, and the minibatch's gradient the mean of
     those over its micro batches and processes (accelerate's accumulation, DDP's average): each micro batch weighs the
     same whatever its number of tokens, so the update depends on how a batch is split when the micro batches hold

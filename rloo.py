@@ -480,11 +480,11 @@ def rewards_and_advantages(args, hp, data: Rollout, eos_token_id: int, pad_token
 
 def rloo_update(args, hp, accelerator, model, optimizer, data: Rollout, scored, update: int, guard, ptx,
                 pad_token_id: int) -> dict:
-    """The update: K epochs over the local rollout batch, each a fresh permutation cut into micro batches; every
-    gradient_accumulation_steps of them make a minibatch and one optimizer step. Returns this process's
-    statistics of each micro batch, (K, num_mini_batches, gradient_accumulation_steps) tensors. guard(update,
-    **tensors) is the non-finite guard (run.guard), checked on each loss before its backward. The options that act
-    inside the update, each a no-op when off: ptx (PtxData)."""
+    """The update: K epochs over the local rollout batch, each a fresh permutation (of whole groups under --query_once:
+    epoch_permutation) cut into micro batches; every gradient_accumulation_steps of them make a minibatch and one
+    optimizer step. Returns this process's statistics of each micro batch, (K, num_mini_batches,
+    gradient_accumulation_steps) tensors. guard(update, **tensors) is the non-finite guard (run.guard), checked on
+    each loss before its backward. The options that act inside the update, each a no-op when off: ptx (PtxData)."""
     local_batch_size, response_length = data.responses.shape
     context_length = data.query_responses.size(1) - response_length
     micro = args.local_micro_batch_size
