@@ -145,6 +145,9 @@ class Args:
     # evaluation, sampling and logging
     eval_every: int = 500
     """run the evaluation every N optimizer updates (0 = only after training)"""
+    save_policy_at: List[int] = field(default_factory=list)
+    """updates after which a policy snapshot is saved in {output_dir}/snapshots/update_N (0: the starting policy; the
+    last: before the final evaluation), with its weights' digest and budget, for pipeline.py --mode frontier"""
     num_eval_samples: Optional[int] = None
     """use only the first N rows of each evaluation split (preference and sampling); None = all"""
     response_length: int = 53
@@ -289,6 +292,14 @@ def main(args: Args) -> dict:
         f"{args.local_micro_batch_size} pairs"
     )
     policy.train()
+
+    def save_snapshot(update: int) -> None:  # the policy after `update`, with its digest and the budget spent by then
+        models.save_snapshot(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir, update,
+                             {"budget/pairs_read": update * args.total_batch_size, "num_updates": num_updates},
+                             merge=models.merged_policy if args.lora_rank > 0 else None)
+
+    if start_update == 0 and models.snapshot_due(args, 0, num_updates):  # the starting policy, before update 1
+        save_snapshot(0)
     progress = tqdm(total=num_updates, initial=start_update, desc=args.exp_name,
                     disable=not accelerator.is_local_main_process)
     with progress:  # closed before an error's message, which stays the last line of the output
@@ -312,6 +323,8 @@ def main(args: Args) -> dict:
             if due(args.eval_every, update, num_updates):
                 run_evaluation(update)
                 interval.restart_clock()  # evaluation time is not training throughput
+            if models.snapshot_due(args, update, num_updates):
+                save_snapshot(update)
             # after the update's logging and evaluation, so a resumed run repeats neither
             if due(args.run.checkpoint_every, update, num_updates):
                 run.checkpoint(update, interval.state())

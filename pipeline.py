@@ -5,6 +5,7 @@
     python pipeline.py --mode leaderboard                    # every method, seeds 1-5: one table, one plot
     python pipeline.py --mode leaderboard --extra my.py:rloo # ... with a forked script beside them
     python pipeline.py --mode ci       # every stage with minimal steps: checks every artefact is produced
+    python pipeline.py --mode frontier # gold and proxy reward against KL along 5 methods' training, seeds 1-5
     python pipeline.py --force ppo     # rerun one stage (and nothing else)
     python pipeline.py --kto           # adds KTO (kto.py) on the pairs and on the raters' thumbs up / down
 
@@ -25,6 +26,9 @@ the task (prep: data, tokenizer, base model) is made once and every later stage 
 (mean and standard deviation of each policy's gold win rate, the RM accuracies). `--mode leaderboard` runs every
 method the project ships on seeds 1 2 3 4 5 with one budget and writes `<out>/report/leaderboard.md` and
 `leaderboard.png` (gold win rate against KL from SFT); `--mode ci` runs the same stages at minimal sizes.
+`--mode frontier` trains PPO, RLOO, GRPO, online DPO and DPO at 1.5 times the leaderboard's budget on seeds 1-5,
+evaluates each at 7 points of its training and best-of-n on the SFT policy (frontier.py), and writes
+`<out>/report/frontier.md`, `frontier.png` and `frontier_points.csv`; `--mode frontier_ci` at minimal sizes.
 
 This file is glue, not an algorithm: it may import the project's `data` package (the built-in task
 and its gold judge) and `report.py`, which the algorithm scripts never do. Measured run times and results:
@@ -36,8 +40,10 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -52,10 +58,11 @@ sys.path.insert(0, REPO_ROOT)
 
 @dataclass
 class Args:
-    mode: Literal["quickstart", "full", "leaderboard", "ci"] = "quickstart"
+    mode: Literal["quickstart", "full", "leaderboard", "ci", "frontier", "frontier_ci"] = "quickstart"
     """quickstart: the README's first command (SFT, RM, PPO, DPO); full: also RLOO, ILQL and the four offline
     methods; leaderboard: every method the project ships (and --extra forks) on one budget, one table and one plot;
-    ci: the leaderboard's stages with minimal steps, to check that every artefact of the report is produced"""
+    ci: the leaderboard's stages with minimal steps; frontier (frontier_ci: minimal steps): gold and proxy score
+    against KL along PPO, RLOO, GRPO, online DPO and DPO, and best-of-n (frontier.py)"""
     out: str = "artifacts/quickstart"
     """where data, models, runs and the report go"""
     force: list[str] = field(default_factory=list)
@@ -66,8 +73,8 @@ class Args:
     """seed of every stage (with one seed)"""
     seeds: list[int] = field(default_factory=list)
     """training seeds: each runs every stage after prep in <out>/seed_<n>/ (prep uses the first seed: one task for
-    all). Empty: --seed alone in quickstart and ci modes, 1 2 3 in full mode, 1 2 3 4 5 in leaderboard mode (the
-    paired test over seeds needs that many to separate methods)"""
+    all). Empty: --seed alone in quickstart and ci modes, 1 2 3 in full mode, 1 2 3 4 5 in leaderboard and frontier
+    modes (the paired test over seeds needs that many to separate methods)"""
     threads: int = 0
     """torch threads per stage; 0 = the cores that are idle when the stage starts (at least 1), so that a machine
     shared with other work is not oversubscribed"""
@@ -78,6 +85,9 @@ class Args:
     take_over_lock: bool = False
     """take over <out>/pipeline.lock when its holder cannot be checked (a pipeline on another host: a container that
     restarted under a new host name); a lock of an ended pipeline is taken over without it"""
+    budget_multiple: float = 1.5
+    """--mode frontier: each run's budget as a multiple of the leaderboard's (responses; DPO: pairs read), rounded to
+    whole batches. 1.5 fits 5 seeds in about 2.5 hours on 2 cores; a slower machine cuts this before the seeds"""
     kto: bool = False
     """also run KTO (kto.py): stage `unpaired` gives every compared summary of the task a thumb up or down from its
     raters (data/prepare.py --unpaired_only), stage `kto` trains on the preference pairs as DPO does, `kto_unpaired`
@@ -247,6 +257,29 @@ SETTINGS["ci"] = {stage: flags if stage in ("prep", "rm") else flags_with(flags,
                   for stage, flags in SETTINGS["ci"].items()}
 SETTINGS["ci"]["prep"] = SETTINGS["ci"]["prep"] + ["--synthetic_num_sft_test", "48"]
 
+# The frontier (frontier.py): the leaderboard's SFT and reward model (the same commands, so an --out that holds a
+# leaderboard's reuses them), and five methods at --budget_multiple times the leaderboard's budget (ci's at
+# frontier_ci), each saving its policy at frontier.POINTS of its updates (--save_policy_at). No evaluation during
+# training (frontier.py evaluates the snapshots afterwards) and a short final one, which nothing reads.
+FRONTIER_PROMPTS = {"frontier": TEST_PROMPTS, "frontier_ci": 48}  # test prompts per evaluated point
+
+
+def frontier_settings(mode: str, multiple: float) -> dict:
+    """The stage flags of --mode frontier (or frontier_ci) at a budget multiple of the leaderboard's (ci's)."""
+    from frontier import point_updates
+
+    base = SETTINGS["leaderboard" if mode == "frontier" else "ci"]
+    settings = {stage: base[stage] for stage in ("prep", "sft", "rm")}
+    for stage, kind in FRONTIER_KINDS.items():
+        values = flag_values(["x", *base[kind]])
+        batch = int(values["--total_batch_size"])
+        updates = max(1, int(math.floor(int(values["--total_episodes"]) * multiple / batch + 0.5)))
+        settings[stage] = flags_with(base[kind], {"--total_episodes": str(updates * batch), "--eval_every": "0",
+                                                  "--num_eval_samples": "16"})
+        settings[stage] += ["--save_policy_at", *map(str, point_updates(updates))]
+    return settings
+
+
 QUICKSTART_STAGES = ["prep", "sft", "rm", "ppo", "dpo", "judge", "report"]
 # What each stage does, and about how long it takes alone on 2 CPU cores (the quickstart's sizes; docs/results.md)
 ABOUT = {"prep": ("the built-in task: posts, preference pairs, a tokenizer and a tiny GPT-NeoX base model", "2 min"),
@@ -283,18 +316,30 @@ SCRIPTS = {"rm": "reward.py", "ipo": "dpo.py", "kto_unpaired": "kto.py", "reinfo
            "prep": "data/prepare.py",
            "unpaired": "data/prepare.py", "judge": "judge.py", "report": "report.py"}
 KTO_STAGES = {"prep": ["unpaired"], "dpo": ["kto", "kto_unpaired"]}  # --kto: the stages that follow these
+# --mode frontier: the stage names of its runs (models/frontier_ppo, ...: beside a leaderboard's in one --out) and the
+# project stage whose script and flags each takes
+FRONTIER_STAGES = ["prep", "sft", "rm", "frontier_ppo", "frontier_rloo", "frontier_grpo", "frontier_online_dpo",
+                   "frontier_dpo", "frontier"]
+FRONTIER_KINDS = {"frontier_ppo": "ppo", "frontier_rloo": "rloo", "frontier_grpo": "grpo",
+                  "frontier_online_dpo": "online_dpo", "frontier_dpo": "dpo"}
+ABOUT.update({stage: (f"{kind} for the frontier, its policy saved at 7 points ({SCRIPTS.get(kind, kind + '.py')})",
+                      "2-4 min") for stage, kind in FRONTIER_KINDS.items()})
+ABOUT["frontier"] = ("every snapshot and best-of-n evaluated: gold, proxy and KL at temperature 1 (frontier.py)",
+                     "5 min")
 
 
 def resolve_seeds(args: Args) -> list[int]:
-    return list(args.seeds) or {"full": [1, 2, 3], "leaderboard": [1, 2, 3, 4, 5]}.get(args.mode, [args.seed])
+    return list(args.seeds) or {"full": [1, 2, 3], "leaderboard": [1, 2, 3, 4, 5],
+                                "frontier": [1, 2, 3, 4, 5]}.get(args.mode, [args.seed])
 
 
 MODE_STAGES = {"quickstart": QUICKSTART_STAGES, "full": FULL_STAGES, "leaderboard": LEADERBOARD_STAGES,
-               "ci": LEADERBOARD_STAGES}
+               "ci": LEADERBOARD_STAGES, "frontier": FRONTIER_STAGES, "frontier_ci": FRONTIER_STAGES}
 # stages that train or sample no policy of their own: nothing for a fork of them to be judged as
 NO_POLICY = {"prep": "it makes the task's data", "unpaired": "it gives the task's summaries thumbs up / down",
              "rm": "it trains the reward model, whose preference rows are no policy's samples",
-             "judge": "it judges the policies", "report": "it writes the report"}
+             "judge": "it judges the policies", "report": "it writes the report",
+             "frontier": "it evaluates the frontier's snapshots"}
 
 
 def mode_stages(mode: str, kto: bool = False) -> list[str]:
@@ -312,6 +357,9 @@ def parse_extras(extras: list[str], mode: str = "leaderboard", kto: bool = False
     a project stage or given twice. main() calls it before the lock and before any stage runs."""
     from rlhf_utils.checks import RunError
 
+    if extras and mode.startswith("frontier"):
+        raise RunError(f"--extra {extras[0]}: --mode {mode} draws the project's five methods only; run a fork in "
+                       "--mode leaderboard, or add its stage to FRONTIER_STAGES and FRONTIER_KINDS in pipeline.py")
     stages = mode_stages(mode, kto)
     known = [s for s in LEADERBOARD_STAGES if s not in NO_POLICY]
     out = {}
@@ -390,25 +438,32 @@ class Pipeline:
         self.shared_stage_dir = os.path.join(self.out, "stages")  # prep's marker: one task for every seed
         os.makedirs(self.stage_dir, exist_ok=True)
         os.makedirs(self.shared_stage_dir, exist_ok=True)
-        self.settings = SETTINGS[args.mode]
+        self.frontier = args.mode.startswith("frontier")
+        self.settings = frontier_settings(args.mode, args.budget_multiple) if self.frontier else SETTINGS[args.mode]
         stages = mode_stages(args.mode, args.kto)
-        stages = stages[:stages.index("judge")] + list(self.extras) + stages[stages.index("judge"):]
+        judge = stages.index("judge") if "judge" in stages else len(stages)
+        stages = stages[:judge] + list(self.extras) + stages[judge:]
         self.stages = [s for s in stages if s not in args.skip and self._script_exists(s)]
         self.cpu, self.cpu_reruns = cpu_type(), set()  # check_cpu fills the reruns as the seed starts
+        from rlhf_utils.provenance import git_commit
+
+        self.commit = git_commit()  # stage markers record it: --mode frontier reuses a stage of this commit only
+        self.response_length = TASK["sft_response_length"]
         self.unreadable = set()  # the unreadable markers read_marker has told of (once each)
 
     def _script_exists(self, stage: str) -> bool:
         if stage in self.extras:
             return True  # checked by parse_extras
-        script = "offline_rl.py" if stage.startswith("offline_") else SCRIPTS.get(stage, f"{stage}.py")
+        kind = FRONTIER_KINDS.get(stage, stage)
+        script = "offline_rl.py" if kind.startswith("offline_") else SCRIPTS.get(kind, f"{kind}.py")
         return os.path.exists(os.path.join(REPO_ROOT, script))
 
     def kind(self, stage: str) -> str:
         """The project stage whose command and settings a stage takes: itself, or the one an --extra fork named."""
-        return self.extras[stage][1] if stage in self.extras else stage
+        return self.extras[stage][1] if stage in self.extras else FRONTIER_KINDS.get(stage, stage)
 
     def command(self, stage: str) -> list[str] | None:
-        if stage in ("judge", "report"):
+        if stage in ("judge", "report", "frontier"):
             return None
         kind, script = self.kind(stage), self.extras.get(stage, (None,))[0]
         if kind.startswith("offline_"):
@@ -432,6 +487,8 @@ class Pipeline:
     def done(self, stage: str) -> bool:
         """A stage is done when it left its marker and its outputs are complete (see incomplete), unless forced."""
         if stage in ("judge", "report"):  # cheap (the judge caches every verdict) and they read every stage
+            return False
+        if stage == "frontier":  # its evaluations are cached by their weights' digest (frontier.evaluate_seed)
             return False
         return self.read_marker(stage) is not None and not self.forced(stage) and self.incomplete(stage) is None
 
@@ -503,11 +560,24 @@ class Pipeline:
         # a stage whose marker names another type (a rerun cut short before it reached that stage) reruns too
         return reruns | {stage for stage in self.stages if recorded_marker(self.marker(stage)) not in (None, self.cpu)}
 
+    def commit_reruns(self) -> set[str]:
+        """--mode frontier reuses a finished stage (e.g. a leaderboard's SFT and reward model in the same --out) only
+        where its marker names this commit: a stage of another commit, or of none recorded, reruns from the start."""
+        if not self.frontier:
+            return set()
+        markers = {stage: self.read_marker(stage) for stage in self.stages}
+        reruns = {stage for stage, marker in markers.items()
+                  if marker is not None and marker.get("commit") != self.commit}
+        if reruns:
+            print(f"=== {', '.join(s for s in self.stages if s in reruns)} finished at another commit than this one "
+                  f"({self.commit}): rerun from the start", flush=True)
+        return reruns
+
     def incomplete(self, stage: str) -> str | None:
         """Why a stage's outputs are not complete, or None: prep's task folder holds task.json (data/prepare.py
         writes it last); a training stage's model folder carries `"complete": true` in its run.json (the run
         writes it last, after the final model)."""
-        if stage in ("judge", "report"):
+        if stage in ("judge", "report", "frontier"):
             return None
         if stage == "prep":
             if os.path.exists(os.path.join(self.data, "task.json")):
@@ -604,7 +674,7 @@ class Pipeline:
                        "--seed", str(self.data_seed), *self.settings["prep"])
 
     def flags(self, stage: str) -> list[str]:
-        return self.settings[self.kind(stage)]
+        return self.settings[stage if stage in self.settings else self.kind(stage)]
 
     def cmd_sft(self, stage: str = "sft", script: str | None = None) -> list[str]:
         return self.py(script or "sft.py", *self.common(stage), "--base_model", f"{self.data}/base_model",
@@ -712,6 +782,11 @@ class Pipeline:
                           "--tokenizer_path", f"{self.data}/base_model", "--seed", str(self.args.seed))
             self.run("judge", cmd)
 
+    def stage_frontier(self) -> None:
+        import frontier
+
+        frontier.evaluate_seed(self, [s for s in self.stages if s in FRONTIER_KINDS], FRONTIER_PROMPTS[self.args.mode])
+
     def stage_report(self) -> None:
         import report
 
@@ -721,7 +796,7 @@ class Pipeline:
     # ---------------------------------------------------------------- driver
     def main(self) -> None:
         t_start = time.monotonic()
-        self.cpu_reruns = self.check_cpu()
+        self.cpu_reruns = self.check_cpu() | self.commit_reruns()
         for number, stage in enumerate(self.stages, 1):
             what, how_long = ABOUT.get(stage, ABOUT.get(stage.split("_")[0], (stage, "a few min")))
             print(f"\n##### stage {number} of {len(self.stages)}: {stage}: {what} (about {how_long})", flush=True)
@@ -738,6 +813,8 @@ class Pipeline:
                 self.stage_judge()
             elif stage == "report":
                 self.stage_report()
+            elif stage == "frontier":
+                self.stage_frontier()
             else:
                 if stage != "prep" and self.resumable(stage):
                     print(f"=== [{stage}] interrupted earlier; continuing from its latest checkpoint")
@@ -746,13 +823,18 @@ class Pipeline:
                     print(f"=== [{stage}] forced: deleting the checkpoints of its earlier run "
                           f"({os.path.join(self.runs, stage, 'checkpoints')}) and starting over (--restart)")
                     cmd.append("--restart")
+                snapshots = os.path.join(self.models, stage, "snapshots")
+                if stage in FRONTIER_KINDS and "--resume" not in cmd and os.path.isdir(snapshots):
+                    print(f"=== [{stage}] starting over: deleting the snapshots of its earlier run ({snapshots})")
+                    shutil.rmtree(snapshots)  # the pipeline owns its model folders (--overwrite_output_dir)
                 self.run(stage, cmd)
                 problem = self.incomplete(stage)
                 if problem:  # the stage's command ended without error, yet its outputs are not complete
                     raise RuntimeError(f"[{stage}] ended, but {problem}; rerun it: python pipeline.py --force {stage}")
             self.write_json(self.marker(stage), {
                 "stage": stage, "wall_time_s": round(time.monotonic() - t0, 1), "finished": time.time(), **self.usage,
-                "cpu": self.cpu, "command": cmd and self.recorded(cmd)}, f"the stage marker of [{stage}]")
+                "cpu": self.cpu, "commit": self.commit, "command": cmd and self.recorded(cmd)},
+                f"the stage marker of [{stage}]")
         print(f"\npipeline finished in {time.monotonic() - t_start:.0f} s (this invocation); "
               f"report: {self.report_dir}/results.md")
 
@@ -778,10 +860,14 @@ def main(args: Args) -> None:
                 pipelines[-1].main()
         import report
 
-        if len(seeds) > 1:
+        if len(seeds) > 1 and not pipelines[0].frontier:  # the frontier's seeds have no per-seed report
             print("\n" + report.write_seed_report(os.path.abspath(args.out), seeds))
         if args.mode in ("leaderboard", "ci") and "report" in pipelines[0].stages:
             print("\n" + report.write_leaderboard(os.path.abspath(args.out), seeds, pipelines))
+        if pipelines[0].frontier and "frontier" in pipelines[0].stages:
+            import frontier
+
+            print("\n" + frontier.write_frontier(os.path.abspath(args.out), seeds, pipelines))
     finally:
         os.remove(lock)
 

@@ -169,8 +169,8 @@ def response_kl(policy, reference, queries, pad_id: int, eos_id: int, response_l
     drawn with `generator` alone), and per query the sum over its response positions, up to and including the first
     EOS, of KL(policy(.|prefix) || reference(.|prefix)) over the whole vocabulary. The distributions of the KL come
     from one full forward of each model on the finished rows (masked_logprobs), not from the sampling's cache.
-    `queries` (N, Tq) are left-padded token ids. Returns the N sums (float64 numpy) and the sampled responses
-    (N, response_length; pads after the first EOS)."""
+    `queries` (N, Tq) are left-padded token ids. Returns the N sums (float64 numpy; None with reference None: the
+    samples alone) and the sampled responses (N, response_length; pads after the first EOS)."""
     import torch
 
     sums, responses = [], []
@@ -186,12 +186,14 @@ def response_kl(policy, reference, queries, pad_id: int, eos_id: int, response_l
             after_eos = (ended - (response == eos_id).long()) > 0
             response = response.masked_fill(after_eos, pad_id)
             sequence = torch.cat([query, response], dim=1)
+            responses.append(response)
+            if reference is None:
+                continue
             stop = sequence.size(1) - 1
             kl = position_kl(masked_logprobs(policy, sequence, pad_id, width - 1, stop),
                              masked_logprobs(reference, sequence, pad_id, width - 1, stop))
             sums.append((kl * ~after_eos).sum(1))
-            responses.append(response)
-    return torch.cat(sums).numpy(), torch.cat(responses)
+    return (torch.cat(sums).numpy() if reference is not None else None), torch.cat(responses)
 
 
 def kl_prompts(p, stage: str, count: int, samples_csv: str, tokenizer):
@@ -660,6 +662,23 @@ def holm(p_values: list[float], alpha: float = 0.05) -> tuple[list[float], list[
     return [float(a) for a in adjusted], levels
 
 
+def paired_test(diffs: list[float], alpha: float = 0.05) -> dict:
+    """A paired t-test of per-seed differences: their mean, its (1 - alpha) t-interval (low, high), the two-sided
+    p-value and the standard error (se); nan for all but the mean with fewer than two differences (and for the mean
+    too with none)."""
+    xs = np.array(diffs, dtype=float)
+    test = {"diffs": xs.tolist(), "mean": float(xs.mean()) if len(xs) else float("nan"), "low": float("nan"),
+            "high": float("nan"), "p": float("nan"), "se": float("nan")}
+    if len(xs) >= 2:
+        test["se"] = se = float(xs.std(ddof=1) / np.sqrt(len(xs)))
+        _, test["low"], test["high"] = mean_and_t_interval(xs, 1.0 - alpha)
+        if se == 0.0:  # every seed the same difference: certain when it is not 0
+            test["p"] = 0.0 if test["mean"] != 0.0 else 1.0
+        else:
+            test["p"] = float(2.0 * stats.t.sf(abs(test["mean"]) / se, len(xs) - 1))
+    return test
+
+
 def paired_comparisons(rates: dict[str, list[float]], baselines: tuple[str, ...] = ("ppo", "dpo", "sft"),
                        alpha: float = 0.05) -> list[dict]:
     """Every method against every baseline present (not itself): the per-seed differences in gold win rate (the
@@ -673,19 +692,10 @@ def paired_comparisons(rates: dict[str, list[float]], baselines: tuple[str, ...]
         for baseline in baselines:
             if baseline == method or baseline not in rates:
                 continue
-            diffs = np.array(mine, dtype=float) - np.array(rates[baseline], dtype=float)
-            row = {"method": method, "baseline": baseline, "diffs": diffs.tolist(), "mean": float(diffs.mean()),
-                   "low": float("nan"), "high": float("nan"), "p": float("nan"), "p_holm": float("nan"),
-                   "holm_level": float("nan"), "holm_low": float("nan"), "holm_high": float("nan"), "beats": "n/a"}
-            if len(diffs) >= 2:
-                se = float(diffs.std(ddof=1) / np.sqrt(len(diffs)))
-                _, row["low"], row["high"] = mean_and_t_interval(diffs, 1.0 - alpha)
-                if se == 0.0:  # every seed the same difference: certain when it is not 0
-                    row["p"] = 0.0 if row["mean"] != 0.0 else 1.0
-                else:
-                    row["p"] = float(2.0 * stats.t.sf(abs(row["mean"]) / se, len(diffs) - 1))
-                row["se"] = se
-            out.append(row)
+            test = paired_test(list(np.array(mine, dtype=float) - np.array(rates[baseline], dtype=float)), alpha)
+            out.append({"method": method, "baseline": baseline, **test, "p_holm": float("nan"),
+                        "holm_level": float("nan"), "holm_low": float("nan"), "holm_high": float("nan"),
+                        "beats": "n/a"})
     # a pair compared both ways (PPO against DPO and DPO against PPO) is one test of the family, not two
     pairs = {}
     for row in out:
@@ -694,10 +704,11 @@ def paired_comparisons(rates: dict[str, list[float]], baselines: tuple[str, ...]
     adjusted, levels = holm(list(pairs.values()), alpha)
     by_pair = dict(zip(pairs, zip(adjusted, levels)))
     for row in out:
+        se = row.pop("se")
         if np.isnan(row["p"]):
             continue
         p_holm, level = by_pair[frozenset((row["method"], row["baseline"]))]
-        half = stats.t.ppf(1.0 - level / 2.0, len(row["diffs"]) - 1) * row.pop("se")
+        half = stats.t.ppf(1.0 - level / 2.0, len(row["diffs"]) - 1) * se
         row.update(p_holm=p_holm, holm_level=level, holm_low=row["mean"] - half, holm_high=row["mean"] + half,
                    beats="yes" if row["mean"] - half > 0 else "no")
     return out

@@ -201,6 +201,9 @@ class Args:
     save_policy_every: int = 0
     """updates between policy snapshots (save_pretrained, for evaluation; not resumable) in
     {output_dir}/snapshots/update_N; 0 = only the final policy. Resumable checkpoints: --checkpoint_every"""
+    save_policy_at: List[int] = field(default_factory=list)
+    """updates after which a snapshot is saved as well (0: the starting policy; the last: before the final
+    evaluation), each with its weights' digest and budget; pipeline.py --mode frontier evaluates them"""
     print_sample_every: int = 10
     """updates between printed rollout samples; 0 = never"""
 
@@ -678,6 +681,9 @@ def main(args: Args) -> dict:
     accelerator.print(f"{args.exp_name}: {num_updates} updates of {args.total_batch_size} episodes ({num_processes} "
                       f"processes x {local_batch_size}); {hp.num_ppo_epochs} epochs x {hp.num_mini_batches} "
                       f"minibatches x {gradient_accumulation_steps} micro batches of {args.local_micro_batch_size}")
+    if state["update"] == 0 and models.snapshot_due(args, 0, num_updates):  # the starting policy, before update 1
+        models.save_policy_snapshot(accelerator, model, tokenizer, args.output_dir, 0,
+                                    {**state["budget"], "num_updates": num_updates}, args.lora_rank > 0)
     progress = tqdm(range(state["update"] + 1, num_updates + 1), initial=state["update"], total=num_updates,
                     disable=not accelerator.is_local_main_process)
     for update in progress:
@@ -734,9 +740,9 @@ def main(args: Args) -> dict:
         del data, scored, stats
         if due(args.eval_every, update, num_updates):
             records.log_evaluation(run, args, update, eval_rows())
-        if due(args.save_policy_every, update, num_updates):
-            models.save_policy(accelerator, model, tokenizer,
-                               os.path.join(args.output_dir, "snapshots", f"update_{update:06d}"), args.lora_rank > 0)
+        if models.snapshot_due(args, update, num_updates):
+            models.save_policy_snapshot(accelerator, model, tokenizer, args.output_dir, update,
+                                        {**state["budget"], "num_updates": num_updates}, args.lora_rank > 0)
         # resumable checkpoint, after this update's logging and evaluation: a resumed run starts with the next
         # update, with the RNG states as they are now (not at the final update: the model is saved)
         if due(args.run.checkpoint_every, update, num_updates):

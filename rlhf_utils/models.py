@@ -9,7 +9,8 @@
   memory      checkpointed: --gradient_checkpointing on a model that trains
   saving      save_pretrained_model (safetensors, ZeRO-3 shards gathered, a full disk named), save_policy (the PPO
               family's policy out of its wrapper), merged_policy (a LoRA policy written as the plain model it
-              computes), upload_to_hub
+              computes), upload_to_hub; save_snapshot (the policy after an update, --save_policy_every and
+              --save_policy_at, with the digest of its weights and the budget spent: weights_digest)
   ilql.py     save_ilql_model: the LM, its tokenizer, and its V, Q and target-Q heads beside them
   offline_rl.py
               push_offline_model: --push_to_hub, under its own default repository name
@@ -21,6 +22,7 @@ the saved model computes what the trained one did (merged_policy: tests/test_qlo
 
 import contextlib
 import copy
+import hashlib
 import json
 import os
 import sys
@@ -194,6 +196,54 @@ def save_policy(accelerator, model, tokenizer, path: str, lora: bool) -> None:
     policy = accelerator.unwrap_model(model).policy
     save_pretrained_model(accelerator, model, policy, tokenizer, path, prefix="policy.",
                           merge=merged_policy if lora else None)
+
+
+def save_policy_snapshot(accelerator, model, tokenizer, output_dir: str, update: int, counters: dict,
+                         lora: bool) -> None:
+    """save_snapshot of the PPO family's policy, out of its wrapper (as save_policy)."""
+    save_snapshot(accelerator, model, accelerator.unwrap_model(model).policy, tokenizer, output_dir, update, counters,
+                  prefix="policy.", merge=merged_policy if lora else None)
+
+
+def weights_digest(state_dict: dict) -> str:
+    """The sha256 of a state dict: every tensor's name, dtype, shape and bytes, in name order. The frontier's
+    evaluation (pipeline.py --mode frontier) digests each snapshot it loads and checks it against the one recorded
+    when the snapshot was saved, so a point is never evaluated on another update's weights."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def snapshot_due(args, update: int, num_updates: int) -> bool:
+    """Whether a policy snapshot is saved after `update`: a multiple of --save_policy_every (never the last update,
+    which the final model covers), or an update --save_policy_at names (0: the starting policy)."""
+    every = getattr(args, "save_policy_every", 0)
+    return update in args.save_policy_at or (every > 0 and 0 < update < num_updates and update % every == 0)
+
+
+def save_snapshot(accelerator, wrapped, model, tokenizer, output_dir: str, update: int, counters: dict,
+                  prefix: str = "", merge: Optional[Callable] = None) -> None:
+    """The policy after `update` (0: before the first) in {output_dir}/snapshots/update_N (save_pretrained_model,
+    for evaluation; not resumable), and beside it snapshot.json: the update, the budget counters spent by then
+    (`counters`) and the weights_digest of the weights as they were in memory (with LoRA: of the merged model as
+    saved)."""
+    path = os.path.join(output_dir, "snapshots", f"update_{update:06d}")
+    state = save_pretrained_model(accelerator, wrapped, model, tokenizer, path, prefix, merge)
+    if not accelerator.is_main_process:
+        return
+    if state is None:  # merged (LoRA): the digest of what was written
+        from safetensors.torch import load_file
+
+        state = {name: value for file in sorted(os.listdir(path)) if file.endswith(".safetensors")
+                 for name, value in load_file(os.path.join(path, file)).items()}
+    else:
+        state = {name[len(prefix):]: value for name, value in state.items() if name.startswith(prefix)}
+    record = {"update": update, "num_updates": counters.pop("num_updates"), "digest": weights_digest(state),
+              "budget/updates": update, **counters}
+    json.dump(record, open(os.path.join(path, "snapshot.json"), "w"), indent=1)
 
 
 def merged_policy(policy) -> torch.nn.Module:

@@ -71,6 +71,7 @@ FREE_FLAGS = frozenset({
     "eval_every", "num_eval_samples", "local_eval_batch_size", "eval_split", "eval_splits", "eval_temperature",
     "eval_test_split", "eval_betas", "dt_eval_percentiles", "dt_eval_targets", "num_table_samples",
     "num_logit_plot_samples", "num_calibration_bins", "print_sample_every", "log_every", "save_policy_every",
+    "save_policy_at",
     # where frozen models wait between uses, whether generation gathers the policy's ZeRO-3 partitions once
     # (gathered_for_generation), and whether the backward pass reruns each layer instead of keeping its activations
     # (checkpointed): the same numbers either way

@@ -107,8 +107,8 @@ NAMED_INFRASTRUCTURE = ["merged_policy", "save_policy", "load_split", "prepare_f
                         "breakdown_markdown"]
 INFRASTRUCTURE = sorted(set(NAMED_INFRASTRUCTURE) | set(package_names()))
 # The top level beside the scripts (the training scripts, found, and judge.py): the pipeline's entry points
-# (pipeline.py, ablate.py, report.py; quickstart.sh and setup.sh run them), and the folders.
-ENTRY_POINTS = {"pipeline.py", "ablate.py", "report.py"}
+# (pipeline.py, ablate.py, report.py, frontier.py; quickstart.sh and setup.sh run them), and the folders.
+ENTRY_POINTS = {"pipeline.py", "ablate.py", "report.py", "frontier.py"}
 TOP_LEVEL_FOLDERS = {"data", "tests", "tools", "docs", PACKAGE}
 
 
@@ -203,8 +203,9 @@ def test_every_module_of_the_package_says_what_it_holds_and_never_does():
 
 def test_the_top_level_holds_the_scripts_the_entry_points_and_the_folders():
     """The top level shows the design card: the training scripts, judge.py, the pipeline's entry points (pipeline.py,
-    ablate.py, report.py) as its only Python files, beside data/, tests/, tools/, docs/ and rlhf_utils/ (a package:
-    its __init__.py). The modules the package replaced (run_infra.py, user_reward.py, judge_client.py) are gone."""
+    ablate.py, report.py, frontier.py) as its only Python files, beside data/, tests/, tools/, docs/ and rlhf_utils/
+    (a package: its __init__.py). The modules the package replaced (run_infra.py, user_reward.py, judge_client.py) are
+    gone."""
     old = sorted(f"{name}.py" for name in OLD_MODULES if os.path.exists(os.path.join(REPO_ROOT, f"{name}.py")))
     assert not old, f"{old} at the top level: they live in {PACKAGE}/ now"
     python = {name for name in os.listdir(REPO_ROOT) if name.endswith(".py")}
