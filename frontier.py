@@ -343,6 +343,8 @@ def frontier_plot(frame: pd.DataFrame, seeds: list[int], methods: list[str], pat
                 label = NAMES[method] + (" (KL: bound)" if method == "best_of_n" else "")
                 ax.annotate(label, (x[-1], mean[y].iloc[-1]), xytext=(4, 0), textcoords="offset points",
                             color=colours[method], fontsize=8, va="center")
+            left, right = ax.get_xlim()
+            ax.set_xlim(left, right + 0.3 * (right - left))  # room for the names at the lines' ends
             ax.set_xlabel(x_label)
             ax.set_ylabel(y_label)
             ax.grid(alpha=0.3)
@@ -436,7 +438,7 @@ def draw_frontier(report_dir: str) -> str:
     bon = frame[frame.method == "best_of_n"].groupby("n")[["kl", "gold_win_rate", "gold_score", "proxy_score"]].mean()
     lines += ["", "### Best-of-n on the SFT policy (means over seeds)", "",
               "| n | KL bound (nats) | gold win rate | gold score | proxy score |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {n} | {_fmt(r.kl)} | {_fmt(r.gold_win_rate)} | {_fmt(r.gold_score)} | {_fmt(r.proxy_score)} |"
+    lines += [f"| {int(n)} | {_fmt(r.kl)} | {_fmt(r.gold_win_rate)} | {_fmt(r.gold_score)} | {_fmt(r.proxy_score)} |"
               for n, r in bon.iterrows()]
     lines += ["", "In one sentence: " + (
         f"more gold win rate per nat than PPO under the paired, Holm-corrected test: {'; '.join(better)}. "
