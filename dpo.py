@@ -293,13 +293,13 @@ def main(args: Args) -> dict:
     )
     policy.train()
 
-    def save_snapshot(update: int) -> None:  # the policy after `update`, with its digest and the budget spent by then
+    def snapshot(update: int) -> None:  # the policy after `update` (models.save_snapshot), with the budget spent
         models.save_snapshot(accelerator, policy, accelerator.unwrap_model(policy), tokenizer, args.output_dir, update,
                              {"budget/pairs_read": update * args.total_batch_size, "num_updates": num_updates},
                              merge=models.merged_policy if args.lora_rank > 0 else None)
 
     if start_update == 0 and models.snapshot_due(args, 0, num_updates):  # the starting policy, before update 1
-        save_snapshot(0)
+        snapshot(0)
     progress = tqdm(total=num_updates, initial=start_update, desc=args.exp_name,
                     disable=not accelerator.is_local_main_process)
     with progress:  # closed before an error's message, which stays the last line of the output
@@ -324,7 +324,7 @@ def main(args: Args) -> dict:
                 run_evaluation(update)
                 interval.restart_clock()  # evaluation time is not training throughput
             if models.snapshot_due(args, update, num_updates):
-                save_snapshot(update)
+                snapshot(update)
             # after the update's logging and evaluation, so a resumed run repeats neither
             if due(args.run.checkpoint_every, update, num_updates):
                 run.checkpoint(update, interval.state())
