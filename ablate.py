@@ -46,6 +46,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -751,44 +752,60 @@ class Ablation:
         return out
 
     def plot(self, lines_data: list[dict]) -> list[str]:
-        """One PNG per detail: a panel per metric, each seed's value for the baseline and the toggle (a thin
-        line joins the two values of a seed; a thick bar marks each arm's mean)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
+        """One PNG per detail (detail_figure), in the output folder; returns their names."""
         import matplotlib.pyplot as plt
 
         names = []
         for r in self.args.rows:
-            mine = [ln for ln in lines_data if ln["detail"] == r]
-            fig, axes = plt.subplots(1, len(mine), figsize=(3.6 * len(mine), 3.6), squeeze=False)
-            for ax, ln in zip(axes[0], mine):
-                points = {}  # side -> {seed: (x, y)}
-                for x, side, color in ((0, "baseline", "tab:blue"), (1, "toggled", "tab:orange")):
-                    pairs = [p.split("=") for p in ln[f"{side}_values"].split(";") if p]
-                    ys = [float(v) for _, v in pairs]
-                    xs = [x + 0.06 * (i - (len(ys) - 1) / 2) for i in range(len(ys))]
-                    ax.scatter(xs, ys, color=color, zorder=3)
-                    for xi, yi, (seed, _) in zip(xs, ys, pairs):
-                        ax.annotate(seed, (xi, yi), textcoords="offset points", xytext=(4, 2), fontsize=7)
-                    if ys:
-                        ax.hlines(sum(ys) / len(ys), x - 0.2, x + 0.2, color=color, lw=2)
-                    points[side] = {seed: (xi, yi) for xi, yi, (seed, _) in zip(xs, ys, pairs)}
-                for seed, (x0, y0) in points["baseline"].items():  # the same seed in both arms: a thin line
-                    if seed in points["toggled"]:
-                        x1, y1 = points["toggled"][seed]
-                        ax.plot([x0, x1], [y0, y1], color="gray", lw=0.6, alpha=0.6, zorder=1)
-                ax.set_xticks([0, 1], ["baseline", "toggled"])
-                ax.set_xlim(-0.5, 1.5)
-                ax.set_title(ln["metric"], fontsize=8)
-                ax.tick_params(labelsize=7)
-            fig.suptitle(f"Detail {r}: {ROWS[r].toggle}", fontsize=9)
-            fig.tight_layout()
+            fig = detail_figure(r, [ln for ln in lines_data if ln["detail"] == r])
             name = f"detail_{r:02d}.png"
             fig.savefig(os.path.join(self.out, name), dpi=100)
             plt.close(fig)
             names.append(name)
         return names
+
+
+def detail_figure(detail: int, lines: list[dict]):
+    """One detail's figure from its rows of ablations.csv: a panel per metric, each seed's value with the project's
+    default and with the detail changed (a marker per seed, a thin line joining a seed's two values, a thick bar at
+    each arm's mean), the arms named in words (the row's toggle) and the seeds in one legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    change, _, default = ROWS[detail].toggle.partition(" (baseline: ")
+    default = default.split(")")[0]
+    seeds = sorted({p.split("=")[0] for ln in lines for side in ("baseline", "toggled")
+                    for p in ln[f"{side}_values"].split(";") if p}, key=lambda s: (len(s), s))
+    markers = dict(zip(seeds, "osD^vP*X"))
+    fig, axes = plt.subplots(1, len(lines), figsize=(3.6 * len(lines), 3.9), squeeze=False)
+    for ax, ln in zip(axes[0], lines):
+        points = {}  # side -> {seed: (x, y)}
+        for x, side, colour in ((0, "baseline", "tab:blue"), (1, "toggled", "tab:orange")):
+            values = dict(p.split("=") for p in ln[f"{side}_values"].split(";") if p)
+            for i, seed in enumerate(seeds):
+                if seed in values:
+                    xi, yi = x + 0.08 * (i - (len(seeds) - 1) / 2), float(values[seed])
+                    ax.plot([xi], [yi], markers[seed], color=colour, ls="none", zorder=3)
+                    points.setdefault(side, {})[seed] = (xi, yi)
+            if values:
+                mean = sum(float(v) for v in values.values()) / len(values)
+                ax.hlines(mean, x - 0.22, x + 0.22, color=colour, lw=2)
+        for seed, (x0, y0) in points.get("baseline", {}).items():  # the same seed in both arms: a thin line
+            if seed in points.get("toggled", {}):
+                x1, y1 = points["toggled"][seed]
+                ax.plot([x0, x1], [y0, y1], color="gray", lw=0.6, alpha=0.6, zorder=1)
+        ax.set_xticks([0, 1], ["default:\n" + textwrap.fill(default, 22), "changed:\n" + textwrap.fill(change, 22)])
+        ax.set_xlim(-0.5, 1.5)
+        ax.set_title(textwrap.fill(ln["metric"], 44), fontsize=8)
+        ax.tick_params(labelsize=7)
+    seed_keys = [matplotlib.lines.Line2D([], [], marker=markers[seed], color="0.35", ls="none") for seed in seeds]
+    fig.legend(seed_keys, [f"seed {seed.lstrip('s')}" for seed in seeds], loc="upper right", fontsize=7,
+               ncol=len(seeds), frameon=False)
+    fig.suptitle(f"Detail {detail}: {ROWS[detail].toggle}", fontsize=9, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
 
 
 def main(args: Args) -> None:

@@ -302,7 +302,7 @@ def peak_and_last(frame: pd.DataFrame, seeds: list[int], method: str) -> dict:
 # ----------------------------------------------------------------------------------------------------------------------
 # The report: frontier_points.csv, frontier.png, frontier.md
 # ----------------------------------------------------------------------------------------------------------------------
-def frontier_frame(out: str, seeds: list[int], pipelines: list) -> pd.DataFrame:
+def frontier_frame(seeds: list[int], pipelines: list) -> pd.DataFrame:
     rows = []
     for seed, p in zip(seeds, pipelines):
         record = _load(os.path.join(p.runs, "frontier", "points.json"))
@@ -313,9 +313,48 @@ def frontier_frame(out: str, seeds: list[int], pipelines: list) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def frontier_plot(frame: pd.DataFrame, seeds: list[int], methods: list[str], path: str) -> None:
+def name_line_ends(ax, ends: list[tuple[float, float, str, str]], points: float = 8.0) -> None:
+    """Write each line's name (x, y, name, colour of its end) just right of its end, moved up or down to the nearest
+    height where it overlaps no name already written and stays inside the panel (a thin line then joins it to its
+    end), and widen the panel until every name fits in it."""
+    import matplotlib.text
+
+    figure, mine = ax.figure, []
+    for _ in range(6):
+        for text in mine:
+            text.remove()
+        figure.canvas.draw()
+        renderer, placed, mine = figure.canvas.get_renderer(), [], []
+        frame = ax.get_window_extent(renderer)
+        for x, y, name, colour in sorted(ends, key=lambda end: -end[1]):
+            for step in range(61):  # the nearest free height: 0, up one step, down one, up two, ...
+                lift = 0.6 * points * ((step + 1) // 2) * (1 if step % 2 else -1)
+                text = ax.annotate(name, (x, y), xytext=(4, lift), textcoords="offset points", color=colour,
+                                   fontsize=points, va="center",
+                                   arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.6} if lift else None)
+                text.update_positions(renderer)
+                box = matplotlib.text.Text.get_window_extent(text, renderer)  # the words, not the joining line
+                if box.y0 >= frame.y0 and box.y1 <= frame.y1 and not any(box.overlaps(b) for b in placed):
+                    break
+                text.remove()
+            else:  # no free height inside the panel: its own height, overlapping (the test of the figure says so)
+                text = ax.annotate(name, (x, y), xytext=(4, 0), textcoords="offset points", color=colour,
+                                   fontsize=points, va="center")
+                text.update_positions(renderer)
+                box = matplotlib.text.Text.get_window_extent(text, renderer)
+            placed.append(box)
+            mine.append(text)
+        over = max(b.x1 for b in placed) - frame.x1 + 4
+        if over <= 0:
+            return
+        left, right = ax.get_xlim()
+        ax.set_xlim(left, right + 1.2 * over / frame.width * (right - left))
+
+
+def frontier_plot(frame: pd.DataFrame, seeds: list[int], methods: list[str]):
     """Gold score and proxy score against KL and against sqrt(KL): one line a method (the mean over seeds at each
-    point, a band of one standard error of the seeds' spread), best-of-n as its own line at its KL bound."""
+    point, a band of one standard error of the seeds' spread), best-of-n as its own line at its KL bound, every line
+    named at its end. Returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -323,11 +362,12 @@ def frontier_plot(frame: pd.DataFrame, seeds: list[int], methods: list[str], pat
 
     colours = dict(zip([*methods, "best_of_n"], plt.get_cmap("tab10").colors))  # one colour each, none repeated
     figure, axes = plt.subplots(2, 2, figsize=(12, 9))
+    line_ends = []
     for row, (x_of, x_label) in enumerate([(lambda kl: kl, "KL(pi || pi_SFT) (nats)"),
                                            (np.sqrt, "sqrt(KL(pi || pi_SFT)) (sqrt nats)")]):
         for column, (y, y_label) in enumerate([("gold_score", "gold score (gold judge, points)"),
                                                ("proxy_score", "proxy score (reward model, logit)")]):
-            ax = axes[row][column]
+            ax, ends = axes[row][column], []
             for method in [*methods, "best_of_n"]:
                 runs = frame[frame.method == method]
                 key = "n" if method == "best_of_n" else "fraction"
@@ -336,23 +376,22 @@ def frontier_plot(frame: pd.DataFrame, seeds: list[int], methods: list[str], pat
                 x = x_of(np.clip(mean.kl.to_numpy(), 0, None))
                 order = np.argsort(x, kind="stable")
                 style = "--" if method == "best_of_n" else "-"
-                ax.plot(x, mean[y], style, marker="o", ms=3, color=colours[method])
+                ax.plot(x, mean[y], style, marker="o", ms=3, color=colours[method], label=NAMES[method])
                 if len(seeds) > 1:
                     ax.fill_between(x[order], (mean[y] - spread[y]).to_numpy()[order],
                                     (mean[y] + spread[y]).to_numpy()[order], color=colours[method], alpha=0.15)
-                label = NAMES[method] + (" (KL: bound)" if method == "best_of_n" else "")
-                ax.annotate(label, (x[-1], mean[y].iloc[-1]), xytext=(4, 0), textcoords="offset points",
-                            color=colours[method], fontsize=8, va="center")
-            left, right = ax.get_xlim()
-            ax.set_xlim(left, right + 0.3 * (right - left))  # room for the names at the lines' ends
+                ends.append((x[-1], mean[y].iloc[-1], NAMES[method] + (" (KL: bound)" if method == "best_of_n" else ""),
+                             colours[method]))
             ax.set_xlabel(x_label)
             ax.set_ylabel(y_label)
             ax.grid(alpha=0.3)
+            line_ends.append((ax, ends))
     figure.suptitle(f"Gold and proxy score against KL from SFT (seeds {', '.join(map(str, seeds))}; band: one "
                     "standard error over seeds)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    figure.tight_layout()  # the panels' places, before the names go in (name_line_ends keeps them inside)
+    for ax, ends in line_ends:
+        name_line_ends(ax, ends)
+    return figure
 
 
 def interval_cell(test: dict, holm_corrected: bool = False) -> str:
@@ -367,7 +406,7 @@ def write_frontier(out: str, seeds: list[int], pipelines: list) -> str:
     and every stage's wall time), then frontier.md and frontier.png drawn from those two alone (draw_frontier)."""
     report_dir = os.path.join(out, "report")
     os.makedirs(report_dir, exist_ok=True)
-    frontier_frame(out, seeds, pipelines).to_csv(os.path.join(report_dir, "frontier_points.csv"), index=False)
+    frontier_frame(seeds, pipelines).to_csv(os.path.join(report_dir, "frontier_points.csv"), index=False)
     cpus = sorted({_load(os.path.join(folder, "cpu.json")).get("cpu") or "not recorded"
                    for folder in [out, *(p.base for p in pipelines)]})
     walls = {stage: [_load(p.marker(stage)).get("wall_time_s") for p in pipelines] for stage in pipelines[0].stages}
@@ -383,7 +422,9 @@ def draw_frontier(report_dir: str) -> str:
     runs = json.load(open(os.path.join(report_dir, "frontier_runs.json")))
     seeds, cpus = runs["seeds"], runs["cpus"]
     methods = list(dict.fromkeys(m for m in frame.method if m not in ("sft", "best_of_n")))  # the pipeline's order
-    frontier_plot(frame, seeds, methods, os.path.join(report_dir, "frontier.png"))
+    figure = frontier_plot(frame, seeds, methods)
+    figure.savefig(os.path.join(report_dir, "frontier.png"), dpi=120)
+    sys.modules["matplotlib.pyplot"].close(figure)  # frontier_plot imported it
     matched = matched_kl_table(frame, seeds, methods)
     total = sum(w for ws in runs["wall_time_s"].values() for w in ws if w is not None)
     prompts = int(frame.prompts.iloc[0])

@@ -493,27 +493,43 @@ def saved(path: str, content, args: Args) -> None:
 
 def plot_length_controlled(bins: pd.DataFrame, path: str, unit: str) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, d in bins.groupby("label", sort=False):
+    fig = length_controlled_figure(bins, unit)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def length_controlled_figure(bins: pd.DataFrame, unit: str):
+    """Figure 8 in miniature: each policy's win rate (95% Wilson interval) per bin of log(response length /
+    reference length). Every policy its own colour and marker, named in a legend beside the panel; the verdicts
+    each point rests on are written along the panel's foot for up to 3 policies, a row each (beyond, they are in
+    length_bins.csv alone)."""
+    from rlhf_utils.records import counts_at_foot  # here: only the plot needs the records module
+
+    plt = pyplot()
+    labels = list(dict.fromkeys(bins["label"]))
+    few = len(labels) <= 3
+    fig, ax = plt.subplots(figsize=(6.4 if few else 8.4, 4.2))
+    colours, markers = plt.get_cmap("tab20").colors, "osD^v<>pP*Xh"
+    for i, (label, d) in enumerate(bins.groupby("label", sort=False)):
         d = d[d["n"] > 0]
         yerr = np.clip(np.stack([d["win_rate"] - d["ci_low"], d["ci_high"] - d["win_rate"]]), 0, None)
-        bars = ax.errorbar(d["bin_center"], d["win_rate"], yerr=yerr, marker="o", capsize=3, label=label)
-        for x_, y_, n in zip(d["bin_center"], d["win_rate"], d["n"]):  # how many verdicts each point rests on
-            ax.annotate(f"{n}", (x_, y_), textcoords="offset points", xytext=(4, 4), fontsize=6,
-                        color=bars.lines[0].get_color())
+        colour = colours[2 * i % 20 + (2 * i // 20) % 2]  # the dark shades first, then the light ones
+        ax.errorbar(d["bin_center"], d["win_rate"], yerr=yerr, marker=markers[i % len(markers)], ms=4, capsize=2,
+                    lw=1, color=colour, label=label)
+        if few:  # how many verdicts each point rests on: a row of counts a policy along the panel's foot
+            counts_at_foot(ax, d["bin_center"], d["n"], i, colour)
     ax.axhline(0.5, color="gray", lw=0.8, ls="--")
     ax.axvline(0.0, color="gray", lw=0.8, ls=":")
-    ax.set_xlabel(f"log(response length / reference length)  [{unit}]; numbers: verdicts per bin")
-    ax.set_ylabel("win rate (95% Wilson CI)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("Length-controlled win rate (Figure 8)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+    ax.set_xlabel(f"log(response length / reference length), lengths in {unit}")
+    ax.set_ylabel("win rate vs the reference (95% Wilson CI)")
+    ax.set_ylim(-0.02 - (0.1 if few else 0.0), 1.02)  # room for the counts under the lowest points
+    ax.set_title("Length-controlled win rate (Figure 8)" + ("; at the foot: verdicts per point" if few else ""))
+    if labels:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     else:  # every verdict invalid: an empty plot that says so
         ax.text(0.5, 0.5, "no valid verdicts", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def plot_bars(names: list[str], rates: list[float], lows: list[float], highs: list[float], path: str, ylabel: str,

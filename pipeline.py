@@ -1,7 +1,7 @@
 """The whole RLHF pipeline on the built-in task, in one command, ending in a results report.
 
     python pipeline.py                 # the quickstart (about 20 minutes on 2 CPU cores)
-    python pipeline.py --mode full     # adds ILQL and the four offline methods, on seeds 1 2 3
+    python pipeline.py --mode full     # adds RLOO, ILQL and the four offline methods, on seeds 1 2 3
     python pipeline.py --mode leaderboard                    # every method, seeds 1-5: one table, one plot
     python pipeline.py --mode leaderboard --extra my.py:rloo # ... with a forked script beside them
     python pipeline.py --mode ci       # every stage with minimal steps: checks every artefact is produced
@@ -25,7 +25,8 @@ the task (prep: data, tokenizer, base model) is made once and every later stage 
 `<out>/seed_<n>/`, each with its own report; `<out>/report/seeds.md` then sets the seeds side by side
 (mean and standard deviation of each policy's gold win rate, the RM accuracies). `--mode leaderboard` runs every
 method the project ships on seeds 1 2 3 4 5 with one budget and writes `<out>/report/leaderboard.md` and
-`leaderboard.png` (gold win rate against KL from SFT); `--mode ci` runs the same stages at minimal sizes.
+`leaderboard.png` (gold win rate, paired difference to PPO, KL from SFT); `--mode ci` runs the same stages at
+minimal sizes.
 `--mode frontier` trains PPO, RLOO, GRPO, online DPO and DPO at 1.5 times the leaderboard's budget on seeds 1-5,
 evaluates each at 7 points of its training and best-of-n on the SFT policy (frontier.py), and writes
 `<out>/report/frontier.md`, `frontier.png` and `frontier_points.csv`; `--mode frontier_ci` at minimal sizes.
@@ -59,10 +60,9 @@ sys.path.insert(0, REPO_ROOT)
 @dataclass
 class Args:
     mode: Literal["quickstart", "full", "leaderboard", "ci", "frontier", "frontier_ci"] = "quickstart"
-    """quickstart: the README's first command (SFT, RM, PPO, DPO); full: also RLOO, ILQL and the four offline
-    methods; leaderboard: every method the project ships (and --extra forks) on one budget, one table and one plot;
-    ci: the leaderboard's stages with minimal steps; frontier (frontier_ci: minimal steps): gold and proxy score
-    against KL along PPO, RLOO, GRPO, online DPO and DPO, and best-of-n (frontier.py)"""
+    """quickstart: SFT, RM, PPO, DPO; full: also RLOO, ILQL, the offline methods; leaderboard: every method (and
+    --extra forks) on one budget; frontier: reward against KL along 5 methods; ci, frontier_ci: those at minimal
+    steps (docs/usage.md, "The pipeline on the built-in task")"""
     out: str = "artifacts/quickstart"
     """where data, models, runs and the report go"""
     force: list[str] = field(default_factory=list)
@@ -403,21 +403,34 @@ def cpu_type() -> str:
     return f"{name}, {'with' if 'avx512f' in flags.split() else 'without'} AVX-512 (avx512f)"
 
 
+def cpu_ticks(cpus: set[int]) -> dict[int, tuple[int, int]]:
+    """/proc/stat's (busy, total) clock ticks so far of each CPU in `cpus`: total is every column of its cpuN line
+    but guest time (already in user), busy that less idle and iowait."""
+    ticks = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *columns = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                values = [int(v) for v in columns[:8]]
+                ticks[int(name[3:])] = (sum(values) - values[3] - values[4], sum(values))
+    return ticks
+
+
 def idle_cores() -> int:
-    """The cores (of those this process may use) that no other runnable thread occupies now: the median over half a
-    second of the kernel's count of running threads, less this one reading it. At least 1; all usable cores where
-    the count cannot be read (a system without /proc/stat)."""
-    cores = usable_cores()
-    counts = []
+    """The cores (of those this process may use) that no other job occupies now: over half a second, the busy share
+    of each usable CPU's clock ticks (/proc/stat), summed and rounded to whole cores, taken from the usable ones. A
+    kernel thread that wakes now and then (a few percent of a core) leaves a core idle, where a count of runnable
+    threads at one instant would call it busy. At least 1; all usable cores where the ticks cannot be read."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     try:
-        for _ in range(5):
-            with open("/proc/stat") as f:
-                counts += [int(line.split()[1]) for line in f if line.startswith("procs_running")]
-            time.sleep(0.1)
+        before = cpu_ticks(cpus)
+        time.sleep(0.5)
+        after = cpu_ticks(cpus)
     except (OSError, ValueError, IndexError):
-        return cores
-    busy = sorted(counts)[len(counts) // 2] - 1 if counts else 0
-    return max(1, cores - busy)
+        return len(cpus)
+    busy = sum((after[c][0] - before[c][0]) / (after[c][1] - before[c][1]) for c in after
+               if c in before and after[c][1] > before[c][1])
+    return max(1, len(cpus) - round(busy))
 
 
 class Pipeline:

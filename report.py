@@ -760,6 +760,76 @@ def budget(kind: str, args: dict, summary: dict) -> str:
     return ""
 
 
+def draw_leaderboard(table: pd.DataFrame, paired: pd.DataFrame, reference: str = "ppo"):
+    """leaderboard.png's figure from leaderboard.csv and leaderboard_paired.csv (so that the committed tables redraw
+    it: `python report.py <folder>`). Three panels side by side, one row a method, sorted by mean gold win rate (the
+    best on top), the methods named on the axis: the mean over seeds with its 95% t-interval and every seed's value;
+    the paired difference to `reference` (PPO) with its Holm-corrected interval and a line at 0; the KL from SFT
+    with its standard error (none drawn where the table says n/a)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = table.sort_values("mean", kind="stable").reset_index(drop=True)  # row 0 at the bottom: the best on top
+    seeds = [c for c in table.columns if c.startswith("seed_")]
+    y = np.arange(len(rows))
+    fig, (rate_ax, diff_ax, kl_ax) = plt.subplots(1, 3, figsize=(12, 1.6 + 0.34 * len(rows)), sharey=True,
+                                                  gridspec_kw={"width_ratios": [3, 2.4, 2]})
+    values = rows[seeds].to_numpy(dtype=float)
+    rate_ax.plot(values.ravel(), np.repeat(y, len(seeds)), "o", ms=3.5, color="0.6", ls="none",
+                 label=f"one seed ({len(seeds)} a method)")
+    low, high = rows.t_low.fillna(rows["mean"]), rows.t_high.fillna(rows["mean"])
+    rate_ax.errorbar(rows["mean"], y, xerr=[rows["mean"] - low, high - rows["mean"]], fmt="D", ms=5, color="C0",
+                     capsize=3, label="mean, 95% t-interval")
+    rate_ax.axvline(0.5, color="0.4", ls=":", lw=1)
+    span = [min(np.nanmin(values), low.min()), max(np.nanmax(values), high.max())]
+    margin = 0.05 * (span[1] - span[0] or 1.0)
+    rate_ax.set(yticks=y, yticklabels=rows.method, xlim=(max(0.0, span[0] - margin), min(1.0, span[1] + margin)),
+                xlabel="gold win rate vs the references (share of prompts)", title="gold win rate (dotted: 0.5)")
+
+    name = NAMES.get(reference, reference)
+    diffs = paired[paired.baseline == reference].set_index("method") if len(paired) else pd.DataFrame(
+        columns=["beats", "holm_low"])
+    tested = [(i, diffs.loc[stage]) for i, stage in enumerate(rows.stage)
+              if stage in diffs.index and not np.isnan(diffs.loc[stage, "holm_low"])]
+    for marker, colour, words, where in [("s", "C2", f"above {name}", lambda d: d.holm_low > 0),
+                                         ("o", "C1", "covers 0", lambda d: d.holm_low <= 0 <= d.holm_high),
+                                         ("^", "C3", f"below {name}", lambda d: d.holm_high < 0)]:
+        here = [(i, d) for i, d in tested if where(d)]
+        if here:
+            at, d = [i for i, _ in here], pd.DataFrame([r for _, r in here])
+            diff_ax.errorbar(d["mean"], at, xerr=[d["mean"] - d.holm_low, d.holm_high - d["mean"]], fmt=marker, ms=5,
+                             color=colour, capsize=3, ls="none", label=words)
+    diff_ax.axvline(0.0, color="0.4", lw=1)
+    for i, stage in enumerate(rows.stage):
+        if stage == reference:
+            diff_ax.annotate("the reference", (0.0, i), xytext=(4, 0), textcoords="offset points", va="center",
+                             fontsize=8, color="0.3")
+    diff_ax.set(xlabel=f"difference to {name} (Holm-corrected interval)", title=f"paired difference to {name}")
+
+    kl = rows.kl_from_sft.to_numpy(dtype=float)
+    has = ~np.isnan(kl)
+    kl_ax.errorbar(kl[has], y[has], xerr=rows.kl_from_sft_se.fillna(0.0).to_numpy(dtype=float)[has], fmt="v", ms=5,
+                   color="C4", capsize=3, ls="none")
+    for i in y[~has]:
+        kl_ax.annotate("n/a", (0.0, i), xytext=(2, 0), textcoords="offset points", va="center", fontsize=8,
+                       color="0.3")
+    top = float(np.nanmax(kl)) if has.any() else 1.0
+    kl_ax.set(xlabel="KL(pi || pi_SFT) (nats)", title="KL from SFT (temperature 1)",
+              xlim=(-0.05 * top, 1.15 * top))
+    for ax in (rate_ax, diff_ax, kl_ax):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
+        ax.grid(axis="x", alpha=0.3)
+        ax.tick_params(axis="y", length=0)
+        if ax.get_legend_handles_labels()[0]:  # below the panel, clear of the rows
+            ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.6 / fig.get_figheight()), ncol=2,
+                      frameon=False)
+    fig.suptitle(f"Every method on the built-in task: {len(rows)} methods, {len(seeds)} seeds, the test split")
+    fig.tight_layout(w_pad=2.5)
+    return fig
+
+
 def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     """`<out>/report/leaderboard.md` (+ leaderboard.csv, leaderboard_paired.csv and leaderboard.png) from every
     seed's report (results.json), run (args.json, summary.json) and stage markers. One row a method: its budget, its
@@ -767,8 +837,7 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     baselines (PPO, DPO, SFT) it beats under the paired test, the mean over seeds of its KL from SFT (with the
     standard error of that mean from the seeds' spread: kl_of_seeds), length and EOS rate, its mean wall time and
     highest peak memory. A second table: every method's per-seed difference in gold win rate to PPO, DPO and SFT
-    with a paired t-interval and Holm's correction across all those comparisons. The plot: gold win rate against KL
-    from SFT, one point a method and seed."""
+    with a paired t-interval and Holm's correction across all those comparisons. The plot: draw_leaderboard."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -920,30 +989,30 @@ def write_leaderboard(out: str, seeds: list[int], pipelines: list) -> str:
     report_dir = os.path.join(out, "report")
     os.makedirs(report_dir, exist_ok=True)
     _saved(os.path.join(report_dir, "leaderboard.csv"), pd.DataFrame(table).to_csv(index=False))
-    _saved(os.path.join(report_dir, "leaderboard_paired.csv"), pd.DataFrame([
+    paired = pd.DataFrame([
         {**{k: v for k, v in c.items() if k != "diffs"}, **{f"diff_seed_{s}": d for s, d in zip(seeds, c["diffs"])}}
-        for c in comparisons]).to_csv(index=False))
+        for c in comparisons])
+    _saved(os.path.join(report_dir, "leaderboard_paired.csv"), paired.to_csv(index=False))
 
-    fig, ax = plt.subplots(figsize=(7, 5))
-    markers, not_drawn = "osD^v<>pP*Xdh8H", []
-    for i, row in enumerate(rows):
-        points = [(r["kl"], r["win_rate"]) for r in (row["per_seed"][s] for s in seeds) if r.get("kl") is not None]
-        if not points:
-            not_drawn.append(row["method"])
-            continue
-        xs, ys = zip(*points)
-        ax.scatter(xs, ys, marker=markers[i % len(markers)], s=40, label=row["method"], alpha=0.8)
-    ax.axhline(0.5, color="gray", ls="--", lw=1)
-    ax.set(xlabel="KL(pi || pi_SFT) at temperature 1 (nats)", ylabel="gold win rate vs reference (temperature 0.01)",
-           ylim=(0, 1), title=f"Gold win rate against KL from SFT, seeds {seeds} (one point a seed)")
-    if not_drawn:
-        ax.text(0.99, 0.02, f"no KL, not drawn: {', '.join(not_drawn)}", transform=ax.transAxes, ha="right", fontsize=7)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
+    fig = draw_leaderboard(pd.DataFrame(table), paired)
     _saved(os.path.join(report_dir, "leaderboard.png"), lambda temporary: fig.savefig(temporary, dpi=100))
     plt.close(fig)
-    lines += ["", "Plot: `leaderboard.png` (gold win rate against KL from SFT, one point a method and seed); "
-              "the tables as CSV: `leaderboard.csv`, `leaderboard_paired.csv`."]
+    lines += ["", "Plot: `leaderboard.png` (every method's gold win rate over seeds, sorted; its paired difference to "
+              "PPO with the Holm-corrected interval; its KL from SFT); the tables as CSV: `leaderboard.csv`, "
+              "`leaderboard_paired.csv` (`python report.py <folder>` redraws the plot from them)."]
     text = "\n".join(lines) + "\n"
     _saved(os.path.join(report_dir, "leaderboard.md"), text)
     return text
+
+
+if __name__ == "__main__":
+    import sys
+
+    folder = sys.argv[1] if len(sys.argv) == 2 else ""
+    if not os.path.exists(os.path.join(folder, "leaderboard.csv")):
+        sys.exit("usage: python report.py <folder>: redraws leaderboard.png from the folder's leaderboard.csv and "
+                 "leaderboard_paired.csv (pipeline.py --mode leaderboard writes them in <out>/report)")
+    figure = draw_leaderboard(pd.read_csv(os.path.join(folder, "leaderboard.csv")),
+                              pd.read_csv(os.path.join(folder, "leaderboard_paired.csv")))
+    figure.savefig(os.path.join(folder, "leaderboard.png"), dpi=100)
+    print(f"wrote {os.path.join(folder, 'leaderboard.png')}")

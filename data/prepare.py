@@ -149,10 +149,9 @@ class Args:
     synthetic_num_layers: int = 4
     """synthetic task: depth of the tiny GPT-NeoX"""
     synthetic_warmup_steps: int = 600
-    """synthetic task: language-model warm-up steps (batch 16) on fresh posts that end with the author's recap,
-    so the base model is 'pretrained' (it knows the language and copies phrases) before SFT, like Pythia;
-    0 = a random-init base. Copying appears abruptly, at a seed-dependent step (the "induction head" phase
-    change): too few steps leave SFT unable to copy the post's facts (docs/results.md has the measurements)."""
+    """synthetic task: language-model warm-up steps (batch 16) on fresh posts ending in the author's recap, so the
+    base model knows the language and copies phrases before SFT, like Pythia; 0 = a random-init base
+    (docs/usage.md, "Flags in depth")"""
 
 
 # --------------------------------------------------------------------------------------------

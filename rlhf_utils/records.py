@@ -8,7 +8,9 @@ evaluation files), for the scripts that share a layout of them.
               sample_table: the samples table of a policy's truncated responses; write_evaluation: an evaluation's
               files (samples, the accuracy table); breakdown_markdown: that table as Markdown
   reward.py   save_reward_evaluation: an evaluation's files (samples, the Table 5 analogue, calibration.csv) and
-              its plots (save_reward_plots); reward_table_markdown, reward_samples_frame: its table and samples
+              its plots (save_reward_plots: calibration_figure, reward_logits_figure; counts_at_foot, which
+              judge.py's length-controlled plot shares); reward_table_markdown, reward_samples_frame: its table and
+              samples
   sft.py      write_sft_samples: an evaluation's sample tables (files, TensorBoard, W&B, the console)
   ilql.py     IlqlCounters (interval_means): the running counters a checkpoint carries and the means of a
               logging interval; write_ilql_evaluation (beta_name): an evaluation's metrics and tables per beta,
@@ -195,22 +197,56 @@ def save_reward_plots(run_dir: str, calibration: dict, logit_rows: list[dict]) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 4))
+    fig = calibration_figure(calibration)
+    fig.savefig(os.path.join(run_dir, "calibration.png"), dpi=120)
+    plt.close(fig)
+    fig = reward_logits_figure(logit_rows)
+    fig.savefig(os.path.join(run_dir, "reward_logits.png"), dpi=120)
+    plt.close(fig)
+
+
+def calibration_figure(calibration: dict):
+    """The reward model's calibration per split: the share of pairs where the raters prefer A against the score
+    difference, beside the logistic curve of perfect calibration; the pairs each point rests on written along the
+    panel's foot, a row per split in its colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
     lim = max(float(np.abs(c["mean_diff"]).max()) for c in calibration.values())
     x = np.linspace(-lim, lim, 200)
     ax.plot(x, 1 / (1 + np.exp(-x)), color="black", label="perfect calibration 1/(1+e^-d)")
-    for split_name, c in calibration.items():
-        line = ax.plot(c["mean_diff"], c["accuracy"], marker="o", label=split_name)[0]
-        for x_, y_, n in zip(c["mean_diff"], c["accuracy"], c["n"]):  # how many pairs each point rests on
-            ax.annotate(f"{n}", (x_, y_), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=6,
-                        color=line.get_color())
-    ax.set_xlabel("score difference d = r(A) - r(B)\n(numbers: pairs per point, each pair in both orders)")
-    ax.set_ylabel("fraction of pairs where raters prefer A")
-    ax.set_title("Reward model calibration (Detail 18)")
-    ax.legend(fontsize=8)
+    for i, (split_name, c) in enumerate(calibration.items()):
+        line = ax.plot(c["mean_diff"], c["accuracy"], marker="osD^v"[i % 5], ms=4, label=split_name)[0]
+        counts_at_foot(ax, c["mean_diff"], c["n"], i, line.get_color())  # how many pairs each point rests on
+    ax.set_ylim(-0.05 - 0.07 * len(calibration), 1.05)  # room at the foot for the rows of counts
+    ax.set_xlabel("score difference d = r(A) - r(B) (reward-model logits)")
+    ax.set_ylabel("share of pairs where the raters prefer A")
+    ax.set_title("Reward model calibration (Detail 18)\nat the foot: pairs per point, each pair in both orders",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "calibration.png"), dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def counts_at_foot(ax, xs, counts, row: int, colour) -> None:
+    """Write how many observations each point of a series rests on along a panel's foot, at the points' x, in row
+    `row` (0 the lowest) of one row per series, in the series' colour: counts written at the points themselves
+    cover each other where two series come close. The panel's lower y limit must leave room (9 points a row)."""
+    for x, n in zip(xs, counts):
+        ax.annotate(f"{n}", (x, 0), xycoords=("data", "axes fraction"), xytext=(0, 3 + 9 * row),
+                    textcoords="offset points", ha="center", fontsize=6, color=colour)
+
+
+def reward_logits_figure(logit_rows: list[dict]):
+    """Detail 13: the reward head's logit at every response token of a few sequences, the EOS token's (where the
+    reward is read) starred, a last token without EOS crossed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, row in enumerate(logit_rows):
@@ -224,8 +260,7 @@ def save_reward_plots(run_dir: str, calibration: dict, logit_rows: list[dict]) -
     ax.set_title("Per-token reward logits (Detail 13)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "reward_logits.png"), dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def reward_samples_frame(frame: pd.DataFrame, eos_text: str) -> pd.DataFrame:

@@ -24,6 +24,7 @@ import ast
 import contextlib
 import dataclasses
 import functools
+import glob
 import io
 import json
 import os
@@ -462,9 +463,10 @@ def flag_helps(path: str):
 
 def test_every_flags_help_takes_at_most_three_lines():
     """A flag's help says what it does and where its default comes from in at most 3 lines; the rest goes to
-    docs/usage.md, "Flags in depth" (the scripts' Args and rlhf_utils/flags.py's groups)."""
-    paths = [os.path.join(REPO_ROOT, script) for script in sharing_scripts()]
-    paths.append(os.path.join(REPO_ROOT, "rlhf_utils", "flags.py"))
+    docs/usage.md, "Flags in depth" (every Python file of the project: the scripts' Args, rlhf_utils/flags.py's
+    groups, pipeline.py, data/prepare.py and the tools)."""
+    paths = sorted(path for folder in ("", "data", "rlhf_utils", "tools")
+                   for path in glob.glob(os.path.join(REPO_ROOT, folder, "*.py")))
     long = [f"{os.path.relpath(path, REPO_ROOT)} {cls}.{name}: {lines} lines" for path in paths
             for cls, name, lines in flag_helps(path) if lines > 3]
     assert not long, "flag helps over 3 lines (move the rest to docs/usage.md, \"Flags in depth\"):\n" + "\n".join(long)

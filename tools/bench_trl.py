@@ -226,10 +226,9 @@ class Args:
     trainers: list[str] = field(default_factory=lambda: list(TRAINERS))
     """which comparisons to run: any of sft reward dpo ppo rloo grpo"""
     rows: Optional[list[int]] = None
-    """N1 N2: rows (SFT rows, preference pairs, PPO / RLOO / GRPO episodes) of the short and the long run; each a
-    multiple of the trainer's batch. One N: runs of that size only (per-step times and peak memory, no two-run rate).
-    None = per trainer: sft, reward and dpo 256 2048, ppo, rloo and grpo 128 512 (builtin); at the other shapes 16 48,
-    dpo 8 24"""
+    """N1 N2: rows (SFT rows, pairs, episodes) of the short and the long run, multiples of the trainer's batch; one
+    N: that size only (per-step times, no two-run rate). None = sft, reward, dpo 256 2048, ppo, rloo, grpo 128 512
+    (builtin); other shapes 16 48, dpo 8 24"""
     repeats: int = 3
     """runs of each (side, N); the table gives the median"""
     threads: int = 0
