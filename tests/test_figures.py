@@ -120,6 +120,7 @@ def frontier_points(seeds: int = 3) -> pd.DataFrame:
     return frame
 
 
+@pytest.mark.slow  # about 5 s: the names are placed on a drawn figure
 def test_the_frontier_figure_names_every_line_at_its_end_without_overlap():
     methods = ["ppo", "rloo", "grpo", "online_dpo", "dpo"]
     figure = frontier.frontier_plot(frontier_points(), [1, 2, 3], methods)
@@ -190,6 +191,7 @@ def test_the_reward_models_plots_read_cleanly():
     plt.close(figure)
 
 
+@pytest.mark.slow  # about 5 s: the names are placed on a drawn figure
 def test_frontier_py_redraws_the_report_and_figure_from_the_committed_files(tmp_path, monkeypatch):
     frontier_points().to_csv(tmp_path / "frontier_points.csv", index=False)
     (tmp_path / "frontier_runs.json").write_text(json.dumps({"seeds": [1, 2, 3], "cpus": ["AMD EPYC, with AVX-512"],
