@@ -386,8 +386,12 @@ def parse_extras(extras: list[str], mode: str = "leaderboard", kto: bool = False
     return out
 
 
+def usable_cpus() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return len(usable_cpus())
 
 
 def cpu_type() -> str:
@@ -421,7 +425,7 @@ def idle_cores() -> int:
     of each usable CPU's clock ticks (/proc/stat), summed and rounded to whole cores, taken from the usable ones. A
     kernel thread that wakes now and then (a few percent of a core) leaves a core idle, where a count of runnable
     threads at one instant would call it busy. At least 1; all usable cores where the ticks cannot be read."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cpus = usable_cpus()
     try:
         before = cpu_ticks(cpus)
         time.sleep(0.5)
