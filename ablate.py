@@ -705,11 +705,11 @@ class Ablation:
             "upstream's (seed 1); the seed varies the ablated stage.",
             "- **Expected** paraphrases what the paper says the detail is for; where it gives no measurement the "
             "column says so, and *(expected)* marks an expectation that follows from the mechanism rather than a "
-            "number in the paper. **Reproduced here**: *yes* when the toggle moves the metric that way, where a "
+            "number in the paper. **Reproduced here**: *yes* when the change moves the metric that way, where a "
             "difference counts when it exceeds twice its standard error across seeds (paired by seed: both arms of "
             "a seed share its data order, initial weights and first rollout), or when the baseline is the "
             "same at every seed (a deterministic quantity, such as a first ratio of exactly 1) and every seed's "
-            "toggled value lies on the same side of it; *no: no clear effect* when it does not; *(no prediction)* "
+            "changed value lies on the same side of it; *no: no clear effect* when it does not; *(no prediction)* "
             "reports the direction of a measured effect the paper does not predict.",
             f"- Detail 15: the two RMs are one training run, saved with and without the normalisation; the references' "
             f"mean reward before it is {bias:+.3f}, so the unnormalised RM scores every response {bias:+.3f} against "
@@ -721,7 +721,7 @@ class Ablation:
             f"{pipeline.TASK['sft_response_length']}), a budget the SFT policy often overruns; with the task's length "
             "every response ends in time and the trick never fires.",
             "",
-            "| detail | toggle | metric | baseline (mean ± std) | toggled (mean ± std) "
+            "| detail | change | metric | baseline (mean ± std) | changed (mean ± std) "
             "| difference (paired by seed, mean ± std) | expected | reproduced here |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
@@ -737,7 +737,7 @@ class Ablation:
                         f"{ln['difference']:+.{d}f} ± {ln['difference_std']:.{d}f} | "
                         f"{ln['paper']} | {ln['verdict']} |")
         plots = self.plot(lines_data)
-        text += ["", "Plots (every seed's value, baseline vs toggled, a line joining the two runs of a seed): "
+        text += ["", "Plots (every seed's value, baseline vs changed, a line joining the two runs of a seed): "
                  + ", ".join(f"`{p}`" for p in plots), ""]
         out = "\n".join(text)
         with open(os.path.join(self.out, "ablations.md"), "w") as f:

@@ -35,7 +35,7 @@ def test_ablate_ci_rows_2_and_7_write_table_csv_and_plots(ci_pipeline, tmp_path)
     assert first.stdout.index("] prep_token_truncation: done") < first.stdout.index("=== [sft_token_truncation_s1]")
 
     text = (out / "ablations.md").read_text()
-    for needle in ("Run time", "Machine", "CPU cores", "torch", "| detail | toggle | metric |"):
+    for needle in ("Run time", "Machine", "CPU cores", "torch", "| detail | change | metric |"):
         assert needle in text, needle
     with open(out / "ablations.csv") as f:
         rows = list(csv.DictReader(f))
