@@ -401,6 +401,14 @@ def interval_cell(test: dict, holm_corrected: bool = False) -> str:
     return f"{test['mean']:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
+def stage_walls(pipelines: list) -> dict[str, list]:
+    """Each stage's wall time per seed from its marker; a stage the seeds share (prep) has one marker, so its time
+    counts for the first seed only (None for the rest), and the report's total counts it once."""
+    markers = {stage: [p.marker(stage) for p in pipelines] for stage in pipelines[0].stages}
+    return {stage: [_load(m).get("wall_time_s") if m not in ms[:i] else None for i, m in enumerate(ms)]
+            for stage, ms in markers.items()}
+
+
 def write_frontier(out: str, seeds: list[int], pipelines: list) -> str:
     """<out>/report/: frontier_points.csv (every seed's points.json) and frontier_runs.json (the CPU types, the commit
     and every stage's wall time), then frontier.md and frontier.png drawn from those two alone (draw_frontier)."""
@@ -409,8 +417,7 @@ def write_frontier(out: str, seeds: list[int], pipelines: list) -> str:
     frontier_frame(seeds, pipelines).to_csv(os.path.join(report_dir, "frontier_points.csv"), index=False)
     cpus = sorted({_load(os.path.join(folder, "cpu.json")).get("cpu") or "not recorded"
                    for folder in [out, *(p.base for p in pipelines)]})
-    walls = {stage: [_load(p.marker(stage)).get("wall_time_s") for p in pipelines] for stage in pipelines[0].stages}
-    runs = {"made_with": made_with(provenance()), "cpus": cpus, "seeds": seeds, "wall_time_s": walls}
+    runs = {"made_with": made_with(provenance()), "cpus": cpus, "seeds": seeds, "wall_time_s": stage_walls(pipelines)}
     json.dump(runs, open(os.path.join(report_dir, "frontier_runs.json"), "w"), indent=1)
     return draw_frontier(report_dir)
 

@@ -1,6 +1,6 @@
 """The docs a reader follows: every link between them lands on a file and a heading that exist, and the README's
-leaderboard table is, cell by cell, the same rows of docs/results.md's table, which is the leaderboard run's own
-report file (docs/leaderboard/leaderboard.md, committed from the run)."""
+leaderboard and frontier tables are, cell by cell, the same rows of docs/results.md's tables, which are the runs' own
+report files (docs/leaderboard/leaderboard.md and docs/frontier/frontier.md, committed from the runs)."""
 
 import os
 import re
@@ -86,6 +86,20 @@ def test_the_readme_leaderboard_is_the_results_table_which_is_the_runs_report():
     assert set(readme_rows) == set(rows) and len(readme_rows) == len(rows) >= 17
     columns = {"gold win rate, mean over seeds [95% t-interval]": "mean [95% t-interval]",
                "beats (paired, Holm)": "beats (paired, Holm)", "KL from SFT (SE)": "KL from SFT (SE)"}
+    assert readme_header == ["method", *columns]
+    for method, cells in readme_rows.items():
+        for readme_column, column in columns.items():
+            assert cells[readme_header.index(readme_column)] == rows[method][header.index(column)], (method, column)
+
+
+def test_the_readme_frontier_is_the_results_table_which_is_the_runs_report():
+    run_header, run_rows = table(os.path.join(REPO_ROOT, "docs", "frontier", "frontier.md"), "| method | KL ")
+    header, rows = table(os.path.join(REPO_ROOT, "docs", "results.md"), "| method | KL ")
+    assert header == run_header and rows == run_rows  # results.md holds the run's matched-KL table as it was written
+    readme_header, readme_rows = table(os.path.join(REPO_ROOT, "README.md"), "| method | gold win rate at KL")
+    assert set(readme_rows) == set(rows) and len(readme_rows) == len(rows) >= 5
+    columns = {f"gold win rate at KL {level}": f"KL {level}" for level in ("0.25", "0.5", "1")}
+    columns["- PPO at KL 0.5 (Holm)"] = "- PPO at KL 0.5 (Holm)"
     assert readme_header == ["method", *columns]
     for method, cells in readme_rows.items():
         for readme_column, column in columns.items():

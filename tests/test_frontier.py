@@ -211,3 +211,21 @@ def test_frontier_ci_end_to_end(ci_pipeline, tmp_path):
         assert plain.returncode == 0, plain.stderr[-3000:]
         assert_same_safetensors(out / "models" / stage / "model.safetensors",
                                 tmp_path / f"{stage}_plain" / "model.safetensors")
+
+
+def test_a_stage_the_seeds_share_counts_its_wall_time_once(tmp_path):
+    """prep has one marker for every seed (pipeline.py's marker): the frontier's total wall time counts it once."""
+    (tmp_path / "prep.json").write_text(json.dumps({"wall_time_s": 200.0}))
+
+    class Seed:
+        stages = ["prep", "sft"]
+
+        def __init__(self, seed):
+            (tmp_path / f"sft_{seed}.json").write_text(json.dumps({"wall_time_s": 10.0 * seed}))
+            self.seed = seed
+
+        def marker(self, stage):
+            return str(tmp_path / ("prep.json" if stage == "prep" else f"sft_{self.seed}.json"))
+
+    walls = frontier.stage_walls([Seed(1), Seed(2), Seed(3)])
+    assert walls == {"prep": [200.0, None, None], "sft": [10.0, 20.0, 30.0]}
