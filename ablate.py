@@ -1,4 +1,4 @@
-"""Detail ablations on the built-in task: each implementation detail toggled on its own, several seeds,
+"""Detail ablations on the built-in task: each implementation detail changed on its own, several seeds,
 with its measured effect next to what the paper says it does (issue #11).
 
     python ablate.py --jobs 2 --threads 1 # every row, seeds 1 2 3, two runs at a time (under 2 hours on 2 CPU cores)
@@ -16,7 +16,7 @@ summary.json exists is skipped, so an interrupted ablation picks up where it sto
 
 Outputs in `<out>` (default artifacts/ablations): `ablations.md` (the table, also printed),
 `ablations.csv` (one line per detail and metric, with the per-seed values), one plot per detail
-(`detail_NN.png`: every seed's value, baseline vs toggled) and `timings.json`.
+(`detail_NN.png`: every seed's value, the default vs the detail changed) and `timings.json`.
 
 The toggled runs need no new flags: the scripts expose every detail (`python <script>.py --help`).
 Where the task's own setting would hide a detail, its row changes that setting in both arms: Detail 23 (the
@@ -647,23 +647,22 @@ class Ablation:
     def machine(self) -> str:
         import torch
 
-        cpu = platform.processor() or platform.machine()
-        if os.path.exists("/proc/cpuinfo"):
-            for text in open("/proc/cpuinfo"):
-                if text.startswith("model name"):
-                    cpu = text.split(":", 1)[1].strip()
-                    break
+        from rlhf_utils.provenance import cpu_record, cpu_type
+
         ram = ""
         if os.path.exists("/proc/meminfo"):
             kb = int(open("/proc/meminfo").readline().split()[1])
             ram = f", {kb / 2**20:.0f} GiB RAM"
         device = f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "CPU only (float32)"
         threads = os.environ.get("OMP_NUM_THREADS", "all") if not self.args.threads else str(self.args.threads)
-        return (f"{os.cpu_count()} CPU cores ({cpu}){ram}, {device}, torch {torch.__version__}, "
+        return (f"{os.cpu_count()} CPU cores ({cpu_type(cpu_record())}){ram}, {device}, torch {torch.__version__}, "
                 f"Python {platform.python_version()}, {threads} torch thread(s) per run")
 
     def write_report(self) -> str:
         import csv
+
+        from report import made_with
+        from rlhf_utils.provenance import provenance
 
         lines_data = self.collect()
         os.makedirs(self.out, exist_ok=True)
@@ -679,10 +678,13 @@ class Ablation:
         b = self.budget
         untimed = ("" if len(timed) == len(planned)
                    else f"; {len(planned) - len(timed)} of the {len(planned)} runs have no timing")
+        load = os.getloadavg()
         text = [
+            made_with(provenance()),
+            "",
             "# Detail ablations on the built-in task",
             "",
-            f"Every implementation detail below toggled on its own, seeds {' '.join(map(str, self.args.seeds))}, "
+            f"Every implementation detail below changed on its own, seeds {' '.join(map(str, self.args.seeds))}, "
             "each against the baseline with the same seed "
             f"(`python ablate.py{' --mode ci' if self.args.mode == 'ci' else ''}"
             f"{f' --jobs {self.args.jobs}' if self.args.jobs != 1 else ''}"
@@ -694,8 +696,9 @@ class Ablation:
             f"{upstream_s / 60:.1f} min for the upstream pipeline's prep, SFT and RM "
             f"(`{os.path.relpath(self.upstream, REPO_ROOT)}`, its stage times).",
             f"- **Machine**: {self.machine()}. Load average at the end: "
-            f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min; above the core count, other jobs "
-            "shared the cores and the times are upper bounds).",
+            f"{' / '.join(f'{x:.1f}' for x in load)} (1 / 5 / 15 min; "
+            + ("above the core count: other jobs shared the cores and the times are upper bounds)."
+               if max(load) > (os.cpu_count() or 1) else "at most the core count)."),
             f"- **Budgets** ({self.args.mode} mode): SFT "
             f"{' '.join(pipeline.flags_with(self.settings['sft'], b['sft']))}; "
             f"RM {' '.join(pipeline.flags_with(self.settings['rm'], b['rm']))} (row 15's unnormalised RM: the "
@@ -711,15 +714,21 @@ class Ablation:
             "same at every seed (a deterministic quantity, such as a first ratio of exactly 1) and every seed's "
             "changed value lies on the same side of it; *no: no clear effect* when it does not; *(no prediction)* "
             "reports the direction of a measured effect the paper does not predict.",
-            f"- Detail 15: the two RMs are one training run, saved with and without the normalisation; the references' "
-            f"mean reward before it is {bias:+.3f}, so the unnormalised RM scores every response {bias:+.3f} against "
-            "the normalised one." if bias is not None
-            else "- Detail 15: the normalised RM's bias is unknown (no run yet).",
-            "- Detail 7: the ratio comes from a one-update probe run (one epoch, one minibatch, micro-batches of one "
-            "episode): its mean ratio is the first minibatch's, its variance is over the episodes' mean ratios.",
-            f"- Detail 23: both arms run PPO with `--response_length {EOS_TRICK_RESPONSE_LENGTH}` (the task's: "
-            f"{pipeline.TASK['sft_response_length']}), a budget the SFT policy often overruns; with the task's length "
-            "every response ends in time and the trick never fires.",
+        ]
+        notes = {  # a note on how a row is measured, for the rows this ablation ran
+            15: (f"- Detail 15: the two RMs are one training run, saved with and without the normalisation; the "
+                 f"references' mean reward before it is {bias:+.3f}, so the unnormalised RM scores every response "
+                 f"{bias:+.3f} against the normalised one." if bias is not None
+                 else "- Detail 15: the normalised RM's bias is unknown (no run yet)."),
+            7: ("- Detail 7: the ratio comes from a one-update probe run (one epoch, one minibatch, micro-batches of "
+                "one episode): its mean ratio is the first minibatch's, its variance is over the episodes' mean "
+                "ratios."),
+            23: (f"- Detail 23: both arms run PPO with `--response_length {EOS_TRICK_RESPONSE_LENGTH}` (the task's: "
+                 f"{pipeline.TASK['sft_response_length']}), a budget the SFT policy often overruns; with the task's "
+                 "length every response ends in time and the trick never fires."),
+        }
+        text += [note for row, note in notes.items() if row in self.args.rows]
+        text += [
             "",
             "| detail | change | metric | baseline (mean ± std) | changed (mean ± std) "
             "| difference (paired by seed, mean ± std) | expected | reproduced here |",

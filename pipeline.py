@@ -43,7 +43,6 @@ import glob
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -395,16 +394,11 @@ def usable_cores() -> int:
 
 
 def cpu_type() -> str:
-    """The CPU type a seeded run's digits belong to: the model name (/proc/cpuinfo, else platform.processor()) and
-    whether its vector instructions include AVX-512 (avx512f), which changes the rounding of float sums."""
-    name, flags = platform.processor() or platform.machine() or "unknown CPU", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in f if ":" in line)}
-        name, flags = info.get("model name", name), info.get("flags", "")  # the last processor's: all are alike
-    except OSError:
-        pass
-    return f"{name}, {'with' if 'avx512f' in flags.split() else 'without'} AVX-512 (avx512f)"
+    """The CPU type a seeded run's digits belong to: the model name, family and model numbers, and whether its vector
+    instructions include AVX-512 (rlhf_utils/provenance.py's cpu_type, the words every report's header uses)."""
+    from rlhf_utils import provenance
+
+    return provenance.cpu_type(provenance.cpu_record())
 
 
 def cpu_ticks(cpus: set[int]) -> dict[int, tuple[int, int]]:

@@ -2,11 +2,12 @@
 
   provenance        the versions of the packages a run imports (torch, transformers, accelerate, deepspeed,
                     datasets, peft, tyro, trl; those installed), the Python version, the CPU (cpu_record: its model
-                    name and whether it has AVX-512, avx512f, which changes the rounding of float sums) and the
-                    project's git commit (git_commit), marked when the tree held uncommitted changes ("unknown"
-                    without git or outside a checkout). Run.start writes it to the run folder (provenance.json)
-                    and each checkpoint's manifest; report.py puts it in every report's header
+                    name, family and model numbers, and whether it has AVX-512, avx512f, which changes the rounding
+                    of float sums) and the project's git commit (git_commit), marked when the tree held uncommitted
+                    changes ("unknown" without git or outside a checkout). Run.start writes it to the run folder
+                    (provenance.json) and each checkpoint's manifest; report.py puts it in every report's header
   provenance_line   the same in one line, for a report's header
+  cpu_type          the CPU type in words, which pipeline.py records per seed (a seed finishes on one type only)
   provenance_differences
                     what differs between two of them, for the one line a --resume on other versions prints
 
@@ -27,13 +28,24 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ch
 
 
 def cpu_record() -> dict:
-    """The CPU's model name (/proc/cpuinfo, else platform.processor()) and whether it has AVX-512 (avx512f)."""
-    name, flags = platform.processor() or platform.machine() or "unknown", ""
+    """The CPU's model name (/proc/cpuinfo, else platform.processor()), its family and model numbers (None where
+    /proc/cpuinfo is absent) and whether it has AVX-512 (avx512f). The numbers tell generations apart that share a
+    model name: two "AMD EPYC" machines with AVX-512 gave the quickstart different seeded digits (docs/results.md)."""
+    name, flags, family, number = platform.processor() or platform.machine() or "unknown", "", None, None
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             info = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in f if ":" in line)}
         name, flags = info.get("model name", name), info.get("flags", "")  # (the last processor's: all are alike)
-    return {"model": name, "avx512f": "avx512f" in flags.split()}
+        family, number = info.get("cpu family"), info.get("model")
+    return {"model": name, "family": family, "model_number": number, "avx512f": "avx512f" in flags.split()}
+
+
+def cpu_type(chip: dict) -> str:
+    """A cpu_record in words: `AMD EPYC (family 25, model 17), with AVX-512 (avx512f)`; a record without the numbers
+    (none in /proc/cpuinfo, or written before they were recorded) leaves the parentheses out."""
+    numbers = f" (family {chip['family']}, model {chip['model_number']})" if chip.get("family") is not None else ""
+    return (f"{chip.get('model', 'unknown')}{numbers}, {'with' if chip.get('avx512f') else 'without'} AVX-512 "
+            "(avx512f)")
 
 
 def git_commit(root: str = CHECKOUT) -> str:
@@ -60,11 +72,9 @@ def provenance() -> dict:
 
 
 def provenance_line(record: dict) -> str:
-    """A provenance record in one line: `torch 2.13.0, ..., Python 3.11.9, CPU <model> (AVX-512), commit <sha>`."""
+    """A provenance record in one line: `torch 2.13.0, ..., Python 3.11.9, CPU <cpu_type>, commit <sha>`."""
     packages = ", ".join(f"{name} {version}" for name, version in record.get("packages", {}).items())
-    chip = record.get("cpu", {})
-    vector = "with AVX-512" if chip.get("avx512f") else "without AVX-512"
-    return (f"{packages}, Python {record.get('python', 'unknown')}, CPU {chip.get('model', 'unknown')} ({vector}), "
+    return (f"{packages}, Python {record.get('python', 'unknown')}, CPU {cpu_type(record.get('cpu', {}))}, "
             f"commit {record.get('commit', 'unknown')}")
 
 
@@ -73,6 +83,8 @@ def provenance_differences(then: dict, now: dict) -> list:
     def flat(record: dict) -> dict:
         chip = record.get("cpu", {})
         return {**record.get("packages", {}), "Python": record.get("python"), "CPU": chip.get("model"),
+                "CPU family": chip.get("family", "not recorded"),  # (a record from before the numbers were kept)
+                "CPU model number": chip.get("model_number", "not recorded"),
                 "AVX-512": chip.get("avx512f"), "commit": record.get("commit")}
 
     before, after = flat(then), flat(now)

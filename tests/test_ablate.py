@@ -35,8 +35,10 @@ def test_ablate_ci_rows_2_and_7_write_table_csv_and_plots(ci_pipeline, tmp_path)
     assert first.stdout.index("] prep_token_truncation: done") < first.stdout.index("=== [sft_token_truncation_s1]")
 
     text = (out / "ablations.md").read_text()
-    for needle in ("Run time", "Machine", "CPU cores", "torch", "| detail | change | metric |"):
+    for needle in ("Run time", "Machine", "CPU cores", "torch", "| detail | change | metric |", "- Detail 7: "):
         assert needle in text, needle
+    assert text.startswith("Made with torch ") and "toggled" not in text
+    assert "- Detail 15: " not in text and "- Detail 23: " not in text  # the notes of rows not run are left out
     with open(out / "ablations.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["detail"], r["metric"]) for r in rows] == [

@@ -1,9 +1,9 @@
 """What produced a run or a report (issue 64, item 5: rlhf_utils/provenance.py), and which run a --resume without
 --run_name continues (item 6). A run folder's provenance.json and every checkpoint's manifest record the package
-versions, Python, the CPU (model name, AVX-512) and the commit, marked when the tree held uncommitted changes; a
-report's first line says the same; a resume on other versions says so in one line and goes on. --resume without
---run_name continues the one run of the experiment and seed that has a checkpoint, never the newest by modification
-time: several are listed and refused."""
+versions, Python, the CPU (model name, family and model numbers, AVX-512) and the commit, marked when the tree held
+uncommitted changes; a report's first line says the same; a resume on other versions says so in one line and goes
+on. --resume without --run_name continues the one run of the experiment and seed that has a checkpoint, never the
+newest by modification time: several are listed and refused."""
 
 import importlib.metadata
 import json
@@ -17,7 +17,7 @@ from accelerate import Accelerator
 
 import report
 from rlhf_utils.checks import RunError
-from rlhf_utils.provenance import git_commit, provenance, provenance_line
+from rlhf_utils.provenance import cpu_type, git_commit, provenance, provenance_differences, provenance_line
 from rlhf_utils.run import Run
 from test_leaderboard_stats import SEEDS, fake_pipelines
 from test_run_infra import RunArgs, run_args, step
@@ -37,11 +37,31 @@ def test_the_record_holds_the_versions_python_cpu_and_commit():
         lines = open("/proc/cpuinfo").read().splitlines()
         names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
         flags = [line.split(":", 1)[1].split() for line in lines if line.startswith("flags")]
-        assert record["cpu"] == {"model": names[-1], "avx512f": "avx512f" in flags[-1]}
+        families = [line.split(":", 1)[1].strip() for line in lines if line.startswith("cpu family")]
+        numbers = [line.split(":", 1)[1].strip() for line in lines if line.split(":")[0].strip() == "model"]
+        assert record["cpu"] == {"model": names[-1], "family": families[-1], "model_number": numbers[-1],
+                                 "avx512f": "avx512f" in flags[-1]}
     line = provenance_line(record)
     assert line.startswith(f"torch {record['packages']['torch']}, ") and f"Python {record['python']}" in line
     assert ("with AVX-512" if record["cpu"]["avx512f"] else "without AVX-512") in line
     assert line.endswith(f"commit {record['commit']}") and "\n" not in line
+
+
+def test_two_generations_of_one_model_name_are_two_cpu_types():
+    """Two "AMD EPYC" machines with AVX-512 gave the quickstart different seeded digits: their family and model
+    numbers tell them apart in the words pipeline.py records per seed, in the report's header and in a resume's note.
+    A record without the numbers (no /proc/cpuinfo) reads as the model name and AVX-512 alone."""
+    zen4 = {"model": "AMD EPYC", "family": "25", "model_number": "17", "avx512f": True}
+    other = {**zen4, "family": "26", "model_number": "2"}
+    assert cpu_type(zen4) == "AMD EPYC (family 25, model 17), with AVX-512 (avx512f)"
+    assert cpu_type(other) != cpu_type(zen4)
+    assert cpu_type({"model": "AMD EPYC", "avx512f": False}) == "AMD EPYC, without AVX-512 (avx512f)"
+    assert "CPU AMD EPYC (family 26, model 2), with AVX-512 (avx512f), commit c" in provenance_line(
+        {"packages": {}, "cpu": other, "commit": "c"})
+    assert provenance_differences({"cpu": zen4}, {"cpu": other}) == ["CPU family 25 -> 26", "CPU model number 17 -> 2"]
+    before = {"model": "AMD EPYC", "avx512f": True}  # a run folder's record from before the numbers were kept
+    assert provenance_differences({"cpu": before}, {"cpu": zen4}) == ["CPU family not recorded -> 25",
+                                                                      "CPU model number not recorded -> 17"]
 
 
 def test_the_commit_is_marked_when_the_tree_has_uncommitted_changes_and_unknown_without_git(tmp_path, monkeypatch):
