@@ -695,10 +695,11 @@ class Ablation:
             f"ablation runs (sum of their wall times{untimed}; first start to last finish {span / 60:.1f} min) and "
             f"{upstream_s / 60:.1f} min for the upstream pipeline's prep, SFT and RM "
             f"(`{os.path.relpath(self.upstream, REPO_ROOT)}`, its stage times).",
-            f"- **Machine**: {self.machine()}. Load average at the end: "
-            f"{' / '.join(f'{x:.1f}' for x in load)} (1 / 5 / 15 min; "
-            + ("above the core count: other jobs shared the cores and the times are upper bounds)."
-               if max(load) > (os.cpu_count() or 1) else "at most the core count)."),
+            f"- **Machine**: {self.machine()}. "
+            + ("Load average: not read (--report_only writes the report after the runs)." if self.args.report_only
+               else f"Load average at the end: {' / '.join(f'{x:.1f}' for x in load)} (1 / 5 / 15 min; "
+               + ("above the core count: other jobs shared the cores and the times are upper bounds)."
+                  if max(load) > (os.cpu_count() or 1) else "at most the core count).")),
             f"- **Budgets** ({self.args.mode} mode): SFT "
             f"{' '.join(pipeline.flags_with(self.settings['sft'], b['sft']))}; "
             f"RM {' '.join(pipeline.flags_with(self.settings['rm'], b['rm']))} (row 15's unnormalised RM: the "
