@@ -43,7 +43,8 @@ def cpu_record() -> dict:
 def cpu_type(chip: dict) -> str:
     """A cpu_record in words: `AMD EPYC (family 25, model 17), with AVX-512 (avx512f)`; a record without the numbers
     (none in /proc/cpuinfo, or written before they were recorded) leaves the parentheses out."""
-    numbers = f" (family {chip['family']}, model {chip['model_number']})" if chip.get("family") is not None else ""
+    numbers = (f" (family {chip['family']}, model {chip.get('model_number', 'not recorded')})"
+               if chip.get("family") is not None else "")
     return (f"{chip.get('model', 'unknown')}{numbers}, {'with' if chip.get('avx512f') else 'without'} AVX-512 "
             "(avx512f)")
 
